@@ -1,0 +1,21 @@
+//! kvlink moves a KV cache between the context and generation engines of disaggregated LLM
+//! serving, with every wait bounded and every request ending in exactly one typed outcome.
+//!
+//! The picture, from the wire up:
+//! - [`proto`]: the sans-IO protocol core. Request identity (64-bit id + generation), the
+//!   versioned wire codec, the request state machine, cross-rank cancel agreement, buffer pool
+//!   accounting. Time is an argument; no I/O, no threads, no `unsafe`.
+//! - [`transport`]: moving bytes. `transport::ucx` is the only module with `unsafe` and the only
+//!   one that calls UCX: an agent (worker + progress thread sleeping on the worker's event fd),
+//!   endpoints with explicit failed state, tag-matched transfers whose completion is the data's
+//!   arrival.
+//! - [`memory`]: host and CUDA regions (address, length, kind), never dereferenced.
+//! - [`connection`]: blocking `send` / `recv` / `wait_for_notification` over proto + transport.
+//! - `bridge`: the only file that knows cxx; declarations and one-line forwarders behind one
+//!   panic boundary.
+pub mod error;
+pub mod proto;
+
+mod bridge;
+
+pub use error::{Error, ErrorKind, Outcome, Result};
