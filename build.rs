@@ -34,7 +34,9 @@ fn main() {
     for path in &ucx.include_paths {
         builder = builder.clang_arg(format!("-I{}", path.display()));
     }
-    let bindings = builder.generate().expect("bindgen failed on <ucp/api/ucp.h>");
+    let bindings = builder
+        .generate()
+        .expect("bindgen failed on <ucp/api/ucp.h>");
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("ucx_bindings.rs");
     bindings.write_to_file(out).expect("writing UCX bindings");
 }

@@ -39,6 +39,25 @@ impl ErrorKind {
     pub fn code(self) -> u8 {
         self as u8
     }
+    pub fn from_code(code: u8) -> Option<ErrorKind> {
+        use ErrorKind::*;
+        [
+            InvalidArgument,
+            UnknownPeer,
+            PeerLost,
+            Transport,
+            Cuda,
+            Shutdown,
+            Protocol,
+            OutOfBounds,
+            Accounting,
+            StaleGeneration,
+            Panic,
+            Internal,
+        ]
+        .into_iter()
+        .find(|k| k.code() == code)
+    }
     pub fn name(self) -> &'static str {
         match self {
             ErrorKind::InvalidArgument => "InvalidArgument",
@@ -65,7 +84,10 @@ pub struct Error {
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into() }
+        Error {
+            kind,
+            message: message.into(),
+        }
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidArgument, message)

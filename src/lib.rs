@@ -13,9 +13,11 @@
 //! - [`connection`]: blocking `send` / `recv` / `wait_for_notification` over proto + transport.
 //! - `bridge`: the only file that knows cxx; declarations and one-line forwarders behind one
 //!   panic boundary.
+pub mod config;
 pub mod error;
 pub mod proto;
 
+mod boundary;
 mod bridge;
 
 pub use error::{Error, ErrorKind, Outcome, Result};
