@@ -1,0 +1,77 @@
+# The cargo build as one always-run custom target, and the `kvlink::kvlink` target on top of it.
+#
+# Why a custom target and not Corrosion: Corrosion is not packaged for Debian and its download step
+# cannot run offline. One always-run target is enough: cargo does its own up-to-date checks (a
+# no-op build costs about a second), and BYPRODUCTS tells Ninja and Make which file it produces so
+# that everything linking the library is relinked after it changes.
+#
+# Inputs (cache variables):
+#   KVLINK_CARGO             the cargo executable (found on PATH or in ~/.cargo/bin)
+#   KVLINK_CARGO_TARGET_DIR  cargo's --target-dir; defaults to <build>/cargo. Point it at the
+#                            repository's `target/` to share artifacts with plain `cargo test`
+#                            (scripts/test-all.sh does, so CI compiles the crate once).
+#   KVLINK_CARGO_FLAGS       extra arguments for `cargo build` (e.g. --features x)
+# Profile: Release, RelWithDebInfo, MinSizeRel -> cargo `release`; Debug or no build type -> `dev`.
+# Works with multi-config generators too (the choice is a generator expression).
+
+find_program(KVLINK_CARGO cargo
+  HINTS "$ENV{CARGO_HOME}/bin" "$ENV{HOME}/.cargo/bin"
+  DOC "cargo executable used to build the kvlink Rust library")
+if(NOT KVLINK_CARGO)
+  message(FATAL_ERROR "kvlink: cargo not found. Install Rust (scripts/install-deps.sh does) "
+                      "or set -DKVLINK_CARGO=/path/to/cargo.")
+endif()
+
+set(KVLINK_CARGO_TARGET_DIR "${CMAKE_CURRENT_BINARY_DIR}/cargo" CACHE PATH
+    "cargo --target-dir for the kvlink build")
+set(KVLINK_CARGO_FLAGS "" CACHE STRING "Extra arguments for cargo build (a ;-list)")
+
+set(_kvlink_is_release "$<CONFIG:Release,RelWithDebInfo,MinSizeRel>")
+set(_kvlink_profile "$<IF:${_kvlink_is_release},release,dev>")
+set(_kvlink_profile_dir "$<IF:${_kvlink_is_release},release,debug>")
+set(KVLINK_STATIC_LIBRARY
+    "${KVLINK_CARGO_TARGET_DIR}/${_kvlink_profile_dir}/${CMAKE_STATIC_LIBRARY_PREFIX}kvlink${CMAKE_STATIC_LIBRARY_SUFFIX}")
+
+# COMMENT cannot hold generator expressions before CMake 3.26: name the profile at configure time
+# where it is known (single-config generators).
+if(CMAKE_CONFIGURATION_TYPES)
+  set(_kvlink_profile_note "per configuration")
+elseif(CMAKE_BUILD_TYPE MATCHES "^(Release|RelWithDebInfo|MinSizeRel)$")
+  set(_kvlink_profile_note "release")
+else()
+  set(_kvlink_profile_note "dev")
+endif()
+
+# --locked: Cargo.lock is committed and must not change during a build. Nothing here runs at
+# configure time; cargo reads crates from its local registry cache and only reaches the network
+# when a locked crate has never been downloaded on this machine.
+add_custom_target(kvlink_cargo
+  COMMAND "${KVLINK_CARGO}" build --locked --lib
+          --profile "${_kvlink_profile}"
+          --manifest-path "${PROJECT_SOURCE_DIR}/Cargo.toml"
+          --target-dir "${KVLINK_CARGO_TARGET_DIR}"
+          ${KVLINK_CARGO_FLAGS}
+  BYPRODUCTS "${KVLINK_STATIC_LIBRARY}"
+  WORKING_DIRECTORY "${PROJECT_SOURCE_DIR}"
+  COMMENT "cargo build kvlink (profile ${_kvlink_profile_note})"
+  USES_TERMINAL
+  COMMAND_EXPAND_LISTS
+  VERBATIM)
+
+# System libraries the Rust static library needs at final link. UCX via pkg-config (ucp uct ucs
+# ucm); pthread, dl, m and rt are what Rust's std and UCX use.
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(KVLINK_UCX REQUIRED IMPORTED_TARGET ucx>=1.12)
+set(THREADS_PREFER_PTHREAD_FLAG ON)
+find_package(Threads REQUIRED)
+
+# An INTERFACE library rather than an IMPORTED one: its link item can be a generator expression
+# (the per-config .a path) and add_dependencies on it is followed by everything that links it.
+add_library(kvlink INTERFACE)
+add_library(kvlink::kvlink ALIAS kvlink)
+target_include_directories(kvlink INTERFACE "$<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>")
+target_compile_features(kvlink INTERFACE cxx_std_17)
+target_link_libraries(kvlink INTERFACE
+  "$<BUILD_INTERFACE:${KVLINK_STATIC_LIBRARY}>"
+  PkgConfig::KVLINK_UCX Threads::Threads ${CMAKE_DL_LIBS} m rt)
+add_dependencies(kvlink kvlink_cargo)
