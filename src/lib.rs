@@ -16,6 +16,7 @@
 pub mod config;
 pub mod error;
 pub mod proto;
+pub mod transport;
 
 mod boundary;
 mod bridge;

@@ -1,0 +1,186 @@
+//! A transport-level peer process for the two-process tests and benchmarks.
+//!
+//! `kvlink-peer recv --transport tcp|sm --sizes 4096,1048576 --timeout-ms 5000`
+//!   Listens (tcp: 127.0.0.1:0; sm: prints its worker address), prints `ADDR <kind> <addr>`,
+//!   waits for the sender's hello, posts one tagged receive per size, tells the sender to go,
+//!   waits for each receive with the deadline, verifies every byte, and prints one
+//!   `RESULT <size> <outcome> <elapsed_ms> <verified>` line per transfer and a final
+//!   `CPU <user+sys ms of this process while waiting> <wall ms waiting>` line.
+//! `kvlink-peer send --transport tcp|sm --to <addr> --sizes ... [--mode normal|suppress|loop]`
+//!   Connects, says hello, waits for go, sends each size with the agreed tags. `suppress` is the
+//!   fault hook: it never sends the data (the receiver must time out); `loop` keeps sending the
+//!   last size until killed.
+use kvlink::transport::{Agent, AgentOptions, Event, TransportKind};
+use kvlink::Outcome;
+use std::time::{Duration, Instant};
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+fn pattern(size: usize, i: usize) -> Vec<u8> {
+    (0..size)
+        .map(|j| ((j as u64).wrapping_mul(2654435761) >> 7) as u8 ^ (i as u8))
+        .collect()
+}
+
+fn cpu_ms() -> f64 {
+    // SAFETY: getrusage writes into the zeroed struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 * 1e3 + tv.tv_usec as f64 / 1e3;
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+const TAG_BASE: u64 = 0x5EED_0000_0000_0000;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let role = args.get(1).cloned().unwrap_or_default();
+    let transport =
+        TransportKind::parse(&arg(&args, "--transport").unwrap_or("tcp".into())).unwrap();
+    let sizes: Vec<usize> = arg(&args, "--sizes")
+        .unwrap_or("4096".into())
+        .split(',')
+        .map(|s| s.parse().expect("size"))
+        .collect();
+    let timeout =
+        Duration::from_millis(arg(&args, "--timeout-ms").map_or(10_000, |s| s.parse().unwrap()));
+    match role.as_str() {
+        "recv" => recv(transport, &sizes, timeout),
+        "send" => send(
+            transport,
+            &arg(&args, "--to").expect("--to"),
+            &sizes,
+            &arg(&args, "--mode").unwrap_or("normal".into()),
+        ),
+        _ => {
+            eprintln!("usage: kvlink-peer recv|send ...");
+            std::process::exit(2)
+        }
+    }
+}
+
+fn recv(transport: TransportKind, sizes: &[usize], timeout: Duration) {
+    let mut opts = AgentOptions::new("peer-recv", transport);
+    if transport == TransportKind::Tcp {
+        opts.listen = Some("127.0.0.1:0".parse().unwrap());
+    }
+    let agent = Agent::new(opts).expect("agent");
+    match transport {
+        TransportKind::Tcp => println!("ADDR tcp {}", agent.listen_address().unwrap()),
+        TransportKind::SharedMemory => println!("ADDR sm {}", hex(agent.worker_address())),
+    }
+    // Wait for the hello (a control message carrying the sender's worker address).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let peer = loop {
+        match agent.next_event(deadline, None) {
+            Some(Event::Control(p, _)) => break p,
+            Some(Event::Unbound { uid, bytes }) => {
+                break agent.connect_worker_as(uid, &bytes).expect("connect back")
+            }
+            Some(_) => continue,
+            None => panic!("no hello from the sender"),
+        }
+    };
+    let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&s| vec![0u8; s]).collect();
+    let mut ops = Vec::new();
+    for (i, b) in bufs.iter_mut().enumerate() {
+        // SAFETY: each buffer lives until its op has ended (waited below, before `bufs` drops).
+        ops.push(
+            unsafe { agent.post_recv(peer, TAG_BASE + i as u64, b.as_mut_ptr(), b.len()) }
+                .expect("post_recv"),
+        );
+    }
+    let mut go = agent.send_control(peer, b"go".to_vec()).expect("go");
+    assert_eq!(
+        go.wait(Instant::now() + Duration::from_secs(10), None)
+            .unwrap(),
+        Outcome::Completed
+    );
+    println!("POSTED {}", sizes.len());
+    let cpu0 = cpu_ms();
+    let t0 = Instant::now();
+    let deadline = t0 + timeout;
+    for (i, op) in ops.iter_mut().enumerate() {
+        let outcome = op.wait(deadline, None);
+        let elapsed = t0.elapsed().as_secs_f64() * 1e3;
+        let verified = matches!(outcome, Ok(Outcome::Completed)) && bufs[i] == pattern(sizes[i], i);
+        let o = match outcome {
+            Ok(o) => format!("{o:?}"),
+            Err(e) => format!("Error:{:?}", e.kind),
+        };
+        println!("RESULT {} {} {:.1} {}", sizes[i], o, elapsed, verified);
+    }
+    let wall = t0.elapsed().as_secs_f64() * 1e3;
+    println!("CPU {:.2} {:.1}", cpu_ms() - cpu0, wall);
+    let s = agent.stats();
+    println!(
+        "STATS in_flight={} unreaped={} wakeups={} empty={} backoffs={}",
+        s.in_flight, s.unreaped, s.wakeups, s.empty_wakeups, s.backoffs
+    );
+}
+
+fn send(transport: TransportKind, to: &str, sizes: &[usize], mode: &str) {
+    let agent = Agent::new(AgentOptions::new("peer-send", transport)).expect("agent");
+    let peer = match transport {
+        TransportKind::Tcp => agent
+            .connect(to.parse().expect("ip:port"))
+            .expect("connect"),
+        TransportKind::SharedMemory => agent.connect_worker(&unhex(to)).expect("connect"),
+    };
+    let mut hello = agent
+        .send_control(peer, agent.worker_address().to_vec())
+        .expect("hello");
+    assert_eq!(
+        hello
+            .wait(Instant::now() + Duration::from_secs(10), None)
+            .unwrap(),
+        Outcome::Completed
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match agent.next_event(deadline, None) {
+            Some(Event::Control(_, b)) if b == b"go" => break,
+            Some(_) => continue,
+            None => panic!("no go from the receiver"),
+        }
+    }
+    println!("GO");
+    if mode == "suppress" {
+        // The fault hook: the data (and with it the completion) never comes.
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+    let bufs: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| pattern(s, i))
+        .collect();
+    loop {
+        for (i, b) in bufs.iter().enumerate() {
+            // SAFETY: `b` outlives the op, which is waited right here.
+            let mut op = unsafe { agent.post_send(peer, TAG_BASE + i as u64, b.as_ptr(), b.len()) }
+                .expect("post_send");
+            let o = op.wait(Instant::now() + Duration::from_secs(30), None);
+            println!("SENT {} {:?}", b.len(), o);
+        }
+        if mode != "loop" {
+            break;
+        }
+    }
+    // Let the receiver finish before tearing the endpoint down.
+    let _ = agent.next_event(Instant::now() + Duration::from_secs(2), None);
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect()
+}
