@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Runs every check kvlink has, in one go, and prints a summary. Exits non-zero if any fails.
+#   install-deps, cargo fmt --check, cargo clippy (all targets, -D warnings), cargo test,
+#   CMake configure + build (Ninja) + ctest, header drift check.
+# Rust is compiled once: CMake's cargo step uses the same target dir and profile (dev) as
+# `cargo test`, so it only links. Later steps still run after a failure, so one run shows all
+# problems; a step whose prerequisite failed is reported as skipped.
+#
+# Environment: CARGO_TARGET_DIR (default <repo>/target), KVLINK_BUILD_DIR (default
+# <repo>/build-ci), KVLINK_SKIP_DEPS=1 to skip the package check.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
+build_dir="${KVLINK_BUILD_DIR:-$root/build-ci}"
+jobs="$(nproc 2>/dev/null || echo 2)"
+
+bash "$root/scripts/install-deps.sh"
+export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
+
+names=() results=() times=()
+failed=0
+declare -A ok=()
+
+# step NAME [requires=PREV_NAME] -- COMMAND...
+step() {
+    local name="$1"; shift
+    local requires=""
+    if [[ "$1" == requires=* ]]; then requires="${1#requires=}"; shift; fi
+    [[ "$1" == "--" ]] && shift
+    names+=("$name")
+    if [[ -n "$requires" && "${ok[$requires]:-0}" != 1 ]]; then
+        results+=("SKIP (needs $requires)"); times+=("-"); failed=1
+        return 0
+    fi
+    echo
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    if "$@"; then
+        results+=("ok"); ok[$name]=1
+    else
+        results+=("FAIL"); failed=1
+    fi
+    times+=("$((SECONDS - t0))s")
+}
+
+step fmt -- cargo fmt --all -- --check
+step clippy -- cargo clippy --locked --all-targets -- -D warnings
+step cargo-test -- cargo test --locked
+step cmake-configure -- cmake -S "$root" -B "$build_dir" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
+    -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR"
+step cmake-build requires=cmake-configure -- cmake --build "$build_dir" -j "$jobs"
+step ctest requires=cmake-build -- ctest --test-dir "$build_dir" --output-on-failure -j "$jobs"
+step header-drift -- bash "$root/scripts/check-header-drift.sh"
+
+echo
+echo "=== summary"
+for i in "${!names[@]}"; do
+    printf '  %-16s %-24s %s\n' "${names[$i]}" "${results[$i]}" "${times[$i]}"
+done
+if [[ $failed -ne 0 ]]; then
+    echo "test-all: FAILED"
+    exit 1
+fi
+echo "test-all: all checks passed"
