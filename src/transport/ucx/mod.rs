@@ -137,12 +137,17 @@ const STOP_TIMEOUT: u8 = 1;
 const STOP_CANCEL: u8 = 2;
 const STOP_PEER: u8 = 3;
 const STOP_SHUTDOWN: u8 = 4;
+/// The sending peer gave up on this transfer and asked us to drain it.
+const STOP_REMOTE_CANCEL: u8 = 5;
 
 /// The completion slot of one in-flight operation, shared by the waiter and the progress thread.
 struct OpSlot {
     id: u64,
     peer: PeerId,
     expected_len: usize,
+    /// The UCX tag, and whether this is a send (a send's cancel asks the peer to drain it).
+    tag: u64,
+    send: bool,
     started: Instant,
     state: Mutex<Option<(sys::ucs_status_t, usize)>>,
     cv: Condvar,
@@ -204,8 +209,9 @@ impl Op {
         drop(st);
         self.stop(stop);
         let (status, len) = self.slot.state.lock().unwrap_or((sys::UCS_ERR_CANCELED, 0));
-        // A completion that raced with the stop still counts if it succeeded.
-        if status == sys::UCS_OK && self.quiesced {
+        // A receive that completed in the race with the stop has all its data: it counts. A send
+        // that completed after we asked the peer to drain it may have been discarded: it does not.
+        if status == sys::UCS_OK && self.quiesced && !self.slot.send {
             return self.finish(status, len);
         }
         self.finished = true;
@@ -269,7 +275,7 @@ impl Op {
             return Ok(Outcome::Completed);
         }
         match self.slot.stop_reason.load(Ordering::Acquire) {
-            STOP_CANCEL => return Ok(Outcome::Cancelled),
+            STOP_CANCEL | STOP_REMOTE_CANCEL => return Ok(Outcome::Cancelled),
             STOP_TIMEOUT => return Ok(Outcome::TimedOut),
             STOP_PEER => return Ok(Outcome::PeerLost),
             STOP_SHUTDOWN => return Err(Error::new(ErrorKind::Shutdown, "agent shut down")),
@@ -398,6 +404,8 @@ struct Shared {
     epoch: Instant,
     reap_grace: Duration,
     uid: u64,
+    /// `uid` as little-endian bytes: the header of every control message we send.
+    uid_le: [u8; 8],
 }
 
 impl Shared {
@@ -441,6 +449,7 @@ impl Agent {
         if wake_fd < 0 {
             return Err(Error::new(ErrorKind::Transport, "eventfd failed"));
         }
+        let uid = fresh_uid();
         let shared = Arc::new(Shared {
             cmds: Mutex::new(VecDeque::new()),
             wake_fd,
@@ -453,7 +462,8 @@ impl Agent {
             stats: AtomicStats::default(),
             epoch: Instant::now(),
             reap_grace: opts.reap_grace,
-            uid: fresh_uid(),
+            uid,
+            uid_le: uid.to_le_bytes(),
         });
         let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
@@ -545,12 +555,14 @@ impl Agent {
         }
     }
 
-    fn new_slot(&self, peer: PeerId, expected_len: usize) -> Arc<OpSlot> {
+    fn new_slot(&self, peer: PeerId, expected_len: usize, tag: u64, send: bool) -> Arc<OpSlot> {
         let id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(OpSlot {
             id,
             peer,
             expected_len,
+            tag,
+            send,
             started: Instant::now(),
             state: Mutex::new(None),
             cv: Condvar::new(),
@@ -591,7 +603,7 @@ impl Agent {
     ) -> Result<Op> {
         check_buffer(addr as usize, len)?;
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, len);
+        let slot = self.new_slot(peer, len, tag, true);
         let op = self.op(slot.clone());
         self.shared.submit(Cmd::Send {
             peer,
@@ -618,7 +630,7 @@ impl Agent {
     ) -> Result<Op> {
         check_buffer(addr as usize, len)?;
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, len);
+        let slot = self.new_slot(peer, len, tag, false);
         let op = self.op(slot.clone());
         self.shared.submit(Cmd::Recv {
             peer,
@@ -638,7 +650,7 @@ impl Agent {
             )));
         }
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, bytes.len());
+        let slot = self.new_slot(peer, bytes.len(), 0, false);
         let op = self.op(slot.clone());
         self.shared.submit(Cmd::Control { peer, bytes, slot })?;
         Ok(op)
@@ -730,6 +742,10 @@ impl Drop for Agent {
 /// The largest control message: control messages are small and always sent eagerly.
 pub const MAX_CONTROL: usize = 1 << 20;
 const AM_CONTROL_ID: u32 = 7;
+/// Internal: "I gave up on my send with this tag; drain it" (8-byte tag).
+const AM_DRAIN_ID: u32 = 8;
+/// How long a drain receive waits for the abandoned message before it is cancelled.
+const DRAIN_TTL: Duration = Duration::from_secs(60);
 
 fn check_buffer(addr: usize, len: usize) -> Result<()> {
     if addr == 0 {
@@ -755,6 +771,7 @@ fn check_buffer(addr: usize, len: usize) -> Result<()> {
 enum CbEvent {
     ConnRequest(sys::ucp_conn_request_h),
     EpError(u64, sys::ucs_status_t),
+    Drain(sys::ucp_ep_h, u64, u64),
     Control(sys::ucp_ep_h, u64, Vec<u8>),
 }
 
@@ -780,6 +797,8 @@ struct Progress {
     ep_to_peer: HashMap<usize, u64>,
     uid_to_peer: HashMap<u64, u64>,
     next_peer: u64,
+    drains: Vec<Arc<OpSlot>>,
+    scratch: Box<[u8; 8]>,
     shared: Arc<Shared>,
 }
 
@@ -878,6 +897,8 @@ impl Progress {
                 ep_to_peer: HashMap::new(),
                 uid_to_peer: HashMap::new(),
                 next_peer: 1,
+                drains: Vec::new(),
+                scratch: Box::new([0; 8]),
                 shared,
             };
             // From here on, `p.teardown()` releases what exists.
@@ -920,6 +941,15 @@ impl Progress {
             ..Default::default()
         };
         let st = sys::ucp_worker_set_am_recv_handler(self.worker, &am);
+        if st != sys::UCS_OK {
+            return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
+        }
+        let drain = sys::ucp_am_handler_param_t {
+            id: AM_DRAIN_ID,
+            cb: Some(am_drain_cb),
+            ..am
+        };
+        let st = sys::ucp_worker_set_am_recv_handler(self.worker, &drain);
         if st != sys::UCS_OK {
             return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
         }
@@ -990,6 +1020,9 @@ impl Progress {
             }
             if did.0 {
                 empty_streak = 0;
+            }
+            if !self.drains.is_empty() {
+                self.expire_drains();
             }
             // SAFETY: as above.
             let st = unsafe { sys::ucp_worker_arm(self.worker) };
@@ -1087,8 +1120,102 @@ impl Progress {
                 // SAFETY: req is a live request of our worker: the completion callback clears
                 // `slot.request` (on this thread) before freeing it.
                 unsafe { sys::ucp_request_cancel(self.worker, req) };
+                if slot.send {
+                    // UCX cannot cancel a rendezvous send on its own: ask the receiver to drain
+                    // the tag, which completes our send without the data being kept.
+                    self.send_drain(slot.peer, slot.tag);
+                }
             }
         }
+    }
+
+    fn send_drain(&mut self, peer: PeerId, tag: u64) {
+        let Ok(ep) = self.ep_of(peer) else { return };
+        let msg = Box::new(tag.to_le_bytes());
+        let header = self.shared.uid_le.as_ptr() as *const c_void;
+        let mut param = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS
+                | sys::UCP_OP_ATTR_FIELD_CALLBACK
+                | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+            flags: sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY,
+            ..Default::default()
+        };
+        param.cb.send = Some(drain_sent_cb);
+        let data = msg.as_ptr() as *const c_void;
+        param.user_data = Box::into_raw(msg) as *mut c_void;
+        // SAFETY: the 8-byte message lives in the box until drain_sent_cb (or the code below)
+        // frees it; the header lives in `shared`.
+        let ptr = unsafe { sys::ucp_am_send_nbx(ep, AM_DRAIN_ID, header, 8, data, 8, &param) };
+        if !sys::ptr_is_ptr(ptr) {
+            // SAFETY: the callback will not run; reclaim the box.
+            drop(unsafe { Box::from_raw(param.user_data as *mut [u8; 8]) });
+        }
+    }
+
+    /// The sender of `tag` gave up: cancel our receive for it, then post a 1-byte receive that
+    /// swallows the abandoned message (UCX completes a too-large message as truncated, and the
+    /// sender's request completes) so it neither waits forever nor sits in the unexpected queue.
+    fn drain(&mut self, peer: u64, tag: u64) {
+        let slots: Vec<Arc<OpSlot>> = self
+            .shared
+            .in_flight
+            .lock()
+            .values()
+            .filter_map(Weak::upgrade)
+            .filter(|s| s.peer.0 == peer && !s.send && s.tag == tag)
+            .collect();
+        for s in &slots {
+            let _ = s.stop_reason.compare_exchange(
+                STOP_NONE,
+                STOP_REMOTE_CANCEL,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            let req = s.request.load(Ordering::Acquire);
+            if !req.is_null() {
+                // SAFETY: live request of this worker.
+                unsafe { sys::ucp_request_cancel(self.worker, req) };
+            }
+        }
+        let slot = Arc::new(OpSlot {
+            id: 0,
+            peer: PeerId(peer),
+            expected_len: 1,
+            tag,
+            send: false,
+            started: Instant::now(),
+            state: Mutex::new(None),
+            cv: Condvar::new(),
+            request: AtomicPtr::new(std::ptr::null_mut()),
+            stop_reason: AtomicU8::new(STOP_NONE),
+        });
+        let mut param = Self::request_param(&slot);
+        param.cb.recv = Some(recv_cb);
+        let scratch = self.scratch.as_mut_ptr() as *mut c_void;
+        // SAFETY: the scratch bytes live as long as the worker; only truncated (discarded)
+        // messages ever target them.
+        let ptr = unsafe { sys::ucp_tag_recv_nbx(self.worker, scratch, 1, tag, u64::MAX, &param) };
+        self.track(&slot, ptr);
+        self.drains.push(slot);
+    }
+
+    /// Cancels drain receives whose abandoned message never came.
+    fn expire_drains(&mut self) {
+        let now = Instant::now();
+        let worker = self.worker;
+        self.drains.retain(|s| {
+            if s.state.lock().is_some() {
+                return false;
+            }
+            if now.duration_since(s.started) > DRAIN_TTL {
+                let req = s.request.load(Ordering::Acquire);
+                if !req.is_null() {
+                    // SAFETY: live request of this worker.
+                    unsafe { sys::ucp_request_cancel(worker, req) };
+                }
+            }
+            true
+        });
     }
 
     fn connect(&mut self, target: Target<'_>) -> Result<PeerId> {
@@ -1243,7 +1370,7 @@ impl Progress {
         param.cb.send = Some(control_send_cb);
         let (data, len) = (ctx.bytes.as_ptr(), ctx.bytes.len());
         param.user_data = Box::into_raw(ctx) as *mut c_void;
-        let header = &self.shared.uid as *const u64 as *const c_void;
+        let header = self.shared.uid_le.as_ptr() as *const c_void;
         // SAFETY: `data` lives in the box until control_send_cb frees it (or below on error);
         // the 8-byte header (our uid) lives in `shared` for the agent's life.
         let ptr = unsafe {
@@ -1281,6 +1408,16 @@ impl Progress {
                     Err(e) => tracing::warn!("accepting a connection failed: {e}"),
                 },
                 CbEvent::EpError(peer, status) => self.fail_peer(peer, status, false),
+                CbEvent::Drain(ep, uid, tag) => {
+                    let peer = self
+                        .uid_to_peer
+                        .get(&uid)
+                        .copied()
+                        .or_else(|| self.ep_to_peer.get(&(ep as usize)).copied());
+                    if let Some(peer) = peer {
+                        self.drain(peer, tag);
+                    }
+                }
                 CbEvent::Control(ep, uid, bytes) => {
                     let peer = self.uid_to_peer.get(&uid).copied().or_else(|| {
                         let p = self.ep_to_peer.get(&(ep as usize)).copied()?;
@@ -1443,6 +1580,10 @@ impl Shared {
 }
 
 fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_status_t, len: usize) {
+    if slot.id == 0 {
+        // An internal drain receive: not user work, not counted.
+        return slot.complete(status, len);
+    }
     if status == sys::UCS_OK {
         shared.stats.ops_completed.fetch_add(1, Ordering::Relaxed);
         shared
@@ -1522,6 +1663,40 @@ unsafe extern "C" fn control_send_cb(
     sys::ucp_request_free(request);
     let len = ctx.bytes.len();
     with_shared(|sh| finish_slot(sh, &ctx.slot, status, len));
+}
+
+unsafe extern "C" fn drain_sent_cb(
+    request: *mut c_void,
+    _status: sys::ucs_status_t,
+    user_data: *mut c_void,
+) {
+    drop(Box::from_raw(user_data as *mut [u8; 8]));
+    sys::ucp_request_free(request);
+}
+
+unsafe extern "C" fn am_drain_cb(
+    _arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    if header_length != 8 || length != 8 || data.is_null() {
+        return sys::UCS_OK;
+    }
+    let uid = u64::from_le_bytes(
+        std::slice::from_raw_parts(header as *const u8, 8)
+            .try_into()
+            .unwrap(),
+    );
+    let tag = u64::from_le_bytes(
+        std::slice::from_raw_parts(data as *const u8, 8)
+            .try_into()
+            .unwrap(),
+    );
+    push_cb(CbEvent::Drain((*param).reply_ep, uid, tag));
+    sys::UCS_OK
 }
 
 unsafe extern "C" fn ep_err_cb(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {

@@ -1,0 +1,502 @@
+//! The versioned wire codec for every control message.
+//!
+//! # Frame layout (all integers little-endian, fixed width)
+//! ```text
+//! offset size field
+//!      0    4 magic      b"KVLK"
+//!      4    2 version    1
+//!      6    1 type       1 Hello, 2 Advertise, 3 Ready, 4 Notify, 5 Vote, 6 Verdict, 7 Quiesced
+//!      7    1 flags      0 (any other value is rejected)
+//!      8    4 body_len   exact number of body bytes that follow, <= MAX_BODY
+//!     12    . body
+//! ```
+//! Bodies (`key` = request u64, generation u32):
+//! ```text
+//! Hello     rank u32, name_len u16, name (UTF-8, 1..=MAX_NAME bytes)
+//! Advertise key, src_rank u32, info_len u32, info (<= MAX_INFO), count u16 (1..=MAX_BUFFERS),
+//!           count x BufferDesc { kind u8, segment u32, addr u64, len u64, device_id i32,
+//!                                token u64 }                                      (33 bytes)
+//! Ready     key, ready u8 (0 | 1)
+//! Notify    key, payload_len u32, payload (<= MAX_PAYLOAD)
+//! Vote      key, outcome u8 (error::Outcome numbering)
+//! Verdict   key, outcome u8
+//! Quiesced  key
+//! ```
+//! Decoding never panics and never allocates more than the bytes actually present: every length
+//! is checked against both its hard cap and the remaining input before anything is reserved. A
+//! frame must be consumed exactly; trailing bytes are an error. Encoding applies the same limits,
+//! so kvlink never emits a frame it would refuse.
+use std::fmt;
+
+use super::id::{Generation, RankId, RequestId, RequestKey, Token};
+use crate::error::{Error, ErrorKind, Outcome};
+
+pub const MAGIC: [u8; 4] = *b"KVLK";
+pub const VERSION: u16 = 1;
+pub const HEADER_LEN: usize = 12;
+/// Largest body accepted.
+pub const MAX_BODY: usize = 2 << 20;
+/// Largest agent name in `Hello`.
+pub const MAX_NAME: usize = 256;
+/// Largest opaque TensorRT-LLM request info in `Advertise`.
+pub const MAX_INFO: usize = 1 << 20;
+/// Most buffer descriptors in one `Advertise`.
+pub const MAX_BUFFERS: usize = 1024;
+/// Largest `Notify` payload.
+pub const MAX_PAYLOAD: usize = 64 << 10;
+const DESC_LEN: usize = 33;
+
+/// What kind of cache a buffer holds (TensorRT-LLM's buffer kinds).
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufferKind {
+    Kv = 0,
+    KvIndexer = 1,
+    Rnn = 2,
+}
+
+impl BufferKind {
+    pub fn from_u8(v: u8) -> Option<BufferKind> {
+        match v {
+            0 => Some(BufferKind::Kv),
+            1 => Some(BufferKind::KvIndexer),
+            2 => Some(BufferKind::Rnn),
+            _ => None,
+        }
+    }
+}
+
+/// One receive buffer a generation rank advertises. `token` is the tag of the posted receive
+/// that will take this segment's data (see [`super::id`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BufferDesc {
+    pub kind: BufferKind,
+    pub segment: u32,
+    pub addr: u64,
+    pub len: u64,
+    /// CUDA device ordinal, or -1 for host memory.
+    pub device_id: i32,
+    pub token: Token,
+}
+
+impl BufferDesc {
+    /// The checks the decoder applies to every descriptor.
+    pub fn validate(&self) -> Result<(), WireReason> {
+        if self.len == 0 {
+            return Err(WireReason::ZeroLength);
+        }
+        if self.addr.checked_add(self.len).is_none() {
+            return Err(WireReason::AddressOverflow);
+        }
+        if self.device_id < -1 {
+            return Err(WireReason::BadDeviceId);
+        }
+        Ok(())
+    }
+}
+
+/// Every control message kvlink sends.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// First message on a connection: who is speaking.
+    Hello { agent_name: String, rank: RankId },
+    /// Generation side -> context side: the request and the receive buffers for it.
+    Advertise {
+        key: RequestKey,
+        src_rank: RankId,
+        request_info: Vec<u8>,
+        buffers: Vec<BufferDesc>,
+    },
+    /// Context side -> generation side: accept (`true`) or reject before any data moves.
+    Ready { key: RequestKey, ready: bool },
+    /// A generic ordered notification for the request.
+    Notify { key: RequestKey, payload: Vec<u8> },
+    /// A rank's local result for the request (receiver -> coordinator, sender -> its receiver).
+    Vote { key: RequestKey, outcome: Outcome },
+    /// The agreed result (coordinator -> receivers, receiver -> its senders).
+    Verdict { key: RequestKey, outcome: Outcome },
+    /// Sender -> receiver: the verdict is known here and every send of this request to you has
+    /// finished or been aborted; nothing more will be sent for this key.
+    Quiesced { key: RequestKey },
+}
+
+impl Message {
+    /// The request a message is about (`None` for `Hello`).
+    pub fn key(&self) -> Option<RequestKey> {
+        match self {
+            Message::Hello { .. } => None,
+            Message::Advertise { key, .. }
+            | Message::Ready { key, .. }
+            | Message::Notify { key, .. }
+            | Message::Vote { key, .. }
+            | Message::Verdict { key, .. }
+            | Message::Quiesced { key } => Some(*key),
+        }
+    }
+
+    fn type_code(&self) -> u8 {
+        match self {
+            Message::Hello { .. } => 1,
+            Message::Advertise { .. } => 2,
+            Message::Ready { .. } => 3,
+            Message::Notify { .. } => 4,
+            Message::Vote { .. } => 5,
+            Message::Verdict { .. } => 6,
+            Message::Quiesced { .. } => 7,
+        }
+    }
+
+    /// Encodes one frame onto `out`. Fails (and leaves `out` unchanged) when a field breaks a
+    /// limit the decoder enforces.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), WireError> {
+        let mut body = Vec::new();
+        let bad = |reason| WireError { reason, offset: 0 };
+        match self {
+            Message::Hello { agent_name, rank } => {
+                if agent_name.is_empty() || agent_name.len() > MAX_NAME {
+                    return Err(bad(WireReason::TooLarge));
+                }
+                body.extend_from_slice(&rank.0.to_le_bytes());
+                body.extend_from_slice(&(agent_name.len() as u16).to_le_bytes());
+                body.extend_from_slice(agent_name.as_bytes());
+            }
+            Message::Advertise {
+                key,
+                src_rank,
+                request_info,
+                buffers,
+            } => {
+                if request_info.len() > MAX_INFO || buffers.len() > MAX_BUFFERS {
+                    return Err(bad(WireReason::TooLarge));
+                }
+                if buffers.is_empty() {
+                    return Err(bad(WireReason::NoBuffers));
+                }
+                check_descs(buffers).map_err(bad)?;
+                put_key(&mut body, key);
+                body.extend_from_slice(&src_rank.0.to_le_bytes());
+                body.extend_from_slice(&(request_info.len() as u32).to_le_bytes());
+                body.extend_from_slice(request_info);
+                body.extend_from_slice(&(buffers.len() as u16).to_le_bytes());
+                for d in buffers {
+                    body.push(d.kind as u8);
+                    body.extend_from_slice(&d.segment.to_le_bytes());
+                    body.extend_from_slice(&d.addr.to_le_bytes());
+                    body.extend_from_slice(&d.len.to_le_bytes());
+                    body.extend_from_slice(&d.device_id.to_le_bytes());
+                    body.extend_from_slice(&d.token.0.to_le_bytes());
+                }
+            }
+            Message::Ready { key, ready } => {
+                put_key(&mut body, key);
+                body.push(*ready as u8);
+            }
+            Message::Notify { key, payload } => {
+                if payload.len() > MAX_PAYLOAD {
+                    return Err(bad(WireReason::TooLarge));
+                }
+                put_key(&mut body, key);
+                body.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+                body.extend_from_slice(payload);
+            }
+            Message::Vote { key, outcome } | Message::Verdict { key, outcome } => {
+                put_key(&mut body, key);
+                body.push(*outcome as u8);
+            }
+            Message::Quiesced { key } => put_key(&mut body, key),
+        }
+        out.reserve(HEADER_LEN + body.len());
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.push(self.type_code());
+        out.push(0);
+        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+        Ok(())
+    }
+
+    /// Encodes one frame into a fresh vector.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, WireError> {
+        let mut out = Vec::new();
+        self.encode(&mut out)?;
+        Ok(out)
+    }
+
+    /// Decodes exactly one frame; `bytes` must hold that frame and nothing else.
+    pub fn decode(bytes: &[u8]) -> Result<Message, WireError> {
+        let total = match frame_len(bytes)? {
+            Some(n) => n,
+            None => return Err(WireError::at(WireReason::Truncated, bytes.len())),
+        };
+        if bytes.len() < total {
+            return Err(WireError::at(WireReason::Truncated, bytes.len()));
+        }
+        if bytes.len() > total {
+            return Err(WireError::at(WireReason::TrailingBytes, total));
+        }
+        let mut r = Reader {
+            buf: bytes,
+            pos: HEADER_LEN,
+        };
+        let msg = match bytes[6] {
+            1 => {
+                let rank = RankId(r.u32()?);
+                let len = r.u16()? as usize;
+                if len == 0 || len > MAX_NAME {
+                    return Err(r.err(WireReason::TooLarge));
+                }
+                let at = r.pos;
+                let raw = r.take(len)?;
+                let agent_name = std::str::from_utf8(raw)
+                    .map_err(|_| WireError::at(WireReason::BadUtf8, at))?
+                    .to_owned();
+                Message::Hello { agent_name, rank }
+            }
+            2 => {
+                let key = r.key()?;
+                let src_rank = RankId(r.u32()?);
+                let info_len = r.u32()? as usize;
+                if info_len > MAX_INFO {
+                    return Err(r.err(WireReason::TooLarge));
+                }
+                let request_info = r.take(info_len)?.to_vec();
+                let count = r.u16()? as usize;
+                if count == 0 {
+                    return Err(r.err(WireReason::NoBuffers));
+                }
+                if count > MAX_BUFFERS {
+                    return Err(r.err(WireReason::TooLarge));
+                }
+                if count * DESC_LEN > r.remaining() {
+                    return Err(r.err(WireReason::Truncated));
+                }
+                let mut buffers = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let at = r.pos;
+                    let kind_raw = r.u8()?;
+                    let kind = BufferKind::from_u8(kind_raw)
+                        .ok_or(WireError::at(WireReason::BadBufferKind, at))?;
+                    let d = BufferDesc {
+                        kind,
+                        segment: r.u32()?,
+                        addr: r.u64()?,
+                        len: r.u64()?,
+                        device_id: r.u32()? as i32,
+                        token: Token(r.u64()?),
+                    };
+                    d.validate().map_err(|reason| WireError::at(reason, at))?;
+                    buffers.push(d);
+                }
+                check_descs(&buffers).map_err(|reason| r.err(reason))?;
+                Message::Advertise {
+                    key,
+                    src_rank,
+                    request_info,
+                    buffers,
+                }
+            }
+            3 => {
+                let key = r.key()?;
+                let at = r.pos;
+                let ready = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(WireError::at(WireReason::BadBool, at)),
+                };
+                Message::Ready { key, ready }
+            }
+            4 => {
+                let key = r.key()?;
+                let len = r.u32()? as usize;
+                if len > MAX_PAYLOAD {
+                    return Err(r.err(WireReason::TooLarge));
+                }
+                let payload = r.take(len)?.to_vec();
+                Message::Notify { key, payload }
+            }
+            t @ (5 | 6) => {
+                let key = r.key()?;
+                let at = r.pos;
+                let outcome =
+                    outcome_from_u8(r.u8()?).ok_or(WireError::at(WireReason::BadOutcome, at))?;
+                if t == 5 {
+                    Message::Vote { key, outcome }
+                } else {
+                    Message::Verdict { key, outcome }
+                }
+            }
+            7 => Message::Quiesced { key: r.key()? },
+            _ => unreachable_type(),
+        };
+        if r.remaining() != 0 {
+            return Err(r.err(WireReason::TrailingBytes));
+        }
+        Ok(msg)
+    }
+}
+
+// `frame_len` has already rejected unknown types; keep the decoder total anyway.
+fn unreachable_type() -> Message {
+    Message::Quiesced {
+        key: RequestKey::new(0, 0),
+    }
+}
+
+/// Length of the frame that starts at `prefix[0]`, once its header is present: `Ok(None)` while
+/// fewer than [`HEADER_LEN`] bytes are available. Validates the whole header, so a stream reader
+/// never waits for (or allocates) a body whose header is already bad.
+pub fn frame_len(prefix: &[u8]) -> Result<Option<usize>, WireError> {
+    if prefix.len() < HEADER_LEN {
+        // Reject a bad magic as early as its bytes are present.
+        let n = prefix.len().min(4);
+        if prefix[..n] != MAGIC[..n] {
+            return Err(WireError::at(WireReason::BadMagic, 0));
+        }
+        return Ok(None);
+    }
+    if prefix[..4] != MAGIC {
+        return Err(WireError::at(WireReason::BadMagic, 0));
+    }
+    let version = u16::from_le_bytes([prefix[4], prefix[5]]);
+    if version != VERSION {
+        return Err(WireError::at(WireReason::UnsupportedVersion(version), 4));
+    }
+    if !(1..=7).contains(&prefix[6]) {
+        return Err(WireError::at(WireReason::UnknownType(prefix[6]), 6));
+    }
+    if prefix[7] != 0 {
+        return Err(WireError::at(WireReason::BadFlags, 7));
+    }
+    let body = u32::from_le_bytes([prefix[8], prefix[9], prefix[10], prefix[11]]) as usize;
+    if body > MAX_BODY {
+        return Err(WireError::at(WireReason::TooLarge, 8));
+    }
+    Ok(Some(HEADER_LEN + body))
+}
+
+fn check_descs(buffers: &[BufferDesc]) -> Result<(), WireReason> {
+    for (i, d) in buffers.iter().enumerate() {
+        d.validate()?;
+        if buffers[..i].iter().any(|e| e.segment == d.segment) {
+            return Err(WireReason::DuplicateSegment);
+        }
+        if buffers[..i].iter().any(|e| e.token == d.token) {
+            return Err(WireReason::DuplicateToken);
+        }
+    }
+    Ok(())
+}
+
+fn put_key(out: &mut Vec<u8>, key: &RequestKey) {
+    out.extend_from_slice(&key.request.0.to_le_bytes());
+    out.extend_from_slice(&key.generation.0.to_le_bytes());
+}
+
+pub(crate) fn outcome_from_u8(v: u8) -> Option<Outcome> {
+    match v {
+        0 => Some(Outcome::Completed),
+        1 => Some(Outcome::TimedOut),
+        2 => Some(Outcome::Cancelled),
+        3 => Some(Outcome::PeerLost),
+        4 => Some(Outcome::Rejected),
+        _ => None,
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+    fn err(&self, reason: WireReason) -> WireError {
+        WireError::at(reason, self.pos)
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        if n > self.remaining() {
+            return Err(self.err(WireReason::Truncated));
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn key(&mut self) -> Result<RequestKey, WireError> {
+        Ok(RequestKey {
+            request: RequestId(self.u64()?),
+            generation: Generation(self.u32()?),
+        })
+    }
+}
+
+/// Why a frame was refused. Every variant maps to [`ErrorKind::Protocol`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WireReason {
+    Truncated,
+    BadMagic,
+    UnsupportedVersion(u16),
+    UnknownType(u8),
+    BadFlags,
+    /// A length or count beyond its hard cap.
+    TooLarge,
+    TrailingBytes,
+    BadUtf8,
+    BadBool,
+    BadOutcome,
+    BadBufferKind,
+    BadDeviceId,
+    ZeroLength,
+    AddressOverflow,
+    NoBuffers,
+    DuplicateSegment,
+    DuplicateToken,
+}
+
+/// A refused frame: the reason and the byte offset where decoding stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WireError {
+    pub reason: WireReason,
+    pub offset: usize,
+}
+
+impl WireError {
+    fn at(reason: WireReason, offset: usize) -> Self {
+        WireError { reason, offset }
+    }
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::Protocol
+    }
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "bad frame: {:?} at byte {}", self.reason, self.offset)
+    }
+}
+
+impl std::error::Error for WireError {}
+
+impl From<WireError> for Error {
+    fn from(e: WireError) -> Error {
+        Error::new(ErrorKind::Protocol, e.to_string())
+    }
+}
