@@ -7,8 +7,8 @@
 
 int main() {
   const std::string version = kvlink::version();
-  if (version != KVLINK_PACKAGE_VERSION) {
-    std::cerr << "library version " << version << " != package version " << KVLINK_PACKAGE_VERSION << "\n";
+  if (version != KVLINK_EXPECTED_VERSION) {
+    std::cerr << "library version " << version << " != expected version " << KVLINK_EXPECTED_VERSION << "\n";
     return 1;
   }
   if (kvlink::check_listen_address("127.0.0.1:7000") != "127.0.0.1:7000") {

@@ -1,10 +1,15 @@
-# Driver for the ctest test kvlink.consumer.find_package_after_install (run with cmake -P):
+# Driver for the consumer ctest tests (run with cmake -P). MODE=install (default):
 #   1. cmake --install the current kvlink build into a fresh temporary prefix;
 #   2. configure the consumer project against that prefix only (find_package(kvlink CONFIG));
 #   3. build it and run its executable.
-# Inputs: KVLINK_BINARY_DIR CONFIG CONSUMER_SOURCE_DIR WORK_DIR GENERATOR MAKE_PROGRAM
-#         CXX_COMPILER EXPECTED_VERSION
-foreach(v KVLINK_BINARY_DIR CONSUMER_SOURCE_DIR WORK_DIR GENERATOR)
+# MODE=subdirectory: the consumer does add_subdirectory(KVLINK_SOURCE_DIR) instead of 1-2,
+# sharing CARGO_TARGET_DIR with the current build so cargo has nothing to recompile.
+# Inputs: MODE KVLINK_BINARY_DIR KVLINK_SOURCE_DIR CARGO_TARGET_DIR CONFIG CONSUMER_SOURCE_DIR
+#         WORK_DIR GENERATOR MAKE_PROGRAM CXX_COMPILER EXPECTED_VERSION
+if(NOT MODE)
+  set(MODE install)
+endif()
+foreach(v CONSUMER_SOURCE_DIR WORK_DIR GENERATOR)
   if(NOT DEFINED ${v} OR "${${v}}" STREQUAL "")
     message(FATAL_ERROR "run_consumer.cmake: -D${v}=... is required")
   endif()
@@ -26,11 +31,20 @@ set(config_args "")
 if(CONFIG)
   set(config_args --config "${CONFIG}")
 endif()
-run_step(install "${CMAKE_COMMAND}" --install "${KVLINK_BINARY_DIR}" --prefix "${prefix}" ${config_args})
-
 set(configure_args -S "${CONSUMER_SOURCE_DIR}" -B "${build}" -G "${GENERATOR}"
-    "-DCMAKE_PREFIX_PATH=${prefix}"
-    -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF)
+    "-DKVLINK_EXPECTED_VERSION=${EXPECTED_VERSION}")
+if(MODE STREQUAL "install")
+  run_step(install "${CMAKE_COMMAND}" --install "${KVLINK_BINARY_DIR}" --prefix "${prefix}" ${config_args})
+  list(APPEND configure_args "-DCMAKE_PREFIX_PATH=${prefix}"
+       -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF)
+elseif(MODE STREQUAL "subdirectory")
+  list(APPEND configure_args "-DKVLINK_SOURCE_DIR=${KVLINK_SOURCE_DIR}")
+  if(CARGO_TARGET_DIR)
+    list(APPEND configure_args "-DKVLINK_CARGO_TARGET_DIR=${CARGO_TARGET_DIR}")
+  endif()
+else()
+  message(FATAL_ERROR "run_consumer.cmake: unknown MODE '${MODE}'")
+endif()
 if(MAKE_PROGRAM)
   list(APPEND configure_args "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
 endif()
