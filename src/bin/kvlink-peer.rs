@@ -9,7 +9,9 @@
 //! `kvlink-peer send --transport tcp|sm --to <addr> --sizes ... [--mode normal|suppress|loop]`
 //!   Connects, says hello, waits for go, sends each size with the agreed tags. `suppress` is the
 //!   fault hook: it never sends the data (the receiver must time out); `loop` keeps sending the
-//!   last size until killed.
+//!   last size until killed;
+//   `slow` pauses 300 ms before each send (a sender that stays mid-stream long enough to be
+//   killed or frozen by a test).
 use kvlink::transport::{Agent, AgentOptions, Event, TransportKind};
 use kvlink::Outcome;
 use std::time::{Duration, Instant};
@@ -161,6 +163,10 @@ fn send(transport: TransportKind, to: &str, sizes: &[usize], mode: &str) {
         .collect();
     loop {
         for (i, b) in bufs.iter().enumerate() {
+            if mode == "slow" {
+                // A sender that is mid-stream for a while: the window the fault tests hit.
+                std::thread::sleep(Duration::from_millis(300));
+            }
             // SAFETY: `b` outlives the op, which is waited right here.
             let mut op = unsafe { agent.post_send(peer, TAG_BASE + i as u64, b.as_ptr(), b.len()) }
                 .expect("post_send");

@@ -853,7 +853,7 @@ impl Progress {
                 let (ck, cv) = (CString::new(*k).unwrap(), CString::new(v.as_str()).unwrap());
                 let st = sys::ucp_config_modify(config, ck.as_ptr(), cv.as_ptr());
                 if st != sys::UCS_OK {
-                    tracing::debug!(key = k, "ucp_config_modify: {}", sys::status_str(st));
+                    tracing::debug!("ucp_config_modify({k}={v}): {}", sys::status_str(st));
                 }
             }
             let mut params = sys::ucp_params_t {

@@ -1,0 +1,482 @@
+//! [`Endpoint`]: every request of one rank, the inputs that drive them and the outputs they
+//! produce.
+//!
+//! Call order (quinn style): feed inputs with `handle_*` / `start_receive` / `accept` / `cancel`,
+//! each with the current time; then drain `poll_transmit`, `poll_action` and `poll_event` until
+//! each returns `None`; then sleep until `poll_timeout` (or the next input) and call
+//! `handle_timeout`. Deadlines fire from `handle_timeout` alone, so cleanup never depends on new
+//! requests arriving.
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::agreement::Collective;
+use super::id::{RankId, RequestKey};
+use super::pool::Lease;
+use super::request::{Action, Config, Event, Out, RecvRequest, SendFlow, Stats, Transmit};
+use super::wire::{self, BufferDesc, Message};
+use crate::error::{Error, ErrorKind, Result};
+
+/// The buffers one sender will fill, as the generation side leased and posted them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReceiveFlow {
+    pub sender: RankId,
+    /// Each lease with the descriptor of its posted receive (the token is the receive's tag).
+    pub buffers: Vec<(Lease, BufferDesc)>,
+}
+
+/// Everything `start_receive` needs to run one request on a generation rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReceiveSpec {
+    pub key: RequestKey,
+    /// Every generation rank taking part, this one included. The lowest is the coordinator.
+    pub receivers: Vec<RankId>,
+    pub flows: Vec<ReceiveFlow>,
+    /// Opaque TensorRT-LLM request info, carried in `Advertise`.
+    pub request_info: Vec<u8>,
+}
+
+/// The protocol core of one rank. See the module docs for the call order.
+pub struct Endpoint {
+    me: RankId,
+    config: Config,
+    recvs: BTreeMap<RequestKey, RecvRequest>,
+    sends: BTreeMap<(RequestKey, RankId), SendFlow>,
+    collective: Option<Box<dyn Collective>>,
+    out: Out,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("me", &self.me)
+            .field("receives", &self.recvs.len())
+            .field("sends", &self.sends.len())
+            .field("stats", &self.out.stats)
+            .finish()
+    }
+}
+
+fn invalid(msg: String) -> Error {
+    Error::new(ErrorKind::InvalidArgument, msg)
+}
+
+impl Endpoint {
+    /// An endpoint whose receivers agree over kvlink's own control messages.
+    pub fn new(me: RankId, config: Config) -> Self {
+        Endpoint {
+            me,
+            config,
+            recvs: BTreeMap::new(),
+            sends: BTreeMap::new(),
+            collective: None,
+            out: Out::default(),
+        }
+    }
+
+    /// An endpoint whose receivers agree through an external collective.
+    pub fn with_collective(me: RankId, config: Config, collective: Box<dyn Collective>) -> Self {
+        let mut e = Self::new(me, config);
+        e.collective = Some(collective);
+        e
+    }
+
+    pub fn rank(&self) -> RankId {
+        self.me
+    }
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+    pub fn stats(&self) -> &Stats {
+        &self.out.stats
+    }
+
+    /// Requests (receives and per-receiver sends) not yet forgotten, terminal ones included.
+    pub fn known(&self) -> usize {
+        self.recvs.len() + self.sends.len()
+    }
+
+    /// Is a newer generation of `key.request` known here (as a receive, or a send to `peer`)?
+    fn newer_known(&self, key: RequestKey, peer: Option<RankId>) -> bool {
+        let lo = RequestKey {
+            generation: key.generation,
+            ..key
+        };
+        let hi = RequestKey {
+            generation: super::id::Generation(u32::MAX),
+            ..key
+        };
+        self.recvs
+            .range(lo..=hi)
+            .any(|(k, _)| k.generation > key.generation)
+            || self
+                .sends
+                .range((lo, RankId(0))..=(hi, RankId(u32::MAX)))
+                .any(|((k, r), _)| k.generation > key.generation && peer.map_or(true, |p| p == *r))
+    }
+
+    fn drop_unknown(&mut self, key: RequestKey, peer: Option<RankId>) {
+        if self.newer_known(key, peer) {
+            self.out.stats.stale_dropped += 1;
+        } else {
+            self.out.stats.unknown_dropped += 1;
+        }
+    }
+
+    /// Starts one request on this (generation) rank: advertises `spec`'s buffers to each sender.
+    /// The leases stay the caller's until the endpoint hands each back through
+    /// [`Action::Release`] or [`Action::Fence`]; on error nothing was taken.
+    pub fn start_receive(&mut self, now: Instant, spec: ReceiveSpec) -> Result<()> {
+        let ReceiveSpec {
+            key,
+            mut receivers,
+            flows,
+            request_info,
+        } = spec;
+        if self.recvs.contains_key(&key) {
+            return Err(invalid(format!("{key} is already running here")));
+        }
+        if self.newer_known(key, None) {
+            return Err(Error::new(
+                ErrorKind::StaleGeneration,
+                format!("{key}: a newer generation is running here"),
+            ));
+        }
+        receivers.sort_unstable();
+        receivers.dedup();
+        if !receivers.contains(&self.me) {
+            return Err(invalid(format!(
+                "{key}: receivers must include {}",
+                self.me
+            )));
+        }
+        if request_info.len() > wire::MAX_INFO {
+            return Err(invalid(format!("{key}: request info too large")));
+        }
+        if flows.is_empty() {
+            return Err(invalid(format!("{key}: no senders")));
+        }
+        let mut segments = Vec::new();
+        let mut tokens = Vec::new();
+        let mut senders = Vec::new();
+        let mut leases = Vec::new();
+        for f in &flows {
+            if f.buffers.is_empty() || f.buffers.len() > wire::MAX_BUFFERS {
+                return Err(invalid(format!(
+                    "{key}: {} buffers for {}",
+                    f.buffers.len(),
+                    f.sender
+                )));
+            }
+            if f.sender == self.me || receivers.contains(&f.sender) || senders.contains(&f.sender) {
+                return Err(invalid(format!(
+                    "{key}: bad or repeated sender {}",
+                    f.sender
+                )));
+            }
+            senders.push(f.sender);
+            for (lease, d) in &f.buffers {
+                d.validate()
+                    .map_err(|r| invalid(format!("{key}: segment {}: {r:?}", d.segment)))?;
+                if segments.contains(&d.segment) || tokens.contains(&d.token) {
+                    return Err(invalid(format!("{key}: segment or token repeated")));
+                }
+                if leases.contains(lease) {
+                    return Err(invalid(format!("{key}: lease repeated")));
+                }
+                segments.push(d.segment);
+                tokens.push(d.token);
+                leases.push(*lease);
+            }
+        }
+        let external = self.collective.is_some();
+        let flows = flows.into_iter().map(|f| (f.sender, f.buffers)).collect();
+        let r = RecvRequest::new(
+            now,
+            &self.config,
+            self.me,
+            key,
+            receivers,
+            flows,
+            request_info,
+            external,
+            &mut self.out,
+        );
+        self.recvs.insert(key, r);
+        Ok(())
+    }
+
+    /// The application's answer to an [`Event::Advertised`]: accept (then [`Action::Send`]s
+    /// follow) or reject. Fails when the flow is unknown or already decided.
+    pub fn accept(
+        &mut self,
+        now: Instant,
+        key: RequestKey,
+        from: RankId,
+        ready: bool,
+    ) -> Result<()> {
+        let flow = self
+            .sends
+            .get_mut(&(key, from))
+            .ok_or_else(|| invalid(format!("{key} from {from}: no such advertisement")))?;
+        let ok = flow.accept(now, ready, &mut self.out);
+        self.drive(now);
+        if ok {
+            Ok(())
+        } else {
+            Err(invalid(format!("{key} from {from}: already decided")))
+        }
+    }
+
+    /// Cancels `key` on this rank (its receive and every send of it). The cancel is agreed: the
+    /// terminal event follows once every rank knows and no peer can write.
+    pub fn cancel(&mut self, now: Instant, key: RequestKey) -> Result<()> {
+        let mut found = false;
+        if let Some(r) = self.recvs.get_mut(&key) {
+            r.cancel(now, &mut self.out);
+            found = true;
+        }
+        for ((_, _), f) in self
+            .sends
+            .range_mut((key, RankId(0))..=(key, RankId(u32::MAX)))
+        {
+            f.cancel(now, &mut self.out);
+            found = true;
+        }
+        self.drive(now);
+        if found {
+            Ok(())
+        } else {
+            Err(invalid(format!("{key}: not known here")))
+        }
+    }
+
+    /// Queues a `Notify` for `to`.
+    pub fn send_notify(&mut self, key: RequestKey, to: RankId, payload: Vec<u8>) -> Result<()> {
+        if payload.len() > wire::MAX_PAYLOAD {
+            return Err(invalid(format!("{key}: notification too large")));
+        }
+        self.out.transmits.push_back(Transmit {
+            to,
+            message: Message::Notify { key, payload },
+        });
+        Ok(())
+    }
+
+    /// Decodes and handles one frame received from `from`.
+    pub fn handle_frame(&mut self, now: Instant, from: RankId, bytes: &[u8]) -> Result<()> {
+        match Message::decode(bytes) {
+            Ok(m) => self.handle_message(now, from, m),
+            Err(e) => {
+                self.out.stats.bad_frames += 1;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Handles one decoded message from `from` (the rank the transport says sent it). Late,
+    /// duplicated and stale messages are counted and dropped, not errors.
+    pub fn handle_message(&mut self, now: Instant, from: RankId, msg: Message) -> Result<()> {
+        match msg {
+            Message::Hello { .. } => {}
+            Message::Advertise {
+                key,
+                src_rank,
+                request_info,
+                buffers,
+            } => {
+                if src_rank != from {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("{key}: advertise names {src_rank} but came from {from}"),
+                    ));
+                }
+                if let Some(f) = self.sends.get_mut(&(key, from)) {
+                    f.on_advertise_again(&mut self.out);
+                } else if self.newer_known(key, Some(from)) {
+                    self.out.stats.stale_dropped += 1;
+                } else {
+                    let out = &mut self.out;
+                    let f = SendFlow::new(now, &self.config, key, from, request_info, buffers, out);
+                    self.sends.insert((key, from), f);
+                }
+            }
+            Message::Ready { key, ready } => match self.recvs.get_mut(&key) {
+                Some(r) => r.on_ready(now, from, ready, &mut self.out),
+                None => self.drop_unknown(key, Some(from)),
+            },
+            Message::Vote { key, outcome } => match self.recvs.get_mut(&key) {
+                Some(r) => r.on_vote(now, from, outcome, &mut self.out),
+                None => self.drop_unknown(key, Some(from)),
+            },
+            Message::Verdict { key, outcome } => {
+                if let Some(f) = self.sends.get_mut(&(key, from)) {
+                    f.on_verdict(outcome, &mut self.out);
+                } else if let Some(r) = self.recvs.get_mut(&key) {
+                    r.on_verdict(now, from, outcome, &mut self.out);
+                } else {
+                    self.drop_unknown(key, Some(from));
+                }
+            }
+            Message::Quiesced { key } => match self.recvs.get_mut(&key) {
+                Some(r) => r.on_quiesced(from, &mut self.out),
+                None => self.drop_unknown(key, Some(from)),
+            },
+            Message::Notify { key, payload } => {
+                if self.newer_known(key, None) {
+                    self.out.stats.stale_dropped += 1;
+                } else {
+                    self.out.events.push_back(super::request::Event::Notified {
+                        key,
+                        from,
+                        payload,
+                    });
+                }
+            }
+        }
+        self.drive(now);
+        Ok(())
+    }
+
+    /// The posted receive for `segment` of `key` completed: its data is in the buffer. The
+    /// driver calls this from the transport's receive completion. A landing of an older
+    /// generation (or of a forgotten request) is counted and dropped.
+    pub fn handle_segment_landed(
+        &mut self,
+        now: Instant,
+        key: RequestKey,
+        segment: u32,
+    ) -> Result<()> {
+        match self.recvs.get_mut(&key) {
+            Some(r) => {
+                if !r.on_landed(now, segment, &mut self.out) {
+                    return Err(invalid(format!("{key}: no segment {segment}")));
+                }
+            }
+            None => self.drop_unknown(key, None),
+        }
+        self.drive(now);
+        Ok(())
+    }
+
+    /// The posted receive for `segment` of `key` is gone without data (cancelled and reaped, or
+    /// failed): nothing can land in its buffer any more.
+    pub fn handle_receive_reaped(
+        &mut self,
+        now: Instant,
+        key: RequestKey,
+        segment: u32,
+    ) -> Result<()> {
+        match self.recvs.get_mut(&key) {
+            Some(r) => {
+                if !r.on_reaped(now, segment, &mut self.out) {
+                    return Err(invalid(format!("{key}: no segment {segment}")));
+                }
+            }
+            None => self.drop_unknown(key, None),
+        }
+        self.drive(now);
+        Ok(())
+    }
+
+    /// The tracked send of `segment` of `key` to `to` finished (`ok`) or failed / was aborted.
+    pub fn handle_send_done(
+        &mut self,
+        now: Instant,
+        key: RequestKey,
+        to: RankId,
+        segment: u32,
+        ok: bool,
+    ) -> Result<()> {
+        match self.sends.get_mut(&(key, to)) {
+            Some(f) => {
+                if !f.on_send_done(now, segment, ok, &mut self.out) {
+                    return Err(invalid(format!(
+                        "{key} to {to}: no send of segment {segment}"
+                    )));
+                }
+            }
+            None => self.drop_unknown(key, Some(to)),
+        }
+        self.drive(now);
+        Ok(())
+    }
+
+    /// The transport declared `rank` lost (its endpoint failed).
+    pub fn handle_peer_lost(&mut self, now: Instant, rank: RankId) {
+        for r in self.recvs.values_mut() {
+            r.on_peer_lost(now, rank, &mut self.out);
+        }
+        for ((_, to), f) in self.sends.iter_mut() {
+            if *to == rank {
+                f.on_peer_lost(now, &mut self.out);
+            }
+        }
+        self.drive(now);
+    }
+
+    /// Fires every deadline and retransmission due at `now`, and forgets requests past their
+    /// linger time. Call it whenever `poll_timeout` passes, whether or not anything else
+    /// happened.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        for r in self.recvs.values_mut() {
+            r.on_timeout(now, &mut self.out);
+        }
+        for f in self.sends.values_mut() {
+            f.on_timeout(now, &mut self.out);
+        }
+        self.drive(now);
+        let mut gone = Vec::new();
+        self.recvs.retain(|k, r| {
+            let keep = !r.is_finished(now);
+            if !keep {
+                gone.push(*k);
+            }
+            keep
+        });
+        self.sends.retain(|_, f| !f.is_finished(now));
+        if let Some(c) = self.collective.as_mut() {
+            for k in gone {
+                c.forget(k);
+            }
+        }
+    }
+
+    /// Hands votes to the external collective and picks up its verdicts.
+    fn drive(&mut self, now: Instant) {
+        let Some(c) = self.collective.as_mut() else {
+            return;
+        };
+        for (key, r) in self.recvs.iter_mut() {
+            if let Some(v) = r.pending_contribution.take() {
+                c.contribute(now, *key, &r.receivers, self.me, v);
+            }
+            if r.is_external_waiting() {
+                if let Some(v) = c.poll_verdict(*key) {
+                    r.set_verdict(now, v, &mut self.out);
+                }
+            }
+        }
+    }
+
+    /// When `handle_timeout` must next be called, if anything is pending.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let r = self.recvs.values().map(|r| r.next_timeout());
+        let s = self.sends.values().map(|f| f.next_timeout());
+        r.chain(s).min()
+    }
+
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.out.transmits.pop_front()
+    }
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.out.actions.pop_front()
+    }
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.out.events.pop_front()
+    }
+
+    /// The agreed verdict of a receive, once known here.
+    pub fn verdict(&self, key: RequestKey) -> Option<crate::error::Outcome> {
+        self.recvs.get(&key).and_then(|r| r.verdict())
+    }
+}

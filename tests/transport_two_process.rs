@@ -1,0 +1,141 @@
+//! Two real OS processes (the `kvlink-peer` binary) over UCX: tcp on loopback and shared memory.
+//! Every byte is checked; faults are real signals.
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const PEER: &str = env!("CARGO_BIN_EXE_kvlink-peer");
+
+struct Proc {
+    child: Child,
+    out: BufReader<ChildStdout>,
+}
+
+impl Proc {
+    fn spawn(args: &[&str]) -> Proc {
+        let mut child = Command::new(PEER).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Proc { child, out }
+    }
+    /// Next stdout line starting with `prefix` (other lines are echoed).
+    fn expect(&mut self, prefix: &str) -> String {
+        loop {
+            let mut line = String::new();
+            assert!(self.out.read_line(&mut line).unwrap() > 0, "peer exited before printing {prefix}");
+            let line = line.trim_end().to_string();
+            println!("  | {line}");
+            if line.starts_with(prefix) {
+                return line;
+            }
+        }
+    }
+    fn signal(&self, sig: i32) {
+        unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts a receiver and a sender; returns both once the receiver has posted its receives.
+fn start(transport: &str, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Proc) {
+    let t = timeout_ms.to_string();
+    let mut recv = Proc::spawn(&["recv", "--transport", transport, "--sizes", sizes, "--timeout-ms", &t]);
+    let addr = recv.expect("ADDR").split_whitespace().nth(2).unwrap().to_string();
+    let mut send = Proc::spawn(&["send", "--transport", transport, "--to", &addr, "--sizes", sizes, "--mode", mode]);
+    recv.expect("POSTED");
+    send.expect("GO");
+    (recv, send)
+}
+
+/// (size, outcome, elapsed ms, verified)
+fn result(line: &str) -> (usize, String, f64, bool) {
+    let f: Vec<&str> = line.split_whitespace().collect();
+    (f[1].parse().unwrap(), f[2].to_string(), f[3].parse().unwrap(), f[4] == "true")
+}
+
+#[test]
+fn transfers_4k_1m_64m_every_byte_checked_tcp_and_shm() {
+    for transport in ["tcp", "sm"] {
+        println!("{transport}:");
+        let (mut recv, _send) = start(transport, "4096,1048576,67108864", "normal", 60_000);
+        for want in [4096, 1 << 20, 64 << 20] {
+            let (size, outcome, _, verified) = result(&recv.expect("RESULT"));
+            assert_eq!(size, want);
+            // The receiver checks the bytes right after its completion returned: a completion
+            // reported before all data landed would fail this.
+            assert_eq!(outcome, "Completed");
+            assert!(verified, "{transport}: {size} bytes arrived corrupted");
+        }
+    }
+}
+
+#[test]
+fn suppressed_completion_times_out_at_deadline_without_spinning() {
+    for transport in ["tcp", "sm"] {
+        println!("{transport}:");
+        let deadline_ms = 2000.0;
+        let (mut recv, _send) = start(transport, "1048576", "suppress", deadline_ms as u64);
+        let (_, outcome, elapsed, _) = result(&recv.expect("RESULT"));
+        let cpu: Vec<f64> = recv.expect("CPU").split_whitespace().skip(1).map(|x| x.parse().unwrap()).collect();
+        let share = cpu[0] / cpu[1] * 100.0;
+        println!("{transport}: TimedOut after {elapsed:.1} ms (deadline {deadline_ms} ms); CPU {:.2} ms in {:.0} ms = {share:.3}% of a core", cpu[0], cpu[1]);
+        assert_eq!(outcome, "TimedOut");
+        assert!(elapsed >= deadline_ms, "ended before its deadline");
+        assert!(elapsed <= deadline_ms + 100.0, "ended {elapsed} ms after a {deadline_ms} ms deadline");
+        assert!(share < 2.0, "waiting used {share:.2}% of a core");
+        let stats = recv.expect("STATS");
+        assert!(stats.contains("in_flight=0 unreaped=0"), "the timed-out receive must be reaped: {stats}");
+    }
+}
+
+#[test]
+fn killed_peer_gives_peer_lost_promptly() {
+    // tcp detects a dead peer through the socket; shared memory through UCX keepalive (1 s).
+    for (transport, bound_ms) in [("tcp", 2000.0), ("sm", 5000.0)] {
+        println!("{transport}:");
+        let (mut recv, mut send) = start(transport, &["4194304"; 8].join(","), "slow", 30_000);
+        let (_, first, _, ok) = result(&recv.expect("RESULT"));
+        assert_eq!(first, "Completed");
+        assert!(ok);
+        let killed = Instant::now();
+        send.signal(libc::SIGKILL);
+        // Reap it as its parent would: UCX's shared-memory keepalive looks for the peer's pid,
+        // which a zombie still holds.
+        let _ = send.child.wait();
+        let mut outcomes = vec![];
+        for _ in 1..8 {
+            let (_, o, _, _) = result(&recv.expect("RESULT"));
+            outcomes.push(o);
+        }
+        let after = killed.elapsed();
+        println!("{transport}: outcomes after SIGKILL {outcomes:?}; last one {after:?} after the kill");
+        assert!(outcomes.iter().any(|o| o == "PeerLost"), "{outcomes:?}");
+        assert!(outcomes.iter().all(|o| o == "PeerLost" || o == "Completed"), "{outcomes:?}");
+        assert!(after.as_secs_f64() * 1e3 < bound_ms, "peer loss found after {after:?}");
+        let stats = recv.expect("STATS");
+        assert!(stats.contains("in_flight=0 unreaped=0"), "{stats}");
+    }
+}
+
+#[test]
+fn frozen_peer_gives_timed_out_at_deadline() {
+    let deadline_ms = 3000.0;
+    let (mut recv, send) = start("tcp", &["4194304"; 8].join(","), "slow", deadline_ms as u64);
+    let (_, first, _, _) = result(&recv.expect("RESULT"));
+    assert_eq!(first, "Completed");
+    send.signal(libc::SIGSTOP);
+    let mut last = (String::new(), 0.0);
+    for _ in 1..8 {
+        let (_, o, e, _) = result(&recv.expect("RESULT"));
+        last = (o, e);
+    }
+    send.signal(libc::SIGCONT);
+    println!("tcp: frozen peer -> {} at {:.1} ms (deadline {deadline_ms} ms)", last.0, last.1);
+    assert_eq!(last.0, "TimedOut");
+    assert!(last.1 >= deadline_ms && last.1 <= deadline_ms + 100.0);
+}
