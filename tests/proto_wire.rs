@@ -1,0 +1,238 @@
+//! The wire codec on stable: round trips, arbitrary and mutated bytes never panic, lengths from
+//! the wire never size an allocation, and the committed corpus of malformed frames keeps failing
+//! with the reason its file name records (`<Reason>__<what>.bin`).
+use kvlink::error::{ErrorKind, Outcome};
+use kvlink::proto::wire::{frame_len, HEADER_LEN, MAX_BUFFERS, MAX_INFO};
+use kvlink::proto::{BufferDesc, BufferKind, Message, RankId, RequestKey, Token, WireReason};
+use proptest::prelude::*;
+
+fn outcome() -> impl Strategy<Value = Outcome> {
+    prop_oneof![
+        Just(Outcome::Completed),
+        Just(Outcome::TimedOut),
+        Just(Outcome::Cancelled),
+        Just(Outcome::PeerLost),
+        Just(Outcome::Rejected),
+    ]
+}
+
+fn key() -> impl Strategy<Value = RequestKey> {
+    (any::<u64>(), any::<u32>()).prop_map(|(r, g)| RequestKey::new(r, g))
+}
+
+fn descs() -> impl Strategy<Value = Vec<BufferDesc>> {
+    prop::collection::vec(
+        (0u8..3, any::<u64>(), 1u64..1 << 40, -1i32..8, any::<u64>()),
+        1..6,
+    )
+    .prop_map(|v| {
+        v.into_iter()
+            .enumerate()
+            .map(|(i, (kind, addr, len, device_id, tok))| BufferDesc {
+                kind: BufferKind::from_u8(kind).unwrap(),
+                segment: i as u32,
+                addr: addr % (u64::MAX - len),
+                len,
+                device_id,
+                token: Token(tok.wrapping_mul(64).wrapping_add(i as u64)),
+            })
+            .collect()
+    })
+}
+
+fn message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        ("[a-zA-Z0-9_.:-]{1,40}", any::<u32>()).prop_map(|(agent_name, r)| Message::Hello {
+            agent_name,
+            rank: RankId(r)
+        }),
+        (
+            key(),
+            any::<u32>(),
+            prop::collection::vec(any::<u8>(), 0..64),
+            descs()
+        )
+            .prop_map(|(key, r, request_info, buffers)| Message::Advertise {
+                key,
+                src_rank: RankId(r),
+                request_info,
+                buffers
+            }),
+        (key(), any::<bool>()).prop_map(|(key, ready)| Message::Ready { key, ready }),
+        (key(), prop::collection::vec(any::<u8>(), 0..64))
+            .prop_map(|(key, payload)| Message::Notify { key, payload }),
+        (key(), outcome()).prop_map(|(key, outcome)| Message::Vote { key, outcome }),
+        (key(), outcome()).prop_map(|(key, outcome)| Message::Verdict { key, outcome }),
+        key().prop_map(|key| Message::Quiesced { key }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+    #[test]
+    fn round_trip(m in message()) {
+        let bytes = m.to_bytes().unwrap();
+        prop_assert_eq!(frame_len(&bytes).unwrap(), Some(bytes.len()));
+        prop_assert_eq!(Message::decode(&bytes).unwrap(), m);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..400)) {
+        let _ = Message::decode(&bytes);
+        let _ = frame_len(&bytes);
+    }
+
+    /// Valid header, random body: exercises the body decoders rather than the magic check.
+    #[test]
+    fn random_bodies_never_panic(t in 0u8..9, body in prop::collection::vec(any::<u8>(), 0..300)) {
+        let mut bytes = b"KVLK".to_vec();
+        bytes.extend_from_slice(&1u16.to_le_bytes());
+        bytes.push(t);
+        bytes.push(0);
+        bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&body);
+        if let Ok(m) = Message::decode(&bytes) {
+            // Whatever decodes must re-encode to the same bytes (one encoding per message).
+            prop_assert_eq!(m.to_bytes().unwrap(), bytes);
+        }
+    }
+
+    /// Mutations of valid frames: decode is total; anything accepted is canonical and valid.
+    #[test]
+    fn mutated_frames(m in message(), edits in prop::collection::vec((any::<usize>(), any::<u8>(), 0u8..3), 1..6)) {
+        let mut bytes = m.to_bytes().unwrap();
+        for (at, val, op) in edits {
+            let at = at % (bytes.len() + 1);
+            match op {
+                0 if at < bytes.len() => bytes[at] = val,
+                1 => bytes.insert(at, val),
+                _ if at < bytes.len() => { bytes.remove(at); }
+                _ => {}
+            }
+        }
+        match Message::decode(&bytes) {
+            Ok(m2) => {
+                prop_assert_eq!(m2.to_bytes().unwrap(), bytes);
+                if let Message::Advertise { buffers, .. } = &m2 {
+                    for d in buffers {
+                        prop_assert!(d.len > 0 && d.addr.checked_add(d.len).is_some());
+                    }
+                }
+            }
+            Err(e) => {
+                prop_assert_eq!(e.kind(), ErrorKind::Protocol);
+                prop_assert!(e.offset <= bytes.len());
+            }
+        }
+    }
+
+    /// Every strict prefix of a valid frame is refused as truncated, never misread.
+    #[test]
+    fn prefixes_are_truncated(m in message()) {
+        let bytes = m.to_bytes().unwrap();
+        for n in 0..bytes.len() {
+            let e = Message::decode(&bytes[..n]).unwrap_err();
+            prop_assert_eq!(e.reason, WireReason::Truncated);
+        }
+    }
+}
+
+#[test]
+fn corpus_of_malformed_frames() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/corpus/wire");
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("bin") {
+            continue;
+        }
+        let name = path.file_stem().unwrap().to_str().unwrap().to_owned();
+        let expected = name.split("__").next().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let err =
+            Message::decode(&bytes).expect_err(&format!("{name}: malformed frame was accepted"));
+        let got = format!("{:?}", err.reason);
+        assert!(
+            got.starts_with(expected),
+            "{name}: expected {expected}, got {got}"
+        );
+        let e: kvlink::Error = err.into();
+        assert_eq!(e.kind, ErrorKind::Protocol);
+        n += 1;
+    }
+    assert!(n >= 30, "corpus has only {n} files");
+}
+
+#[test]
+fn hostile_lengths_allocate_nothing_they_cannot_see() {
+    // A header that claims the largest body: refused as truncated before any body is read.
+    let mut bytes = b"KVLK".to_vec();
+    bytes.extend_from_slice(&1u16.to_le_bytes());
+    bytes.extend_from_slice(&[2, 0]);
+    bytes.extend_from_slice(&(2u32 << 20).to_le_bytes());
+    assert_eq!(frame_len(&bytes).unwrap(), Some(HEADER_LEN + (2 << 20)));
+    assert_eq!(
+        Message::decode(&bytes).unwrap_err().reason,
+        WireReason::Truncated
+    );
+    // Caps are enforced on encode too: we never emit what we would refuse.
+    let k = RequestKey::new(1, 0);
+    let d = BufferDesc {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: 0,
+        len: 1,
+        device_id: -1,
+        token: Token(1),
+    };
+    let big = Message::Advertise {
+        key: k,
+        src_rank: RankId(0),
+        request_info: vec![0; MAX_INFO + 1],
+        buffers: vec![d],
+    };
+    assert_eq!(big.to_bytes().unwrap_err().reason, WireReason::TooLarge);
+    let many: Vec<BufferDesc> = (0..=MAX_BUFFERS as u32)
+        .map(|i| BufferDesc {
+            segment: i,
+            token: Token(i as u64),
+            ..d
+        })
+        .collect();
+    let big = Message::Advertise {
+        key: k,
+        src_rank: RankId(0),
+        request_info: vec![],
+        buffers: many,
+    };
+    assert_eq!(big.to_bytes().unwrap_err().reason, WireReason::TooLarge);
+    // A bad magic is refused as soon as its first byte is visible.
+    assert_eq!(frame_len(b"X").unwrap_err().reason, WireReason::BadMagic);
+    assert_eq!(frame_len(b"KV").unwrap(), None);
+}
+
+#[test]
+fn ids_equal_mod_4096_encode_distinctly() {
+    let a = Message::Ready {
+        key: RequestKey::new(7, 0),
+        ready: true,
+    };
+    let b = Message::Ready {
+        key: RequestKey::new(7 + 4096, 0),
+        ready: true,
+    };
+    let c = Message::Ready {
+        key: RequestKey::new(7 + (1 << 40), 0),
+        ready: true,
+    };
+    let (ea, eb, ec) = (
+        a.to_bytes().unwrap(),
+        b.to_bytes().unwrap(),
+        c.to_bytes().unwrap(),
+    );
+    assert_ne!(ea, eb);
+    assert_ne!(ea, ec);
+    assert_eq!(Message::decode(&eb).unwrap(), b);
+    assert_eq!(Message::decode(&ec).unwrap(), c);
+}
