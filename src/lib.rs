@@ -15,6 +15,7 @@
 //!   panic boundary.
 pub mod config;
 pub mod error;
+pub mod memory;
 pub mod proto;
 pub mod transport;
 

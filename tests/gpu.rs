@@ -1,0 +1,45 @@
+//! CUDA device memory through the staging path. Runs where a CUDA driver and a GPU exist; here
+//! (no driver) it prints why it skips and checks the typed error instead.
+use cudarc::driver::{CudaContext, DevicePtr};
+use kvlink::memory::{MemoryKind, Registry};
+use kvlink::transport::cuda::{driver_present, Staging};
+use kvlink::ErrorKind;
+
+#[test]
+fn device_memory_round_trip_through_staging() {
+    if !driver_present() {
+        println!("SKIP device_memory_round_trip_through_staging: no CUDA driver (libcuda) on this machine");
+        let e = Registry::new()
+            .register(0x7000_0000, 1 << 20, MemoryKind::Cuda { device: 0 })
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Cuda);
+        return;
+    }
+    if CudaContext::device_count().unwrap_or(0) == 0 {
+        println!("SKIP device_memory_round_trip_through_staging: CUDA driver present but no GPU");
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.default_stream();
+    let len = 8 << 20;
+    let src: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    let d_src = stream.clone_htod(&src).unwrap();
+    let d_dst = stream.alloc_zeros::<u8>(len).unwrap();
+    let (src_ptr, _g1) = d_src.device_ptr(&stream);
+    let (dst_ptr, _g2) = d_dst.device_ptr(&stream);
+    stream.synchronize().unwrap();
+    let reg = Registry::new();
+    let r = reg
+        .register(src_ptr, len as u64, MemoryKind::Cuda { device: 0 })
+        .unwrap();
+    assert_eq!(r.slice(0, len as u64).unwrap(), src_ptr);
+    let mut st = Staging::new(0, len).unwrap();
+    st.from_device(src_ptr, len).unwrap();
+    st.to_device(dst_ptr, len).unwrap();
+    drop((_g1, _g2));
+    let back = stream.clone_dtoh(&d_dst).unwrap();
+    assert_eq!(
+        back, src,
+        "device -> pinned host -> device must keep every byte"
+    );
+}
