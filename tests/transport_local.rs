@@ -29,7 +29,6 @@ fn pair(kind: TransportKind) -> (Agent, Agent, PeerId, PeerId) {
     let ba = loop {
         match b.next_event(deadline, None).expect("hello must arrive") {
             Event::Control(p, _) => break p,
-            Event::Unbound { uid, bytes } => break b.connect_worker_as(uid, &bytes).unwrap(),
             _ => continue,
         }
     };

@@ -81,9 +81,6 @@ fn recv(transport: TransportKind, sizes: &[usize], timeout: Duration) {
     let peer = loop {
         match agent.next_event(deadline, None) {
             Some(Event::Control(p, _)) => break p,
-            Some(Event::Unbound { uid, bytes }) => {
-                break agent.connect_worker_as(uid, &bytes).expect("connect back")
-            }
             Some(_) => continue,
             None => panic!("no hello from the sender"),
         }

@@ -105,9 +105,6 @@ pub enum Event {
     Control(PeerId, Vec<u8>),
     /// A peer's endpoint failed; every later operation on it fails with `PeerLost`.
     PeerFailed(PeerId),
-    /// A control message from an agent we hold no endpoint to (it connected by our worker
-    /// address). Connect back with [`Agent::connect_worker_as`] to bind its `uid` to a peer.
-    Unbound { uid: u64, bytes: Vec<u8> },
 }
 
 /// Progress counters: these tell "alive" from "working".
@@ -320,7 +317,7 @@ fn map_status(status: sys::ucs_status_t, what: &str) -> Error {
 
 enum Cmd {
     Connect(SocketAddr, Arc<Reply<PeerId>>),
-    ConnectWorker(Vec<u8>, Option<u64>, Arc<Reply<PeerId>>),
+    ConnectWorker(Vec<u8>, Arc<Reply<PeerId>>),
     Send {
         peer: PeerId,
         tag: u64,
@@ -520,19 +517,7 @@ impl Agent {
         }
         let r = Reply::new();
         self.shared
-            .submit(Cmd::ConnectWorker(address.to_vec(), None, r.clone()))?;
-        r.wait(Instant::now() + Duration::from_secs(10))
-    }
-
-    /// Connects back to the agent `uid` (from [`Event::Unbound`]) by its worker address; its
-    /// control messages are reported under the returned peer from then on.
-    pub fn connect_worker_as(&self, uid: u64, address: &[u8]) -> Result<PeerId> {
-        if address.is_empty() || address.len() > 64 * 1024 {
-            return Err(Error::invalid("worker address must be 1..=65536 bytes"));
-        }
-        let r = Reply::new();
-        self.shared
-            .submit(Cmd::ConnectWorker(address.to_vec(), Some(uid), r.clone()))?;
+            .submit(Cmd::ConnectWorker(address.to_vec(), r.clone()))?;
         r.wait(Instant::now() + Duration::from_secs(10))
     }
 
@@ -744,6 +729,8 @@ pub const MAX_CONTROL: usize = 1 << 20;
 const AM_CONTROL_ID: u32 = 7;
 /// Internal: "I gave up on my send with this tag; drain it" (8-byte tag).
 const AM_DRAIN_ID: u32 = 8;
+/// Internal: "this is my worker address; connect back" (sent after connecting by address).
+const AM_BIND_ID: u32 = 9;
 /// How long a drain receive waits for the abandoned message before it is cancelled.
 const DRAIN_TTL: Duration = Duration::from_secs(60);
 
@@ -772,6 +759,7 @@ enum CbEvent {
     ConnRequest(sys::ucp_conn_request_h),
     EpError(u64, sys::ucs_status_t),
     Drain(sys::ucp_ep_h, u64, u64),
+    Bind(u64, Vec<u8>),
     Control(sys::ucp_ep_h, u64, Vec<u8>),
 }
 
@@ -799,6 +787,7 @@ struct Progress {
     next_peer: u64,
     drains: Vec<Arc<OpSlot>>,
     scratch: Box<[u8; 8]>,
+    own_address: Vec<u8>,
     shared: Arc<Shared>,
 }
 
@@ -899,6 +888,7 @@ impl Progress {
                 next_peer: 1,
                 drains: Vec::new(),
                 scratch: Box::new([0; 8]),
+                own_address: Vec::new(),
                 shared,
             };
             // From here on, `p.teardown()` releases what exists.
@@ -944,14 +934,19 @@ impl Progress {
         if st != sys::UCS_OK {
             return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
         }
-        let drain = sys::ucp_am_handler_param_t {
-            id: AM_DRAIN_ID,
-            cb: Some(am_drain_cb),
-            ..am
-        };
-        let st = sys::ucp_worker_set_am_recv_handler(self.worker, &drain);
-        if st != sys::UCS_OK {
-            return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
+        for (id, cb) in [
+            (AM_DRAIN_ID, am_drain_cb as AmCb),
+            (AM_BIND_ID, am_bind_cb as AmCb),
+        ] {
+            let h = sys::ucp_am_handler_param_t {
+                id,
+                cb: Some(cb),
+                ..am
+            };
+            let st = sys::ucp_worker_set_am_recv_handler(self.worker, &h);
+            if st != sys::UCS_OK {
+                return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
+            }
         }
         let mut attr = sys::ucp_worker_attr_t {
             field_mask: sys::UCP_WORKER_ATTR_FIELD_ADDRESS as u64,
@@ -964,6 +959,7 @@ impl Progress {
         let address =
             std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
         sys::ucp_worker_release_address(self.worker, attr.address);
+        self.own_address = address.clone();
 
         let mut bound = None;
         if let Some(addr) = opts.listen {
@@ -1079,10 +1075,13 @@ impl Progress {
             match cmd {
                 Cmd::Shutdown => return (true, true),
                 Cmd::Connect(addr, reply) => reply.set(self.connect(Target::Sock(addr))),
-                Cmd::ConnectWorker(addr, uid, reply) => {
+                Cmd::ConnectWorker(addr, reply) => {
                     let r = self.connect(Target::Worker(&addr));
-                    if let (Ok(peer), Some(uid)) = (&r, uid) {
-                        self.uid_to_peer.insert(uid, peer.0);
+                    if let Ok(peer) = &r {
+                        // The peer has no endpoint back to us yet: send it our address so it
+                        // connects back and can tell our messages (by uid) from others'.
+                        let me = self.own_address.clone();
+                        self.send_internal(*peer, AM_BIND_ID, me);
                     }
                     reply.set(r)
                 }
@@ -1130,8 +1129,13 @@ impl Progress {
     }
 
     fn send_drain(&mut self, peer: PeerId, tag: u64) {
+        self.send_internal(peer, AM_DRAIN_ID, tag.to_le_bytes().to_vec());
+    }
+
+    /// Sends an internal active message (drain, bind); fire and forget.
+    fn send_internal(&mut self, peer: PeerId, id: u32, bytes: Vec<u8>) {
         let Ok(ep) = self.ep_of(peer) else { return };
-        let msg = Box::new(tag.to_le_bytes());
+        let msg = Box::new(bytes);
         let header = self.shared.uid_le.as_ptr() as *const c_void;
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS
@@ -1141,14 +1145,14 @@ impl Progress {
             ..Default::default()
         };
         param.cb.send = Some(drain_sent_cb);
-        let data = msg.as_ptr() as *const c_void;
+        let (data, len) = (msg.as_ptr() as *const c_void, msg.len());
         param.user_data = Box::into_raw(msg) as *mut c_void;
-        // SAFETY: the 8-byte message lives in the box until drain_sent_cb (or the code below)
-        // frees it; the header lives in `shared`.
-        let ptr = unsafe { sys::ucp_am_send_nbx(ep, AM_DRAIN_ID, header, 8, data, 8, &param) };
+        // SAFETY: the message lives in the box until drain_sent_cb (or the code below) frees
+        // it; the header lives in `shared`.
+        let ptr = unsafe { sys::ucp_am_send_nbx(ep, id, header, 8, data, len, &param) };
         if !sys::ptr_is_ptr(ptr) {
             // SAFETY: the callback will not run; reclaim the box.
-            drop(unsafe { Box::from_raw(param.user_data as *mut [u8; 8]) });
+            drop(unsafe { Box::from_raw(param.user_data as *mut Vec<u8>) });
         }
     }
 
@@ -1408,6 +1412,17 @@ impl Progress {
                     Err(e) => tracing::warn!("accepting a connection failed: {e}"),
                 },
                 CbEvent::EpError(peer, status) => self.fail_peer(peer, status, false),
+                CbEvent::Bind(uid, address) => {
+                    if !self.uid_to_peer.contains_key(&uid) {
+                        match self.connect(Target::Worker(&address)) {
+                            Ok(peer) => {
+                                self.uid_to_peer.insert(uid, peer.0);
+                                self.shared.push_event(Event::Accepted(peer));
+                            }
+                            Err(e) => tracing::warn!("connecting back to a peer failed: {e}"),
+                        }
+                    }
+                }
                 CbEvent::Drain(ep, uid, tag) => {
                     let peer = self
                         .uid_to_peer
@@ -1434,7 +1449,16 @@ impl Progress {
                                 .stale_control_dropped
                                 .fetch_add(1, Ordering::Relaxed);
                         }
-                        None => self.shared.push_event(Event::Unbound { uid, bytes }),
+                        None => {
+                            tracing::warn!(
+                                uid,
+                                "control message from an agent with no endpoint: dropped"
+                            );
+                            self.shared
+                                .stats
+                                .stale_control_dropped
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
             }
@@ -1670,7 +1694,7 @@ unsafe extern "C" fn drain_sent_cb(
     _status: sys::ucs_status_t,
     user_data: *mut c_void,
 ) {
-    drop(Box::from_raw(user_data as *mut [u8; 8]));
+    drop(Box::from_raw(user_data as *mut Vec<u8>));
     sys::ucp_request_free(request);
 }
 
@@ -1696,6 +1720,37 @@ unsafe extern "C" fn am_drain_cb(
             .unwrap(),
     );
     push_cb(CbEvent::Drain((*param).reply_ep, uid, tag));
+    sys::UCS_OK
+}
+
+type AmCb = unsafe extern "C" fn(
+    *mut c_void,
+    *const c_void,
+    usize,
+    *mut c_void,
+    usize,
+    *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t;
+
+unsafe extern "C" fn am_bind_cb(
+    _arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    let rndv = (*param).recv_attr & (sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64) != 0;
+    if header_length != 8 || length == 0 || length > 64 * 1024 || data.is_null() || rndv {
+        return sys::UCS_OK;
+    }
+    let uid = u64::from_le_bytes(
+        std::slice::from_raw_parts(header as *const u8, 8)
+            .try_into()
+            .unwrap(),
+    );
+    let addr = std::slice::from_raw_parts(data as *const u8, length).to_vec();
+    push_cb(CbEvent::Bind(uid, addr));
     sys::UCS_OK
 }
 
