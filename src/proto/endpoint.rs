@@ -418,6 +418,8 @@ impl Endpoint {
     /// linger time. Call it whenever `poll_timeout` passes, whether or not anything else
     /// happened.
     pub fn handle_timeout(&mut self, now: Instant) {
+        // A verdict that is already there beats the bound.
+        self.drive(now);
         for r in self.recvs.values_mut() {
             r.on_timeout(now, &mut self.out);
         }
@@ -439,6 +441,12 @@ impl Endpoint {
                 c.forget(k);
             }
         }
+    }
+
+    /// The external collective has news: pick up its verdicts now rather than at the next
+    /// tick (a verdict is otherwise noticed within one retransmit interval).
+    pub fn handle_collective(&mut self, now: Instant) {
+        self.drive(now);
     }
 
     /// Hands votes to the external collective and picks up its verdicts.

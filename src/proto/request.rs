@@ -353,6 +353,18 @@ impl RecvRequest {
         }
         self.verdict = Some(verdict);
         self.next_retx = now + self.retransmit;
+        if self.is_coordinator() {
+            // Push rather than wait for each receiver's next vote; votes still pull it again.
+            for r in self.receivers.iter().filter(|r| **r != self.me) {
+                out.send(
+                    *r,
+                    Message::Verdict {
+                        key: self.key,
+                        outcome: verdict,
+                    },
+                );
+            }
+        }
         for (sender, flow) in self.flows.iter_mut() {
             if !flow.lost {
                 out.send(
@@ -640,7 +652,8 @@ impl RecvRequest {
     fn wants_retransmit(&self) -> bool {
         match (self.verdict, self.local_vote) {
             (None, None) => self.flows.values().any(|f| !f.answered && !f.lost),
-            (None, Some(_)) => !self.external && !self.is_coordinator(),
+            // External agreement: poll the collective at the retransmit interval.
+            (None, Some(_)) => self.external || !self.is_coordinator(),
             (Some(_), _) => self.flows.values().any(|f| !f.quiesced && !f.lost),
         }
     }

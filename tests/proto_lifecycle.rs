@@ -1,0 +1,227 @@
+//! The request lifecycle driven by the deterministic simulator (`tests/proto_sim`): scenarios
+//! for each rule of the issue, then property tests over random fault schedules.
+mod proto_sim;
+
+use kvlink::error::Outcome;
+use kvlink::proto::{RequestKey, Role};
+use proto_sim::*;
+
+fn req(id: u64, start_ms: u64, segs: u32) -> ReqPlan {
+    ReqPlan {
+        id,
+        start_ms,
+        segs_per_flow: segs,
+        retry: false,
+    }
+}
+
+fn run(plan: Plan) -> Sim {
+    let mut sim = Sim::new(plan);
+    sim.run();
+    let v = sim.check();
+    assert!(v.is_empty(), "violations:\n{}", v.join("\n"));
+    sim
+}
+
+fn all_outcomes(sim: &Sim, key: RequestKey) -> Vec<Outcome> {
+    sim.outcomes(key).into_iter().map(|o| o.2).collect()
+}
+
+#[test]
+fn clean_run_completes_on_every_rank() {
+    let sim = run(Plan::simple(2, 3, vec![req(1, 0, 3), req(2, 5, 2)]));
+    for id in [1, 2] {
+        let outs = sim.outcomes(RequestKey::new(id, 0));
+        // 2 receivers + 3 senders x 2 receivers.
+        assert_eq!(outs.len(), 2 + 6, "{outs:?}");
+        assert!(outs.iter().all(|o| o.2 == Outcome::Completed), "{outs:?}");
+    }
+}
+
+#[test]
+fn rejection_is_agreed() {
+    let mut plan = Plan::simple(2, 2, vec![req(7, 0, 2)]);
+    plan.reject = 1000;
+    let sim = run(plan);
+    let outs = all_outcomes(&sim, RequestKey::new(7, 0));
+    assert!(
+        !outs.is_empty() && outs.iter().all(|o| *o == Outcome::Rejected),
+        "{outs:?}"
+    );
+}
+
+#[test]
+fn silent_senders_time_out_and_buffers_come_back() {
+    let mut plan = Plan::simple(2, 2, vec![req(3, 0, 2)]);
+    plan.stall = 1000; // the context side never answers
+    let sim = run(plan);
+    let outs = all_outcomes(&sim, RequestKey::new(3, 0));
+    assert!(outs.iter().all(|o| *o == Outcome::TimedOut), "{outs:?}");
+}
+
+/// Cancel at every state: for each rank and each millisecond across the lifetime of a request
+/// (before the advertisement arrives, after it, after accept, while segments land, after all
+/// landed, while agreeing, after the verdict, after terminal), the run keeps every invariant and
+/// all ranks agree.
+#[test]
+fn cancel_at_every_state() {
+    let mut seen = std::collections::BTreeSet::new();
+    for rank in 0..4 {
+        for t in 0..70u64 {
+            let mut plan = Plan::simple(2, 2, vec![req(9, 0, 2)]);
+            plan.cancels = vec![(t, rank, 0)];
+            plan.seed = t * 7 + rank as u64;
+            let sim = run(plan);
+            let outs = all_outcomes(&sim, RequestKey::new(9, 0));
+            assert!(
+                outs.windows(2).all(|w| w[0] == w[1]),
+                "rank {rank} t {t}: {outs:?}"
+            );
+            seen.insert(outs[0] as u8);
+        }
+    }
+    // Early cancels win, late ones come after completion.
+    assert!(seen.contains(&(Outcome::Cancelled as u8)));
+    assert!(seen.contains(&(Outcome::Completed as u8)));
+}
+
+#[test]
+fn detected_dead_sender_ends_peer_lost_everywhere() {
+    let mut plan = Plan::simple(2, 2, vec![req(4, 0, 2)]);
+    plan.stall = 0;
+    plan.death = Some((1, 2, true)); // ctx rank 0, before it can accept
+    let sim = run(plan);
+    let outs = all_outcomes(&sim, RequestKey::new(4, 0));
+    assert!(outs.iter().all(|o| *o == Outcome::PeerLost), "{outs:?}");
+}
+
+#[test]
+fn silent_dead_coordinator_is_bounded() {
+    let mut plan = Plan::simple(3, 2, vec![req(5, 0, 1)]);
+    plan.stall = 1000;
+    plan.death = Some((1, 0, false)); // the coordinator freezes, nobody is told
+    let sim = run(plan);
+    let outs = sim.outcomes(RequestKey::new(5, 0));
+    assert!(!outs.is_empty());
+    // Receivers cannot reach the coordinator: PeerLost at the bound, never a hang.
+    assert!(outs
+        .iter()
+        .filter(|o| o.1 == Role::Receiver)
+        .all(|o| o.2 == Outcome::PeerLost));
+}
+
+/// Stuck reaps (a transport that never completes a cancel) are fenced at the bound, and the
+/// fenced slots come back through restore.
+#[test]
+fn stuck_cancel_is_fenced_not_reused() {
+    let mut plan = Plan::simple(2, 2, vec![req(6, 0, 3)]);
+    plan.stall = 1000;
+    plan.faults = Faults {
+        stuck_reap: 1000,
+        window_ms: 10_000,
+        ..Faults::default()
+    };
+    let sim = run(plan);
+    assert!(sim.stats_sum().fenced_buffers >= 12);
+    let outs = all_outcomes(&sim, RequestKey::new(6, 0));
+    assert!(outs.iter().all(|o| *o == Outcome::TimedOut), "{outs:?}");
+}
+
+/// The field's wedge: every buffer is leased to requests whose peers never answer, no new
+/// request arrives, and only the clock moves. Cleanup still runs, and the pool recovers fully,
+/// including slots whose cancel never completed (fenced, then restored). A request started
+/// afterwards completes.
+#[test]
+fn pool_exhaustion_wedge_recovers_without_new_requests() {
+    for stuck in [0, 500, 1000] {
+        let mut plan = Plan::simple(1, 2, (0..4).map(|i| req(10 + i, i, 2)).collect());
+        plan.pool_capacity = 16; // 4 requests x 2 senders x 2 segments: exactly full
+        plan.stall = 1000;
+        plan.faults = Faults {
+            stuck_reap: stuck,
+            window_ms: 100_000,
+            ..Faults::default()
+        };
+        // One more request while the pool is exhausted: it cannot start.
+        plan.reqs.push(req(99, 10, 1));
+        let sim = run(plan);
+        assert_eq!(sim.not_started, 1, "the pool was not exhausted");
+        for i in 0..4 {
+            let outs = all_outcomes(&sim, RequestKey::new(10 + i, 0));
+            assert_eq!(outs, vec![Outcome::TimedOut; 3], "stuck {stuck}");
+        }
+        let pool = sim.pool(gen_rank(0));
+        assert_eq!((pool.available(), pool.leased(), pool.fenced()), (16, 0, 0));
+    }
+    // And after recovery, new work flows: same pool size, requests after the first wave.
+    let mut plan = Plan::simple(1, 2, (0..4).map(|i| req(10 + i, i, 2)).collect());
+    plan.pool_capacity = 16;
+    plan.cancels = (0..4).map(|i| (5, 0, i)).collect();
+    plan.reqs.push(req(50, 3_000, 2));
+    plan.cancels.truncate(4);
+    let sim = run(plan);
+    assert_eq!(
+        all_outcomes(&sim, RequestKey::new(50, 0)),
+        vec![Outcome::Completed; 3]
+    );
+}
+
+/// Two requests whose ids are equal modulo 4096 (and modulo 2^32) run at once; one is cancelled
+/// or rejected, the other completes with its own data and nothing of the other's.
+#[test]
+fn ids_equal_mod_4096_never_interfere() {
+    for (a, b) in [(5, 5 + 4096), (5, 5 + (1u64 << 32)), (0, 4096 * 1000)] {
+        let mut plan = Plan::simple(2, 2, vec![req(a, 0, 2), req(b, 0, 2)]);
+        plan.cancels = vec![(3, 0, 0)]; // cancel `a` on receiver 0 before data lands
+        let sim = run(plan);
+        let oa = all_outcomes(&sim, RequestKey::new(a, 0));
+        let ob = all_outcomes(&sim, RequestKey::new(b, 0));
+        assert!(oa.iter().all(|o| *o == Outcome::Cancelled), "{oa:?}");
+        assert!(ob.iter().all(|o| *o == Outcome::Completed), "{ob:?}");
+    }
+}
+
+/// A retry (generation 1) runs while stale messages and completions of generation 0 keep
+/// arriving; they are counted and dropped, and the retry completes with its own data.
+#[test]
+fn retry_ignores_stale_generation() {
+    let mut plan = Plan::simple(
+        2,
+        2,
+        vec![ReqPlan {
+            id: 42,
+            start_ms: 0,
+            segs_per_flow: 2,
+            retry: true,
+        }],
+    );
+    plan.cancels = vec![(2, 1, 0)];
+    plan.faults = Faults {
+        stale: 1000,
+        window_ms: 100_000,
+        ..Faults::default()
+    };
+    let sim = run(plan);
+    let g0 = all_outcomes(&sim, RequestKey::new(42, 0));
+    let g1 = all_outcomes(&sim, RequestKey::new(42, 1));
+    assert!(g0.iter().all(|o| *o == Outcome::Cancelled), "{g0:?}");
+    assert!(
+        !g1.is_empty() && g1.iter().all(|o| *o == Outcome::Completed),
+        "{g1:?}"
+    );
+    assert!(sim.stale_injected > 0);
+    let s = sim.stats_sum();
+    assert!(s.stale_dropped + s.duplicates > 0, "{s:?}");
+}
+
+#[test]
+fn external_collective_agrees_too() {
+    let mut plan = Plan::simple(3, 2, vec![req(8, 0, 2), req(18, 0, 1)]);
+    plan.external = true;
+    plan.cancels = vec![(4, 1, 1)];
+    let sim = run(plan);
+    let o8 = all_outcomes(&sim, RequestKey::new(8, 0));
+    assert!(o8.iter().all(|o| *o == Outcome::Completed), "{o8:?}");
+    let o18 = all_outcomes(&sim, RequestKey::new(18, 0));
+    assert!(o18.windows(2).all(|w| w[0] == w[1]), "{o18:?}");
+}
