@@ -1,5 +1,5 @@
-//! The state machines of one request: [`RecvRequest`] on a generation (receiving) rank and
-//! [`SendFlow`] on a context (sending) rank, one per (request, receiver) pair.
+//! The state machines of one request: `RecvRequest` on a generation (receiving) rank and
+//! `SendFlow` on a context (sending) rank, one per (request, receiver) pair.
 //!
 //! Receiver: `Active` (advertised; segments landing) -> local vote -> verdict -> `Settling`
 //! (unlanded receives cancelled, waiting for each to be reaped) -> terminal, buffers released ->
