@@ -14,6 +14,7 @@
 //! - `bridge`: the only file that knows cxx; declarations and one-line forwarders behind one
 //!   panic boundary.
 pub mod config;
+pub mod connection;
 pub mod error;
 pub mod memory;
 pub mod proto;

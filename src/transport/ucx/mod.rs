@@ -105,6 +105,8 @@ pub enum Event {
     Control(PeerId, Vec<u8>),
     /// A peer's endpoint failed; every later operation on it fails with `PeerLost`.
     PeerFailed(PeerId),
+    /// An op posted with `notify` has ended; [`Op::poll`] has its result.
+    OpDone(u64),
 }
 
 /// Progress counters: these tell "alive" from "working".
@@ -145,6 +147,8 @@ struct OpSlot {
     /// The UCX tag, and whether this is a send (a send's cancel asks the peer to drain it).
     tag: u64,
     send: bool,
+    /// Push [`Event::OpDone`] when this op ends (for drivers that multiplex many ops).
+    notify: bool,
     started: Instant,
     state: Mutex<Option<(sys::ucs_status_t, usize)>>,
     cv: Condvar,
@@ -216,6 +220,43 @@ impl Op {
             STOP_CANCEL => Outcome::Cancelled,
             _ => Outcome::TimedOut,
         })
+    }
+
+    /// The op's id (as in [`Event::OpDone`]).
+    pub fn id(&self) -> u64 {
+        self.slot.id
+    }
+
+    /// The result if the op has ended, without waiting.
+    pub fn poll(&mut self) -> Option<Result<Outcome>> {
+        let done = *self.slot.state.lock();
+        done.map(|(status, len)| {
+            let stopped = self.slot.stop_reason.load(Ordering::Acquire);
+            if self.slot.send && status == sys::UCS_OK && stopped != STOP_NONE {
+                // Completed only because the receiver drained it: not delivered.
+                self.finished = true;
+                self.quiesced = true;
+                return Ok(if stopped == STOP_TIMEOUT {
+                    Outcome::TimedOut
+                } else {
+                    Outcome::Cancelled
+                });
+            }
+            self.finish(status, len)
+        })
+    }
+
+    /// Asks for the op to be cancelled without waiting; its end is reported as usual (by
+    /// [`Event::OpDone`] when posted with `notify`). A receive is reaped within microseconds; a
+    /// send is drained by its receiver.
+    pub fn request_cancel(&self) {
+        let _ = self.slot.stop_reason.compare_exchange(
+            STOP_NONE,
+            STOP_CANCEL,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        let _ = self.shared.submit(Cmd::CancelOp(self.slot.id));
     }
 
     /// True once UCX can no longer write into (or read from) the op's buffer.
@@ -540,7 +581,14 @@ impl Agent {
         }
     }
 
-    fn new_slot(&self, peer: PeerId, expected_len: usize, tag: u64, send: bool) -> Arc<OpSlot> {
+    fn new_slot(
+        &self,
+        peer: PeerId,
+        expected_len: usize,
+        tag: u64,
+        send: bool,
+        notify: bool,
+    ) -> Arc<OpSlot> {
         let id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(OpSlot {
             id,
@@ -548,6 +596,7 @@ impl Agent {
             expected_len,
             tag,
             send,
+            notify,
             started: Instant::now(),
             state: Mutex::new(None),
             cv: Condvar::new(),
@@ -586,9 +635,24 @@ impl Agent {
         addr: *const u8,
         len: usize,
     ) -> Result<Op> {
+        self.post_send_with(peer, tag, addr, len, false)
+    }
+
+    /// [`Agent::post_send`], optionally reporting the op's end as [`Event::OpDone`].
+    ///
+    /// # Safety
+    /// As for [`Agent::post_send`].
+    pub unsafe fn post_send_with(
+        &self,
+        peer: PeerId,
+        tag: u64,
+        addr: *const u8,
+        len: usize,
+        notify: bool,
+    ) -> Result<Op> {
         check_buffer(addr as usize, len)?;
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, len, tag, true);
+        let slot = self.new_slot(peer, len, tag, true, notify);
         let op = self.op(slot.clone());
         self.shared.submit(Cmd::Send {
             peer,
@@ -613,9 +677,24 @@ impl Agent {
         addr: *mut u8,
         len: usize,
     ) -> Result<Op> {
+        self.post_recv_with(peer, tag, addr, len, false)
+    }
+
+    /// [`Agent::post_recv`], optionally reporting the op's end as [`Event::OpDone`].
+    ///
+    /// # Safety
+    /// As for [`Agent::post_recv`].
+    pub unsafe fn post_recv_with(
+        &self,
+        peer: PeerId,
+        tag: u64,
+        addr: *mut u8,
+        len: usize,
+        notify: bool,
+    ) -> Result<Op> {
         check_buffer(addr as usize, len)?;
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, len, tag, false);
+        let slot = self.new_slot(peer, len, tag, false, notify);
         let op = self.op(slot.clone());
         self.shared.submit(Cmd::Recv {
             peer,
@@ -635,7 +714,7 @@ impl Agent {
             )));
         }
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, bytes.len(), 0, false);
+        let slot = self.new_slot(peer, bytes.len(), 0, false, false);
         let op = self.op(slot.clone());
         self.shared.submit(Cmd::Control { peer, bytes, slot })?;
         Ok(op)
@@ -1187,6 +1266,7 @@ impl Progress {
             expected_len: 1,
             tag,
             send: false,
+            notify: false,
             started: Instant::now(),
             state: Mutex::new(None),
             cv: Condvar::new(),
@@ -1624,6 +1704,9 @@ fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_status_t, len: u
     }
     shared.in_flight.lock().remove(&slot.id);
     slot.complete(status, len);
+    if slot.notify {
+        shared.push_event(Event::OpDone(slot.id));
+    }
 }
 
 enum Target<'a> {

@@ -1,0 +1,266 @@
+//! The connection engine end to end between two ranks over real UCX (tcp on loopback and shared
+//! memory), in one process: request advertisement, ready, multi-buffer transfer, verification,
+//! a suppressed completion that times out, a rejected request, a cancel, notifications.
+use kvlink::connection::{BufferSpec, Engine, EngineConfig};
+use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
+use kvlink::transport::TransportKind;
+use kvlink::Outcome;
+use std::time::{Duration, Instant};
+
+const CTX: u32 = 0;
+const GEN: u32 = 1;
+
+fn engines(kind: TransportKind, timeout: Duration, suppress: Option<u64>) -> (Engine, Engine) {
+    let mut c = EngineConfig::new("ctx", CTX, kind);
+    if kind == TransportKind::Tcp {
+        c.listen = Some("127.0.0.1:0".parse().unwrap());
+    }
+    c.timeout = timeout;
+    c.agreement_bound = Duration::from_millis(500);
+    c.faults.suppress_data_of_request = suppress;
+    let ctx = Engine::new(c).unwrap();
+    let mut g = EngineConfig::new("gen", GEN, kind);
+    g.timeout = timeout;
+    g.agreement_bound = Duration::from_millis(500);
+    let gen = Engine::new(g).unwrap();
+    let r = gen
+        .connect(&ctx.address(), Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(r, RankId(CTX));
+    ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(ctx.peer_name(RankId(GEN)).as_deref(), Some("gen"));
+    (ctx, gen)
+}
+
+fn fill(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Runs one request; returns (generation outcome, context outcome, data intact).
+fn run(ctx: &Engine, gen: &Engine, key: RequestKey, sizes: &[usize]) -> (Outcome, Outcome, bool) {
+    let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&s| vec![0u8; s]).collect();
+    let specs: Vec<BufferSpec> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| BufferSpec {
+            kind: if i == 0 {
+                BufferKind::Kv
+            } else {
+                BufferKind::KvIndexer
+            },
+            segment: i as u32,
+            addr: b.as_mut_ptr() as u64,
+            len: b.len() as u64,
+            device_id: -1,
+        })
+        .collect();
+    // SAFETY: `bufs` outlives the request: we wait for its end below before dropping them.
+    unsafe {
+        gen.advertise(
+            key,
+            vec![RankId(GEN)],
+            vec![(RankId(CTX), specs)],
+            b"req-info".to_vec(),
+        )
+    }
+    .unwrap();
+    let dl = Instant::now() + Duration::from_secs(10);
+    let adv = ctx.next_advertisement(dl, None).expect("advertisement");
+    assert_eq!(adv.key, key);
+    assert_eq!(adv.request_info, b"req-info");
+    assert_eq!(adv.buffers.len(), sizes.len());
+    ctx.accept(key, adv.from, true).unwrap();
+    assert_eq!(gen.recv_ready(key, dl, None), Some(true));
+    let sources: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| fill(key.request.0 as u8 ^ i as u8, s))
+        .collect();
+    let mut send_outcome = Outcome::Completed;
+    for d in &adv.buffers {
+        let o = ctx
+            .send(
+                key,
+                adv.from,
+                d.segment,
+                &sources[d.segment as usize],
+                dl,
+                None,
+            )
+            .unwrap();
+        if o != Outcome::Completed {
+            send_outcome = o;
+        }
+    }
+    let g = gen.wait(
+        key,
+        Role::Receiver,
+        Instant::now() + Duration::from_secs(10),
+        None,
+    );
+    let c = ctx.wait(
+        key,
+        Role::Sender {
+            receiver: RankId(GEN),
+        },
+        Instant::now() + Duration::from_secs(10),
+        None,
+    );
+    let _ = send_outcome;
+    (g, c, bufs == sources)
+}
+
+#[test]
+fn request_lifecycle_over_tcp_and_shared_memory() {
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind, Duration::from_secs(5), None);
+        for (i, sizes) in [vec![4096], vec![1 << 20, 4096, 64 << 10], vec![16 << 20]]
+            .into_iter()
+            .enumerate()
+        {
+            let key = RequestKey::new(100 + i as u64, 0);
+            let (g, c, ok) = run(&ctx, &gen, key, &sizes);
+            println!("{kind:?} {key}: gen {g:?} ctx {c:?} intact {ok}");
+            assert_eq!((g, c, ok), (Outcome::Completed, Outcome::Completed, true));
+        }
+        let h = gen.health();
+        println!("{kind:?} gen health {h:?}");
+        assert_eq!(h.buffers_leased, 0, "every buffer returned");
+        assert_eq!(h.completed, 3);
+        assert!(h.bytes_completed >= (17 << 20));
+    }
+}
+
+#[test]
+fn suppressed_completion_times_out_then_next_request_is_served() {
+    let timeout = Duration::from_millis(1500);
+    let (ctx, gen) = engines(TransportKind::Tcp, timeout, Some(2));
+    let (g, c, ok) = run(&ctx, &gen, RequestKey::new(1, 0), &[65536]);
+    assert_eq!((g, c, ok), (Outcome::Completed, Outcome::Completed, true));
+    let t0 = Instant::now();
+    let (g, c, ok) = run(&ctx, &gen, RequestKey::new(2, 0), &[65536]);
+    let took = t0.elapsed();
+    println!("suppressed request: gen {g:?} ctx {c:?} after {took:?} (timeout {timeout:?})");
+    assert_eq!(g, Outcome::TimedOut);
+    assert_eq!(c, Outcome::TimedOut, "both sides reach the same verdict");
+    assert!(!ok);
+    assert!(took >= timeout);
+    let (g, c, ok) = run(&ctx, &gen, RequestKey::new(3, 0), &[65536]);
+    assert_eq!((g, c, ok), (Outcome::Completed, Outcome::Completed, true));
+    let h = gen.health();
+    assert_eq!(h.buffers_leased, 0);
+    assert_eq!(h.ops_in_flight, 0);
+}
+
+#[test]
+fn rejected_request_and_notifications() {
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(5), None);
+    let key = RequestKey::new(9, 0);
+    let mut buf = vec![0u8; 4096];
+    let spec = BufferSpec {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: buf.as_mut_ptr() as u64,
+        len: 4096,
+        device_id: -1,
+    };
+    unsafe {
+        gen.advertise(
+            key,
+            vec![RankId(GEN)],
+            vec![(RankId(CTX), vec![spec])],
+            vec![],
+        )
+    }
+    .unwrap();
+    let dl = Instant::now() + Duration::from_secs(5);
+    let adv = ctx.next_advertisement(dl, None).unwrap();
+    ctx.accept(key, adv.from, false).unwrap();
+    assert_eq!(gen.recv_ready(key, dl, None), Some(false));
+    assert_eq!(gen.wait(key, Role::Receiver, dl, None), Outcome::Rejected);
+    assert_eq!(gen.health().buffers_leased, 0);
+    buf[0] = 1;
+
+    // Notifications: exactly once, in order, both directions.
+    for i in 0..5u8 {
+        ctx.notify(RankId(GEN), RequestKey::new(50, 0), vec![i])
+            .unwrap();
+        gen.notify(RankId(CTX), RequestKey::new(60, 0), vec![i, i])
+            .unwrap();
+    }
+    for i in 0..5u8 {
+        assert_eq!(
+            gen.wait_for_notification(RankId(CTX), dl, None),
+            Some((RequestKey::new(50, 0), vec![i]))
+        );
+        assert_eq!(
+            ctx.wait_for_notification(RankId(GEN), dl, None),
+            Some((RequestKey::new(60, 0), vec![i, i]))
+        );
+    }
+    let short = Instant::now() + Duration::from_millis(100);
+    assert_eq!(
+        gen.wait_for_notification(RankId(CTX), short, None),
+        None,
+        "no duplicates"
+    );
+}
+
+#[test]
+fn cancel_on_the_generation_side_is_agreed_with_the_context_side() {
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let key = RequestKey::new(4096 + 5, 0);
+    let mut buf = vec![0u8; 1 << 20];
+    let spec = BufferSpec {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: buf.as_mut_ptr() as u64,
+        len: 1 << 20,
+        device_id: -1,
+    };
+    unsafe {
+        gen.advertise(
+            key,
+            vec![RankId(GEN)],
+            vec![(RankId(CTX), vec![spec])],
+            vec![],
+        )
+    }
+    .unwrap();
+    let dl = Instant::now() + Duration::from_secs(5);
+    let adv = ctx.next_advertisement(dl, None).unwrap();
+    ctx.accept(key, adv.from, true).unwrap();
+    let t0 = Instant::now();
+    gen.cancel(key).unwrap();
+    let g = gen.wait(key, Role::Receiver, dl, None);
+    let c = ctx.wait(
+        key,
+        Role::Sender {
+            receiver: RankId(GEN),
+        },
+        dl,
+        None,
+    );
+    println!("cancel: gen {g:?} ctx {c:?} in {:?}", t0.elapsed());
+    assert_eq!((g, c), (Outcome::Cancelled, Outcome::Cancelled));
+    // A send after the agreed cancel is refused with the verdict, never delivered.
+    let o = ctx
+        .send(
+            key,
+            adv.from,
+            0,
+            &vec![1u8; 1 << 20],
+            Instant::now() + Duration::from_secs(2),
+            None,
+        )
+        .unwrap();
+    assert_ne!(o, Outcome::Completed);
+    assert!(
+        buf.iter().all(|&b| b == 0),
+        "no byte landed after the cancel"
+    );
+    assert_eq!(gen.health().buffers_leased, 0);
+}
