@@ -1,10 +1,83 @@
 //! The only file that knows cxx: declarations and one-line forwarders. Every exported function
-//! goes through [`guard`], the single panic boundary.
+//! goes through the single panic boundary (`boundary::guard`), in `api.rs` or here.
+use crate::api::{engine_new, EngineHandle};
 use crate::boundary::{guard, take_last_error_kind};
 use crate::error::Error;
 
 #[cxx::bridge(namespace = "kvlink::ffi")]
-mod ffi {
+pub mod ffi {
+    /// How to build one rank's engine.
+    #[derive(Default)]
+    struct EngineOptions {
+        /// Agent name, sent to peers in the hello.
+        name: String,
+        /// This rank's id, unique across both engines of a deployment.
+        rank: u32,
+        /// "tcp" or "sm" (shared memory).
+        transport: String,
+        /// tcp: `ip:port` to listen on (port 0 picks one); empty for none.
+        listen: String,
+        /// Per-request deadline (TensorRT-LLM's kv_transfer_timeout_ms). Must be positive.
+        timeout_ms: u64,
+        /// Extra time past a deadline for ranks to agree (0: the default, 2000 ms).
+        agreement_ms: u64,
+        /// Fault hook: the request id whose data a sender silently drops; -1 for none.
+        fault_suppress_request: i64,
+    }
+
+    /// One advertised buffer.
+    #[derive(Default, Clone, Debug)]
+    struct BufferInfo {
+        /// 0 KV, 1 KV indexer, 2 RNN.
+        kind: u8,
+        segment: u32,
+        addr: u64,
+        len: u64,
+        /// CUDA device, -1 for host memory.
+        device_id: i32,
+        /// Set by kvlink (the receive's tag); ignored on input.
+        token: u64,
+    }
+
+    /// An advertisement taken by a context rank; `found` is false when none came in time.
+    #[derive(Default)]
+    struct AdvertInfo {
+        found: bool,
+        request: u64,
+        generation: u32,
+        from_rank: u32,
+        request_info: Vec<u8>,
+        buffers: Vec<BufferInfo>,
+    }
+
+    /// A notification; `found` is false when none came in time.
+    #[derive(Default)]
+    struct NotificationInfo {
+        found: bool,
+        request: u64,
+        generation: u32,
+        payload: Vec<u8>,
+    }
+
+    /// The progress snapshot (see `kvlink::Health` in kvlink.hpp).
+    #[derive(Default, Debug)]
+    struct HealthInfo {
+        peers: u64,
+        peers_failed: u64,
+        requests_known: u64,
+        completed: u64,
+        failed: u64,
+        stale_dropped: u64,
+        bad_frames: u64,
+        buffers_leased: u64,
+        buffers_fenced: u64,
+        ops_in_flight: u64,
+        oldest_op_ms: u64,
+        since_last_completion_ms: u64,
+        bytes_completed: u64,
+        unreaped_ops: u64,
+    }
+
     extern "Rust" {
         /// The library version (Cargo package version).
         fn version() -> String;
@@ -16,6 +89,78 @@ mod ffi {
         /// Parses and checks an `ip:port` listen address; returns its canonical form.
         /// Throws InvalidArgument on anything else.
         fn check_listen_address(addr: &str) -> Result<String>;
+
+        /// One rank's engine: UCX agent, protocol core, driver thread.
+        type EngineHandle;
+        fn engine_new(options: &EngineOptions) -> Result<Box<EngineHandle>>;
+        fn address(self: &EngineHandle) -> String;
+        fn rank(self: &EngineHandle) -> u32;
+        fn connect(self: &EngineHandle, address: &str, timeout_ms: u64) -> Result<u32>;
+        fn wait_peer(self: &EngineHandle, rank: u32, timeout_ms: u64) -> Result<()>;
+        unsafe fn advertise(
+            self: &EngineHandle,
+            request: u64,
+            generation: u32,
+            receivers: &[u32],
+            sender: u32,
+            buffers: &[BufferInfo],
+            request_info: &[u8],
+        ) -> Result<()>;
+        unsafe fn next_advertisement(
+            self: &EngineHandle,
+            timeout_ms: u64,
+            cancel: usize,
+        ) -> Result<AdvertInfo>;
+        fn accept(
+            self: &EngineHandle,
+            request: u64,
+            generation: u32,
+            from_rank: u32,
+            ready: bool,
+        ) -> Result<()>;
+        unsafe fn recv_ready(
+            self: &EngineHandle,
+            request: u64,
+            generation: u32,
+            timeout_ms: u64,
+            cancel: usize,
+        ) -> Result<i8>;
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn send(
+            self: &EngineHandle,
+            request: u64,
+            generation: u32,
+            to_rank: u32,
+            segment: u32,
+            data: *const u8,
+            len: usize,
+            timeout_ms: u64,
+            cancel: usize,
+        ) -> Result<u8>;
+        unsafe fn wait(
+            self: &EngineHandle,
+            request: u64,
+            generation: u32,
+            as_receiver: bool,
+            peer_rank: u32,
+            timeout_ms: u64,
+            cancel: usize,
+        ) -> Result<u8>;
+        fn cancel(self: &EngineHandle, request: u64, generation: u32) -> Result<()>;
+        fn notify(
+            self: &EngineHandle,
+            to_rank: u32,
+            request: u64,
+            generation: u32,
+            payload: &[u8],
+        ) -> Result<()>;
+        unsafe fn wait_for_notification(
+            self: &EngineHandle,
+            from_rank: u32,
+            timeout_ms: u64,
+            cancel: usize,
+        ) -> Result<NotificationInfo>;
+        fn health(self: &EngineHandle) -> HealthInfo;
     }
 }
 

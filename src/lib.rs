@@ -20,6 +20,7 @@ pub mod memory;
 pub mod proto;
 pub mod transport;
 
+mod api;
 mod boundary;
 mod bridge;
 

@@ -111,7 +111,7 @@ impl Endpoint {
             || self
                 .sends
                 .range((lo, RankId(0))..=(hi, RankId(u32::MAX)))
-                .any(|((k, r), _)| k.generation > key.generation && peer.map_or(true, |p| p == *r))
+                .any(|((k, r), _)| k.generation > key.generation && peer.is_none_or(|p| p == *r))
     }
 
     fn drop_unknown(&mut self, key: RequestKey, peer: Option<RankId>) {

@@ -1,0 +1,355 @@
+//! The C++-facing API in plain Rust: argument checks and conversions between the bridge's
+//! flat types and the engine's. `bridge.rs` declares these for cxx and forwards to them; every
+//! entry point runs inside the panic boundary ([`guard`]).
+//!
+//! Conventions at this boundary: durations are relative milliseconds (each call computes its
+//! own deadline at entry); outcomes that are not faults are returned as `Outcome` codes; faults
+//! are errors with stable kinds; a cancel flag is the address of a C++ `std::atomic<bool>`
+//! (0 for none) that the call polls every 5 ms while it waits.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use crate::boundary::guard;
+use crate::bridge::ffi::{AdvertInfo, BufferInfo, EngineOptions, HealthInfo, NotificationInfo};
+use crate::connection::{BufferSpec, Engine, EngineConfig};
+use crate::error::{Error, Outcome, Result};
+use crate::proto::{BufferKind, RankId, RequestKey, Role};
+use crate::transport::TransportKind;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// One rank's engine, owned by C++ through `rust::Box`.
+pub struct EngineHandle {
+    engine: Engine,
+}
+
+fn deadline(timeout_ms: u64) -> Instant {
+    // Saturate far in the future rather than overflow: "no bound" is never offered.
+    Instant::now() + Duration::from_millis(timeout_ms.min(365 * 24 * 3600 * 1000))
+}
+
+/// A cancel check over a C++ `std::atomic<bool>` at `addr` (none when 0).
+///
+/// # Safety
+/// `addr` must be 0 or the address of a live, suitably aligned `std::atomic<bool>` (one byte,
+/// layout-compatible with `AtomicBool` on the supported ABIs) for the duration of the call.
+unsafe fn cancel_flag<'a>(addr: usize) -> Option<&'a AtomicBool> {
+    // SAFETY: guaranteed by the caller, as above.
+    (addr != 0).then(|| unsafe { AtomicBool::from_ptr(addr as *mut bool) })
+}
+
+pub fn engine_new(o: &EngineOptions) -> Result<Box<EngineHandle>> {
+    guard(|| {
+        let transport = TransportKind::parse(&o.transport)?;
+        let mut cfg = EngineConfig::new(o.name.clone(), o.rank, transport);
+        if !o.listen.is_empty() {
+            cfg.listen = Some(crate::config::parse_listen_address(&o.listen)?);
+        }
+        if o.timeout_ms == 0 {
+            return Err(Error::invalid("timeout_ms must be positive"));
+        }
+        cfg.timeout = Duration::from_millis(o.timeout_ms);
+        if o.agreement_ms > 0 {
+            cfg.agreement_bound = Duration::from_millis(o.agreement_ms);
+        }
+        cfg.faults.suppress_data_of_request =
+            (o.fault_suppress_request >= 0).then_some(o.fault_suppress_request as u64);
+        Ok(Box::new(EngineHandle {
+            engine: Engine::new(cfg)?,
+        }))
+    })
+}
+
+fn outcome_code(o: Outcome) -> u8 {
+    o as u8
+}
+
+impl EngineHandle {
+    pub fn address(&self) -> String {
+        self.engine.address()
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.engine.rank().0
+    }
+
+    pub fn connect(&self, address: &str, timeout_ms: u64) -> Result<u32> {
+        guard(|| Ok(self.engine.connect(address, deadline(timeout_ms))?.0))
+    }
+
+    pub fn wait_peer(&self, rank: u32, timeout_ms: u64) -> Result<()> {
+        guard(|| self.engine.wait_peer(RankId(rank), deadline(timeout_ms)))
+    }
+
+    /// # Safety
+    /// Every buffer must be writable host memory, untouched by others until `wait` for the
+    /// request (as receiver) has returned.
+    pub unsafe fn advertise(
+        &self,
+        request: u64,
+        generation: u32,
+        receivers: &[u32],
+        sender: u32,
+        buffers: &[BufferInfo],
+        request_info: &[u8],
+    ) -> Result<()> {
+        guard(|| {
+            let specs = buffers
+                .iter()
+                .map(|b| {
+                    Ok(BufferSpec {
+                        kind: BufferKind::from_u8(b.kind).ok_or_else(|| {
+                            Error::invalid(format!("unknown buffer kind {}", b.kind))
+                        })?,
+                        segment: b.segment,
+                        addr: b.addr,
+                        len: b.len,
+                        device_id: b.device_id,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut receivers: Vec<RankId> = receivers.iter().map(|&r| RankId(r)).collect();
+            if receivers.is_empty() {
+                receivers.push(self.engine.rank());
+            }
+            let key = RequestKey::new(request, generation);
+            // SAFETY: the caller's promise above is the engine's.
+            unsafe {
+                self.engine.advertise(
+                    key,
+                    receivers,
+                    vec![(RankId(sender), specs)],
+                    request_info.to_vec(),
+                )
+            }
+        })
+    }
+
+    /// # Safety
+    /// `cancel` as for [`cancel_flag`].
+    pub unsafe fn next_advertisement(&self, timeout_ms: u64, cancel: usize) -> Result<AdvertInfo> {
+        // SAFETY: forwarded caller promise.
+        let flag = unsafe { cancel_flag(cancel) };
+        guard(|| {
+            let check = flag.map(|f| move || f.load(Ordering::Acquire));
+            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            Ok(
+                match self.engine.next_advertisement(deadline(timeout_ms), c) {
+                    None => AdvertInfo {
+                        found: false,
+                        ..AdvertInfo::default()
+                    },
+                    Some(a) => AdvertInfo {
+                        found: true,
+                        request: a.key.request.0,
+                        generation: a.key.generation.0,
+                        from_rank: a.from.0,
+                        request_info: a.request_info,
+                        buffers: a
+                            .buffers
+                            .iter()
+                            .map(|d| BufferInfo {
+                                kind: d.kind as u8,
+                                segment: d.segment,
+                                addr: d.addr,
+                                len: d.len,
+                                device_id: d.device_id,
+                                token: d.token.0,
+                            })
+                            .collect(),
+                    },
+                },
+            )
+        })
+    }
+
+    pub fn accept(&self, request: u64, generation: u32, from_rank: u32, ready: bool) -> Result<()> {
+        guard(|| {
+            self.engine.accept(
+                RequestKey::new(request, generation),
+                RankId(from_rank),
+                ready,
+            )
+        })
+    }
+
+    /// -1: no answer by the deadline (or cancelled); 0: rejected; 1: ready.
+    ///
+    /// # Safety
+    /// `cancel` as for [`cancel_flag`].
+    pub unsafe fn recv_ready(
+        &self,
+        request: u64,
+        generation: u32,
+        timeout_ms: u64,
+        cancel: usize,
+    ) -> Result<i8> {
+        // SAFETY: forwarded caller promise.
+        let flag = unsafe { cancel_flag(cancel) };
+        guard(|| {
+            let check = flag.map(|f| move || f.load(Ordering::Acquire));
+            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            Ok(
+                match self.engine.recv_ready(
+                    RequestKey::new(request, generation),
+                    deadline(timeout_ms),
+                    c,
+                ) {
+                    None => -1,
+                    Some(false) => 0,
+                    Some(true) => 1,
+                },
+            )
+        })
+    }
+
+    /// # Safety
+    /// `data..data+len` must be readable for the duration of the call; `cancel` as for
+    /// [`cancel_flag`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn send(
+        &self,
+        request: u64,
+        generation: u32,
+        to_rank: u32,
+        segment: u32,
+        data: *const u8,
+        len: usize,
+        timeout_ms: u64,
+        cancel: usize,
+    ) -> Result<u8> {
+        // SAFETY: forwarded caller promise.
+        let flag = unsafe { cancel_flag(cancel) };
+        if data.is_null() || len == 0 {
+            return guard(|| {
+                Err(Error::invalid(
+                    "send needs a non-null buffer and a non-zero size",
+                ))
+            });
+        }
+        // SAFETY: the caller promises `len` readable bytes at `data` for this call.
+        let bytes = unsafe { std::slice::from_raw_parts(data, len) };
+        guard(|| {
+            let check = flag.map(|f| move || f.load(Ordering::Acquire));
+            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            let key = RequestKey::new(request, generation);
+            self.engine
+                .send(
+                    key,
+                    RankId(to_rank),
+                    segment,
+                    bytes,
+                    deadline(timeout_ms),
+                    c,
+                )
+                .map(outcome_code)
+        })
+    }
+
+    /// Waits for the agreed end of the request: as its receiver (`peer_rank` ignored) or as the
+    /// sender to `peer_rank`.
+    ///
+    /// # Safety
+    /// `cancel` as for [`cancel_flag`].
+    pub unsafe fn wait(
+        &self,
+        request: u64,
+        generation: u32,
+        as_receiver: bool,
+        peer_rank: u32,
+        timeout_ms: u64,
+        cancel: usize,
+    ) -> Result<u8> {
+        // SAFETY: forwarded caller promise.
+        let flag = unsafe { cancel_flag(cancel) };
+        guard(|| {
+            let check = flag.map(|f| move || f.load(Ordering::Acquire));
+            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            let role = if as_receiver {
+                Role::Receiver
+            } else {
+                Role::Sender {
+                    receiver: RankId(peer_rank),
+                }
+            };
+            Ok(outcome_code(self.engine.wait(
+                RequestKey::new(request, generation),
+                role,
+                deadline(timeout_ms),
+                c,
+            )))
+        })
+    }
+
+    pub fn cancel(&self, request: u64, generation: u32) -> Result<()> {
+        guard(|| self.engine.cancel(RequestKey::new(request, generation)))
+    }
+
+    pub fn notify(
+        &self,
+        to_rank: u32,
+        request: u64,
+        generation: u32,
+        payload: &[u8],
+    ) -> Result<()> {
+        guard(|| {
+            self.engine.notify(
+                RankId(to_rank),
+                RequestKey::new(request, generation),
+                payload.to_vec(),
+            )
+        })
+    }
+
+    /// # Safety
+    /// `cancel` as for [`cancel_flag`].
+    pub unsafe fn wait_for_notification(
+        &self,
+        from_rank: u32,
+        timeout_ms: u64,
+        cancel: usize,
+    ) -> Result<NotificationInfo> {
+        // SAFETY: forwarded caller promise.
+        let flag = unsafe { cancel_flag(cancel) };
+        guard(|| {
+            let check = flag.map(|f| move || f.load(Ordering::Acquire));
+            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            Ok(
+                match self
+                    .engine
+                    .wait_for_notification(RankId(from_rank), deadline(timeout_ms), c)
+                {
+                    None => NotificationInfo {
+                        found: false,
+                        ..NotificationInfo::default()
+                    },
+                    Some((k, payload)) => NotificationInfo {
+                        found: true,
+                        request: k.request.0,
+                        generation: k.generation.0,
+                        payload,
+                    },
+                },
+            )
+        })
+    }
+
+    pub fn health(&self) -> HealthInfo {
+        let h = self.engine.health();
+        HealthInfo {
+            peers: h.peers,
+            peers_failed: h.peers_failed,
+            requests_known: h.requests_known,
+            completed: h.completed,
+            failed: h.failed,
+            stale_dropped: h.stale_dropped,
+            bad_frames: h.bad_frames,
+            buffers_leased: h.buffers_leased,
+            buffers_fenced: h.buffers_fenced,
+            ops_in_flight: h.ops_in_flight,
+            oldest_op_ms: h.oldest_op_ms,
+            since_last_completion_ms: h.since_last_completion_ms,
+            bytes_completed: h.bytes_completed,
+            unreaped_ops: h.unreaped_ops,
+        }
+    }
+}
