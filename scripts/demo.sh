@@ -6,6 +6,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/install-deps.sh"
 export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 cd "$root"
-# TODO(demo): the `kvlink-demo` binary (src/bin/kvlink-demo.rs) is being written separately; it
-# must grow into the two-process loopback transfer as the transfer engine lands.
+# kvlink-demo (src/bin/kvlink-demo.rs): a context process and a generation process on loopback
+# hand over a KV-cache-shaped request, then a request whose data a fault hook drops ends TimedOut
+# at its deadline on both sides, and the same processes serve a third request.
+# Options: --transport tcp|sm (default tcp), --timeout-ms N (default 2000).
 exec cargo run --locked --release --bin kvlink-demo -- "$@"

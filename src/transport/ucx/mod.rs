@@ -139,6 +139,14 @@ const STOP_SHUTDOWN: u8 = 4;
 /// The sending peer gave up on this transfer and asked us to drain it.
 const STOP_REMOTE_CANCEL: u8 = 5;
 
+/// What an op is: data (a tag send or receive) or a control message.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SlotKind {
+    Send,
+    Recv,
+    Control,
+}
+
 /// The completion slot of one in-flight operation, shared by the waiter and the progress thread.
 struct OpSlot {
     id: u64,
@@ -149,6 +157,8 @@ struct OpSlot {
     send: bool,
     /// Push [`Event::OpDone`] when this op ends (for drivers that multiplex many ops).
     notify: bool,
+    /// A control message, not data: kept out of the data progress counters.
+    control: bool,
     started: Instant,
     state: Mutex<Option<(sys::ucs_status_t, usize)>>,
     cv: Condvar,
@@ -586,9 +596,11 @@ impl Agent {
         peer: PeerId,
         expected_len: usize,
         tag: u64,
-        send: bool,
+        kind: SlotKind,
         notify: bool,
     ) -> Arc<OpSlot> {
+        let send = kind == SlotKind::Send;
+        let control = kind == SlotKind::Control;
         let id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(OpSlot {
             id,
@@ -597,6 +609,7 @@ impl Agent {
             tag,
             send,
             notify,
+            control,
             started: Instant::now(),
             state: Mutex::new(None),
             cv: Condvar::new(),
@@ -652,7 +665,7 @@ impl Agent {
     ) -> Result<Op> {
         check_buffer(addr as usize, len)?;
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, len, tag, true, notify);
+        let slot = self.new_slot(peer, len, tag, SlotKind::Send, notify);
         let op = self.op(slot.clone());
         self.shared.submit(Cmd::Send {
             peer,
@@ -694,7 +707,7 @@ impl Agent {
     ) -> Result<Op> {
         check_buffer(addr as usize, len)?;
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, len, tag, false, notify);
+        let slot = self.new_slot(peer, len, tag, SlotKind::Recv, notify);
         let op = self.op(slot.clone());
         self.shared.submit(Cmd::Recv {
             peer,
@@ -714,7 +727,7 @@ impl Agent {
             )));
         }
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, bytes.len(), 0, false, false);
+        let slot = self.new_slot(peer, bytes.len(), 0, SlotKind::Control, false);
         let op = self.op(slot.clone());
         self.shared.submit(Cmd::Control { peer, bytes, slot })?;
         Ok(op)
@@ -1267,6 +1280,7 @@ impl Progress {
             tag,
             send: false,
             notify: false,
+            control: true,
             started: Instant::now(),
             state: Mutex::new(None),
             cv: Condvar::new(),
@@ -1686,6 +1700,10 @@ impl Shared {
 fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_status_t, len: usize) {
     if slot.id == 0 {
         // An internal drain receive: not user work, not counted.
+        return slot.complete(status, len);
+    }
+    if slot.control {
+        shared.in_flight.lock().remove(&slot.id);
         return slot.complete(status, len);
     }
     if status == sys::UCS_OK {

@@ -1,0 +1,27 @@
+//! The README's main job, run as a test: two processes, a verified transfer, a suppressed
+//! completion that times out, and a third request served afterwards.
+use std::process::Command;
+
+#[test]
+fn demo_runs_and_handles_the_fault_on_tcp_and_shared_memory() {
+    for transport in ["tcp", "sm"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvlink-demo"))
+            .args(["--transport", transport, "--timeout-ms", "1000"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        println!("{text}");
+        assert!(out.status.success(), "{transport}: demo failed:\n{text}");
+        assert!(
+            text.contains("request 2: ") && text.contains("-> TimedOut"),
+            "{text}"
+        );
+        assert!(text
+            .contains("context side reported: CTX 1 Completed, CTX 2 TimedOut, CTX 3 Completed"));
+        assert_eq!(
+            text.matches("every byte verified: true").count(),
+            2,
+            "{text}"
+        );
+    }
+}
