@@ -1092,6 +1092,7 @@ impl Progress {
 
     fn run(&mut self) {
         let mut empty_streak = 0u32;
+
         loop {
             let mut did = self.drain_commands();
             if did.1 {
@@ -1112,6 +1113,7 @@ impl Progress {
             if !self.drains.is_empty() {
                 self.expire_drains();
             }
+
             // SAFETY: as above.
             let st = unsafe { sys::ucp_worker_arm(self.worker) };
             if st == sys::UCS_ERR_BUSY {
