@@ -182,3 +182,49 @@ fn progress_counters_move_with_work() {
     assert_eq!(after.bytes_completed, before.bytes_completed + (1 << 16));
     assert!(after.since_last_completion.is_some());
 }
+
+#[test]
+fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
+    for kind in KINDS {
+        let (a, b, ab, _ba) = pair(kind);
+        // b exposes a region; a learns (address, length, key) out of band, as an advertisement.
+        let mut target = vec![0u8; 1 << 20];
+        let mh = unsafe { b.map(target.as_mut_ptr(), target.len()) }.unwrap();
+        assert!(!mh.packed_rkey().is_empty());
+        let key = a
+            .unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64)
+            .unwrap();
+        let src: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let dl = Instant::now() + Duration::from_secs(5);
+        // Write at an offset; completion means the bytes are at the target.
+        let mut op = unsafe { a.put(src.as_ptr(), src.len(), &key, mh.addr() + 8192) }.unwrap();
+        assert_eq!(op.wait(dl, None).unwrap(), Outcome::Completed);
+        assert_eq!(&target[8192..8192 + 4096], &src[..], "{kind:?}: put landed");
+        assert!(
+            target[..8192].iter().all(|&x| x == 0),
+            "nothing outside the range was written"
+        );
+        // Read it back.
+        let mut back = vec![0u8; 4096];
+        let mut op =
+            unsafe { a.get(back.as_mut_ptr(), back.len(), &key, mh.addr() + 8192) }.unwrap();
+        assert_eq!(op.wait(dl, None).unwrap(), Outcome::Completed);
+        assert_eq!(back, src, "{kind:?}: get read the bytes back");
+        // Out-of-bounds descriptors are refused before anything moves.
+        let e = unsafe { a.put(src.as_ptr(), src.len(), &key, mh.addr() + (1 << 20) - 100) }
+            .err()
+            .unwrap();
+        assert_eq!(e.kind, ErrorKind::OutOfBounds);
+        let e = unsafe { a.get(back.as_mut_ptr(), 16, &key, mh.addr() - 16) }
+            .err()
+            .unwrap();
+        assert_eq!(e.kind, ErrorKind::OutOfBounds);
+        assert_eq!(
+            a.unpack_rkey(ab, &[], mh.addr(), 16).err().unwrap().kind,
+            ErrorKind::InvalidArgument
+        );
+        drop(key);
+        drop(mh);
+        drop(target);
+    }
+}

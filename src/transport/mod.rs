@@ -2,4 +2,4 @@
 pub mod cuda;
 pub mod ucx;
 
-pub use ucx::{Agent, AgentOptions, Event, Op, PeerId, Stats, TransportKind};
+pub use ucx::{Agent, AgentOptions, Event, MemHandle, Op, PeerId, RemoteKey, Stats, TransportKind};

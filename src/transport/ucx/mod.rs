@@ -25,7 +25,10 @@
 //! Endpoints are created with peer error handling. The UCX error callback moves the peer to the
 //! failed state, which every later operation checks, and the progress thread cancels the posted
 //! receives that belong to that peer (UCX does not complete unmatched receives on its own).
+mod handles;
 mod sys;
+
+use handles::{Context, Endpoint, Listener, Mapped, RemoteKey as UcxRkey, Worker};
 
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use parking_lot::{Condvar, Mutex};
@@ -145,6 +148,8 @@ enum SlotKind {
     Send,
     Recv,
     Control,
+    /// A one-sided put or get, completed by the endpoint flush that follows it.
+    Rma,
 }
 
 /// The completion slot of one in-flight operation, shared by the waiter and the progress thread.
@@ -389,6 +394,26 @@ enum Cmd {
         slot: Arc<OpSlot>,
     },
     CancelOp(u64),
+    Map {
+        addr: usize,
+        len: usize,
+        reply: Arc<Reply<(u64, Vec<u8>)>>,
+    },
+    Unmap(u64),
+    UnpackRkey {
+        peer: PeerId,
+        packed: Vec<u8>,
+        reply: Arc<Reply<u64>>,
+    },
+    DestroyRkey(u64),
+    Rma {
+        rkey: u64,
+        put: bool,
+        addr: usize,
+        len: usize,
+        remote: u64,
+        slot: Arc<OpSlot>,
+    },
     ForceClose(PeerId),
     Shutdown,
 }
@@ -719,6 +744,119 @@ impl Agent {
         Ok(op)
     }
 
+    /// Registers `[addr, addr+len)` with UCX for one-sided access by peers. The handle's packed
+    /// remote key is what a peer needs ([`Agent::unpack_rkey`]); dropping the handle unmaps.
+    ///
+    /// # Safety
+    /// The range must be valid host memory for as long as the handle lives, and no peer may
+    /// still access it when the handle is dropped.
+    pub unsafe fn map(&self, addr: *mut u8, len: usize) -> Result<MemHandle> {
+        check_buffer(addr as usize, len)?;
+        let r = Reply::new();
+        self.shared.submit(Cmd::Map {
+            addr: addr as usize,
+            len,
+            reply: r.clone(),
+        })?;
+        let (id, packed_rkey) = r.wait(Instant::now() + Duration::from_secs(10))?;
+        Ok(MemHandle {
+            id,
+            addr: addr as u64,
+            len,
+            packed_rkey,
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// Unpacks a peer's remote key for its region `[base, base+len)` (as the peer advertised
+    /// it). Every put or get through the key is checked against that region.
+    pub fn unpack_rkey(
+        &self,
+        peer: PeerId,
+        packed: &[u8],
+        base: u64,
+        len: u64,
+    ) -> Result<RemoteKey> {
+        if packed.is_empty() || packed.len() > 64 * 1024 {
+            return Err(Error::invalid(
+                "a packed remote key must be 1..=65536 bytes",
+            ));
+        }
+        if base == 0 || len == 0 || base.checked_add(len).is_none() {
+            return Err(Error::new(ErrorKind::OutOfBounds, "bad remote region"));
+        }
+        self.check_peer(peer)?;
+        let r = Reply::new();
+        self.shared.submit(Cmd::UnpackRkey {
+            peer,
+            packed: packed.to_vec(),
+            reply: r.clone(),
+        })?;
+        let id = r.wait(Instant::now() + Duration::from_secs(10))?;
+        Ok(RemoteKey {
+            id,
+            peer,
+            base,
+            len,
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// One-sided write of `len` bytes at `local` into the peer's memory at `remote`. Completes
+    /// when the data is in place at the target (the endpoint is flushed).
+    ///
+    /// # Safety
+    /// `local..local+len` must be readable until the op has ended.
+    pub unsafe fn put(
+        &self,
+        local: *const u8,
+        len: usize,
+        key: &RemoteKey,
+        remote: u64,
+    ) -> Result<Op> {
+        self.rma(local as usize, len, key, remote, true)
+    }
+
+    /// One-sided read of `len` bytes from the peer's memory at `remote` into `local`.
+    ///
+    /// # Safety
+    /// `local..local+len` must be writable and untouched by others until the op has ended.
+    pub unsafe fn get(
+        &self,
+        local: *mut u8,
+        len: usize,
+        key: &RemoteKey,
+        remote: u64,
+    ) -> Result<Op> {
+        self.rma(local as usize, len, key, remote, false)
+    }
+
+    fn rma(&self, addr: usize, len: usize, key: &RemoteKey, remote: u64, put: bool) -> Result<Op> {
+        check_buffer(addr, len)?;
+        let end = remote.checked_add(len as u64);
+        if remote < key.base || end.is_none_or(|e| e > key.base + key.len) {
+            return Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!(
+                    "[{remote:#x}, +{len}) is outside the remote region [{:#x}, +{})",
+                    key.base, key.len
+                ),
+            ));
+        }
+        self.check_peer(key.peer)?;
+        let slot = self.new_slot(key.peer, len, 0, SlotKind::Rma, false);
+        let op = self.op(slot.clone());
+        self.shared.submit(Cmd::Rma {
+            rkey: key.id,
+            put,
+            addr,
+            len,
+            remote,
+            slot,
+        })?;
+        Ok(op)
+    }
+
     /// Sends a small control message (eager active message); returns the op to wait on.
     pub fn send_control(&self, peer: PeerId, bytes: Vec<u8>) -> Result<Op> {
         if bytes.is_empty() || bytes.len() > MAX_CONTROL {
@@ -816,6 +954,53 @@ impl Drop for Agent {
     }
 }
 
+/// Host memory registered with UCX ([`Agent::map`]). Not `Clone`; dropping it unmaps.
+pub struct MemHandle {
+    id: u64,
+    addr: u64,
+    len: usize,
+    packed_rkey: Vec<u8>,
+    shared: Arc<Shared>,
+}
+
+impl MemHandle {
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The key a peer unpacks to read or write this memory.
+    pub fn packed_rkey(&self) -> &[u8] {
+        &self.packed_rkey
+    }
+}
+
+impl Drop for MemHandle {
+    fn drop(&mut self) {
+        let _ = self.shared.submit(Cmd::Unmap(self.id));
+    }
+}
+
+/// A peer's memory key, bound to one endpoint and the region it was advertised for. Not
+/// `Clone`; dropping it destroys the key.
+pub struct RemoteKey {
+    id: u64,
+    peer: PeerId,
+    base: u64,
+    len: u64,
+    shared: Arc<Shared>,
+}
+
+impl Drop for RemoteKey {
+    fn drop(&mut self) {
+        let _ = self.shared.submit(Cmd::DestroyRkey(self.id));
+    }
+}
+
 /// The largest control message: control messages are small and always sent eagerly.
 pub const MAX_CONTROL: usize = 1 << 20;
 const AM_CONTROL_ID: u32 = 7;
@@ -864,16 +1049,21 @@ fn push_cb(ev: CbEvent) {
 }
 
 struct PeerEntry {
-    ep: sys::ucp_ep_h,
+    /// None once the endpoint has been closed (after a failure).
+    ep: Option<Endpoint>,
     failed: bool,
 }
 
+/// The progress thread's state. Field order is drop order: UCX handles made from others are
+/// declared (and so dropped) before what they were made from.
 struct Progress {
-    ctx: sys::ucp_context_h,
-    worker: sys::ucp_worker_h,
-    listener: sys::ucp_listener_h,
-    epfd: c_int,
+    rkeys: HashMap<u64, (u64, UcxRkey)>,
     peers: HashMap<u64, PeerEntry>,
+    listener: Option<Listener>,
+    maps: HashMap<u64, Mapped>,
+    epfd: Option<std::os::fd::OwnedFd>,
+    worker: Worker,
+    ctx: Context,
     ep_to_peer: HashMap<usize, u64>,
     uid_to_peer: HashMap<u64, u64>,
     next_peer: u64,
@@ -939,8 +1129,10 @@ impl Progress {
             }
             let mut params = sys::ucp_params_t {
                 field_mask: (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME) as u64,
-                features: (sys::UCP_FEATURE_TAG | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP)
-                    as u64,
+                features: (sys::UCP_FEATURE_TAG
+                    | sys::UCP_FEATURE_AM
+                    | sys::UCP_FEATURE_RMA
+                    | sys::UCP_FEATURE_WAKEUP) as u64,
                 ..Default::default()
             };
             let cname = CString::new(opts.name.clone())
@@ -958,23 +1150,25 @@ impl Progress {
             if st != sys::UCS_OK {
                 return Err(ucx_err(st, "ucp_init"));
             }
+            let ctx = Context(ctx);
             let wparams = sys::ucp_worker_params_t {
                 field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
                 thread_mode: sys::UCS_THREAD_MODE_SINGLE,
                 ..Default::default()
             };
             let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
-            let st = sys::ucp_worker_create(ctx, &wparams, &mut worker);
+            let st = sys::ucp_worker_create(ctx.0, &wparams, &mut worker);
             if st != sys::UCS_OK {
-                sys::ucp_cleanup(ctx);
                 return Err(ucx_err(st, "ucp_worker_create"));
             }
             let mut p = Progress {
-                ctx,
-                worker,
-                listener: std::ptr::null_mut(),
-                epfd: -1,
+                rkeys: HashMap::new(),
                 peers: HashMap::new(),
+                listener: None,
+                maps: HashMap::new(),
+                epfd: None,
+                worker: Worker(worker),
+                ctx,
                 ep_to_peer: HashMap::new(),
                 uid_to_peer: HashMap::new(),
                 next_peer: 1,
@@ -996,20 +1190,22 @@ impl Progress {
 
     unsafe fn setup(&mut self, opts: &AgentOptions) -> Result<(Option<SocketAddr>, Vec<u8>)> {
         let mut efd: c_int = -1;
-        let st = sys::ucp_worker_get_efd(self.worker, &mut efd);
+        let st = sys::ucp_worker_get_efd(self.worker.0, &mut efd);
         if st != sys::UCS_OK {
             return Err(ucx_err(st, "ucp_worker_get_efd"));
         }
-        self.epfd = libc::epoll_create1(libc::EPOLL_CLOEXEC);
-        if self.epfd < 0 {
+        let epfd = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+        if epfd < 0 {
             return Err(Error::new(ErrorKind::Transport, "epoll_create1 failed"));
         }
+        // SAFETY: a fresh fd that nothing else owns.
+        self.epfd = Some(std::os::fd::FromRawFd::from_raw_fd(epfd));
         for (fd, token) in [(efd, 1u64), (self.shared.wake_fd, 2u64)] {
             let mut ev = libc::epoll_event {
                 events: libc::EPOLLIN as u32,
                 u64: token,
             };
-            if libc::epoll_ctl(self.epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) != 0 {
+            if libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) != 0 {
                 return Err(Error::new(ErrorKind::Transport, "epoll_ctl failed"));
             }
         }
@@ -1022,7 +1218,7 @@ impl Progress {
             arg: std::ptr::null_mut(),
             ..Default::default()
         };
-        let st = sys::ucp_worker_set_am_recv_handler(self.worker, &am);
+        let st = sys::ucp_worker_set_am_recv_handler(self.worker.0, &am);
         if st != sys::UCS_OK {
             return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
         }
@@ -1035,7 +1231,7 @@ impl Progress {
                 cb: Some(cb),
                 ..am
             };
-            let st = sys::ucp_worker_set_am_recv_handler(self.worker, &h);
+            let st = sys::ucp_worker_set_am_recv_handler(self.worker.0, &h);
             if st != sys::UCS_OK {
                 return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
             }
@@ -1044,13 +1240,13 @@ impl Progress {
             field_mask: sys::UCP_WORKER_ATTR_FIELD_ADDRESS as u64,
             ..Default::default()
         };
-        let st = sys::ucp_worker_query(self.worker, &mut attr);
+        let st = sys::ucp_worker_query(self.worker.0, &mut attr);
         if st != sys::UCS_OK {
             return Err(ucx_err(st, "ucp_worker_query"));
         }
         let address =
             std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
-        sys::ucp_worker_release_address(self.worker, attr.address);
+        sys::ucp_worker_release_address(self.worker.0, attr.address);
         self.own_address = address.clone();
 
         let mut bound = None;
@@ -1070,15 +1266,17 @@ impl Progress {
                 },
                 ..Default::default()
             };
-            let st = sys::ucp_listener_create(self.worker, &lp, &mut self.listener);
+            let mut listener: sys::ucp_listener_h = std::ptr::null_mut();
+            let st = sys::ucp_listener_create(self.worker.0, &lp, &mut listener);
             if st != sys::UCS_OK {
                 return Err(ucx_err(st, &format!("listen on {addr}")));
             }
+            self.listener = Some(Listener(listener));
             let mut la = sys::ucp_listener_attr_t {
                 field_mask: sys::UCP_LISTENER_ATTR_FIELD_SOCKADDR as u64,
                 ..Default::default()
             };
-            let st = sys::ucp_listener_query(self.listener, &mut la);
+            let st = sys::ucp_listener_query(listener, &mut la);
             if st != sys::UCS_OK {
                 return Err(ucx_err(st, "ucp_listener_query"));
             }
@@ -1088,6 +1286,11 @@ impl Progress {
             bound = Some(SocketAddr::new(addr.ip(), port));
         }
         Ok((bound, address))
+    }
+
+    fn epoll_fd(&self) -> c_int {
+        use std::os::fd::AsRawFd;
+        self.epfd.as_ref().map_or(-1, |f| f.as_raw_fd())
     }
 
     fn run(&mut self) {
@@ -1100,7 +1303,7 @@ impl Progress {
             }
             loop {
                 // SAFETY: the worker is owned by this thread.
-                let n = unsafe { sys::ucp_worker_progress(self.worker) };
+                let n = unsafe { sys::ucp_worker_progress(self.worker.0) };
                 let handled = self.handle_callbacks();
                 if n == 0 && handled == 0 {
                     break;
@@ -1115,14 +1318,14 @@ impl Progress {
             }
 
             // SAFETY: as above.
-            let st = unsafe { sys::ucp_worker_arm(self.worker) };
+            let st = unsafe { sys::ucp_worker_arm(self.worker.0) };
             if st == sys::UCS_ERR_BUSY {
                 continue;
             }
             let mut evs: [libc::epoll_event; 4] = unsafe { std::mem::zeroed() };
             // A bounded sleep: UCX keepalive needs progress now and then even when idle.
             // SAFETY: epfd is ours; evs has room for 4 events.
-            let n = unsafe { libc::epoll_wait(self.epfd, evs.as_mut_ptr(), 4, 100) };
+            let n = unsafe { libc::epoll_wait(self.epoll_fd(), evs.as_mut_ptr(), 4, 100) };
             self.shared.stats.wakeups.fetch_add(1, Ordering::Relaxed);
             if n > 0 {
                 let mut ucx_woke = false;
@@ -1139,7 +1342,7 @@ impl Progress {
                 }
                 if ucx_woke && !self.shared.cmds_pending() {
                     // Woken by UCX: if the next progress pass finds nothing, count an empty wake.
-                    let n = unsafe { sys::ucp_worker_progress(self.worker) };
+                    let n = unsafe { sys::ucp_worker_progress(self.worker.0) };
                     let handled = self.handle_callbacks();
                     if n == 0 && handled == 0 {
                         empty_streak += 1;
@@ -1195,9 +1398,95 @@ impl Progress {
                 } => self.start_tag(peer, tag, addr, len, slot, false),
                 Cmd::Control { peer, bytes, slot } => self.start_control(peer, bytes, slot),
                 Cmd::CancelOp(id) => self.cancel_op(id),
+                Cmd::Map { addr, len, reply } => {
+                    // SAFETY: Agent::map's caller vouched for the range.
+                    let r = unsafe { Mapped::new(self.ctx.0, addr as *mut u8, len) }.map(|m| {
+                        let id = self.next_handle();
+                        let packed = m.packed_rkey.clone();
+                        self.maps.insert(id, m);
+                        (id, packed)
+                    });
+                    reply.set(r)
+                }
+                Cmd::Unmap(id) => drop(self.maps.remove(&id)),
+                Cmd::UnpackRkey {
+                    peer,
+                    packed,
+                    reply,
+                } => {
+                    let r = self.ep_of(peer).and_then(|ep| {
+                        // SAFETY: ep is a live endpoint of our worker.
+                        let k = unsafe { UcxRkey::unpack(ep, &packed) }?;
+                        let id = self.next_handle();
+                        self.rkeys.insert(id, (peer.0, k));
+                        Ok(id)
+                    });
+                    reply.set(r)
+                }
+                Cmd::DestroyRkey(id) => drop(self.rkeys.remove(&id)),
+                Cmd::Rma {
+                    rkey,
+                    put,
+                    addr,
+                    len,
+                    remote,
+                    slot,
+                } => self.start_rma(rkey, put, addr, len, remote, slot),
                 Cmd::ForceClose(peer) => self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true),
             }
         }
+    }
+
+    fn next_handle(&mut self) -> u64 {
+        self.next_peer += 1;
+        self.next_peer
+    }
+
+    /// A put or get, then a flush of the endpoint: the flush's completion is the op's, and it
+    /// means the data is in place at the target (put) or here (get).
+    fn start_rma(
+        &mut self,
+        rkey: u64,
+        put: bool,
+        addr: usize,
+        len: usize,
+        remote: u64,
+        slot: Arc<OpSlot>,
+    ) {
+        let Some((peer, key)) = self.rkeys.get(&rkey).map(|(p, k)| (*p, k.0)) else {
+            return self.finish_slot(&slot, sys::UCS_ERR_INVALID_PARAM, 0);
+        };
+        let ep = match self.ep_of(PeerId(peer)) {
+            Ok(ep) => ep,
+            Err(_) => {
+                slot.stop_reason.store(STOP_PEER, Ordering::Release);
+                return self.finish_slot(&slot, sys::UCS_ERR_NOT_CONNECTED, 0);
+            }
+        };
+        let plain = sys::ucp_request_param_t::default();
+        // SAFETY: the caller of put/get vouched for the local buffer until the op ends; the
+        // remote range was checked against the key's advertised region.
+        let ptr = unsafe {
+            if put {
+                sys::ucp_put_nbx(ep, addr as *const c_void, len, remote, key, &plain)
+            } else {
+                sys::ucp_get_nbx(ep, addr as *mut c_void, len, remote, key, &plain)
+            }
+        };
+        if sys::ptr_is_err(ptr) {
+            return self.finish_slot(&slot, sys::ptr_status(ptr), 0);
+        }
+        if sys::ptr_is_ptr(ptr) {
+            // No callback was asked for: UCX releases the request when it completes; the
+            // flush below is what we track.
+            // SAFETY: freeing the request handle once.
+            unsafe { sys::ucp_request_free(ptr) };
+        }
+        let mut param = Self::request_param(&slot);
+        param.cb.send = Some(send_cb);
+        // SAFETY: as for the tag sends: the slot's count travels in user_data.
+        let ptr = unsafe { sys::ucp_ep_flush_nbx(ep, &param) };
+        self.track(&slot, ptr);
     }
 
     fn cancel_op(&mut self, id: u64) {
@@ -1212,7 +1501,7 @@ impl Progress {
             if !req.is_null() {
                 // SAFETY: req is a live request of our worker: the completion callback clears
                 // `slot.request` (on this thread) before freeing it.
-                unsafe { sys::ucp_request_cancel(self.worker, req) };
+                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
                 if slot.send {
                     // UCX cannot cancel a rendezvous send on its own: ask the receiver to drain
                     // the tag, which completes our send without the data being kept.
@@ -1272,7 +1561,7 @@ impl Progress {
             let req = s.request.load(Ordering::Acquire);
             if !req.is_null() {
                 // SAFETY: live request of this worker.
-                unsafe { sys::ucp_request_cancel(self.worker, req) };
+                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
             }
         }
         let slot = Arc::new(OpSlot {
@@ -1294,7 +1583,8 @@ impl Progress {
         let scratch = self.scratch.as_mut_ptr() as *mut c_void;
         // SAFETY: the scratch bytes live as long as the worker; only truncated (discarded)
         // messages ever target them.
-        let ptr = unsafe { sys::ucp_tag_recv_nbx(self.worker, scratch, 1, tag, u64::MAX, &param) };
+        let ptr =
+            unsafe { sys::ucp_tag_recv_nbx(self.worker.0, scratch, 1, tag, u64::MAX, &param) };
         self.track(&slot, ptr);
         self.drains.push(slot);
     }
@@ -1302,7 +1592,7 @@ impl Progress {
     /// Cancels drain receives whose abandoned message never came.
     fn expire_drains(&mut self) {
         let now = Instant::now();
-        let worker = self.worker;
+        let worker = self.worker.0;
         self.drains.retain(|s| {
             if s.state.lock().is_some() {
                 return false;
@@ -1355,12 +1645,18 @@ impl Progress {
         }
         // SAFETY: params is fully initialised for the fields in its mask; pointers in it
         // (sockaddr storage, worker address) outlive this call.
-        let st = unsafe { sys::ucp_ep_create(self.worker, &params, &mut ep) };
+        let st = unsafe { sys::ucp_ep_create(self.worker.0, &params, &mut ep) };
         if st != sys::UCS_OK {
             return Err(ucx_err(st, "ucp_ep_create"));
         }
         self.next_peer += 1;
-        self.peers.insert(id, PeerEntry { ep, failed: false });
+        self.peers.insert(
+            id,
+            PeerEntry {
+                ep: Some(Endpoint::new(ep, self.worker.0)),
+                failed: false,
+            },
+        );
         self.ep_to_peer.insert(ep as usize, id);
         self.shared.failed.lock().insert(PeerId(id), false);
         Ok(PeerId(id))
@@ -1372,8 +1668,10 @@ impl Progress {
                 ErrorKind::UnknownPeer,
                 format!("no peer {}", peer.0),
             )),
-            Some(p) if p.failed => Err(Error::new(ErrorKind::PeerLost, "peer has failed")),
-            Some(p) => Ok(p.ep),
+            Some(PeerEntry { failed: true, .. }) | Some(PeerEntry { ep: None, .. }) => {
+                Err(Error::new(ErrorKind::PeerLost, "peer has failed"))
+            }
+            Some(PeerEntry { ep: Some(e), .. }) => Ok(e.ep),
         }
     }
 
@@ -1440,7 +1738,14 @@ impl Progress {
                 sys::ucp_tag_send_nbx(ep, addr as *const c_void, len, tag, &param)
             } else {
                 param.cb.recv = Some(recv_cb);
-                sys::ucp_tag_recv_nbx(self.worker, addr as *mut c_void, len, tag, u64::MAX, &param)
+                sys::ucp_tag_recv_nbx(
+                    self.worker.0,
+                    addr as *mut c_void,
+                    len,
+                    tag,
+                    u64::MAX,
+                    &param,
+                )
             }
         };
         self.track(&slot, ptr);
@@ -1570,7 +1875,7 @@ impl Progress {
         };
         let first = !entry.failed;
         entry.failed = true;
-        let ep = entry.ep;
+        let ep = if first { entry.ep.take() } else { None };
         self.shared.failed.lock().insert(PeerId(peer), true);
         if first {
             tracing::warn!(peer, forced, "peer failed: {}", sys::status_str(status));
@@ -1594,43 +1899,19 @@ impl Progress {
             let req = s.request.load(Ordering::Acquire);
             if !req.is_null() {
                 // SAFETY: live request of this worker (see cancel_op).
-                unsafe { sys::ucp_request_cancel(self.worker, req) };
+                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
             }
         }
-        if first && !ep.is_null() {
-            self.close_ep(ep);
-            if let Some(e) = self.peers.get_mut(&peer) {
-                e.ep = std::ptr::null_mut();
-            }
-        }
-    }
-
-    fn close_ep(&mut self, ep: sys::ucp_ep_h) {
-        self.ep_to_peer.remove(&(ep as usize));
-        let param = sys::ucp_request_param_t {
-            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
-            flags: sys::UCP_EP_CLOSE_FLAG_FORCE,
-            ..Default::default()
-        };
-        // SAFETY: ep belongs to this worker and is closed once (its entry's ep is nulled).
-        let req = unsafe { sys::ucp_ep_close_nbx(ep, &param) };
-        if sys::ptr_is_ptr(req) {
-            // A forced close completes promptly; progress it a bounded number of times.
-            for _ in 0..10_000 {
-                // SAFETY: req is the close request just returned.
-                let st = unsafe { sys::ucp_request_check_status(req) };
-                if st != sys::UCS_INPROGRESS {
-                    break;
-                }
-                unsafe { sys::ucp_worker_progress(self.worker) };
-            }
-            // SAFETY: freeing the close request once (UCX frees it when it completes later).
-            unsafe { sys::ucp_request_free(req) };
+        if let Some(ep) = ep {
+            // Dropping the endpoint force-closes it: every send still on it ends.
+            self.ep_to_peer.remove(&(ep.ep as usize));
+            drop(ep);
         }
     }
 
     fn teardown(&mut self) {
-        // Stop every op, then close every endpoint, then destroy the worker and context.
+        // Stop every op, then close every endpoint; the worker and context go when `self`
+        // drops, in field order.
         let slots: Vec<Arc<OpSlot>> = self
             .shared
             .in_flight
@@ -1648,38 +1929,27 @@ impl Progress {
             let req = s.request.load(Ordering::Acquire);
             if !req.is_null() {
                 // SAFETY: live request of this worker.
-                unsafe { sys::ucp_request_cancel(self.worker, req) };
+                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
             }
         }
-        let peers: Vec<u64> = self.peers.keys().copied().collect();
-        for p in peers {
-            let ep = self.peers[&p].ep;
-            if !ep.is_null() {
-                self.close_ep(ep);
-            }
+        self.rkeys.clear();
+        for entry in self.peers.values_mut() {
+            drop(entry.ep.take());
         }
-        // SAFETY: progress only touches this thread's worker.
+        self.ep_to_peer.clear();
         for _ in 0..100 {
-            if unsafe { sys::ucp_worker_progress(self.worker) } == 0 {
+            // SAFETY: progress on this thread's own worker.
+            if unsafe { sys::ucp_worker_progress(self.worker.0) } == 0 {
                 break;
             }
         }
         self.handle_callbacks_discard();
-        for s in &slots {
+        for s in slots.iter().chain(self.drains.iter()) {
             // Any op UCX still holds is failed for its waiter; UCX is about to be destroyed.
             s.complete(sys::UCS_ERR_CANCELED, 0);
         }
-        // SAFETY: each handle is destroyed once, in reverse order of creation.
-        unsafe {
-            if !self.listener.is_null() {
-                sys::ucp_listener_destroy(self.listener);
-            }
-            if self.epfd >= 0 {
-                libc::close(self.epfd);
-            }
-            sys::ucp_worker_destroy(self.worker);
-            sys::ucp_cleanup(self.ctx);
-        }
+        self.listener = None;
+        self.maps.clear();
     }
 
     fn handle_callbacks_discard(&mut self) {
@@ -1687,7 +1957,9 @@ impl Progress {
         for ev in evs {
             if let CbEvent::ConnRequest(req) = ev {
                 // SAFETY: an unanswered connection request of our listener.
-                unsafe { sys::ucp_listener_reject(self.listener, req) };
+                if let Some(l) = &self.listener {
+                    unsafe { sys::ucp_listener_reject(l.0, req) };
+                }
             }
         }
     }
