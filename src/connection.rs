@@ -24,6 +24,7 @@ use crate::proto::{
     Action, BufferDesc, BufferKind, Config, Endpoint, Event as ProtoEvent, Message, RankId,
     ReceiveFlow, ReceiveSpec, RequestKey, Role, Token, TokenAllocator,
 };
+use crate::transport::cuda::Staging;
 use crate::transport::{Agent, AgentOptions, Event, Op, PeerId, TransportKind};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -124,6 +125,10 @@ struct RecvOp {
     segment: u32,
     peer: PeerId,
     op: Op,
+    /// For a CUDA buffer: the pinned host buffer the receive lands in, and the device address
+    /// it is copied to before the segment counts as landed.
+    staged: Option<(Staging, u64)>,
+    len: usize,
 }
 
 #[derive(Default)]
@@ -328,12 +333,18 @@ impl Engine {
                             format!("{key}: bad buffer {b:?}"),
                         ));
                     }
-                    if b.device_id >= 0 {
-                        return Err(Error::new(
-                            ErrorKind::Cuda,
-                            "CUDA receive buffers go through Staging (not wired into advertise yet)",
-                        ));
-                    }
+                    // The system UCX cannot move device memory: a CUDA buffer's receive lands
+                    // in a pinned host buffer that is copied to the device on arrival.
+                    let len =
+                        usize::try_from(b.len).map_err(|_| Error::invalid("buffer too large"))?;
+                    let mut staged = match b.device_id {
+                        d if d >= 0 => Some((Staging::new(d, len)?, b.addr)),
+                        _ => None,
+                    };
+                    let target = match &mut staged {
+                        Some((st, _)) => st.host_ptr()?,
+                        None => b.addr as *mut u8,
+                    };
                     let token = core
                         .tokens
                         .allocate()
@@ -341,14 +352,13 @@ impl Engine {
                     let lease = core.pool.lease(key).ok_or_else(|| {
                         Error::new(ErrorKind::Accounting, "buffer pool exhausted")
                     })?;
-                    let len =
-                        usize::try_from(b.len).map_err(|_| Error::invalid("buffer too large"))?;
-                    // SAFETY: the caller's promise above covers the buffer until the request ends;
-                    // the endpoint releases it only after this receive is reaped.
+                    // SAFETY: the caller's promise above covers the buffer until the request ends
+                    // (a staging buffer lives in the RecvOp); the endpoint releases it only after
+                    // this receive is reaped.
                     let op = unsafe {
                         self.inner
                             .agent
-                            .post_recv_with(peer, token.0, b.addr as *mut u8, len, true)
+                            .post_recv_with(peer, token.0, target, len, true)
                     }?;
                     let id = op.id();
                     posted.push((id, lease));
@@ -360,6 +370,8 @@ impl Engine {
                             segment: b.segment,
                             peer,
                             op,
+                            staged,
+                            len,
                         },
                     );
                     flow.buffers.push((
@@ -521,6 +533,26 @@ impl Engine {
         }
         inner.flush(&mut core);
         outcome
+    }
+
+    /// [`Engine::send`] for data in CUDA device memory: staged through a pinned host buffer
+    /// (device -> host copy, then the tagged send), since the system UCX cannot read device
+    /// memory. `ErrorKind::Cuda` where no driver or no such device exists.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send_device(
+        &self,
+        key: RequestKey,
+        to: RankId,
+        segment: u32,
+        device: i32,
+        device_addr: u64,
+        len: usize,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Result<Outcome> {
+        let mut staging = Staging::new(device, len)?;
+        staging.from_device(device_addr, len)?;
+        self.send(key, to, segment, staging.host_slice(len)?, deadline, cancel)
     }
 
     /// Waits for the agreed end of `key` on this rank as `role`. Past `deadline` (or on
@@ -746,7 +778,13 @@ impl Inner {
                     core.by_token.retain(|_, v| *v != id);
                     let res = match result {
                         Some(Ok(Outcome::Completed)) => {
-                            core.ep.handle_segment_landed(now, r.key, r.segment)
+                            match r.staged.as_mut().map(|(st, dev)| st.to_device(*dev, r.len)) {
+                                Some(Err(e)) => {
+                                    tracing::error!(key = %r.key, "segment {}: copy to device failed: {e}", r.segment);
+                                    core.ep.cancel(now, r.key)
+                                }
+                                _ => core.ep.handle_segment_landed(now, r.key, r.segment),
+                            }
                         }
                         Some(Err(e)) if e.kind == ErrorKind::Protocol => {
                             tracing::warn!(key = %r.key, "segment {}: {e}", r.segment);

@@ -264,3 +264,60 @@ fn cancel_on_the_generation_side_is_agreed_with_the_context_side() {
     );
     assert_eq!(gen.health().buffers_leased, 0);
 }
+
+#[test]
+fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
+    if kvlink::transport::cuda::driver_present() {
+        println!("CUDA driver present: tests/gpu.rs covers device buffers");
+        return;
+    }
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(5), None);
+    let key = RequestKey::new(77, 0);
+    let mut host = vec![0u8; 4096];
+    let specs = vec![
+        BufferSpec {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: host.as_mut_ptr() as u64,
+            len: 4096,
+            device_id: -1,
+        },
+        BufferSpec {
+            kind: BufferKind::Kv,
+            segment: 1,
+            addr: 0x7f00_0000_0000,
+            len: 4096,
+            device_id: 0,
+        },
+    ];
+    let e = unsafe { gen.advertise(key, vec![RankId(GEN)], vec![(RankId(CTX), specs)], vec![]) }
+        .unwrap_err();
+    assert_eq!(e.kind, kvlink::ErrorKind::Cuda);
+    let h = gen.health();
+    assert_eq!(h.buffers_leased, 0, "the host buffer's lease was returned");
+    let e = ctx
+        .send_device(
+            key,
+            RankId(GEN),
+            0,
+            0,
+            0x7f00_0000_0000,
+            4096,
+            Instant::now() + Duration::from_secs(1),
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(e.kind, kvlink::ErrorKind::Cuda);
+    // The engine still serves host requests.
+    let (g, c, ok) = run(&ctx, &gen, RequestKey::new(78, 0), &[4096]);
+    assert_eq!((g, c, ok), (Outcome::Completed, Outcome::Completed, true));
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while gen.health().ops_in_flight != 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        gen.health().ops_in_flight,
+        0,
+        "the host receive posted before the error was reaped"
+    );
+}

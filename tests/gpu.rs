@@ -43,3 +43,62 @@ fn device_memory_round_trip_through_staging() {
         "device -> pinned host -> device must keep every byte"
     );
 }
+
+#[test]
+fn engine_moves_device_memory_through_staging() {
+    use kvlink::connection::{BufferSpec, Engine, EngineConfig};
+    use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
+    use kvlink::transport::TransportKind;
+    use kvlink::Outcome;
+    use std::time::{Duration, Instant};
+    if !driver_present() || CudaContext::device_count().unwrap_or(0) == 0 {
+        println!("SKIP engine_moves_device_memory_through_staging: no CUDA driver or GPU on this machine");
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.default_stream();
+    let len = 4 << 20;
+    let src: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
+    let d_src = stream.clone_htod(&src).unwrap();
+    let d_dst = stream.alloc_zeros::<u8>(len).unwrap();
+    let (src_ptr, g1) = d_src.device_ptr(&stream);
+    let (dst_ptr, g2) = d_dst.device_ptr(&stream);
+    stream.synchronize().unwrap();
+
+    let mut c = EngineConfig::new("ctx", 0, TransportKind::Tcp);
+    c.listen = Some("127.0.0.1:0".parse().unwrap());
+    let sender = Engine::new(c).unwrap();
+    let receiver = Engine::new(EngineConfig::new("gen", 1, TransportKind::Tcp)).unwrap();
+    let dl = Instant::now() + Duration::from_secs(20);
+    receiver.connect(&sender.address(), dl).unwrap();
+    sender.wait_peer(RankId(1), dl).unwrap();
+    let key = RequestKey::new(1, 0);
+    let spec = BufferSpec {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: dst_ptr,
+        len: len as u64,
+        device_id: 0,
+    };
+    // SAFETY: d_dst outlives the request (waited below).
+    unsafe { receiver.advertise(key, vec![RankId(1)], vec![(RankId(0), vec![spec])], vec![]) }
+        .unwrap();
+    let adv = sender.next_advertisement(dl, None).unwrap();
+    sender.accept(key, adv.from, true).unwrap();
+    assert_eq!(
+        sender
+            .send_device(key, adv.from, 0, 0, src_ptr, len, dl, None)
+            .unwrap(),
+        Outcome::Completed
+    );
+    assert_eq!(
+        receiver.wait(key, Role::Receiver, dl, None),
+        Outcome::Completed
+    );
+    drop((g1, g2));
+    assert_eq!(
+        stream.clone_dtoh(&d_dst).unwrap(),
+        src,
+        "device -> device through kvlink"
+    );
+}

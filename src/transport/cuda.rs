@@ -59,6 +59,16 @@ impl Staging {
             .map_err(|e| cuda_err("pinned buffer", e))
     }
 
+    /// The pinned buffer's bytes (what a send of staged device data reads).
+    pub fn host_slice(&self, len: usize) -> Result<&[u8]> {
+        let all = self
+            .buf
+            .as_slice()
+            .map_err(|e| cuda_err("pinned buffer", e))?;
+        all.get(..len)
+            .ok_or_else(|| Error::new(ErrorKind::OutOfBounds, "staging buffer too small"))
+    }
+
     /// Copies `len` bytes from device address `src` into the pinned buffer.
     pub fn from_device(&mut self, src: u64, len: usize) -> Result<()> {
         self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;

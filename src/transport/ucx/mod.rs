@@ -909,7 +909,7 @@ impl Agent {
         let mut oldest: Option<Instant> = None;
         for w in self.shared.in_flight.lock().values() {
             if let Some(slot) = w.upgrade() {
-                if slot.state.lock().is_none() {
+                if !slot.control && slot.state.lock().is_none() {
                     in_flight += 1;
                     oldest = Some(oldest.map_or(slot.started, |o| o.min(slot.started)));
                 }
