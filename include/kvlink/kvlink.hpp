@@ -14,8 +14,8 @@
 //
 // Ownership
 //   - Everything a kvlink function returns is owned by the caller: strings come back as
-//     `std::string` copies; handles to Rust objects (added later) are move-only C++ types whose
-//     destructor releases the Rust object. Nothing needs a matching "free" call.
+//     `std::string` copies; handles to Rust objects (`kvlink::Engine`, in kvlink/engine.hpp) are move-only C++
+//     types whose destructor releases the Rust object. Nothing needs a matching "free" call.
 //   - Arguments are borrowed for the duration of the call only. kvlink keeps no pointer into
 //     caller memory after returning, except for memory a function explicitly documents that it
 //     registers; such memory must stay valid until it is deregistered (or its owner destroyed).
@@ -227,3 +227,6 @@ inline std::string check_listen_address(std::string_view addr) {
 }
 
 }  // namespace kvlink
+
+// The engine facade (kvlink::Engine, EngineConfig, CancelToken, Health) builds on the above.
+#include "kvlink/engine.hpp"

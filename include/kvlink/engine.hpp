@@ -1,0 +1,388 @@
+// kvlink::Engine: one rank's transfer engine, the C++ face of src/connection.rs.
+//
+// Included by <kvlink/kvlink.hpp>; may also be included on its own. The general contract
+// (ownership, threading, errors, panics) is the one at the top of kvlink.hpp; what is specific
+// to the engine is written here.
+//
+// One request, end to end (the generation rank owns the receive buffers):
+//   generation rank                              context rank
+//   advertise(key, buffers, info)  ───────────▶  next_advertisement(deadline) -> Advertisement
+//   recv_ready(key, deadline) -> true  ◀──────── accept(key, from, true)
+//                                   ◀─ data ──── send(key, to, segment, bytes, deadline) per buffer
+//   wait_receiver(key, deadline)                 wait_sender(key, to, deadline)
+//   both return the same agreed Outcome; the receive buffers are free again once they return.
+//
+// Ownership
+//   - `Engine` owns the Rust engine (UCX agent, protocol core, one driver thread) through a
+//     `rust::Box`; it is move-only and its destructor stops the driver and releases every UCX
+//     resource. Destroy it only when no other thread is inside one of its member functions.
+//   - Receive buffers passed to `advertise` are borrowed by kvlink from that call until
+//     `wait_receiver` for the same key has returned (whatever the outcome): do not touch, free or
+//     reuse them before. Send buffers are borrowed only for the duration of `send`.
+//   - Everything returned (`Advertisement`, `Notification`, `Health`, strings) is a copy.
+//
+// Threading
+//   - Every member function may be called from any thread, concurrently (the engine serialises
+//     internally and no lock is held while a call waits). Typical use is one thread per request.
+//
+// Blocking and deadlines
+//   - Functions that take a `Deadline` block until it (or the cancel flag, or the awaited event).
+//     A deadline in the past means "do not wait". Deadlines are `std::chrono::steady_clock`
+//     points; `kvlink::after(d)` makes one from a duration.
+//   - Every request also has the engine-wide per-request deadline `EngineConfig::timeout`
+//     (TensorRT-LLM's kv_transfer_timeout_ms), counted from `advertise` on the generation rank and
+//     from the advertisement's arrival on the context rank. When it passes, the ranks agree on
+//     `TimedOut` by themselves: a caller's own deadline is only an outer bound on how long it
+//     waits. For the agreed verdict, wait until `timeout + agreement_bound` after the start.
+//   - A cancel flag (`CancelToken`, or any `std::atomic<bool>` via `CancelRef`) is polled every
+//     5 ms by a blocked call. Setting it makes `send`/`wait_*` end the request as `Cancelled`, and
+//     the cancel is agreed with every rank of the request.
+//
+// Errors
+//   - Outcomes of a bounded wait are `kvlink::Outcome` values; "nothing arrived in time" is an
+//     empty `std::optional`. Faults (unknown peer, bad buffer, a key already in use, ...) throw
+//     `kvlink::Error` with a stable kind.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvlink/kvlink.hpp"
+
+namespace kvlink {
+
+using Clock = std::chrono::steady_clock;
+/// A point in time by which a blocking call returns.
+using Deadline = Clock::time_point;
+
+/// The deadline `d` from now.
+inline Deadline after(Clock::duration d) { return Clock::now() + d; }
+
+/// How to build one rank's engine.
+struct EngineConfig {
+  /// Agent name, sent to peers when connecting (for their logs).
+  std::string name;
+  /// This rank's id; unique across the context and generation engines of one deployment.
+  std::uint32_t rank = 0;
+  /// "tcp" (UCX over TCP sockets) or "sm" (UCX shared memory, same host).
+  std::string transport = "tcp";
+  /// tcp: `ip:port` to listen on ("127.0.0.1:0" picks a port). Empty: do not listen (this rank
+  /// then only connects out). Unused for "sm", which is reached by its worker address.
+  std::string listen;
+  /// Per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Must be positive.
+  std::chrono::milliseconds timeout{60000};
+  /// Extra time past a request's deadline for its ranks to agree on the verdict; a rank with no
+  /// verdict by then ends `PeerLost` and fences the buffers. Zero means the default (2 s).
+  std::chrono::milliseconds agreement_bound{0};
+  /// Fault hook for tests and the demo: a context rank "sends" this request id's data without
+  /// moving it (a lost completion). Leave empty in production.
+  std::optional<std::uint64_t> fault_suppress_request;
+};
+
+/// One attempt of one request: the 64-bit request id plus the attempt number. A retry of the
+/// same request uses the next generation; a key is never reused.
+struct RequestKey {
+  std::uint64_t request = 0;
+  std::uint32_t generation = 0;
+  friend bool operator==(const RequestKey& a, const RequestKey& b) {
+    return a.request == b.request && a.generation == b.generation;
+  }
+  friend bool operator!=(const RequestKey& a, const RequestKey& b) { return !(a == b); }
+};
+
+/// Buffer kinds, as TensorRT-LLM numbers them.
+enum class BufferKind : std::uint8_t { Kv = 0, KvIndexer = 1, Rnn = 2 };
+
+/// A receive buffer the generation rank offers (host memory).
+struct Buffer {
+  BufferKind kind = BufferKind::Kv;
+  /// Segment number, unique within the request; the sender names it in `send`.
+  std::uint32_t segment = 0;
+  void* data = nullptr;
+  std::size_t size = 0;
+};
+
+/// A buffer as the context rank sees it in an advertisement.
+struct RemoteBuffer {
+  BufferKind kind = BufferKind::Kv;
+  std::uint32_t segment = 0;
+  std::uint64_t address = 0;
+  std::uint64_t size = 0;
+  /// CUDA device, -1 for host memory.
+  std::int32_t device_id = -1;
+};
+
+/// A request advertised to a context rank.
+struct Advertisement {
+  RequestKey key;
+  std::uint32_t from_rank = 0;
+  std::vector<std::uint8_t> request_info;
+  std::vector<RemoteBuffer> buffers;
+};
+
+/// An ordered notification from one rank.
+struct Notification {
+  RequestKey key;
+  std::vector<std::uint8_t> payload;
+};
+
+/// The progress snapshot: tells "alive" from "working" and shows leaks.
+struct Health {
+  std::uint64_t peers = 0;
+  std::uint64_t peers_failed = 0;
+  /// Requests the protocol core still knows (running, or lingering to answer late messages).
+  std::uint64_t requests_known = 0;
+  std::uint64_t completed = 0;
+  std::uint64_t failed = 0;
+  std::uint64_t stale_dropped = 0;
+  std::uint64_t bad_frames = 0;
+  /// Receive buffers still lent to a request. 0 when idle; anything else is a leak.
+  std::uint64_t buffers_leased = 0;
+  /// Buffers fenced because a lost peer might still have written them.
+  std::uint64_t buffers_fenced = 0;
+  std::uint64_t ops_in_flight = 0;
+  std::uint64_t oldest_op_ms = 0;
+  /// Milliseconds since the last completed transfer (UINT64_MAX if none yet).
+  std::uint64_t since_last_completion_ms = 0;
+  std::uint64_t bytes_completed = 0;
+  std::uint64_t unreaped_ops = 0;
+};
+
+/// A cancel flag owned by the caller. Not copyable or movable: kvlink holds its address while a
+/// call that was given it is blocked.
+class CancelToken {
+ public:
+  CancelToken() = default;
+  CancelToken(const CancelToken&) = delete;
+  CancelToken& operator=(const CancelToken&) = delete;
+
+  /// Asks every call watching this token to stop. Any thread; does not block.
+  void cancel() noexcept { flag_.store(true, std::memory_order_release); }
+  bool cancelled() const noexcept { return flag_.load(std::memory_order_acquire); }
+  /// Clears the flag for reuse; only when no call is watching it.
+  void reset() noexcept { flag_.store(false, std::memory_order_release); }
+  const std::atomic<bool>& flag() const noexcept { return flag_; }
+
+ private:
+  std::atomic<bool> flag_{false};
+};
+
+/// A borrowed cancel flag for one call: a `CancelToken`, any `std::atomic<bool>` (such as
+/// TensorRT-LLM's transfer-terminate flag), or none. Must outlive the call it is passed to.
+class CancelRef {
+ public:
+  CancelRef() = default;
+  CancelRef(std::nullptr_t) {}  // NOLINT: implicit on purpose
+  CancelRef(const CancelToken& t) : flag_(&t.flag()) {}  // NOLINT
+  CancelRef(const std::atomic<bool>& f) : flag_(&f) {}    // NOLINT
+  /// What Rust receives: the flag's address, 0 for none.
+  std::size_t address() const noexcept { return reinterpret_cast<std::size_t>(flag_); }
+
+ private:
+  // Rust reads the flag as an AtomicBool: the same one-byte lock-free layout.
+  static_assert(sizeof(std::atomic<bool>) == 1 && std::atomic<bool>::is_always_lock_free,
+                "std::atomic<bool> must be one lock-free byte to be shared with Rust");
+  const std::atomic<bool>* flag_ = nullptr;
+};
+
+namespace detail {
+
+/// Milliseconds left until `d`, rounded up, 0 if past.
+inline std::uint64_t ms_until(Deadline d) {
+  const auto left = d - Clock::now();
+  if (left <= Clock::duration::zero()) return 0;
+  return static_cast<std::uint64_t>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
+}
+
+/// An owned `rust::String` copy of `s`; non-UTF-8 becomes our InvalidArgument.
+inline ::rust::String string(std::string_view s) {
+  try {
+    return ::rust::String(s.data(), s.size());
+  } catch (const std::invalid_argument& e) {
+    throw Error(ErrorKind::InvalidArgument, std::string("kvlink InvalidArgument: ") + e.what());
+  }
+}
+
+inline Outcome outcome_from_code(std::uint8_t code) {
+  if (code > static_cast<std::uint8_t>(Outcome::Rejected)) {
+    throw Error(ErrorKind::Internal, "kvlink Internal: unknown outcome code " + std::to_string(code));
+  }
+  return static_cast<Outcome>(code);
+}
+
+template <typename T>
+::rust::Slice<const T> slice(const std::vector<T>& v) {
+  return ::rust::Slice<const T>(v.data(), v.size());
+}
+
+}  // namespace detail
+
+/// One rank's engine. See the top of this file for the contract.
+class Engine {
+ public:
+  /// Creates the UCX agent (listening if configured) and starts the driver thread. Does not
+  /// block on any peer. Throws `Error` (InvalidArgument for a bad config, Transport for UCX).
+  explicit Engine(const EngineConfig& config) : handle_(make(config)) {}
+
+  Engine(Engine&&) noexcept = default;
+  Engine& operator=(Engine&&) noexcept = default;
+
+  /// Where peers reach this rank: `ip:port` (tcp) or `ucx:<hex worker address>` (sm).
+  std::string address() const { return std::string(handle_->address()); }
+  std::uint32_t rank() const noexcept { return handle_->rank(); }
+
+  /// Blocks: connects to the rank at `address` and waits for its hello; returns its rank.
+  /// Throws `Error` PeerLost if none came by `deadline`.
+  std::uint32_t connect(std::string_view address, Deadline deadline) {
+    return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
+  }
+
+  /// Blocks until rank `rank` has connected to this one. Throws `Error` UnknownPeer at the deadline.
+  void wait_peer(std::uint32_t rank, Deadline deadline) {
+    detail::call([&] { handle_->wait_peer(rank, detail::ms_until(deadline)); });
+  }
+
+  /// Generation rank: posts a receive for each buffer and advertises the request to `sender`.
+  /// `receivers` lists every generation rank of the request (empty: this rank alone); they agree
+  /// on one verdict. Does not block. The buffers are borrowed until `wait_receiver(key)` returns.
+  /// Throws `Error`: InvalidArgument if the key is already known here (a replay), UnknownPeer if
+  /// `sender` is not connected, OutOfBounds for a null or empty buffer.
+  void advertise(RequestKey key, const std::vector<std::uint32_t>& receivers, std::uint32_t sender,
+                 const std::vector<Buffer>& buffers, const std::vector<std::uint8_t>& request_info) {
+    std::vector<ffi::BufferInfo> infos;
+    infos.reserve(buffers.size());
+    for (const Buffer& b : buffers) {
+      ffi::BufferInfo i;
+      i.kind = static_cast<std::uint8_t>(b.kind);
+      i.segment = b.segment;
+      i.addr = reinterpret_cast<std::uint64_t>(b.data);
+      i.len = b.size;
+      i.device_id = -1;
+      i.token = 0;
+      infos.push_back(i);
+    }
+    detail::call([&] {
+      handle_->advertise(key.request, key.generation, detail::slice(receivers), sender,
+                         detail::slice(infos), detail::slice(request_info));
+    });
+  }
+
+  /// Context rank, blocks: the next advertisement, or empty at the deadline or on cancel.
+  std::optional<Advertisement> next_advertisement(Deadline deadline, CancelRef cancel = {}) {
+    ffi::AdvertInfo a = detail::call(
+        [&] { return handle_->next_advertisement(detail::ms_until(deadline), cancel.address()); });
+    if (!a.found) return std::nullopt;
+    Advertisement out;
+    out.key = {a.request, a.generation};
+    out.from_rank = a.from_rank;
+    out.request_info.assign(a.request_info.begin(), a.request_info.end());
+    for (const ffi::BufferInfo& b : a.buffers) {
+      out.buffers.push_back({static_cast<BufferKind>(b.kind), b.segment, b.addr, b.len, b.device_id});
+    }
+    return out;
+  }
+
+  /// Context rank: accepts (`ready`) or rejects an advertised request before any data moves.
+  /// Does not block. Throws InvalidArgument if it is unknown or already answered.
+  void accept(RequestKey key, std::uint32_t from_rank, bool ready) {
+    detail::call([&] { handle_->accept(key.request, key.generation, from_rank, ready); });
+  }
+
+  /// Generation rank, blocks: the context rank's answer (true ready, false rejected), or empty
+  /// at the deadline or on cancel.
+  std::optional<bool> recv_ready(RequestKey key, Deadline deadline, CancelRef cancel = {}) {
+    const std::int8_t r = detail::call([&] {
+      return handle_->recv_ready(key.request, key.generation, detail::ms_until(deadline), cancel.address());
+    });
+    if (r < 0) return std::nullopt;
+    return r == 1;
+  }
+
+  /// Context rank, blocks: sends segment `segment` of `key` (its whole buffer: `size` must equal
+  /// the advertised length) once the request is accepted. `Completed` when this rank's send is
+  /// done; anything else ends the request (the verdict is agreed; read it with `wait_sender`).
+  Outcome send(RequestKey key, std::uint32_t to_rank, std::uint32_t segment, const void* data,
+               std::size_t size, Deadline deadline, CancelRef cancel = {}) {
+    return detail::outcome_from_code(detail::call([&] {
+      return handle_->send(key.request, key.generation, to_rank, segment,
+                           static_cast<const std::uint8_t*>(data), size, detail::ms_until(deadline),
+                           cancel.address());
+    }));
+  }
+
+  /// Generation rank, blocks: the agreed end of `key`. Once it returns (any outcome) the receive
+  /// buffers are the caller's again. If `deadline` or `cancel` comes first the request is
+  /// cancelled and the verdict still awaited for up to the agreement bound.
+  Outcome wait_receiver(RequestKey key, Deadline deadline, CancelRef cancel = {}) {
+    return wait(key, true, 0, deadline, cancel);
+  }
+
+  /// Context rank, blocks: the agreed end of `key` as the sender to `receiver_rank`.
+  Outcome wait_sender(RequestKey key, std::uint32_t receiver_rank, Deadline deadline, CancelRef cancel = {}) {
+    return wait(key, false, receiver_rank, deadline, cancel);
+  }
+
+  /// Cancels `key` on this rank; every rank of the request ends `Cancelled`. Does not block.
+  /// Throws InvalidArgument if the key is not known here.
+  void cancel(RequestKey key) { detail::call([&] { handle_->cancel(key.request, key.generation); }); }
+
+  /// Queues an ordered notification for `to_rank`. Does not block.
+  void notify(std::uint32_t to_rank, RequestKey key, const std::vector<std::uint8_t>& payload) {
+    detail::call([&] { handle_->notify(to_rank, key.request, key.generation, detail::slice(payload)); });
+  }
+
+  /// Blocks: the next notification from `from_rank` in the order sent (each exactly once), or
+  /// empty at the deadline or on cancel.
+  std::optional<Notification> wait_for_notification(std::uint32_t from_rank, Deadline deadline,
+                                                    CancelRef cancel = {}) {
+    ffi::NotificationInfo n = detail::call([&] {
+      return handle_->wait_for_notification(from_rank, detail::ms_until(deadline), cancel.address());
+    });
+    if (!n.found) return std::nullopt;
+    return Notification{{n.request, n.generation}, std::vector<std::uint8_t>(n.payload.begin(), n.payload.end())};
+  }
+
+  /// The progress snapshot. Does not block (takes the engine's lock briefly).
+  Health health() const noexcept {
+    const ffi::HealthInfo h = handle_->health();
+    return {h.peers,           h.peers_failed,   h.requests_known,  h.completed,
+            h.failed,          h.stale_dropped,  h.bad_frames,      h.buffers_leased,
+            h.buffers_fenced,  h.ops_in_flight,  h.oldest_op_ms,    h.since_last_completion_ms,
+            h.bytes_completed, h.unreaped_ops};
+  }
+
+ private:
+  static ::rust::Box<ffi::EngineHandle> make(const EngineConfig& c) {
+    if (c.timeout.count() <= 0) {
+      throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: timeout must be positive");
+    }
+    ffi::EngineOptions o;
+    o.name = detail::string(c.name);
+    o.rank = c.rank;
+    o.transport = detail::string(c.transport);
+    o.listen = detail::string(c.listen);
+    o.timeout_ms = static_cast<std::uint64_t>(c.timeout.count());
+    o.agreement_ms = c.agreement_bound.count() > 0 ? static_cast<std::uint64_t>(c.agreement_bound.count()) : 0;
+    o.fault_suppress_request =
+        c.fault_suppress_request ? static_cast<std::int64_t>(*c.fault_suppress_request) : -1;
+    return detail::call([&] { return ffi::engine_new(o); });
+  }
+
+  Outcome wait(RequestKey key, bool as_receiver, std::uint32_t peer, Deadline deadline, CancelRef cancel) {
+    return detail::outcome_from_code(detail::call([&] {
+      return handle_->wait(key.request, key.generation, as_receiver, peer, detail::ms_until(deadline),
+                           cancel.address());
+    }));
+  }
+
+  ::rust::Box<ffi::EngineHandle> handle_;
+};
+
+}  // namespace kvlink
