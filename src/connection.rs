@@ -119,6 +119,8 @@ pub struct Health {
 
 const POOL_SLOTS: u32 = 1 << 16;
 const IDLE_TICK: Duration = Duration::from_millis(100);
+/// How long an agreed outcome or ready answer waits for someone to take it.
+const RETENTION: Duration = Duration::from_secs(600);
 
 struct RecvOp {
     key: RequestKey,
@@ -129,6 +131,14 @@ struct RecvOp {
     /// it is copied to before the segment counts as landed.
     staged: Option<(Staging, u64)>,
     len: usize,
+    token: Token,
+}
+
+/// What to do with a receive's buffer once UCX has released the receive, for receives the
+/// protocol core no longer tracks (fenced, or posted for a request that never started).
+enum OnReap {
+    Restore(crate::proto::pool::BufferId),
+    Release(Lease),
 }
 
 #[derive(Default)]
@@ -150,8 +160,14 @@ struct Core {
     permits: HashMap<(RequestKey, RankId, u32), BufferDesc>,
     aborts: HashSet<(RequestKey, RankId, u32)>,
     adverts: VecDeque<Advertisement>,
-    readies: HashMap<RequestKey, bool>,
-    terminals: HashMap<(RequestKey, Role), Outcome>,
+    readies: HashMap<RequestKey, (bool, Instant)>,
+    /// Agreed ends, kept until a waiter takes them (or for `RETENTION`).
+    terminals: HashMap<(RequestKey, Role), (Outcome, Instant)>,
+    /// Receiver terminals held back until their fenced receives are released by UCX.
+    deferred: HashMap<RequestKey, Outcome>,
+    fencing: HashMap<RequestKey, HashSet<u64>>,
+    on_reap: HashMap<u64, OnReap>,
+    last_prune: Instant,
     notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
     control_ops: Vec<Op>,
     bad_frames: u64,
@@ -163,6 +179,7 @@ struct Inner {
     name: String,
     faults: Faults,
     agreement_bound: Duration,
+    timeout: Duration,
     core: Mutex<Core>,
     cv: Condvar,
     stopping: AtomicBool,
@@ -205,6 +222,10 @@ impl Engine {
             adverts: VecDeque::new(),
             readies: HashMap::new(),
             terminals: HashMap::new(),
+            deferred: HashMap::new(),
+            fencing: HashMap::new(),
+            on_reap: HashMap::new(),
+            last_prune: Instant::now(),
             notes: HashMap::new(),
             control_ops: Vec::new(),
             bad_frames: 0,
@@ -215,6 +236,7 @@ impl Engine {
             name: cfg.name,
             faults: cfg.faults,
             agreement_bound: cfg.agreement_bound,
+            timeout: cfg.timeout,
             core: Mutex::new(core),
             cv: Condvar::new(),
             stopping: AtomicBool::new(false),
@@ -372,6 +394,7 @@ impl Engine {
                             op,
                             staged,
                             len,
+                            token,
                         },
                     );
                     flow.buffers.push((
@@ -400,11 +423,12 @@ impl Engine {
         })();
         if result.is_err() {
             // Nothing was started: take back every posted receive and lease.
+            // The lease goes back only once UCX has released the receive.
             for (id, lease) in posted {
                 if let Some(r) = core.recv_ops.get(&id) {
                     r.op.request_cancel();
+                    core.on_reap.insert(id, OnReap::Release(lease));
                 }
-                let _ = core.pool.release(lease);
             }
         }
         self.inner.flush(&mut core);
@@ -438,9 +462,9 @@ impl Engine {
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Option<bool> {
         self.inner.wait_for(deadline, cancel, |core| {
-            core.readies.get(&key).copied().or_else(|| {
+            core.readies.remove(&key).map(|(r, _)| r).or_else(|| {
                 match core.terminals.get(&(key, Role::Receiver)) {
-                    Some(Outcome::Rejected) => Some(false),
+                    Some((Outcome::Rejected, _)) => Some(false),
                     _ => None,
                 }
             })
@@ -466,7 +490,7 @@ impl Engine {
             }
             core.terminals
                 .get(&(key, Role::Sender { receiver: to }))
-                .map(|&o| Err(o))
+                .map(|&(o, _)| Err(o))
         });
         let desc = match desc {
             None => {
@@ -507,16 +531,22 @@ impl Engine {
                 Some(peer) => {
                     // SAFETY: `data` is borrowed for this call, and the wait below returns only once
                     // the op has ended or been stopped (and reaped: see Op::wait).
-                    let mut op = unsafe {
+                    match unsafe {
                         inner
                             .agent
                             .post_send(peer, desc.token.0, data.as_ptr(), data.len())
-                    }?;
-                    let aborted = || {
-                        cancel.is_some_and(|c| c())
-                            || inner.core.lock().aborts.contains(&(key, to, segment))
-                    };
-                    op.wait(deadline, Some(&aborted))
+                    } {
+                        Ok(mut op) => {
+                            let aborted = || {
+                                cancel.is_some_and(|c| c())
+                                    || inner.core.lock().aborts.contains(&(key, to, segment))
+                            };
+                            op.wait(deadline, Some(&aborted))
+                        }
+                        // Reported to the core like any other failed send (below).
+                        Err(e) if e.kind == ErrorKind::PeerLost => Ok(Outcome::PeerLost),
+                        Err(e) => Err(e),
+                    }
                 }
             }
         };
@@ -565,7 +595,7 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Outcome {
-        let done = |core: &mut Core| core.terminals.get(&(key, role)).copied();
+        let done = |core: &mut Core| core.terminals.remove(&(key, role)).map(|(o, _)| o);
         if let Some(o) = self.inner.wait_for(deadline, cancel, done) {
             return o;
         }
@@ -578,7 +608,13 @@ impl Engine {
                 Outcome::TimedOut
             },
         );
-        let bound = Instant::now() + self.inner.agreement_bound + Duration::from_millis(500);
+        // The verdict is certain by the request's own bound (its deadline plus the agreement bound,
+        // at most one timeout from now), and it comes only once no peer can write its buffers:
+        // returning earlier would hand back memory UCX may still fill.
+        let bound = Instant::now()
+            + self.inner.timeout
+            + self.inner.agreement_bound
+            + Duration::from_secs(1);
         self.inner
             .wait_for(bound, None, done)
             .unwrap_or(if cancelled {
@@ -733,6 +769,15 @@ impl Inner {
             if core.ep.poll_timeout().is_some_and(|t| t <= now) {
                 core.ep.handle_timeout(now);
             }
+            if now.duration_since(core.last_prune) > Duration::from_secs(1) {
+                // Results nobody came for are dropped after RETENTION: memory stays bounded
+                // over millions of requests.
+                core.last_prune = now;
+                core.terminals
+                    .retain(|_, (_, at)| now.duration_since(*at) < RETENTION);
+                core.readies
+                    .retain(|_, (_, at)| now.duration_since(*at) < RETENTION);
+            }
             self.flush(&mut core);
         }
     }
@@ -753,7 +798,7 @@ impl Inner {
                 Ok(msg) => match core.peers.rank_of.get(&peer).copied() {
                     Some(rank) => {
                         if let Message::Ready { key, ready } = &msg {
-                            core.readies.insert(*key, *ready);
+                            core.readies.insert(*key, (*ready, now));
                         }
                         if let Err(e) = core.ep.handle_message(now, rank, msg) {
                             tracing::warn!("control message from {rank}: {e}");
@@ -775,7 +820,25 @@ impl Inner {
             Event::OpDone(id) => {
                 if let Some(mut r) = core.recv_ops.remove(&id) {
                     let result = r.op.poll();
-                    core.by_token.retain(|_, v| *v != id);
+                    core.by_token.remove(&r.token);
+                    if let Some(act) = core.on_reap.remove(&id) {
+                        // The core is done with this receive; only its buffer was waiting.
+                        match act {
+                            OnReap::Restore(b) => drop(core.pool.restore(b)),
+                            OnReap::Release(l) => drop(core.pool.release(l)),
+                        }
+                        let cleared = core.fencing.get_mut(&r.key).is_some_and(|set| {
+                            set.remove(&id);
+                            set.is_empty()
+                        });
+                        if cleared {
+                            core.fencing.remove(&r.key);
+                            if let Some(o) = core.deferred.remove(&r.key) {
+                                core.terminals.insert((r.key, Role::Receiver), (o, now));
+                            }
+                        }
+                        return;
+                    }
                     let res = match result {
                         Some(Ok(Outcome::Completed)) => {
                             match r.staged.as_mut().map(|(st, dev)| st.to_device(*dev, r.len)) {
@@ -849,17 +912,26 @@ impl Inner {
                             tracing::error!("release: {e}");
                         }
                     }
-                    Action::Fence { lease, token, .. } => {
+                    Action::Fence { key, lease, token } => {
                         // A receive that could not be reaped: its peer is cut off (the endpoint
-                        // is force-closed, which ends the receive), and the slot is accounted
-                        // as fenced rather than silently reused.
-                        if let Some(id) = core.by_token.get(&token).copied() {
-                            if let Some(r) = core.recv_ops.get(&id) {
-                                let _ = self.agent.close_peer(r.peer);
+                        // is force-closed, which ends every request on it). The slot stays
+                        // fenced, and the request's terminal is held back, until UCX has
+                        // released the receive: only then can nothing write the buffer.
+                        let _ = core.pool.fence(lease);
+                        let live = core
+                            .by_token
+                            .get(&token)
+                            .copied()
+                            .filter(|id| core.recv_ops.contains_key(id));
+                        match live {
+                            Some(id) => {
+                                let peer = core.recv_ops[&id].peer;
+                                core.recv_ops[&id].op.request_cancel();
+                                let _ = self.agent.close_peer(peer);
+                                core.on_reap.insert(id, OnReap::Restore(lease.buffer));
+                                core.fencing.entry(key).or_default().insert(id);
                             }
-                        }
-                        if core.pool.fence(lease).is_ok() {
-                            let _ = core.pool.restore(lease.buffer);
+                            None => drop(core.pool.restore(lease.buffer)),
                         }
                     }
                 }
@@ -884,7 +956,11 @@ impl Inner {
                         .or_default()
                         .push_back((key, payload)),
                     ProtoEvent::Terminal { key, role, outcome } => {
-                        core.terminals.insert((key, role), outcome);
+                        if role == Role::Receiver && core.fencing.contains_key(&key) {
+                            core.deferred.insert(key, outcome);
+                        } else {
+                            core.terminals.insert((key, role), (outcome, now));
+                        }
                     }
                 }
             }

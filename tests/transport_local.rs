@@ -228,3 +228,44 @@ fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
         drop(target);
     }
 }
+
+#[test]
+fn a_peer_that_was_cut_off_can_connect_again() {
+    let (a, b, ab, ba) = pair(TransportKind::Tcp);
+    a.close_peer(ab).unwrap();
+    // b learns that its endpoint to a failed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match b
+            .next_event(deadline, None)
+            .expect("b must see the failure")
+        {
+            Event::PeerFailed(p) if p == ba => break,
+            _ => continue,
+        }
+    }
+    // The same agent connects again: its messages must reach b under a fresh peer, not be
+    // dropped as coming from the failed one.
+    let ab2 = a.connect(b.listen_address().unwrap()).unwrap();
+    assert_ne!(ab2, ab);
+    let mut hello = a.send_control(ab2, b"again".to_vec()).unwrap();
+    assert_eq!(
+        hello
+            .wait(Instant::now() + Duration::from_secs(5), None)
+            .unwrap(),
+        Outcome::Completed
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let got = loop {
+        match b
+            .next_event(deadline, None)
+            .expect("the new hello must arrive")
+        {
+            Event::Control(p, bytes) => break (p, bytes),
+            _ => continue,
+        }
+    };
+    assert_ne!(got.0, ba, "a fresh peer id");
+    assert_eq!(got.1, b"again");
+    assert_eq!(b.stats().stale_control_dropped, 0);
+}

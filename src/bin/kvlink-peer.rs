@@ -1,7 +1,7 @@
 //! A transport-level peer process for the two-process tests and benchmarks.
 //!
 //! `kvlink-peer recv --transport tcp|sm --sizes 4096,1048576 --timeout-ms 5000`
-//!   Listens (tcp: 127.0.0.1:0; sm: prints its worker address), prints `ADDR <kind> <addr>`,
+//!   Listens (tcp: `--listen ip:port`, default 127.0.0.1:0; sm: prints its worker address), prints `ADDR <kind> <addr>`,
 //!   waits for the sender's hello, posts one tagged receive per size, tells the sender to go,
 //!   waits for each receive with the deadline, verifies every byte, and prints one
 //!   `RESULT <size> <outcome> <elapsed_ms> <verified>` line per transfer and a final
@@ -52,7 +52,12 @@ fn main() {
     let timeout =
         Duration::from_millis(arg(&args, "--timeout-ms").map_or(10_000, |s| s.parse().unwrap()));
     match role.as_str() {
-        "recv" => recv(transport, &sizes, timeout),
+        "recv" => recv(
+            transport,
+            &sizes,
+            timeout,
+            &arg(&args, "--listen").unwrap_or_else(|| "127.0.0.1:0".into()),
+        ),
         "send" => send(
             transport,
             &arg(&args, "--to").expect("--to"),
@@ -66,10 +71,10 @@ fn main() {
     }
 }
 
-fn recv(transport: TransportKind, sizes: &[usize], timeout: Duration) {
+fn recv(transport: TransportKind, sizes: &[usize], timeout: Duration, listen: &str) {
     let mut opts = AgentOptions::new("peer-recv", transport);
     if transport == TransportKind::Tcp {
-        opts.listen = Some("127.0.0.1:0".parse().unwrap());
+        opts.listen = Some(listen.parse().expect("--listen ip:port"));
     }
     let agent = Agent::new(opts).expect("agent");
     match transport {

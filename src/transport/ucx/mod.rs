@@ -31,7 +31,7 @@ mod sys;
 use handles::{Context, Endpoint, Listener, Mapped, RemoteKey as UcxRkey, Worker};
 
 use crate::error::{Error, ErrorKind, Outcome, Result};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_void, CString};
@@ -194,8 +194,8 @@ pub struct Op {
 impl Op {
     /// Waits until the op ends, `deadline` passes, or `cancel()` returns true (checked every
     /// `CANCEL_POLL`). Returns `Completed` only when the whole transfer has landed. On any other
-    /// outcome the UCX request has been cancelled and, unless [`Op::is_quiesced`] says otherwise,
-    /// released: UCX no longer touches the buffer.
+    /// outcome the UCX request has been cancelled and released before this returns: UCX no
+    /// longer touches the buffer (see [`Op::stop`] for the bound on that).
     pub fn wait(
         &mut self,
         deadline: Instant,
@@ -208,8 +208,14 @@ impl Op {
                 drop(st);
                 return self.finish(status, len);
             }
-            if cancel.is_some_and(|c| c()) {
-                break STOP_CANCEL;
+            if let Some(c) = cancel {
+                // The check may take other locks (the engine's): never call it under ours.
+                if MutexGuard::unlocked(&mut st, c) {
+                    break STOP_CANCEL;
+                }
+                if st.is_some() {
+                    continue;
+                }
             }
             let now = Instant::now();
             if now >= deadline {
@@ -289,26 +295,45 @@ impl Op {
             Ordering::Acquire,
         );
         let grace = self.shared.reap_grace;
-        for cmd in [Cmd::CancelOp(self.slot.id), Cmd::ForceClose(self.slot.peer)] {
+        // Stage 1: cancel (a send is drained by its receiver). Stage 2: force-close the
+        // endpoint, which ends every request on it. Stage 3: shutdown of the agent, if under
+        // way, completes everything. The buffer is never handed back while UCX holds it.
+        for cmd in [
+            Cmd::CancelOp(self.slot.id),
+            Cmd::ForceClose(self.slot.peer, None),
+        ] {
             if self.slot.state.lock().is_some() {
                 break;
             }
             if self.shared.submit(cmd).is_err() {
                 break;
             }
-            let until = Instant::now() + grace;
-            let mut st = self.slot.state.lock();
-            while st.is_none() && Instant::now() < until {
-                self.slot.cv.wait_until(&mut st, until);
-            }
+            self.wait_done(Instant::now() + grace);
         }
-        self.quiesced = self.slot.state.lock().is_some();
-        if !self.quiesced {
+        if self.slot.state.lock().is_none() {
             self.shared.stats.unreaped.fetch_add(1, Ordering::Relaxed);
             tracing::error!(
                 op = self.slot.id,
-                "UCX request not released: buffer must be fenced"
+                "UCX has not released a request after cancel and force-close; waiting"
             );
+            self.wait_done(Instant::now() + UNREAPED_LIMIT);
+        }
+        if self.slot.state.lock().is_none() {
+            // UCX broke its contract (a force-closed endpoint completes its requests). Handing
+            // the buffer back now would let UCX write into memory the caller reuses or frees.
+            tracing::error!(
+                op = self.slot.id,
+                "UCX request never released: aborting to protect memory"
+            );
+            std::process::abort();
+        }
+        self.quiesced = true;
+    }
+
+    fn wait_done(&self, until: Instant) {
+        let mut st = self.slot.state.lock();
+        while st.is_none() && Instant::now() < until {
+            self.slot.cv.wait_until(&mut st, until);
         }
     }
 
@@ -371,6 +396,13 @@ fn map_status(status: sys::ucs_status_t, what: &str) -> Error {
     Error::new(kind, format!("{what}: UCX {}", sys::status_str(status)))
 }
 
+#[derive(Default)]
+struct CmdQueue {
+    items: VecDeque<Cmd>,
+    /// Set by the progress thread's teardown: nothing is queued after it.
+    closed: bool,
+}
+
 enum Cmd {
     Connect(SocketAddr, Arc<Reply<PeerId>>),
     ConnectWorker(Vec<u8>, Arc<Reply<PeerId>>),
@@ -414,7 +446,7 @@ enum Cmd {
         remote: u64,
         slot: Arc<OpSlot>,
     },
-    ForceClose(PeerId),
+    ForceClose(PeerId, Option<Arc<Reply<()>>>),
     Shutdown,
 }
 
@@ -465,7 +497,7 @@ struct AtomicStats {
 
 /// State shared between the owner's threads and the progress thread.
 struct Shared {
-    cmds: Mutex<VecDeque<Cmd>>,
+    cmds: Mutex<CmdQueue>,
     wake_fd: c_int,
     stopping: AtomicBool,
     events: Mutex<VecDeque<Event>>,
@@ -483,15 +515,50 @@ struct Shared {
 
 impl Shared {
     fn submit(&self, cmd: Cmd) -> Result<()> {
-        if self.stopping.load(Ordering::Acquire) && !matches!(cmd, Cmd::Shutdown) {
+        let mut q = self.cmds.lock();
+        let refused =
+            q.closed || (self.stopping.load(Ordering::Acquire) && !matches!(cmd, Cmd::Shutdown));
+        if refused {
+            drop(q);
+            // Whatever waits on this command learns now: no slot or reply is left pending.
+            self.fail_cmd(cmd);
             return Err(Error::new(ErrorKind::Shutdown, "agent is shut down"));
         }
-        self.cmds.lock().push_back(cmd);
+        q.items.push_back(cmd);
+        drop(q);
         let one: u64 = 1;
         // SAFETY: wake_fd is an eventfd owned by the agent for its whole life; writing 8 bytes
         // from a valid u64 is the eventfd protocol.
         unsafe { libc::write(self.wake_fd, &one as *const u64 as *const c_void, 8) };
         Ok(())
+    }
+
+    /// Ends a command that will never run, so nobody waits on it.
+    fn fail_cmd(&self, cmd: Cmd) {
+        let shutdown = || Error::new(ErrorKind::Shutdown, "agent is shut down");
+        match cmd {
+            Cmd::Send { slot, .. }
+            | Cmd::Recv { slot, .. }
+            | Cmd::Control { slot, .. }
+            | Cmd::Rma { slot, .. } => {
+                let _ = slot.stop_reason.compare_exchange(
+                    STOP_NONE,
+                    STOP_SHUTDOWN,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                finish_slot(self, &slot, sys::UCS_ERR_CANCELED, 0);
+            }
+            Cmd::Connect(_, r) | Cmd::ConnectWorker(_, r) => r.set(Err(shutdown())),
+            Cmd::Map { reply, .. } => reply.set(Err(shutdown())),
+            Cmd::UnpackRkey { reply, .. } => reply.set(Err(shutdown())),
+            Cmd::ForceClose(_, Some(r)) => r.set(Ok(())),
+            Cmd::ForceClose(_, None)
+            | Cmd::CancelOp(_)
+            | Cmd::Unmap(_)
+            | Cmd::DestroyRkey(_)
+            | Cmd::Shutdown => {}
+        }
     }
 
     fn push_event(&self, ev: Event) {
@@ -524,7 +591,7 @@ impl Agent {
         }
         let uid = fresh_uid();
         let shared = Arc::new(Shared {
-            cmds: Mutex::new(VecDeque::new()),
+            cmds: Mutex::new(CmdQueue::default()),
             wake_fd,
             stopping: AtomicBool::new(false),
             events: Mutex::new(VecDeque::new()),
@@ -907,8 +974,15 @@ impl Agent {
         let now = Instant::now();
         let mut in_flight = 0;
         let mut oldest: Option<Instant> = None;
-        for w in self.shared.in_flight.lock().values() {
-            if let Some(slot) = w.upgrade() {
+        let slots: Vec<Arc<OpSlot>> = self
+            .shared
+            .in_flight
+            .lock()
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for slot in slots {
+            {
                 if !slot.control && slot.state.lock().is_none() {
                     in_flight += 1;
                     oldest = Some(oldest.map_or(slot.started, |o| o.min(slot.started)));
@@ -938,7 +1012,21 @@ impl Agent {
     /// marked failed. The fence of last resort.
     pub fn close_peer(&self, peer: PeerId) -> Result<()> {
         self.check_peer(peer)?;
-        self.shared.submit(Cmd::ForceClose(peer))
+        self.shared.submit(Cmd::ForceClose(peer, None))
+    }
+
+    /// Like [`Agent::close_peer`], but returns only once the endpoint is closed and the receives
+    /// posted for the peer are cancelled (bounded by `deadline`). False if the deadline passed.
+    pub fn close_peer_sync(&self, peer: PeerId, deadline: Instant) -> bool {
+        let r = Reply::new();
+        if self
+            .shared
+            .submit(Cmd::ForceClose(peer, Some(r.clone())))
+            .is_err()
+        {
+            return false;
+        }
+        r.wait(deadline).is_ok()
     }
 }
 
@@ -1000,6 +1088,13 @@ impl Drop for RemoteKey {
         let _ = self.shared.submit(Cmd::DestroyRkey(self.id));
     }
 }
+
+/// After cancel and force-close, how long an op waits for UCX before the process aborts rather
+/// than hand back a buffer UCX may still touch.
+/// Progress calls per pass before commands are looked at again.
+const PROGRESS_BURST: usize = 64;
+
+const UNREAPED_LIMIT: Duration = Duration::from_secs(30);
 
 /// The largest control message: control messages are small and always sent eagerly.
 pub const MAX_CONTROL: usize = 1 << 20;
@@ -1301,7 +1396,7 @@ impl Progress {
             if did.1 {
                 return;
             }
-            loop {
+            for _ in 0..PROGRESS_BURST {
                 // SAFETY: the worker is owned by this thread.
                 let n = unsafe { sys::ucp_worker_progress(self.worker.0) };
                 let handled = self.handle_callbacks();
@@ -1309,6 +1404,10 @@ impl Progress {
                     break;
                 }
                 did.0 = true;
+                // Commands (cancels, new posts) must not wait behind a busy transfer.
+                if self.shared.cmds_pending() {
+                    break;
+                }
             }
             if did.0 {
                 empty_streak = 0;
@@ -1366,7 +1465,7 @@ impl Progress {
     fn drain_commands(&mut self) -> (bool, bool) {
         let mut did = false;
         loop {
-            let cmd = self.shared.cmds.lock().pop_front();
+            let cmd = self.shared.cmds.lock().items.pop_front();
             let Some(cmd) = cmd else { return (did, false) };
             did = true;
             match cmd {
@@ -1432,7 +1531,12 @@ impl Progress {
                     remote,
                     slot,
                 } => self.start_rma(rkey, put, addr, len, remote, slot),
-                Cmd::ForceClose(peer) => self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true),
+                Cmd::ForceClose(peer, reply) => {
+                    self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true);
+                    if let Some(r) = reply {
+                        r.set(Ok(()))
+                    }
+                }
             }
         }
     }
@@ -1678,7 +1782,11 @@ impl Progress {
     /// Hands a slot to UCX: on success UCX holds one strong count, returned by the callback.
     fn track(&self, slot: &Arc<OpSlot>, status_ptr: sys::ucs_status_ptr_t) {
         if sys::ptr_is_ptr(status_ptr) {
-            slot.request.store(status_ptr, Ordering::Release);
+            // With NO_IMM_CMPL the callback may already have run (and freed the request)
+            // inside the *_nbx call: only a pending request is stored for later cancels.
+            if slot.state.lock().is_none() {
+                slot.request.store(status_ptr, Ordering::Release);
+            }
         } else {
             // Not a request: the callback will not run. Release its count and fail the slot.
             // SAFETY: the count was leaked with Arc::into_raw for this call.
@@ -1790,7 +1898,9 @@ impl Progress {
             )
         };
         if sys::ptr_is_ptr(ptr) {
-            slot.request.store(ptr, Ordering::Release);
+            if slot.state.lock().is_none() {
+                slot.request.store(ptr, Ordering::Release);
+            }
         } else {
             // SAFETY: the callback will not run: reclaim the box made above.
             drop(unsafe { Box::from_raw(param.user_data as *mut ControlSend) });
@@ -1875,6 +1985,8 @@ impl Progress {
         };
         let first = !entry.failed;
         entry.failed = true;
+        // Forget which agent this was: if it connects again it gets a fresh peer.
+        self.uid_to_peer.retain(|_, p| *p != peer);
         let ep = if first { entry.ep.take() } else { None };
         self.shared.failed.lock().insert(PeerId(peer), true);
         if first {
@@ -1910,8 +2022,16 @@ impl Progress {
     }
 
     fn teardown(&mut self) {
-        // Stop every op, then close every endpoint; the worker and context go when `self`
-        // drops, in field order.
+        // Close the queue (later submits fail at once) and end what never ran; then stop every
+        // op, then close every endpoint; the worker and context go when `self` drops.
+        let leftovers: Vec<Cmd> = {
+            let mut q = self.shared.cmds.lock();
+            q.closed = true;
+            q.items.drain(..).collect()
+        };
+        for cmd in leftovers {
+            self.shared.fail_cmd(cmd);
+        }
         let slots: Vec<Arc<OpSlot>> = self
             .shared
             .in_flight
@@ -1967,7 +2087,7 @@ impl Progress {
 
 impl Shared {
     fn cmds_pending(&self) -> bool {
-        !self.cmds.lock().is_empty()
+        !self.cmds.lock().items.is_empty()
     }
 }
 
