@@ -12,6 +12,12 @@
 # library's symbols are kept local (--exclude-libs,ALL) and the C++ is compiled with hidden
 # visibility, so a process that also links kvlink statically (or a second Rust library) does not
 # interpose on the copy inside the wrapper.
+# Built by default only when kvlink is the top-level project (a parent project opts in).
+option(KVLINK_BUILD_TRTLLM_WRAPPER "Build libkvlink_trtllm_wrapper.so" ${_kvlink_top_level})
+if(NOT KVLINK_BUILD_TRTLLM_WRAPPER AND NOT KVLINK_BUILD_TESTS)
+  return()
+endif()
+
 set(KVLINK_TRTLLM_INCLUDE_DIR "${PROJECT_SOURCE_DIR}/cpp_tests/trtllm_shapes" CACHE PATH
     "Directory with TensorRT-LLM's tensorrt_llm/ headers (default: kvlink's stand-ins)")
 
@@ -29,3 +35,7 @@ set_target_properties(kvlink_trtllm_wrapper PROPERTIES
   VISIBILITY_INLINES_HIDDEN ON
   POSITION_INDEPENDENT_CODE ON)
 target_link_options(kvlink_trtllm_wrapper PRIVATE "LINKER:--exclude-libs,ALL" "LINKER:--no-undefined")
+if(KVLINK_INSTALL)
+  include(GNUInstallDirs)
+  install(TARGETS kvlink_trtllm_wrapper LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}")
+endif()

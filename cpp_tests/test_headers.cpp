@@ -10,7 +10,8 @@ std::vector<std::string> kvlink_headers_checked_alone();
 
 TEST(PublicHeaders, EachCompilesAlone) {
   const auto headers = kvlink_headers_checked_alone();
-  for (const char* expected : {"kvlink/kvlink.hpp", "kvlink/bridge.h", "rust/cxx.h"}) {
+  for (const char* expected :
+       {"kvlink/kvlink.hpp", "kvlink/engine.hpp", "kvlink/trtllm_adapter.h", "kvlink/bridge.h", "rust/cxx.h"}) {
     EXPECT_NE(std::find(headers.begin(), headers.end(), expected), headers.end())
         << expected << " was not compiled on its own";
   }
