@@ -37,6 +37,11 @@ unsafe fn cancel_flag<'a>(addr: usize) -> Option<&'a AtomicBool> {
     (addr != 0).then(|| unsafe { AtomicBool::from_ptr(addr as *mut bool) })
 }
 
+/// The engine's form of a cancel check: none, or a read of the flag.
+fn cancel_check(flag: Option<&AtomicBool>) -> Option<Box<dyn Fn() -> bool + '_>> {
+    flag.map(|f| Box::new(move || f.load(Ordering::Acquire)) as Box<dyn Fn() -> bool>)
+}
+
 pub fn engine_new(o: &EngineOptions) -> Result<Box<EngineHandle>> {
     guard(|| {
         let transport = TransportKind::parse(&o.transport)?;
@@ -130,10 +135,12 @@ impl EngineHandle {
         // SAFETY: forwarded caller promise.
         let flag = unsafe { cancel_flag(cancel) };
         guard(|| {
-            let check = flag.map(|f| move || f.load(Ordering::Acquire));
-            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            let check = cancel_check(flag);
             Ok(
-                match self.engine.next_advertisement(deadline(timeout_ms), c) {
+                match self
+                    .engine
+                    .next_advertisement(deadline(timeout_ms), check.as_deref())
+                {
                     None => AdvertInfo {
                         found: false,
                         ..AdvertInfo::default()
@@ -186,13 +193,12 @@ impl EngineHandle {
         // SAFETY: forwarded caller promise.
         let flag = unsafe { cancel_flag(cancel) };
         guard(|| {
-            let check = flag.map(|f| move || f.load(Ordering::Acquire));
-            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            let check = cancel_check(flag);
             Ok(
                 match self.engine.recv_ready(
                     RequestKey::new(request, generation),
                     deadline(timeout_ms),
-                    c,
+                    check.as_deref(),
                 ) {
                     None => -1,
                     Some(false) => 0,
@@ -229,8 +235,7 @@ impl EngineHandle {
         // SAFETY: the caller promises `len` readable bytes at `data` for this call.
         let bytes = unsafe { std::slice::from_raw_parts(data, len) };
         guard(|| {
-            let check = flag.map(|f| move || f.load(Ordering::Acquire));
-            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            let check = cancel_check(flag);
             let key = RequestKey::new(request, generation);
             self.engine
                 .send(
@@ -239,7 +244,7 @@ impl EngineHandle {
                     segment,
                     bytes,
                     deadline(timeout_ms),
-                    c,
+                    check.as_deref(),
                 )
                 .map(outcome_code)
         })
@@ -262,8 +267,7 @@ impl EngineHandle {
         // SAFETY: forwarded caller promise.
         let flag = unsafe { cancel_flag(cancel) };
         guard(|| {
-            let check = flag.map(|f| move || f.load(Ordering::Acquire));
-            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            let check = cancel_check(flag);
             let role = if as_receiver {
                 Role::Receiver
             } else {
@@ -275,7 +279,7 @@ impl EngineHandle {
                 RequestKey::new(request, generation),
                 role,
                 deadline(timeout_ms),
-                c,
+                check.as_deref(),
             )))
         })
     }
@@ -311,13 +315,13 @@ impl EngineHandle {
         // SAFETY: forwarded caller promise.
         let flag = unsafe { cancel_flag(cancel) };
         guard(|| {
-            let check = flag.map(|f| move || f.load(Ordering::Acquire));
-            let c: Option<&dyn Fn() -> bool> = check.as_ref().map(|f| f as &dyn Fn() -> bool);
+            let check = cancel_check(flag);
             Ok(
-                match self
-                    .engine
-                    .wait_for_notification(RankId(from_rank), deadline(timeout_ms), c)
-                {
+                match self.engine.wait_for_notification(
+                    RankId(from_rank),
+                    deadline(timeout_ms),
+                    check.as_deref(),
+                ) {
                     None => NotificationInfo {
                         found: false,
                         ..NotificationInfo::default()

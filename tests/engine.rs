@@ -293,8 +293,17 @@ fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
     let e = unsafe { gen.advertise(key, vec![RankId(GEN)], vec![(RankId(CTX), specs)], vec![]) }
         .unwrap_err();
     assert_eq!(e.kind, kvlink::ErrorKind::Cuda);
-    let h = gen.health();
-    assert_eq!(h.buffers_leased, 0, "the host buffer's lease was returned");
+    // The host buffer's receive was posted before the CUDA error: its lease comes back once UCX
+    // has released that receive, which takes a moment (never before).
+    let until = Instant::now() + Duration::from_secs(2);
+    while gen.health().buffers_leased != 0 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        gen.health().buffers_leased,
+        0,
+        "the host buffer's lease was returned"
+    );
     let e = ctx
         .send_device(
             key,

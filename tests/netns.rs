@@ -1,11 +1,11 @@
 //! Network faults between two processes in their own network namespaces, joined by a veth pair
 //! (addresses of our own test hosts, inside namespaces this test creates and removes). Needs
 //! root (CI runs as root); elsewhere it prints why it skips.
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
-use std::time::Instant;
+mod common;
 
-const PEER: &str = env!("CARGO_BIN_EXE_kvlink-peer");
+use common::{Proc, PEER};
+use std::process::{Command, Stdio};
+use std::time::Instant;
 
 fn sh(args: &[&str]) -> bool {
     Command::new(args[0])
@@ -79,44 +79,10 @@ impl Drop for Net {
     }
 }
 
-struct Proc {
-    child: Child,
-    out: BufReader<ChildStdout>,
-}
-
-impl Proc {
-    fn spawn_in(ns: &str, args: &[&str]) -> Proc {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", ns, PEER])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Proc { child, out }
-    }
-    fn expect(&mut self, prefix: &str) -> String {
-        loop {
-            let mut line = String::new();
-            assert!(
-                self.out.read_line(&mut line).unwrap() > 0,
-                "peer exited before printing {prefix}"
-            );
-            let line = line.trim_end().to_string();
-            println!("  | {line}");
-            if line.starts_with(prefix) {
-                return line;
-            }
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn spawn_in(ns: &str, args: &[&str]) -> Proc {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns, PEER]).args(args);
+    Proc::spawn(cmd)
 }
 
 fn skip(why: &str) {
@@ -139,7 +105,7 @@ fn setup(tag: &str) -> Option<Net> {
 fn start(net: &Net, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Proc) {
     let listen = format!("{}:0", net.ip_b);
     let t = timeout_ms.to_string();
-    let mut recv = Proc::spawn_in(
+    let mut recv = spawn_in(
         &net.b,
         &[
             "recv",
@@ -159,7 +125,7 @@ fn start(net: &Net, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Proc) {
         .nth(2)
         .unwrap()
         .to_string();
-    let mut send = Proc::spawn_in(
+    let mut send = spawn_in(
         &net.a,
         &[
             "send",
@@ -179,8 +145,8 @@ fn start(net: &Net, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Proc) {
 }
 
 fn result(line: &str) -> (String, f64, bool) {
-    let f: Vec<&str> = line.split_whitespace().collect();
-    (f[2].to_string(), f[3].parse().unwrap(), f[4] == "true")
+    let (_, o, ms, ok) = common::result(line);
+    (o, ms, ok)
 }
 
 #[test]

@@ -1,58 +1,14 @@
 //! Two real OS processes (the `kvlink-peer` binary) over UCX: tcp on loopback and shared memory.
 //! Every byte is checked; faults are real signals.
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
+mod common;
+
+use common::{result, Proc};
 use std::time::Instant;
-
-const PEER: &str = env!("CARGO_BIN_EXE_kvlink-peer");
-
-struct Proc {
-    child: Child,
-    out: BufReader<ChildStdout>,
-}
-
-impl Proc {
-    fn spawn(args: &[&str]) -> Proc {
-        let mut child = Command::new(PEER)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Proc { child, out }
-    }
-    /// Next stdout line starting with `prefix` (other lines are echoed).
-    fn expect(&mut self, prefix: &str) -> String {
-        loop {
-            let mut line = String::new();
-            assert!(
-                self.out.read_line(&mut line).unwrap() > 0,
-                "peer exited before printing {prefix}"
-            );
-            let line = line.trim_end().to_string();
-            println!("  | {line}");
-            if line.starts_with(prefix) {
-                return line;
-            }
-        }
-    }
-    fn signal(&self, sig: i32) {
-        unsafe { libc::kill(self.child.id() as i32, sig) };
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Starts a receiver and a sender; returns both once the receiver has posted its receives.
 fn start(transport: &str, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Proc) {
     let t = timeout_ms.to_string();
-    let mut recv = Proc::spawn(&[
+    let mut recv = Proc::peer(&[
         "recv",
         "--transport",
         transport,
@@ -67,7 +23,7 @@ fn start(transport: &str, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Pr
         .nth(2)
         .unwrap()
         .to_string();
-    let mut send = Proc::spawn(&[
+    let mut send = Proc::peer(&[
         "send",
         "--transport",
         transport,
@@ -81,17 +37,6 @@ fn start(transport: &str, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Pr
     recv.expect("POSTED");
     send.expect("GO");
     (recv, send)
-}
-
-/// (size, outcome, elapsed ms, verified)
-fn result(line: &str) -> (usize, String, f64, bool) {
-    let f: Vec<&str> = line.split_whitespace().collect();
-    (
-        f[1].parse().unwrap(),
-        f[2].to_string(),
-        f[3].parse().unwrap(),
-        f[4] == "true",
-    )
 }
 
 #[test]

@@ -406,14 +406,8 @@ struct CmdQueue {
 enum Cmd {
     Connect(SocketAddr, Arc<Reply<PeerId>>),
     ConnectWorker(Vec<u8>, Arc<Reply<PeerId>>),
-    Send {
-        peer: PeerId,
-        tag: u64,
-        addr: usize,
-        len: usize,
-        slot: Arc<OpSlot>,
-    },
-    Recv {
+    Tag {
+        send: bool,
         peer: PeerId,
         tag: u64,
         addr: usize,
@@ -537,10 +531,7 @@ impl Shared {
     fn fail_cmd(&self, cmd: Cmd) {
         let shutdown = || Error::new(ErrorKind::Shutdown, "agent is shut down");
         match cmd {
-            Cmd::Send { slot, .. }
-            | Cmd::Recv { slot, .. }
-            | Cmd::Control { slot, .. }
-            | Cmd::Rma { slot, .. } => {
+            Cmd::Tag { slot, .. } | Cmd::Control { slot, .. } | Cmd::Rma { slot, .. } => {
                 let _ = slot.stop_reason.compare_exchange(
                     STOP_NONE,
                     STOP_SHUTDOWN,
@@ -755,18 +746,7 @@ impl Agent {
         len: usize,
         notify: bool,
     ) -> Result<Op> {
-        check_buffer(addr as usize, len)?;
-        self.check_peer(peer)?;
-        let slot = self.new_slot(peer, len, tag, SlotKind::Send, notify);
-        let op = self.op(slot.clone());
-        self.shared.submit(Cmd::Send {
-            peer,
-            tag,
-            addr: addr as usize,
-            len,
-            slot,
-        })?;
-        Ok(op)
+        self.post_tag(SlotKind::Send, peer, tag, addr as usize, len, notify)
     }
 
     /// Posts a tagged receive of exactly `len` bytes into `addr`, from `peer` (the peer whose
@@ -797,14 +777,28 @@ impl Agent {
         len: usize,
         notify: bool,
     ) -> Result<Op> {
-        check_buffer(addr as usize, len)?;
+        self.post_tag(SlotKind::Recv, peer, tag, addr as usize, len, notify)
+    }
+
+    fn post_tag(
+        &self,
+        kind: SlotKind,
+        peer: PeerId,
+        tag: u64,
+        addr: usize,
+        len: usize,
+        notify: bool,
+    ) -> Result<Op> {
+        check_buffer(addr, len)?;
         self.check_peer(peer)?;
-        let slot = self.new_slot(peer, len, tag, SlotKind::Recv, notify);
+        let slot = self.new_slot(peer, len, tag, kind, notify);
         let op = self.op(slot.clone());
-        self.shared.submit(Cmd::Recv {
+        let send = kind == SlotKind::Send;
+        self.shared.submit(Cmd::Tag {
+            send,
             peer,
             tag,
-            addr: addr as usize,
+            addr,
             len,
             slot,
         })?;
@@ -1481,20 +1475,14 @@ impl Progress {
                     }
                     reply.set(r)
                 }
-                Cmd::Send {
+                Cmd::Tag {
+                    send,
                     peer,
                     tag,
                     addr,
                     len,
                     slot,
-                } => self.start_tag(peer, tag, addr, len, slot, true),
-                Cmd::Recv {
-                    peer,
-                    tag,
-                    addr,
-                    len,
-                    slot,
-                } => self.start_tag(peer, tag, addr, len, slot, false),
+                } => self.start_tag(peer, tag, addr, len, slot, send),
                 Cmd::Control { peer, bytes, slot } => self.start_control(peer, bytes, slot),
                 Cmd::CancelOp(id) => self.cancel_op(id),
                 Cmd::Map { addr, len, reply } => {

@@ -1,0 +1,70 @@
+//! Shared by the multi-process tests: a child `kvlink-peer` whose stdout is read line by line.
+#![allow(dead_code)]
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, Stdio};
+
+pub const PEER: &str = env!("CARGO_BIN_EXE_kvlink-peer");
+
+pub struct Proc {
+    pub child: Child,
+    out: BufReader<ChildStdout>,
+}
+
+impl Proc {
+    /// Starts `cmd` with stdout piped (stderr inherited).
+    pub fn spawn(mut cmd: Command) -> Proc {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Proc { child, out }
+    }
+
+    /// `kvlink-peer ARGS`.
+    pub fn peer(args: &[&str]) -> Proc {
+        let mut cmd = Command::new(PEER);
+        cmd.args(args);
+        Proc::spawn(cmd)
+    }
+
+    /// Next stdout line starting with `prefix` (other lines are echoed).
+    pub fn expect(&mut self, prefix: &str) -> String {
+        loop {
+            let mut line = String::new();
+            assert!(
+                self.out.read_line(&mut line).unwrap() > 0,
+                "peer exited before printing {prefix}"
+            );
+            let line = line.trim_end().to_string();
+            println!("  | {line}");
+            if line.starts_with(prefix) {
+                return line;
+            }
+        }
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `RESULT <size> <outcome> <elapsed_ms> <verified>` line.
+pub fn result(line: &str) -> (usize, String, f64, bool) {
+    let f: Vec<&str> = line.split_whitespace().collect();
+    (
+        f[1].parse().unwrap(),
+        f[2].to_string(),
+        f[3].parse().unwrap(),
+        f[4] == "true",
+    )
+}
