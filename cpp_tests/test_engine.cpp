@@ -2,7 +2,9 @@
 #include "test_util.h"
 
 #include <atomic>
+#include <cstdio>
 #include <thread>
+#include <tuple>
 
 using namespace kvtest;
 using kvlink::Outcome;
@@ -218,32 +220,65 @@ CancelRun cancel_mid_transfer(kvlink::Engine& ctx, kvlink::Engine& gen, RequestK
 }
 
 // Not in TensorRT-LLM: a cancel flag set while a KV cache (64 segments of 4 MiB) is on the wire
-// ends both sides, with the same failed verdict, within 50 ms.
-// Known engine bug (reported): the verdict should be Cancelled, but today it is PeerLost when the
-// flag stops a segment in flight: the receiver's posted receive fails before the sender's cancel
-// vote arrives, and a receive that dies on its own votes PeerLost (proto/request.rs on_reaped).
-// The test accepts both until that is fixed; it still fails on a hang, a split verdict, success.
+// ends both sides within 50 ms with the same verdict: Cancelled. (A segment the sender stops is
+// drained at the receiver; the engine reads that as the sender's cancel, not as a lost peer.)
 TEST_P(EngineTest, CancelFlagMidTransferEndsBothSidesWithin50ms) {
   const auto run = cancel_mid_transfer(*ctx_, *gen_, {600, 0}, 64, 4u << 20, 32u << 20);
   ASSERT_TRUE(run.cancelled_mid) << "the transfer finished before the flag was set";
   EXPECT_EQ(run.sender, run.receiver) << "split verdict: sender " << kvlink::to_string(run.sender)
                                       << ", receiver " << kvlink::to_string(run.receiver);
-  EXPECT_TRUE(run.receiver == Outcome::Cancelled || run.receiver == Outcome::PeerLost)
-      << kvlink::to_string(run.receiver);
+  EXPECT_EQ(run.receiver, Outcome::Cancelled) << kvlink::to_string(run.receiver);
   EXPECT_LE(run.sender_ms, 50) << "sender ended " << run.sender_ms << " ms after the flag";
   EXPECT_LE(run.receiver_ms, 50) << "receiver ended " << run.receiver_ms << " ms after the flag";
 }
 
-// Known limitation, reported (not run by default): one 512 MiB segment cannot be stopped
-// mid-flight: UCX does not cancel a send in progress, so the engine waits for it (up to its
-// reap grace) and both sides end only when the bytes are through, 100-250 ms later. The sender
-// also reports Cancelled while the receiver's verdict is Completed.
-TEST_P(EngineTest, DISABLED_CancelFlagMidOneHugeSegmentEndsBothSidesWithin50ms) {
+// One 512 MiB segment: bytes already on the wire cannot be recalled (UCX cannot cancel a
+// rendezvous transfer once it is matched), so the flag can only end the wait when they are
+// through. Both sides must still end, bounded, with one agreed verdict.
+TEST_P(EngineTest, CancelFlagMidOneHugeSegmentStillEndsWithOneVerdict) {
   const auto run = cancel_mid_transfer(*ctx_, *gen_, {601, 0}, 1, 512u << 20, 0);
-  EXPECT_EQ(run.sender, Outcome::Cancelled);
-  EXPECT_EQ(run.receiver, Outcome::Cancelled);
-  EXPECT_LE(run.sender_ms, 50);
-  EXPECT_LE(run.receiver_ms, 50);
+  std::printf("[ one 512 MiB segment: sender %s after %ld ms, receiver %s after %ld ms ]\n",
+              kvlink::to_string(run.sender), run.sender_ms, kvlink::to_string(run.receiver),
+              run.receiver_ms);
+  EXPECT_EQ(run.sender, run.receiver) << "split verdict";
+  EXPECT_LE(run.sender_ms, 3000);
+  EXPECT_LE(run.receiver_ms, 3000);
+}
+
+// Two context ranks fill one request of one generation rank (advertise_flows): each sees only
+// its own buffers, both bytes ranges land, and all three ranks agree on Completed.
+TEST_P(EngineTest, TwoContextRanksFillOneRequest) {
+  kvlink::Engine ctx2(config(GetParam(), 2));
+  ASSERT_EQ(gen_->connect(ctx2.address(), kvlink::after(5s)), 2u);
+  ctx2.wait_peer(kGen, kvlink::after(5s));
+  const RequestKey key{77, 0};
+  std::vector<std::uint8_t> a(256 << 10, 0), b(256 << 10, 0);
+  gen_->advertise_flows(key, {}, {kCtx, 2},
+                        {{kvlink::BufferKind::Kv, 0, a.data(), a.size()},
+                         {kvlink::BufferKind::Kv, 1, b.data(), b.size()}},
+                        {});
+  const auto pa = pattern(a.size(), 3), pb = pattern(b.size(), 4);
+  for (auto [engine, segment, src] : {std::tuple{&*ctx_, 0u, &pa}, std::tuple{&ctx2, 1u, &pb}}) {
+    auto adv = engine->next_advertisement(kvlink::after(5s));
+    ASSERT_TRUE(adv);
+    ASSERT_EQ(adv->buffers.size(), 1u) << "a context rank sees only its own buffers";
+    EXPECT_EQ(adv->buffers[0].segment, segment);
+    engine->accept(key, kGen, true);
+    EXPECT_EQ(engine->send(key, kGen, segment, src->data(), src->size(), kvlink::after(5s)),
+              Outcome::Completed);
+  }
+  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(ctx2.wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(a, pa);
+  EXPECT_EQ(b, pb);
+  try {
+    gen_->advertise_flows(key, {}, {kCtx}, {}, {});
+    FAIL() << "mismatched senders and buffers were accepted";
+  } catch (const kvlink::Error& e) {
+    EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument);
+  }
+  expect_no_leak(ctx2, "ctx2");
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, EngineTest, testing::ValuesIn(transports()), param_name);

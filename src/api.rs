@@ -97,21 +97,56 @@ impl EngineHandle {
         buffers: &[BufferInfo],
         request_info: &[u8],
     ) -> Result<()> {
+        let senders = vec![sender; buffers.len()];
+        // SAFETY: the caller's promise is the same.
+        unsafe {
+            self.advertise_flows(
+                request,
+                generation,
+                receivers,
+                &senders,
+                buffers,
+                request_info,
+            )
+        }
+    }
+
+    /// One request filled by several context ranks: `senders[i]` sends `buffers[i]`.
+    ///
+    /// # Safety
+    /// As for [`EngineHandle::advertise`].
+    pub unsafe fn advertise_flows(
+        &self,
+        request: u64,
+        generation: u32,
+        receivers: &[u32],
+        senders: &[u32],
+        buffers: &[BufferInfo],
+        request_info: &[u8],
+    ) -> Result<()> {
         guard(|| {
-            let specs = buffers
-                .iter()
-                .map(|b| {
-                    Ok(BufferSpec {
-                        kind: BufferKind::from_u8(b.kind).ok_or_else(|| {
-                            Error::invalid(format!("unknown buffer kind {}", b.kind))
-                        })?,
-                        segment: b.segment,
-                        addr: b.addr,
-                        len: b.len,
-                        device_id: b.device_id,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
+            if senders.len() != buffers.len() {
+                return Err(Error::invalid(format!(
+                    "{} senders for {} buffers: give one sender per buffer",
+                    senders.len(),
+                    buffers.len()
+                )));
+            }
+            let mut flows: Vec<(RankId, Vec<BufferSpec>)> = Vec::new();
+            for (b, &sender) in buffers.iter().zip(senders) {
+                let spec = BufferSpec {
+                    kind: BufferKind::from_u8(b.kind)
+                        .ok_or_else(|| Error::invalid(format!("unknown buffer kind {}", b.kind)))?,
+                    segment: b.segment,
+                    addr: b.addr,
+                    len: b.len,
+                    device_id: b.device_id,
+                };
+                match flows.iter_mut().find(|(r, _)| r.0 == sender) {
+                    Some((_, specs)) => specs.push(spec),
+                    None => flows.push((RankId(sender), vec![spec])),
+                }
+            }
             let mut receivers: Vec<RankId> = receivers.iter().map(|&r| RankId(r)).collect();
             if receivers.is_empty() {
                 receivers.push(self.engine.rank());
@@ -119,12 +154,8 @@ impl EngineHandle {
             let key = RequestKey::new(request, generation);
             // SAFETY: the caller's promise above is the engine's.
             unsafe {
-                self.engine.advertise(
-                    key,
-                    receivers,
-                    vec![(RankId(sender), specs)],
-                    request_info.to_vec(),
-                )
+                self.engine
+                    .advertise(key, receivers, flows, request_info.to_vec())
             }
         })
     }

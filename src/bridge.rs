@@ -106,6 +106,16 @@ pub mod ffi {
             buffers: &[BufferInfo],
             request_info: &[u8],
         ) -> Result<()>;
+        /// One request filled by several context ranks: `senders[i]` sends `buffers[i]`.
+        unsafe fn advertise_flows(
+            self: &EngineHandle,
+            request: u64,
+            generation: u32,
+            receivers: &[u32],
+            senders: &[u32],
+            buffers: &[BufferInfo],
+            request_info: &[u8],
+        ) -> Result<()>;
         unsafe fn next_advertisement(
             self: &EngineHandle,
             timeout_ms: u64,

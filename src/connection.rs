@@ -166,6 +166,13 @@ struct Core {
     /// Receiver terminals held back until their fenced receives are released by UCX.
     deferred: HashMap<RequestKey, Outcome>,
     fencing: HashMap<RequestKey, HashSet<u64>>,
+    /// Receives whose cancel the core asked for (any other cancelled receive was drained by its
+    /// sender).
+    core_cancelled: HashSet<u64>,
+    /// Keys that reached a terminal state here, kept for `RETENTION` after the core forgets
+    /// them: a replay of one is refused, and a late advertisement of one is dropped.
+    finished: HashMap<(RequestKey, Option<RankId>), Instant>,
+    replays_dropped: u64,
     on_reap: HashMap<u64, OnReap>,
     last_prune: Instant,
     notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
@@ -224,6 +231,9 @@ impl Engine {
             terminals: HashMap::new(),
             deferred: HashMap::new(),
             fencing: HashMap::new(),
+            core_cancelled: HashSet::new(),
+            finished: HashMap::new(),
+            replays_dropped: 0,
             on_reap: HashMap::new(),
             last_prune: Instant::now(),
             notes: HashMap::new(),
@@ -337,6 +347,11 @@ impl Engine {
             )));
         }
         let mut core = self.inner.core.lock();
+        if core.finished.contains_key(&(key, None)) {
+            return Err(Error::invalid(format!(
+                "{key} has already run here: a retry needs the next generation"
+            )));
+        }
         let mut posted: Vec<(u64, Lease)> = Vec::new();
         let result = (|| {
             let mut spec_flows = Vec::new();
@@ -553,14 +568,13 @@ impl Engine {
         let ok = matches!(outcome, Ok(Outcome::Completed));
         let mut core = inner.core.lock();
         core.aborts.remove(&(key, to, segment));
-        let _ = core
-            .ep
-            .handle_send_done(Instant::now(), key, to, segment, ok);
-        if let Ok(o) = outcome {
-            if !ok && o != Outcome::PeerLost {
-                let _ = core.ep.cancel(Instant::now(), key);
-            }
+        let now = Instant::now();
+        // This rank's reason goes first: the core takes a failed send with no reason given as a
+        // lost peer, and the first vote is the one that counts.
+        if let Ok(o @ (Outcome::TimedOut | Outcome::Cancelled)) = outcome {
+            let _ = core.ep.give_up(now, key, o);
         }
+        let _ = core.ep.handle_send_done(now, key, to, segment, ok);
         inner.flush(&mut core);
         outcome
     }
@@ -632,8 +646,10 @@ impl Engine {
         r
     }
 
-    fn fail_request(&self, key: RequestKey, _why: Outcome) {
-        let _ = self.cancel(key);
+    fn fail_request(&self, key: RequestKey, why: Outcome) {
+        let mut core = self.inner.core.lock();
+        let _ = core.ep.give_up(Instant::now(), key, why);
+        self.inner.flush(&mut core);
     }
 
     /// Sends an ordered notification to `to`.
@@ -673,7 +689,7 @@ impl Engine {
             requests_known: core.ep.known() as u64,
             completed: ps.completed,
             failed: ps.failed,
-            stale_dropped: ps.stale_dropped,
+            stale_dropped: ps.stale_dropped + core.replays_dropped,
             bad_frames: ps.bad_frames + core.bad_frames,
             buffers_leased: core.pool.leased() as u64,
             buffers_fenced: core.pool.fenced() as u64,
@@ -777,6 +793,8 @@ impl Inner {
                     .retain(|_, (_, at)| now.duration_since(*at) < RETENTION);
                 core.readies
                     .retain(|_, (_, at)| now.duration_since(*at) < RETENTION);
+                core.finished
+                    .retain(|_, at| now.duration_since(*at) < RETENTION);
             }
             self.flush(&mut core);
         }
@@ -797,6 +815,12 @@ impl Inner {
                 }
                 Ok(msg) => match core.peers.rank_of.get(&peer).copied() {
                     Some(rank) => {
+                        if let Message::Advertise { key, .. } = &msg {
+                            if core.finished.contains_key(&(*key, Some(rank))) {
+                                core.replays_dropped += 1;
+                                return;
+                            }
+                        }
                         if let Message::Ready { key, ready } = &msg {
                             core.readies.insert(*key, (*ready, now));
                         }
@@ -854,8 +878,15 @@ impl Inner {
                             let _ = core.ep.handle_receive_reaped(now, r.key, r.segment);
                             core.ep.cancel(now, r.key)
                         }
+                        Some(Ok(Outcome::Cancelled)) if !core.core_cancelled.contains(&id) => {
+                            // The sender gave up on this segment and had the receiver drain it:
+                            // that is the sender's cancel, not a lost peer.
+                            let _ = core.ep.give_up(now, r.key, Outcome::Cancelled);
+                            core.ep.handle_receive_reaped(now, r.key, r.segment)
+                        }
                         _ => core.ep.handle_receive_reaped(now, r.key, r.segment),
                     };
+                    core.core_cancelled.remove(&id);
                     if let Err(e) = res {
                         tracing::debug!("op {id}: {e}");
                     }
@@ -899,12 +930,11 @@ impl Inner {
                         }
                     }
                     Action::CancelReceive { token, .. } => {
-                        if let Some(r) = core
-                            .by_token
-                            .get(&token)
-                            .and_then(|id| core.recv_ops.get(id))
-                        {
-                            r.op.request_cancel();
+                        if let Some(&id) = core.by_token.get(&token) {
+                            if let Some(r) = core.recv_ops.get(&id) {
+                                r.op.request_cancel();
+                                core.core_cancelled.insert(id);
+                            }
                         }
                     }
                     Action::Release { lease, .. } => {
@@ -956,6 +986,11 @@ impl Inner {
                         .or_default()
                         .push_back((key, payload)),
                     ProtoEvent::Terminal { key, role, outcome } => {
+                        let peer = match role {
+                            Role::Receiver => None,
+                            Role::Sender { receiver } => Some(receiver),
+                        };
+                        core.finished.insert((key, peer), now);
                         if role == Role::Receiver && core.fencing.contains_key(&key) {
                             core.deferred.insert(key, outcome);
                         } else {

@@ -330,3 +330,82 @@ fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
         "the host receive posted before the error was reaped"
     );
 }
+
+#[test]
+fn two_context_ranks_fill_one_request() {
+    let mk_ctx = |rank: u32| {
+        let mut c = EngineConfig::new(format!("ctx{rank}"), rank, TransportKind::Tcp);
+        c.listen = Some("127.0.0.1:0".parse().unwrap());
+        c.timeout = Duration::from_secs(5);
+        Engine::new(c).unwrap()
+    };
+    let (c0, c2) = (mk_ctx(0), mk_ctx(2));
+    let mut g = EngineConfig::new("gen", GEN, TransportKind::Tcp);
+    g.timeout = Duration::from_secs(5);
+    let gen = Engine::new(g).unwrap();
+    let dl = Instant::now() + Duration::from_secs(5);
+    assert_eq!(gen.connect(&c0.address(), dl).unwrap(), RankId(0));
+    assert_eq!(gen.connect(&c2.address(), dl).unwrap(), RankId(2));
+    let key = RequestKey::new(4242, 1);
+    let mut halves = [vec![0u8; 1 << 20], vec![0u8; 1 << 20]];
+    let spec = |i: usize, b: &mut Vec<u8>| BufferSpec {
+        kind: BufferKind::Kv,
+        segment: i as u32,
+        addr: b.as_mut_ptr() as u64,
+        len: b.len() as u64,
+        device_id: -1,
+    };
+    let [h0, h1] = &mut halves;
+    let flows = vec![
+        (RankId(0), vec![spec(0, h0)]),
+        (RankId(2), vec![spec(1, h1)]),
+    ];
+    // SAFETY: `halves` outlives the request (waited below).
+    unsafe { gen.advertise(key, vec![RankId(GEN)], flows, vec![]) }.unwrap();
+    for (ctx, seg) in [(&c0, 0u32), (&c2, 1u32)] {
+        let adv = ctx.next_advertisement(dl, None).unwrap();
+        assert_eq!(
+            adv.buffers.len(),
+            1,
+            "each context rank sees only its own buffers"
+        );
+        assert_eq!(adv.buffers[0].segment, seg);
+        ctx.accept(key, adv.from, true).unwrap();
+        assert_eq!(
+            ctx.send(key, adv.from, seg, &fill(seg as u8, 1 << 20), dl, None)
+                .unwrap(),
+            Outcome::Completed
+        );
+    }
+    assert_eq!(gen.wait(key, Role::Receiver, dl, None), Outcome::Completed);
+    for ctx in [&c0, &c2] {
+        assert_eq!(
+            ctx.wait(
+                key,
+                Role::Sender {
+                    receiver: RankId(GEN)
+                },
+                dl,
+                None
+            ),
+            Outcome::Completed
+        );
+    }
+    assert_eq!(halves[0], fill(0, 1 << 20));
+    assert_eq!(halves[1], fill(1, 1 << 20));
+    // The same key again is a replay: refused, whatever the core remembers.
+    let mut b = vec![0u8; 16];
+    let again = vec![(
+        RankId(0),
+        vec![BufferSpec {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: b.as_mut_ptr() as u64,
+            len: 16,
+            device_id: -1,
+        }],
+    )];
+    let e = unsafe { gen.advertise(key, vec![RankId(GEN)], again, vec![]) }.unwrap_err();
+    assert_eq!(e.kind, kvlink::ErrorKind::InvalidArgument);
+    b[0] = 1;
+}

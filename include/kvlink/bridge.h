@@ -1074,6 +1074,10 @@ struct EngineHandle final : public ::rust::Opaque {
   ::std::uint32_t connect(::rust::Str address, ::std::uint64_t timeout_ms) const;
   void wait_peer(::std::uint32_t rank, ::std::uint64_t timeout_ms) const;
   void advertise(::std::uint64_t request, ::std::uint32_t generation, ::rust::Slice<::std::uint32_t const> receivers, ::std::uint32_t sender, ::rust::Slice<::kvlink::ffi::BufferInfo const> buffers, ::rust::Slice<::std::uint8_t const> request_info) const;
+
+  // One request filled by several context ranks: `senders[i]` sends `buffers[i]`.
+  void advertise_flows(::std::uint64_t request, ::std::uint32_t generation, ::rust::Slice<::std::uint32_t const> receivers, ::rust::Slice<::std::uint32_t const> senders, ::rust::Slice<::kvlink::ffi::BufferInfo const> buffers, ::rust::Slice<::std::uint8_t const> request_info) const;
+
   ::kvlink::ffi::AdvertInfo next_advertisement(::std::uint64_t timeout_ms, ::std::size_t cancel) const;
   void accept(::std::uint64_t request, ::std::uint32_t generation, ::std::uint32_t from_rank, bool ready) const;
   ::std::int8_t recv_ready(::std::uint64_t request, ::std::uint32_t generation, ::std::uint64_t timeout_ms, ::std::size_t cancel) const;

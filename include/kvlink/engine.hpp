@@ -274,6 +274,30 @@ class Engine {
     });
   }
 
+  /// Generation rank, one request filled by several context ranks: `senders[i]` sends
+  /// `buffers[i]`. Otherwise as `advertise`; InvalidArgument if the two lists differ in length.
+  void advertise_flows(RequestKey key, const std::vector<std::uint32_t>& receivers,
+                       const std::vector<std::uint32_t>& senders, const std::vector<Buffer>& buffers,
+                       const std::vector<std::uint8_t>& request_info) {
+    std::vector<ffi::BufferInfo> infos;
+    infos.reserve(buffers.size());
+    for (const Buffer& b : buffers) {
+      ffi::BufferInfo i;
+      i.kind = static_cast<std::uint8_t>(b.kind);
+      i.segment = b.segment;
+      i.addr = reinterpret_cast<std::uint64_t>(b.data);
+      i.len = b.size;
+      i.device_id = -1;
+      i.token = 0;
+      infos.push_back(i);
+    }
+    detail::call([&] {
+      handle_->advertise_flows(key.request, key.generation, detail::slice(receivers),
+                               detail::slice(senders), detail::slice(infos),
+                               detail::slice(request_info));
+    });
+  }
+
   /// Context rank, blocks: the next advertisement, or empty at the deadline or on cancel.
   std::optional<Advertisement> next_advertisement(Deadline deadline, CancelRef cancel = {}) {
     ffi::AdvertInfo a = detail::call(

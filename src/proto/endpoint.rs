@@ -14,7 +14,7 @@ use super::id::{RankId, RequestKey};
 use super::pool::Lease;
 use super::request::{Action, Config, Event, Out, RecvRequest, SendFlow, Stats, Transmit};
 use super::wire::{self, BufferDesc, Message};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Outcome, Result};
 
 /// The buffers one sender will fill, as the generation side leased and posted them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -230,16 +230,27 @@ impl Endpoint {
     /// Cancels `key` on this rank (its receive and every send of it). The cancel is agreed: the
     /// terminal event follows once every rank knows and no peer can write.
     pub fn cancel(&mut self, now: Instant, key: RequestKey) -> Result<()> {
+        self.give_up(now, key, Outcome::Cancelled)
+    }
+
+    /// Like [`Endpoint::cancel`], with the reason this rank gives: `Cancelled`, or `TimedOut`
+    /// when the application's own deadline came before the request's.
+    pub fn give_up(&mut self, now: Instant, key: RequestKey, why: Outcome) -> Result<()> {
+        if !matches!(why, Outcome::Cancelled | Outcome::TimedOut) {
+            return Err(invalid(format!(
+                "{key}: can only give up as Cancelled or TimedOut"
+            )));
+        }
         let mut found = false;
         if let Some(r) = self.recvs.get_mut(&key) {
-            r.cancel(now, &mut self.out);
+            r.give_up(now, why, &mut self.out);
             found = true;
         }
         for ((_, _), f) in self
             .sends
             .range_mut((key, RankId(0))..=(key, RankId(u32::MAX)))
         {
-            f.cancel(now, &mut self.out);
+            f.give_up(now, why, &mut self.out);
             found = true;
         }
         self.drive(now);

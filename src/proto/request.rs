@@ -559,8 +559,10 @@ impl RecvRequest {
         true
     }
 
-    pub(crate) fn cancel(&mut self, now: Instant, out: &mut Out) {
-        self.set_local_vote(now, Outcome::Cancelled, out);
+    /// This rank stops waiting: it votes `why` (Cancelled, or TimedOut for a caller's own
+    /// deadline that came before the request's).
+    pub(crate) fn give_up(&mut self, now: Instant, why: Outcome, out: &mut Out) {
+        self.set_local_vote(now, why, out);
     }
 
     pub(crate) fn on_peer_lost(&mut self, now: Instant, rank: RankId, out: &mut Out) {
@@ -886,8 +888,8 @@ impl SendFlow {
         self.try_finish(out);
     }
 
-    pub(crate) fn cancel(&mut self, now: Instant, out: &mut Out) {
-        self.fail(now, Outcome::Cancelled, out);
+    pub(crate) fn give_up(&mut self, now: Instant, why: Outcome, out: &mut Out) {
+        self.fail(now, why, out);
     }
 
     pub(crate) fn on_peer_lost(&mut self, now: Instant, out: &mut Out) {
