@@ -256,22 +256,8 @@ class Engine {
   /// `sender` is not connected, OutOfBounds for a null or empty buffer.
   void advertise(RequestKey key, const std::vector<std::uint32_t>& receivers, std::uint32_t sender,
                  const std::vector<Buffer>& buffers, const std::vector<std::uint8_t>& request_info) {
-    std::vector<ffi::BufferInfo> infos;
-    infos.reserve(buffers.size());
-    for (const Buffer& b : buffers) {
-      ffi::BufferInfo i;
-      i.kind = static_cast<std::uint8_t>(b.kind);
-      i.segment = b.segment;
-      i.addr = reinterpret_cast<std::uint64_t>(b.data);
-      i.len = b.size;
-      i.device_id = -1;
-      i.token = 0;
-      infos.push_back(i);
-    }
-    detail::call([&] {
-      handle_->advertise(key.request, key.generation, detail::slice(receivers), sender,
-                         detail::slice(infos), detail::slice(request_info));
-    });
+    advertise_flows(key, receivers, std::vector<std::uint32_t>(buffers.size(), sender), buffers,
+                    request_info);
   }
 
   /// Generation rank, one request filled by several context ranks: `senders[i]` sends
