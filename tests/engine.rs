@@ -39,6 +39,27 @@ fn fill(seed: u8, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Advertises `buf` as the single KV segment of `key` from the generation rank to the context rank.
+fn advertise_one(gen: &Engine, key: RequestKey, buf: &mut [u8]) {
+    let spec = BufferSpec {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: buf.as_mut_ptr() as u64,
+        len: buf.len() as u64,
+        device_id: -1,
+    };
+    // SAFETY: every caller keeps `buf` until it has waited for the request's end.
+    unsafe {
+        gen.advertise(
+            key,
+            vec![RankId(GEN)],
+            vec![(RankId(CTX), vec![spec])],
+            vec![],
+        )
+    }
+    .unwrap();
+}
+
 /// Runs one request; returns (generation outcome, context outcome, data intact).
 fn run(ctx: &Engine, gen: &Engine, key: RequestKey, sizes: &[usize]) -> (Outcome, Outcome, bool) {
     let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&s| vec![0u8; s]).collect();
@@ -160,22 +181,7 @@ fn rejected_request_and_notifications() {
     let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(5), None);
     let key = RequestKey::new(9, 0);
     let mut buf = vec![0u8; 4096];
-    let spec = BufferSpec {
-        kind: BufferKind::Kv,
-        segment: 0,
-        addr: buf.as_mut_ptr() as u64,
-        len: 4096,
-        device_id: -1,
-    };
-    unsafe {
-        gen.advertise(
-            key,
-            vec![RankId(GEN)],
-            vec![(RankId(CTX), vec![spec])],
-            vec![],
-        )
-    }
-    .unwrap();
+    advertise_one(&gen, key, &mut buf);
     let dl = Instant::now() + Duration::from_secs(5);
     let adv = ctx.next_advertisement(dl, None).unwrap();
     ctx.accept(key, adv.from, false).unwrap();
@@ -214,22 +220,7 @@ fn cancel_on_the_generation_side_is_agreed_with_the_context_side() {
     let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
     let key = RequestKey::new(4096 + 5, 0);
     let mut buf = vec![0u8; 1 << 20];
-    let spec = BufferSpec {
-        kind: BufferKind::Kv,
-        segment: 0,
-        addr: buf.as_mut_ptr() as u64,
-        len: 1 << 20,
-        device_id: -1,
-    };
-    unsafe {
-        gen.advertise(
-            key,
-            vec![RankId(GEN)],
-            vec![(RankId(CTX), vec![spec])],
-            vec![],
-        )
-    }
-    .unwrap();
+    advertise_one(&gen, key, &mut buf);
     let dl = Instant::now() + Duration::from_secs(5);
     let adv = ctx.next_advertisement(dl, None).unwrap();
     ctx.accept(key, adv.from, true).unwrap();

@@ -105,43 +105,13 @@ fn setup(tag: &str) -> Option<Net> {
 fn start(net: &Net, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Proc) {
     let listen = format!("{}:0", net.ip_b);
     let t = timeout_ms.to_string();
-    let mut recv = spawn_in(
-        &net.b,
-        &[
-            "recv",
-            "--transport",
-            "tcp",
-            "--listen",
-            &listen,
-            "--sizes",
-            sizes,
-            "--timeout-ms",
-            &t,
-        ],
-    );
-    let addr = recv
-        .expect("ADDR")
-        .split_whitespace()
-        .nth(2)
-        .unwrap()
-        .to_string();
-    let mut send = spawn_in(
-        &net.a,
-        &[
-            "send",
-            "--transport",
-            "tcp",
-            "--to",
-            &addr,
-            "--sizes",
-            sizes,
-            "--mode",
-            mode,
-        ],
-    );
-    recv.expect("POSTED");
-    send.expect("GO");
-    (recv, send)
+    // The receiver runs in namespace b, the sender in a.
+    common::start_pair(
+        |args, is_recv| spawn_in(if is_recv { &net.b } else { &net.a }, args),
+        "tcp",
+        &["--listen", &listen, "--sizes", sizes, "--timeout-ms", &t],
+        &["--sizes", sizes, "--mode", mode],
+    )
 }
 
 fn result(line: &str) -> (String, f64, bool) {

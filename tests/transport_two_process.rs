@@ -8,35 +8,12 @@ use std::time::Instant;
 /// Starts a receiver and a sender; returns both once the receiver has posted its receives.
 fn start(transport: &str, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Proc) {
     let t = timeout_ms.to_string();
-    let mut recv = Proc::peer(&[
-        "recv",
-        "--transport",
+    common::start_pair(
+        |args, _| Proc::peer(args),
         transport,
-        "--sizes",
-        sizes,
-        "--timeout-ms",
-        &t,
-    ]);
-    let addr = recv
-        .expect("ADDR")
-        .split_whitespace()
-        .nth(2)
-        .unwrap()
-        .to_string();
-    let mut send = Proc::peer(&[
-        "send",
-        "--transport",
-        transport,
-        "--to",
-        &addr,
-        "--sizes",
-        sizes,
-        "--mode",
-        mode,
-    ]);
-    recv.expect("POSTED");
-    send.expect("GO");
-    (recv, send)
+        &["--sizes", sizes, "--timeout-ms", &t],
+        &["--sizes", sizes, "--mode", mode],
+    )
 }
 
 #[test]

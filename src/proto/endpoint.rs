@@ -357,16 +357,7 @@ impl Endpoint {
         key: RequestKey,
         segment: u32,
     ) -> Result<()> {
-        match self.recvs.get_mut(&key) {
-            Some(r) => {
-                if !r.on_landed(now, segment, &mut self.out) {
-                    return Err(invalid(format!("{key}: no segment {segment}")));
-                }
-            }
-            None => self.drop_unknown(key, None),
-        }
-        self.drive(now);
-        Ok(())
+        self.on_receive(now, key, segment, RecvRequest::on_landed)
     }
 
     /// The posted receive for `segment` of `key` is gone without data (cancelled and reaped, or
@@ -377,9 +368,20 @@ impl Endpoint {
         key: RequestKey,
         segment: u32,
     ) -> Result<()> {
+        self.on_receive(now, key, segment, RecvRequest::on_reaped)
+    }
+
+    /// A posted receive of `key` ended (`event` says how); unknown keys are counted and dropped.
+    fn on_receive(
+        &mut self,
+        now: Instant,
+        key: RequestKey,
+        segment: u32,
+        event: fn(&mut RecvRequest, Instant, u32, &mut Out) -> bool,
+    ) -> Result<()> {
         match self.recvs.get_mut(&key) {
             Some(r) => {
-                if !r.on_reaped(now, segment, &mut self.out) {
+                if !event(r, now, segment, &mut self.out) {
                     return Err(invalid(format!("{key}: no segment {segment}")));
                 }
             }

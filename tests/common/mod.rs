@@ -58,6 +58,32 @@ impl Drop for Proc {
     }
 }
 
+/// Starts a `kvlink-peer recv` with `recv_args` through `spawn`, then a `kvlink-peer send`
+/// (`--to` its printed address, `send_args`) the same way; returns both once the receiver has
+/// posted its receives and the sender has been told to go.
+pub fn start_pair(
+    spawn: impl Fn(&[&str], bool) -> Proc,
+    transport: &str,
+    recv_args: &[&str],
+    send_args: &[&str],
+) -> (Proc, Proc) {
+    let mut args = vec!["recv", "--transport", transport];
+    args.extend_from_slice(recv_args);
+    let mut recv = spawn(&args, true);
+    let addr = recv
+        .expect("ADDR")
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .to_string();
+    let mut args = vec!["send", "--transport", transport, "--to", &addr];
+    args.extend_from_slice(send_args);
+    let mut send = spawn(&args, false);
+    recv.expect("POSTED");
+    send.expect("GO");
+    (recv, send)
+}
+
 /// A `RESULT <size> <outcome> <elapsed_ms> <verified>` line.
 pub fn result(line: &str) -> (usize, String, f64, bool) {
     let f: Vec<&str> = line.split_whitespace().collect();
