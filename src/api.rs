@@ -10,7 +10,7 @@
 
 use crate::boundary::guard;
 use crate::bridge::ffi::{AdvertInfo, BufferInfo, EngineOptions, HealthInfo, NotificationInfo};
-use crate::connection::{BufferSpec, Engine, EngineConfig};
+use crate::engine::{BufferSpec, Engine, EngineConfig};
 use crate::error::{Error, Outcome, Result};
 use crate::proto::{BufferKind, RankId, RequestKey, Role};
 use crate::transport::TransportKind;
@@ -306,12 +306,14 @@ impl EngineHandle {
                     receiver: RankId(peer_rank),
                 }
             };
-            Ok(outcome_code(self.engine.wait(
-                RequestKey::new(request, generation),
-                role,
-                deadline(timeout_ms),
-                check.as_deref(),
-            )))
+            self.engine
+                .wait(
+                    RequestKey::new(request, generation),
+                    role,
+                    deadline(timeout_ms),
+                    check.as_deref(),
+                )
+                .map(outcome_code)
         })
     }
 

@@ -33,6 +33,11 @@ pub enum ErrorKind {
     Panic = 11,
     /// An internal invariant failed.
     Internal = 12,
+    /// A request (key and role) this rank does not know: never advertised here, or already
+    /// waited for and forgotten.
+    UnknownRequest = 13,
+    /// A bounded queue fed by peers (advertisements, notifications) is full.
+    QueueFull = 14,
 }
 
 impl ErrorKind {
@@ -54,6 +59,8 @@ impl ErrorKind {
             StaleGeneration,
             Panic,
             Internal,
+            UnknownRequest,
+            QueueFull,
         ]
         .into_iter()
         .find(|k| k.code() == code)
@@ -72,6 +79,8 @@ impl ErrorKind {
             ErrorKind::StaleGeneration => "StaleGeneration",
             ErrorKind::Panic => "Panic",
             ErrorKind::Internal => "Internal",
+            ErrorKind::UnknownRequest => "UnknownRequest",
+            ErrorKind::QueueFull => "QueueFull",
         }
     }
 }

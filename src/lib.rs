@@ -10,11 +10,14 @@
 //!   endpoints with explicit failed state, tag-matched transfers whose completion is the data's
 //!   arrival.
 //! - [`memory`]: host and CUDA regions (address, length, kind), never dereferenced.
-//! - [`connection`]: blocking `send` / `recv` / `wait_for_notification` over proto + transport.
+//! - [`engine`]: the blocking `send` / `recv` / `wait` surface: thin glue that feeds the core
+//!   what the transport reports, carries out what the core asks and wakes the one caller each
+//!   fact concerns; peers that fail are dialled again. ([`connection`] is its former path.)
 //! - `bridge`: the only file that knows cxx; declarations and one-line forwarders behind one
 //!   panic boundary.
 pub mod config;
 pub mod connection;
+pub mod engine;
 pub mod error;
 pub mod memory;
 pub mod proto;

@@ -116,20 +116,24 @@ fn run(ctx: &Engine, gen: &Engine, key: RequestKey, sizes: &[usize]) -> (Outcome
             send_outcome = o;
         }
     }
-    let g = gen.wait(
-        key,
-        Role::Receiver,
-        Instant::now() + Duration::from_secs(10),
-        None,
-    );
-    let c = ctx.wait(
-        key,
-        Role::Sender {
-            receiver: RankId(GEN),
-        },
-        Instant::now() + Duration::from_secs(10),
-        None,
-    );
+    let g = gen
+        .wait(
+            key,
+            Role::Receiver,
+            Instant::now() + Duration::from_secs(10),
+            None,
+        )
+        .unwrap();
+    let c = ctx
+        .wait(
+            key,
+            Role::Sender {
+                receiver: RankId(GEN),
+            },
+            Instant::now() + Duration::from_secs(10),
+            None,
+        )
+        .unwrap();
     let _ = send_outcome;
     (g, c, bufs == sources)
 }
@@ -186,7 +190,10 @@ fn rejected_request_and_notifications() {
     let adv = ctx.next_advertisement(dl, None).unwrap();
     ctx.accept(key, adv.from, false).unwrap();
     assert_eq!(gen.recv_ready(key, dl, None), Some(false));
-    assert_eq!(gen.wait(key, Role::Receiver, dl, None), Outcome::Rejected);
+    assert_eq!(
+        gen.wait(key, Role::Receiver, dl, None).unwrap(),
+        Outcome::Rejected
+    );
     assert_eq!(gen.health().buffers_leased, 0);
     buf[0] = 1;
 
@@ -226,15 +233,17 @@ fn cancel_on_the_generation_side_is_agreed_with_the_context_side() {
     ctx.accept(key, adv.from, true).unwrap();
     let t0 = Instant::now();
     gen.cancel(key).unwrap();
-    let g = gen.wait(key, Role::Receiver, dl, None);
-    let c = ctx.wait(
-        key,
-        Role::Sender {
-            receiver: RankId(GEN),
-        },
-        dl,
-        None,
-    );
+    let g = gen.wait(key, Role::Receiver, dl, None).unwrap();
+    let c = ctx
+        .wait(
+            key,
+            Role::Sender {
+                receiver: RankId(GEN),
+            },
+            dl,
+            None,
+        )
+        .unwrap();
     println!("cancel: gen {g:?} ctx {c:?} in {:?}", t0.elapsed());
     assert_eq!((g, c), (Outcome::Cancelled, Outcome::Cancelled));
     // A send after the agreed cancel is refused with the verdict, never delivered.
@@ -368,7 +377,10 @@ fn two_context_ranks_fill_one_request() {
             Outcome::Completed
         );
     }
-    assert_eq!(gen.wait(key, Role::Receiver, dl, None), Outcome::Completed);
+    assert_eq!(
+        gen.wait(key, Role::Receiver, dl, None).unwrap(),
+        Outcome::Completed
+    );
     for ctx in [&c0, &c2] {
         assert_eq!(
             ctx.wait(
@@ -378,7 +390,8 @@ fn two_context_ranks_fill_one_request() {
                 },
                 dl,
                 None
-            ),
+            )
+            .unwrap(),
             Outcome::Completed
         );
     }

@@ -92,7 +92,7 @@ fn engine_moves_device_memory_through_staging() {
         Outcome::Completed
     );
     assert_eq!(
-        receiver.wait(key, Role::Receiver, dl, None),
+        receiver.wait(key, Role::Receiver, dl, None).unwrap(),
         Outcome::Completed
     );
     drop((g1, g2));

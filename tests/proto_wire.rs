@@ -49,14 +49,18 @@ fn message() -> impl Strategy<Value = Message> {
         (
             key(),
             any::<u32>(),
+            1..=u32::MAX,
             prop::collection::vec(any::<u8>(), 0..64),
             descs()
         )
-            .prop_map(|(key, r, request_info, buffers)| Message::Advertise {
-                key,
-                src_rank: RankId(r),
-                request_info,
-                buffers
+            .prop_map(|(key, r, timeout_ms, request_info, buffers)| {
+                Message::Advertise {
+                    key,
+                    src_rank: RankId(r),
+                    timeout_ms,
+                    request_info,
+                    buffers,
+                }
             }),
         (key(), any::<bool>()).prop_map(|(key, ready)| Message::Ready { key, ready }),
         (key(), prop::collection::vec(any::<u8>(), 0..64))
@@ -168,7 +172,7 @@ fn corpus_of_malformed_frames() {
 fn hostile_lengths_allocate_nothing_they_cannot_see() {
     // A header that claims the largest body: refused as truncated before any body is read.
     let mut bytes = b"KVLK".to_vec();
-    bytes.extend_from_slice(&1u16.to_le_bytes());
+    bytes.extend_from_slice(&kvlink::proto::wire::VERSION.to_le_bytes());
     bytes.extend_from_slice(&[2, 0]);
     bytes.extend_from_slice(&(2u32 << 20).to_le_bytes());
     assert_eq!(frame_len(&bytes).unwrap(), Some(HEADER_LEN + (2 << 20)));
@@ -189,6 +193,7 @@ fn hostile_lengths_allocate_nothing_they_cannot_see() {
     let big = Message::Advertise {
         key: k,
         src_rank: RankId(0),
+        timeout_ms: 1000,
         request_info: vec![0; MAX_INFO + 1],
         buffers: vec![d],
     };
@@ -203,6 +208,7 @@ fn hostile_lengths_allocate_nothing_they_cannot_see() {
     let big = Message::Advertise {
         key: k,
         src_rank: RankId(0),
+        timeout_ms: 1000,
         request_info: vec![],
         buffers: many,
     };

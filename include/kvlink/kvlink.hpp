@@ -103,6 +103,11 @@ enum class ErrorKind : std::uint8_t {
   Panic = 11,
   /// An internal invariant failed (also used if Rust reported no kind, which is a kvlink bug).
   Internal = 12,
+  /// A request (key and role) this rank does not know: never advertised here, or already waited
+  /// for and forgotten.
+  UnknownRequest = 13,
+  /// A bounded queue fed by peers (advertisements, notifications) is full.
+  QueueFull = 14,
 };
 
 /// How a bounded wait ended. Only `Completed` is success; the others are ordinary results, not
@@ -135,6 +140,8 @@ constexpr const char* to_string(ErrorKind kind) noexcept {
     case ErrorKind::StaleGeneration: return "StaleGeneration";
     case ErrorKind::Panic: return "Panic";
     case ErrorKind::Internal: return "Internal";
+    case ErrorKind::UnknownRequest: return "UnknownRequest";
+    case ErrorKind::QueueFull: return "QueueFull";
   }
   return "Unknown";
 }

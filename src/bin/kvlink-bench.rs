@@ -277,7 +277,7 @@ fn engine_gen(t: TransportKind, size: usize, iters: usize) {
             Instant::now() + Duration::from_secs(30),
             None,
         );
-        assert_eq!(o, Outcome::Completed);
+        assert_eq!(o.unwrap(), Outcome::Completed);
     }
 }
 
@@ -300,7 +300,8 @@ fn engine_ctx(t: TransportKind, addr: &str, size: usize, iters: usize) -> f64 {
             Outcome::Completed
         );
         assert_eq!(
-            e.wait(adv.key, Role::Sender { receiver: gen }, dl, None),
+            e.wait(adv.key, Role::Sender { receiver: gen }, dl, None)
+                .unwrap(),
             Outcome::Completed
         );
     }

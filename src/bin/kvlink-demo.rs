@@ -92,12 +92,14 @@ fn context(transport: TransportKind, timeout: Duration) -> bool {
             let data = content(key.request.0, d.segment, d.len as usize);
             let _ = engine.send(key, adv.from, d.segment, &data, deadline, None);
         }
-        let o = engine.wait(
-            key,
-            Role::Sender { receiver: adv.from },
-            Instant::now() + timeout * 2,
-            None,
-        );
+        let o = engine
+            .wait(
+                key,
+                Role::Sender { receiver: adv.from },
+                Instant::now() + timeout * 2,
+                None,
+            )
+            .unwrap_or_else(|e| panic!("wait: {e}"));
         println!("CTX {} {:?}", key.request.0, o);
         std::io::stdout().flush().unwrap();
         served += 1;
@@ -179,7 +181,9 @@ fn generation(transport: TransportKind, timeout: Duration, _args: &[String]) -> 
         }
         .expect("advertise");
         let ready = engine.recv_ready(key, Instant::now() + timeout, None);
-        let outcome = engine.wait(key, Role::Receiver, Instant::now() + timeout * 2, None);
+        let outcome = engine
+            .wait(key, Role::Receiver, Instant::now() + timeout * 2, None)
+            .unwrap_or_else(|e| panic!("wait: {e}"));
         let took = t0.elapsed();
         let intact = bufs
             .iter()

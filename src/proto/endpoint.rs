@@ -6,13 +6,16 @@
 //! each returns `None`; then sleep until `poll_timeout` (or the next input) and call
 //! `handle_timeout`. Deadlines fire from `handle_timeout` alone, so cleanup never depends on new
 //! requests arriving.
-use std::collections::BTreeMap;
-use std::time::Instant;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::time::{Duration, Instant};
 
 use super::agreement::Collective;
 use super::id::{RankId, RequestKey};
 use super::pool::Lease;
-use super::request::{Action, Config, Event, Out, RecvRequest, SendFlow, Stats, Transmit};
+use super::request::{
+    Action, Config, Event, Out, RecvRequest, Role, SendFlow, SendRefusal, Stats, Transmit,
+};
 use super::wire::{self, BufferDesc, Message};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 
@@ -33,6 +36,15 @@ pub struct ReceiveSpec {
     pub flows: Vec<ReceiveFlow>,
     /// Opaque TensorRT-LLM request info, carried in `Advertise`.
     pub request_info: Vec<u8>,
+    /// This request's deadline, counted from `start_receive`; `None` takes [`Config::timeout`].
+    pub timeout: Option<Duration>,
+}
+
+/// Which state machine a timer belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum TimerId {
+    Recv(RequestKey),
+    Send(RequestKey, RankId),
 }
 
 /// The protocol core of one rank. See the module docs for the call order.
@@ -41,6 +53,19 @@ pub struct Endpoint {
     config: Config,
     recvs: BTreeMap<RequestKey, RecvRequest>,
     sends: BTreeMap<(RequestKey, RankId), SendFlow>,
+    /// Every state machine's next deadline, earliest first (quinn-proto's timer table, as a
+    /// heap). An entry is live only while it equals `scheduled[id]`; others are skipped when
+    /// popped, so an event costs O(log n) and no call scans every request.
+    timers: BinaryHeap<Reverse<(Instant, TimerId)>>,
+    scheduled: BTreeMap<TimerId, Instant>,
+    /// State machines touched by the current input, rescheduled before it returns.
+    dirty: Vec<TimerId>,
+    /// Requests forgotten at terminal + linger leave a tombstone (key, expiry and outcome, no
+    /// other state) for as long as a peer may still ask about them (its own deadline plus the
+    /// agreement bound): a late vote is answered with the verdict, a late verdict confirmed,
+    /// and a late duplicate advertisement never starts the request again. Expiries in a heap.
+    tombs: BTreeMap<TimerId, (Instant, Outcome)>,
+    tomb_expiry: BinaryHeap<Reverse<(Instant, TimerId)>>,
     collective: Option<Box<dyn Collective>>,
     out: Out,
 }
@@ -68,6 +93,11 @@ impl Endpoint {
             config,
             recvs: BTreeMap::new(),
             sends: BTreeMap::new(),
+            timers: BinaryHeap::new(),
+            scheduled: BTreeMap::new(),
+            dirty: Vec::new(),
+            tombs: BTreeMap::new(),
+            tomb_expiry: BinaryHeap::new(),
             collective: None,
             out: Out::default(),
         }
@@ -131,7 +161,14 @@ impl Endpoint {
             mut receivers,
             flows,
             request_info,
+            timeout,
         } = spec;
+        let timeout = timeout.unwrap_or(self.config.timeout);
+        if timeout.is_zero() {
+            return Err(invalid(format!(
+                "{key}: the request's timeout must be positive"
+            )));
+        }
         if self.recvs.contains_key(&key) {
             return Err(invalid(format!("{key} is already running here")));
         }
@@ -195,6 +232,7 @@ impl Endpoint {
             &self.config,
             self.me,
             key,
+            timeout,
             receivers,
             flows,
             request_info,
@@ -202,6 +240,8 @@ impl Endpoint {
             &mut self.out,
         );
         self.recvs.insert(key, r);
+        self.dirty.push(TimerId::Recv(key));
+        self.reschedule(now);
         Ok(())
     }
 
@@ -219,6 +259,7 @@ impl Endpoint {
             .get_mut(&(key, from))
             .ok_or_else(|| invalid(format!("{key} from {from}: no such advertisement")))?;
         let ok = flow.accept(now, ready, &mut self.out);
+        self.dirty.push(TimerId::Send(key, from));
         self.drive(now);
         if ok {
             Ok(())
@@ -233,24 +274,30 @@ impl Endpoint {
         self.give_up(now, key, Outcome::Cancelled)
     }
 
-    /// Like [`Endpoint::cancel`], with the reason this rank gives: `Cancelled`, or `TimedOut`
-    /// when the application's own deadline came before the request's.
+    /// Like [`Endpoint::cancel`], with the reason this rank gives: `Cancelled`, `TimedOut` when
+    /// the application's own deadline came before the request's, or `Rejected` for a peer's
+    /// mistake (a segment of the wrong size).
     pub fn give_up(&mut self, now: Instant, key: RequestKey, why: Outcome) -> Result<()> {
-        if !matches!(why, Outcome::Cancelled | Outcome::TimedOut) {
+        if !matches!(
+            why,
+            Outcome::Cancelled | Outcome::TimedOut | Outcome::Rejected
+        ) {
             return Err(invalid(format!(
-                "{key}: can only give up as Cancelled or TimedOut"
+                "{key}: can only give up as Cancelled, TimedOut or Rejected"
             )));
         }
         let mut found = false;
         if let Some(r) = self.recvs.get_mut(&key) {
             r.give_up(now, why, &mut self.out);
+            self.dirty.push(TimerId::Recv(key));
             found = true;
         }
-        for ((_, _), f) in self
+        for ((_, to), f) in self
             .sends
             .range_mut((key, RankId(0))..=(key, RankId(u32::MAX)))
         {
             f.give_up(now, why, &mut self.out);
+            self.dirty.push(TimerId::Send(key, *to));
             found = true;
         }
         self.drive(now);
@@ -292,6 +339,7 @@ impl Endpoint {
             Message::Advertise {
                 key,
                 src_rank,
+                timeout_ms,
                 request_info,
                 buffers,
             } => {
@@ -303,33 +351,68 @@ impl Endpoint {
                 }
                 if let Some(f) = self.sends.get_mut(&(key, from)) {
                     f.on_advertise_again(&mut self.out);
+                } else if self.tombs.contains_key(&TimerId::Send(key, from)) {
+                    self.out.stats.duplicates += 1;
+                    self.out.transmits.push_back(Transmit {
+                        to: from,
+                        message: Message::Quiesced { key },
+                    });
                 } else if self.newer_known(key, Some(from)) {
                     self.out.stats.stale_dropped += 1;
                 } else {
                     let out = &mut self.out;
-                    let f = SendFlow::new(now, &self.config, key, from, request_info, buffers, out);
+                    let timeout = Duration::from_millis(u64::from(timeout_ms));
+                    let f = SendFlow::new(
+                        now,
+                        &self.config,
+                        key,
+                        from,
+                        timeout,
+                        request_info,
+                        buffers,
+                        out,
+                    );
                     self.sends.insert((key, from), f);
+                    self.dirty.push(TimerId::Send(key, from));
                 }
             }
             Message::Ready { key, ready } => match self.recvs.get_mut(&key) {
-                Some(r) => r.on_ready(now, from, ready, &mut self.out),
-                None => self.drop_unknown(key, Some(from)),
+                Some(r) => {
+                    r.on_ready(now, from, ready, &mut self.out);
+                    self.dirty.push(TimerId::Recv(key));
+                }
+                None => self.answer_from_tomb(key, from),
             },
             Message::Vote { key, outcome } => match self.recvs.get_mut(&key) {
-                Some(r) => r.on_vote(now, from, outcome, &mut self.out),
-                None => self.drop_unknown(key, Some(from)),
+                Some(r) => {
+                    r.on_vote(now, from, outcome, &mut self.out);
+                    self.dirty.push(TimerId::Recv(key));
+                }
+                None => self.answer_from_tomb(key, from),
             },
             Message::Verdict { key, outcome } => {
                 if let Some(f) = self.sends.get_mut(&(key, from)) {
                     f.on_verdict(outcome, &mut self.out);
+                    self.dirty.push(TimerId::Send(key, from));
                 } else if let Some(r) = self.recvs.get_mut(&key) {
                     r.on_verdict(now, from, outcome, &mut self.out);
+                    self.dirty.push(TimerId::Recv(key));
+                } else if self.tombs.contains_key(&TimerId::Send(key, from)) {
+                    // Our confirmation was lost before we forgot the flow: confirm again.
+                    self.out.stats.duplicates += 1;
+                    self.out.transmits.push_back(Transmit {
+                        to: from,
+                        message: Message::Quiesced { key },
+                    });
                 } else {
                     self.drop_unknown(key, Some(from));
                 }
             }
             Message::Quiesced { key } => match self.recvs.get_mut(&key) {
-                Some(r) => r.on_quiesced(from, &mut self.out),
+                Some(r) => {
+                    r.on_quiesced(from, &mut self.out);
+                    self.dirty.push(TimerId::Recv(key));
+                }
                 None => self.drop_unknown(key, Some(from)),
             },
             Message::Notify { key, payload } => {
@@ -381,6 +464,7 @@ impl Endpoint {
     ) -> Result<()> {
         match self.recvs.get_mut(&key) {
             Some(r) => {
+                self.dirty.push(TimerId::Recv(key));
                 if !event(r, now, segment, &mut self.out) {
                     return Err(invalid(format!("{key}: no segment {segment}")));
                 }
@@ -402,6 +486,7 @@ impl Endpoint {
     ) -> Result<()> {
         match self.sends.get_mut(&(key, to)) {
             Some(f) => {
+                self.dirty.push(TimerId::Send(key, to));
                 if !f.on_send_done(now, segment, ok, &mut self.out) {
                     return Err(invalid(format!(
                         "{key} to {to}: no send of segment {segment}"
@@ -416,12 +501,14 @@ impl Endpoint {
 
     /// The transport declared `rank` lost (its endpoint failed).
     pub fn handle_peer_lost(&mut self, now: Instant, rank: RankId) {
-        for r in self.recvs.values_mut() {
+        for (key, r) in self.recvs.iter_mut() {
             r.on_peer_lost(now, rank, &mut self.out);
+            self.dirty.push(TimerId::Recv(*key));
         }
-        for ((_, to), f) in self.sends.iter_mut() {
+        for ((key, to), f) in self.sends.iter_mut() {
             if *to == rank {
                 f.on_peer_lost(now, &mut self.out);
+                self.dirty.push(TimerId::Send(*key, *to));
             }
         }
         self.drive(now);
@@ -429,29 +516,101 @@ impl Endpoint {
 
     /// Fires every deadline and retransmission due at `now`, and forgets requests past their
     /// linger time. Call it whenever `poll_timeout` passes, whether or not anything else
-    /// happened.
+    /// happened. Only the state machines whose timer is due are looked at.
     pub fn handle_timeout(&mut self, now: Instant) {
         // A verdict that is already there beats the bound.
         self.drive(now);
-        for r in self.recvs.values_mut() {
-            r.on_timeout(now, &mut self.out);
+        while let Some(Reverse((at, id))) = self.timers.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.timers.pop();
+            if self.scheduled.get(&id) != Some(&at) {
+                continue; // superseded by a later reschedule
+            }
+            self.scheduled.remove(&id);
+            match id {
+                TimerId::Recv(key) => {
+                    let Some(r) = self.recvs.get_mut(&key) else {
+                        continue;
+                    };
+                    r.on_timeout(now, &mut self.out);
+                    r.settle(now);
+                    if r.is_finished(now) {
+                        let tomb = (r.tomb_until, r.terminal().unwrap_or(Outcome::PeerLost));
+                        self.recvs.remove(&key);
+                        self.bury(id, tomb);
+                        if let Some(c) = self.collective.as_mut() {
+                            c.forget(key);
+                        }
+                        continue;
+                    }
+                }
+                TimerId::Send(key, to) => {
+                    let Some(f) = self.sends.get_mut(&(key, to)) else {
+                        continue;
+                    };
+                    f.on_timeout(now, &mut self.out);
+                    f.settle(now);
+                    if f.is_finished(now) {
+                        let tomb = (f.tomb_until, f.terminal().unwrap_or(Outcome::PeerLost));
+                        self.sends.remove(&(key, to));
+                        self.bury(id, tomb);
+                        continue;
+                    }
+                }
+            }
+            self.dirty.push(id);
         }
-        for f in self.sends.values_mut() {
-            f.on_timeout(now, &mut self.out);
+        while let Some(Reverse((at, id))) = self.tomb_expiry.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.tomb_expiry.pop();
+            if self.tombs.get(&id).is_some_and(|t| t.0 == at) {
+                self.tombs.remove(&id);
+            }
         }
         self.drive(now);
-        let mut gone = Vec::new();
-        self.recvs.retain(|k, r| {
-            let keep = !r.is_finished(now);
-            if !keep {
-                gone.push(*k);
+    }
+
+    fn bury(&mut self, id: TimerId, tomb: (Instant, Outcome)) {
+        self.tombs.insert(id, tomb);
+        self.tomb_expiry.push(Reverse((tomb.0, id)));
+    }
+
+    /// A vote or ready answer for a receive forgotten here: answer with its verdict (a late
+    /// voter has not heard it), else count and drop.
+    fn answer_from_tomb(&mut self, key: RequestKey, from: RankId) {
+        match self.tombs.get(&TimerId::Recv(key)) {
+            Some(&(_, outcome)) => {
+                self.out.stats.duplicates += 1;
+                self.out.transmits.push_back(Transmit {
+                    to: from,
+                    message: Message::Verdict { key, outcome },
+                });
             }
-            keep
-        });
-        self.sends.retain(|_, f| !f.is_finished(now));
-        if let Some(c) = self.collective.as_mut() {
-            for k in gone {
-                c.forget(k);
+            None => self.drop_unknown(key, Some(from)),
+        }
+    }
+
+    /// Puts every state machine touched since the last call back in the timer heap at its
+    /// next deadline (and starts its linger if it has just ended).
+    fn reschedule(&mut self, now: Instant) {
+        while let Some(id) = self.dirty.pop() {
+            let next = match id {
+                TimerId::Recv(key) => self.recvs.get_mut(&key).map(|r| {
+                    r.settle(now);
+                    r.next_timeout()
+                }),
+                TimerId::Send(key, to) => self.sends.get_mut(&(key, to)).map(|f| {
+                    f.settle(now);
+                    f.next_timeout()
+                }),
+            };
+            let Some(at) = next else { continue };
+            if self.scheduled.insert(id, at) != Some(at) {
+                self.timers.push(Reverse((at, id)));
             }
         }
     }
@@ -464,26 +623,97 @@ impl Endpoint {
 
     /// Hands votes to the external collective and picks up its verdicts.
     fn drive(&mut self, now: Instant) {
-        let Some(c) = self.collective.as_mut() else {
-            return;
-        };
-        for (key, r) in self.recvs.iter_mut() {
-            if let Some(v) = r.pending_contribution.take() {
-                c.contribute(now, *key, &r.receivers, self.me, v);
-            }
-            if r.is_external_waiting() {
-                if let Some(v) = c.poll_verdict(*key) {
-                    r.set_verdict(now, v, &mut self.out);
+        if let Some(c) = self.collective.as_mut() {
+            for (key, r) in self.recvs.iter_mut() {
+                if let Some(v) = r.pending_contribution.take() {
+                    c.contribute(now, *key, &r.receivers, self.me, v);
+                }
+                if r.is_external_waiting() {
+                    if let Some(v) = c.poll_verdict(*key) {
+                        r.set_verdict(now, v, &mut self.out);
+                        self.dirty.push(TimerId::Recv(*key));
+                    }
                 }
             }
         }
+        self.reschedule(now);
     }
 
     /// When `handle_timeout` must next be called, if anything is pending.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let r = self.recvs.values().map(|r| r.next_timeout());
-        let s = self.sends.values().map(|f| f.next_timeout());
-        r.chain(s).min()
+        // The heap's top may be a superseded entry: then the caller wakes early, once, for
+        // nothing; `handle_timeout` pops it.
+        self.timers.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// May the application start the tracked send of `segment` of `key` to `to`, with `len`
+    /// bytes, now (after [`Endpoint::accept`])? Returns its descriptor (the token), or why not.
+    /// Misuse (unknown request, not accepted, a segment never advertised, a second send of one,
+    /// the wrong size) is an error that changes nothing; a request that has already ended
+    /// answers `Ok(Err(outcome))`. Nothing changes until [`Endpoint::begin_send`].
+    pub fn check_send(
+        &self,
+        key: RequestKey,
+        to: RankId,
+        segment: u32,
+        len: u64,
+    ) -> Result<std::result::Result<BufferDesc, Outcome>> {
+        let Some(f) = self.sends.get(&(key, to)) else {
+            return Err(Error::new(
+                ErrorKind::UnknownRequest,
+                format!("{key}: no advertisement from {to} is known here"),
+            ));
+        };
+        match f.check_send(segment, len) {
+            Ok(d) => Ok(Ok(d)),
+            Err(SendRefusal::Ended(o)) => Ok(Err(o)),
+            Err(SendRefusal::NotAccepted) => {
+                Err(invalid(format!("{key} from {to}: send before accept")))
+            }
+            Err(SendRefusal::NotAdvertised) => Err(invalid(format!(
+                "{key} from {to}: segment {segment} was not advertised"
+            ))),
+            Err(SendRefusal::AlreadySent) => Err(invalid(format!(
+                "{key} to {to}: segment {segment} was already sent"
+            ))),
+            Err(SendRefusal::WrongSize { advertised }) => Err(invalid(format!(
+                "{key} to {to}: segment {segment} is {advertised} bytes at the receiver, {len} given"
+            ))),
+        }
+    }
+
+    /// The application starts the send of `segment` (after [`Endpoint::check_send`] allowed
+    /// it); report its end with [`Endpoint::handle_send_done`].
+    pub fn begin_send(&mut self, key: RequestKey, to: RankId, segment: u32) {
+        if let Some(f) = self.sends.get_mut(&(key, to)) {
+            f.begin_send(segment);
+        }
+    }
+
+    /// Is the request still running here in `role` (known and not yet ended)?
+    pub fn running(&self, key: RequestKey, role: Role) -> bool {
+        match role {
+            Role::Receiver => self.recvs.get(&key).is_some_and(|r| !r.is_terminal()),
+            Role::Sender { receiver } => self
+                .sends
+                .get(&(key, receiver))
+                .is_some_and(|f| !f.is_terminal()),
+        }
+    }
+
+    /// Is a receive for `key` known here (running, or lingering after its end)?
+    pub fn knows_receive(&self, key: RequestKey) -> bool {
+        self.recvs.contains_key(&key)
+    }
+
+    /// Is a send of `key` to `to` known here (running, or lingering after its end)?
+    pub fn knows_send(&self, key: RequestKey, to: RankId) -> bool {
+        self.sends.contains_key(&(key, to))
+    }
+
+    /// The request's deadline for the send flow of `key` to `to`, as learned from its advert.
+    pub fn send_deadline(&self, key: RequestKey, to: RankId) -> Option<Instant> {
+        self.sends.get(&(key, to)).map(|f| f.deadline())
     }
 
     pub fn poll_transmit(&mut self) -> Option<Transmit> {

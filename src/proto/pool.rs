@@ -31,9 +31,11 @@ enum Slot {
 #[derive(Debug)]
 pub struct BufferPool {
     slots: Vec<Slot>,
+    /// Free slots, lowest first: the lowest free slot is handed out first, which makes reuse as
+    /// eager as possible (and tests of "reused while a peer could write" as sharp as possible).
+    /// A heap keeps a lease or a return O(log n).
+    free: std::collections::BinaryHeap<std::cmp::Reverse<u32>>,
     next_serial: u64,
-    /// Lowest free slot is handed out first, which makes reuse as eager as possible (and tests
-    /// of "reused while a peer could write" as sharp as possible).
     leased: usize,
     fenced: usize,
 }
@@ -42,6 +44,7 @@ impl BufferPool {
     pub fn new(capacity: u32) -> Self {
         BufferPool {
             slots: vec![Slot::Free; capacity as usize],
+            free: (0..capacity).map(std::cmp::Reverse).collect(),
             next_serial: 1,
             leased: 0,
             fenced: 0,
@@ -63,7 +66,7 @@ impl BufferPool {
 
     /// Leases a free slot to `owner`, or `None` when the pool is exhausted.
     pub fn lease(&mut self, owner: RequestKey) -> Option<Lease> {
-        let idx = self.slots.iter().position(|s| *s == Slot::Free)?;
+        let idx = self.free.pop()?.0 as usize;
         let serial = self.next_serial;
         self.next_serial += 1;
         self.slots[idx] = Slot::Leased { serial, owner };
@@ -106,6 +109,7 @@ impl BufferPool {
     pub fn release(&mut self, lease: Lease) -> Result<()> {
         let idx = self.take_back(lease, "release")?;
         self.slots[idx] = Slot::Free;
+        self.free.push(std::cmp::Reverse(idx as u32));
         Ok(())
     }
 
@@ -124,6 +128,7 @@ impl BufferPool {
             Some(slot @ Slot::Fenced) => {
                 *slot = Slot::Free;
                 self.fenced -= 1;
+                self.free.push(std::cmp::Reverse(buffer.0));
                 Ok(())
             }
             _ => Err(Error::new(

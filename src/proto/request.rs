@@ -22,11 +22,16 @@ use crate::error::Outcome;
 /// Timing of the core. All values come from configuration; none is read from a clock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
-    /// Per-request deadline, counted from `start_receive` (receiver) or the first `Advertise`
-    /// (sender); TensorRT-LLM's `kv_transfer_timeout_ms`.
+    /// The default per-request deadline, counted from `start_receive` (receiver); TensorRT-LLM's
+    /// `kv_transfer_timeout_ms`. A request may carry its own ([`ReceiveSpec::timeout`]); the
+    /// sender learns what is left of it from the `Advertise`.
+    ///
+    /// [`ReceiveSpec::timeout`]: super::endpoint::ReceiveSpec::timeout
     pub timeout: Duration,
-    /// How long past its deadline a request may spend agreeing and quiescing before it ends
-    /// anyway (`PeerLost` if there is no verdict) and fences what is still unsafe.
+    /// How long past its deadline (or past a caller giving up) a request may spend agreeing and
+    /// quiescing before it ends anyway and fences what is still unsafe. With no verdict by then
+    /// a rank ends with its own failure, or `TimedOut` (`PeerLost` when the transport reported
+    /// the peer lost). Keep it well under the 100 ms a caller may wait past its deadline.
     pub agreement_bound: Duration,
     /// Interval between retransmissions of an unanswered control message.
     pub retransmit: Duration,
@@ -39,7 +44,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             timeout: Duration::from_secs(60),
-            agreement_bound: Duration::from_secs(5),
+            agreement_bound: Duration::from_millis(50),
             retransmit: Duration::from_millis(200),
             linger: Duration::from_secs(5),
         }
@@ -102,6 +107,8 @@ pub enum Event {
     Advertised {
         key: RequestKey,
         from: RankId,
+        /// The request's deadline on this rank, learned from the advertisement.
+        deadline: Instant,
         request_info: Vec<u8>,
         buffers: Vec<BufferDesc>,
     },
@@ -195,7 +202,12 @@ pub(crate) struct RecvRequest {
     external: bool,
     deadline: Instant,
     bound: Instant,
+    agreement: Duration,
     forget_at: Instant,
+    /// Until when a tombstone of this request outlives it: as long as a peer's late copy of a
+    /// message for it can still arrive.
+    pub(crate) tomb_until: Instant,
+    linger: Duration,
     retransmit: Duration,
     next_retx: Instant,
     request_info: Vec<u8>,
@@ -220,13 +232,14 @@ impl RecvRequest {
         cfg: &Config,
         me: RankId,
         key: RequestKey,
+        timeout: Duration,
         receivers: Vec<RankId>,
         flows: Vec<FlowSpec>,
         request_info: Vec<u8>,
         external: bool,
         out: &mut Out,
     ) -> Self {
-        let deadline = now + cfg.timeout;
+        let deadline = now + timeout;
         let bound = deadline + cfg.agreement_bound;
         let coordinator = receivers[0];
         let flows = flows
@@ -264,7 +277,10 @@ impl RecvRequest {
             external,
             deadline,
             bound,
+            agreement: cfg.agreement_bound,
             forget_at: bound + cfg.linger,
+            tomb_until: bound + cfg.linger,
+            linger: cfg.linger,
             retransmit: cfg.retransmit,
             next_retx: now + cfg.retransmit,
             request_info,
@@ -276,8 +292,16 @@ impl RecvRequest {
             terminal: None,
             deadline_fired: false,
         };
-        r.advertise(out, false);
+        r.advertise(now, out, false);
         r
+    }
+
+    /// Once terminal, the request is remembered for `linger` more (to answer late duplicates
+    /// and recognise stale messages), counted from the terminal state, not from its start.
+    pub(crate) fn settle(&mut self, now: Instant) {
+        if self.terminal.is_some() && self.forget_at > now + self.linger {
+            self.forget_at = now + self.linger;
+        }
     }
 
     fn is_coordinator(&self) -> bool {
@@ -292,11 +316,22 @@ impl RecvRequest {
         self.verdict
     }
 
+    pub(crate) fn is_terminal(&self) -> bool {
+        self.terminal.is_some()
+    }
+
+    pub(crate) fn terminal(&self) -> Option<Outcome> {
+        self.terminal
+    }
+
     pub(crate) fn is_external_waiting(&self) -> bool {
         self.external && self.verdict.is_none() && self.local_vote.is_some()
     }
 
-    fn advertise(&mut self, out: &mut Out, only_unanswered: bool) {
+    fn advertise(&mut self, now: Instant, out: &mut Out, only_unanswered: bool) {
+        // What is left of the request's deadline travels with it: the sender learns it.
+        let left = self.deadline.saturating_duration_since(now).as_millis();
+        let timeout_ms = left.clamp(1, u32::MAX as u128) as u32;
         for (sender, flow) in &self.flows {
             if flow.lost || (only_unanswered && flow.answered) {
                 continue;
@@ -306,6 +341,7 @@ impl RecvRequest {
                 Message::Advertise {
                     key: self.key,
                     src_rank: self.me,
+                    timeout_ms,
                     request_info: self.request_info.clone(),
                     buffers: flow.segs.values().map(|s| s.desc).collect(),
                 },
@@ -314,8 +350,16 @@ impl RecvRequest {
     }
 
     fn set_local_vote(&mut self, now: Instant, vote: Outcome, out: &mut Out) {
-        if self.local_vote.is_some() || self.verdict.is_some() {
+        if self.verdict.is_some() {
             return;
+        }
+        match self.local_vote {
+            None => {}
+            // A failure after a local `Completed` (every segment landed, then a sender gave up
+            // or a caller cancelled) still counts until the verdict: it replaces the vote.
+            // An external collective has already taken the first one.
+            Some(v) if v.is_completed() && !vote.is_completed() && !self.external => {}
+            Some(_) => return,
         }
         self.local_vote = Some(vote);
         if self.external {
@@ -562,6 +606,13 @@ impl RecvRequest {
     /// This rank stops waiting: it votes `why` (Cancelled, or TimedOut for a caller's own
     /// deadline that came before the request's).
     pub(crate) fn give_up(&mut self, now: Instant, why: Outcome, out: &mut Out) {
+        // The caller stops waiting now: agreement gets the bound from now, not from the
+        // request's own deadline, so the caller's wait ends inside its own deadline's slack.
+        // (Message agreement decides at the first failure; an external collective may need
+        // every rank's vote, so there the request's own bound stands.)
+        if !self.external {
+            self.bound = self.bound.min(now + self.agreement);
+        }
         self.set_local_vote(now, why, out);
     }
 
@@ -594,9 +645,12 @@ impl RecvRequest {
                 let outcome = match self.verdict {
                     Some(v) => v,
                     None => {
-                        // Tell the senders too, so they stop and confirm.
-                        self.set_verdict(now, Outcome::PeerLost, out);
-                        Outcome::PeerLost
+                        // No verdict within the bound: this rank's own failure if it had one,
+                        // else TimedOut (it never says Completed without the verdict). Tell the
+                        // senders too, so they stop and confirm.
+                        let v = unagreed(self.local_vote);
+                        self.set_verdict(now, v, out);
+                        v
                     }
                 };
                 if self.terminal.is_none() {
@@ -624,7 +678,7 @@ impl RecvRequest {
     fn retransmit(&mut self, now: Instant, out: &mut Out) {
         let before = out.transmits.len();
         match (self.verdict, self.local_vote) {
-            (None, None) => self.advertise(out, true),
+            (None, None) => self.advertise(now, out, true),
             (None, Some(v)) if !self.external && !self.is_coordinator() => out.send(
                 self.coordinator,
                 Message::Vote {
@@ -677,9 +731,34 @@ impl RecvRequest {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SendState {
+    /// Accepted; the application has not started this segment's send yet.
     Pending,
+    /// Started ([`SendFlow::begin_send`]); its completion is reported with `on_send_done`.
+    InFlight,
+    /// Started, then asked to stop ([`Action::AbortSend`]).
     Aborting,
     Done,
+}
+
+/// Why a segment's send cannot start: misuse (the caller's mistake, nothing else fails) or the
+/// request has already ended or been told to stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendRefusal {
+    NotAccepted,
+    NotAdvertised,
+    AlreadySent,
+    WrongSize { advertised: u64 },
+    Ended(Outcome),
+}
+
+/// The no-verdict outcome at the agreement bound: this rank's own failure if it had one, else
+/// `TimedOut`. Never `Completed`: without the verdict a rank cannot know that every other rank
+/// completed.
+fn unagreed(local_vote: Option<Outcome>) -> Outcome {
+    match local_vote {
+        Some(v) if !v.is_completed() => v,
+        _ => Outcome::TimedOut,
+    }
 }
 
 /// One (request, receiver) pair on a sending rank.
@@ -689,7 +768,11 @@ pub(crate) struct SendFlow {
     receiver: RankId,
     deadline: Instant,
     bound: Instant,
+    agreement: Duration,
     forget_at: Instant,
+    /// See [`RecvRequest::tomb_until`].
+    pub(crate) tomb_until: Instant,
+    linger: Duration,
     retransmit: Duration,
     next_retx: Instant,
     buffers: Vec<BufferDesc>,
@@ -703,20 +786,23 @@ pub(crate) struct SendFlow {
 }
 
 impl SendFlow {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         now: Instant,
         cfg: &Config,
         key: RequestKey,
         receiver: RankId,
+        timeout: Duration,
         request_info: Vec<u8>,
         buffers: Vec<BufferDesc>,
         out: &mut Out,
     ) -> Self {
-        let deadline = now + cfg.timeout;
+        let deadline = now + timeout;
         let bound = deadline + cfg.agreement_bound;
         out.events.push_back(Event::Advertised {
             key,
             from: receiver,
+            deadline,
             request_info,
             buffers: buffers.clone(),
         });
@@ -725,7 +811,10 @@ impl SendFlow {
             receiver,
             deadline,
             bound,
+            agreement: cfg.agreement_bound,
             forget_at: bound + cfg.linger,
+            tomb_until: bound + cfg.linger,
+            linger: cfg.linger,
             retransmit: cfg.retransmit,
             next_retx: now + cfg.retransmit,
             buffers,
@@ -741,6 +830,65 @@ impl SendFlow {
 
     pub(crate) fn is_finished(&self, now: Instant) -> bool {
         self.terminal.is_some() && now >= self.forget_at
+    }
+
+    /// See [`RecvRequest::settle`].
+    pub(crate) fn settle(&mut self, now: Instant) {
+        if self.terminal.is_some() && self.forget_at > now + self.linger {
+            self.forget_at = now + self.linger;
+        }
+    }
+
+    pub(crate) fn is_terminal(&self) -> bool {
+        self.terminal.is_some()
+    }
+
+    pub(crate) fn terminal(&self) -> Option<Outcome> {
+        self.terminal
+    }
+
+    /// The request's deadline on this rank (learned from the advertisement).
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// The ended outcome, if any (terminal, or a verdict / local failure already known).
+    pub(crate) fn ended(&self) -> Option<Outcome> {
+        self.terminal
+            .or(self.verdict)
+            .or(self.local_vote.filter(|v| !v.is_completed()))
+    }
+
+    /// May the application start the send of `segment` with `len` bytes now? Once per
+    /// advertised segment, with its advertised size, after accept, while the request runs.
+    pub(crate) fn check_send(&self, segment: u32, len: u64) -> Result<BufferDesc, SendRefusal> {
+        if let Some(o) = self.ended() {
+            return Err(SendRefusal::Ended(o));
+        }
+        let Some(desc) = self.buffers.iter().find(|d| d.segment == segment).copied() else {
+            return Err(SendRefusal::NotAdvertised);
+        };
+        match self.accepted {
+            Some(true) => {}
+            Some(false) => return Err(SendRefusal::Ended(Outcome::Rejected)),
+            None => return Err(SendRefusal::NotAccepted),
+        }
+        if desc.len != len {
+            return Err(SendRefusal::WrongSize {
+                advertised: desc.len,
+            });
+        }
+        match self.sends.get(&segment) {
+            Some(SendState::Pending) => Ok(desc),
+            _ => Err(SendRefusal::AlreadySent),
+        }
+    }
+
+    /// Marks `segment`'s send started (after [`SendFlow::check_send`] allowed it).
+    pub(crate) fn begin_send(&mut self, segment: u32) {
+        if let Some(st @ SendState::Pending) = self.sends.get_mut(&segment) {
+            *st = SendState::InFlight;
+        }
     }
 
     fn quiesced(&self) -> bool {
@@ -802,13 +950,18 @@ impl SendFlow {
 
     fn abort_pending(&mut self, out: &mut Out) {
         for (segment, state) in self.sends.iter_mut() {
-            if *state == SendState::Pending {
-                *state = SendState::Aborting;
-                out.actions.push_back(Action::AbortSend {
-                    key: self.key,
-                    to: self.receiver,
-                    segment: *segment,
-                });
+            match *state {
+                // Never started: nothing to stop.
+                SendState::Pending => *state = SendState::Done,
+                SendState::InFlight => {
+                    *state = SendState::Aborting;
+                    out.actions.push_back(Action::AbortSend {
+                        key: self.key,
+                        to: self.receiver,
+                        segment: *segment,
+                    });
+                }
+                SendState::Aborting | SendState::Done => {}
             }
         }
     }
@@ -865,7 +1018,9 @@ impl SendFlow {
         *state = SendState::Done;
         match was {
             SendState::Done => out.stats.duplicates += 1,
-            SendState::Pending if !ok => self.fail(now, Outcome::PeerLost, out),
+            SendState::InFlight | SendState::Pending if !ok => {
+                self.fail(now, Outcome::PeerLost, out)
+            }
             _ => {}
         }
         self.try_finish(out);
@@ -889,6 +1044,12 @@ impl SendFlow {
     }
 
     pub(crate) fn give_up(&mut self, now: Instant, why: Outcome, out: &mut Out) {
+        // As for a receiver: the caller stops waiting now, agreement gets the bound from now,
+        // while something of this flow can still be stopped. A give-up after every send has
+        // finished stops nothing: the flow waits for the verdict as before.
+        if self.accepted.is_none() || !self.quiesced() {
+            self.bound = self.bound.min(now + self.agreement);
+        }
         self.fail(now, why, out);
     }
 
@@ -908,7 +1069,12 @@ impl SendFlow {
             return;
         }
         if now >= self.bound {
-            let v = *self.verdict.get_or_insert(Outcome::PeerLost);
+            let fallback = if self.receiver_lost {
+                Outcome::PeerLost
+            } else {
+                unagreed(self.local_vote)
+            };
+            let v = *self.verdict.get_or_insert(fallback);
             self.abort_pending(out);
             // Bounded: terminal now even if an abort has not been confirmed; the driver still
             // owns those sends and reaps them.

@@ -4,7 +4,7 @@
 //! ```text
 //! offset size field
 //!      0    4 magic      b"KVLK"
-//!      4    2 version    1
+//!      4    2 version    2 (1: Advertise without timeout_ms)
 //!      6    1 type       1 Hello, 2 Advertise, 3 Ready, 4 Notify, 5 Vote, 6 Verdict, 7 Quiesced
 //!      7    1 flags      0 (any other value is rejected)
 //!      8    4 body_len   exact number of body bytes that follow, <= MAX_BODY
@@ -13,7 +13,7 @@
 //! Bodies (`key` = request u64, generation u32):
 //! ```text
 //! Hello     rank u32, name_len u16, name (UTF-8, 1..=MAX_NAME bytes)
-//! Advertise key, src_rank u32, info_len u32, info (<= MAX_INFO), count u16 (1..=MAX_BUFFERS),
+//! Advertise key, src_rank u32, timeout_ms u32 (1..), info_len u32, info (<= MAX_INFO), count u16 (1..=MAX_BUFFERS),
 //!           count x BufferDesc { kind u8, segment u32, addr u64, len u64, device_id i32,
 //!                                token u64 }                                      (33 bytes)
 //! Ready     key, ready u8 (0 | 1)
@@ -32,7 +32,7 @@ use super::id::{Generation, RankId, RequestId, RequestKey, Token};
 use crate::error::{Error, ErrorKind, Outcome};
 
 pub const MAGIC: [u8; 4] = *b"KVLK";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.
 pub const MAX_BODY: usize = 2 << 20;
@@ -104,6 +104,9 @@ pub enum Message {
     Advertise {
         key: RequestKey,
         src_rank: RankId,
+        /// What is left of the request's deadline when this frame was sent, in milliseconds
+        /// (at least 1): the sender's deadline for the request.
+        timeout_ms: u32,
         request_info: Vec<u8>,
         buffers: Vec<BufferDesc>,
     },
@@ -163,9 +166,13 @@ impl Message {
             Message::Advertise {
                 key,
                 src_rank,
+                timeout_ms,
                 request_info,
                 buffers,
             } => {
+                if *timeout_ms == 0 {
+                    return Err(bad(WireReason::ZeroTimeout));
+                }
                 if request_info.len() > MAX_INFO || buffers.len() > MAX_BUFFERS {
                     return Err(bad(WireReason::TooLarge));
                 }
@@ -175,6 +182,7 @@ impl Message {
                 check_descs(buffers).map_err(bad)?;
                 put_key(&mut body, key);
                 body.extend_from_slice(&src_rank.0.to_le_bytes());
+                body.extend_from_slice(&timeout_ms.to_le_bytes());
                 body.extend_from_slice(&(request_info.len() as u32).to_le_bytes());
                 body.extend_from_slice(request_info);
                 body.extend_from_slice(&(buffers.len() as u16).to_le_bytes());
@@ -255,6 +263,11 @@ impl Message {
             2 => {
                 let key = r.key()?;
                 let src_rank = RankId(r.u32()?);
+                let at = r.pos;
+                let timeout_ms = r.u32()?;
+                if timeout_ms == 0 {
+                    return Err(WireError::at(WireReason::ZeroTimeout, at));
+                }
                 let info_len = r.u32()? as usize;
                 if info_len > MAX_INFO {
                     return Err(r.err(WireReason::TooLarge));
@@ -291,6 +304,7 @@ impl Message {
                 Message::Advertise {
                     key,
                     src_rank,
+                    timeout_ms,
                     request_info,
                     buffers,
                 }
@@ -469,6 +483,8 @@ pub enum WireReason {
     NoBuffers,
     DuplicateSegment,
     DuplicateToken,
+    /// An `Advertise` whose deadline has no time left in it.
+    ZeroTimeout,
 }
 
 /// A refused frame: the reason and the byte offset where decoding stopped.

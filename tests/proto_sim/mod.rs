@@ -435,6 +435,19 @@ impl Sim {
         let now = self.now;
         match a {
             Action::Send { key, to, desc } => {
+                // The application starts the send at once (the core checks it first).
+                let n = self.nodes.get_mut(&node).unwrap();
+                match n.ep.check_send(key, to, desc.segment, desc.len) {
+                    Ok(Ok(_)) => n.ep.begin_send(key, to, desc.segment),
+                    other => {
+                        let s = format!(
+                            "{node}: send of {key} seg {} refused: {other:?}",
+                            desc.segment
+                        );
+                        self.violation(s);
+                        return;
+                    }
+                }
                 let zombie = self.in_window() && self.rng.chance(self.plan.faults.zombie);
                 let delay = if zombie {
                     self.cfg.timeout + self.cfg.agreement_bound + ms(self.rng.below(400))
@@ -521,6 +534,9 @@ impl Sim {
     }
 
     fn event(&mut self, node: RankId, e: Event) {
+        if std::env::var_os("SIM_TRACE").is_some() {
+            eprintln!("{:?} {node} event {e:?}", self.now);
+        }
         match e {
             Event::Advertised { key, from, .. } => {
                 self.began
@@ -674,6 +690,7 @@ impl Sim {
             receivers,
             flows,
             request_info: format!("req {key}").into_bytes(),
+            timeout: None,
         };
         let at = self.base + self.now;
         if let Err(e) = n.ep.start_receive(at, spec) {
@@ -698,6 +715,9 @@ impl Sim {
         };
         if self.dead.contains(&target) {
             return;
+        }
+        if std::env::var_os("SIM_TRACE").is_some() {
+            eprintln!("{:?} {item:?}", self.now);
         }
         match item {
             Item::Msg { from, to, msg } => {
@@ -916,7 +936,22 @@ impl Sim {
         }
         // Agreement.
         let mut by_key: BTreeMap<RequestKey, Vec<(RankId, Role, Outcome)>> = BTreeMap::new();
+        // An external collective among the receivers may have taken a receiver's `Completed`
+        // before a sender's late cancel reaches it; that sender, which gave up while a send was
+        // in flight, ends with its own reason at its (pulled-in) bound.
+        let cancelled: BTreeSet<RankId> = if self.plan.external {
+            self.plan
+                .cancels
+                .iter()
+                .map(|c| self.rank_at(c.1))
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
         for ((r, k, role), t) in &self.terminals {
+            if matches!(role, Role::Sender { .. }) && cancelled.contains(r) {
+                continue;
+            }
             if !self.dead.contains(r) {
                 by_key.entry(*k).or_default().push((*r, *role, t.outcome));
             }
@@ -925,7 +960,10 @@ impl Sim {
         for (k, outs) in &by_key {
             let mut set: BTreeSet<u8> = outs.iter().map(|o| o.2 as u8).collect();
             if faulty {
-                set.remove(&(Outcome::PeerLost as u8));
+                // A rank that cannot reach the rank holding the verdict ends at the bound with
+                // its own failure (or TimedOut): failures may differ, but a rank that never
+                // heard the verdict never reports Completed, so at most one non-failure kind.
+                set.retain(|o| *o == Outcome::Completed as u8);
             }
             if set.len() > 1 {
                 v.push(format!("{k}: ranks disagree: {outs:?}"));

@@ -1,0 +1,489 @@
+//! The glue between the protocol core and the UCX agent: what the engine's driver thread does.
+//!
+//! It feeds the core ([`Endpoint`]) every event the agent reports (control frames, receive
+//! completions, peer failures) and fires the core's timers; it carries out the core's outputs
+//! (control frames out, receive cancels, send aborts, buffer releases and fences) and wakes the
+//! one caller each fact concerns. The only state kept here is what the transport needs next to
+//! the core: the posted receive ops and their buffers, outcomes waiting for their caller, and the
+//! bounded queues of advertisements and notifications.
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::peers::Peers;
+use super::waiters::{HasWaiters, WaitKey, Waiters};
+use super::{Advertisement, Faults};
+use crate::error::{ErrorKind, Outcome, Result};
+use crate::proto::pool::{BufferId, BufferPool, Lease};
+use crate::proto::{
+    Action, Endpoint, Event as ProtoEvent, Message, RankId, RequestKey, Role, Token, TokenAllocator,
+};
+use crate::transport::cuda::Staging;
+use crate::transport::{Agent, Event, Op, PeerId};
+
+/// How long the driver sleeps at most when nothing is due (UCX keepalive needs the worker
+/// progressed now and then; the agent's own thread does that, this only bounds staleness).
+const IDLE_TICK: Duration = Duration::from_millis(100);
+/// How long an outcome nobody came for is kept, and a finished key is refused as a replay.
+pub(crate) const RETENTION: Duration = Duration::from_secs(600);
+/// Advertisements waiting for `next_advertisement`. Past this a new one is refused (the
+/// receiver sees `Rejected`) rather than queued without bound.
+pub(crate) const MAX_ADVERTS: usize = 16384;
+/// Notifications waiting per sending rank; past this they are dropped and counted.
+pub(crate) const MAX_NOTES: usize = 4096;
+/// Events taken from the agent per driver pass before the core's outputs are flushed.
+const EVENT_BATCH: usize = 256;
+
+/// A posted receive: one segment of one request, into the caller's buffer (or a staging buffer).
+pub(crate) struct RecvOp {
+    pub key: RequestKey,
+    pub segment: u32,
+    pub peer: PeerId,
+    pub op: Op,
+    /// For a CUDA buffer: the pinned host buffer the receive lands in, and the device address
+    /// it is copied to before the segment counts as landed.
+    pub staged: Option<(Staging, u64)>,
+    pub len: usize,
+    pub token: Token,
+}
+
+/// What to do with a receive's buffer once UCX has released the receive, for receives the
+/// protocol core no longer tracks (fenced, or posted for a request that never started).
+pub(crate) enum OnReap {
+    Restore(BufferId),
+    Release(Lease),
+}
+
+/// Everything behind the engine's one lock.
+pub(crate) struct Core {
+    pub ep: Endpoint,
+    pub pool: BufferPool,
+    pub tokens: TokenAllocator,
+    pub peers: Peers,
+    pub recv_ops: HashMap<u64, RecvOp>,
+    pub by_token: HashMap<Token, u64>,
+    /// Abort flags of the sends in flight, by (request, receiver, segment).
+    pub sends: HashMap<(RequestKey, RankId, u32), Arc<AtomicBool>>,
+    pub adverts: VecDeque<Advertisement>,
+    pub readies: HashMap<RequestKey, bool>,
+    /// Ends waiting for their caller.
+    pub terminals: HashMap<(RequestKey, Role), (Outcome, Instant)>,
+    /// Receiver ends held back until their fenced receives are released by UCX.
+    pub deferred: HashMap<RequestKey, Outcome>,
+    pub fencing: HashMap<RequestKey, HashSet<u64>>,
+    /// Receives whose cancel the core asked for (any other cancelled receive was drained by its
+    /// sender).
+    pub core_cancelled: HashSet<u64>,
+    /// Keys that ended here: a replay of one is refused, a late advertisement of one dropped.
+    pub finished: HashMap<(RequestKey, Option<RankId>), Instant>,
+    pub on_reap: HashMap<u64, OnReap>,
+    pub notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
+    pub control_ops: Vec<Op>,
+    pub waiters: Waiters,
+    pub counters: Counters,
+    last_prune: Instant,
+}
+
+/// Counters of the glue (the core and the agent keep their own).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Counters {
+    pub replays_dropped: u64,
+    pub bad_frames: u64,
+    pub adverts_refused: u64,
+    pub notes_dropped: u64,
+    /// Waits that returned at their deadline's slack before the request's end was certain
+    /// (UCX did not release a fenced receive in time): should stay 0.
+    pub unsettled_returns: u64,
+}
+
+impl HasWaiters for Core {
+    fn waiters(&mut self) -> &mut Waiters {
+        &mut self.waiters
+    }
+}
+
+impl Core {
+    pub fn new(ep: Endpoint, pool_slots: u32) -> Core {
+        Core {
+            ep,
+            pool: BufferPool::new(pool_slots),
+            tokens: TokenAllocator::new(),
+            peers: Peers::default(),
+            recv_ops: HashMap::new(),
+            by_token: HashMap::new(),
+            sends: HashMap::new(),
+            adverts: VecDeque::new(),
+            readies: HashMap::new(),
+            terminals: HashMap::new(),
+            deferred: HashMap::new(),
+            fencing: HashMap::new(),
+            core_cancelled: HashSet::new(),
+            finished: HashMap::new(),
+            on_reap: HashMap::new(),
+            notes: HashMap::new(),
+            control_ops: Vec::new(),
+            waiters: Waiters::default(),
+            counters: Counters::default(),
+            last_prune: Instant::now(),
+        }
+    }
+
+    fn end(&mut self, key: RequestKey, role: Role, outcome: Outcome, now: Instant) {
+        self.terminals.insert((key, role), (outcome, now));
+        self.waiters.wake(WaitKey::Terminal(key, role));
+        if role == Role::Receiver {
+            self.waiters.wake(WaitKey::Ready(key));
+        }
+    }
+}
+
+/// What the engine's threads share: the agent, the core under its lock, and the stop flag.
+pub(crate) struct Inner {
+    pub agent: Agent,
+    pub me: RankId,
+    pub name: String,
+    pub faults: Faults,
+    pub agreement_bound: Duration,
+    pub core: Mutex<Core>,
+    pub stopping: AtomicBool,
+}
+
+impl Inner {
+    pub fn say_hello(&self, core: &mut Core, peer: PeerId) -> Result<()> {
+        if !core.peers.first_hello(peer) {
+            return Ok(());
+        }
+        let bytes = Message::Hello {
+            agent_name: self.name.clone(),
+            rank: self.me,
+        }
+        .to_bytes()?;
+        let op = self.agent.send_control(peer, bytes)?;
+        core.control_ops.push(op);
+        Ok(())
+    }
+
+    /// The driver thread: feeds agent events to the core, fires its timers and dials peers
+    /// that need reconnecting, whether or not any new work arrives.
+    pub fn drive(self: Arc<Self>) {
+        while !self.stopping.load(Ordering::Acquire) {
+            let wake = {
+                let core = self.core.lock();
+                let now = Instant::now();
+                [core.ep.poll_timeout(), core.peers.next_due()]
+                    .into_iter()
+                    .flatten()
+                    .fold(now + IDLE_TICK, Instant::min)
+            };
+            let first = self.agent.next_event(wake, None);
+            let mut core = self.core.lock();
+            let mut now = Instant::now();
+            if let Some(ev) = first {
+                self.on_event(&mut core, now, ev);
+                // Take what else is queued in the same pass: one flush for a burst of events.
+                for _ in 1..EVENT_BATCH {
+                    match self.agent.next_event(now, None) {
+                        Some(ev) => self.on_event(&mut core, now, ev),
+                        None => break,
+                    }
+                }
+                now = Instant::now();
+            }
+            if core.ep.poll_timeout().is_some_and(|t| t <= now) {
+                core.ep.handle_timeout(now);
+            }
+            for (rank, address) in core.peers.due(now) {
+                self.redial(&mut core, rank, &address);
+            }
+            self.prune(&mut core, now);
+            self.flush(&mut core);
+        }
+        core_wake_all(&self.core);
+    }
+
+    /// One reconnect attempt: dial the rank's address again and say `Hello`; its `Hello` back
+    /// binds the new endpoint.
+    fn redial(&self, core: &mut Core, rank: RankId, address: &str) {
+        match super::dial(&self.agent, address) {
+            Ok(peer) => {
+                core.peers.dialled(Some(rank), peer, address);
+                if let Err(e) = self.say_hello(core, peer) {
+                    tracing::debug!("reconnect to {rank} at {address}: {e}");
+                }
+                tracing::info!("reconnecting to {rank} at {address}");
+            }
+            Err(e) => tracing::debug!("reconnect to {rank} at {address}: {e}"),
+        }
+        core.waiters.wake(WaitKey::Peer(rank));
+    }
+
+    /// Results nobody came for are dropped after RETENTION: memory stays bounded over
+    /// millions of requests.
+    fn prune(&self, core: &mut Core, now: Instant) {
+        if now.duration_since(core.last_prune) < Duration::from_secs(1) {
+            return;
+        }
+        core.last_prune = now;
+        core.terminals
+            .retain(|_, (_, at)| now.duration_since(*at) < RETENTION);
+        core.finished
+            .retain(|_, at| now.duration_since(*at) < RETENTION);
+        core.control_ops.retain_mut(|op| op.poll().is_none());
+    }
+
+    pub fn on_event(&self, core: &mut Core, now: Instant, ev: Event) {
+        match ev {
+            Event::Accepted(_) => {}
+            Event::Control(peer, bytes) => self.on_control(core, now, peer, &bytes),
+            Event::PeerFailed(peer) => {
+                if let Some(rank) = core.peers.on_failed(peer, now) {
+                    tracing::warn!("{rank}: connection failed");
+                    core.ep.handle_peer_lost(now, rank);
+                    core.waiters.wake(WaitKey::Peer(rank));
+                }
+                core.waiters.wake(WaitKey::Dial(peer));
+            }
+            Event::OpDone(id) => self.on_receive_done(core, now, id),
+        }
+    }
+
+    fn on_control(&self, core: &mut Core, now: Instant, peer: PeerId, bytes: &[u8]) {
+        let msg = match Message::decode(bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!("undecodable control message: {e}");
+                core.counters.bad_frames += 1;
+                return;
+            }
+        };
+        if let Message::Hello { agent_name, rank } = msg {
+            if let Some(old) = core.peers.bind(rank, peer, agent_name) {
+                // The rank came back on a new endpoint: the old one is done.
+                let _ = self.agent.close_peer(old);
+            }
+            let _ = self.say_hello(core, peer);
+            core.waiters.wake(WaitKey::Peer(rank));
+            core.waiters.wake(WaitKey::Dial(peer));
+            return;
+        }
+        let Some(rank) = core.peers.rank_of(peer) else {
+            core.counters.bad_frames += 1;
+            return;
+        };
+        match &msg {
+            Message::Advertise { key, .. } if core.finished.contains_key(&(*key, Some(rank))) => {
+                core.counters.replays_dropped += 1;
+                return;
+            }
+            Message::Ready { key, ready } => {
+                core.readies.insert(*key, *ready);
+                core.waiters.wake(WaitKey::Ready(*key));
+            }
+            _ => {}
+        }
+        if let Err(e) = core.ep.handle_message(now, rank, msg) {
+            tracing::warn!("control message from {rank}: {e}");
+        }
+    }
+
+    fn on_receive_done(&self, core: &mut Core, now: Instant, id: u64) {
+        let Some(mut r) = core.recv_ops.remove(&id) else {
+            return;
+        };
+        let result = r.op.poll();
+        core.by_token.remove(&r.token);
+        if let Some(act) = core.on_reap.remove(&id) {
+            // The core is done with this receive; only its buffer was waiting.
+            match act {
+                OnReap::Restore(b) => drop(core.pool.restore(b)),
+                OnReap::Release(l) => drop(core.pool.release(l)),
+            }
+            let cleared = core.fencing.get_mut(&r.key).is_some_and(|set| {
+                set.remove(&id);
+                set.is_empty()
+            });
+            if cleared {
+                core.fencing.remove(&r.key);
+                if let Some(o) = core.deferred.remove(&r.key) {
+                    core.end(r.key, Role::Receiver, o, now);
+                }
+            }
+            return;
+        }
+        let res = match result {
+            Some(Ok(Outcome::Completed)) => {
+                match r.staged.as_mut().map(|(st, dev)| st.to_device(*dev, r.len)) {
+                    Some(Err(e)) => {
+                        tracing::error!(key = %r.key, "segment {}: copy to device failed: {e}", r.segment);
+                        core.ep.cancel(now, r.key)
+                    }
+                    _ => {
+                        // The first landing proves the sender accepted.
+                        core.readies.entry(r.key).or_insert(true);
+                        core.waiters.wake(WaitKey::Ready(r.key));
+                        core.ep.handle_segment_landed(now, r.key, r.segment)
+                    }
+                }
+            }
+            Some(Err(e)) if e.kind == ErrorKind::Protocol => {
+                // The peer sent the wrong size: its mistake, voted as a rejection (first, so the
+                // reaped receive is not read as a lost peer).
+                tracing::warn!(key = %r.key, "segment {}: {e}", r.segment);
+                let _ = core.ep.give_up(now, r.key, Outcome::Rejected);
+                core.ep.handle_receive_reaped(now, r.key, r.segment)
+            }
+            Some(Ok(Outcome::Cancelled)) if !core.core_cancelled.contains(&id) => {
+                // The sender gave up on this segment and had the receiver drain it: that is the
+                // sender's cancel, not a lost peer.
+                let _ = core.ep.give_up(now, r.key, Outcome::Cancelled);
+                core.ep.handle_receive_reaped(now, r.key, r.segment)
+            }
+            _ => core.ep.handle_receive_reaped(now, r.key, r.segment),
+        };
+        core.core_cancelled.remove(&id);
+        if let Err(e) = res {
+            tracing::debug!("op {id}: {e}");
+        }
+    }
+
+    /// Drains the core's outputs: control messages out, actions applied, events recorded and
+    /// their callers woken.
+    pub fn flush(&self, core: &mut Core) {
+        let now = Instant::now();
+        loop {
+            let mut progressed = false;
+            while let Some(t) = core.ep.poll_transmit() {
+                progressed = true;
+                let Some(peer) = core.peers.endpoint(t.to) else {
+                    continue;
+                };
+                match t
+                    .message
+                    .to_bytes()
+                    .map_err(crate::Error::from)
+                    .and_then(|b| self.agent.send_control(peer, b))
+                {
+                    Ok(op) => core.control_ops.push(op),
+                    Err(e) => tracing::debug!("control to {}: {e}", t.to),
+                }
+            }
+            while let Some(a) = core.ep.poll_action() {
+                progressed = true;
+                self.apply(core, a);
+            }
+            while let Some(ev) = core.ep.poll_event() {
+                progressed = true;
+                self.record(core, now, ev);
+            }
+            if !progressed {
+                break;
+            }
+        }
+        if core.control_ops.len() > 64 {
+            core.control_ops.retain_mut(|op| op.poll().is_none());
+        }
+    }
+
+    fn apply(&self, core: &mut Core, a: Action) {
+        match a {
+            // The application starts each send itself (`Engine::send`), checked by the core.
+            Action::Send { .. } => {}
+            Action::AbortSend { key, to, segment } => {
+                if let Some(flag) = core.sends.get(&(key, to, segment)) {
+                    flag.store(true, Ordering::Release);
+                }
+            }
+            Action::CancelReceive { token, .. } => {
+                if let Some(&id) = core.by_token.get(&token) {
+                    if let Some(r) = core.recv_ops.get(&id) {
+                        r.op.request_cancel();
+                        core.core_cancelled.insert(id);
+                    }
+                }
+            }
+            Action::Release { lease, .. } => {
+                if let Err(e) = core.pool.release(lease) {
+                    tracing::error!("release: {e}");
+                }
+            }
+            Action::Fence { key, lease, token } => {
+                // A receive that could not be reaped in time: its endpoint is force-closed
+                // (which ends every request on it; the pair reconnects). The slot stays fenced,
+                // and the request's end is held back, until UCX has released the receive: only
+                // then can nothing write the buffer.
+                let _ = core.pool.fence(lease);
+                let live = core
+                    .by_token
+                    .get(&token)
+                    .copied()
+                    .filter(|id| core.recv_ops.contains_key(id));
+                match live {
+                    Some(id) => {
+                        let peer = core.recv_ops[&id].peer;
+                        core.recv_ops[&id].op.request_cancel();
+                        let _ = self.agent.close_peer(peer);
+                        core.on_reap.insert(id, OnReap::Restore(lease.buffer));
+                        core.fencing.entry(key).or_default().insert(id);
+                    }
+                    None => drop(core.pool.restore(lease.buffer)),
+                }
+            }
+        }
+    }
+
+    fn record(&self, core: &mut Core, now: Instant, ev: ProtoEvent) {
+        match ev {
+            ProtoEvent::Advertised {
+                key,
+                from,
+                deadline,
+                request_info,
+                buffers,
+            } => {
+                if core.adverts.len() >= MAX_ADVERTS {
+                    // Bounded: refuse rather than queue without end. The receiver sees
+                    // `Rejected` at once instead of a timeout.
+                    core.counters.adverts_refused += 1;
+                    let _ = core.ep.accept(now, key, from, false);
+                    return;
+                }
+                core.adverts.push_back(Advertisement {
+                    key,
+                    from,
+                    deadline,
+                    request_info,
+                    buffers,
+                });
+                core.waiters.wake(WaitKey::Advert);
+            }
+            ProtoEvent::Notified { key, from, payload } => {
+                let q = core.notes.entry(from).or_default();
+                if q.len() >= MAX_NOTES {
+                    core.counters.notes_dropped += 1;
+                    return;
+                }
+                q.push_back((key, payload));
+                core.waiters.wake(WaitKey::Note(from));
+            }
+            ProtoEvent::Terminal { key, role, outcome } => {
+                let peer = match role {
+                    Role::Receiver => None,
+                    Role::Sender { receiver } => Some(receiver),
+                };
+                core.finished.insert((key, peer), now);
+                if role == Role::Receiver && core.fencing.contains_key(&key) {
+                    core.deferred.insert(key, outcome);
+                } else {
+                    core.end(key, role, outcome, now);
+                }
+            }
+        }
+    }
+}
+
+fn core_wake_all(core: &Mutex<Core>) {
+    core.lock().waiters.wake_all();
+}

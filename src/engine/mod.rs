@@ -1,0 +1,920 @@
+//! The blocking engine: one rank's `send` / `recv` / `wait` surface over the protocol core and
+//! the UCX agent.
+//!
+//! One [`Engine`] per rank: a UCX [`Agent`], the sans-IO [`Endpoint`] that owns every request
+//! and its timers, and a driver thread ([`glue`]) that feeds the endpoint what the agent
+//! reports and carries out what it asks. Callers block in `wait`, `recv_ready`,
+//! `next_advertisement`, `wait_for_notification`, `connect` and `send`, each with a deadline
+//! and an optional cancel check, on a waiter of their own that is woken only for the fact it
+//! waits for ([`waiters`]). No lock is held across a wait and no thread spins.
+//!
+//! # The data path of one request
+//! 1. generation rank: [`Engine::advertise`] posts one tag-matched receive per buffer (tag = a
+//!    fresh 64-bit token) and starts the request in the endpoint, which sends `Advertise` with
+//!    what is left of the request's deadline;
+//! 2. context rank: [`Engine::next_advertisement`] returns it (with the deadline the sender now
+//!    shares); [`Engine::accept`] answers `Ready`; [`Engine::send_segments`] posts the sends of
+//!    its segments together under their tokens and waits for them once;
+//! 3. generation rank: each receive's own completion is its segment landing; when all have
+//!    landed the ranks agree and [`Engine::wait`] returns `Completed` on both sides.
+//!
+//! # The deadline rule
+//! Every blocking call returns by its deadline plus the agreement bound (50 ms by default) plus
+//! a few milliseconds, whatever the peer does. A request's own deadline (the engine's timeout,
+//! or [`Engine::advertise_with`]'s) ends it on every rank: at that deadline each rank votes
+//! `TimedOut`, the ranks agree within the bound if they can talk, and each rank's receives are
+//! cancelled (or, if UCX cannot recall one, its endpoint is force-closed and the pair
+//! reconnects) before the end is reported, so the buffers handed back are never written again.
+//! A caller's own earlier deadline (or its cancel flag) gives up on the request the same way.
+//! Without a verdict by the bound a rank reports its own failure (`TimedOut`, `Cancelled`,
+//! `Rejected`), or `PeerLost` when the transport reported the peer lost; it never reports
+//! `Completed` without the verdict, so a sender's `Completed` implies its receiver's.
+pub(crate) mod glue;
+pub mod peers;
+mod waiters;
+
+pub use peers::PeerState;
+
+use crate::error::{Error, ErrorKind, Outcome, Result};
+use crate::proto::{
+    BufferDesc, BufferKind, Config, Endpoint, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role,
+};
+use crate::transport::cuda::Staging;
+use crate::transport::{Agent, AgentOptions, PeerId, TransportKind};
+use glue::{Core, Inner, OnReap, RecvOp};
+use parking_lot::{Mutex, MutexGuard};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use waiters::{sleep, WaitKey};
+
+/// Configuration of one rank's engine.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Agent name (for logs and the peer's `Hello`).
+    pub name: String,
+    /// This rank's id, unique across both engines of a deployment.
+    pub rank: u32,
+    pub transport: TransportKind,
+    /// tcp: listen here (`ip:port`, port 0 picks one). Shared memory connects by worker address.
+    pub listen: Option<SocketAddr>,
+    /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`.
+    pub timeout: Duration,
+    /// How long past a deadline the ranks may spend agreeing before each ends on its own.
+    pub agreement_bound: Duration,
+    /// Fault hooks for tests and the demo.
+    pub faults: Faults,
+}
+
+impl EngineConfig {
+    pub fn new(name: impl Into<String>, rank: u32, transport: TransportKind) -> Self {
+        EngineConfig {
+            name: name.into(),
+            rank,
+            transport,
+            listen: None,
+            timeout: Duration::from_secs(60),
+            agreement_bound: Config::default().agreement_bound,
+            faults: Faults::default(),
+        }
+    }
+}
+
+/// Faults a test can inject.
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    /// A sender "sends" this request's segments without moving any data: the lost-completion
+    /// fault. The receiver must end in `TimedOut` at its deadline.
+    pub suppress_data_of_request: Option<u64>,
+}
+
+/// One buffer a generation rank offers for a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferSpec {
+    pub kind: BufferKind,
+    pub segment: u32,
+    pub addr: u64,
+    pub len: u64,
+    /// CUDA device, or -1 for host memory.
+    pub device_id: i32,
+}
+
+/// An advertisement received by a context rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Advertisement {
+    pub key: RequestKey,
+    pub from: RankId,
+    /// The request's deadline here, learned from the advertisement: sends and waits for it
+    /// end by then.
+    pub deadline: Instant,
+    pub request_info: Vec<u8>,
+    pub buffers: Vec<BufferDesc>,
+}
+
+/// The progress snapshot: "alive" told from "working".
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Health {
+    /// Ranks connected now.
+    pub peers: u64,
+    /// Connection failures seen (each one cost the requests on that endpoint, not the pair).
+    pub peers_failed: u64,
+    /// Ranks being dialled again after a failure, and dial attempts made so far.
+    pub peers_reconnecting: u64,
+    pub reconnects: u64,
+    /// Requests known to the protocol core (running or lingering).
+    pub requests_known: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub stale_dropped: u64,
+    pub bad_frames: u64,
+    /// Advertisements refused because the queue for `next_advertisement` was full, and
+    /// notifications dropped because their queue was full.
+    pub adverts_refused: u64,
+    pub notes_dropped: u64,
+    /// Receive buffers still leased to a request (0 when idle: anything else is a leak).
+    pub buffers_leased: u64,
+    pub buffers_fenced: u64,
+    /// Transport ops in flight and the age of the oldest, in milliseconds.
+    pub ops_in_flight: u64,
+    pub oldest_op_ms: u64,
+    /// Milliseconds since the last completed transfer (u64::MAX if none yet).
+    pub since_last_completion_ms: u64,
+    pub bytes_completed: u64,
+    pub unreaped_ops: u64,
+    /// Waits that had to return before UCX released a fenced receive (should stay 0).
+    pub unsettled_returns: u64,
+}
+
+const POOL_SLOTS: u32 = 1 << 16;
+/// How often a wait with a cancel check looks at it.
+const CANCEL_POLL: Duration = Duration::from_millis(5);
+/// After a caller gives up: what the wait allows past the agreement bound for the fence (a
+/// force-closed endpoint's receives are released by UCX within a few milliseconds).
+const SETTLE_SLACK: Duration = Duration::from_millis(30);
+/// How long a stopped send waits for its receiver to drain it before the endpoint is
+/// force-closed (a live receiver drains in about 2 ms on loopback).
+const REAP_GRACE: Duration = Duration::from_millis(20);
+
+/// One rank: agent, protocol core, driver thread. Dropping it stops the driver, then the agent
+/// (which cancels and reaps every op).
+pub struct Engine {
+    inner: Arc<Inner>,
+    timeout: Duration,
+    driver: Option<JoinHandle<()>>,
+}
+
+fn key_err(kind: ErrorKind, key: RequestKey, what: &str) -> Error {
+    Error::new(kind, format!("{key}: {what}"))
+}
+
+/// Dials `address` (`ip:port` or `ucx:<hex worker address>`).
+pub(crate) fn dial(agent: &Agent, address: &str) -> Result<PeerId> {
+    match address.strip_prefix("ucx:") {
+        Some(h) => agent.connect_worker(&unhex(h)?),
+        None => agent.connect(crate::config::parse_listen_address(address)?),
+    }
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Result<Engine> {
+        if cfg.timeout.is_zero() {
+            return Err(Error::invalid("timeout must be positive"));
+        }
+        let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
+        opts.listen = cfg.listen;
+        opts.reap_grace = REAP_GRACE;
+        let agent = Agent::new(opts)?;
+        let me = RankId(cfg.rank);
+        let config = Config {
+            timeout: cfg.timeout,
+            agreement_bound: cfg.agreement_bound,
+            ..Config::default()
+        };
+        let inner = Arc::new(Inner {
+            agent,
+            me,
+            name: cfg.name,
+            faults: cfg.faults,
+            agreement_bound: cfg.agreement_bound,
+            core: Mutex::new(Core::new(Endpoint::new(me, config), POOL_SLOTS)),
+            stopping: AtomicBool::new(false),
+        });
+        let i2 = inner.clone();
+        let driver = std::thread::Builder::new()
+            .name(format!("kvlink-driver-{}", cfg.rank))
+            .spawn(move || i2.drive())
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn: {e}")))?;
+        Ok(Engine {
+            inner,
+            timeout: cfg.timeout,
+            driver: Some(driver),
+        })
+    }
+
+    pub fn rank(&self) -> RankId {
+        self.inner.me
+    }
+
+    /// The engine's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Where peers reach this rank: `ip:port` (tcp) or `ucx:<hex worker address>`.
+    pub fn address(&self) -> String {
+        match self.inner.agent.listen_address() {
+            Some(a) => a.to_string(),
+            None => format!("ucx:{}", hex(self.inner.agent.worker_address())),
+        }
+    }
+
+    /// Connects to the rank at `address` (as printed by [`Engine::address`]) and waits, until
+    /// `deadline`, for its `Hello`. Returns its rank. The engine remembers the address: if the
+    /// connection fails later, it dials it again by itself (see [`PeerState`]).
+    pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
+        let peer = dial(&self.inner.agent, address)?;
+        let mut core = self.inner.core.lock();
+        self.inner.say_hello(&mut core, peer)?;
+        loop {
+            if let Some(r) = core.peers.rank_of(peer) {
+                core.peers.set_dial(r, address);
+                return Ok(r);
+            }
+            if self.inner.agent.peer_state(peer).is_err() {
+                return Err(Error::new(
+                    ErrorKind::PeerLost,
+                    format!("{address}: connection failed"),
+                ));
+            }
+            if !sleep(&mut core, WaitKey::Dial(peer), deadline) && Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorKind::PeerLost,
+                    format!("{address}: no hello before the deadline"),
+                ));
+            }
+        }
+    }
+
+    /// Waits until `rank` is connected (its `Hello` arrived), up to `deadline`.
+    pub fn wait_peer(&self, rank: RankId, deadline: Instant) -> Result<()> {
+        self.block(WaitKey::Peer(rank), deadline, None, |core| {
+            (core.peers.state(rank) == PeerState::Connected).then_some(())
+        })
+        .ok_or_else(|| Error::new(ErrorKind::UnknownPeer, format!("{rank} did not connect")))
+    }
+
+    /// The state of this rank's connection to `rank`.
+    pub fn peer_state(&self, rank: RankId) -> PeerState {
+        self.inner.core.lock().peers.state(rank)
+    }
+
+    /// The name a connected rank gave in its `Hello`.
+    pub fn peer_name(&self, rank: RankId) -> Option<String> {
+        self.inner.core.lock().peers.name(rank)
+    }
+
+    /// [`Engine::advertise_with`] with the engine's default timeout.
+    ///
+    /// # Safety
+    /// As for [`Engine::advertise_with`].
+    pub unsafe fn advertise(
+        &self,
+        key: RequestKey,
+        receivers: Vec<RankId>,
+        flows: Vec<(RankId, Vec<BufferSpec>)>,
+        request_info: Vec<u8>,
+    ) -> Result<()> {
+        // SAFETY: forwarded caller promise.
+        unsafe { self.advertise_with(key, receivers, flows, request_info, None) }
+    }
+
+    /// Generation side: posts a receive for every buffer and advertises the request to each
+    /// sender, with its own deadline (`timeout` from now; `None` takes the engine's). Every
+    /// rank of the request ends it by that deadline. `receivers` lists every generation rank
+    /// of the request (this one included); `flows` gives, per context rank, the buffers it will
+    /// fill. A sender whose connection is being re-established is waited for (up to the
+    /// request's deadline). On error nothing stays posted or leased.
+    ///
+    /// # Safety
+    /// Every buffer must be writable host memory that nobody else touches until [`Engine::wait`]
+    /// for `key` has returned (the request's buffers are released by then, or fenced).
+    pub unsafe fn advertise_with(
+        &self,
+        key: RequestKey,
+        receivers: Vec<RankId>,
+        flows: Vec<(RankId, Vec<BufferSpec>)>,
+        request_info: Vec<u8>,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let timeout = timeout.unwrap_or(self.timeout);
+        if timeout.is_zero() {
+            return Err(key_err(ErrorKind::InvalidArgument, key, "zero timeout"));
+        }
+        let deadline = Instant::now() + timeout;
+        if flows.is_empty() || flows.iter().any(|(_, b)| b.is_empty()) {
+            return Err(key_err(
+                ErrorKind::InvalidArgument,
+                key,
+                "a request needs at least one buffer per sender",
+            ));
+        }
+        let total: usize = flows.iter().map(|(_, b)| b.len()).sum();
+        for b in flows.iter().flat_map(|(_, b)| b) {
+            if b.addr == 0 || b.len == 0 || b.addr.checked_add(b.len).is_none() {
+                return Err(key_err(
+                    ErrorKind::OutOfBounds,
+                    key,
+                    &format!("bad buffer {b:?}"),
+                ));
+            }
+            usize::try_from(b.len).map_err(|_| Error::invalid("buffer too large"))?;
+        }
+        let mut core = self.inner.core.lock();
+        if core.finished.contains_key(&(key, None)) || core.ep.knows_receive(key) {
+            return Err(key_err(
+                ErrorKind::InvalidArgument,
+                key,
+                "has already run here: a retry needs the next generation",
+            ));
+        }
+        let peers = self.senders_connected(&mut core, &flows, deadline)?;
+        if core.pool.available() < total {
+            return Err(key_err(
+                ErrorKind::QueueFull,
+                key,
+                &format!(
+                    "{total} buffers asked, {} free in the receive pool",
+                    core.pool.available()
+                ),
+            ));
+        }
+        let mut posted: Vec<u64> = Vec::new();
+        // SAFETY: forwarded caller promise (the buffers stay valid until the request ends).
+        let result = unsafe { self.post_flows(&mut core, key, &flows, &peers, &mut posted) }
+            .and_then(|spec_flows| {
+                core.ep.start_receive(
+                    Instant::now(),
+                    ReceiveSpec {
+                        key,
+                        receivers,
+                        flows: spec_flows,
+                        request_info,
+                        timeout: Some(deadline.saturating_duration_since(Instant::now())),
+                    },
+                )
+            });
+        for id in posted {
+            if result.is_ok() {
+                // Started: from here the core owns the lease.
+                core.on_reap.remove(&id);
+            } else if let Some(r) = core.recv_ops.get(&id) {
+                // Nothing was started: take back every posted receive. Its lease goes back
+                // (through `on_reap`) only once UCX has released the receive.
+                r.op.request_cancel();
+            }
+        }
+        self.inner.flush(&mut core);
+        result
+    }
+
+    /// The endpoint of every sender of a request, waiting (until `deadline`) for those being
+    /// reconnected. Releases the lock while it waits.
+    fn senders_connected(
+        &self,
+        core: &mut MutexGuard<'_, Core>,
+        flows: &[(RankId, Vec<BufferSpec>)],
+        deadline: Instant,
+    ) -> Result<Vec<PeerId>> {
+        'again: loop {
+            let mut peers = Vec::with_capacity(flows.len());
+            for (rank, _) in flows {
+                match core.peers.state(*rank) {
+                    PeerState::Connected => {
+                        peers.push(core.peers.endpoint(*rank).expect("connected"))
+                    }
+                    PeerState::Unknown => {
+                        return Err(Error::new(
+                            ErrorKind::UnknownPeer,
+                            format!("{rank} is not connected"),
+                        ))
+                    }
+                    state => {
+                        if state == PeerState::Failed && !core.peers.revive(*rank, Instant::now()) {
+                            return Err(Error::new(
+                                ErrorKind::PeerLost,
+                                format!("{rank}: connection failed and cannot be redialled here"),
+                            ));
+                        }
+                        if !sleep(core, WaitKey::Peer(*rank), deadline)
+                            && Instant::now() >= deadline
+                        {
+                            return Err(Error::new(
+                                ErrorKind::PeerLost,
+                                format!("{rank}: not reconnected before the request's deadline"),
+                            ));
+                        }
+                        continue 'again;
+                    }
+                }
+            }
+            return Ok(peers);
+        }
+    }
+
+    /// Posts one receive per buffer of every flow and leases its pool slot; returns the flows
+    /// as the core takes them. Every posted receive is in `posted` with its lease in `on_reap`
+    /// (to go back when UCX releases it) until the caller knows the request started.
+    ///
+    /// # Safety
+    /// As for [`Engine::advertise_with`].
+    unsafe fn post_flows(
+        &self,
+        core: &mut Core,
+        key: RequestKey,
+        flows: &[(RankId, Vec<BufferSpec>)],
+        peers: &[PeerId],
+        posted: &mut Vec<u64>,
+    ) -> Result<Vec<ReceiveFlow>> {
+        let mut spec_flows = Vec::with_capacity(flows.len());
+        for ((sender, buffers), &peer) in flows.iter().zip(peers) {
+            let mut flow = ReceiveFlow {
+                sender: *sender,
+                buffers: Vec::with_capacity(buffers.len()),
+            };
+            for b in buffers {
+                let len = b.len as usize;
+                // The system UCX cannot move device memory: a CUDA buffer's receive lands in a
+                // pinned host buffer that is copied to the device on arrival.
+                let mut staged = match b.device_id {
+                    d if d >= 0 => Some((Staging::new(d, len)?, b.addr)),
+                    _ => None,
+                };
+                let target = match &mut staged {
+                    Some((st, _)) => st.host_ptr()?,
+                    None => b.addr as *mut u8,
+                };
+                let token = core
+                    .tokens
+                    .allocate()
+                    .ok_or_else(|| Error::new(ErrorKind::Internal, "tokens exhausted"))?;
+                // SAFETY: the caller's promise covers the buffer until the request ends (a
+                // staging buffer lives in the RecvOp); its lease goes back only after this
+                // receive is reaped.
+                let op = unsafe {
+                    self.inner
+                        .agent
+                        .post_recv_with(peer, token.0, target, len, true)
+                }?;
+                // Leased only once the receive is posted, so a failed post leaks nothing; the
+                // pool has room (checked under the same lock).
+                let lease = core
+                    .pool
+                    .lease(key)
+                    .ok_or_else(|| Error::new(ErrorKind::Internal, "pool emptied under lock"))?;
+                let id = op.id();
+                posted.push(id);
+                core.on_reap.insert(id, OnReap::Release(lease));
+                core.by_token.insert(token, id);
+                core.recv_ops.insert(
+                    id,
+                    RecvOp {
+                        key,
+                        segment: b.segment,
+                        peer,
+                        op,
+                        staged,
+                        len,
+                        token,
+                    },
+                );
+                flow.buffers.push((
+                    lease,
+                    BufferDesc {
+                        kind: b.kind,
+                        segment: b.segment,
+                        addr: b.addr,
+                        len: b.len,
+                        device_id: b.device_id,
+                        token,
+                    },
+                ));
+            }
+            spec_flows.push(flow);
+        }
+        Ok(spec_flows)
+    }
+
+    /// Context side: the next advertisement, waiting until `deadline` or `cancel()`.
+    pub fn next_advertisement(
+        &self,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Option<Advertisement> {
+        self.block(WaitKey::Advert, deadline, cancel, |core| {
+            core.adverts.pop_front()
+        })
+    }
+
+    /// Context side: accept (`ready`) or reject an advertisement before any data moves.
+    pub fn accept(&self, key: RequestKey, from: RankId, ready: bool) -> Result<()> {
+        let mut core = self.inner.core.lock();
+        if !core.ep.knows_send(key, from) {
+            return Err(key_err(
+                ErrorKind::UnknownRequest,
+                key,
+                &format!("no advertisement from {from}"),
+            ));
+        }
+        let r = core.ep.accept(Instant::now(), key, from, ready);
+        self.inner.flush(&mut core);
+        r
+    }
+
+    /// Generation side: the context rank's answer: `Some(true)` ready, `Some(false)` rejected,
+    /// `None` if none came by `deadline` (or `cancel()`), or at once if the request is unknown
+    /// or has already ended otherwise.
+    pub fn recv_ready(
+        &self,
+        key: RequestKey,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Option<bool> {
+        self.block(WaitKey::Ready(key), deadline, cancel, |core| {
+            if let Some(r) = core.readies.remove(&key) {
+                return Some(Some(r));
+            }
+            match core.terminals.get(&(key, Role::Receiver)) {
+                Some((Outcome::Rejected, _)) => Some(Some(false)),
+                Some(_) => Some(None),
+                None if !core.ep.running(key, Role::Receiver)
+                    && !core.deferred.contains_key(&key) =>
+                {
+                    Some(None)
+                }
+                None => None,
+            }
+        })
+        .flatten()
+    }
+
+    /// Context side: sends segment `segment` of `key` to `to` from `data`. See
+    /// [`Engine::send_segments`].
+    pub fn send(
+        &self,
+        key: RequestKey,
+        to: RankId,
+        segment: u32,
+        data: &[u8],
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Result<Outcome> {
+        self.send_segments(key, to, &[(segment, data)], deadline, cancel)
+    }
+
+    /// Context side: sends several segments of `key` to `to` at once (posted together, waited
+    /// once), after [`Engine::accept`]. Returns `Completed` when every one of this rank's
+    /// tracked sends completed (the request's agreed end comes from [`Engine::wait`]); any
+    /// other outcome is also given to the protocol core, which makes it the agreed verdict.
+    /// Returns by the earlier of `deadline` and the request's deadline (plus the drain bound).
+    ///
+    /// Misuse is an error at once and changes nothing: an unknown request (`UnknownRequest`), a
+    /// send before accept, a segment never advertised, a segment sent twice, or a size other
+    /// than advertised (`InvalidArgument`).
+    pub fn send_segments(
+        &self,
+        key: RequestKey,
+        to: RankId,
+        segments: &[(u32, &[u8])],
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Result<Outcome> {
+        let inner = &self.inner;
+        let mut core = inner.core.lock();
+        let mut descs = Vec::with_capacity(segments.len());
+        for (i, (segment, data)) in segments.iter().enumerate() {
+            if segments[..i].iter().any(|(s, _)| s == segment) {
+                return Err(key_err(
+                    ErrorKind::InvalidArgument,
+                    key,
+                    &format!("segment {segment} given twice"),
+                ));
+            }
+            match core.ep.check_send(key, to, *segment, data.len() as u64)? {
+                Ok(d) => descs.push(d),
+                Err(ended) => return Ok(ended),
+            }
+        }
+        let until = core
+            .ep
+            .send_deadline(key, to)
+            .map_or(deadline, |d| d.min(deadline));
+        for (segment, _) in segments {
+            core.ep.begin_send(key, to, *segment);
+        }
+        if inner.faults.suppress_data_of_request == Some(key.request.0) {
+            tracing::warn!(%key, "fault hook: data suppressed");
+            let now = Instant::now();
+            for (segment, _) in segments {
+                let _ = core.ep.handle_send_done(now, key, to, *segment, true);
+            }
+            inner.flush(&mut core);
+            return Ok(Outcome::Completed);
+        }
+        let peer = core.peers.endpoint(to);
+        let mut ops = Vec::with_capacity(segments.len());
+        let mut first_err = None;
+        for ((segment, data), desc) in segments.iter().zip(&descs) {
+            let posted = match peer {
+                None => Err(Error::new(
+                    ErrorKind::PeerLost,
+                    format!("{to} is not connected"),
+                )),
+                // SAFETY: `data` is borrowed for this call, and every op is waited for below
+                // before it returns (a wait that gives up stops and reaps its op).
+                Some(p) => unsafe {
+                    inner
+                        .agent
+                        .post_send(p, desc.token.0, data.as_ptr(), data.len())
+                },
+            };
+            match posted {
+                Ok(op) => {
+                    let flag = Arc::new(AtomicBool::new(false));
+                    core.sends.insert((key, to, *segment), flag.clone());
+                    ops.push((*segment, op, flag));
+                }
+                Err(e) => {
+                    let _ = core
+                        .ep
+                        .handle_send_done(Instant::now(), key, to, *segment, false);
+                    if e.kind != ErrorKind::PeerLost && first_err.is_none() {
+                        first_err = Some(e);
+                    }
+                }
+            }
+        }
+        inner.flush(&mut core);
+        drop(core);
+        let mut results = Vec::with_capacity(ops.len());
+        for (segment, mut op, flag) in ops {
+            let stop = || flag.load(Ordering::Acquire) || cancel.is_some_and(|c| c());
+            results.push((segment, op.wait(until, Some(&stop))));
+        }
+        let mut core = inner.core.lock();
+        let now = Instant::now();
+        let mut outcome = if segments.len() > results.len() {
+            Ok(Outcome::PeerLost)
+        } else {
+            Ok(Outcome::Completed)
+        };
+        for (segment, r) in results {
+            core.sends.remove(&(key, to, segment));
+            // This rank's reason goes first: the core takes a failed send with no reason given
+            // as a lost peer.
+            if let Ok(o @ (Outcome::TimedOut | Outcome::Cancelled)) = r {
+                let why = if cancel.is_some_and(|c| c()) {
+                    Outcome::Cancelled
+                } else {
+                    o
+                };
+                let _ = core.ep.give_up(now, key, why);
+            }
+            let ok = matches!(r, Ok(Outcome::Completed));
+            let _ = core.ep.handle_send_done(now, key, to, segment, ok);
+            if matches!(outcome, Ok(Outcome::Completed)) && !ok {
+                outcome = r;
+            }
+        }
+        inner.flush(&mut core);
+        match first_err {
+            Some(e) => Err(e),
+            None => outcome,
+        }
+    }
+
+    /// [`Engine::send`] for data in CUDA device memory: staged through a pinned host buffer
+    /// (device -> host copy, then the tagged send), since the system UCX cannot read device
+    /// memory. `ErrorKind::Cuda` where no driver or no such device exists.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send_device(
+        &self,
+        key: RequestKey,
+        to: RankId,
+        segment: u32,
+        device: i32,
+        device_addr: u64,
+        len: usize,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Result<Outcome> {
+        let mut staging = Staging::new(device, len)?;
+        staging.from_device(device_addr, len)?;
+        self.send(key, to, segment, staging.host_slice(len)?, deadline, cancel)
+    }
+
+    /// Waits for the agreed end of `key` on this rank as `role`, and takes it (a second wait
+    /// for the same key and role is `UnknownRequest`). At `deadline` (or on `cancel()`) this
+    /// rank gives up on the request (`TimedOut` / `Cancelled`, agreed with the other ranks
+    /// within the agreement bound), so the call returns by the deadline plus that bound plus
+    /// a few milliseconds, with buffers that nothing can write any more.
+    pub fn wait(
+        &self,
+        key: RequestKey,
+        role: Role,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Result<Outcome> {
+        let take = |core: &mut Core| {
+            let o = core.terminals.remove(&(key, role)).map(|(o, _)| o);
+            if o.is_some() && role == Role::Receiver {
+                core.readies.remove(&key);
+            }
+            o
+        };
+        {
+            let mut core = self.inner.core.lock();
+            if let Some(o) = take(&mut core) {
+                return Ok(o);
+            }
+            let known = core.ep.running(key, role)
+                || (role == Role::Receiver && core.deferred.contains_key(&key));
+            if !known {
+                return Err(key_err(
+                    ErrorKind::UnknownRequest,
+                    key,
+                    "not running here in that role (never started, or already waited for)",
+                ));
+            }
+        }
+        if let Some(o) = self.block(WaitKey::Terminal(key, role), deadline, cancel, take) {
+            return Ok(o);
+        }
+        let why = if cancel.is_some_and(|c| c()) {
+            Outcome::Cancelled
+        } else {
+            Outcome::TimedOut
+        };
+        self.give_up(key, why);
+        let settle = Instant::now() + self.inner.agreement_bound + SETTLE_SLACK;
+        if let Some(o) = self.block(WaitKey::Terminal(key, role), settle, None, take) {
+            return Ok(o);
+        }
+        tracing::error!(%key, "wait returns before the request settled");
+        self.inner.core.lock().counters.unsettled_returns += 1;
+        Ok(why)
+    }
+
+    /// Cancels `key` on this rank; the cancel is agreed with every rank of the request.
+    pub fn cancel(&self, key: RequestKey) -> Result<()> {
+        let mut core = self.inner.core.lock();
+        let r = core.ep.cancel(Instant::now(), key);
+        self.inner.flush(&mut core);
+        r.map_err(|e| Error::new(ErrorKind::UnknownRequest, e.message))
+    }
+
+    fn give_up(&self, key: RequestKey, why: Outcome) {
+        let mut core = self.inner.core.lock();
+        let _ = core.ep.give_up(Instant::now(), key, why);
+        self.inner.flush(&mut core);
+    }
+
+    /// Sends an ordered notification to `to`.
+    pub fn notify(&self, to: RankId, key: RequestKey, payload: Vec<u8>) -> Result<()> {
+        let mut core = self.inner.core.lock();
+        if core.peers.endpoint(to).is_none() {
+            return Err(Error::new(
+                ErrorKind::UnknownPeer,
+                format!("{to} is not connected"),
+            ));
+        }
+        core.ep.send_notify(key, to, payload)?;
+        self.inner.flush(&mut core);
+        Ok(())
+    }
+
+    /// The next notification from `from`, in the order sent; `None` at the deadline or cancel.
+    pub fn wait_for_notification(
+        &self,
+        from: RankId,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Option<(RequestKey, Vec<u8>)> {
+        self.block(WaitKey::Note(from), deadline, cancel, |core| {
+            core.notes.get_mut(&from).and_then(|q| q.pop_front())
+        })
+    }
+
+    /// The progress snapshot.
+    pub fn health(&self) -> Health {
+        let s = self.inner.agent.stats();
+        let core = self.inner.core.lock();
+        let ps = core.ep.stats();
+        let c = core.counters;
+        Health {
+            peers: core.peers.connected() as u64,
+            peers_failed: core.peers.failures,
+            peers_reconnecting: core.peers.count(PeerState::Reconnecting) as u64,
+            reconnects: core.peers.reconnects,
+            requests_known: core.ep.known() as u64,
+            completed: ps.completed,
+            failed: ps.failed,
+            stale_dropped: ps.stale_dropped + c.replays_dropped,
+            bad_frames: ps.bad_frames + c.bad_frames,
+            adverts_refused: c.adverts_refused,
+            notes_dropped: c.notes_dropped,
+            buffers_leased: core.pool.leased() as u64,
+            buffers_fenced: core.pool.fenced() as u64,
+            ops_in_flight: s.in_flight,
+            oldest_op_ms: s.oldest_in_flight.map_or(0, |d| d.as_millis() as u64),
+            since_last_completion_ms: s
+                .since_last_completion
+                .map_or(u64::MAX, |d| d.as_millis() as u64),
+            bytes_completed: s.bytes_completed,
+            unreaped_ops: s.unreaped,
+            unsettled_returns: c.unsettled_returns,
+        }
+    }
+
+    /// Blocks until `f` yields, `deadline` passes, `cancel()` says so (checked every 5 ms when
+    /// given) or the engine stops; woken only for `key`.
+    fn block<T>(
+        &self,
+        key: WaitKey,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+        mut f: impl FnMut(&mut Core) -> Option<T>,
+    ) -> Option<T> {
+        let mut core = self.inner.core.lock();
+        loop {
+            if let Some(v) = f(&mut core) {
+                return Some(v);
+            }
+            if self.inner.stopping.load(Ordering::Acquire) {
+                return None;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            if let Some(c) = cancel {
+                // The cancel check may take other locks: never call it under ours.
+                if MutexGuard::unlocked(&mut core, c) {
+                    return None;
+                }
+            }
+            let until = match cancel {
+                Some(_) => deadline.min(now + CANCEL_POLL),
+                None => deadline,
+            };
+            sleep(&mut core, key, until);
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.inner.stopping.store(true, Ordering::Release);
+        self.inner.core.lock().waiters.wake_all();
+        if let Some(d) = self.driver.take() {
+            let _ = d.join();
+        }
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Hex digits to bytes; any other character (non-ASCII included) is an `InvalidArgument`.
+fn unhex(s: &str) -> Result<Vec<u8>> {
+    let bad = || Error::invalid("a worker address is an even number of hex digits after 'ucx:'");
+    let digits = s.as_bytes();
+    if digits.is_empty() || digits.len() % 2 != 0 {
+        return Err(bad());
+    }
+    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8).ok_or_else(bad);
+    digits
+        .chunks(2)
+        .map(|p| Ok(nibble(p[0])? << 4 | nibble(p[1])?))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unhex_refuses_odd_non_hex_and_non_ascii_without_panicking() {
+        assert_eq!(unhex("00ff7a").unwrap(), vec![0, 255, 0x7a]);
+        assert_eq!(unhex(&hex(&[1, 2, 254])).unwrap(), vec![1, 2, 254]);
+        for bad in ["", "0", "0g", "é1", "1é", "ééé"] {
+            assert_eq!(
+                unhex(bad).unwrap_err().kind,
+                ErrorKind::InvalidArgument,
+                "{bad}"
+            );
+        }
+    }
+}
