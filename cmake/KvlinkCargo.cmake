@@ -11,8 +11,20 @@
 #                            repository's `target/` to share artifacts with plain `cargo test`
 #                            (scripts/test-all.sh does, so CI compiles the crate once).
 #   KVLINK_CARGO_FLAGS       extra arguments for `cargo build` (e.g. --features x)
+#   KVLINK_DEBUG_INFO        keep debug info in Release / MinSizeRel builds (default OFF)
 # Profile: Release, RelWithDebInfo, MinSizeRel -> cargo `release`; Debug or no build type -> `dev`.
 # Works with multi-config generators too (the choice is a generator expression).
+#
+# Debug info: Release and MinSizeRel build the release profile without it (unless
+# KVLINK_DEBUG_INFO is ON) and the install strips what the Rust standard library brings along
+# (KvlinkInstall.cmake); RelWithDebInfo builds it with limited debug info (debug = 1), and Debug is
+# cargo's dev profile as it is. KVLINK_DEBUG_INFO is passed to cargo as CARGO_PROFILE_RELEASE_DEBUG,
+# so CMake decides, whatever Cargo.toml's [profile.release] says. A cargo target dir shared by
+# builds that differ in this setting recompiles the crates each time it changes.
+#
+# The cargo target is part of ALL: `cmake --build` followed by `cmake --install` must work even
+# when nothing else (tests, demo, wrapper) links the library. A parent project that wants it built
+# only on demand uses add_subdirectory(kvlink EXCLUDE_FROM_ALL).
 
 find_program(KVLINK_CARGO cargo
   HINTS "$ENV{CARGO_HOME}/bin" "$ENV{HOME}/.cargo/bin"
@@ -25,10 +37,14 @@ endif()
 set(KVLINK_CARGO_TARGET_DIR "${CMAKE_CURRENT_BINARY_DIR}/cargo" CACHE PATH
     "cargo --target-dir for the kvlink build")
 set(KVLINK_CARGO_FLAGS "" CACHE STRING "Extra arguments for cargo build (a ;-list)")
+option(KVLINK_DEBUG_INFO "Keep debug info in the kvlink library of Release/MinSizeRel builds and installs" OFF)
 
 set(_kvlink_is_release "$<CONFIG:Release,RelWithDebInfo,MinSizeRel>")
 set(_kvlink_profile "$<IF:${_kvlink_is_release},release,dev>")
 set(_kvlink_profile_dir "$<IF:${_kvlink_is_release},release,debug>")
+# 1 when the library keeps debug info: asked for, or a build type that means it (Debug,
+# RelWithDebInfo, none). Used here for the release profile and by the install's strip step.
+set(KVLINK_KEEP_DEBUG_INFO "$<OR:$<BOOL:${KVLINK_DEBUG_INFO}>,$<NOT:$<CONFIG:Release,MinSizeRel>>>")
 set(KVLINK_STATIC_LIBRARY
     "${KVLINK_CARGO_TARGET_DIR}/${_kvlink_profile_dir}/${CMAKE_STATIC_LIBRARY_PREFIX}kvlink${CMAKE_STATIC_LIBRARY_SUFFIX}")
 
@@ -45,8 +61,9 @@ endif()
 # --locked: Cargo.lock is committed and must not change during a build. Nothing here runs at
 # configure time; cargo reads crates from its local registry cache and only reaches the network
 # when a locked crate has never been downloaded on this machine.
-add_custom_target(kvlink_cargo
-  COMMAND "${KVLINK_CARGO}" build --locked --lib
+add_custom_target(kvlink_cargo ALL
+  COMMAND "${CMAKE_COMMAND}" -E env "CARGO_PROFILE_RELEASE_DEBUG=$<IF:${KVLINK_KEEP_DEBUG_INFO},1,0>"
+          "${KVLINK_CARGO}" build --locked --lib
           --profile "${_kvlink_profile}"
           --manifest-path "${PROJECT_SOURCE_DIR}/Cargo.toml"
           --target-dir "${KVLINK_CARGO_TARGET_DIR}"
@@ -61,6 +78,8 @@ add_custom_target(kvlink_cargo
 # System libraries the Rust static library needs at final link. UCX via pkg-config (ucp uct ucs
 # ucm); pthread, dl, m and rt are what Rust's std and UCX use.
 find_package(PkgConfig REQUIRED)
+# Sets KVLINK_UCX_VERSION, the UCX this build compiles against (build.rs's bindgen asks the same
+# pkg-config); the installed kvlinkConfig.cmake reports it.
 pkg_check_modules(KVLINK_UCX REQUIRED IMPORTED_TARGET ucx>=1.12)
 set(THREADS_PREFER_PTHREAD_FLAG ON)
 find_package(Threads REQUIRED)
