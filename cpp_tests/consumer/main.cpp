@@ -25,6 +25,7 @@ int main() {
       return 4;
     }
   }
-  std::cout << "kvlink consumer ok (kvlink " << version << ")\n";
+  std::cout << "kvlink consumer ok (kvlink " << version << ", built against UCX " << KVLINK_PACKAGE_UCX_VERSION
+            << ")\n";
   return 0;
 }

@@ -2,10 +2,13 @@
 #   1. cmake --install the current kvlink build into a fresh temporary prefix;
 #   2. configure the consumer project against that prefix only (find_package(kvlink CONFIG));
 #   3. build it and run its executable.
+# MODE=prefix: 2-3 against an existing install, PREFIX (scripts/package-check.sh).
 # MODE=subdirectory: the consumer does add_subdirectory(KVLINK_SOURCE_DIR) instead of 1-2,
 # sharing CARGO_TARGET_DIR with the current build so cargo has nothing to recompile.
-# Inputs: MODE KVLINK_BINARY_DIR KVLINK_SOURCE_DIR CARGO_TARGET_DIR CONFIG CONSUMER_SOURCE_DIR
-#         WORK_DIR GENERATOR MAKE_PROGRAM CXX_COMPILER EXPECTED_VERSION
+# Inputs: MODE KVLINK_BINARY_DIR PREFIX KVLINK_SOURCE_DIR CARGO_TARGET_DIR CONFIG
+#         CONSUMER_SOURCE_DIR WORK_DIR GENERATOR MAKE_PROGRAM CXX_COMPILER EXPECTED_VERSION
+#         EXPECTED_UCX_VERSION
+cmake_minimum_required(VERSION 3.20)  # policies of this century (CMP0054: "prefix" is a string)
 if(NOT MODE)
   set(MODE install)
 endif()
@@ -22,7 +25,14 @@ function(run_step name)
   endif()
 endfunction()
 
-set(prefix "${WORK_DIR}/prefix")
+if(MODE STREQUAL "prefix")
+  if(NOT PREFIX OR NOT EXISTS "${PREFIX}")
+    message(FATAL_ERROR "run_consumer.cmake: MODE=prefix needs -DPREFIX=<an install prefix>")
+  endif()
+  set(prefix "${PREFIX}")
+else()
+  set(prefix "${WORK_DIR}/prefix")
+endif()
 set(build "${WORK_DIR}/build")
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
@@ -32,9 +42,12 @@ if(CONFIG)
   set(config_args --config "${CONFIG}")
 endif()
 set(configure_args -S "${CONSUMER_SOURCE_DIR}" -B "${build}" -G "${GENERATOR}"
-    "-DKVLINK_EXPECTED_VERSION=${EXPECTED_VERSION}")
-if(MODE STREQUAL "install")
-  run_step(install "${CMAKE_COMMAND}" --install "${KVLINK_BINARY_DIR}" --prefix "${prefix}" ${config_args})
+    "-DKVLINK_EXPECTED_VERSION=${EXPECTED_VERSION}"
+    "-DKVLINK_EXPECTED_UCX_VERSION=${EXPECTED_UCX_VERSION}")
+if(MODE STREQUAL "install" OR MODE STREQUAL "prefix")
+  if(MODE STREQUAL "install")
+    run_step(install "${CMAKE_COMMAND}" --install "${KVLINK_BINARY_DIR}" --prefix "${prefix}" ${config_args})
+  endif()
   list(APPEND configure_args "-DCMAKE_PREFIX_PATH=${prefix}"
        -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF)
 elseif(MODE STREQUAL "subdirectory")
