@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Checks kvlink as a CMake package the way the README documents it, and prints a summary:
+#   1. the README's Release line (configure + build with every default), then ctest on it;
+#   2. configure + build + `cmake --install` with tests, demo and wrapper all OFF, into a fresh
+#      prefix: the build must still produce the library, and the installed .a must carry no
+#      debug info (KVLINK_DEBUG_INFO is OFF by default);
+#   3. the consumer project (cpp_tests/consumer) against that prefix alone: find_package(kvlink)
+#      must report the version and the UCX it was built against, and the program must run.
+# Both builds use the release profile and one cargo target dir, so Rust compiles at most once
+# (not at all when `cargo build --release` or scripts/bench.sh already ran on the same tree).
+# Steps whose prerequisite failed are reported as skipped; the exit status is non-zero if any
+# step failed.
+#
+# Environment: CARGO_TARGET_DIR (default <repo>/target), KVLINK_PKG_DIR (default
+# <repo>/build-pkg: release/, off/, prefix/, consumer/ under it), KVLINK_PKG_FRESH=1 to start
+# the Release build dir from scratch too (the all-OFF build and the prefix always are),
+# KVLINK_SKIP_DEPS=1 to skip the package check.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
+work="${KVLINK_PKG_DIR:-$root/build-pkg}"
+jobs="$(nproc 2>/dev/null || echo 2)"
+
+bash "$root/scripts/install-deps.sh"
+export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
+
+build_rel="$work/release"
+build_off="$work/off"
+prefix="$work/prefix"
+version="$(sed -n 's/^version *= *"\([0-9.]*\)".*/\1/p' Cargo.toml | head -n1)"
+ucx_version="$(pkg-config --modversion ucx)"
+
+rm -rf "$build_off" "$prefix" "$work/consumer"
+if [[ "${KVLINK_PKG_FRESH:-0}" == "1" ]]; then rm -rf "$build_rel"; fi
+mkdir -p "$work"
+
+names=() results=() times=()
+failed=0
+declare -A ok=()
+
+# step NAME [requires=PREV_NAME] -- COMMAND...
+step() {
+    local name="$1"; shift
+    local requires=""
+    if [[ "$1" == requires=* ]]; then requires="${1#requires=}"; shift; fi
+    [[ "$1" == "--" ]] && shift
+    names+=("$name")
+    if [[ -n "$requires" && "${ok[$requires]:-0}" != 1 ]]; then
+        results+=("SKIP (needs $requires)"); times+=("-"); failed=1
+        return 0
+    fi
+    echo
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    if "$@"; then
+        results+=("ok"); ok[$name]=1
+    else
+        results+=("FAIL"); failed=1
+    fi
+    times+=("$((SECONDS - t0))s")
+}
+
+# The installed library: present, and without .debug_* sections unless asked for.
+check_installed_lib() {
+    local lib
+    lib="$(find "$prefix" -name libkvlink.a | head -n1)"
+    if [[ -z "$lib" ]]; then
+        echo "no libkvlink.a under $prefix"; return 1
+    fi
+    local debug_sections
+    debug_sections="$(readelf -S -W "$lib" | grep -c ' \.debug_' || true)"
+    echo "$lib: $(stat -c %s "$lib") bytes, $debug_sections debug sections"
+    [[ "$debug_sections" == 0 ]]
+}
+
+# 1. The README's line, word for word but for the cargo target dir (shared, so Rust builds once).
+step release-build -- bash -c "cmake -S '$root' -B '$build_rel' -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DKVLINK_CARGO_TARGET_DIR='$CARGO_TARGET_DIR' && cmake --build '$build_rel' -j $jobs"
+step release-ctest requires=release-build -- \
+    ctest --test-dir "$build_rel" --output-on-failure -j "$jobs"
+
+# 2. Every option OFF but the install rules: build must still run cargo, install must find the .a.
+step off-configure -- cmake -S "$root" -B "$build_off" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DKVLINK_BUILD_TESTS=OFF -DKVLINK_BUILD_EXAMPLES=OFF -DKVLINK_BUILD_TRTLLM_WRAPPER=OFF \
+    -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR"
+step off-build requires=off-configure -- cmake --build "$build_off" -j "$jobs"
+step off-install requires=off-build -- cmake --install "$build_off" --prefix "$prefix"
+step installed-lib requires=off-install -- check_installed_lib
+
+# 3. A consumer that sees only the prefix.
+step consumer requires=off-install -- cmake -DMODE=prefix -DPREFIX="$prefix" \
+    -DCONSUMER_SOURCE_DIR="$root/cpp_tests/consumer" -DWORK_DIR="$work/consumer" \
+    -DGENERATOR=Ninja -DCONFIG=Release -DEXPECTED_VERSION="$version" \
+    -DEXPECTED_UCX_VERSION="$ucx_version" -P "$root/cpp_tests/consumer/run_consumer.cmake"
+
+echo
+echo "=== package-check summary (kvlink $version, UCX $ucx_version)"
+for i in "${!names[@]}"; do
+    printf '  %-16s %-24s %s\n' "${names[$i]}" "${results[$i]}" "${times[$i]}"
+done
+if [[ $failed -ne 0 ]]; then
+    echo "package-check: FAILED"
+    exit 1
+fi
+echo "package-check: all checks passed"
