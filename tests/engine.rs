@@ -413,3 +413,296 @@ fn two_context_ranks_fill_one_request() {
     assert_eq!(e.kind, kvlink::ErrorKind::InvalidArgument);
     b[0] = 1;
 }
+
+fn one_spec(buf: &mut [u8], segment: u32) -> BufferSpec {
+    BufferSpec {
+        kind: BufferKind::Kv,
+        segment,
+        addr: buf.as_mut_ptr() as u64,
+        len: buf.len() as u64,
+        device_id: -1,
+    }
+}
+
+/// Misuse gets its typed error at once and fails nothing else: the same request then
+/// completes.
+#[test]
+fn misuse_is_refused_at_once_with_a_typed_error_and_fails_nothing() {
+    use kvlink::ErrorKind;
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind, Duration::from_secs(10), None);
+        let dl = Instant::now() + Duration::from_secs(10);
+        let key = RequestKey::new(77, 0);
+        let data = fill(7, 4096);
+        let to = RankId(GEN);
+        let quick = |what: &str, t0: Instant| {
+            assert!(
+                t0.elapsed() < Duration::from_millis(50),
+                "{what} took {:?}",
+                t0.elapsed()
+            );
+        };
+        // A send on a key nobody advertised.
+        let t0 = Instant::now();
+        let e = ctx.send(key, to, 0, &data, dl, None).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::UnknownRequest, "{e}");
+        quick("send on an unknown key", t0);
+        // Waits on unknown keys, both roles.
+        for role in [Role::Receiver, Role::Sender { receiver: to }] {
+            let t0 = Instant::now();
+            let e = gen.wait(key, role, dl, None).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::UnknownRequest, "{e}");
+            quick("wait on an unknown key", t0);
+        }
+        assert_eq!(
+            ctx.accept(key, to, true).unwrap_err().kind,
+            ErrorKind::UnknownRequest
+        );
+        assert_eq!(gen.cancel(key).unwrap_err().kind, ErrorKind::UnknownRequest);
+        let t0 = Instant::now();
+        assert_eq!(gen.recv_ready(key, dl, None), None);
+        quick("recv_ready on an unknown key", t0);
+
+        let mut buf = vec![0u8; 4096];
+        advertise_one(&gen, key, &mut buf);
+        let adv = ctx.next_advertisement(dl, None).unwrap();
+        // Before accept.
+        let e = ctx.send(key, to, 0, &data, dl, None).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        ctx.accept(key, adv.from, true).unwrap();
+        // A segment never advertised, a wrong size, a segment twice in one call.
+        let t0 = Instant::now();
+        let e = ctx.send(key, to, 9, &data, dl, None).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        let e = ctx.send(key, to, 0, &data[..100], dl, None).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        let twice: [(u32, &[u8]); 2] = [(0, &data), (0, &data)];
+        let e = ctx.send_segments(key, to, &twice, dl, None).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        quick("the refused sends", t0);
+        // None of that failed the request: the real send completes it.
+        assert_eq!(
+            ctx.send(key, to, 0, &data, dl, None).unwrap(),
+            Outcome::Completed
+        );
+        // The same segment again.
+        let e = ctx.send(key, to, 0, &data, dl, None).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        assert_eq!(
+            gen.wait(key, Role::Receiver, dl, None).unwrap(),
+            Outcome::Completed
+        );
+        assert_eq!(
+            ctx.wait(key, Role::Sender { receiver: to }, dl, None)
+                .unwrap(),
+            Outcome::Completed
+        );
+        assert_eq!(buf, data);
+        // A second wait on a key already waited for.
+        let e = gen.wait(key, Role::Receiver, dl, None).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::UnknownRequest, "{e}");
+        // Re-advertising a key that has run: a retry needs the next generation.
+        let mut again = vec![0u8; 64];
+        let e = unsafe {
+            gen.advertise(
+                key,
+                vec![RankId(GEN)],
+                vec![(RankId(CTX), vec![one_spec(&mut again, 0)])],
+                vec![],
+            )
+        }
+        .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        // Bad buffers and an unknown sender: typed, and nothing stays leased.
+        let e = unsafe {
+            gen.advertise(
+                RequestKey::new(78, 0),
+                vec![RankId(GEN)],
+                vec![(
+                    RankId(CTX),
+                    vec![BufferSpec {
+                        len: 0,
+                        ..one_spec(&mut again, 0)
+                    }],
+                )],
+                vec![],
+            )
+        }
+        .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::OutOfBounds, "{e}");
+        let e = unsafe {
+            gen.advertise(
+                RequestKey::new(79, 0),
+                vec![RankId(GEN)],
+                vec![(RankId(42), vec![one_spec(&mut again, 0)])],
+                vec![],
+            )
+        }
+        .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::UnknownPeer, "{e}");
+        assert_eq!(gen.health().buffers_leased, 0);
+    }
+}
+
+/// Waits with a deadline in the past, far in the future, or on a request whose sender never
+/// answers: each returns by its deadline plus the agreement bound plus a few milliseconds.
+#[test]
+fn every_wait_returns_by_its_deadline_whatever_the_deadline() {
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(2), None);
+    let past = Instant::now() - Duration::from_secs(1);
+    let bound = Duration::from_millis(500) + Duration::from_millis(100);
+    // A deadline in the past: the request is given up at once, the buffer handed back safe.
+    let key = RequestKey::new(1, 0);
+    let mut buf = vec![0u8; 4096];
+    advertise_one(&gen, key, &mut buf);
+    let t0 = Instant::now();
+    assert_eq!(
+        gen.wait(key, Role::Receiver, past, None).unwrap(),
+        Outcome::TimedOut
+    );
+    println!("past deadline: wait returned in {:?}", t0.elapsed());
+    assert!(t0.elapsed() < bound);
+    assert_eq!(gen.health().buffers_leased, 0);
+    // The context side saw the advertisement; its waits end at once with the agreed verdict.
+    let adv = ctx
+        .next_advertisement(Instant::now() + Duration::from_secs(2), None)
+        .unwrap();
+    assert_eq!(adv.key, key);
+    let t0 = Instant::now();
+    let o = ctx
+        .wait(
+            key,
+            Role::Sender {
+                receiver: RankId(GEN),
+            },
+            past,
+            None,
+        )
+        .unwrap();
+    println!("sender, past deadline: {o:?} in {:?}", t0.elapsed());
+    assert_ne!(o, Outcome::Completed);
+    assert!(t0.elapsed() < bound);
+    // next_advertisement / wait_for_notification / recv_ready with a past deadline: at once.
+    let t0 = Instant::now();
+    assert!(ctx.next_advertisement(past, None).is_none());
+    assert!(gen.wait_for_notification(RankId(CTX), past, None).is_none());
+    assert!(t0.elapsed() < Duration::from_millis(20));
+    // A deadline far in the future (the C++ API maps time_point::max() to a year): the
+    // request's own deadline (2 s) still ends the wait, and the sender's too.
+    let key = RequestKey::new(2, 0);
+    advertise_one(&gen, key, &mut buf);
+    let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
+    let t0 = Instant::now();
+    let o = gen.wait(key, Role::Receiver, far, None).unwrap();
+    println!(
+        "far deadline, silent sender: {o:?} after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(o, Outcome::TimedOut);
+    assert!(t0.elapsed() < Duration::from_secs(2) + bound);
+    let adv = ctx.next_advertisement(far, None).unwrap();
+    let t0 = Instant::now();
+    let o = ctx
+        .wait(
+            adv.key,
+            Role::Sender {
+                receiver: RankId(GEN),
+            },
+            far,
+            None,
+        )
+        .unwrap();
+    println!(
+        "far deadline, sender of a timed-out request: {o:?} after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(o, Outcome::TimedOut);
+    assert!(t0.elapsed() < bound);
+    // A request with its own deadline, shorter than the engine's: the sender learns it.
+    let key = RequestKey::new(3, 0);
+    let mut b3 = vec![0u8; 4096];
+    unsafe {
+        gen.advertise_with(
+            key,
+            vec![RankId(GEN)],
+            vec![(RankId(CTX), vec![one_spec(&mut b3, 0)])],
+            vec![],
+            Some(Duration::from_millis(300)),
+        )
+    }
+    .unwrap();
+    let adv = ctx.next_advertisement(far, None).unwrap();
+    let left = adv.deadline.saturating_duration_since(Instant::now());
+    println!("per-request deadline: the sender has {left:?} of 300 ms left");
+    assert!(left <= Duration::from_millis(300) && left > Duration::from_millis(200));
+    let t0 = Instant::now();
+    assert_eq!(
+        gen.wait(key, Role::Receiver, far, None).unwrap(),
+        Outcome::TimedOut
+    );
+    assert!(t0.elapsed() < Duration::from_millis(300) + bound);
+    // And the pair still works.
+    let (g, c, intact) = run(&ctx, &gen, RequestKey::new(4, 0), &[4096, 1 << 20]);
+    assert_eq!(
+        (g, c, intact),
+        (Outcome::Completed, Outcome::Completed, true)
+    );
+}
+
+/// 4096 requests of 4 KiB in flight at once, twice in a row on the same engines, every byte
+/// checked.
+#[test]
+fn four_thousand_requests_in_flight_complete_twice() {
+    const N: u64 = 4096;
+    const LEN: usize = 4096;
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind, Duration::from_secs(60), None);
+        for round in 0..2u64 {
+            let t0 = Instant::now();
+            let dl = Instant::now() + Duration::from_secs(60);
+            let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
+            for (i, b) in bufs.iter_mut().enumerate() {
+                let key = RequestKey::new(round * N + i as u64, 0);
+                advertise_one(&gen, key, b);
+            }
+            let advertised = t0.elapsed();
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    for _ in 0..N {
+                        let adv = ctx.next_advertisement(dl, None).expect("advertisement");
+                        ctx.accept(adv.key, adv.from, true).unwrap();
+                        let data = fill(adv.key.request.0 as u8, LEN);
+                        assert_eq!(
+                            ctx.send(adv.key, adv.from, 0, &data, dl, None).unwrap(),
+                            Outcome::Completed
+                        );
+                        assert_eq!(
+                            ctx.wait(adv.key, Role::Sender { receiver: adv.from }, dl, None)
+                                .unwrap(),
+                            Outcome::Completed
+                        );
+                    }
+                });
+                for i in 0..N {
+                    let key = RequestKey::new(round * N + i, 0);
+                    assert_eq!(
+                        gen.wait(key, Role::Receiver, dl, None).unwrap(),
+                        Outcome::Completed
+                    );
+                }
+            });
+            for (i, b) in bufs.iter().enumerate() {
+                assert_eq!(*b, fill((round * N + i as u64) as u8, LEN), "request {i}");
+            }
+            let h = gen.health();
+            println!(
+                "{kind:?} round {round}: {N} x 4 KiB in flight, advertised in {advertised:?}, all completed in {:?} ({:.1} us per request); leased={} known={}",
+                t0.elapsed(),
+                t0.elapsed().as_secs_f64() * 1e6 / N as f64,
+                h.buffers_leased,
+                h.requests_known
+            );
+            assert_eq!(h.buffers_leased, 0);
+        }
+    }
+}

@@ -3,103 +3,15 @@
 //! root (CI runs as root); elsewhere it prints why it skips.
 mod common;
 
+use common::net::{setup, skip, Net};
 use common::{Proc, PEER};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
-
-fn sh(args: &[&str]) -> bool {
-    Command::new(args[0])
-        .args(&args[1..])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// Two namespaces `a` and `b` joined by veth, with 10.77.<n>.1 and 10.77.<n>.2.
-struct Net {
-    a: String,
-    b: String,
-    ip_b: String,
-}
-
-impl Net {
-    fn new(tag: &str) -> Option<Net> {
-        let n = std::process::id() % 200 + if tag == "part" { 0 } else { 1 };
-        let (a, b) = (format!("kvl{tag}a{n}"), format!("kvl{tag}b{n}"));
-        let (va, vb) = (format!("kv{tag}{n}a"), format!("kv{tag}{n}b"));
-        let (ip_a, ip_b) = (format!("10.77.{n}.1"), format!("10.77.{n}.2"));
-        let _ = sh(&["ip", "netns", "del", &a]);
-        let _ = sh(&["ip", "netns", "del", &b]);
-        let ok = sh(&["ip", "netns", "add", &a])
-            && sh(&["ip", "netns", "add", &b])
-            && sh(&[
-                "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
-            ])
-            && sh(&["ip", "link", "set", &va, "netns", &a])
-            && sh(&["ip", "link", "set", &vb, "netns", &b])
-            && sh(&[
-                "ip",
-                "-n",
-                &a,
-                "addr",
-                "add",
-                &format!("{ip_a}/24"),
-                "dev",
-                &va,
-            ])
-            && sh(&[
-                "ip",
-                "-n",
-                &b,
-                "addr",
-                "add",
-                &format!("{ip_b}/24"),
-                "dev",
-                &vb,
-            ])
-            && sh(&["ip", "-n", &a, "link", "set", &va, "up"])
-            && sh(&["ip", "-n", &b, "link", "set", &vb, "up"])
-            && sh(&["ip", "-n", &a, "link", "set", "lo", "up"])
-            && sh(&["ip", "-n", &b, "link", "set", "lo", "up"]);
-        let net = Net { a, b, ip_b };
-        ok.then_some(net)
-    }
-    fn iptables_b(&self, rule: &[&str]) -> bool {
-        let mut args = vec!["ip", "netns", "exec", &self.b, "iptables"];
-        args.extend_from_slice(rule);
-        sh(&args)
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        let _ = sh(&["ip", "netns", "del", &self.a]);
-        let _ = sh(&["ip", "netns", "del", &self.b]);
-    }
-}
 
 fn spawn_in(ns: &str, args: &[&str]) -> Proc {
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", ns, PEER]).args(args);
     Proc::spawn(cmd)
-}
-
-fn skip(why: &str) {
-    println!("SKIP: {why}");
-}
-
-fn setup(tag: &str) -> Option<Net> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        skip("network namespaces need root");
-        return None;
-    }
-    let net = Net::new(tag);
-    if net.is_none() {
-        skip("could not create network namespaces and a veth pair (ip netns / veth unavailable)");
-    }
-    net
 }
 
 fn start(net: &Net, sizes: &str, mode: &str, timeout_ms: u64) -> (Proc, Proc) {

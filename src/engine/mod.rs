@@ -673,12 +673,15 @@ impl Engine {
             core.sends.remove(&(key, to, segment));
             // This rank's reason goes first: the core takes a failed send with no reason given
             // as a lost peer.
-            if let Ok(o @ (Outcome::TimedOut | Outcome::Cancelled)) = r {
-                let why = if cancel.is_some_and(|c| c()) {
-                    Outcome::Cancelled
-                } else {
-                    o
-                };
+            let why = match r {
+                _ if cancel.is_some_and(|c| c()) => Some(Outcome::Cancelled),
+                Ok(o @ (Outcome::TimedOut | Outcome::Cancelled)) => Some(o),
+                // A loss learned only after the deadline (a frozen rank resuming) does not
+                // change why the request failed here.
+                Ok(Outcome::PeerLost) if now >= until => Some(Outcome::TimedOut),
+                _ => None,
+            };
+            if let Some(why) = why.filter(|_| !matches!(r, Ok(Outcome::Completed))) {
                 let _ = core.ep.give_up(now, key, why);
             }
             let ok = matches!(r, Ok(Outcome::Completed));

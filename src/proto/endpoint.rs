@@ -659,6 +659,9 @@ impl Endpoint {
         len: u64,
     ) -> Result<std::result::Result<BufferDesc, Outcome>> {
         let Some(f) = self.sends.get(&(key, to)) else {
+            if let Some(&(_, outcome)) = self.tombs.get(&TimerId::Send(key, to)) {
+                return Ok(Err(outcome)); // ended and forgotten: its end is still known
+            }
             return Err(Error::new(
                 ErrorKind::UnknownRequest,
                 format!("{key}: no advertisement from {to} is known here"),

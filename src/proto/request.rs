@@ -1054,13 +1054,19 @@ impl SendFlow {
     }
 
     pub(crate) fn on_peer_lost(&mut self, now: Instant, out: &mut Out) {
-        self.receiver_lost = true;
         if self.verdict.is_none() {
+            // A loss found after the deadline (or after this rank gave up, e.g. the endpoint
+            // it force-closed to stop a send) does not change why the request failed here.
+            if now >= self.deadline {
+                self.fail(now, Outcome::TimedOut, out);
+            }
+            self.receiver_lost = true;
             self.fail(now, Outcome::PeerLost, out);
-            // The only rank that could tell us the verdict is gone.
-            self.verdict = Some(Outcome::PeerLost);
+            // The only rank that could tell us the verdict is gone: this rank's own reason.
+            self.verdict = Some(unagreed(self.local_vote));
             self.abort_pending(out);
         }
+        self.receiver_lost = true;
         self.try_finish(out);
     }
 

@@ -1,25 +1,37 @@
 //! Shared by the multi-process tests: a child `kvlink-peer` whose stdout is read line by line.
 #![allow(dead_code)]
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
+pub mod net;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 pub const PEER: &str = env!("CARGO_BIN_EXE_kvlink-peer");
 
 pub struct Proc {
     pub child: Child,
     out: BufReader<ChildStdout>,
+    input: Option<ChildStdin>,
 }
 
 impl Proc {
-    /// Starts `cmd` with stdout piped (stderr inherited).
+    /// Starts `cmd` with stdin and stdout piped (stderr inherited).
     pub fn spawn(mut cmd: Command) -> Proc {
         let mut child = cmd
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
         let out = BufReader::new(child.stdout.take().unwrap());
-        Proc { child, out }
+        let input = child.stdin.take();
+        Proc { child, out, input }
+    }
+
+    /// Writes one line to the child's stdin.
+    pub fn send(&mut self, line: &str) {
+        let w = self.input.as_mut().expect("stdin");
+        writeln!(w, "{line}").unwrap();
+        w.flush().unwrap();
     }
 
     /// `kvlink-peer ARGS`.

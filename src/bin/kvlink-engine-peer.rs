@@ -1,0 +1,214 @@
+//! One rank of a two-process engine test (tests/engine_faults.rs), driven through stdin/stdout
+//! so that a test can freeze, kill or cut it off between and during requests.
+//!
+//! `kvlink-engine-peer ctx --transport tcp|sm [--listen IP:PORT] [--timeout-ms N]`
+//!   prints `ADDR <address>`, then serves advertisements forever: accepts, prints
+//!   `SENDING <request>`, sends every segment (deterministic bytes), waits for the agreed end,
+//!   and prints
+//!   `CTX <request> send=<outcome> end=<outcome> late_ms=<ms past the request's deadline> leased=<n>`.
+//! `kvlink-engine-peer gen --transport tcp|sm --to ADDR --sizes 4K,64M,.. [--timeout-ms N]`
+//!   connects, prints `CONNECTED`, then for every stdin line `REQ <id>` advertises one request
+//!   with one buffer per size, prints `ADV <id>`, waits for its end and prints
+//!   `GEN <id> end=<outcome> late_ms=<ms> verified=<bool> leased=<n>`; `HEALTH` prints a line.
+use kvlink::engine::{BufferSpec, Engine, EngineConfig};
+use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
+use kvlink::transport::TransportKind;
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
+
+const CTX: u32 = 0;
+const GEN: u32 = 1;
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+fn size(s: &str) -> usize {
+    let (n, mul) = match s.as_bytes().last() {
+        Some(b'K') => (&s[..s.len() - 1], 1 << 10),
+        Some(b'M') => (&s[..s.len() - 1], 1 << 20),
+        _ => (s, 1),
+    };
+    n.parse::<usize>().expect("size") * mul
+}
+
+/// The bytes of (request, segment): deterministic, so the receiver checks every one; a word
+/// at a time, so that a debug build fills 256 MiB quickly.
+fn word(request: u64, segment: u32, i: usize) -> u64 {
+    let mut x = request.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (u64::from(segment) << 40)
+        ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 31;
+    x
+}
+
+fn fill(request: u64, segment: u32, buf: &mut [u8]) {
+    for (i, c) in buf.chunks_mut(8).enumerate() {
+        let w = word(request, segment, i).to_le_bytes();
+        c.copy_from_slice(&w[..c.len()]);
+    }
+}
+
+fn intact(request: u64, segment: u32, buf: &[u8]) -> bool {
+    buf.chunks(8)
+        .enumerate()
+        .all(|(i, c)| c == &word(request, segment, i).to_le_bytes()[..c.len()])
+}
+
+/// Signed milliseconds from `deadline` to now.
+fn late_ms(deadline: Instant) -> f64 {
+    let now = Instant::now();
+    if now >= deadline {
+        (now - deadline).as_secs_f64() * 1e3
+    } else {
+        -(deadline - now).as_secs_f64() * 1e3
+    }
+}
+
+fn say(line: String) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let transport = TransportKind::parse(&arg(&args, "--transport").unwrap_or("tcp".into()))
+        .unwrap_or_else(|e| {
+            eprintln!("{e}");
+            std::process::exit(2)
+        });
+    let timeout = Duration::from_millis(
+        arg(&args, "--timeout-ms").map_or(2000, |s| s.parse().expect("--timeout-ms")),
+    );
+    match args.get(1).map(String::as_str) {
+        Some("ctx") => ctx(transport, timeout, &args),
+        Some("gen") => gen(transport, timeout, &args),
+        _ => {
+            eprintln!("usage: kvlink-engine-peer ctx|gen --transport tcp|sm ...");
+            std::process::exit(2)
+        }
+    }
+}
+
+fn ctx(transport: TransportKind, timeout: Duration, args: &[String]) {
+    let mut cfg = EngineConfig::new("ctx", CTX, transport);
+    cfg.timeout = timeout;
+    if let Some(l) = arg(args, "--listen") {
+        cfg.listen = Some(l.parse().expect("--listen ip:port"));
+    } else if transport == TransportKind::Tcp {
+        cfg.listen = Some("127.0.0.1:0".parse().unwrap());
+    }
+    let engine = Engine::new(cfg).expect("engine");
+    say(format!("ADDR {}", engine.address()));
+    loop {
+        let Some(adv) = engine.next_advertisement(Instant::now() + Duration::from_secs(3600), None)
+        else {
+            continue;
+        };
+        let key = adv.key;
+        if let Err(e) = engine.accept(key, adv.from, true) {
+            say(format!("CTX {} accept-error {e}", key.request.0));
+            continue;
+        }
+        let data: Vec<(u32, Vec<u8>)> = adv
+            .buffers
+            .iter()
+            .map(|d| {
+                let mut v = vec![0u8; d.len as usize];
+                fill(key.request.0, d.segment, &mut v);
+                (d.segment, v)
+            })
+            .collect();
+        let segs: Vec<(u32, &[u8])> = data.iter().map(|(s, d)| (*s, d.as_slice())).collect();
+        say(format!("SENDING {}", key.request.0));
+        let sent = engine
+            .send_segments(key, adv.from, &segs, adv.deadline, None)
+            .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
+        let end = engine
+            .wait(key, Role::Sender { receiver: adv.from }, adv.deadline, None)
+            .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
+        let late = late_ms(adv.deadline);
+        say(format!(
+            "CTX {} send={sent} end={end} late_ms={late:.1} leased={}",
+            key.request.0,
+            engine.health().buffers_leased
+        ));
+    }
+}
+
+fn gen(transport: TransportKind, timeout: Duration, args: &[String]) {
+    let mut cfg = EngineConfig::new("gen", GEN, transport);
+    cfg.timeout = timeout;
+    let engine = Engine::new(cfg).expect("engine");
+    let to = arg(args, "--to").expect("--to ADDR");
+    let sizes: Vec<usize> = arg(args, "--sizes")
+        .unwrap_or("4K".into())
+        .split(',')
+        .map(size)
+        .collect();
+    let peer = engine
+        .connect(&to, Instant::now() + Duration::from_secs(20))
+        .expect("connect");
+    say("CONNECTED".into());
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap_or_default();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["REQ", id] => {
+                let id: u64 = id.parse().expect("request id");
+                let key = RequestKey::new(id, 0);
+                let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+                let specs: Vec<BufferSpec> = bufs
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, b)| BufferSpec {
+                        kind: BufferKind::Kv,
+                        segment: i as u32,
+                        addr: b.as_mut_ptr() as u64,
+                        len: b.len() as u64,
+                        device_id: -1,
+                    })
+                    .collect();
+                let deadline = Instant::now() + timeout;
+                // SAFETY: `bufs` outlives the request: we wait for its end below.
+                let adv = unsafe {
+                    engine.advertise(key, vec![RankId(GEN)], vec![(peer, specs)], vec![])
+                };
+                if let Err(e) = adv {
+                    say(format!("GEN {id} advertise-error {:?} {e}", e.kind));
+                    continue;
+                }
+                say(format!("ADV {id}"));
+                let end = engine
+                    .wait(key, Role::Receiver, deadline, None)
+                    .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
+                let late = late_ms(deadline);
+                let leased = engine.health().buffers_leased;
+                let verified = bufs
+                    .iter()
+                    .enumerate()
+                    .all(|(i, b)| intact(id, i as u32, b));
+                say(format!(
+                    "GEN {id} end={end} late_ms={late:.1} verified={verified} leased={leased}"
+                ));
+            }
+            ["HEALTH"] => {
+                let h = engine.health();
+                say(format!(
+                    "HEALTH peer={:?} failed={} reconnects={} leased={} fenced={} unsettled={}",
+                    engine.peer_state(peer),
+                    h.peers_failed,
+                    h.reconnects,
+                    h.buffers_leased,
+                    h.buffers_fenced,
+                    h.unsettled_returns
+                ));
+            }
+            _ => {}
+        }
+    }
+}
