@@ -22,9 +22,12 @@ pub struct EngineHandle {
     engine: Engine,
 }
 
+/// The longest wait this boundary passes on: a year. A C++ `time_point::max()` lands here.
+const MAX_MS: u64 = 365 * 24 * 3600 * 1000;
+
 fn deadline(timeout_ms: u64) -> Instant {
     // Saturate far in the future rather than overflow: "no bound" is never offered.
-    Instant::now() + Duration::from_millis(timeout_ms.min(365 * 24 * 3600 * 1000))
+    Instant::now() + Duration::from_millis(timeout_ms.min(MAX_MS))
 }
 
 /// A cancel check over a C++ `std::atomic<bool>` at `addr` (none when 0).
@@ -107,6 +110,7 @@ impl EngineHandle {
                 &senders,
                 buffers,
                 request_info,
+                0,
             )
         }
     }
@@ -115,6 +119,7 @@ impl EngineHandle {
     ///
     /// # Safety
     /// As for [`EngineHandle::advertise`].
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn advertise_flows(
         &self,
         request: u64,
@@ -123,6 +128,7 @@ impl EngineHandle {
         senders: &[u32],
         buffers: &[BufferInfo],
         request_info: &[u8],
+        timeout_ms: u64,
     ) -> Result<()> {
         guard(|| {
             if senders.len() != buffers.len() {
@@ -152,10 +158,11 @@ impl EngineHandle {
                 receivers.push(self.engine.rank());
             }
             let key = RequestKey::new(request, generation);
+            let timeout = (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms.min(MAX_MS)));
             // SAFETY: the caller's promise above is the engine's.
             unsafe {
                 self.engine
-                    .advertise(key, receivers, flows, request_info.to_vec())
+                    .advertise_with(key, receivers, flows, request_info.to_vec(), timeout)
             }
         })
     }
@@ -181,6 +188,10 @@ impl EngineHandle {
                         request: a.key.request.0,
                         generation: a.key.generation.0,
                         from_rank: a.from.0,
+                        deadline_ms: a
+                            .deadline
+                            .saturating_duration_since(Instant::now())
+                            .as_millis() as u64,
                         request_info: a.request_info,
                         buffers: a
                             .buffers
@@ -387,6 +398,15 @@ impl EngineHandle {
             since_last_completion_ms: h.since_last_completion_ms,
             bytes_completed: h.bytes_completed,
             unreaped_ops: h.unreaped_ops,
+            peers_reconnecting: h.peers_reconnecting,
+            reconnects: h.reconnects,
+            adverts_refused: h.adverts_refused,
+            notes_dropped: h.notes_dropped,
+            unsettled_returns: h.unsettled_returns,
         }
+    }
+
+    pub fn peer_state(&self, rank: u32) -> u8 {
+        self.engine.peer_state(RankId(rank)) as u8
     }
 }

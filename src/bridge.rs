@@ -46,6 +46,8 @@ pub mod ffi {
         request: u64,
         generation: u32,
         from_rank: u32,
+        /// Milliseconds left, when it was taken, until the request's deadline.
+        deadline_ms: u64,
         request_info: Vec<u8>,
         buffers: Vec<BufferInfo>,
     }
@@ -76,6 +78,11 @@ pub mod ffi {
         since_last_completion_ms: u64,
         bytes_completed: u64,
         unreaped_ops: u64,
+        peers_reconnecting: u64,
+        reconnects: u64,
+        adverts_refused: u64,
+        notes_dropped: u64,
+        unsettled_returns: u64,
     }
 
     extern "Rust" {
@@ -107,6 +114,8 @@ pub mod ffi {
             request_info: &[u8],
         ) -> Result<()>;
         /// One request filled by several context ranks: `senders[i]` sends `buffers[i]`.
+        /// `timeout_ms`: the request's own deadline from now (0: the engine's timeout).
+        #[allow(clippy::too_many_arguments)]
         unsafe fn advertise_flows(
             self: &EngineHandle,
             request: u64,
@@ -115,6 +124,7 @@ pub mod ffi {
             senders: &[u32],
             buffers: &[BufferInfo],
             request_info: &[u8],
+            timeout_ms: u64,
         ) -> Result<()>;
         unsafe fn next_advertisement(
             self: &EngineHandle,
@@ -171,6 +181,8 @@ pub mod ffi {
             cancel: usize,
         ) -> Result<NotificationInfo>;
         fn health(self: &EngineHandle) -> HealthInfo;
+        /// The connection to `rank`: 0 unknown, 1 connected, 2 reconnecting, 3 failed.
+        fn peer_state(self: &EngineHandle, rank: u32) -> u8;
     }
 }
 

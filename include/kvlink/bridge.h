@@ -1022,6 +1022,8 @@ struct AdvertInfo final {
   ::std::uint64_t request CXX_DEFAULT_VALUE(0);
   ::std::uint32_t generation CXX_DEFAULT_VALUE(0);
   ::std::uint32_t from_rank CXX_DEFAULT_VALUE(0);
+  // Milliseconds left, when it was taken, until the request's deadline.
+  ::std::uint64_t deadline_ms CXX_DEFAULT_VALUE(0);
   ::rust::Vec<::std::uint8_t> request_info;
   ::rust::Vec<::kvlink::ffi::BufferInfo> buffers;
 
@@ -1060,6 +1062,11 @@ struct HealthInfo final {
   ::std::uint64_t since_last_completion_ms CXX_DEFAULT_VALUE(0);
   ::std::uint64_t bytes_completed CXX_DEFAULT_VALUE(0);
   ::std::uint64_t unreaped_ops CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t peers_reconnecting CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t reconnects CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t adverts_refused CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t notes_dropped CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t unsettled_returns CXX_DEFAULT_VALUE(0);
 
   using IsRelocatable = ::std::true_type;
 };
@@ -1076,7 +1083,8 @@ struct EngineHandle final : public ::rust::Opaque {
   void advertise(::std::uint64_t request, ::std::uint32_t generation, ::rust::Slice<::std::uint32_t const> receivers, ::std::uint32_t sender, ::rust::Slice<::kvlink::ffi::BufferInfo const> buffers, ::rust::Slice<::std::uint8_t const> request_info) const;
 
   // One request filled by several context ranks: `senders[i]` sends `buffers[i]`.
-  void advertise_flows(::std::uint64_t request, ::std::uint32_t generation, ::rust::Slice<::std::uint32_t const> receivers, ::rust::Slice<::std::uint32_t const> senders, ::rust::Slice<::kvlink::ffi::BufferInfo const> buffers, ::rust::Slice<::std::uint8_t const> request_info) const;
+  // `timeout_ms`: the request's own deadline from now (0: the engine's timeout).
+  void advertise_flows(::std::uint64_t request, ::std::uint32_t generation, ::rust::Slice<::std::uint32_t const> receivers, ::rust::Slice<::std::uint32_t const> senders, ::rust::Slice<::kvlink::ffi::BufferInfo const> buffers, ::rust::Slice<::std::uint8_t const> request_info, ::std::uint64_t timeout_ms) const;
 
   ::kvlink::ffi::AdvertInfo next_advertisement(::std::uint64_t timeout_ms, ::std::size_t cancel) const;
   void accept(::std::uint64_t request, ::std::uint32_t generation, ::std::uint32_t from_rank, bool ready) const;
@@ -1087,6 +1095,10 @@ struct EngineHandle final : public ::rust::Opaque {
   void notify(::std::uint32_t to_rank, ::std::uint64_t request, ::std::uint32_t generation, ::rust::Slice<::std::uint8_t const> payload) const;
   ::kvlink::ffi::NotificationInfo wait_for_notification(::std::uint32_t from_rank, ::std::uint64_t timeout_ms, ::std::size_t cancel) const;
   ::kvlink::ffi::HealthInfo health() const noexcept;
+
+  // The connection to `rank`: 0 unknown, 1 connected, 2 reconnecting, 3 failed.
+  ::std::uint8_t peer_state(::std::uint32_t rank) const noexcept;
+
   ~EngineHandle() = delete;
 
 private:

@@ -11,6 +11,7 @@
 //                                   ◀─ data ──── send(key, to, segment, bytes, deadline) per buffer
 //   wait_receiver(key, deadline)                 wait_sender(key, to, deadline)
 //   both return the same agreed Outcome; the receive buffers are free again once they return.
+//   (`send_segments` posts several segments at once and waits for them once.)
 //
 // Ownership
 //   - `Engine` owns the Rust engine (UCX agent, protocol core, one driver thread) through a
@@ -25,15 +26,28 @@
 //   - Every member function may be called from any thread, concurrently (the engine serialises
 //     internally and no lock is held while a call waits). Typical use is one thread per request.
 //
-// Blocking and deadlines
-//   - Functions that take a `Deadline` block until it (or the cancel flag, or the awaited event).
-//     A deadline in the past means "do not wait". Deadlines are `std::chrono::steady_clock`
-//     points; `kvlink::after(d)` makes one from a duration.
-//   - Every request also has the engine-wide per-request deadline `EngineConfig::timeout`
-//     (TensorRT-LLM's kv_transfer_timeout_ms), counted from `advertise` on the generation rank and
-//     from the advertisement's arrival on the context rank. When it passes, the ranks agree on
-//     `TimedOut` by themselves: a caller's own deadline is only an outer bound on how long it
-//     waits. For the agreed verdict, wait until `timeout + agreement_bound` after the start.
+// Blocking and deadlines (the deadline rule)
+//   - Functions that take a `Deadline` block until it (or the cancel flag, or the awaited event),
+//     and return by it plus the agreement bound (50 ms by default) plus a few milliseconds,
+//     whatever the peer does (frozen, partitioned, dead). A deadline in the past means "do not
+//     wait" (a `wait_*` then gives the request up at once); `time_point::min()` and `max()` are
+//     fine (`max()` waits at most a year, and in practice until the request's own deadline).
+//     Deadlines are `std::chrono::steady_clock` points; `kvlink::after(d)` makes one.
+//   - Every request also has its own deadline: `EngineConfig::timeout` (TensorRT-LLM's
+//     kv_transfer_timeout_ms), or the `timeout` given to `advertise`, counted from `advertise`.
+//     The advertisement carries what is left of it, so the context rank shares the same
+//     deadline (`Advertisement::deadline`). When it passes, every rank votes `TimedOut` and they
+//     agree within the bound; a `wait_*` with a later deadline returns then.
+//   - A caller's own earlier deadline, or its cancel flag, gives the request up the same way
+//     (`TimedOut` / `Cancelled`, agreed within the bound). A `wait_*` returns only once nothing
+//     can write the receive buffers any more: unmatched receives are cancelled; one that UCX
+//     cannot recall (half a large message in) has its endpoint force-closed, and the engine
+//     reconnects the pair by itself.
+//   - Outcomes: the ranks report the same outcome when they can talk before the deadline. When
+//     they cannot (partition, frozen or dead peer), each reports a failure by its own deadline:
+//     `TimedOut` if its deadline came first (or it gave up), `PeerLost` if the transport said the
+//     peer's endpoint failed before; a rank never reports `Completed` without the verdict, so a
+//     sender's `Completed` implies its receiver's.
 //   - A cancel flag (`CancelToken`, or any `std::atomic<bool>` via `CancelRef`) is polled every
 //     5 ms by a blocked call. Setting it makes `send`/`wait_*` end the request as `Cancelled`, and
 //     the cancel is agreed with every rank of the request.
@@ -41,7 +55,16 @@
 // Errors
 //   - Outcomes of a bounded wait are `kvlink::Outcome` values; "nothing arrived in time" is an
 //     empty `std::optional`. Faults (unknown peer, bad buffer, a key already in use, ...) throw
-//     `kvlink::Error` with a stable kind.
+//     `kvlink::Error` with a stable kind. Misuse throws at once and fails nothing else:
+//     `UnknownRequest` for a key not running here (never advertised, or already waited for),
+//     `InvalidArgument` for a send before accept, a segment never advertised or sent twice, or a
+//     size other than advertised.
+//
+// Connections
+//   - A rank this engine `connect`ed to is dialled again by the engine when its endpoint fails
+//     (bounded tries with back-off), and `advertise` waits for a reconnect in progress (up to the
+//     request's deadline). A failure costs the requests on that endpoint, never the pair.
+//     `peer_state(rank)` says where it stands.
 #pragma once
 
 #include <atomic>
@@ -76,10 +99,11 @@ struct EngineConfig {
   /// tcp: `ip:port` to listen on ("127.0.0.1:0" picks a port). Empty: do not listen (this rank
   /// then only connects out). Unused for "sm", which is reached by its worker address.
   std::string listen;
-  /// Per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Must be positive.
+  /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Must be positive.
   std::chrono::milliseconds timeout{60000};
-  /// Extra time past a request's deadline for its ranks to agree on the verdict; a rank with no
-  /// verdict by then ends `PeerLost` and fences the buffers. Zero means the default (2 s).
+  /// Extra time past a deadline for the ranks of a request to agree on the verdict; a rank with
+  /// no verdict by then ends with its own failure and fences what is still unsafe. Zero means
+  /// the default (50 ms).
   std::chrono::milliseconds agreement_bound{0};
   /// Fault hook for tests and the demo: a context rank "sends" this request id's data without
   /// moving it (a lost completion). Leave empty in production.
@@ -123,6 +147,9 @@ struct RemoteBuffer {
 struct Advertisement {
   RequestKey key;
   std::uint32_t from_rank = 0;
+  /// The request's deadline here (learned from the advertisement): pass it to `send` and
+  /// `wait_sender`; the generation rank ends the request by then too.
+  Deadline deadline{};
   std::vector<std::uint8_t> request_info;
   std::vector<RemoteBuffer> buffers;
 };
@@ -153,6 +180,24 @@ struct Health {
   std::uint64_t since_last_completion_ms = 0;
   std::uint64_t bytes_completed = 0;
   std::uint64_t unreaped_ops = 0;
+  /// Ranks being dialled again after their endpoint failed, and dial attempts so far.
+  std::uint64_t peers_reconnecting = 0;
+  std::uint64_t reconnects = 0;
+  /// Advertisements refused (queue full: the receiver sees Rejected) and notifications dropped.
+  std::uint64_t adverts_refused = 0;
+  std::uint64_t notes_dropped = 0;
+  /// Waits that returned before UCX released a fenced receive (should stay 0).
+  std::uint64_t unsettled_returns = 0;
+};
+
+/// A rank's connection as this engine sees it.
+enum class PeerState : std::uint8_t {
+  Unknown = 0,
+  Connected = 1,
+  /// Its endpoint failed; the engine is dialling it again.
+  Reconnecting = 2,
+  /// Its endpoint failed and nobody is dialling it (it dialled us, or the tries ran out).
+  Failed = 3,
 };
 
 /// A cancel flag owned by the caller. Not copyable or movable: kvlink holds its address while a
@@ -195,9 +240,12 @@ class CancelRef {
 namespace detail {
 
 /// Milliseconds left until `d`, rounded up, 0 if past.
+/// Compares before subtracting, so `Deadline::min()` (and anything before now) cannot overflow;
+/// `Deadline::max()` minus now is representable, and Rust caps it at a year.
 inline std::uint64_t ms_until(Deadline d) {
-  const auto left = d - Clock::now();
-  if (left <= Clock::duration::zero()) return 0;
+  const auto now = Clock::now();
+  if (d <= now) return 0;
+  const auto left = d - now;
   return static_cast<std::uint64_t>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
 }
 
@@ -254,17 +302,20 @@ class Engine {
   /// on one verdict. Does not block. The buffers are borrowed until `wait_receiver(key)` returns.
   /// Throws `Error`: InvalidArgument if the key is already known here (a replay), UnknownPeer if
   /// `sender` is not connected, OutOfBounds for a null or empty buffer.
+  /// `timeout`: this request's own deadline from now (zero: `EngineConfig::timeout`).
   void advertise(RequestKey key, const std::vector<std::uint32_t>& receivers, std::uint32_t sender,
-                 const std::vector<Buffer>& buffers, const std::vector<std::uint8_t>& request_info) {
+                 const std::vector<Buffer>& buffers, const std::vector<std::uint8_t>& request_info,
+                 std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) {
     advertise_flows(key, receivers, std::vector<std::uint32_t>(buffers.size(), sender), buffers,
-                    request_info);
+                    request_info, timeout);
   }
 
   /// Generation rank, one request filled by several context ranks: `senders[i]` sends
   /// `buffers[i]`. Otherwise as `advertise`; InvalidArgument if the two lists differ in length.
   void advertise_flows(RequestKey key, const std::vector<std::uint32_t>& receivers,
                        const std::vector<std::uint32_t>& senders, const std::vector<Buffer>& buffers,
-                       const std::vector<std::uint8_t>& request_info) {
+                       const std::vector<std::uint8_t>& request_info,
+                       std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) {
     std::vector<ffi::BufferInfo> infos;
     infos.reserve(buffers.size());
     for (const Buffer& b : buffers) {
@@ -280,7 +331,8 @@ class Engine {
     detail::call([&] {
       handle_->advertise_flows(key.request, key.generation, detail::slice(receivers),
                                detail::slice(senders), detail::slice(infos),
-                               detail::slice(request_info));
+                               detail::slice(request_info),
+                               timeout.count() > 0 ? static_cast<std::uint64_t>(timeout.count()) : 0);
     });
   }
 
@@ -292,6 +344,7 @@ class Engine {
     Advertisement out;
     out.key = {a.request, a.generation};
     out.from_rank = a.from_rank;
+    out.deadline = Clock::now() + std::chrono::milliseconds(a.deadline_ms);
     out.request_info.assign(a.request_info.begin(), a.request_info.end());
     for (const ffi::BufferInfo& b : a.buffers) {
       out.buffers.push_back({static_cast<BufferKind>(b.kind), b.segment, b.addr, b.len, b.device_id});
@@ -327,9 +380,10 @@ class Engine {
     }));
   }
 
-  /// Generation rank, blocks: the agreed end of `key`. Once it returns (any outcome) the receive
-  /// buffers are the caller's again. If `deadline` or `cancel` comes first the request is
-  /// cancelled and the verdict still awaited for up to the agreement bound.
+  /// Generation rank, blocks: the agreed end of `key`, taken (a second wait for it throws
+  /// UnknownRequest, as does a wait for a key never advertised here). Once it returns (any
+  /// outcome) the receive buffers are the caller's again. If `deadline` or `cancel` comes first
+  /// the request is given up and the verdict awaited for at most the agreement bound.
   Outcome wait_receiver(RequestKey key, Deadline deadline, CancelRef cancel = {}) {
     return wait(key, true, 0, deadline, cancel);
   }
@@ -365,7 +419,13 @@ class Engine {
     return {h.peers,           h.peers_failed,   h.requests_known,  h.completed,
             h.failed,          h.stale_dropped,  h.bad_frames,      h.buffers_leased,
             h.buffers_fenced,  h.ops_in_flight,  h.oldest_op_ms,    h.since_last_completion_ms,
-            h.bytes_completed, h.unreaped_ops};
+            h.bytes_completed, h.unreaped_ops,    h.peers_reconnecting, h.reconnects,
+            h.adverts_refused, h.notes_dropped,   h.unsettled_returns};
+  }
+
+  /// The state of this rank's connection to `rank`. Does not block.
+  PeerState peer_state(std::uint32_t rank) const noexcept {
+    return static_cast<PeerState>(handle_->peer_state(rank));
   }
 
  private:

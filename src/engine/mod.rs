@@ -658,8 +658,22 @@ impl Engine {
         inner.flush(&mut core);
         drop(core);
         let mut results = Vec::with_capacity(ops.len());
+        let told = std::cell::Cell::new(false);
         for (segment, mut op, flag) in ops {
-            let stop = || flag.load(Ordering::Acquire) || cancel.is_some_and(|c| c());
+            let stop = || {
+                if flag.load(Ordering::Acquire) {
+                    return true; // the core aborted it: the verdict is already known
+                }
+                if !cancel.is_some_and(|c| c()) {
+                    return false;
+                }
+                // Tell the receiver before the send is stopped: stopping a send the receiver
+                // cannot drain closes the endpoint, and the vote must get there first.
+                if !told.replace(true) {
+                    self.give_up(key, Outcome::Cancelled);
+                }
+                true
+            };
             results.push((segment, op.wait(until, Some(&stop))));
         }
         let mut core = inner.core.lock();
