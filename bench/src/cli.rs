@@ -1,0 +1,303 @@
+//! Command-line arguments (clap derive): the run's options, and the hidden `peer` subcommand
+//! the bench re-executes itself with for each side of a measurement.
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvlink-bench",
+    version,
+    about = "kvlink between two processes on loopback, next to ucx_perftest on the same transport",
+    long_about = "kvlink between two processes on loopback, next to ucx_perftest on the same transport.\n\n\
+For each transport it runs, size by size: ucx_perftest tag_bw -O 1 and tag_lat (the raw UCX \
+baseline), the kvlink transport row (the agent's tagged send/recv, one transfer at a time), \
+whole kvlink requests one at a time, and the in-flight rows (N requests advertised at once, \
+then waited). Each kvlink row starts two fresh processes (this binary, re-executed as the \
+generation and the context side); a row that does not finish within --row-timeout is reported \
+with its failure count and the run goes on.\n\n\
+Figures: GB/s = 1e9 bytes/s; us/req = wall time of a round divided by its requests (p50, p99 \
+over rounds; for one in flight that is one request end to end); x tag_bw = kvlink GB/s over \
+tag_bw GB/s at the same size; x tag_lat = kvlink us/req p50 over tag_lat one-way p50. The \
+machine is shared and noisy: compare rows of one run, not runs.",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub peer: Option<PeerCmd>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PeerCmd {
+    /// One side of a measurement (started by the bench itself).
+    #[command(hide = true)]
+    Peer(PeerArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Transports to measure, comma-separated: tcp, sm (shared memory).
+    #[arg(long, value_delimiter = ',', default_value = "tcp,sm")]
+    pub transports: Vec<Transport>,
+
+    /// Sizes of the one-request-in-flight rows (bytes, or with K/KiB, M/MiB, G/GiB).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size,
+          default_value = "4KiB,1MiB,16MiB,64MiB")]
+    pub sizes: Vec<u64>,
+
+    /// In-flight rows, SIZE:N comma-separated: N requests of SIZE advertised at once, then
+    /// all waited, repeated for --rounds rounds.
+    #[arg(long, value_delimiter = ',', value_parser = parse_batch,
+          default_value = "4KiB:64,4KiB:1024,4KiB:4096,1MiB:8")]
+    pub inflight: Vec<(u64, u64)>,
+
+    /// Measured requests per one-in-flight row, and transfers per transport row
+    /// [default: 100, --quick: 10].
+    #[arg(long)]
+    pub iters: Option<u64>,
+
+    /// Warm-up requests before each one-in-flight and transport row [default: 3, --quick: 1].
+    #[arg(long)]
+    pub warmup: Option<u64>,
+
+    /// Measured rounds per in-flight row [default: 5, --quick: 2]. One warm-up round comes
+    /// first.
+    #[arg(long)]
+    pub rounds: Option<u64>,
+
+    /// Context-side threads that accept and send the advertised requests.
+    #[arg(long, default_value_t = 4)]
+    pub senders: u64,
+
+    /// Time limit of one row in seconds: requests not done by then count as failed, and both
+    /// processes are stopped [default: 60, --quick: 10].
+    #[arg(long)]
+    pub row_timeout: Option<u64>,
+
+    /// A fast smoke run: few iterations, short time limits (well under a minute for tcp and
+    /// sm together when nothing breaks). Explicit flags still win.
+    #[arg(long)]
+    pub quick: bool,
+
+    /// Skip ucx_perftest (no ratios).
+    #[arg(long)]
+    pub no_perftest: bool,
+
+    /// Skip the kvlink transport rows.
+    #[arg(long)]
+    pub no_transport: bool,
+
+    /// Write the results as JSON to this file ("-" for standard output; the table then goes
+    /// to standard error).
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+
+    /// Write the results as CSV (one record per row) to this file.
+    #[arg(long, value_name = "PATH")]
+    pub csv: Option<PathBuf>,
+
+    /// Draw GB/s and us per request against size (kvlink beside ucx_perftest, one panel pair
+    /// per transport) into this PNG file.
+    #[arg(long, value_name = "PATH")]
+    pub plot: Option<PathBuf>,
+
+    /// No progress bar (it is also hidden when standard error is not a terminal).
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+impl RunArgs {
+    pub fn iters(&self) -> u64 {
+        self.iters
+            .unwrap_or(if self.quick { 10 } else { 100 })
+            .max(1)
+    }
+    pub fn warmup(&self) -> u64 {
+        self.warmup.unwrap_or(if self.quick { 1 } else { 3 })
+    }
+    pub fn rounds(&self) -> u64 {
+        self.rounds.unwrap_or(if self.quick { 2 } else { 5 }).max(1)
+    }
+    pub fn row_timeout(&self) -> Duration {
+        Duration::from_secs(
+            self.row_timeout
+                .unwrap_or(if self.quick { 10 } else { 60 })
+                .max(1),
+        )
+    }
+    /// Fewest ucx_perftest iterations per size.
+    pub fn perftest_min(&self) -> u64 {
+        if self.quick {
+            5
+        } else {
+            self.iters()
+        }
+    }
+    /// Most ucx_perftest iterations per size.
+    pub fn perftest_max(&self) -> u64 {
+        if self.quick {
+            1000
+        } else {
+            10_000
+        }
+    }
+    /// Bytes ucx_perftest moves per size (its iteration count is this over the size, within
+    /// [iters, perftest_max]).
+    pub fn perftest_budget(&self) -> u64 {
+        if self.quick {
+            32 << 20
+        } else {
+            256 << 20
+        }
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Transport {
+    Tcp,
+    Sm,
+}
+
+impl Transport {
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Sm => "sm",
+        }
+    }
+    pub fn kind(self) -> kvlink::transport::TransportKind {
+        match self {
+            Transport::Tcp => kvlink::transport::TransportKind::Tcp,
+            Transport::Sm => kvlink::transport::TransportKind::SharedMemory,
+        }
+    }
+    /// `UCX_TLS` for ucx_perftest: the transports kvlink's agent selects for this kind.
+    pub fn ucx_tls(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Sm => "posix,sysv,self",
+        }
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PeerRole {
+    /// Generation side of whole requests: connects, advertises, waits, times.
+    Gen,
+    /// Context side: listens, accepts and sends every advertised request.
+    Ctx,
+    /// Transport row, receiving agent: listens, posts one receive at a time.
+    TrRecv,
+    /// Transport row, sending agent: connects, sends one transfer at a time, times.
+    TrSend,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct PeerArgs {
+    #[arg(long)]
+    pub role: PeerRole,
+    #[arg(long)]
+    pub transport: Transport,
+    /// The listening side's address (gen, tr-send).
+    #[arg(long)]
+    pub peer: Option<String>,
+    #[arg(long, value_parser = parse_size, default_value = "4096")]
+    pub size: u64,
+    #[arg(long, default_value_t = 1)]
+    pub inflight: u64,
+    /// Measured rounds (of `inflight` requests).
+    #[arg(long, default_value_t = 1)]
+    pub rounds: u64,
+    /// Warm-up rounds.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u64,
+    /// Context side: sender threads.
+    #[arg(long, default_value_t = 4)]
+    pub senders: u64,
+    /// Time limit of the whole row, milliseconds.
+    #[arg(long, default_value_t = 60_000)]
+    pub limit_ms: u64,
+}
+
+impl PeerArgs {
+    pub fn planned(&self) -> u64 {
+        (self.rounds + self.warmup) * self.inflight
+    }
+}
+
+/// Bytes, or a number with K/KiB, M/MiB, G/GiB (binary units).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("'{s}': expected a size such as 4096, 4KiB or 1MiB"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        "g" | "gib" | "gb" => 1 << 30,
+        u => {
+            return Err(format!(
+                "'{s}': unknown unit '{u}' (use K, KiB, M, MiB, G or GiB)"
+            ))
+        }
+    };
+    match n.checked_mul(mult) {
+        Some(0) | None => Err(format!("'{s}': size must be between 1 byte and 2^64")),
+        Some(v) => Ok(v),
+    }
+}
+
+/// `SIZE:N`, for example `4KiB:64`.
+pub fn parse_batch(s: &str) -> Result<(u64, u64), String> {
+    let (size, n) = s
+        .split_once(':')
+        .ok_or_else(|| format!("'{s}': expected SIZE:N, for example 4KiB:64"))?;
+    let n: u64 = n
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}': N must be a number"))?;
+    if n == 0 {
+        return Err(format!("'{s}': N must be at least 1"));
+    }
+    Ok((parse_size(size)?, n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn sizes_and_batches_parse() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4KiB"), Ok(4096));
+        assert_eq!(parse_size("1M"), Ok(1 << 20));
+        assert_eq!(parse_size("64mib"), Ok(64 << 20));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("4XB").is_err());
+        assert!(parse_size("é").is_err());
+        assert_eq!(parse_batch("4KiB:1024"), Ok((4096, 1024)));
+        assert!(parse_batch("4KiB").is_err());
+        assert!(parse_batch("4KiB:0").is_err());
+    }
+
+    #[test]
+    fn quick_defaults() {
+        let c = Cli::parse_from(["kvlink-bench", "--quick", "--iters", "7"]);
+        assert_eq!(c.run.iters(), 7);
+        assert_eq!(c.run.rounds(), 2);
+        assert_eq!(c.run.row_timeout(), Duration::from_secs(10));
+        assert_eq!(c.run.sizes, vec![4096, 1 << 20, 16 << 20, 64 << 20]);
+        assert_eq!(c.run.inflight[3], (1 << 20, 8));
+    }
+}

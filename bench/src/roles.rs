@@ -1,0 +1,634 @@
+//! The two sides of a measurement, each run in a process of its own (`kvlink-bench peer ...`).
+//!
+//! Whole requests: the context side (`ctx`) listens and prints its address; the generation
+//! side (`gen`) connects, then for each round advertises N requests (one buffer each), waits on
+//! all of them, and checks every byte. The context side accepts and sends each advertised
+//! request from a few threads and waits on its sender outcome from another.
+//!
+//! Transport row: `tr-recv` listens and receives one tagged transfer at a time; `tr-send`
+//! sends one at a time and times from the first measured send to the receiver's "done".
+//!
+//! Each side reports on standard output, one line each: `ADDR <address>` (listening sides),
+//! `P <done> <planned>` (progress), and its [`PeerResult`] as JSON after `RESULT` (measuring
+//! side) or `CTX`/`TR` (listening side). A watchdog ends the process at its time limit with
+//! what it has counted so far: no engine wait can keep it past the row's limit.
+use crate::cli::{PeerArgs, PeerRole, Transport};
+use crate::report::{percentile, PeerResult, Round};
+use kvlink::connection::{BufferSpec, Engine, EngineConfig};
+use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
+use kvlink::transport::{Agent, AgentOptions, Event, PeerId};
+use kvlink::Outcome;
+use std::collections::HashMap;
+use std::fmt::Display;
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+pub const CTX_RANK: u32 = 0;
+pub const GEN_RANK: u32 = 1;
+/// How often a side reports progress.
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+/// The listening side may have started this much before the measuring side.
+const LISTENER_SLACK: Duration = Duration::from_secs(2);
+/// Longest wait for the connection itself.
+const CONNECT_LIMIT: Duration = Duration::from_secs(20);
+
+pub fn run(a: &PeerArgs) -> i32 {
+    match a.role {
+        PeerRole::Gen => gen(a),
+        PeerRole::Ctx => ctx(a),
+        PeerRole::TrRecv => tr_recv(a),
+        PeerRole::TrSend => tr_send(a),
+    }
+}
+
+fn say(line: impl Display) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// A side's counters, shared with its watchdog.
+#[derive(Clone)]
+struct Shared {
+    result: Arc<Mutex<PeerResult>>,
+    /// The final report is out: the watchdog then only ends the process.
+    done: Arc<AtomicBool>,
+}
+
+impl Shared {
+    fn new(planned: u64) -> Shared {
+        Shared {
+            result: Arc::new(Mutex::new(PeerResult {
+                planned,
+                ..PeerResult::default()
+            })),
+            done: Arc::default(),
+        }
+    }
+    fn lock(&self) -> MutexGuard<'_, PeerResult> {
+        self.result.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn report(&self, tag: &str) {
+        let json = serde_json::to_string(&*self.lock()).unwrap_or_else(|e| format!("{{}} {e}"));
+        say(format!("{tag} {json}"));
+    }
+    fn report_final(&self, tag: &str) {
+        let r = self.lock();
+        if self.done.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let json = serde_json::to_string(&*r).unwrap_or_else(|e| format!("{{}} {e}"));
+        drop(r);
+        say(format!("{tag} {json}"));
+    }
+    /// Ends the process at `at`, first reporting the counts so far if it has not reported.
+    fn watchdog(&self, at: Instant, tag: &'static str) {
+        let me = self.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(at.saturating_duration_since(Instant::now()));
+            if !me.done.load(Ordering::Acquire) {
+                me.lock().stopped_at_limit = true;
+                me.report_final(tag);
+            }
+            std::process::exit(3);
+        });
+    }
+}
+
+/// Holds the process (and its engine or agent) until the bench closes our standard input:
+/// the other side may still be finishing requests with us.
+fn linger() {
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+}
+
+/// The bytes of a transfer: a position-dependent pattern, flipped by `seed` so that a buffer
+/// still holding the previous round's data is caught.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u8 ^ seed)
+        .collect()
+}
+
+const SEEDS: [u8; 2] = [0x00, 0xff];
+
+/// The context side's patterns by (length, seed), made once and shared by its sender threads.
+type PatternCache = Mutex<HashMap<(u64, u8), Arc<Vec<u8>>>>;
+
+fn kind_name(e: &kvlink::Error) -> String {
+    format!("{:?}", e.kind)
+}
+
+/// What `Engine::wait` returns: an `Outcome`, or (as the engine being rebuilt has it) a
+/// `Result<Outcome>` whose error is misuse such as an unknown key. Either reads the same here.
+trait WaitResult {
+    fn outcome(self) -> kvlink::Result<Outcome>;
+}
+
+impl WaitResult for Outcome {
+    fn outcome(self) -> kvlink::Result<Outcome> {
+        Ok(self)
+    }
+}
+
+impl WaitResult for kvlink::Result<Outcome> {
+    fn outcome(self) -> kvlink::Result<Outcome> {
+        self
+    }
+}
+
+/// How a wait that did not complete is counted.
+fn not_completed(r: &kvlink::Result<Outcome>) -> String {
+    match r {
+        Ok(o) => format!("{o:?}"),
+        Err(e) => format!("wait error {}", kind_name(e)),
+    }
+}
+
+/// Generation side: advertise N, wait on all, check the bytes; round after round.
+fn gen(a: &PeerArgs) -> i32 {
+    let limit = Duration::from_millis(a.limit_ms);
+    let deadline = Instant::now() + limit;
+    let st = Shared::new(a.planned());
+    st.watchdog(deadline + Duration::from_secs(1), "RESULT");
+    let finish = |code: i32| {
+        st.report_final("RESULT");
+        code
+    };
+    let (Ok(size), Ok(n)) = (usize::try_from(a.size), usize::try_from(a.inflight)) else {
+        st.lock().error("size or in-flight count too large");
+        return finish(2);
+    };
+    let Some(addr) = a.peer.as_deref() else {
+        st.lock().error("--peer is required");
+        return finish(2);
+    };
+    // Declared before the engine, so dropped after it: by then nothing is posted into them.
+    let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; size]).collect();
+    let patterns = SEEDS.map(|s| pattern(size, s));
+    let mut cfg = EngineConfig::new("bench-gen", GEN_RANK, a.transport.kind());
+    cfg.timeout = limit;
+    let engine = match Engine::new(cfg) {
+        Ok(e) => e,
+        Err(e) => {
+            st.lock().error(format!("engine: {e}"));
+            return finish(1);
+        }
+    };
+    let ctx = match engine.connect(addr, (Instant::now() + CONNECT_LIMIT).min(deadline)) {
+        Ok(r) => r,
+        Err(e) => {
+            st.lock().error(format!("connect: {e}"));
+            return finish(1);
+        }
+    };
+
+    let planned = a.planned();
+    let mut per_request_us = Vec::new();
+    let mut latency_us = Vec::new();
+    let (mut bytes, mut secs) = (0u64, 0f64);
+    let mut next_id = 1u64;
+    let mut done = 0u64;
+    let mut last_progress = Instant::now();
+    for round in 0..a.warmup + a.rounds {
+        if Instant::now() >= deadline {
+            break;
+        }
+        let measured = round >= a.warmup;
+        let seed_ix = (round % 2) as usize;
+        let t0 = Instant::now();
+        let mut keys: Vec<Option<(RequestKey, Instant)>> = Vec::with_capacity(n);
+        for b in bufs.iter_mut() {
+            let key = RequestKey::new(next_id, 0);
+            next_id += 1;
+            let spec = BufferSpec {
+                kind: BufferKind::Kv,
+                segment: 0,
+                addr: b.as_mut_ptr() as u64,
+                len: size as u64,
+                device_id: -1,
+            };
+            let at = Instant::now();
+            // SAFETY: `b` is host memory that nothing else touches until `wait` below has
+            // returned for `key` (every advertised key is waited before the round's bytes are
+            // read, and the buffers outlive the engine).
+            let r = unsafe {
+                engine.advertise(
+                    key,
+                    vec![RankId(GEN_RANK)],
+                    vec![(ctx, vec![spec])],
+                    vec![SEEDS[seed_ix]],
+                )
+            };
+            let mut s = st.lock();
+            s.started += 1;
+            match r {
+                Ok(()) => keys.push(Some((key, at))),
+                Err(e) => {
+                    s.fail(format!("advertise {}", kind_name(&e)));
+                    s.error(format!("advertise {key}: {e}"));
+                    keys.push(None);
+                }
+            }
+        }
+        let mut landed = vec![false; n];
+        let mut completed = 0u64;
+        for (i, k) in keys.iter().enumerate() {
+            if let Some((key, at)) = k {
+                let o = engine.wait(*key, Role::Receiver, deadline, None).outcome();
+                let now = Instant::now();
+                let mut s = st.lock();
+                if let Err(e) = &o {
+                    s.error(format!("wait {key}: {e}"));
+                }
+                if matches!(o, Ok(Outcome::Completed)) {
+                    landed[i] = true;
+                    completed += 1;
+                    s.completed += 1;
+                    if measured {
+                        latency_us.push(now.duration_since(*at).as_secs_f64() * 1e6);
+                    }
+                } else {
+                    s.fail(not_completed(&o));
+                }
+            }
+            done += 1;
+            if last_progress.elapsed() >= PROGRESS_EVERY {
+                last_progress = Instant::now();
+                say(format!("P {done} {planned}"));
+            }
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        let corrupt = bufs
+            .iter()
+            .zip(&landed)
+            .filter(|(b, &ok)| ok && **b != patterns[seed_ix])
+            .count() as u64;
+        let mut s = st.lock();
+        s.corrupt += corrupt;
+        s.rounds.push(Round {
+            requests: n as u64,
+            completed,
+            us_per_request: dt * 1e6 / n as f64,
+        });
+        if measured && completed == n as u64 && corrupt == 0 {
+            per_request_us.push(dt * 1e6 / n as f64);
+            bytes += (n * size) as u64;
+            secs += dt;
+        }
+    }
+    say(format!("P {done} {planned}"));
+    {
+        let mut s = st.lock();
+        s.us_p50 = percentile(&per_request_us, 50.0);
+        s.us_p99 = percentile(&per_request_us, 99.0);
+        s.lat_p50 = percentile(&latency_us, 50.0);
+        s.lat_p99 = percentile(&latency_us, 99.0);
+        s.gbps = (secs > 0.0).then(|| bytes as f64 / secs / 1e9);
+        s.health = Some(format!("{:?}", engine.health()));
+    }
+    st.report_final("RESULT");
+    linger();
+    drop(engine);
+    0
+}
+
+/// Context side: accept and send every advertised request (several threads), wait on each
+/// request's sender outcome (this thread).
+fn ctx(a: &PeerArgs) -> i32 {
+    let limit = Duration::from_millis(a.limit_ms);
+    let deadline = Instant::now() + limit + LISTENER_SLACK;
+    let st = Shared::new(a.planned());
+    st.watchdog(deadline + Duration::from_secs(1), "CTX");
+    let mut cfg = EngineConfig::new("bench-ctx", CTX_RANK, a.transport.kind());
+    if a.transport == Transport::Tcp {
+        cfg.listen = "127.0.0.1:0".parse().ok();
+    }
+    cfg.timeout = limit;
+    let engine = match Engine::new(cfg) {
+        Ok(e) => Arc::new(e),
+        Err(e) => {
+            st.lock().error(format!("engine: {e}"));
+            st.report_final("CTX");
+            return 1;
+        }
+    };
+    say(format!("ADDR {}", engine.address()));
+
+    let planned = a.planned();
+    let taken = Arc::new(AtomicU64::new(0));
+    let patterns: Arc<PatternCache> = Arc::default();
+    let (tx, rx) = mpsc::channel::<(RequestKey, RankId)>();
+    let senders: Vec<_> = (0..a.senders.max(1))
+        .map(|_| {
+            let (engine, taken, patterns, st, tx) = (
+                engine.clone(),
+                taken.clone(),
+                patterns.clone(),
+                st.clone(),
+                tx.clone(),
+            );
+            std::thread::spawn(move || {
+                while taken.load(Ordering::Acquire) < planned && Instant::now() < deadline {
+                    let poll = (Instant::now() + Duration::from_millis(200)).min(deadline);
+                    let Some(adv) = engine.next_advertisement(poll, None) else {
+                        continue;
+                    };
+                    taken.fetch_add(1, Ordering::AcqRel);
+                    if let Err(e) = engine.accept(adv.key, adv.from, true) {
+                        let mut s = st.lock();
+                        s.fail(format!("accept {}", kind_name(&e)));
+                        s.error(format!("accept {}: {e}", adv.key));
+                        continue;
+                    }
+                    let seed = adv.request_info.first().copied().unwrap_or(0);
+                    let send_by = (Instant::now() + limit).min(deadline);
+                    for d in &adv.buffers {
+                        let data = {
+                            let mut p = patterns.lock().unwrap_or_else(|p| p.into_inner());
+                            p.entry((d.len, seed))
+                                .or_insert_with(|| Arc::new(pattern(d.len as usize, seed)))
+                                .clone()
+                        };
+                        match engine.send(adv.key, adv.from, d.segment, &data, send_by, None) {
+                            Ok(Outcome::Completed) => {}
+                            Ok(o) => {
+                                st.lock().fail(format!("send {o:?}"));
+                                break;
+                            }
+                            Err(e) => {
+                                let mut s = st.lock();
+                                s.fail(format!("send {}", kind_name(&e)));
+                                s.error(format!("send {}: {e}", adv.key));
+                                break;
+                            }
+                        }
+                    }
+                    let _ = tx.send((adv.key, adv.from));
+                }
+            })
+        })
+        .collect();
+    drop(tx);
+    let mut last_progress = Instant::now();
+    for (key, from) in rx {
+        let o = engine
+            .wait(key, Role::Sender { receiver: from }, deadline, None)
+            .outcome();
+        {
+            let mut s = st.lock();
+            s.started += 1;
+            if let Err(e) = &o {
+                s.error(format!("wait {key}: {e}"));
+            }
+            if matches!(o, Ok(Outcome::Completed)) {
+                s.completed += 1;
+            } else {
+                s.fail(format!("sender {}", not_completed(&o)));
+            }
+        }
+        if last_progress.elapsed() >= PROGRESS_EVERY {
+            last_progress = Instant::now();
+            st.report("CTX");
+        }
+    }
+    for s in senders {
+        let _ = s.join();
+    }
+    st.lock().health = Some(format!("{:?}", engine.health()));
+    st.report_final("CTX");
+    0
+}
+
+fn agent(name: &str, t: Transport, listen: bool) -> kvlink::Result<Agent> {
+    let mut o = AgentOptions::new(name, t.kind());
+    if listen && t == Transport::Tcp {
+        o.listen = "127.0.0.1:0".parse().ok();
+    }
+    Agent::new(o)
+}
+
+/// Transport row, receiving agent.
+fn tr_recv(a: &PeerArgs) -> i32 {
+    let limit = Duration::from_millis(a.limit_ms);
+    let deadline = Instant::now() + limit + LISTENER_SLACK;
+    let st = Shared::new(a.planned());
+    st.watchdog(deadline + Duration::from_secs(1), "TR");
+    let finish = |code: i32| {
+        st.report_final("TR");
+        code
+    };
+    let Ok(size) = usize::try_from(a.size) else {
+        st.lock().error("size too large");
+        return finish(2);
+    };
+    let mut buf = vec![0u8; size];
+    let agent = match agent("bench-tr-recv", a.transport, true) {
+        Ok(x) => x,
+        Err(e) => {
+            st.lock().error(format!("agent: {e}"));
+            return finish(1);
+        }
+    };
+    match agent.listen_address() {
+        Some(addr) => say(format!("ADDR {addr}")),
+        None => say(format!("ADDR ucx:{}", hex::encode(agent.worker_address()))),
+    }
+    // The sender's first control message tells which peer it is.
+    let peer: PeerId = loop {
+        match agent.next_event(deadline, None) {
+            Some(Event::Control(p, _)) => break p,
+            Some(_) => continue,
+            None => {
+                st.lock().error("no sender connected");
+                return finish(1);
+            }
+        }
+    };
+    for i in 0..a.planned() {
+        // SAFETY: `buf` outlives the op, which is waited (or stopped and reaped) right here.
+        let r = unsafe { agent.post_recv(peer, i + 1, buf.as_mut_ptr(), size) }
+            .and_then(|mut op| op.wait(deadline, None));
+        let mut s = st.lock();
+        s.started += 1;
+        match r {
+            Ok(Outcome::Completed) => s.completed += 1,
+            Ok(o) => {
+                s.fail(format!("recv {o:?}"));
+                break;
+            }
+            Err(e) => {
+                s.fail(format!("recv {}", kind_name(&e)));
+                s.error(format!("recv: {e}"));
+                break;
+            }
+        }
+    }
+    let sent = agent
+        .send_control(peer, b"done".to_vec())
+        .and_then(|mut op| op.wait(deadline, None));
+    if let Err(e) = sent {
+        st.lock().error(format!("done message: {e}"));
+    }
+    // The sender's "bye": it has the "done", so our agent may go.
+    let bye_by = (Instant::now() + Duration::from_secs(5)).min(deadline);
+    loop {
+        match agent.next_event(bye_by, None) {
+            Some(Event::Control(_, b)) if b == b"bye" => break,
+            Some(_) => continue,
+            None => {
+                st.lock().error("the sender's bye did not come");
+                break;
+            }
+        }
+    }
+    finish(0)
+}
+
+/// Transport row, sending agent: one transfer in flight, timed to the receiver's "done".
+fn tr_send(a: &PeerArgs) -> i32 {
+    let limit = Duration::from_millis(a.limit_ms);
+    let deadline = Instant::now() + limit;
+    let st = Shared::new(a.planned());
+    st.watchdog(deadline + Duration::from_secs(1), "RESULT");
+    let finish = |code: i32| {
+        st.report_final("RESULT");
+        code
+    };
+    let Ok(size) = usize::try_from(a.size) else {
+        st.lock().error("size too large");
+        return finish(2);
+    };
+    let Some(addr) = a.peer.as_deref() else {
+        st.lock().error("--peer is required");
+        return finish(2);
+    };
+    let data = pattern(size, 0);
+    let agent = match agent("bench-tr-send", a.transport, false) {
+        Ok(x) => x,
+        Err(e) => {
+            st.lock().error(format!("agent: {e}"));
+            return finish(1);
+        }
+    };
+    let peer = match addr.strip_prefix("ucx:") {
+        Some(h) => match hex::decode(h) {
+            Ok(bytes) => agent.connect_worker(&bytes),
+            Err(e) => {
+                st.lock().error(format!("worker address: {e}"));
+                return finish(2);
+            }
+        },
+        None => match addr.parse() {
+            Ok(sa) => agent.connect(sa),
+            Err(e) => {
+                st.lock().error(format!("address {addr}: {e}"));
+                return finish(2);
+            }
+        },
+    }
+    .and_then(|p| {
+        agent
+            .send_control(p, b"hi".to_vec())
+            .and_then(|mut op| op.wait(deadline, None))
+            .map(|_| p)
+    });
+    let peer = match peer {
+        Ok(p) => p,
+        Err(e) => {
+            st.lock().error(format!("connect: {e}"));
+            return finish(1);
+        }
+    };
+    let total = a.planned();
+    let warm = a.warmup * a.inflight;
+    let mut op_us = Vec::new();
+    let mut t0 = Instant::now();
+    let mut last_progress = Instant::now();
+    for i in 0..total {
+        if i == warm {
+            t0 = Instant::now();
+        }
+        let ts = Instant::now();
+        // SAFETY: `data` outlives the op, which is waited (or stopped and reaped) right here.
+        let r = unsafe { agent.post_send(peer, i + 1, data.as_ptr(), size) }
+            .and_then(|mut op| op.wait(deadline, None));
+        let mut s = st.lock();
+        s.started += 1;
+        match r {
+            Ok(Outcome::Completed) => {
+                s.completed += 1;
+                if i >= warm {
+                    op_us.push(ts.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            Ok(o) => {
+                s.fail(format!("send {o:?}"));
+                break;
+            }
+            Err(e) => {
+                s.fail(format!("send {}", kind_name(&e)));
+                s.error(format!("send: {e}"));
+                break;
+            }
+        }
+        drop(s);
+        if last_progress.elapsed() >= PROGRESS_EVERY {
+            last_progress = Instant::now();
+            say(format!("P {} {total}", i + 1));
+        }
+    }
+    let all = st.lock().completed == total;
+    // The receiver's "done": every byte has landed there.
+    let landed = loop {
+        match agent.next_event(deadline, None) {
+            Some(Event::Control(_, b)) if b == b"done" => break Some(Instant::now()),
+            Some(_) => continue,
+            None => break None,
+        }
+    };
+    if landed.is_some() {
+        let bye = agent
+            .send_control(peer, b"bye".to_vec())
+            .and_then(|mut op| op.wait(deadline, None));
+        if let Err(e) = bye {
+            st.lock().error(format!("bye message: {e}"));
+        }
+    }
+    let mut s = st.lock();
+    match landed {
+        Some(t1) if all && total > warm => {
+            let secs = t1.duration_since(t0).as_secs_f64();
+            s.gbps = Some(((total - warm) * a.size) as f64 / secs / 1e9);
+            s.us_p50 = percentile(&op_us, 50.0);
+            s.us_p99 = percentile(&op_us, 99.0);
+            s.rounds.push(Round {
+                requests: total - warm,
+                completed: total - warm,
+                us_per_request: secs * 1e6 / (total - warm) as f64,
+            });
+        }
+        Some(_) => {}
+        None => s.error("the receiver's done message did not come"),
+    }
+    drop(s);
+    st.report_final("RESULT");
+    linger();
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_differ_by_seed_everywhere() {
+        let a = pattern(4096, SEEDS[0]);
+        let b = pattern(4096, SEEDS[1]);
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        assert_ne!(a[..256], a[256..512]);
+    }
+}
