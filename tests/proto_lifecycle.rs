@@ -297,3 +297,87 @@ fn stale_landing_is_counted_and_dropped() {
     let t = ep.poll_timeout().unwrap();
     assert!(t > base + ms(1));
 }
+
+/// The success path of a 1x1 request costs two control messages: `Advertise` and the
+/// `Verdict`. Acceptance is proved by the landing (no `Ready(true)`), a `Completed` verdict is
+/// not confirmed (no `Quiesced`). Both ends are `Completed`, and the sender knows the request's
+/// deadline from the advertisement.
+#[test]
+fn a_successful_one_to_one_request_costs_two_control_messages() {
+    use kvlink::proto::*;
+    let t = std::time::Instant::now();
+    let (g, c) = (RankId(1), RankId(2));
+    let mut gen = Endpoint::new(g, config());
+    let mut ctx = Endpoint::new(c, config());
+    let mut pool = BufferPool::new(4);
+    let mut tokens = TokenAllocator::new();
+    let key = RequestKey::new(9, 0);
+    let desc = BufferDesc {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: 0x1000,
+        len: 64,
+        device_id: -1,
+        token: tokens.allocate().unwrap(),
+    };
+    let lease = pool.lease(key).unwrap();
+    gen.start_receive(
+        t,
+        ReceiveSpec {
+            key,
+            receivers: vec![g],
+            flows: vec![ReceiveFlow {
+                sender: c,
+                buffers: vec![(lease, desc)],
+            }],
+            request_info: vec![],
+            timeout: Some(ms(700)),
+        },
+    )
+    .unwrap();
+    let mut sent = Vec::new();
+    let mut pump = |from: &mut Endpoint, to: &mut Endpoint, at| {
+        while let Some(tx) = from.poll_transmit() {
+            sent.push(
+                format!("{:?}", tx.message)
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .to_string(),
+            );
+            to.handle_message(at, from.rank(), tx.message).unwrap();
+        }
+    };
+    pump(&mut gen, &mut ctx, t + ms(1));
+    let mut deadline = None;
+    while let Some(e) = ctx.poll_event() {
+        if let Event::Advertised { deadline: d, .. } = e {
+            deadline = Some(d);
+        }
+    }
+    assert_eq!(
+        deadline,
+        Some(t + ms(1) + ms(700)),
+        "the sender shares the deadline"
+    );
+    ctx.accept(t + ms(2), key, g, true).unwrap();
+    pump(&mut ctx, &mut gen, t + ms(2));
+    assert_eq!(ctx.check_send(key, g, 0, 64).unwrap(), Ok(desc));
+    ctx.begin_send(key, g, 0);
+    ctx.handle_send_done(t + ms(3), key, g, 0, true).unwrap();
+    gen.handle_segment_landed(t + ms(3), key, 0).unwrap();
+    pump(&mut gen, &mut ctx, t + ms(4));
+    pump(&mut ctx, &mut gen, t + ms(4));
+    let end = |ep: &mut Endpoint| {
+        let mut o = None;
+        while let Some(e) = ep.poll_event() {
+            if let Event::Terminal { outcome, .. } = e {
+                o = Some(outcome);
+            }
+        }
+        o
+    };
+    assert_eq!(end(&mut gen), Some(Outcome::Completed));
+    assert_eq!(end(&mut ctx), Some(Outcome::Completed));
+    assert_eq!(sent, ["Advertise", "Verdict"]);
+}

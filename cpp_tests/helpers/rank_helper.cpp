@@ -82,12 +82,14 @@ int group(const std::string& transport, std::uint32_t rank, long timeout_ms, lon
     if (rank == 3) e.connect(peers.at(1), kvlink::after(5s));
     else e.wait_peer(3, kvlink::after(5s));
     std::vector<std::uint8_t> buf(kSize, 0);
+    const auto advertised = kvlink::Clock::now();
     e.advertise(key, {1, 3}, sender, {{kvlink::BufferKind::Kv, 0, buf.data(), buf.size()}}, {});
-    auto ready = e.recv_ready(key, kvlink::after(5s));
+    // Acceptance is proved by the first landing: a rank whose data never comes has no answer.
+    auto ready = e.recv_ready(key, kvlink::after(300ms));
     say(std::string("READY ") + (ready ? (*ready ? "yes" : "no") : "none"));
     // Wait for this rank's own data to land (or give up at the request deadline) and look at
     // the lease: it must be held until every rank has agreed.
-    const auto until = kvlink::after(std::chrono::milliseconds(timeout_ms - 200));
+    const auto until = advertised + std::chrono::milliseconds(timeout_ms - 200);
     while (e.health().bytes_completed < kSize && kvlink::Clock::now() < until) std::this_thread::sleep_for(5ms);
     const auto h = e.health();
     say("LANDED " + std::to_string(h.bytes_completed >= kSize) + " LEASED " + std::to_string(h.buffers_leased));

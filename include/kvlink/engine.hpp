@@ -7,8 +7,8 @@
 // One request, end to end (the generation rank owns the receive buffers):
 //   generation rank                              context rank
 //   advertise(key, buffers, info)  ───────────▶  next_advertisement(deadline) -> Advertisement
-//   recv_ready(key, deadline) -> true  ◀──────── accept(key, from, true)
-//                                   ◀─ data ──── send(key, to, segment, bytes, deadline) per buffer
+//                                                accept(key, from, true)
+//   recv_ready(key, deadline) -> true  ◀─ data ── send(key, to, segment, bytes, deadline) per buffer
 //   wait_receiver(key, deadline)                 wait_sender(key, to, deadline)
 //   both return the same agreed Outcome; the receive buffers are free again once they return.
 //   (`send_segments` posts several segments at once and waits for them once.)
@@ -358,8 +358,9 @@ class Engine {
     detail::call([&] { handle_->accept(key.request, key.generation, from_rank, ready); });
   }
 
-  /// Generation rank, blocks: the context rank's answer (true ready, false rejected), or empty
-  /// at the deadline or on cancel.
+  /// Generation rank, blocks: the context rank's answer: true once its first segment landed (an
+  /// acceptance is not a message of its own) or the request completed, false if it refused, empty
+  /// at the deadline, on cancel, or at once when the request ended otherwise.
   std::optional<bool> recv_ready(RequestKey key, Deadline deadline, CancelRef cancel = {}) {
     const std::int8_t r = detail::call([&] {
       return handle_->recv_ready(key.request, key.generation, detail::ms_until(deadline), cancel.address());

@@ -135,6 +135,8 @@ impl Core {
         self.terminals.insert((key, role), (outcome, now));
         self.waiters.wake(WaitKey::Terminal(key, role));
         if role == Role::Receiver {
+            // From here `recv_ready` answers from the end itself.
+            self.readies.remove(&key);
             self.waiters.wake(WaitKey::Ready(key));
         }
     }

@@ -546,6 +546,7 @@ impl Engine {
                 return Some(Some(r));
             }
             match core.terminals.get(&(key, Role::Receiver)) {
+                Some((Outcome::Completed, _)) => Some(Some(true)),
                 Some((Outcome::Rejected, _)) => Some(Some(false)),
                 Some(_) => Some(None),
                 None if !core.ep.running(key, Role::Receiver)

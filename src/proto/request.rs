@@ -686,7 +686,7 @@ impl RecvRequest {
                     outcome: v,
                 },
             ),
-            (Some(v), _) => {
+            (Some(v), _) if !v.is_completed() => {
                 for (sender, flow) in &self.flows {
                     if !flow.quiesced && !flow.lost {
                         out.send(
@@ -710,7 +710,11 @@ impl RecvRequest {
             (None, None) => self.flows.values().any(|f| !f.answered && !f.lost),
             // External agreement: poll the collective at the retransmit interval.
             (None, Some(_)) => self.external || !self.is_coordinator(),
-            (Some(_), _) => self.flows.values().any(|f| !f.quiesced && !f.lost),
+            // A Completed verdict needs no confirmation: every segment landed, so nothing more
+            // will be sent; a sender that missed it pulls it (a `Vote` answered with it).
+            (Some(v), _) => {
+                !v.is_completed() && self.flows.values().any(|f| !f.quiesced && !f.lost)
+            }
         }
     }
 
@@ -896,7 +900,8 @@ impl SendFlow {
     }
 
     fn send_quiesced(&self, out: &mut Out) {
-        if !self.receiver_lost {
+        // A Completed verdict is not confirmed (the receiver does not retransmit it).
+        if !self.receiver_lost && self.verdict != Some(Outcome::Completed) {
             out.send(self.receiver, Message::Quiesced { key: self.key });
         }
     }
@@ -924,13 +929,17 @@ impl SendFlow {
             return false;
         }
         self.accepted = Some(ready);
-        out.send(
-            self.receiver,
-            Message::Ready {
-                key: self.key,
-                ready,
-            },
-        );
+        // Only a refusal is sent: acceptance is proved by the first landing (a receiver that
+        // re-advertises before any data arrives is answered `Ready(true)`).
+        if !ready {
+            out.send(
+                self.receiver,
+                Message::Ready {
+                    key: self.key,
+                    ready,
+                },
+            );
+        }
         if ready {
             for desc in &self.buffers {
                 self.sends.insert(desc.segment, SendState::Pending);
@@ -1023,6 +1032,9 @@ impl SendFlow {
             }
             _ => {}
         }
+        if self.verdict.is_none() && self.pulls() {
+            self.next_retx = now + self.retransmit;
+        }
         self.try_finish(out);
         true
     }
@@ -1102,6 +1114,17 @@ impl SendFlow {
                 self.fail(now, Outcome::TimedOut, out);
             }
         }
+        if now >= self.next_retx && self.verdict.is_none() && self.pulls() && !self.receiver_lost {
+            out.send(
+                self.receiver,
+                Message::Vote {
+                    key: self.key,
+                    outcome: Outcome::Completed,
+                },
+            );
+            out.stats.retransmits += 1;
+            self.next_retx = now + self.retransmit;
+        }
         if now >= self.next_retx {
             if let (Some(v), None, false) = (self.local_vote, self.verdict, self.receiver_lost) {
                 if v == Outcome::Rejected {
@@ -1135,9 +1158,18 @@ impl SendFlow {
         if !self.deadline_fired {
             t = t.min(self.deadline);
         }
-        if self.verdict.is_none() && self.local_vote.is_some() && !self.receiver_lost {
+        if self.verdict.is_none()
+            && !self.receiver_lost
+            && (self.local_vote.is_some() || self.pulls())
+        {
             t = t.min(self.next_retx);
         }
         t
+    }
+
+    /// Every send done and accepted, no verdict yet: this rank asks for the verdict (a `Vote`
+    /// of `Completed`, which the receiver answers with its verdict) at the retransmit interval.
+    fn pulls(&self) -> bool {
+        self.accepted == Some(true) && self.local_vote.is_none() && self.quiesced()
     }
 }
