@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every check kvlink has, in one go, and prints a summary. Exits non-zero if any fails.
 #   install-deps, cargo fmt --check, cargo clippy (all targets, -D warnings), cargo test,
-#   CMake configure + build (Ninja) + ctest, header drift check.
+#   CMake configure + build (Ninja) + ctest, the package check (Release line, all-off install,
+#   installed consumer), header drift check.
 # Rust is compiled once: CMake's cargo step uses the same target dir and profile (dev) as
 # `cargo test`, so it only links. Later steps still run after a failure, so one run shows all
 # problems; a step whose prerequisite failed is reported as skipped.
@@ -53,6 +54,9 @@ step cmake-configure -- cmake -S "$root" -B "$build_dir" -G Ninja \
     -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR"
 step cmake-build requires=cmake-configure -- cmake --build "$build_dir" -j "$jobs"
 step ctest requires=cmake-build -- ctest --test-dir "$build_dir" --output-on-failure -j "$jobs"
+# The package as the README documents it: the Release CMake line + ctest, an install with every
+# option off, and a consumer built against that install alone.
+step package-check -- env KVLINK_SKIP_DEPS=1 bash "$root/scripts/package-check.sh"
 step header-drift -- bash "$root/scripts/check-header-drift.sh"
 
 echo
