@@ -71,8 +71,9 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 4)]
     pub senders: u64,
 
-    /// Time limit of one row in seconds: requests not done by then count as failed, and both
-    /// processes are stopped [default: 60, --quick: 10].
+    /// Time limit of one row in seconds: requests not done by then count as failed (the
+    /// "failed" column counts the whole row, warm-up included), and both processes are stopped
+    /// [default: 60, --quick: 10].
     #[arg(long)]
     pub row_timeout: Option<u64>,
 

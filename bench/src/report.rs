@@ -34,6 +34,10 @@ pub struct PeerResult {
     pub errors: Vec<String>,
     /// `Engine::health()` at the end (Debug text: its fields belong to the engine).
     pub health: Option<String>,
+    /// The round in progress and when it started (moved into `rounds` if the time limit
+    /// stops it).
+    #[serde(skip)]
+    pub current: Option<(Round, std::time::Instant)>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -23,7 +23,7 @@ use std::fmt::Display;
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 pub const CTX_RANK: u32 = 0;
@@ -56,6 +56,9 @@ struct Shared {
     result: Arc<Mutex<PeerResult>>,
     /// The final report is out: the watchdog then only ends the process.
     done: Arc<AtomicBool>,
+    /// The engine, for the watchdog's report of its health (weak: the watchdog must not keep
+    /// it alive past the buffers it receives into).
+    engine: Arc<Mutex<Weak<Engine>>>,
 }
 
 impl Shared {
@@ -66,7 +69,27 @@ impl Shared {
                 ..PeerResult::default()
             })),
             done: Arc::default(),
+            engine: Arc::new(Mutex::new(Weak::new())),
         }
+    }
+    fn watch_engine(&self, e: &Arc<Engine>) {
+        *self.engine.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(e);
+    }
+    /// `health()` of the engine, unless it takes longer than `limit` (a wedged engine).
+    fn health(&self, limit: Duration) -> Option<String> {
+        let e = self
+            .engine
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .upgrade()?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(format!("{:?}", e.health()));
+        });
+        Some(
+            rx.recv_timeout(limit)
+                .unwrap_or_else(|_| format!("health() did not return within {limit:?}")),
+        )
     }
     fn lock(&self) -> MutexGuard<'_, PeerResult> {
         self.result.lock().unwrap_or_else(|p| p.into_inner())
@@ -90,7 +113,16 @@ impl Shared {
         std::thread::spawn(move || {
             std::thread::sleep(at.saturating_duration_since(Instant::now()));
             if !me.done.load(Ordering::Acquire) {
-                me.lock().stopped_at_limit = true;
+                let health = me.health(Duration::from_millis(500));
+                let mut r = me.lock();
+                r.stopped_at_limit = true;
+                if let Some((mut round, t0)) = r.current.take() {
+                    round.us_per_request =
+                        t0.elapsed().as_secs_f64() * 1e6 / round.requests.max(1) as f64;
+                    r.rounds.push(round);
+                }
+                r.health = r.health.take().or(health);
+                drop(r);
                 me.report_final(tag);
             }
             std::process::exit(3);
@@ -172,12 +204,13 @@ fn gen(a: &PeerArgs) -> i32 {
     let mut cfg = EngineConfig::new("bench-gen", GEN_RANK, a.transport.kind());
     cfg.timeout = limit;
     let engine = match Engine::new(cfg) {
-        Ok(e) => e,
+        Ok(e) => Arc::new(e),
         Err(e) => {
             st.lock().error(format!("engine: {e}"));
             return finish(1);
         }
     };
+    st.watch_engine(&engine);
     let ctx = match engine.connect(addr, (Instant::now() + CONNECT_LIMIT).min(deadline)) {
         Ok(r) => r,
         Err(e) => {
@@ -200,6 +233,13 @@ fn gen(a: &PeerArgs) -> i32 {
         let measured = round >= a.warmup;
         let seed_ix = (round % 2) as usize;
         let t0 = Instant::now();
+        st.lock().current = Some((
+            Round {
+                requests: n as u64,
+                ..Round::default()
+            },
+            t0,
+        ));
         let mut keys: Vec<Option<(RequestKey, Instant)>> = Vec::with_capacity(n);
         for b in bufs.iter_mut() {
             let key = RequestKey::new(next_id, 0);
@@ -248,6 +288,9 @@ fn gen(a: &PeerArgs) -> i32 {
                     landed[i] = true;
                     completed += 1;
                     s.completed += 1;
+                    if let Some((r, _)) = s.current.as_mut() {
+                        r.completed += 1;
+                    }
                     if measured {
                         latency_us.push(now.duration_since(*at).as_secs_f64() * 1e6);
                     }
@@ -269,6 +312,7 @@ fn gen(a: &PeerArgs) -> i32 {
             .count() as u64;
         let mut s = st.lock();
         s.corrupt += corrupt;
+        s.current = None;
         s.rounds.push(Round {
             requests: n as u64,
             completed,
@@ -316,6 +360,7 @@ fn ctx(a: &PeerArgs) -> i32 {
             return 1;
         }
     };
+    st.watch_engine(&engine);
     say(format!("ADDR {}", engine.address()));
 
     let planned = a.planned();

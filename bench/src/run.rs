@@ -455,10 +455,10 @@ fn to_row(mut row: Row, out: PairOut, measured: u64) -> Row {
             ),
         );
         if let Some(k) = r.rounds.iter().position(|x| x.completed < x.requests) {
+            let planned_rounds = r.planned / row.in_flight.max(1);
             notes.push(format!(
-                "first incomplete round: {} of {}",
-                k + 1,
-                r.rounds.len()
+                "first incomplete round: {} of {planned_rounds}",
+                k + 1
             ));
         }
     }
