@@ -17,7 +17,8 @@ then waited). Each kvlink row starts two fresh processes (this binary, re-execut
 generation and the context side); a row that does not finish within --row-timeout is reported \
 with its failure count and the run goes on.\n\n\
 Figures: GB/s = 1e9 bytes/s; us/req = wall time of a round divided by its requests (p50, p99 \
-over rounds; for one in flight that is one request end to end); x tag_bw = kvlink GB/s over \
+over rounds; for one in flight that is one request end to end; for the transport row, one \
+transfer from post to completion on the sender); x tag_bw = kvlink GB/s over \
 tag_bw GB/s at the same size; x tag_lat = kvlink us/req p50 over tag_lat one-way p50. The \
 machine is shared and noisy: compare rows of one run, not runs.",
     args_conflicts_with_subcommands = true

@@ -27,7 +27,10 @@ pub struct Figures {
 pub fn version() -> Option<String> {
     let out = Command::new("ucx_info").arg("-v").output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.contains("Library version"))?;
+    // "# Version 1.13.1" (older releases: "# UCT version=..." / "Library version: ...").
+    let line = text
+        .lines()
+        .find(|l| l.contains("Version") || l.contains("version"))?;
     Some(line.trim_start_matches(['#', ' ']).trim().to_string())
 }
 

@@ -82,8 +82,10 @@ fn points(rows: &[Row], tl: &str, kind: Kind, value: fn(&Row) -> Option<f64>) ->
 
 fn label(kind: Kind, micros: bool) -> &'static str {
     match (kind, micros) {
-        (Kind::KvlinkRequest, _) => "kvlink whole request (p50)",
-        (Kind::KvlinkTransport, _) => "kvlink transport (p50)",
+        (Kind::KvlinkRequest, false) => "kvlink whole requests",
+        (Kind::KvlinkRequest, true) => "kvlink whole request (p50)",
+        (Kind::KvlinkTransport, false) => "kvlink transport",
+        (Kind::KvlinkTransport, true) => "kvlink transport, per transfer (p50)",
         (Kind::UcxTagBw, false) => "ucx_perftest tag_bw -O 1",
         (Kind::UcxTagBw, true) => "ucx_perftest tag_bw -O 1, per message",
         (Kind::UcxTagLat, _) => "ucx_perftest tag_lat, one-way",

@@ -269,7 +269,7 @@ pub fn table_line(r: &Row) -> String {
         size_label(r.size),
         r.in_flight.to_string(),
         r.measured.to_string(),
-        if ucx {
+        if ucx || r.status == "error" {
             "-".into()
         } else {
             r.failed.to_string()

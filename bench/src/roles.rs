@@ -432,7 +432,7 @@ fn ctx(a: &PeerArgs) -> i32 {
             if matches!(o, Ok(Outcome::Completed)) {
                 s.completed += 1;
             } else {
-                s.fail(format!("sender {}", not_completed(&o)));
+                s.fail(format!("wait {}", not_completed(&o)));
             }
         }
         if last_progress.elapsed() >= PROGRESS_EVERY {

@@ -278,7 +278,13 @@ impl Runner {
                 limit.as_millis().to_string(),
             ]
         };
-        let mut out = PairOut::default();
+        let mut out = PairOut {
+            listener_label: match listener_role {
+                PeerRole::Ctx => "context side",
+                _ => "receiving agent",
+            },
+            ..PairOut::default()
+        };
         let listener_started = Instant::now();
         let mut listener = match Proc::spawn(&self.exe, &common(listener_role)) {
             Ok(p) => p,
@@ -332,8 +338,10 @@ impl Runner {
                     }
                 }
                 Err(NoLine::Timeout) => {
+                    active.finish(Duration::ZERO);
                     out.notes.push(format!(
-                        "killed {} s past the row limit",
+                        "{} process killed {} s past the row limit",
+                        role(active_role),
                         KILL_AFTER.as_secs()
                     ));
                     break;
@@ -379,7 +387,7 @@ impl Runner {
         }
         listener.finish(EXIT_GRACE);
         active.close_stdin();
-        if !active.finish(EXIT_GRACE) {
+        if !active.finish(EXIT_GRACE) && out.result.is_some() {
             out.notes.push(format!(
                 "{} process still running {} s after the row: killed",
                 role(active_role),
@@ -396,6 +404,8 @@ struct PairOut {
     result: Option<PeerResult>,
     /// The listening side's last report.
     listener: Option<PeerResult>,
+    /// Who the listening side is, for the notes.
+    listener_label: &'static str,
     /// Its last progress line (`done planned`), for a side that was killed.
     progress: String,
     notes: Vec<String>,
@@ -440,7 +450,11 @@ fn to_row(mut row: Row, out: PairOut, measured: u64) -> Row {
         row.health.extend(l.health.clone());
         let lf = l.failed();
         if lf > 0 {
-            notes.push(format!("sender side: {}", failures_text(&l.failures)));
+            notes.push(format!(
+                "{}: {}",
+                out.listener_label,
+                failures_text(&l.failures)
+            ));
         }
     }
     if row.failed > 0 || r.corrupt > 0 {
