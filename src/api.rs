@@ -59,6 +59,12 @@ pub fn engine_new(o: &EngineOptions) -> Result<Box<EngineHandle>> {
         if o.agreement_ms > 0 {
             cfg.agreement_bound = Duration::from_millis(o.agreement_ms);
         }
+        if o.wedge_ms > 0 {
+            cfg.wedge_window = Duration::from_millis(o.wedge_ms);
+        }
+        if o.degraded_ms > 0 {
+            cfg.degraded_window = Duration::from_millis(o.degraded_ms);
+        }
         cfg.faults.suppress_data_of_request =
             (o.fault_suppress_request >= 0).then_some(o.fault_suppress_request as u64);
         Ok(Box::new(EngineHandle {
@@ -384,6 +390,8 @@ impl EngineHandle {
     pub fn health(&self) -> HealthInfo {
         let h = self.engine.health();
         HealthInfo {
+            state: h.state as u8,
+            since_last_fault_ms: h.since_last_fault_ms,
             peers: h.peers,
             peers_failed: h.peers_failed,
             requests_known: h.requests_known,

@@ -19,8 +19,11 @@ pub mod ffi {
         listen: String,
         /// Per-request deadline (TensorRT-LLM's kv_transfer_timeout_ms). Must be positive.
         timeout_ms: u64,
-        /// Extra time past a deadline for ranks to agree (0: the default, 2000 ms).
+        /// Extra time past a deadline for ranks to agree (0: the default, 50 ms).
         agreement_ms: u64,
+        /// health().state windows (0: the defaults, 10 000 and 60 000 ms).
+        wedge_ms: u64,
+        degraded_ms: u64,
         /// Fault hook: the request id whose data a sender silently drops; -1 for none.
         fault_suppress_request: i64,
     }
@@ -64,6 +67,9 @@ pub mod ffi {
     /// The progress snapshot (see `kvlink::Health` in kvlink.hpp).
     #[derive(Default, Debug)]
     struct HealthInfo {
+        /// 0 Healthy, 1 Degraded, 2 Wedged.
+        state: u8,
+        since_last_fault_ms: u64,
         peers: u64,
         peers_failed: u64,
         requests_known: u64,

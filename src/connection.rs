@@ -1,5 +1,5 @@
 //! The engine's former path, kept so `kvlink::connection::*` keeps compiling: see
 //! [`crate::engine`].
 pub use crate::engine::{
-    Advertisement, BufferSpec, Engine, EngineConfig, Faults, Health, PeerState,
+    Advertisement, BufferSpec, Engine, EngineConfig, Faults, Health, HealthState, PeerState,
 };

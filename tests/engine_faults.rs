@@ -64,9 +64,14 @@ fn start_ctx(tl: &str, ns: Option<&str>, listen: Option<&str>) -> (Proc, String)
 }
 
 fn start_gen(tl: &str, ns: Option<&str>, addr: &str) -> Proc {
+    start_gen_with(tl, ns, addr, &[])
+}
+
+fn start_gen_with(tl: &str, ns: Option<&str>, addr: &str, extra: &[&str]) -> Proc {
     let mut cmd = peer_cmd(ns);
     cmd.args(["gen", "--transport", tl, "--to", addr, "--sizes", SIZES])
-        .args(["--timeout-ms", &TIMEOUT_MS.to_string()]);
+        .args(["--timeout-ms", &TIMEOUT_MS.to_string()])
+        .args(extra);
     let mut gen = Proc::spawn(cmd);
     gen.expect("CONNECTED");
     gen
@@ -175,4 +180,40 @@ fn partition_mid_transfer_ends_both_sides_by_the_deadline_and_the_pair_heals() {
     completes(&mut ctx, &mut gen, 3);
     gen.send("HEALTH");
     println!("  after: {}", gen.expect("HEALTH"));
+}
+
+/// `health().state` tells alive from working: a receiver whose sender is frozen mid-transfer is
+/// `Wedged` while it waits (work pending, no data moving for longer than the 1 s window), and
+/// recovery brings it back: `Degraded` while the fault is recent (3 s window), then `Healthy`.
+#[test]
+fn health_state_is_wedged_while_a_peer_is_frozen_and_recovers() {
+    let (mut ctx, addr) = start_ctx("tcp", None, None);
+    let extra = [
+        "--wedge-ms",
+        "1000",
+        "--degraded-ms",
+        "3000",
+        "--health-every-ms",
+        "100",
+    ];
+    let mut gen = start_gen_with("tcp", None, &addr, &extra);
+    completes(&mut ctx, &mut gen, 1);
+    assert_eq!(gen.expect("STATE "), "STATE Healthy");
+    start_request(&mut ctx, &mut gen, 2);
+    ctx.signal(libc::SIGSTOP);
+    // Before the request's deadline (4 s) the receiver must be seen Wedged.
+    let seen = gen.expect_one_of(&["STATE Wedged", "GEN 2 "]);
+    assert_eq!(seen, "STATE Wedged", "not Wedged before the request ended");
+    let g = gen.expect("GEN 2 ");
+    check_bounded("receiver", &g);
+    ctx.signal(libc::SIGCONT);
+    ctx.expect("CTX 2 ");
+    completes(&mut ctx, &mut gen, 3);
+    assert_eq!(gen.expect_one_of(&["STATE Degraded"]), "STATE Degraded");
+    let t0 = Instant::now();
+    assert_eq!(gen.expect_one_of(&["STATE Healthy"]), "STATE Healthy");
+    println!(
+        "  Healthy again {:?} after the pair recovered",
+        t0.elapsed()
+    );
 }

@@ -987,8 +987,11 @@ struct EngineOptions final {
   ::rust::String listen;
   // Per-request deadline (TensorRT-LLM's kv_transfer_timeout_ms). Must be positive.
   ::std::uint64_t timeout_ms CXX_DEFAULT_VALUE(0);
-  // Extra time past a deadline for ranks to agree (0: the default, 2000 ms).
+  // Extra time past a deadline for ranks to agree (0: the default, 50 ms).
   ::std::uint64_t agreement_ms CXX_DEFAULT_VALUE(0);
+  // health().state windows (0: the defaults, 10 000 and 60 000 ms).
+  ::std::uint64_t wedge_ms CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t degraded_ms CXX_DEFAULT_VALUE(0);
   // Fault hook: the request id whose data a sender silently drops; -1 for none.
   ::std::int64_t fault_suppress_request CXX_DEFAULT_VALUE(0);
 
@@ -1048,6 +1051,9 @@ struct NotificationInfo final {
 #define CXXBRIDGE1_STRUCT_kvlink$ffi$HealthInfo
 // The progress snapshot (see `kvlink::Health` in kvlink.hpp).
 struct HealthInfo final {
+  // 0 Healthy, 1 Degraded, 2 Wedged.
+  ::std::uint8_t state CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t since_last_fault_ms CXX_DEFAULT_VALUE(0);
   ::std::uint64_t peers CXX_DEFAULT_VALUE(0);
   ::std::uint64_t peers_failed CXX_DEFAULT_VALUE(0);
   ::std::uint64_t requests_known CXX_DEFAULT_VALUE(0);

@@ -105,6 +105,12 @@ struct EngineConfig {
   /// no verdict by then ends with its own failure and fences what is still unsafe. Zero means
   /// the default (50 ms).
   std::chrono::milliseconds agreement_bound{0};
+  /// `Health::state`: work pending and no data moved for this long is `Wedged` (zero: 10 s).
+  /// Make it longer than the slowest prefill a receiver waits through.
+  std::chrono::milliseconds wedge_window{0};
+  /// `Health::state`: a fault (failed peer, timed-out or lost request) this recent makes the
+  /// engine `Degraded` (zero: 60 s).
+  std::chrono::milliseconds degraded_window{0};
   /// Fault hook for tests and the demo: a context rank "sends" this request id's data without
   /// moving it (a lost completion). Leave empty in production.
   std::optional<std::uint64_t> fault_suppress_request;
@@ -160,8 +166,23 @@ struct Notification {
   std::vector<std::uint8_t> payload;
 };
 
+/// The verdict of `Health`: is this engine making progress?
+enum class HealthState : std::uint8_t {
+  /// No work stuck, no fault within the degraded window.
+  Healthy = 0,
+  /// Requests still complete (or nothing is pending), but a peer or a request failed within the
+  /// degraded window.
+  Degraded = 1,
+  /// Work is pending and no data has moved for longer than the wedge window: alive, not working.
+  Wedged = 2,
+};
+
 /// The progress snapshot: tells "alive" from "working" and shows leaks.
 struct Health {
+  /// The verdict (see `HealthState`); the counters below are what it is computed from.
+  HealthState state = HealthState::Healthy;
+  /// Milliseconds since the last failed peer or timed-out / lost request (UINT64_MAX if none).
+  std::uint64_t since_last_fault_ms = 0;
   std::uint64_t peers = 0;
   std::uint64_t peers_failed = 0;
   /// Requests the protocol core still knows (running, or lingering to answer late messages).
@@ -417,7 +438,8 @@ class Engine {
   /// The progress snapshot. Does not block (takes the engine's lock briefly).
   Health health() const noexcept {
     const ffi::HealthInfo h = handle_->health();
-    return {h.peers,           h.peers_failed,   h.requests_known,  h.completed,
+    return {static_cast<HealthState>(h.state), h.since_last_fault_ms,
+            h.peers,           h.peers_failed,   h.requests_known,  h.completed,
             h.failed,          h.stale_dropped,  h.bad_frames,      h.buffers_leased,
             h.buffers_fenced,  h.ops_in_flight,  h.oldest_op_ms,    h.since_last_completion_ms,
             h.bytes_completed, h.unreaped_ops,    h.peers_reconnecting, h.reconnects,
@@ -441,6 +463,8 @@ class Engine {
     o.listen = detail::string(c.listen);
     o.timeout_ms = static_cast<std::uint64_t>(c.timeout.count());
     o.agreement_ms = c.agreement_bound.count() > 0 ? static_cast<std::uint64_t>(c.agreement_bound.count()) : 0;
+    o.wedge_ms = c.wedge_window.count() > 0 ? static_cast<std::uint64_t>(c.wedge_window.count()) : 0;
+    o.degraded_ms = c.degraded_window.count() > 0 ? static_cast<std::uint64_t>(c.degraded_window.count()) : 0;
     o.fault_suppress_request =
         c.fault_suppress_request ? static_cast<std::int64_t>(*c.fault_suppress_request) : -1;
     return detail::call([&] { return ffi::engine_new(o); });

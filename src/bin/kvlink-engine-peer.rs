@@ -10,6 +10,8 @@
 //!   connects, prints `CONNECTED`, then for every stdin line `REQ <id>` advertises one request
 //!   with one buffer per size, prints `ADV <id>`, waits for its end and prints
 //!   `GEN <id> end=<outcome> late_ms=<ms> verified=<bool> leased=<n>`; `HEALTH` prints a line.
+//!   With `--health-every-ms N` a second thread prints `STATE <Healthy|Degraded|Wedged>` every N
+//!   ms (`--wedge-ms`, `--degraded-ms` set the windows).
 use kvlink::engine::{BufferSpec, Engine, EngineConfig};
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
 use kvlink::transport::TransportKind;
@@ -143,7 +145,22 @@ fn ctx(transport: TransportKind, timeout: Duration, args: &[String]) {
 fn gen(transport: TransportKind, timeout: Duration, args: &[String]) {
     let mut cfg = EngineConfig::new("gen", GEN, transport);
     cfg.timeout = timeout;
-    let engine = Engine::new(cfg).expect("engine");
+    let ms = |name: &str| arg(args, name).map(|v| Duration::from_millis(v.parse().expect(name)));
+    if let Some(w) = ms("--wedge-ms") {
+        cfg.wedge_window = w;
+    }
+    if let Some(d) = ms("--degraded-ms") {
+        cfg.degraded_window = d;
+    }
+    let engine = std::sync::Arc::new(Engine::new(cfg).expect("engine"));
+    if let Some(every) = ms("--health-every-ms") {
+        // What a router's health check would see, while requests run on the main thread.
+        let e = engine.clone();
+        std::thread::spawn(move || loop {
+            say(format!("STATE {:?}", e.health().state));
+            std::thread::sleep(every);
+        });
+    }
     let to = arg(args, "--to").expect("--to ADDR");
     let sizes: Vec<usize> = arg(args, "--sizes")
         .unwrap_or("4K".into())

@@ -97,6 +97,8 @@ pub(crate) struct Counters {
     /// Waits that returned at their deadline's slack before the request's end was certain
     /// (UCX did not release a fenced receive in time): should stay 0.
     pub unsettled_returns: u64,
+    /// When a peer last failed or a request last ended TimedOut / PeerLost.
+    pub last_fault: Option<Instant>,
 }
 
 impl HasWaiters for Core {
@@ -149,6 +151,8 @@ pub(crate) struct Inner {
     pub name: String,
     pub faults: Faults,
     pub agreement_bound: Duration,
+    /// The wedge and degraded windows of `health().state`.
+    pub windows: (Duration, Duration),
     pub core: Mutex<Core>,
     pub stopping: AtomicBool,
 }
@@ -243,6 +247,7 @@ impl Inner {
             Event::PeerFailed(peer) => {
                 if let Some(rank) = core.peers.on_failed(peer, now) {
                     tracing::warn!("{rank}: connection failed");
+                    core.counters.last_fault = Some(now);
                     core.ep.handle_peer_lost(now, rank);
                     core.waiters.wake(WaitKey::Peer(rank));
                 }
@@ -476,6 +481,9 @@ impl Inner {
                     Role::Sender { receiver } => Some(receiver),
                 };
                 core.finished.insert((key, peer), now);
+                if matches!(outcome, Outcome::TimedOut | Outcome::PeerLost) {
+                    core.counters.last_fault = Some(now);
+                }
                 if role == Role::Receiver && core.fencing.contains_key(&key) {
                     core.deferred.insert(key, outcome);
                 } else {

@@ -35,6 +35,7 @@ mod waiters;
 
 pub use peers::PeerState;
 
+
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use crate::proto::{
     BufferDesc, BufferKind, Config, Endpoint, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role,
@@ -64,6 +65,10 @@ pub struct EngineConfig {
     pub timeout: Duration,
     /// How long past a deadline the ranks may spend agreeing before each ends on its own.
     pub agreement_bound: Duration,
+    /// `health().state`: work pending and no data landing or sent for this long is `Wedged`.
+    pub wedge_window: Duration,
+    /// `health().state`: a fault (failed peer, failed request) this recent is `Degraded`.
+    pub degraded_window: Duration,
     /// Fault hooks for tests and the demo.
     pub faults: Faults,
 }
@@ -77,6 +82,8 @@ impl EngineConfig {
             listen: None,
             timeout: Duration::from_secs(60),
             agreement_bound: Config::default().agreement_bound,
+            wedge_window: Duration::from_secs(10),
+            degraded_window: Duration::from_secs(60),
             faults: Faults::default(),
         }
     }
@@ -113,9 +120,28 @@ pub struct Advertisement {
     pub buffers: Vec<BufferDesc>,
 }
 
+/// The verdict of [`Health`]: is this engine making progress?
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(u8)]
+pub enum HealthState {
+    /// No work stuck, no fault within the degraded window.
+    #[default]
+    Healthy = 0,
+    /// Requests still complete (or nothing is pending), but a peer failed or a request failed
+    /// (timed out, peer lost) within the degraded window.
+    Degraded = 1,
+    /// Work is pending (a transfer in flight or posted) and no data has landed or been sent for
+    /// longer than the wedge window: alive, not working.
+    Wedged = 2,
+}
+
 /// The progress snapshot: "alive" told from "working".
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Health {
+    /// The verdict, from the counters below (see [`HealthState`]).
+    pub state: HealthState,
+    /// Milliseconds since the last fault (failed peer or request), u64::MAX if none.
+    pub since_last_fault_ms: u64,
     /// Ranks connected now.
     pub peers: u64,
     /// Connection failures seen (each one cost the requests on that endpoint, not the pair).
@@ -198,6 +224,7 @@ impl Engine {
             name: cfg.name,
             faults: cfg.faults,
             agreement_bound: cfg.agreement_bound,
+            windows: (cfg.wedge_window, cfg.degraded_window),
             core: Mutex::new(Core::new(Endpoint::new(me, config), POOL_SLOTS)),
             stopping: AtomicBool::new(false),
         });
@@ -830,7 +857,26 @@ impl Engine {
         let core = self.inner.core.lock();
         let ps = core.ep.stats();
         let c = core.counters;
+        let now = Instant::now();
+        let since_fault = c.last_fault.map(|t| now.saturating_duration_since(t));
+        // Stalled for: since the last data completion, but no longer than the oldest pending op
+        // has existed (new work after a quiet spell is not a stall).
+        let stalled = match (s.oldest_in_flight, s.since_last_completion) {
+            (None, _) => Duration::ZERO,
+            (Some(age), Some(since)) => age.min(since),
+            (Some(age), None) => age,
+        };
+        let (wedge, degraded) = self.inner.windows;
+        let state = if stalled > wedge {
+            HealthState::Wedged
+        } else if since_fault.is_some_and(|d| d <= degraded) {
+            HealthState::Degraded
+        } else {
+            HealthState::Healthy
+        };
         Health {
+            state,
+            since_last_fault_ms: since_fault.map_or(u64::MAX, |d| d.as_millis() as u64),
             peers: core.peers.connected() as u64,
             peers_failed: core.peers.failures,
             peers_reconnecting: core.peers.count(PeerState::Reconnecting) as u64,

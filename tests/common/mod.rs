@@ -50,9 +50,34 @@ impl Proc {
                 "peer exited before printing {prefix}"
             );
             let line = line.trim_end().to_string();
-            println!("  | {line}");
+            if !line.starts_with("STATE ") {
+                println!("  | {line}");
+            }
             if line.starts_with(prefix) {
                 return line;
+            }
+        }
+    }
+
+    /// Next stdout line that starts with one of `prefixes` (other lines are skipped); returns
+    /// the matched line trimmed to that prefix when the prefix is a whole word sequence.
+    pub fn expect_one_of(&mut self, prefixes: &[&str]) -> String {
+        loop {
+            let mut line = String::new();
+            assert!(
+                self.out.read_line(&mut line).unwrap() > 0,
+                "peer exited before printing any of {prefixes:?}"
+            );
+            let line = line.trim_end().to_string();
+            if !line.starts_with("STATE ") {
+                println!("  | {line}");
+            }
+            if let Some(p) = prefixes.iter().find(|p| line.starts_with(**p)) {
+                return if p.ends_with(' ') {
+                    line
+                } else {
+                    p.to_string()
+                };
             }
         }
     }
