@@ -154,24 +154,6 @@ fn kind_name(e: &kvlink::Error) -> String {
     format!("{:?}", e.kind)
 }
 
-/// What `Engine::wait` returns: an `Outcome`, or (as the engine being rebuilt has it) a
-/// `Result<Outcome>` whose error is misuse such as an unknown key. Either reads the same here.
-trait WaitResult {
-    fn outcome(self) -> kvlink::Result<Outcome>;
-}
-
-impl WaitResult for Outcome {
-    fn outcome(self) -> kvlink::Result<Outcome> {
-        Ok(self)
-    }
-}
-
-impl WaitResult for kvlink::Result<Outcome> {
-    fn outcome(self) -> kvlink::Result<Outcome> {
-        self
-    }
-}
-
 /// How a wait that did not complete is counted.
 fn not_completed(r: &kvlink::Result<Outcome>) -> String {
     match r {
@@ -278,7 +260,7 @@ fn gen(a: &PeerArgs) -> i32 {
         let mut completed = 0u64;
         for (i, k) in keys.iter().enumerate() {
             if let Some((key, at)) = k {
-                let o = engine.wait(*key, Role::Receiver, deadline, None).outcome();
+                let o = engine.wait(*key, Role::Receiver, deadline, None);
                 let now = Instant::now();
                 let mut s = st.lock();
                 if let Err(e) = &o {
@@ -420,9 +402,7 @@ fn ctx(a: &PeerArgs) -> i32 {
     drop(tx);
     let mut last_progress = Instant::now();
     for (key, from) in rx {
-        let o = engine
-            .wait(key, Role::Sender { receiver: from }, deadline, None)
-            .outcome();
+        let o = engine.wait(key, Role::Sender { receiver: from }, deadline, None);
         {
             let mut s = st.lock();
             s.started += 1;

@@ -937,8 +937,24 @@ impl Engine {
     }
 }
 
+/// How long dropping an engine waits for its last control messages (a verdict just decided) to
+/// leave, so a peer is not left to find a closed endpoint instead of the verdict.
+const DRAIN_ON_DROP: Duration = Duration::from_millis(200);
+
 impl Drop for Engine {
     fn drop(&mut self) {
+        let until = Instant::now() + DRAIN_ON_DROP;
+        loop {
+            let pending = {
+                let mut core = self.inner.core.lock();
+                core.control_ops.retain_mut(|op| op.poll().is_none());
+                !core.control_ops.is_empty()
+            };
+            if !pending || Instant::now() >= until {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
         self.inner.stopping.store(true, Ordering::Release);
         self.inner.core.lock().waiters.wake_all();
         if let Some(d) = self.driver.take() {
