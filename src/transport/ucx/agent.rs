@@ -1,0 +1,564 @@
+//! The agent's public face: [`Agent`] and the handles it gives out ([`MemHandle`],
+//! [`RemoteKey`]). Every call checks what it can here, then hands a command to the progress
+//! thread; nothing here touches UCX.
+use super::op::{Op, OpSlot, SlotKind, STOP_NONE};
+use super::progress::progress_thread;
+use super::shared::{AtomicStats, Cmd, CmdQueue, Reply, Shared};
+use super::{AgentOptions, Event, PeerId, Stats, MAX_CONTROL};
+use crate::error::{Error, ErrorKind, Result};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A UCX agent: one context, one worker, one progress thread. Not `Clone`; dropping it shuts the
+/// progress thread down, cancels every op and closes every endpoint.
+pub struct Agent {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    listen_addr: Option<SocketAddr>,
+    worker_address: Vec<u8>,
+    name: String,
+}
+
+impl Agent {
+    /// Creates the agent and starts its progress thread.
+    pub fn new(opts: AgentOptions) -> Result<Agent> {
+        // SAFETY: eventfd with valid flags; the fd is closed in Drop for Agent.
+        let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if wake_fd < 0 {
+            return Err(Error::new(ErrorKind::Transport, "eventfd failed"));
+        }
+        let uid = fresh_uid();
+        let shared = Arc::new(Shared {
+            cmds: Mutex::new(CmdQueue::default()),
+            wake_fd,
+            stopping: AtomicBool::new(false),
+            events: Mutex::new(VecDeque::new()),
+            events_cv: Condvar::new(),
+            failed: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(HashMap::new()),
+            next_op: AtomicU64::new(1),
+            stats: AtomicStats::default(),
+            epoch: Instant::now(),
+            reap_grace: opts.reap_grace,
+            uid,
+            uid_le: uid.to_le_bytes(),
+        });
+        let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();
+        let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("kvlink-ucx-{}", opts.name))
+            .spawn(move || progress_thread(o, sh, ini))
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn: {e}")))?;
+        let started = init.wait(Instant::now() + Duration::from_secs(30));
+        match started {
+            Ok((listen_addr, worker_address)) => Ok(Agent {
+                shared,
+                thread: Some(thread),
+                listen_addr,
+                worker_address,
+                name: opts.name,
+            }),
+            Err(e) => {
+                shared.stopping.store(true, Ordering::Release);
+                let _ = shared.submit(Cmd::Shutdown);
+                let _ = thread.join();
+                // SAFETY: the progress thread has exited; nobody else uses the fd.
+                unsafe { libc::close(wake_fd) };
+                Err(e)
+            }
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The bound listen address (with the real port when 0 was asked for).
+    pub fn listen_address(&self) -> Option<SocketAddr> {
+        self.listen_addr
+    }
+
+    /// The worker's address, for connecting without a listener (shared memory).
+    pub fn worker_address(&self) -> &[u8] {
+        &self.worker_address
+    }
+
+    /// Connects to a peer's listener. The endpoint is usable at once; its failure is reported
+    /// by later operations and as [`Event::PeerFailed`].
+    pub fn connect(&self, addr: SocketAddr) -> Result<PeerId> {
+        let r = Reply::new();
+        self.shared.submit(Cmd::Connect(addr, r.clone()))?;
+        r.wait(Instant::now() + Duration::from_secs(10))
+    }
+
+    /// Connects to a peer by its exported worker address.
+    pub fn connect_worker(&self, address: &[u8]) -> Result<PeerId> {
+        if address.is_empty() || address.len() > 64 * 1024 {
+            return Err(Error::invalid("worker address must be 1..=65536 bytes"));
+        }
+        let r = Reply::new();
+        self.shared
+            .submit(Cmd::ConnectWorker(address.to_vec(), r.clone()))?;
+        r.wait(Instant::now() + Duration::from_secs(10))
+    }
+
+    /// This agent's unique id, carried in the header of every control message it sends.
+    pub fn uid(&self) -> u64 {
+        self.shared.uid
+    }
+
+    fn check_peer(&self, peer: PeerId) -> Result<()> {
+        match self.shared.peer_failed(peer) {
+            None => Err(Error::new(
+                ErrorKind::UnknownPeer,
+                format!("no peer {}", peer.0),
+            )),
+            Some(true) => Err(Error::new(
+                ErrorKind::PeerLost,
+                format!("peer {} has failed", peer.0),
+            )),
+            Some(false) => Ok(()),
+        }
+    }
+
+    fn new_slot(
+        &self,
+        peer: PeerId,
+        expected_len: usize,
+        tag: u64,
+        kind: SlotKind,
+        notify: bool,
+    ) -> Arc<OpSlot> {
+        let send = kind == SlotKind::Send;
+        let control = kind == SlotKind::Control;
+        let id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(OpSlot {
+            id,
+            peer,
+            expected_len,
+            tag,
+            send,
+            notify,
+            control,
+            started: Instant::now(),
+            state: Mutex::new(None),
+            cv: Condvar::new(),
+            request: AtomicPtr::new(std::ptr::null_mut()),
+            stop_reason: AtomicU8::new(STOP_NONE),
+        });
+        self.shared
+            .in_flight
+            .lock()
+            .insert(id, Arc::downgrade(&slot));
+        self.shared
+            .stats
+            .ops_started
+            .fetch_add(1, Ordering::Relaxed);
+        slot
+    }
+
+    fn op(&self, slot: Arc<OpSlot>) -> Op {
+        Op::new(slot, self.shared.clone())
+    }
+
+    /// Posts a tagged send of `len` bytes at `addr` to `peer`.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be readable host memory that stays valid and unmodified until the
+    /// returned [`Op`] has ended (completed, or [`Op::is_quiesced`] after a stop).
+    pub unsafe fn post_send(
+        &self,
+        peer: PeerId,
+        tag: u64,
+        addr: *const u8,
+        len: usize,
+    ) -> Result<Op> {
+        self.post_send_with(peer, tag, addr, len, false)
+    }
+
+    /// [`Agent::post_send`], optionally reporting the op's end as [`Event::OpDone`].
+    ///
+    /// # Safety
+    /// As for [`Agent::post_send`].
+    pub unsafe fn post_send_with(
+        &self,
+        peer: PeerId,
+        tag: u64,
+        addr: *const u8,
+        len: usize,
+        notify: bool,
+    ) -> Result<Op> {
+        self.post_tag(SlotKind::Send, peer, tag, addr as usize, len, notify)
+    }
+
+    /// Posts a tagged receive of exactly `len` bytes into `addr`, from `peer` (the peer whose
+    /// failure cancels it). The receive's completion is the data's arrival.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be writable host memory, not read or written by anyone else, that
+    /// stays valid until the returned [`Op`] has ended.
+    pub unsafe fn post_recv(
+        &self,
+        peer: PeerId,
+        tag: u64,
+        addr: *mut u8,
+        len: usize,
+    ) -> Result<Op> {
+        self.post_recv_with(peer, tag, addr, len, false)
+    }
+
+    /// [`Agent::post_recv`], optionally reporting the op's end as [`Event::OpDone`].
+    ///
+    /// # Safety
+    /// As for [`Agent::post_recv`].
+    pub unsafe fn post_recv_with(
+        &self,
+        peer: PeerId,
+        tag: u64,
+        addr: *mut u8,
+        len: usize,
+        notify: bool,
+    ) -> Result<Op> {
+        self.post_tag(SlotKind::Recv, peer, tag, addr as usize, len, notify)
+    }
+
+    fn post_tag(
+        &self,
+        kind: SlotKind,
+        peer: PeerId,
+        tag: u64,
+        addr: usize,
+        len: usize,
+        notify: bool,
+    ) -> Result<Op> {
+        check_buffer(addr, len)?;
+        self.check_peer(peer)?;
+        let slot = self.new_slot(peer, len, tag, kind, notify);
+        let op = self.op(slot.clone());
+        let send = kind == SlotKind::Send;
+        self.shared.submit(Cmd::Tag {
+            send,
+            peer,
+            tag,
+            addr,
+            len,
+            slot,
+        })?;
+        Ok(op)
+    }
+
+    /// Registers `[addr, addr+len)` with UCX for one-sided access by peers. The handle's packed
+    /// remote key is what a peer needs ([`Agent::unpack_rkey`]); dropping the handle unmaps.
+    ///
+    /// # Safety
+    /// The range must be valid host memory for as long as the handle lives, and no peer may
+    /// still access it when the handle is dropped.
+    pub unsafe fn map(&self, addr: *mut u8, len: usize) -> Result<MemHandle> {
+        check_buffer(addr as usize, len)?;
+        let r = Reply::new();
+        self.shared.submit(Cmd::Map {
+            addr: addr as usize,
+            len,
+            reply: r.clone(),
+        })?;
+        let (id, packed_rkey) = r.wait(Instant::now() + Duration::from_secs(10))?;
+        Ok(MemHandle {
+            id,
+            addr: addr as u64,
+            len,
+            packed_rkey,
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// Unpacks a peer's remote key for its region `[base, base+len)` (as the peer advertised
+    /// it). Every put or get through the key is checked against that region.
+    pub fn unpack_rkey(
+        &self,
+        peer: PeerId,
+        packed: &[u8],
+        base: u64,
+        len: u64,
+    ) -> Result<RemoteKey> {
+        if packed.is_empty() || packed.len() > 64 * 1024 {
+            return Err(Error::invalid(
+                "a packed remote key must be 1..=65536 bytes",
+            ));
+        }
+        if base == 0 || len == 0 || base.checked_add(len).is_none() {
+            return Err(Error::new(ErrorKind::OutOfBounds, "bad remote region"));
+        }
+        self.check_peer(peer)?;
+        let r = Reply::new();
+        self.shared.submit(Cmd::UnpackRkey {
+            peer,
+            packed: packed.to_vec(),
+            reply: r.clone(),
+        })?;
+        let id = r.wait(Instant::now() + Duration::from_secs(10))?;
+        Ok(RemoteKey {
+            id,
+            peer,
+            base,
+            len,
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// One-sided write of `len` bytes at `local` into the peer's memory at `remote`. Completes
+    /// when the data is in place at the target (the endpoint is flushed).
+    ///
+    /// # Safety
+    /// `local..local+len` must be readable until the op has ended.
+    pub unsafe fn put(
+        &self,
+        local: *const u8,
+        len: usize,
+        key: &RemoteKey,
+        remote: u64,
+    ) -> Result<Op> {
+        self.rma(local as usize, len, key, remote, true)
+    }
+
+    /// One-sided read of `len` bytes from the peer's memory at `remote` into `local`.
+    ///
+    /// # Safety
+    /// `local..local+len` must be writable and untouched by others until the op has ended.
+    pub unsafe fn get(
+        &self,
+        local: *mut u8,
+        len: usize,
+        key: &RemoteKey,
+        remote: u64,
+    ) -> Result<Op> {
+        self.rma(local as usize, len, key, remote, false)
+    }
+
+    fn rma(&self, addr: usize, len: usize, key: &RemoteKey, remote: u64, put: bool) -> Result<Op> {
+        check_buffer(addr, len)?;
+        let end = remote.checked_add(len as u64);
+        if remote < key.base || end.is_none_or(|e| e > key.base + key.len) {
+            return Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!(
+                    "[{remote:#x}, +{len}) is outside the remote region [{:#x}, +{})",
+                    key.base, key.len
+                ),
+            ));
+        }
+        self.check_peer(key.peer)?;
+        let slot = self.new_slot(key.peer, len, 0, SlotKind::Rma, false);
+        let op = self.op(slot.clone());
+        self.shared.submit(Cmd::Rma {
+            rkey: key.id,
+            put,
+            addr,
+            len,
+            remote,
+            slot,
+        })?;
+        Ok(op)
+    }
+
+    /// Sends a small control message (eager active message); returns the op to wait on.
+    pub fn send_control(&self, peer: PeerId, bytes: Vec<u8>) -> Result<Op> {
+        if bytes.is_empty() || bytes.len() > MAX_CONTROL {
+            return Err(Error::invalid(format!(
+                "control message must be 1..={MAX_CONTROL} bytes"
+            )));
+        }
+        self.check_peer(peer)?;
+        let slot = self.new_slot(peer, bytes.len(), 0, SlotKind::Control, false);
+        let op = self.op(slot.clone());
+        self.shared.submit(Cmd::Control { peer, bytes, slot })?;
+        Ok(op)
+    }
+
+    /// Takes the next event, waiting until `deadline` (or until `cancel()` turns true, checked
+    /// every 5 ms when given). `None` when the wait ended without an event.
+    pub fn next_event(
+        &self,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Option<Event> {
+        let mut q = self.shared.events.lock();
+        loop {
+            if let Some(ev) = q.pop_front() {
+                return Some(ev);
+            }
+            let now = Instant::now();
+            if now >= deadline || cancel.is_some_and(|c| c()) {
+                return None;
+            }
+            let until = if cancel.is_some() {
+                deadline.min(now + Duration::from_millis(5))
+            } else {
+                deadline
+            };
+            self.shared.events_cv.wait_until(&mut q, until);
+        }
+    }
+
+    /// Whether `peer` is connected, failed, or unknown.
+    pub fn peer_state(&self, peer: PeerId) -> Result<()> {
+        self.check_peer(peer)
+    }
+
+    /// A snapshot of the progress counters.
+    pub fn stats(&self) -> Stats {
+        let s = &self.shared.stats;
+        let now = Instant::now();
+        let mut in_flight = 0;
+        let mut oldest: Option<Instant> = None;
+        let slots: Vec<Arc<OpSlot>> = self
+            .shared
+            .in_flight
+            .lock()
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for slot in slots {
+            {
+                if !slot.control && slot.state.lock().is_none() {
+                    in_flight += 1;
+                    oldest = Some(oldest.map_or(slot.started, |o| o.min(slot.started)));
+                }
+            }
+        }
+        let last = s.last_completion_ns.load(Ordering::Relaxed);
+        Stats {
+            ops_started: s.ops_started.load(Ordering::Relaxed),
+            ops_completed: s.ops_completed.load(Ordering::Relaxed),
+            ops_failed: s.ops_failed.load(Ordering::Relaxed),
+            in_flight,
+            bytes_completed: s.bytes_completed.load(Ordering::Relaxed),
+            since_last_completion: (last > 0).then(|| {
+                now.saturating_duration_since(self.shared.epoch + Duration::from_nanos(last))
+            }),
+            oldest_in_flight: oldest.map(|o| now.saturating_duration_since(o)),
+            unreaped: s.unreaped.load(Ordering::Relaxed),
+            wakeups: s.wakeups.load(Ordering::Relaxed),
+            empty_wakeups: s.empty_wakeups.load(Ordering::Relaxed),
+            backoffs: s.backoffs.load(Ordering::Relaxed),
+            stale_control_dropped: s.stale_control_dropped.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Force-closes the endpoint to `peer`: every op on it ends with an error and the peer is
+    /// marked failed. The fence of last resort.
+    pub fn close_peer(&self, peer: PeerId) -> Result<()> {
+        self.check_peer(peer)?;
+        self.shared.submit(Cmd::ForceClose(peer, None))
+    }
+
+    /// Like [`Agent::close_peer`], but returns only once the endpoint is closed and the receives
+    /// posted for the peer are cancelled (bounded by `deadline`). False if the deadline passed.
+    pub fn close_peer_sync(&self, peer: PeerId, deadline: Instant) -> bool {
+        let r = Reply::new();
+        if self
+            .shared
+            .submit(Cmd::ForceClose(peer, Some(r.clone())))
+            .is_err()
+        {
+            return false;
+        }
+        r.wait(deadline).is_ok()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::Release);
+        let _ = self.shared.submit(Cmd::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // SAFETY: the progress thread has exited; the fd is ours and closed once.
+        unsafe { libc::close(self.shared.wake_fd) };
+    }
+}
+
+/// Host memory registered with UCX ([`Agent::map`]). Not `Clone`; dropping it unmaps.
+pub struct MemHandle {
+    id: u64,
+    addr: u64,
+    len: usize,
+    packed_rkey: Vec<u8>,
+    shared: Arc<Shared>,
+}
+
+impl MemHandle {
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The key a peer unpacks to read or write this memory.
+    pub fn packed_rkey(&self) -> &[u8] {
+        &self.packed_rkey
+    }
+}
+
+impl Drop for MemHandle {
+    fn drop(&mut self) {
+        let _ = self.shared.submit(Cmd::Unmap(self.id));
+    }
+}
+
+/// A peer's memory key, bound to one endpoint and the region it was advertised for. Not
+/// `Clone`; dropping it destroys the key.
+pub struct RemoteKey {
+    id: u64,
+    peer: PeerId,
+    base: u64,
+    len: u64,
+    shared: Arc<Shared>,
+}
+
+impl Drop for RemoteKey {
+    fn drop(&mut self) {
+        let _ = self.shared.submit(Cmd::DestroyRkey(self.id));
+    }
+}
+
+fn check_buffer(addr: usize, len: usize) -> Result<()> {
+    if addr == 0 {
+        return Err(Error::invalid("null buffer"));
+    }
+    if len == 0 {
+        return Err(Error::invalid("zero-length transfer"));
+    }
+    if addr.checked_add(len).is_none() {
+        return Err(Error::new(
+            ErrorKind::OutOfBounds,
+            "buffer wraps the address space",
+        ));
+    }
+    Ok(())
+}
+
+/// A 64-bit id unique to this agent instance: time, pid and a process-wide counter mixed.
+fn fresh_uid() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut x = t
+        ^ ((std::process::id() as u64) << 32)
+        ^ COUNTER
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    // splitmix64 finaliser
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}

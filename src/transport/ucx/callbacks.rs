@@ -1,0 +1,233 @@
+//! The functions UCX calls (`extern "C"`). They run inside `ucp_worker_progress` on the progress
+//! thread: completions end their op's slot at once ([`finish_slot`]); everything else is only
+//! pushed as a [`CbEvent`] for the progress loop to handle after the call, so no state is borrowed
+//! re-entrantly.
+use super::op::OpSlot;
+use super::shared::Shared;
+use super::{sys, Event, MAX_CONTROL};
+use std::cell::RefCell;
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// What UCX callbacks report; they run inside `ucp_worker_progress` on the progress thread and
+/// only push here, so no state is borrowed re-entrantly.
+pub(super) enum CbEvent {
+    ConnRequest(sys::ucp_conn_request_h),
+    EpError(u64, sys::ucs_status_t),
+    Drain(sys::ucp_ep_h, u64, u64),
+    Bind(u64, Vec<u8>),
+    Control(sys::ucp_ep_h, u64, Vec<u8>),
+}
+
+thread_local! {
+    static CB_EVENTS: RefCell<Vec<CbEvent>> = const { RefCell::new(Vec::new()) };
+}
+
+fn push_cb(ev: CbEvent) {
+    CB_EVENTS.with(|q| q.borrow_mut().push(ev));
+}
+
+/// Takes what the callbacks reported since the last call (progress thread only).
+pub(super) fn take_events() -> Vec<CbEvent> {
+    CB_EVENTS.with(|q| std::mem::take(&mut *q.borrow_mut()))
+}
+
+/// Ends an op once: counts it, takes it out of the ops in flight, wakes its waiter and, when it
+/// asked for it, reports [`Event::OpDone`].
+pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_status_t, len: usize) {
+    if slot.id == 0 {
+        // An internal drain receive: not user work, not counted.
+        return slot.complete(status, len);
+    }
+    if slot.control {
+        shared.in_flight.lock().remove(&slot.id);
+        return slot.complete(status, len);
+    }
+    if status == sys::UCS_OK {
+        shared.stats.ops_completed.fetch_add(1, Ordering::Relaxed);
+        shared
+            .stats
+            .bytes_completed
+            .fetch_add(len as u64, Ordering::Relaxed);
+        let ns = shared.epoch.elapsed().as_nanos() as u64;
+        shared
+            .stats
+            .last_completion_ns
+            .store(ns.max(1), Ordering::Relaxed);
+    } else {
+        shared.stats.ops_failed.fetch_add(1, Ordering::Relaxed);
+    }
+    shared.in_flight.lock().remove(&slot.id);
+    slot.complete(status, len);
+    if slot.notify {
+        shared.push_event(Event::OpDone(slot.id));
+    }
+}
+
+/// What a control send hands to its callback: the slot, and the payload that must outlive the send.
+pub(super) struct ControlSend {
+    pub(super) slot: Arc<OpSlot>,
+    pub(super) bytes: Vec<u8>,
+}
+
+thread_local! {
+    /// The progress thread's shared state, for callbacks that complete slots.
+    static SHARED: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
+}
+
+/// Makes `shared` the progress thread's own, for the callbacks that run on it.
+pub(super) fn set_shared(shared: Arc<Shared>) {
+    SHARED.with(|s| *s.borrow_mut() = Some(shared));
+}
+
+fn with_shared(f: impl FnOnce(&Shared)) {
+    SHARED.with(|s| {
+        if let Some(sh) = s.borrow().as_ref() {
+            f(sh)
+        }
+    })
+}
+
+pub(super) unsafe extern "C" fn send_cb(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    user_data: *mut c_void,
+) {
+    let slot = Arc::from_raw(user_data as *const OpSlot);
+    slot.request.store(std::ptr::null_mut(), Ordering::Release);
+    sys::ucp_request_free(request);
+    let len = slot.expected_len;
+    with_shared(|sh| finish_slot(sh, &slot, status, len));
+}
+
+pub(super) unsafe extern "C" fn recv_cb(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    info: *const sys::ucp_tag_recv_info_t,
+    user_data: *mut c_void,
+) {
+    let slot = Arc::from_raw(user_data as *const OpSlot);
+    slot.request.store(std::ptr::null_mut(), Ordering::Release);
+    let len = if info.is_null() { 0 } else { (*info).length };
+    sys::ucp_request_free(request);
+    with_shared(|sh| finish_slot(sh, &slot, status, len));
+}
+
+pub(super) unsafe extern "C" fn control_send_cb(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    user_data: *mut c_void,
+) {
+    let ctx = Box::from_raw(user_data as *mut ControlSend);
+    ctx.slot
+        .request
+        .store(std::ptr::null_mut(), Ordering::Release);
+    sys::ucp_request_free(request);
+    let len = ctx.bytes.len();
+    with_shared(|sh| finish_slot(sh, &ctx.slot, status, len));
+}
+
+pub(super) unsafe extern "C" fn drain_sent_cb(
+    request: *mut c_void,
+    _status: sys::ucs_status_t,
+    user_data: *mut c_void,
+) {
+    drop(Box::from_raw(user_data as *mut Vec<u8>));
+    sys::ucp_request_free(request);
+}
+
+pub(super) unsafe extern "C" fn am_drain_cb(
+    _arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    if header_length != 8 || length != 8 || data.is_null() {
+        return sys::UCS_OK;
+    }
+    let uid = u64::from_le_bytes(
+        std::slice::from_raw_parts(header as *const u8, 8)
+            .try_into()
+            .unwrap(),
+    );
+    let tag = u64::from_le_bytes(
+        std::slice::from_raw_parts(data as *const u8, 8)
+            .try_into()
+            .unwrap(),
+    );
+    push_cb(CbEvent::Drain((*param).reply_ep, uid, tag));
+    sys::UCS_OK
+}
+
+pub(super) type AmCb = unsafe extern "C" fn(
+    *mut c_void,
+    *const c_void,
+    usize,
+    *mut c_void,
+    usize,
+    *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t;
+
+pub(super) unsafe extern "C" fn am_bind_cb(
+    _arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    let rndv = (*param).recv_attr & (sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64) != 0;
+    if header_length != 8 || length == 0 || length > 64 * 1024 || data.is_null() || rndv {
+        return sys::UCS_OK;
+    }
+    let uid = u64::from_le_bytes(
+        std::slice::from_raw_parts(header as *const u8, 8)
+            .try_into()
+            .unwrap(),
+    );
+    let addr = std::slice::from_raw_parts(data as *const u8, length).to_vec();
+    push_cb(CbEvent::Bind(uid, addr));
+    sys::UCS_OK
+}
+
+pub(super) unsafe extern "C" fn ep_err_cb(
+    arg: *mut c_void,
+    _ep: sys::ucp_ep_h,
+    status: sys::ucs_status_t,
+) {
+    push_cb(CbEvent::EpError(arg as usize as u64, status));
+}
+
+pub(super) unsafe extern "C" fn conn_cb(req: sys::ucp_conn_request_h, _arg: *mut c_void) {
+    push_cb(CbEvent::ConnRequest(req));
+}
+
+pub(super) unsafe extern "C" fn am_control_cb(
+    _arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    let p = &*param;
+    // Control messages are sent eagerly, so the data is here now; anything else is dropped.
+    if p.recv_attr & (sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64) != 0
+        || data.is_null()
+        || length > MAX_CONTROL
+        || header_length != 8
+    {
+        return sys::UCS_OK;
+    }
+    let uid = u64::from_le_bytes(
+        std::slice::from_raw_parts(header as *const u8, 8)
+            .try_into()
+            .unwrap(),
+    );
+    let bytes = std::slice::from_raw_parts(data as *const u8, length).to_vec();
+    push_cb(CbEvent::Control(p.reply_ep, uid, bytes));
+    sys::UCS_OK
+}

@@ -1,0 +1,260 @@
+//! One in-flight request: its completion slot (shared with the progress thread, which completes
+//! it) and [`Op`], the owner's handle that waits, stops and maps the end to an outcome.
+use super::shared::{Cmd, Shared};
+use super::{map_status, sys, PeerId};
+use crate::error::{Error, ErrorKind, Outcome, Result};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Why an op was asked to stop, recorded before the UCX cancel so its completion maps to the
+/// right outcome.
+pub(super) const STOP_NONE: u8 = 0;
+pub(super) const STOP_TIMEOUT: u8 = 1;
+pub(super) const STOP_CANCEL: u8 = 2;
+pub(super) const STOP_PEER: u8 = 3;
+pub(super) const STOP_SHUTDOWN: u8 = 4;
+/// The sending peer gave up on this transfer and asked us to drain it.
+pub(super) const STOP_REMOTE_CANCEL: u8 = 5;
+
+/// What an op is: data (a tag send or receive) or a control message.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum SlotKind {
+    Send,
+    Recv,
+    Control,
+    /// A one-sided put or get, completed by the endpoint flush that follows it.
+    Rma,
+}
+
+/// The completion slot of one in-flight operation, shared by the waiter and the progress thread.
+pub(super) struct OpSlot {
+    pub(super) id: u64,
+    pub(super) peer: PeerId,
+    pub(super) expected_len: usize,
+    /// The UCX tag, and whether this is a send (a send's cancel asks the peer to drain it).
+    pub(super) tag: u64,
+    pub(super) send: bool,
+    /// Push [`Event::OpDone`](super::Event::OpDone) when this op ends (for drivers that multiplex
+    /// many ops).
+    pub(super) notify: bool,
+    /// A control message, not data: kept out of the data progress counters.
+    pub(super) control: bool,
+    pub(super) started: Instant,
+    pub(super) state: Mutex<Option<(sys::ucs_status_t, usize)>>,
+    pub(super) cv: Condvar,
+    /// The UCX request handle while UCX owns it; only touched on the progress thread.
+    pub(super) request: AtomicPtr<c_void>,
+    pub(super) stop_reason: AtomicU8,
+}
+
+impl OpSlot {
+    pub(super) fn complete(&self, status: sys::ucs_status_t, len: usize) {
+        let mut st = self.state.lock();
+        if st.is_none() {
+            *st = Some((status, len));
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+}
+
+/// An in-flight send or receive. Dropping it before it ends cancels and reaps it (bounded).
+pub struct Op {
+    slot: Arc<OpSlot>,
+    shared: Arc<Shared>,
+    finished: bool,
+    quiesced: bool,
+}
+
+impl Op {
+    pub(super) fn new(slot: Arc<OpSlot>, shared: Arc<Shared>) -> Op {
+        Op {
+            slot,
+            shared,
+            finished: false,
+            quiesced: false,
+        }
+    }
+
+    /// Waits until the op ends, `deadline` passes, or `cancel()` returns true (checked every
+    /// `CANCEL_POLL`). Returns `Completed` only when the whole transfer has landed. On any other
+    /// outcome the UCX request has been cancelled and released before this returns: UCX no
+    /// longer touches the buffer (see [`Op::stop`] for the bound on that).
+    pub fn wait(
+        &mut self,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Result<Outcome> {
+        const CANCEL_POLL: Duration = Duration::from_millis(5);
+        let mut st = self.slot.state.lock();
+        let stop = loop {
+            if let Some((status, len)) = *st {
+                drop(st);
+                return self.finish(status, len);
+            }
+            if let Some(c) = cancel {
+                // The check may take other locks (the engine's): never call it under ours.
+                if MutexGuard::unlocked(&mut st, c) {
+                    break STOP_CANCEL;
+                }
+                if st.is_some() {
+                    continue;
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break STOP_TIMEOUT;
+            }
+            let mut until = deadline;
+            if cancel.is_some() {
+                until = until.min(now + CANCEL_POLL);
+            }
+            // The lock is released while waiting (condvar); no lock is held across the wait.
+            self.slot.cv.wait_until(&mut st, until);
+        };
+        drop(st);
+        self.stop(stop);
+        let (status, len) = self.slot.state.lock().unwrap_or((sys::UCS_ERR_CANCELED, 0));
+        // A receive that completed in the race with the stop has all its data: it counts. A send
+        // that completed after we asked the peer to drain it may have been discarded: it does not.
+        if status == sys::UCS_OK && self.quiesced && !self.slot.send {
+            return self.finish(status, len);
+        }
+        self.finished = true;
+        Ok(match stop {
+            STOP_CANCEL => Outcome::Cancelled,
+            _ => Outcome::TimedOut,
+        })
+    }
+
+    /// The op's id (as in [`Event::OpDone`](super::Event::OpDone)).
+    pub fn id(&self) -> u64 {
+        self.slot.id
+    }
+
+    /// The result if the op has ended, without waiting.
+    pub fn poll(&mut self) -> Option<Result<Outcome>> {
+        let done = *self.slot.state.lock();
+        done.map(|(status, len)| {
+            let stopped = self.slot.stop_reason.load(Ordering::Acquire);
+            if self.slot.send && status == sys::UCS_OK && stopped != STOP_NONE {
+                // Completed only because the receiver drained it: not delivered.
+                self.finished = true;
+                self.quiesced = true;
+                return Ok(if stopped == STOP_TIMEOUT {
+                    Outcome::TimedOut
+                } else {
+                    Outcome::Cancelled
+                });
+            }
+            self.finish(status, len)
+        })
+    }
+
+    /// Asks for the op to be cancelled without waiting; its end is reported as usual (by
+    /// [`Event::OpDone`](super::Event::OpDone) when posted with `notify`). A receive is reaped
+    /// within microseconds; a send is drained by its receiver.
+    pub fn request_cancel(&self) {
+        let _ = self.slot.stop_reason.compare_exchange(
+            STOP_NONE,
+            STOP_CANCEL,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        let _ = self.shared.submit(Cmd::CancelOp(self.slot.id));
+    }
+
+    /// True once UCX can no longer write into (or read from) the op's buffer.
+    pub fn is_quiesced(&self) -> bool {
+        self.quiesced || self.slot.state.lock().is_some()
+    }
+
+    /// Sets the stop reason, asks the progress thread to cancel, and waits (bounded) for UCX to
+    /// release the request; force-closes the endpoint if the cancel alone does not.
+    fn stop(&mut self, reason: u8) {
+        let _ = self.slot.stop_reason.compare_exchange(
+            STOP_NONE,
+            reason,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        let grace = self.shared.reap_grace;
+        // Stage 1: cancel (a send is drained by its receiver). Stage 2: force-close the
+        // endpoint, which ends every request on it. Stage 3: shutdown of the agent, if under
+        // way, completes everything. The buffer is never handed back while UCX holds it.
+        for cmd in [
+            Cmd::CancelOp(self.slot.id),
+            Cmd::ForceClose(self.slot.peer, None),
+        ] {
+            if self.slot.state.lock().is_some() {
+                break;
+            }
+            if self.shared.submit(cmd).is_err() {
+                break;
+            }
+            self.wait_done(Instant::now() + grace);
+        }
+        if self.slot.state.lock().is_none() {
+            // UCX broke its contract (a force-closed endpoint completes its requests). The wait
+            // is a promise to the caller, so it is not held; the op stays counted as unreaped
+            // (health shows it) and `is_quiesced` stays false so an owner that can fence the
+            // memory does. No abort: a library must not end its host process.
+            self.shared.stats.unreaped.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                op = self.slot.id,
+                "UCX has not released a request after cancel and force-close"
+            );
+            return;
+        }
+        self.quiesced = true;
+    }
+
+    fn wait_done(&self, until: Instant) {
+        let mut st = self.slot.state.lock();
+        while st.is_none() && Instant::now() < until {
+            self.slot.cv.wait_until(&mut st, until);
+        }
+    }
+
+    fn finish(&mut self, status: sys::ucs_status_t, len: usize) -> Result<Outcome> {
+        self.finished = true;
+        self.quiesced = true;
+        if status == sys::UCS_OK {
+            if len != self.slot.expected_len {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!(
+                        "transfer size mismatch: expected {} bytes, {} arrived",
+                        self.slot.expected_len, len
+                    ),
+                ));
+            }
+            return Ok(Outcome::Completed);
+        }
+        match self.slot.stop_reason.load(Ordering::Acquire) {
+            STOP_CANCEL | STOP_REMOTE_CANCEL => return Ok(Outcome::Cancelled),
+            STOP_TIMEOUT => return Ok(Outcome::TimedOut),
+            STOP_PEER => return Ok(Outcome::PeerLost),
+            STOP_SHUTDOWN => return Err(Error::new(ErrorKind::Shutdown, "agent shut down")),
+            _ => {}
+        }
+        Err(map_status(status, "transfer")).or_else(|e: Error| {
+            if e.kind == ErrorKind::PeerLost {
+                Ok(Outcome::PeerLost)
+            } else {
+                Err(e)
+            }
+        })
+    }
+}
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        if !self.finished && self.slot.state.lock().is_none() {
+            self.stop(STOP_CANCEL);
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! Peers on the progress thread: endpoints are created (connect, accept, bind back by worker
+//! address), looked up, and failed (the error callback or a forced close: the peer is marked
+//! failed, its posted requests cancelled, its endpoint closed); a peer that gave up on a send
+//! asks us to drain it. Messages are told apart by the sender's uid, learned per endpoint.
+use super::callbacks::{drain_sent_cb, ep_err_cb, recv_cb};
+use super::handles::Endpoint;
+use super::op::{OpSlot, STOP_NONE, STOP_PEER, STOP_REMOTE_CANCEL};
+use super::progress::Progress;
+use super::{sys, ucx_err, Event, PeerId, AM_BIND_ID, AM_DRAIN_ID};
+use crate::error::{Error, ErrorKind, Result};
+use parking_lot::{Condvar, Mutex};
+use std::ffi::c_void;
+use std::net::SocketAddr;
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// How long a drain receive waits for the abandoned message before it is cancelled.
+const DRAIN_TTL: Duration = Duration::from_secs(60);
+
+/// One peer as the progress thread knows it.
+pub(super) struct PeerEntry {
+    /// None once the endpoint has been closed (after a failure).
+    pub(super) ep: Option<Endpoint>,
+    pub(super) failed: bool,
+}
+
+/// What an endpoint is created from.
+pub(super) enum Target<'a> {
+    Sock(SocketAddr),
+    Worker(&'a [u8]),
+    Request(sys::ucp_conn_request_h),
+}
+
+impl Progress {
+    pub(super) fn connect(&mut self, target: Target<'_>) -> Result<PeerId> {
+        let id = self.next_peer;
+        let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
+        let mut params = sys::ucp_ep_params_t {
+            field_mask: (sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64,
+            err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
+            err_handler: sys::ucp_err_handler_t {
+                cb: Some(ep_err_cb),
+                arg: id as usize as *mut c_void,
+            },
+            ..Default::default()
+        };
+        let storage;
+        match target {
+            Target::Sock(addr) => {
+                let (s, len) = sockaddr_of(addr);
+                storage = s;
+                params.field_mask |=
+                    (sys::UCP_EP_PARAM_FIELD_SOCK_ADDR | sys::UCP_EP_PARAM_FIELD_FLAGS) as u64;
+                params.flags = sys::UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+                params.sockaddr = sys::ucs_sock_addr_t {
+                    addr: &storage as *const libc::sockaddr_storage as *const sys::sockaddr,
+                    addrlen: len,
+                };
+            }
+            Target::Worker(addr) => {
+                params.field_mask |= sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64;
+                params.address = addr.as_ptr() as *const sys::ucp_address_t;
+            }
+            Target::Request(req) => {
+                params.field_mask |= sys::UCP_EP_PARAM_FIELD_CONN_REQUEST as u64;
+                params.conn_request = req;
+            }
+        }
+        // SAFETY: params is fully initialised for the fields in its mask; pointers in it
+        // (sockaddr storage, worker address) outlive this call.
+        let st = unsafe { sys::ucp_ep_create(self.worker.0, &params, &mut ep) };
+        if st != sys::UCS_OK {
+            return Err(ucx_err(st, "ucp_ep_create"));
+        }
+        self.next_peer += 1;
+        self.peers.insert(
+            id,
+            PeerEntry {
+                ep: Some(Endpoint::new(ep, self.worker.0)),
+                failed: false,
+            },
+        );
+        self.ep_to_peer.insert(ep as usize, id);
+        self.shared.failed.lock().insert(PeerId(id), false);
+        Ok(PeerId(id))
+    }
+
+    /// Connects to a peer by its worker address (the shared-memory way, no listener).
+    pub(super) fn connect_worker(&mut self, addr: &[u8]) -> Result<PeerId> {
+        let r = self.connect(Target::Worker(addr));
+        if let Ok(peer) = &r {
+            // The peer has no endpoint back to us yet: send it our address so it
+            // connects back and can tell our messages (by uid) from others'.
+            let me = self.own_address.clone();
+            self.send_internal(*peer, AM_BIND_ID, me);
+        }
+        r
+    }
+
+    /// A connection request arrived at our listener.
+    pub(super) fn accept(&mut self, req: sys::ucp_conn_request_h) {
+        match self.connect(Target::Request(req)) {
+            Ok(peer) => self.shared.push_event(Event::Accepted(peer)),
+            Err(e) => tracing::warn!("accepting a connection failed: {e}"),
+        }
+    }
+
+    /// A peer that connected to us by worker address sent its own: connect back, once per uid.
+    pub(super) fn bind(&mut self, uid: u64, address: &[u8]) {
+        if !self.uid_to_peer.contains_key(&uid) {
+            match self.connect(Target::Worker(address)) {
+                Ok(peer) => {
+                    self.uid_to_peer.insert(uid, peer.0);
+                    self.shared.push_event(Event::Accepted(peer));
+                }
+                Err(e) => tracing::warn!("connecting back to a peer failed: {e}"),
+            }
+        }
+    }
+
+    pub(super) fn ep_of(&self, peer: PeerId) -> Result<sys::ucp_ep_h> {
+        match self.peers.get(&peer.0) {
+            None => Err(Error::new(
+                ErrorKind::UnknownPeer,
+                format!("no peer {}", peer.0),
+            )),
+            Some(PeerEntry { failed: true, .. }) | Some(PeerEntry { ep: None, .. }) => {
+                Err(Error::new(ErrorKind::PeerLost, "peer has failed"))
+            }
+            Some(PeerEntry { ep: Some(e), .. }) => Ok(e.ep),
+        }
+    }
+
+    /// Moves a peer to FAILED, cancels the receives posted for it, and (when forced, or when UCX
+    /// reported the error) closes its endpoint so its sends end too.
+    pub(super) fn fail_peer(&mut self, peer: u64, status: sys::ucs_status_t, forced: bool) {
+        let Some(entry) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let first = !entry.failed;
+        entry.failed = true;
+        // Forget which agent this was: if it connects again it gets a fresh peer.
+        self.uid_to_peer.retain(|_, p| *p != peer);
+        let ep = if first { entry.ep.take() } else { None };
+        self.shared.failed.lock().insert(PeerId(peer), true);
+        if first {
+            tracing::warn!(peer, forced, "peer failed: {}", sys::status_str(status));
+            self.shared.push_event(Event::PeerFailed(PeerId(peer)));
+        }
+        let slots: Vec<Arc<OpSlot>> = self
+            .shared
+            .in_flight
+            .lock()
+            .values()
+            .filter_map(Weak::upgrade)
+            .filter(|s| s.peer.0 == peer)
+            .collect();
+        for s in &slots {
+            let _ = s.stop_reason.compare_exchange(
+                STOP_NONE,
+                STOP_PEER,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            let req = s.request.load(Ordering::Acquire);
+            if !req.is_null() {
+                // SAFETY: live request of this worker (see cancel_op).
+                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
+            }
+        }
+        if let Some(ep) = ep {
+            // Dropping the endpoint force-closes it: every send still on it ends.
+            self.ep_to_peer.remove(&(ep.ep as usize));
+            drop(ep);
+        }
+    }
+
+    /// A control message arrived: learn the sender's uid from its endpoint if it is new, and
+    /// hand the message on unless the peer has failed (then it is stale and dropped).
+    pub(super) fn control_from(&mut self, ep: sys::ucp_ep_h, uid: u64, bytes: Vec<u8>) {
+        let peer = self.uid_to_peer.get(&uid).copied().or_else(|| {
+            let p = self.ep_to_peer.get(&(ep as usize)).copied()?;
+            self.uid_to_peer.insert(uid, p);
+            Some(p)
+        });
+        match peer {
+            Some(peer) if !self.peers[&peer].failed => {
+                self.shared.push_event(Event::Control(PeerId(peer), bytes))
+            }
+            Some(_) => {
+                self.shared
+                    .stats
+                    .stale_control_dropped
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            None => {
+                tracing::warn!(
+                    uid,
+                    "control message from an agent with no endpoint: dropped"
+                );
+                self.shared
+                    .stats
+                    .stale_control_dropped
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    pub(super) fn send_drain(&mut self, peer: PeerId, tag: u64) {
+        self.send_internal(peer, AM_DRAIN_ID, tag.to_le_bytes().to_vec());
+    }
+
+    /// Sends an internal active message (drain, bind); fire and forget.
+    pub(super) fn send_internal(&mut self, peer: PeerId, id: u32, bytes: Vec<u8>) {
+        let Ok(ep) = self.ep_of(peer) else { return };
+        let msg = Box::new(bytes);
+        let header = self.shared.uid_le.as_ptr() as *const c_void;
+        let mut param = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS
+                | sys::UCP_OP_ATTR_FIELD_CALLBACK
+                | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+            flags: sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY,
+            ..Default::default()
+        };
+        param.cb.send = Some(drain_sent_cb);
+        let (data, len) = (msg.as_ptr() as *const c_void, msg.len());
+        param.user_data = Box::into_raw(msg) as *mut c_void;
+        // SAFETY: the message lives in the box until drain_sent_cb (or the code below) frees
+        // it; the header lives in `shared`.
+        let ptr = unsafe { sys::ucp_am_send_nbx(ep, id, header, 8, data, len, &param) };
+        if !sys::ptr_is_ptr(ptr) {
+            // SAFETY: the callback will not run; reclaim the box.
+            drop(unsafe { Box::from_raw(param.user_data as *mut Vec<u8>) });
+        }
+    }
+
+    /// A peer (known by uid, else by the endpoint it replied on) asked us to drain `tag`.
+    pub(super) fn drain_from(&mut self, ep: sys::ucp_ep_h, uid: u64, tag: u64) {
+        let peer = self
+            .uid_to_peer
+            .get(&uid)
+            .copied()
+            .or_else(|| self.ep_to_peer.get(&(ep as usize)).copied());
+        if let Some(peer) = peer {
+            self.drain(peer, tag);
+        }
+    }
+
+    /// The sender of `tag` gave up: cancel our receive for it, then post a 1-byte receive that
+    /// swallows the abandoned message (UCX completes a too-large message as truncated, and the
+    /// sender's request completes) so it neither waits forever nor sits in the unexpected queue.
+    pub(super) fn drain(&mut self, peer: u64, tag: u64) {
+        let slots: Vec<Arc<OpSlot>> = self
+            .shared
+            .in_flight
+            .lock()
+            .values()
+            .filter_map(Weak::upgrade)
+            .filter(|s| s.peer.0 == peer && !s.send && s.tag == tag)
+            .collect();
+        for s in &slots {
+            let _ = s.stop_reason.compare_exchange(
+                STOP_NONE,
+                STOP_REMOTE_CANCEL,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            let req = s.request.load(Ordering::Acquire);
+            if !req.is_null() {
+                // SAFETY: live request of this worker.
+                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
+            }
+        }
+        let slot = Arc::new(OpSlot {
+            id: 0,
+            peer: PeerId(peer),
+            expected_len: 1,
+            tag,
+            send: false,
+            notify: false,
+            control: true,
+            started: Instant::now(),
+            state: Mutex::new(None),
+            cv: Condvar::new(),
+            request: AtomicPtr::new(std::ptr::null_mut()),
+            stop_reason: AtomicU8::new(STOP_NONE),
+        });
+        let mut param = Self::request_param(&slot);
+        param.cb.recv = Some(recv_cb);
+        let scratch = self.scratch.as_mut_ptr() as *mut c_void;
+        // SAFETY: the scratch bytes live as long as the worker; only truncated (discarded)
+        // messages ever target them.
+        let ptr =
+            unsafe { sys::ucp_tag_recv_nbx(self.worker.0, scratch, 1, tag, u64::MAX, &param) };
+        self.track(&slot, ptr);
+        self.drains.push(slot);
+    }
+
+    /// Cancels drain receives whose abandoned message never came.
+    pub(super) fn expire_drains(&mut self) {
+        let now = Instant::now();
+        let worker = self.worker.0;
+        self.drains.retain(|s| {
+            if s.state.lock().is_some() {
+                return false;
+            }
+            if now.duration_since(s.started) > DRAIN_TTL {
+                let req = s.request.load(Ordering::Acquire);
+                if !req.is_null() {
+                    // SAFETY: live request of this worker.
+                    unsafe { sys::ucp_request_cancel(worker, req) };
+                }
+            }
+            true
+        });
+    }
+}
+
+pub(super) fn sockaddr_of(addr: SocketAddr) -> (libc::sockaddr_storage, u32) {
+    // SAFETY: sockaddr_storage is plain old data; zeroed is a valid value.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is large enough and suitably aligned for sockaddr_in.
+            unsafe { std::ptr::write(&mut storage as *mut _ as *mut libc::sockaddr_in, sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: as above, for sockaddr_in6.
+            unsafe { std::ptr::write(&mut storage as *mut _ as *mut libc::sockaddr_in6, sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, len as u32)
+}
+
+/// # Safety
+/// `s` must point to an initialised sockaddr_storage.
+pub(super) unsafe fn sockaddr_port(s: *const libc::sockaddr_storage) -> u16 {
+    match (*s).ss_family as c_int {
+        libc::AF_INET => u16::from_be((*(s as *const libc::sockaddr_in)).sin_port),
+        libc::AF_INET6 => u16::from_be((*(s as *const libc::sockaddr_in6)).sin6_port),
+        _ => 0,
+    }
+}

@@ -1,0 +1,455 @@
+//! The progress thread: it owns the UCX context and worker, runs the commands other threads
+//! queue, drives `ucp_worker_progress` and handles what the callbacks report, sleeps on the
+//! worker's event fd and the wake eventfd, and tears everything down in order at the end.
+use super::callbacks::{self, am_bind_cb, am_control_cb, am_drain_cb, conn_cb, AmCb, CbEvent};
+use super::handles::{Context, Listener, Mapped, RemoteKey as UcxRkey, Worker};
+use super::op::{OpSlot, STOP_NONE, STOP_SHUTDOWN};
+use super::peers::{sockaddr_of, sockaddr_port, PeerEntry, Target};
+use super::shared::{Cmd, Reply, Shared};
+use super::{sys, ucx_err, AgentOptions, TransportKind, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID};
+use crate::error::{Error, ErrorKind, Result};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::net::SocketAddr;
+use std::os::raw::c_int;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// Progress calls per pass before commands are looked at again.
+const PROGRESS_BURST: usize = 64;
+
+/// The progress thread's state. Field order is drop order: UCX handles made from others are
+/// declared (and so dropped) before what they were made from.
+pub(super) struct Progress {
+    pub(super) rkeys: HashMap<u64, (u64, UcxRkey)>,
+    pub(super) peers: HashMap<u64, PeerEntry>,
+    pub(super) listener: Option<Listener>,
+    pub(super) maps: HashMap<u64, Mapped>,
+    pub(super) epfd: Option<std::os::fd::OwnedFd>,
+    pub(super) worker: Worker,
+    pub(super) ctx: Context,
+    pub(super) ep_to_peer: HashMap<usize, u64>,
+    pub(super) uid_to_peer: HashMap<u64, u64>,
+    pub(super) next_peer: u64,
+    pub(super) drains: Vec<Arc<OpSlot>>,
+    pub(super) scratch: Box<[u8; 8]>,
+    pub(super) own_address: Vec<u8>,
+    pub(super) shared: Arc<Shared>,
+}
+
+pub(super) fn progress_thread(
+    opts: AgentOptions,
+    shared: Arc<Shared>,
+    init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>>,
+) {
+    callbacks::set_shared(shared.clone());
+    let mut p = match Progress::start(&opts, shared) {
+        Ok((p, listen, addr)) => {
+            init.set(Ok((listen, addr)));
+            p
+        }
+        Err(e) => {
+            init.set(Err(e));
+            return;
+        }
+    };
+    p.run();
+    p.teardown();
+}
+
+impl Progress {
+    fn start(
+        opts: &AgentOptions,
+        shared: Arc<Shared>,
+    ) -> Result<(Progress, Option<SocketAddr>, Vec<u8>)> {
+        // SAFETY: all calls below follow the UCX API contracts: parameter structs are zeroed
+        // (Default) with field masks naming exactly the fields set; out-pointers are valid;
+        // every created handle is owned by `Progress` and destroyed in `teardown`.
+        unsafe {
+            let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+            let st = sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config);
+            if st != sys::UCS_OK {
+                return Err(ucx_err(st, "ucp_config_read"));
+            }
+            let keepalive = format!("{}ms", opts.keepalive.as_millis().max(1));
+            let mut settings: Vec<(&str, String)> = vec![("KEEPALIVE_INTERVAL", keepalive)];
+            if opts.transport == TransportKind::SharedMemory {
+                // Without it UCX 1.13 refuses shared-memory lanes under peer error handling.
+                settings.push(("MM_ERROR_HANDLING", "y".into()));
+            }
+            if std::env::var_os("UCX_TLS").is_none() {
+                settings.push(("TLS", opts.transport.tls().into()));
+            }
+            for (k, v) in &settings {
+                let (ck, cv) = (CString::new(*k).unwrap(), CString::new(v.as_str()).unwrap());
+                let st = sys::ucp_config_modify(config, ck.as_ptr(), cv.as_ptr());
+                if st != sys::UCS_OK {
+                    tracing::debug!("ucp_config_modify({k}={v}): {}", sys::status_str(st));
+                }
+            }
+            let mut params = sys::ucp_params_t {
+                field_mask: (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME) as u64,
+                features: (sys::UCP_FEATURE_TAG
+                    | sys::UCP_FEATURE_AM
+                    | sys::UCP_FEATURE_RMA
+                    | sys::UCP_FEATURE_WAKEUP) as u64,
+                ..Default::default()
+            };
+            let cname = CString::new(opts.name.clone())
+                .map_err(|_| Error::invalid("agent name contains NUL"))?;
+            params.name = cname.as_ptr();
+            let mut ctx: sys::ucp_context_h = std::ptr::null_mut();
+            let st = sys::ucp_init_version(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                config,
+                &mut ctx,
+            );
+            sys::ucp_config_release(config);
+            if st != sys::UCS_OK {
+                return Err(ucx_err(st, "ucp_init"));
+            }
+            let ctx = Context(ctx);
+            let wparams = sys::ucp_worker_params_t {
+                field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
+                thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+                ..Default::default()
+            };
+            let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
+            let st = sys::ucp_worker_create(ctx.0, &wparams, &mut worker);
+            if st != sys::UCS_OK {
+                return Err(ucx_err(st, "ucp_worker_create"));
+            }
+            let mut p = Progress {
+                rkeys: HashMap::new(),
+                peers: HashMap::new(),
+                listener: None,
+                maps: HashMap::new(),
+                epfd: None,
+                worker: Worker(worker),
+                ctx,
+                ep_to_peer: HashMap::new(),
+                uid_to_peer: HashMap::new(),
+                next_peer: 1,
+                drains: Vec::new(),
+                scratch: Box::new([0; 8]),
+                own_address: Vec::new(),
+                shared,
+            };
+            // From here on, `p.teardown()` releases what exists.
+            match p.setup(opts) {
+                Ok((listen, addr)) => Ok((p, listen, addr)),
+                Err(e) => {
+                    p.teardown();
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    unsafe fn setup(&mut self, opts: &AgentOptions) -> Result<(Option<SocketAddr>, Vec<u8>)> {
+        let mut efd: c_int = -1;
+        let st = sys::ucp_worker_get_efd(self.worker.0, &mut efd);
+        if st != sys::UCS_OK {
+            return Err(ucx_err(st, "ucp_worker_get_efd"));
+        }
+        let epfd = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+        if epfd < 0 {
+            return Err(Error::new(ErrorKind::Transport, "epoll_create1 failed"));
+        }
+        // SAFETY: a fresh fd that nothing else owns.
+        self.epfd = Some(std::os::fd::FromRawFd::from_raw_fd(epfd));
+        for (fd, token) in [(efd, 1u64), (self.shared.wake_fd, 2u64)] {
+            let mut ev = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: token,
+            };
+            if libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) != 0 {
+                return Err(Error::new(ErrorKind::Transport, "epoll_ctl failed"));
+            }
+        }
+        let am = sys::ucp_am_handler_param_t {
+            field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64,
+            id: AM_CONTROL_ID,
+            cb: Some(am_control_cb),
+            arg: std::ptr::null_mut(),
+            ..Default::default()
+        };
+        let st = sys::ucp_worker_set_am_recv_handler(self.worker.0, &am);
+        if st != sys::UCS_OK {
+            return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
+        }
+        for (id, cb) in [
+            (AM_DRAIN_ID, am_drain_cb as AmCb),
+            (AM_BIND_ID, am_bind_cb as AmCb),
+        ] {
+            let h = sys::ucp_am_handler_param_t {
+                id,
+                cb: Some(cb),
+                ..am
+            };
+            let st = sys::ucp_worker_set_am_recv_handler(self.worker.0, &h);
+            if st != sys::UCS_OK {
+                return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
+            }
+        }
+        let mut attr = sys::ucp_worker_attr_t {
+            field_mask: sys::UCP_WORKER_ATTR_FIELD_ADDRESS as u64,
+            ..Default::default()
+        };
+        let st = sys::ucp_worker_query(self.worker.0, &mut attr);
+        if st != sys::UCS_OK {
+            return Err(ucx_err(st, "ucp_worker_query"));
+        }
+        let address =
+            std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
+        sys::ucp_worker_release_address(self.worker.0, attr.address);
+        self.own_address = address.clone();
+
+        let mut bound = None;
+        if let Some(addr) = opts.listen {
+            let (storage, len) = sockaddr_of(addr);
+            let lp = sys::ucp_listener_params_t {
+                field_mask: (sys::UCP_LISTENER_PARAM_FIELD_SOCK_ADDR
+                    | sys::UCP_LISTENER_PARAM_FIELD_CONN_HANDLER)
+                    as u64,
+                sockaddr: sys::ucs_sock_addr_t {
+                    addr: &storage as *const libc::sockaddr_storage as *const sys::sockaddr,
+                    addrlen: len,
+                },
+                conn_handler: sys::ucp_listener_conn_handler_t {
+                    cb: Some(conn_cb),
+                    arg: std::ptr::null_mut(),
+                },
+                ..Default::default()
+            };
+            let mut listener: sys::ucp_listener_h = std::ptr::null_mut();
+            let st = sys::ucp_listener_create(self.worker.0, &lp, &mut listener);
+            if st != sys::UCS_OK {
+                return Err(ucx_err(st, &format!("listen on {addr}")));
+            }
+            self.listener = Some(Listener(listener));
+            let mut la = sys::ucp_listener_attr_t {
+                field_mask: sys::UCP_LISTENER_ATTR_FIELD_SOCKADDR as u64,
+                ..Default::default()
+            };
+            let st = sys::ucp_listener_query(listener, &mut la);
+            if st != sys::UCS_OK {
+                return Err(ucx_err(st, "ucp_listener_query"));
+            }
+            let port = sockaddr_port(
+                &la.sockaddr as *const sys::sockaddr_storage as *const libc::sockaddr_storage,
+            );
+            bound = Some(SocketAddr::new(addr.ip(), port));
+        }
+        Ok((bound, address))
+    }
+
+    fn epoll_fd(&self) -> c_int {
+        use std::os::fd::AsRawFd;
+        self.epfd.as_ref().map_or(-1, |f| f.as_raw_fd())
+    }
+
+    fn run(&mut self) {
+        let mut empty_streak = 0u32;
+
+        loop {
+            let mut did = self.drain_commands();
+            if did.1 {
+                return;
+            }
+            for _ in 0..PROGRESS_BURST {
+                // SAFETY: the worker is owned by this thread.
+                let n = unsafe { sys::ucp_worker_progress(self.worker.0) };
+                let handled = self.handle_callbacks();
+                if n == 0 && handled == 0 {
+                    break;
+                }
+                did.0 = true;
+                // Commands (cancels, new posts) must not wait behind a busy transfer.
+                if self.shared.cmds_pending() {
+                    break;
+                }
+            }
+            if did.0 {
+                empty_streak = 0;
+            }
+            if !self.drains.is_empty() {
+                self.expire_drains();
+            }
+
+            // SAFETY: as above.
+            let st = unsafe { sys::ucp_worker_arm(self.worker.0) };
+            if st == sys::UCS_ERR_BUSY {
+                continue;
+            }
+            let mut evs: [libc::epoll_event; 4] = unsafe { std::mem::zeroed() };
+            // A bounded sleep: UCX keepalive needs progress now and then even when idle.
+            // SAFETY: epfd is ours; evs has room for 4 events.
+            let n = unsafe { libc::epoll_wait(self.epoll_fd(), evs.as_mut_ptr(), 4, 100) };
+            self.shared.stats.wakeups.fetch_add(1, Ordering::Relaxed);
+            if n > 0 {
+                let mut ucx_woke = false;
+                for ev in &evs[..n as usize] {
+                    if ev.u64 == 2 {
+                        let mut buf = 0u64;
+                        // SAFETY: reading 8 bytes from our eventfd into a u64.
+                        unsafe {
+                            libc::read(self.shared.wake_fd, &mut buf as *mut u64 as *mut c_void, 8)
+                        };
+                    } else {
+                        ucx_woke = true;
+                    }
+                }
+                if ucx_woke && !self.shared.cmds_pending() {
+                    // Woken by UCX: if the next progress pass finds nothing, count an empty wake.
+                    let n = unsafe { sys::ucp_worker_progress(self.worker.0) };
+                    let handled = self.handle_callbacks();
+                    if n == 0 && handled == 0 {
+                        empty_streak += 1;
+                        self.shared
+                            .stats
+                            .empty_wakeups
+                            .fetch_add(1, Ordering::Relaxed);
+                        if empty_streak >= 64 {
+                            self.shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    } else {
+                        empty_streak = 0;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs queued commands; returns (did something, saw shutdown).
+    fn drain_commands(&mut self) -> (bool, bool) {
+        let mut did = false;
+        loop {
+            let cmd = self.shared.cmds.lock().items.pop_front();
+            let Some(cmd) = cmd else { return (did, false) };
+            did = true;
+            match cmd {
+                Cmd::Shutdown => return (true, true),
+                Cmd::Connect(addr, reply) => reply.set(self.connect(Target::Sock(addr))),
+                Cmd::ConnectWorker(addr, reply) => reply.set(self.connect_worker(&addr)),
+                Cmd::Tag {
+                    send,
+                    peer,
+                    tag,
+                    addr,
+                    len,
+                    slot,
+                } => self.start_tag(peer, tag, addr, len, slot, send),
+                Cmd::Control { peer, bytes, slot } => self.start_control(peer, bytes, slot),
+                Cmd::CancelOp(id) => self.cancel_op(id),
+                Cmd::Map { addr, len, reply } => reply.set(self.map(addr, len)),
+                Cmd::Unmap(id) => self.unmap(id),
+                Cmd::UnpackRkey {
+                    peer,
+                    packed,
+                    reply,
+                } => reply.set(self.unpack_rkey(peer, &packed)),
+                Cmd::DestroyRkey(id) => self.destroy_rkey(id),
+                Cmd::Rma {
+                    rkey,
+                    put,
+                    addr,
+                    len,
+                    remote,
+                    slot,
+                } => self.start_rma(rkey, put, addr, len, remote, slot),
+                Cmd::ForceClose(peer, reply) => {
+                    self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true);
+                    if let Some(r) = reply {
+                        r.set(Ok(()))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Handles what the UCX callbacks reported during the last progress call.
+    fn handle_callbacks(&mut self) -> usize {
+        let evs = callbacks::take_events();
+        let n = evs.len();
+        for ev in evs {
+            match ev {
+                CbEvent::ConnRequest(req) => self.accept(req),
+                CbEvent::EpError(peer, status) => self.fail_peer(peer, status, false),
+                CbEvent::Bind(uid, address) => self.bind(uid, &address),
+                CbEvent::Drain(ep, uid, tag) => self.drain_from(ep, uid, tag),
+                CbEvent::Control(ep, uid, bytes) => self.control_from(ep, uid, bytes),
+            }
+        }
+        n
+    }
+
+    fn teardown(&mut self) {
+        // Close the queue (later submits fail at once) and end what never ran; then stop every
+        // op, then close every endpoint; the worker and context go when `self` drops.
+        let leftovers: Vec<Cmd> = {
+            let mut q = self.shared.cmds.lock();
+            q.closed = true;
+            q.items.drain(..).collect()
+        };
+        for cmd in leftovers {
+            self.shared.fail_cmd(cmd);
+        }
+        let slots: Vec<Arc<OpSlot>> = self
+            .shared
+            .in_flight
+            .lock()
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for s in &slots {
+            let _ = s.stop_reason.compare_exchange(
+                STOP_NONE,
+                STOP_SHUTDOWN,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            let req = s.request.load(Ordering::Acquire);
+            if !req.is_null() {
+                // SAFETY: live request of this worker.
+                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
+            }
+        }
+        self.rkeys.clear();
+        for entry in self.peers.values_mut() {
+            drop(entry.ep.take());
+        }
+        self.ep_to_peer.clear();
+        for _ in 0..100 {
+            // SAFETY: progress on this thread's own worker.
+            if unsafe { sys::ucp_worker_progress(self.worker.0) } == 0 {
+                break;
+            }
+        }
+        self.handle_callbacks_discard();
+        for s in slots.iter().chain(self.drains.iter()) {
+            // Any op UCX still holds is failed for its waiter; UCX is about to be destroyed.
+            s.complete(sys::UCS_ERR_CANCELED, 0);
+        }
+        self.listener = None;
+        self.maps.clear();
+    }
+
+    fn handle_callbacks_discard(&mut self) {
+        let evs = callbacks::take_events();
+        for ev in evs {
+            if let CbEvent::ConnRequest(req) = ev {
+                // SAFETY: an unanswered connection request of our listener.
+                if let Some(l) = &self.listener {
+                    unsafe { sys::ucp_listener_reject(l.0, req) };
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! What the owner's threads and the progress thread share: the command queue (with the eventfd
+//! that wakes the progress thread), one-shot replies, the event queue, peer failure flags, the
+//! ops in flight and the progress counters.
+use super::callbacks::finish_slot;
+use super::op::{OpSlot, STOP_NONE, STOP_SHUTDOWN};
+use super::{sys, Event, PeerId};
+use crate::error::{Error, ErrorKind, Result};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::net::SocketAddr;
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+#[derive(Default)]
+pub(super) struct CmdQueue {
+    pub(super) items: VecDeque<Cmd>,
+    /// Set by the progress thread's teardown: nothing is queued after it.
+    pub(super) closed: bool,
+}
+
+/// What the owner's threads ask of the progress thread.
+pub(super) enum Cmd {
+    Connect(SocketAddr, Arc<Reply<PeerId>>),
+    ConnectWorker(Vec<u8>, Arc<Reply<PeerId>>),
+    Tag {
+        send: bool,
+        peer: PeerId,
+        tag: u64,
+        addr: usize,
+        len: usize,
+        slot: Arc<OpSlot>,
+    },
+    Control {
+        peer: PeerId,
+        bytes: Vec<u8>,
+        slot: Arc<OpSlot>,
+    },
+    CancelOp(u64),
+    Map {
+        addr: usize,
+        len: usize,
+        reply: Arc<Reply<(u64, Vec<u8>)>>,
+    },
+    Unmap(u64),
+    UnpackRkey {
+        peer: PeerId,
+        packed: Vec<u8>,
+        reply: Arc<Reply<u64>>,
+    },
+    DestroyRkey(u64),
+    Rma {
+        rkey: u64,
+        put: bool,
+        addr: usize,
+        len: usize,
+        remote: u64,
+        slot: Arc<OpSlot>,
+    },
+    ForceClose(PeerId, Option<Arc<Reply<()>>>),
+    Shutdown,
+}
+
+/// A one-shot reply from the progress thread.
+pub(super) struct Reply<T> {
+    value: Mutex<Option<Result<T>>>,
+    cv: Condvar,
+}
+
+impl<T> Reply<T> {
+    pub(super) fn new() -> Arc<Self> {
+        Arc::new(Reply {
+            value: Mutex::new(None),
+            cv: Condvar::new(),
+        })
+    }
+    pub(super) fn set(&self, v: Result<T>) {
+        *self.value.lock() = Some(v);
+        self.cv.notify_all();
+    }
+    pub(super) fn wait(&self, deadline: Instant) -> Result<T> {
+        let mut v = self.value.lock();
+        while v.is_none() {
+            if self.cv.wait_until(&mut v, deadline).timed_out() && v.is_none() {
+                return Err(Error::new(
+                    ErrorKind::Transport,
+                    "progress thread did not answer",
+                ));
+            }
+        }
+        v.take().unwrap()
+    }
+}
+
+#[derive(Default)]
+pub(super) struct AtomicStats {
+    pub(super) ops_started: AtomicU64,
+    pub(super) ops_completed: AtomicU64,
+    pub(super) ops_failed: AtomicU64,
+    pub(super) bytes_completed: AtomicU64,
+    pub(super) last_completion_ns: AtomicU64,
+    pub(super) unreaped: AtomicU64,
+    pub(super) wakeups: AtomicU64,
+    pub(super) empty_wakeups: AtomicU64,
+    pub(super) backoffs: AtomicU64,
+    pub(super) stale_control_dropped: AtomicU64,
+}
+
+/// State shared between the owner's threads and the progress thread.
+pub(super) struct Shared {
+    pub(super) cmds: Mutex<CmdQueue>,
+    pub(super) wake_fd: c_int,
+    pub(super) stopping: AtomicBool,
+    pub(super) events: Mutex<VecDeque<Event>>,
+    pub(super) events_cv: Condvar,
+    pub(super) failed: Mutex<HashMap<PeerId, bool>>,
+    pub(super) in_flight: Mutex<HashMap<u64, Weak<OpSlot>>>,
+    pub(super) next_op: AtomicU64,
+    pub(super) stats: AtomicStats,
+    pub(super) epoch: Instant,
+    pub(super) reap_grace: Duration,
+    pub(super) uid: u64,
+    /// `uid` as little-endian bytes: the header of every control message we send.
+    pub(super) uid_le: [u8; 8],
+}
+
+impl Shared {
+    pub(super) fn submit(&self, cmd: Cmd) -> Result<()> {
+        let mut q = self.cmds.lock();
+        let refused =
+            q.closed || (self.stopping.load(Ordering::Acquire) && !matches!(cmd, Cmd::Shutdown));
+        if refused {
+            drop(q);
+            // Whatever waits on this command learns now: no slot or reply is left pending.
+            self.fail_cmd(cmd);
+            return Err(Error::new(ErrorKind::Shutdown, "agent is shut down"));
+        }
+        q.items.push_back(cmd);
+        drop(q);
+        let one: u64 = 1;
+        // SAFETY: wake_fd is an eventfd owned by the agent for its whole life; writing 8 bytes
+        // from a valid u64 is the eventfd protocol.
+        unsafe { libc::write(self.wake_fd, &one as *const u64 as *const c_void, 8) };
+        Ok(())
+    }
+
+    /// Ends a command that will never run, so nobody waits on it.
+    pub(super) fn fail_cmd(&self, cmd: Cmd) {
+        let shutdown = || Error::new(ErrorKind::Shutdown, "agent is shut down");
+        match cmd {
+            Cmd::Tag { slot, .. } | Cmd::Control { slot, .. } | Cmd::Rma { slot, .. } => {
+                let _ = slot.stop_reason.compare_exchange(
+                    STOP_NONE,
+                    STOP_SHUTDOWN,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                finish_slot(self, &slot, sys::UCS_ERR_CANCELED, 0);
+            }
+            Cmd::Connect(_, r) | Cmd::ConnectWorker(_, r) => r.set(Err(shutdown())),
+            Cmd::Map { reply, .. } => reply.set(Err(shutdown())),
+            Cmd::UnpackRkey { reply, .. } => reply.set(Err(shutdown())),
+            Cmd::ForceClose(_, Some(r)) => r.set(Ok(())),
+            Cmd::ForceClose(_, None)
+            | Cmd::CancelOp(_)
+            | Cmd::Unmap(_)
+            | Cmd::DestroyRkey(_)
+            | Cmd::Shutdown => {}
+        }
+    }
+
+    pub(super) fn push_event(&self, ev: Event) {
+        self.events.lock().push_back(ev);
+        self.events_cv.notify_all();
+    }
+
+    pub(super) fn peer_failed(&self, peer: PeerId) -> Option<bool> {
+        self.failed.lock().get(&peer).copied()
+    }
+
+    pub(super) fn cmds_pending(&self) -> bool {
+        !self.cmds.lock().items.is_empty()
+    }
+}
