@@ -35,7 +35,6 @@ mod waiters;
 
 pub use peers::PeerState;
 
-
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use crate::proto::{
     BufferDesc, BufferKind, Config, Endpoint, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role,
