@@ -96,6 +96,7 @@ fn request_survives_stranger(key: RequestKey, intruder: &[Vec<u8>]) {
                 buffers: vec![(lease, desc)],
             }],
             request_info: b"fuzz".to_vec(),
+            timeout: None,
         },
     )
     .expect("start_receive");
