@@ -28,6 +28,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
+# `cargo +nightly` must not download a toolchain (rustup would, silently, by default): a missing
+# nightly is a SKIP.
+export RUSTUP_AUTO_INSTALL=0
 
 if ! command -v cargo >/dev/null 2>&1 || ! cargo +nightly --version >/dev/null 2>&1; then
     echo "fuzz: SKIP (no nightly Rust toolchain; install it with: rustup toolchain install nightly)"
