@@ -22,11 +22,8 @@ use crate::proto::{
     Action, Endpoint, Event as ProtoEvent, Message, RankId, RequestKey, Role, Token, TokenAllocator,
 };
 use crate::transport::cuda::Staging;
-use crate::transport::{Agent, Event, Op, PeerId};
+use crate::transport::{Agent, Event, EventSink, Op, PeerId};
 
-/// How long the driver sleeps at most when nothing is due (UCX keepalive needs the worker
-/// progressed now and then; the agent's own thread does that, this only bounds staleness).
-const IDLE_TICK: Duration = Duration::from_millis(100);
 /// How long an outcome nobody came for is kept, and a finished key is refused as a replay.
 pub(crate) const RETENTION: Duration = Duration::from_secs(600);
 /// Advertisements waiting for `next_advertisement`. Past this a new one is refused (the
@@ -34,8 +31,6 @@ pub(crate) const RETENTION: Duration = Duration::from_secs(600);
 pub(crate) const MAX_ADVERTS: usize = 16384;
 /// Notifications waiting per sending rank; past this they are dropped and counted.
 pub(crate) const MAX_NOTES: usize = 4096;
-/// Events taken from the agent per driver pass before the core's outputs are flushed.
-const EVENT_BATCH: usize = 256;
 
 /// A posted receive: one segment of one request, into the caller's buffer (or a staging buffer).
 pub(crate) struct RecvOp {
@@ -172,58 +167,34 @@ impl Inner {
         Ok(())
     }
 
-    /// The driver thread: feeds agent events to the core, fires its timers and dials peers
-    /// that need reconnecting, whether or not any new work arrives.
-    pub fn drive(self: Arc<Self>) {
-        while !self.stopping.load(Ordering::Acquire) {
-            let wake = {
-                let core = self.core.lock();
-                let now = Instant::now();
-                [core.ep.poll_timeout(), core.peers.next_due()]
-                    .into_iter()
-                    .flatten()
-                    .fold(now + IDLE_TICK, Instant::min)
-            };
-            let first = self.agent.next_event(wake, None);
-            let mut core = self.core.lock();
-            let mut now = Instant::now();
-            if let Some(ev) = first {
-                self.on_event(&mut core, now, ev);
-                // Take what else is queued in the same pass: one flush for a burst of events.
-                for _ in 1..EVENT_BATCH {
-                    match self.agent.next_event(now, None) {
-                        Some(ev) => self.on_event(&mut core, now, ev),
-                        None => break,
+    /// Redials `rank` at `address` on a short-lived thread of its own: a dial waits for the
+    /// progress thread, where the sink runs, so it cannot run there. Reconnects are rare.
+    fn redial(self: &Arc<Self>, rank: RankId, address: String) {
+        let weak = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name(format!("kvlink-redial-{}", rank.0))
+            .spawn(move || {
+                let Some(inner) = weak.upgrade() else { return };
+                if inner.stopping.load(Ordering::Acquire) {
+                    return;
+                }
+                let dialled = super::dial(&inner.agent, &address);
+                let mut core = inner.core.lock();
+                match dialled {
+                    Ok(peer) => {
+                        core.peers.dialled(Some(rank), peer, &address);
+                        if let Err(e) = inner.say_hello(&mut core, peer) {
+                            tracing::debug!("reconnect to {rank} at {address}: {e}");
+                        }
+                        tracing::info!("reconnecting to {rank} at {address}");
                     }
+                    Err(e) => tracing::debug!("reconnect to {rank} at {address}: {e}"),
                 }
-                now = Instant::now();
-            }
-            if core.ep.poll_timeout().is_some_and(|t| t <= now) {
-                core.ep.handle_timeout(now);
-            }
-            for (rank, address) in core.peers.due(now) {
-                self.redial(&mut core, rank, &address);
-            }
-            self.prune(&mut core, now);
-            self.flush(&mut core);
+                core.waiters.wake(WaitKey::Peer(rank));
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("reconnect to {rank}: no thread: {e}");
         }
-        core_wake_all(&self.core);
-    }
-
-    /// One reconnect attempt: dial the rank's address again and say `Hello`; its `Hello` back
-    /// binds the new endpoint.
-    fn redial(&self, core: &mut Core, rank: RankId, address: &str) {
-        match super::dial(&self.agent, address) {
-            Ok(peer) => {
-                core.peers.dialled(Some(rank), peer, address);
-                if let Err(e) = self.say_hello(core, peer) {
-                    tracing::debug!("reconnect to {rank} at {address}: {e}");
-                }
-                tracing::info!("reconnecting to {rank} at {address}");
-            }
-            Err(e) => tracing::debug!("reconnect to {rank} at {address}: {e}"),
-        }
-        core.waiters.wake(WaitKey::Peer(rank));
     }
 
     /// Results nobody came for are dropped after RETENTION: memory stays bounded over
@@ -392,6 +363,11 @@ impl Inner {
         if core.control_ops.len() > 64 {
             core.control_ops.retain_mut(|op| op.poll().is_none());
         }
+        // A caller may have moved the core's next timer earlier (a give-up pulls the agreement
+        // bound in): the progress thread must not sleep past it.
+        if let Some(t) = core.ep.poll_timeout() {
+            self.agent.wake_by(t);
+        }
     }
 
     fn apply(&self, core: &mut Core, a: Action) {
@@ -494,6 +470,36 @@ impl Inner {
     }
 }
 
-fn core_wake_all(core: &Mutex<Core>) {
-    core.lock().waiters.wake_all();
+/// The engine's logic on the agent's progress thread: the core runs where the events arrive,
+/// with no thread of its own in between (one hand-off less per event, both ways).
+pub(crate) struct Sink(pub std::sync::Weak<Inner>);
+
+impl EventSink for Sink {
+    fn deliver(&self, events: &mut VecDeque<Event>, now: Instant) -> Option<Instant> {
+        let inner = self.0.upgrade()?;
+        if inner.stopping.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut core = inner.core.lock();
+        for ev in events.drain(..) {
+            inner.on_event(&mut core, now, ev);
+        }
+        let now = Instant::now();
+        if core.ep.poll_timeout().is_some_and(|t| t <= now) {
+            core.ep.handle_timeout(now);
+        }
+        for (rank, address) in core.peers.due(now) {
+            inner.redial(rank, address);
+        }
+        inner.prune(&mut core, now);
+        inner.flush(&mut core);
+        let next = [core.ep.poll_timeout(), core.peers.next_due()]
+            .into_iter()
+            .flatten()
+            .min();
+        drop(core);
+        // Never the last owner here: `Engine::drop` stops this thread before it lets go.
+        drop(inner);
+        next
+    }
 }

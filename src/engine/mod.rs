@@ -2,8 +2,10 @@
 //! the UCX agent.
 //!
 //! One [`Engine`] per rank: a UCX [`Agent`], the sans-IO [`Endpoint`] that owns every request
-//! and its timers, and a driver thread ([`glue`]) that feeds the endpoint what the agent
-//! reports and carries out what it asks. Callers block in `wait`, `recv_ready`,
+//! and its timers, and the glue ([`glue`]) that feeds the endpoint what the agent reports and
+//! carries out what it asks. The glue runs on the agent's progress thread, where the events
+//! arrive (an [`crate::transport::EventSink`]), and the progress thread also sleeps no later than
+//! the endpoint's next timer: there is no engine thread of its own. Callers block in `wait`, `recv_ready`,
 //! `next_advertisement`, `wait_for_notification`, `connect` and `send`, each with a deadline
 //! and an optional cancel check, on a waiter of their own that is woken only for the fact it
 //! waits for ([`waiters`]). No lock is held across a wait and no thread spins.
@@ -46,7 +48,6 @@ use parking_lot::{Mutex, MutexGuard};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use waiters::{sleep, WaitKey};
 
@@ -187,7 +188,6 @@ const REAP_GRACE: Duration = Duration::from_millis(20);
 pub struct Engine {
     inner: Arc<Inner>,
     timeout: Duration,
-    driver: Option<JoinHandle<()>>,
 }
 
 fn key_err(kind: ErrorKind, key: RequestKey, what: &str) -> Error {
@@ -227,15 +227,12 @@ impl Engine {
             core: Mutex::new(Core::new(Endpoint::new(me, config), POOL_SLOTS)),
             stopping: AtomicBool::new(false),
         });
-        let i2 = inner.clone();
-        let driver = std::thread::Builder::new()
-            .name(format!("kvlink-driver-{}", cfg.rank))
-            .spawn(move || i2.drive())
-            .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn: {e}")))?;
+        inner
+            .agent
+            .set_sink(Arc::new(glue::Sink(Arc::downgrade(&inner))));
         Ok(Engine {
             inner,
             timeout: cfg.timeout,
-            driver: Some(driver),
         })
     }
 
@@ -956,9 +953,9 @@ impl Drop for Engine {
         }
         self.inner.stopping.store(true, Ordering::Release);
         self.inner.core.lock().waiters.wake_all();
-        if let Some(d) = self.driver.take() {
-            let _ = d.join();
-        }
+        // Stop the progress thread (where the core's sink runs) while this engine still owns
+        // the agent, so the sink is never the one to drop it.
+        self.inner.agent.shutdown();
     }
 }
 

@@ -2,4 +2,6 @@
 pub mod cuda;
 pub mod ucx;
 
-pub use ucx::{Agent, AgentOptions, Event, MemHandle, Op, PeerId, RemoteKey, Stats, TransportKind};
+pub use ucx::{
+    Agent, AgentOptions, Event, EventSink, MemHandle, Op, PeerId, RemoteKey, Stats, TransportKind,
+};

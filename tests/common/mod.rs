@@ -3,13 +3,19 @@
 pub mod net;
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::Duration;
+
+/// How long a test waits for any one line from a child before it fails (never hangs CI).
+pub const LINE_TIMEOUT: Duration = Duration::from_secs(90);
 
 pub const PEER: &str = env!("CARGO_BIN_EXE_kvlink-peer");
 
 pub struct Proc {
     pub child: Child,
-    out: BufReader<ChildStdout>,
+    /// Lines of the child's stdout, read by a thread of their own so a wait can time out.
+    out: Receiver<String>,
     input: Option<ChildStdin>,
 }
 
@@ -22,7 +28,16 @@ impl Proc {
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let (tx, out) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stdout.lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
         let input = child.stdin.take();
         Proc { child, out, input }
     }
@@ -44,12 +59,7 @@ impl Proc {
     /// Next stdout line starting with `prefix` (other lines are echoed).
     pub fn expect(&mut self, prefix: &str) -> String {
         loop {
-            let mut line = String::new();
-            assert!(
-                self.out.read_line(&mut line).unwrap() > 0,
-                "peer exited before printing {prefix}"
-            );
-            let line = line.trim_end().to_string();
+            let line = self.line(prefix);
             if !line.starts_with("STATE ") {
                 println!("  | {line}");
             }
@@ -63,12 +73,7 @@ impl Proc {
     /// the matched line trimmed to that prefix when the prefix is a whole word sequence.
     pub fn expect_one_of(&mut self, prefixes: &[&str]) -> String {
         loop {
-            let mut line = String::new();
-            assert!(
-                self.out.read_line(&mut line).unwrap() > 0,
-                "peer exited before printing any of {prefixes:?}"
-            );
-            let line = line.trim_end().to_string();
+            let line = self.line(&format!("{prefixes:?}"));
             if !line.starts_with("STATE ") {
                 println!("  | {line}");
             }
@@ -78,6 +83,19 @@ impl Proc {
                 } else {
                     p.to_string()
                 };
+            }
+        }
+    }
+
+    /// The next line, or a test failure naming what was awaited if none comes in time.
+    fn line(&mut self, awaited: &str) -> String {
+        match self.out.recv_timeout(LINE_TIMEOUT) {
+            Ok(line) => line.trim_end().to_string(),
+            Err(RecvTimeoutError::Timeout) => {
+                panic!("no line from the peer for {LINE_TIMEOUT:?} while waiting for {awaited}")
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                panic!("peer exited before printing {awaited}")
             }
         }
     }

@@ -3,7 +3,7 @@
 //! thread; nothing here touches UCX.
 use super::op::{Op, OpSlot, SlotKind, STOP_NONE};
 use super::progress::progress_thread;
-use super::shared::{AtomicStats, Cmd, CmdQueue, Reply, Shared};
+use super::shared::{AtomicStats, Cmd, CmdQueue, EventSink, Reply, Shared};
 use super::{AgentOptions, Event, PeerId, Stats, MAX_CONTROL};
 use crate::error::{Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex};
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 /// progress thread down, cancels every op and closes every endpoint.
 pub struct Agent {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
     listen_addr: Option<SocketAddr>,
     worker_address: Vec<u8>,
     name: String,
@@ -47,6 +47,8 @@ impl Agent {
             reap_grace: opts.reap_grace,
             uid,
             uid_le: uid.to_le_bytes(),
+            sink: std::sync::OnceLock::new(),
+            sink_due_ns: AtomicU64::new(0),
         });
         let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
@@ -58,7 +60,7 @@ impl Agent {
         match started {
             Ok((listen_addr, worker_address)) => Ok(Agent {
                 shared,
-                thread: Some(thread),
+                thread: Mutex::new(Some(thread)),
                 listen_addr,
                 worker_address,
                 name: opts.name,
@@ -76,6 +78,34 @@ impl Agent {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Runs `sink` on the progress thread with every event from now on, instead of queueing
+    /// them for [`Agent::next_event`]. Once per agent; false if one was set already.
+    pub fn set_sink(&self, sink: Arc<dyn EventSink>) -> bool {
+        let ok = self.shared.sink.set(sink).is_ok();
+        self.wake_by(Instant::now());
+        ok
+    }
+
+    /// Makes sure the sink is called by `at`: wakes the progress thread if it would otherwise
+    /// sleep past it (an owner's timer moved earlier).
+    pub fn wake_by(&self, at: Instant) {
+        let at_ns = at.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
+        if at_ns < self.shared.sink_due_ns.load(Ordering::Acquire) {
+            self.shared.sink_due_ns.store(at_ns, Ordering::Release);
+            self.shared.wake();
+        }
+    }
+
+    /// Stops the progress thread (cancelling every op, closing every endpoint) and waits for
+    /// it. Idempotent; `Drop` does it too. Never call it from the sink.
+    pub fn shutdown(&self) {
+        self.shared.stopping.store(true, Ordering::Release);
+        let _ = self.shared.submit(Cmd::Shutdown);
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
     }
 
     /// The bound listen address (with the real port when 0 was asked for).
@@ -473,11 +503,7 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        self.shared.stopping.store(true, Ordering::Release);
-        let _ = self.shared.submit(Cmd::Shutdown);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        self.shutdown();
         // SAFETY: the progress thread has exited; the fd is ours and closed once.
         unsafe { libc::close(self.shared.wake_fd) };
     }

@@ -52,6 +52,7 @@ mod tag;
 
 pub use agent::{Agent, MemHandle, RemoteKey};
 pub use op::Op;
+pub use shared::EventSink;
 
 use crate::error::{Error, ErrorKind, Result};
 use std::net::SocketAddr;

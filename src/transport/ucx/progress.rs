@@ -14,10 +14,26 @@ use std::net::SocketAddr;
 use std::os::raw::c_int;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Progress calls per pass before commands are looked at again.
 const PROGRESS_BURST: usize = 64;
+
+/// How long the sink may go without a call when it has no timer of its own.
+const SINK_IDLE: Duration = Duration::from_millis(100);
+
+/// After a pass that made progress, keep polling this long before arming the worker and
+/// sleeping: the next completion or command of a busy transfer usually comes within it, and a
+/// sleep/wake round costs 50-120 us here (TOOLCHAIN.md). Idle threads never poll: the window
+/// only follows progress. `KVLINK_POLL_US` overrides it (0 turns polling off).
+const POLL_AFTER_PROGRESS: Duration = Duration::from_micros(50);
+
+fn poll_window() -> Duration {
+    std::env::var("KVLINK_POLL_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(POLL_AFTER_PROGRESS, Duration::from_micros)
+}
 
 /// The progress thread's state. Field order is drop order: UCX handles made from others are
 /// declared (and so dropped) before what they were made from.
@@ -256,6 +272,8 @@ impl Progress {
 
     fn run(&mut self) {
         let mut empty_streak = 0u32;
+        let window = poll_window();
+        let mut last_progress = Instant::now();
 
         loop {
             let mut did = self.drain_commands();
@@ -277,9 +295,19 @@ impl Progress {
             }
             if did.0 {
                 empty_streak = 0;
+                last_progress = Instant::now();
             }
             if !self.drains.is_empty() {
                 self.expire_drains();
+            }
+            if self.run_sink() {
+                // What the sink did (control messages, cancels) runs before any sleep.
+                continue;
+            }
+            if !window.is_zero() && last_progress.elapsed() < window {
+                // Bounded: only within `window` of the last progress.
+                std::hint::spin_loop();
+                continue;
             }
 
             // SAFETY: as above.
@@ -288,9 +316,11 @@ impl Progress {
                 continue;
             }
             let mut evs: [libc::epoll_event; 4] = unsafe { std::mem::zeroed() };
-            // A bounded sleep: UCX keepalive needs progress now and then even when idle.
+            // A bounded sleep: UCX keepalive needs progress now and then even when idle, and the
+            // sink's next timer must not be slept through.
+            let sleep_ms = self.sleep_ms();
             // SAFETY: epfd is ours; evs has room for 4 events.
-            let n = unsafe { libc::epoll_wait(self.epoll_fd(), evs.as_mut_ptr(), 4, 100) };
+            let n = unsafe { libc::epoll_wait(self.epoll_fd(), evs.as_mut_ptr(), 4, sleep_ms) };
             self.shared.stats.wakeups.fetch_add(1, Ordering::Relaxed);
             if n > 0 {
                 let mut ucx_woke = false;
@@ -325,6 +355,42 @@ impl Progress {
                 }
             }
         }
+    }
+
+    /// Hands the queued events to the owner's sink, if there is one and there are events or its
+    /// timer is due; returns true if the sink ran.
+    fn run_sink(&mut self) -> bool {
+        let Some(sink) = self.shared.sink.get().cloned() else {
+            return false;
+        };
+        let now = Instant::now();
+        let now_ns = now.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
+        let mut evs = std::mem::take(&mut *self.shared.events.lock());
+        if evs.is_empty() && now_ns < self.shared.sink_due_ns.load(Ordering::Acquire) {
+            return false;
+        }
+        // While the sink runs, any `wake_by` (from another thread) lands below MAX and wakes
+        // us; afterwards the earlier of the two stands.
+        self.shared.sink_due_ns.store(u64::MAX, Ordering::Release);
+        let next = sink
+            .deliver(&mut evs, now)
+            .map_or(now + SINK_IDLE, |t| t.min(now + SINK_IDLE));
+        let next_ns = next.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
+        self.shared.sink_due_ns.fetch_min(next_ns, Ordering::AcqRel);
+        true
+    }
+
+    /// How long the next sleep may last: 100 ms at most, less if the sink's timer comes first.
+    fn sleep_ms(&self) -> c_int {
+        if self.shared.sink.get().is_none() {
+            return 100;
+        }
+        let due = self.shared.sink_due_ns.load(Ordering::Acquire);
+        let now = Instant::now()
+            .saturating_duration_since(self.shared.epoch)
+            .as_nanos() as u64;
+        let left_ms = due.saturating_sub(now).div_ceil(1_000_000);
+        left_ms.min(100) as c_int
     }
 
     /// Runs queued commands; returns (did something, saw shutdown).
@@ -408,7 +474,9 @@ impl Progress {
             .values()
             .filter_map(Weak::upgrade)
             .collect();
-        for s in &slots {
+        // The drain receives (posted for senders that gave up) are not in `in_flight`: cancel
+        // them too, or UCX never completes them and the reference it holds is never released.
+        for s in slots.iter().chain(self.drains.iter()) {
             let _ = s.stop_reason.compare_exchange(
                 STOP_NONE,
                 STOP_SHUTDOWN,

@@ -108,6 +108,16 @@ pub(super) struct AtomicStats {
     pub(super) stale_control_dropped: AtomicU64,
 }
 
+/// Where the progress thread hands its events when an owner runs its logic there (the engine
+/// does: its protocol core runs where the events arrive, with no thread of its own between).
+pub trait EventSink: Send + Sync {
+    /// Called on the progress thread, never inside a UCX callback, with the events since the
+    /// last call (possibly none: a timer came due) and the time. Returns when it next wants to
+    /// be called if nothing happens. It must not wait for the progress thread (no
+    /// `Agent::connect`, no `Op::wait`): commands it submits run after it returns.
+    fn deliver(&self, events: &mut VecDeque<Event>, now: Instant) -> Option<Instant>;
+}
+
 /// State shared between the owner's threads and the progress thread.
 pub(super) struct Shared {
     pub(super) cmds: Mutex<CmdQueue>,
@@ -124,6 +134,10 @@ pub(super) struct Shared {
     pub(super) uid: u64,
     /// `uid` as little-endian bytes: the header of every control message we send.
     pub(super) uid_le: [u8; 8],
+    /// The owner's event sink, if it runs its logic on the progress thread.
+    pub(super) sink: std::sync::OnceLock<Arc<dyn EventSink>>,
+    /// When the progress thread will next call the sink unprompted (ns since `epoch`).
+    pub(super) sink_due_ns: AtomicU64,
 }
 
 impl Shared {
@@ -139,10 +153,7 @@ impl Shared {
         }
         q.items.push_back(cmd);
         drop(q);
-        let one: u64 = 1;
-        // SAFETY: wake_fd is an eventfd owned by the agent for its whole life; writing 8 bytes
-        // from a valid u64 is the eventfd protocol.
-        unsafe { libc::write(self.wake_fd, &one as *const u64 as *const c_void, 8) };
+        self.wake();
         Ok(())
     }
 
@@ -169,6 +180,14 @@ impl Shared {
             | Cmd::DestroyRkey(_)
             | Cmd::Shutdown => {}
         }
+    }
+
+    /// Wakes the progress thread (the eventfd it sleeps on).
+    pub(super) fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: wake_fd is an eventfd owned by the agent for its whole life; writing 8 bytes
+        // from a valid u64 is the eventfd protocol.
+        unsafe { libc::write(self.wake_fd, &one as *const u64 as *const c_void, 8) };
     }
 
     pub(super) fn push_event(&self, ev: Event) {
