@@ -2,7 +2,7 @@
 # Runs every check kvlink has, in one go, and prints a summary. Exits non-zero if any fails.
 #   install-deps, cargo fmt --check, cargo clippy (all targets, -D warnings), cargo test,
 #   CMake configure + build (Ninja) + ctest, the package check (Release line, all-off install,
-#   installed consumer), header drift check.
+#   installed consumer), header drift check, AddressSanitizer run, bounded fuzz run.
 # Rust is compiled once: CMake's cargo step uses the same target dir and profile (dev) as
 # `cargo test`, so it only links. Later steps still run after a failure, so one run shows all
 # problems; a step whose prerequisite failed is reported as skipped.
@@ -58,6 +58,11 @@ step ctest requires=cmake-build -- ctest --test-dir "$build_dir" --output-on-fai
 # option off, and a consumer built against that install alone.
 step package-check -- env KVLINK_SKIP_DEPS=1 bash "$root/scripts/package-check.sh"
 step header-drift -- bash "$root/scripts/check-header-drift.sh"
+# AddressSanitizer (nightly) over the transport, engine, two-process and C++ suites, with UCX's
+# memory hooks off; and a bounded fuzz run of the wire decoder and the handshake. Each prints
+# SKIP where nightly (or cargo-fuzz) is missing.
+step sanitize -- bash "$root/scripts/sanitize.sh"
+step fuzz -- env KVLINK_FUZZ_SECONDS="${KVLINK_FUZZ_SECONDS:-45}" bash "$root/scripts/fuzz.sh"
 
 echo
 echo "=== summary"
