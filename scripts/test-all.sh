@@ -48,7 +48,7 @@ step() {
 
 step fmt -- cargo fmt --all -- --check
 step clippy -- cargo clippy --locked --all-targets -- -D warnings
-step cargo-test -- cargo test --locked
+step cargo-test -- cargo test --locked --no-fail-fast
 step cmake-configure -- cmake -S "$root" -B "$build_dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
     -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR"

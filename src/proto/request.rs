@@ -742,6 +742,8 @@ enum SendState {
     /// Started, then asked to stop ([`Action::AbortSend`]).
     Aborting,
     Done,
+    /// Never started: the request ended first.
+    Skipped,
 }
 
 /// Why a segment's send cannot start: misuse (the caller's mistake, nothing else fails) or the
@@ -866,12 +868,19 @@ impl SendFlow {
     /// May the application start the send of `segment` with `len` bytes now? Once per
     /// advertised segment, with its advertised size, after accept, while the request runs.
     pub(crate) fn check_send(&self, segment: u32, len: u64) -> Result<BufferDesc, SendRefusal> {
-        if let Some(o) = self.ended() {
-            return Err(SendRefusal::Ended(o));
-        }
         let Some(desc) = self.buffers.iter().find(|d| d.segment == segment).copied() else {
             return Err(SendRefusal::NotAdvertised);
         };
+        // A second send of a segment is misuse whether or not the request has ended since.
+        if matches!(
+            self.sends.get(&segment),
+            Some(SendState::InFlight | SendState::Aborting | SendState::Done)
+        ) {
+            return Err(SendRefusal::AlreadySent);
+        }
+        if let Some(o) = self.ended() {
+            return Err(SendRefusal::Ended(o));
+        }
         match self.accepted {
             Some(true) => {}
             Some(false) => return Err(SendRefusal::Ended(Outcome::Rejected)),
@@ -896,7 +905,9 @@ impl SendFlow {
     }
 
     fn quiesced(&self) -> bool {
-        self.sends.values().all(|s| *s == SendState::Done)
+        self.sends
+            .values()
+            .all(|s| matches!(s, SendState::Done | SendState::Skipped))
     }
 
     fn send_quiesced(&self, out: &mut Out) {
@@ -961,7 +972,7 @@ impl SendFlow {
         for (segment, state) in self.sends.iter_mut() {
             match *state {
                 // Never started: nothing to stop.
-                SendState::Pending => *state = SendState::Done,
+                SendState::Pending => *state = SendState::Skipped,
                 SendState::InFlight => {
                     *state = SendState::Aborting;
                     out.actions.push_back(Action::AbortSend {
@@ -970,7 +981,7 @@ impl SendFlow {
                         segment: *segment,
                     });
                 }
-                SendState::Aborting | SendState::Done => {}
+                SendState::Aborting | SendState::Done | SendState::Skipped => {}
             }
         }
     }
@@ -1026,7 +1037,7 @@ impl SendFlow {
         let was = *state;
         *state = SendState::Done;
         match was {
-            SendState::Done => out.stats.duplicates += 1,
+            SendState::Done | SendState::Skipped => out.stats.duplicates += 1,
             SendState::InFlight | SendState::Pending if !ok => {
                 self.fail(now, Outcome::PeerLost, out)
             }
