@@ -217,3 +217,45 @@ fn health_state_is_wedged_while_a_peer_is_frozen_and_recovers() {
         t0.elapsed()
     );
 }
+
+/// A receiver whose data never comes (the sender's completion is lost: `--suppress`) waits 10 s
+/// for it at under 2% of a core, and ends TimedOut by the deadline + 100 ms.
+#[test]
+fn waiting_ten_seconds_for_data_that_never_comes_costs_under_two_percent_of_a_core() {
+    std::thread::scope(|s| {
+        for tl in ["tcp", "sm"] {
+            s.spawn(move || {
+                let mut cmd = peer_cmd(None);
+                cmd.args([
+                    "ctx",
+                    "--transport",
+                    tl,
+                    "--timeout-ms",
+                    "10000",
+                    "--suppress",
+                    "5",
+                ]);
+                let mut ctx = Proc::spawn(cmd);
+                let addr = ctx
+                    .expect("ADDR")
+                    .split_whitespace()
+                    .nth(1)
+                    .unwrap()
+                    .to_string();
+                let mut cmd = peer_cmd(None);
+                cmd.args(["gen", "--transport", tl, "--to", &addr, "--sizes", "1M"])
+                    .args(["--timeout-ms", "10000"]);
+                let mut gen = Proc::spawn(cmd);
+                gen.expect("CONNECTED");
+                gen.send("REQ 5");
+                let g = gen.expect("GEN 5 ");
+                let cpu: f64 = field(&g, "cpu_ms").parse().unwrap();
+                let share = cpu / 10_000.0 * 100.0;
+                println!("{tl}: {g} -> {share:.3}% of a core while waiting");
+                assert_eq!(field(&g, "end"), "TimedOut", "{g}");
+                assert!(late(&g) <= SLACK_MS, "{g}");
+                assert!(share < 2.0, "waiting used {share:.2}% of a core: {g}");
+            });
+        }
+    });
+}

@@ -1,7 +1,7 @@
 //! One rank of a two-process engine test (tests/engine_faults.rs), driven through stdin/stdout
 //! so that a test can freeze, kill or cut it off between and during requests.
 //!
-//! `kvlink-engine-peer ctx --transport tcp|sm [--listen IP:PORT] [--timeout-ms N]`
+//! `kvlink-engine-peer ctx --transport tcp|sm [--listen IP:PORT] [--timeout-ms N] [--suppress ID]`
 //!   prints `ADDR <address>`, then serves advertisements forever: accepts, prints
 //!   `SENDING <request>`, sends every segment (deterministic bytes), waits for the agreed end,
 //!   and prints
@@ -70,6 +70,15 @@ fn late_ms(deadline: Instant) -> f64 {
     }
 }
 
+/// CPU time (user + system) this process has used, in milliseconds.
+fn cpu_ms() -> f64 {
+    // SAFETY: getrusage writes into the zeroed struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 * 1e3 + tv.tv_usec as f64 / 1e3;
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
 fn say(line: String) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
@@ -99,6 +108,9 @@ fn main() {
 fn ctx(transport: TransportKind, timeout: Duration, args: &[String]) {
     let mut cfg = EngineConfig::new("ctx", CTX, transport);
     cfg.timeout = timeout;
+    // The lost-completion fault: this request's data is "sent" without moving.
+    cfg.faults.suppress_data_of_request =
+        arg(args, "--suppress").map(|v| v.parse().expect("--suppress"));
     if let Some(l) = arg(args, "--listen") {
         cfg.listen = Some(l.parse().expect("--listen ip:port"));
     } else if transport == TransportKind::Tcp {
@@ -191,6 +203,7 @@ fn gen(transport: TransportKind, timeout: Duration, args: &[String]) {
                     })
                     .collect();
                 let deadline = Instant::now() + timeout;
+                let cpu0 = cpu_ms();
                 // SAFETY: `bufs` outlives the request: we wait for its end below.
                 let adv = unsafe {
                     engine.advertise(key, vec![RankId(GEN)], vec![(peer, specs)], vec![])
@@ -204,13 +217,14 @@ fn gen(transport: TransportKind, timeout: Duration, args: &[String]) {
                     .wait(key, Role::Receiver, deadline, None)
                     .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
                 let late = late_ms(deadline);
+                let cpu = cpu_ms() - cpu0;
                 let leased = engine.health().buffers_leased;
                 let verified = bufs
                     .iter()
                     .enumerate()
                     .all(|(i, b)| intact(id, i as u32, b));
                 say(format!(
-                    "GEN {id} end={end} late_ms={late:.1} verified={verified} leased={leased}"
+                    "GEN {id} end={end} late_ms={late:.1} verified={verified} leased={leased} cpu_ms={cpu:.1}"
                 ));
             }
             ["HEALTH"] => {
