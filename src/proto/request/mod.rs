@@ -1,0 +1,190 @@
+//! The state machines of one request: `RecvRequest` on a generation (receiving) rank and
+//! `SendFlow` on a context (sending) rank, one per (request, receiver) pair.
+//!
+//! Receiver: `Active` (advertised; segments landing) -> local vote -> verdict -> `Settling`
+//! (unlanded receives cancelled, waiting for each to be reaped) -> terminal, buffers released ->
+//! lingering (answers late votes, retransmits a failure verdict to senders that have not
+//! confirmed) -> forgotten at terminal + linger, leaving a tombstone. Deadlines: the request
+//! deadline (vote `TimedOut`, the coordinator decides), the agreement bound (`deadline +
+//! agreement_bound`, pulled in when a caller gives up: terminal no matter what, unsafe buffers
+//! fenced), the retransmit timer, and the forget time.
+//!
+//! Sender: `Offered` (Advertised event out, waiting for `accept`) -> `Sending` (a refusal is
+//! `Ready(false)`; acceptance needs no message) -> verdict (pulled with a `Vote` once every send
+//! is done) -> aborting whatever is still in flight -> `Quiesced` sent for a failure verdict,
+//! terminal -> lingering -> forgotten.
+//! `recv.rs` holds the receiver's machine, `send.rs` the sender's; this file the types both
+//! share and the endpoint hands out.
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::id::{RankId, RequestKey, Token};
+use super::pool::Lease;
+use super::wire::{BufferDesc, Message};
+use crate::error::Outcome;
+
+mod recv;
+mod send;
+
+pub(crate) use recv::RecvRequest;
+pub(crate) use send::SendFlow;
+pub use send::SendRefusal;
+
+/// Timing of the core. All values come from configuration; none is read from a clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// The default per-request deadline, counted from `start_receive` (receiver); TensorRT-LLM's
+    /// `kv_transfer_timeout_ms`. A request may carry its own ([`ReceiveSpec::timeout`]); the
+    /// sender learns what is left of it from the `Advertise`.
+    ///
+    /// [`ReceiveSpec::timeout`]: super::endpoint::ReceiveSpec::timeout
+    pub timeout: Duration,
+    /// How long past its deadline (or past a caller giving up) a request may spend agreeing and
+    /// quiescing before it ends anyway and fences what is still unsafe. With no verdict by then
+    /// a rank ends with its own failure, or `TimedOut` (`PeerLost` when the transport reported
+    /// the peer lost). Keep it well under the 100 ms a caller may wait past its deadline.
+    pub agreement_bound: Duration,
+    /// Interval between retransmissions of an unanswered control message.
+    pub retransmit: Duration,
+    /// How long a finished request is remembered past its agreement bound, to answer late
+    /// duplicates and to recognise stale messages.
+    pub linger: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            timeout: Duration::from_secs(60),
+            agreement_bound: Duration::from_millis(50),
+            retransmit: Duration::from_millis(200),
+            linger: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A control message for the driver to send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transmit {
+    pub to: RankId,
+    pub message: Message,
+}
+
+/// Something the driver must do to the transport or the buffer pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Post a tag-matched send of this rank's data for `desc` to `to`, tag `desc.token`; report
+    /// its completion with `handle_send_done`.
+    Send {
+        key: RequestKey,
+        to: RankId,
+        desc: BufferDesc,
+    },
+    /// Abort that send if it is still in flight; report the result with `handle_send_done`.
+    AbortSend {
+        key: RequestKey,
+        to: RankId,
+        segment: u32,
+    },
+    /// Cancel the posted receive with tag `token`; report its reaping with
+    /// `handle_receive_reaped` (or its landing, if the data won the race).
+    CancelReceive {
+        key: RequestKey,
+        segment: u32,
+        token: Token,
+    },
+    /// No peer can write this buffer any more: return the lease to the pool.
+    Release { key: RequestKey, lease: Lease },
+    /// A peer might still write this buffer: invalidate its registration (the posted receive
+    /// with `token` dies with it), then `BufferPool::fence` the lease and restore the slot with a
+    /// fresh registration.
+    Fence {
+        key: RequestKey,
+        lease: Lease,
+        token: Token,
+    },
+}
+
+/// Which side of a request a terminal event belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    Receiver,
+    Sender { receiver: RankId },
+}
+
+/// Things the application must learn.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A receiver advertised a request to this (sending) rank; answer with `accept`.
+    Advertised {
+        key: RequestKey,
+        from: RankId,
+        /// The request's deadline on this rank, learned from the advertisement.
+        deadline: Instant,
+        request_info: Vec<u8>,
+        buffers: Vec<BufferDesc>,
+    },
+    /// A `Notify` arrived.
+    Notified {
+        key: RequestKey,
+        from: RankId,
+        payload: Vec<u8>,
+    },
+    /// The request ended, exactly once per (key, role). For a receiver every buffer has been
+    /// released or fenced by the time this event is queued.
+    Terminal {
+        key: RequestKey,
+        role: Role,
+        outcome: Outcome,
+    },
+}
+
+/// Counters a health check or a test can read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Messages or landings of an older generation than one still known: counted and dropped.
+    pub stale_dropped: u64,
+    /// Messages or landings for requests not known here (finished and forgotten, or never seen).
+    pub unknown_dropped: u64,
+    /// Duplicated messages or landings that changed nothing.
+    pub duplicates: u64,
+    /// Frames that failed to decode.
+    pub bad_frames: u64,
+    pub retransmits: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub fenced_buffers: u64,
+}
+
+/// Output queues shared by all state machines of one endpoint.
+#[derive(Debug, Default)]
+pub(crate) struct Out {
+    pub transmits: VecDeque<Transmit>,
+    pub actions: VecDeque<Action>,
+    pub events: VecDeque<Event>,
+    pub stats: Stats,
+}
+
+impl Out {
+    fn send(&mut self, to: RankId, message: Message) {
+        self.transmits.push_back(Transmit { to, message });
+    }
+    fn terminal(&mut self, key: RequestKey, role: Role, outcome: Outcome) {
+        if outcome.is_completed() {
+            self.stats.completed += 1;
+        } else {
+            self.stats.failed += 1;
+        }
+        self.events
+            .push_back(Event::Terminal { key, role, outcome });
+    }
+}
+
+/// The no-verdict outcome at the agreement bound: this rank's own failure if it had one, else
+/// `TimedOut`. Never `Completed`: without the verdict a rank cannot know that every other rank
+/// completed.
+pub(crate) fn unagreed(local_vote: Option<Outcome>) -> Outcome {
+    match local_vote {
+        Some(v) if !v.is_completed() => v,
+        _ => Outcome::TimedOut,
+    }
+}

@@ -1,0 +1,450 @@
+//! The sender's state machine: one (request, receiver) pair on a context (sending) rank.
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use super::{unagreed, Action, Config, Event, Out, Role};
+use crate::error::Outcome;
+use crate::proto::id::{RankId, RequestKey};
+use crate::proto::wire::{BufferDesc, Message};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SendState {
+    /// Accepted; the application has not started this segment's send yet.
+    Pending,
+    /// Started ([`SendFlow::begin_send`]); its completion is reported with `on_send_done`.
+    InFlight,
+    /// Started, then asked to stop ([`Action::AbortSend`]).
+    Aborting,
+    Done,
+    /// Never started: the request ended first.
+    Skipped,
+}
+
+/// Why a segment's send cannot start: misuse (the caller's mistake, nothing else fails) or the
+/// request has already ended or been told to stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendRefusal {
+    NotAccepted,
+    NotAdvertised,
+    AlreadySent,
+    WrongSize { advertised: u64 },
+    Ended(Outcome),
+}
+
+/// One (request, receiver) pair on a sending rank.
+#[derive(Debug)]
+pub(crate) struct SendFlow {
+    key: RequestKey,
+    receiver: RankId,
+    deadline: Instant,
+    bound: Instant,
+    agreement: Duration,
+    forget_at: Instant,
+    /// See `RecvRequest::tomb_until`.
+    pub(crate) tomb_until: Instant,
+    linger: Duration,
+    retransmit: Duration,
+    next_retx: Instant,
+    buffers: Vec<BufferDesc>,
+    accepted: Option<bool>,
+    sends: BTreeMap<u32, SendState>,
+    local_vote: Option<Outcome>,
+    verdict: Option<Outcome>,
+    receiver_lost: bool,
+    terminal: Option<Outcome>,
+    deadline_fired: bool,
+}
+
+impl SendFlow {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        now: Instant,
+        cfg: &Config,
+        key: RequestKey,
+        receiver: RankId,
+        timeout: Duration,
+        request_info: Vec<u8>,
+        buffers: Vec<BufferDesc>,
+        out: &mut Out,
+    ) -> Self {
+        let deadline = now + timeout;
+        let bound = deadline + cfg.agreement_bound;
+        out.events.push_back(Event::Advertised {
+            key,
+            from: receiver,
+            deadline,
+            request_info,
+            buffers: buffers.clone(),
+        });
+        SendFlow {
+            key,
+            receiver,
+            deadline,
+            bound,
+            agreement: cfg.agreement_bound,
+            forget_at: bound + cfg.linger,
+            tomb_until: bound + cfg.linger,
+            linger: cfg.linger,
+            retransmit: cfg.retransmit,
+            next_retx: now + cfg.retransmit,
+            buffers,
+            accepted: None,
+            sends: BTreeMap::new(),
+            local_vote: None,
+            verdict: None,
+            receiver_lost: false,
+            terminal: None,
+            deadline_fired: false,
+        }
+    }
+
+    pub(crate) fn is_finished(&self, now: Instant) -> bool {
+        self.terminal.is_some() && now >= self.forget_at
+    }
+
+    /// See [`RecvRequest::settle`].
+    pub(crate) fn settle(&mut self, now: Instant) {
+        if self.terminal.is_some() && self.forget_at > now + self.linger {
+            self.forget_at = now + self.linger;
+        }
+    }
+
+    pub(crate) fn is_terminal(&self) -> bool {
+        self.terminal.is_some()
+    }
+
+    pub(crate) fn terminal(&self) -> Option<Outcome> {
+        self.terminal
+    }
+
+    /// The request's deadline on this rank (learned from the advertisement).
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// The ended outcome, if any (terminal, or a verdict / local failure already known).
+    pub(crate) fn ended(&self) -> Option<Outcome> {
+        self.terminal
+            .or(self.verdict)
+            .or(self.local_vote.filter(|v| !v.is_completed()))
+    }
+
+    /// May the application start the send of `segment` with `len` bytes now? Once per
+    /// advertised segment, with its advertised size, after accept, while the request runs.
+    pub(crate) fn check_send(&self, segment: u32, len: u64) -> Result<BufferDesc, SendRefusal> {
+        let Some(desc) = self.buffers.iter().find(|d| d.segment == segment).copied() else {
+            return Err(SendRefusal::NotAdvertised);
+        };
+        // A second send of a segment is misuse whether or not the request has ended since.
+        if matches!(
+            self.sends.get(&segment),
+            Some(SendState::InFlight | SendState::Aborting | SendState::Done)
+        ) {
+            return Err(SendRefusal::AlreadySent);
+        }
+        if let Some(o) = self.ended() {
+            return Err(SendRefusal::Ended(o));
+        }
+        match self.accepted {
+            Some(true) => {}
+            Some(false) => return Err(SendRefusal::Ended(Outcome::Rejected)),
+            None => return Err(SendRefusal::NotAccepted),
+        }
+        if desc.len != len {
+            return Err(SendRefusal::WrongSize {
+                advertised: desc.len,
+            });
+        }
+        match self.sends.get(&segment) {
+            Some(SendState::Pending) => Ok(desc),
+            _ => Err(SendRefusal::AlreadySent),
+        }
+    }
+
+    /// Marks `segment`'s send started (after [`SendFlow::check_send`] allowed it).
+    pub(crate) fn begin_send(&mut self, segment: u32) {
+        if let Some(st @ SendState::Pending) = self.sends.get_mut(&segment) {
+            *st = SendState::InFlight;
+        }
+    }
+
+    fn quiesced(&self) -> bool {
+        self.sends
+            .values()
+            .all(|s| matches!(s, SendState::Done | SendState::Skipped))
+    }
+
+    fn send_quiesced(&self, out: &mut Out) {
+        // A Completed verdict is not confirmed (the receiver does not retransmit it).
+        if !self.receiver_lost && self.verdict != Some(Outcome::Completed) {
+            out.send(self.receiver, Message::Quiesced { key: self.key });
+        }
+    }
+
+    /// The same advertisement again: answer what was answered.
+    pub(crate) fn on_advertise_again(&mut self, out: &mut Out) {
+        out.stats.duplicates += 1;
+        if self.terminal.is_some() {
+            self.send_quiesced(out);
+        } else if let Some(ready) = self.accepted {
+            out.send(
+                self.receiver,
+                Message::Ready {
+                    key: self.key,
+                    ready,
+                },
+            );
+        }
+    }
+
+    /// The application's answer to the advertisement. Returns false when it comes too late (a
+    /// verdict or a local failure got there first, or it was answered already).
+    pub(crate) fn accept(&mut self, now: Instant, ready: bool, out: &mut Out) -> bool {
+        if self.accepted.is_some() || self.local_vote.is_some() || self.verdict.is_some() {
+            return false;
+        }
+        self.accepted = Some(ready);
+        // Only a refusal is sent: acceptance is proved by the first landing (a receiver that
+        // re-advertises before any data arrives is answered `Ready(true)`).
+        if !ready {
+            out.send(
+                self.receiver,
+                Message::Ready {
+                    key: self.key,
+                    ready,
+                },
+            );
+        }
+        if ready {
+            for desc in &self.buffers {
+                self.sends.insert(desc.segment, SendState::Pending);
+                out.actions.push_back(Action::Send {
+                    key: self.key,
+                    to: self.receiver,
+                    desc: *desc,
+                });
+            }
+        } else {
+            // Ready(false) is this rank's vote.
+            self.local_vote = Some(Outcome::Rejected);
+            self.next_retx = now + self.retransmit;
+        }
+        true
+    }
+
+    fn abort_pending(&mut self, out: &mut Out) {
+        for (segment, state) in self.sends.iter_mut() {
+            match *state {
+                // Never started: nothing to stop.
+                SendState::Pending => *state = SendState::Skipped,
+                SendState::InFlight => {
+                    *state = SendState::Aborting;
+                    out.actions.push_back(Action::AbortSend {
+                        key: self.key,
+                        to: self.receiver,
+                        segment: *segment,
+                    });
+                }
+                SendState::Aborting | SendState::Done | SendState::Skipped => {}
+            }
+        }
+    }
+
+    fn fail(&mut self, now: Instant, vote: Outcome, out: &mut Out) {
+        if self.local_vote.is_some() || self.verdict.is_some() {
+            return;
+        }
+        self.local_vote = Some(vote);
+        self.abort_pending(out);
+        if !self.receiver_lost {
+            out.send(
+                self.receiver,
+                Message::Vote {
+                    key: self.key,
+                    outcome: vote,
+                },
+            );
+        }
+        self.next_retx = now + self.retransmit;
+    }
+
+    fn try_finish(&mut self, out: &mut Out) {
+        if self.terminal.is_some() {
+            return;
+        }
+        if let Some(v) = self.verdict {
+            if self.quiesced() {
+                self.send_quiesced(out);
+                self.terminal = Some(v);
+                out.terminal(
+                    self.key,
+                    Role::Sender {
+                        receiver: self.receiver,
+                    },
+                    v,
+                );
+            }
+        }
+    }
+
+    /// Returns false when `segment` is not a send of this flow.
+    pub(crate) fn on_send_done(
+        &mut self,
+        now: Instant,
+        segment: u32,
+        ok: bool,
+        out: &mut Out,
+    ) -> bool {
+        let Some(state) = self.sends.get_mut(&segment) else {
+            return false;
+        };
+        let was = *state;
+        *state = SendState::Done;
+        match was {
+            SendState::Done | SendState::Skipped => out.stats.duplicates += 1,
+            SendState::InFlight | SendState::Pending if !ok => {
+                self.fail(now, Outcome::PeerLost, out)
+            }
+            _ => {}
+        }
+        if self.verdict.is_none() && self.pulls() {
+            self.next_retx = now + self.retransmit;
+        }
+        self.try_finish(out);
+        true
+    }
+
+    pub(crate) fn on_verdict(&mut self, v: Outcome, out: &mut Out) {
+        if self.terminal.is_some() {
+            // Our confirmation was lost: confirm again.
+            out.stats.duplicates += 1;
+            self.send_quiesced(out);
+            return;
+        }
+        if self.verdict.is_none() {
+            self.verdict = Some(v);
+            if !v.is_completed() {
+                self.abort_pending(out);
+            }
+        }
+        self.try_finish(out);
+    }
+
+    pub(crate) fn give_up(&mut self, now: Instant, why: Outcome, out: &mut Out) {
+        // As for a receiver: the caller stops waiting now, agreement gets the bound from now,
+        // while something of this flow can still be stopped. A give-up after every send has
+        // finished stops nothing: the flow waits for the verdict as before.
+        if self.accepted.is_none() || !self.quiesced() {
+            self.bound = self.bound.min(now + self.agreement);
+        }
+        self.fail(now, why, out);
+    }
+
+    pub(crate) fn on_peer_lost(&mut self, now: Instant, out: &mut Out) {
+        if self.verdict.is_none() {
+            // A loss found after the deadline (or after this rank gave up, e.g. the endpoint
+            // it force-closed to stop a send) does not change why the request failed here.
+            if now >= self.deadline {
+                self.fail(now, Outcome::TimedOut, out);
+            }
+            self.receiver_lost = true;
+            self.fail(now, Outcome::PeerLost, out);
+            // The only rank that could tell us the verdict is gone: this rank's own reason.
+            self.verdict = Some(unagreed(self.local_vote));
+            self.abort_pending(out);
+        }
+        self.receiver_lost = true;
+        self.try_finish(out);
+    }
+
+    pub(crate) fn on_timeout(&mut self, now: Instant, out: &mut Out) {
+        if self.terminal.is_some() {
+            return;
+        }
+        if now >= self.bound {
+            let fallback = if self.receiver_lost {
+                Outcome::PeerLost
+            } else {
+                unagreed(self.local_vote)
+            };
+            let v = *self.verdict.get_or_insert(fallback);
+            self.abort_pending(out);
+            // Bounded: terminal now even if an abort has not been confirmed; the driver still
+            // owns those sends and reaps them.
+            self.terminal = Some(v);
+            out.terminal(
+                self.key,
+                Role::Sender {
+                    receiver: self.receiver,
+                },
+                v,
+            );
+            return;
+        }
+        if now >= self.deadline && !self.deadline_fired {
+            self.deadline_fired = true;
+            // A sender whose sends all finished has nothing left to time out: it waits for the
+            // verdict until the bound.
+            if self.verdict.is_none() && (self.accepted.is_none() || !self.quiesced()) {
+                self.fail(now, Outcome::TimedOut, out);
+            }
+        }
+        if now >= self.next_retx && self.verdict.is_none() && self.pulls() && !self.receiver_lost {
+            out.send(
+                self.receiver,
+                Message::Vote {
+                    key: self.key,
+                    outcome: Outcome::Completed,
+                },
+            );
+            out.stats.retransmits += 1;
+            self.next_retx = now + self.retransmit;
+        }
+        if now >= self.next_retx {
+            if let (Some(v), None, false) = (self.local_vote, self.verdict, self.receiver_lost) {
+                if v == Outcome::Rejected {
+                    out.send(
+                        self.receiver,
+                        Message::Ready {
+                            key: self.key,
+                            ready: false,
+                        },
+                    );
+                } else {
+                    out.send(
+                        self.receiver,
+                        Message::Vote {
+                            key: self.key,
+                            outcome: v,
+                        },
+                    );
+                }
+                out.stats.retransmits += 1;
+            }
+            self.next_retx = now + self.retransmit;
+        }
+    }
+
+    pub(crate) fn next_timeout(&self) -> Instant {
+        if self.terminal.is_some() {
+            return self.forget_at;
+        }
+        let mut t = self.bound;
+        if !self.deadline_fired {
+            t = t.min(self.deadline);
+        }
+        if self.verdict.is_none()
+            && !self.receiver_lost
+            && (self.local_vote.is_some() || self.pulls())
+        {
+            t = t.min(self.next_retx);
+        }
+        t
+    }
+
+    /// Every send done and accepted, no verdict yet: this rank asks for the verdict (a `Vote`
+    /// of `Completed`, which the receiver answers with its verdict) at the retransmit interval.
+    fn pulls(&self) -> bool {
+        self.accepted == Some(true) && self.local_vote.is_none() && self.quiesced()
+    }
+}
