@@ -13,6 +13,7 @@
 //! `Ready(false)`; acceptance needs no message) -> verdict (pulled with a `Vote` once every send
 //! is done) -> aborting whatever is still in flight -> `Quiesced` sent for a failure verdict,
 //! terminal -> lingering -> forgotten.
+//!
 //! `recv.rs` holds the receiver's machine, `send.rs` the sender's; this file the types both
 //! share and the endpoint hands out.
 use std::collections::VecDeque;
