@@ -414,6 +414,10 @@ impl EngineHandle {
         }
     }
 
+    pub fn metrics_text(&self) -> Result<String> {
+        guard(|| self.engine.metrics_text())
+    }
+
     pub fn peer_state(&self, rank: u32) -> u8 {
         self.engine.peer_state(RankId(rank)) as u8
     }

@@ -102,6 +102,12 @@ pub mod ffi {
         /// Parses and checks an `ip:port` listen address; returns its canonical form.
         /// Throws InvalidArgument on anything else.
         fn check_listen_address(addr: &str) -> Result<String>;
+        /// Routes kvlink's log events at or above `level` (1 error .. 5 trace) to `callback`,
+        /// the address of an `extern "C"` function (level, target, message and fields as
+        /// pointer + length each) instead of stderr; level 0 or callback 0 removes it. Returns
+        /// false when a global `tracing` subscriber of the host's came first (events go there).
+        /// cxx cannot pass a function pointer from C++ to Rust, so it travels as an address.
+        unsafe fn set_log_sink(level: u8, callback: usize) -> Result<bool>;
 
         /// One rank's engine: UCX agent, protocol core, driver thread.
         type EngineHandle;
@@ -187,6 +193,8 @@ pub mod ffi {
             cancel: usize,
         ) -> Result<NotificationInfo>;
         fn health(self: &EngineHandle) -> HealthInfo;
+        /// The engine's metrics in the Prometheus text format (version 0.0.4).
+        fn metrics_text(self: &EngineHandle) -> Result<String>;
         /// The connection to `rank`: 0 unknown, 1 connected, 2 reconnecting, 3 failed.
         fn peer_state(self: &EngineHandle, rank: u32) -> u8;
     }
@@ -198,6 +206,13 @@ fn version() -> String {
 
 fn error_kind_name(code: u8) -> &'static str {
     crate::error::ErrorKind::from_code(code).map_or("Unknown", |k| k.name())
+}
+
+/// # Safety
+/// As for [`crate::log::set_sink`].
+unsafe fn set_log_sink(level: u8, callback: usize) -> Result<bool, Error> {
+    // SAFETY: forwarded caller promise.
+    guard(|| unsafe { crate::log::set_sink(level, callback) })
 }
 
 fn check_listen_address(addr: &str) -> Result<String, Error> {

@@ -19,7 +19,9 @@ pub mod config;
 pub mod connection;
 pub mod engine;
 pub mod error;
+pub mod log;
 pub mod memory;
+pub mod metrics;
 pub mod proto;
 pub mod transport;
 

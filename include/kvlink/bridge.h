@@ -1102,6 +1102,9 @@ struct EngineHandle final : public ::rust::Opaque {
   ::kvlink::ffi::NotificationInfo wait_for_notification(::std::uint32_t from_rank, ::std::uint64_t timeout_ms, ::std::size_t cancel) const;
   ::kvlink::ffi::HealthInfo health() const noexcept;
 
+  // The engine's metrics in the Prometheus text format (version 0.0.4).
+  ::rust::String metrics_text() const;
+
   // The connection to `rank`: 0 unknown, 1 connected, 2 reconnecting, 3 failed.
   ::std::uint8_t peer_state(::std::uint32_t rank) const noexcept;
 
@@ -1129,6 +1132,13 @@ private:
 // Parses and checks an `ip:port` listen address; returns its canonical form.
 // Throws InvalidArgument on anything else.
 ::rust::String check_listen_address(::rust::Str addr);
+
+// Routes kvlink's log events at or above `level` (1 error .. 5 trace) to `callback`,
+// the address of an `extern "C"` function (level, target, message and fields as
+// pointer + length each) instead of stderr; level 0 or callback 0 removes it. Returns
+// false when a global `tracing` subscriber of the host's came first (events go there).
+// cxx cannot pass a function pointer from C++ to Rust, so it travels as an address.
+bool set_log_sink(::std::uint8_t level, ::std::size_t callback);
 
 ::rust::Box<::kvlink::ffi::EngineHandle> engine_new(::kvlink::ffi::EngineOptions const &options);
 } // namespace ffi

@@ -446,6 +446,15 @@ class Engine {
             h.adverts_refused, h.notes_dropped,   h.unsettled_returns};
   }
 
+  /// This engine's metrics in the Prometheus text format (version 0.0.4): `kvlink_requests_total`
+  /// by outcome and role, `kvlink_request_duration_seconds`, `kvlink_transfer_bytes_total`, the
+  /// in-flight, leased and fenced gauges, `kvlink_health_state`, and the frame, peer-failure and
+  /// reconnect counters (README, "Metrics"). Serve it however the host serves its own metrics:
+  /// kvlink opens no port. Does not block (takes the engine's lock briefly).
+  std::string metrics_text() const {
+    return detail::call([&] { return std::string(handle_->metrics_text()); });
+  }
+
   /// The state of this rank's connection to `rank`. Does not block.
   PeerState peer_state(std::uint32_t rank) const noexcept {
     return static_cast<PeerState>(handle_->peer_state(rank));

@@ -63,7 +63,11 @@
 //      `std::string`; other types pass through). Document blocking/ownership on the wrapper.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -232,6 +236,96 @@ inline std::string version() { return detail::call(ffi::version); }
 inline std::string check_listen_address(std::string_view addr) {
   return detail::call(ffi::check_listen_address, detail::str(addr));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Logs. kvlink writes its events to stderr when the KVLINK_LOG environment variable asks (the
+// tracing-subscriber EnvFilter syntax: KVLINK_LOG=debug, KVLINK_LOG=kvlink=info), and nothing
+// otherwise. A host that has a logger of its own registers a sink: every event at or above the
+// sink's level goes there instead of stderr.
+// ---------------------------------------------------------------------------------------------
+
+/// A log event's severity (most severe first). `Off` removes the sink.
+enum class LogLevel : std::uint8_t { Off = 0, Error = 1, Warn = 2, Info = 3, Debug = 4, Trace = 5 };
+
+/// One log event, borrowed for the duration of the sink's call: copy what you keep.
+struct LogRecord {
+  LogLevel level;
+  /// Where it came from, e.g. "kvlink::engine::glue".
+  std::string_view target;
+  std::string_view message;
+  /// The structured fields as `k=v` separated by spaces, e.g. "request=2 generation=0
+  /// role=receiver outcome=timed_out" (empty when none).
+  std::string_view fields;
+};
+
+/// A host's log sink. Called on kvlink's own threads, possibly concurrently and while kvlink
+/// holds an engine's lock: it must be quick, thread-safe, and must not call an `Engine` member
+/// function. An exception it throws is swallowed (it never reaches kvlink's threads).
+using LogSink = std::function<void(const LogRecord&)>;
+
+namespace detail {
+
+/// The registered sink. Never destroyed: kvlink's threads may log during static destruction.
+struct LogSlot {
+  std::mutex mutex;
+  std::shared_ptr<const LogSink> sink;
+};
+inline LogSlot& log_slot() {
+  static LogSlot* slot = new LogSlot();
+  return *slot;
+}
+
+}  // namespace detail
+}  // namespace kvlink
+
+/// What Rust calls for each event (kvlink::set_log_sink passes its address): looks up the
+/// current sink and calls it outside the lock. Not part of the API.
+extern "C" inline void kvlink_detail_log_trampoline(std::uint8_t level, const char* target, std::size_t target_len,
+                                                    const char* message, std::size_t message_len,
+                                                    const char* fields, std::size_t fields_len) noexcept {
+  try {
+    std::shared_ptr<const kvlink::LogSink> sink;
+    {
+      kvlink::detail::LogSlot& slot = kvlink::detail::log_slot();
+      std::lock_guard<std::mutex> lock(slot.mutex);
+      sink = slot.sink;
+    }
+    if (sink && *sink) {
+      (*sink)(kvlink::LogRecord{static_cast<kvlink::LogLevel>(level), std::string_view(target, target_len),
+                                std::string_view(message, message_len), std::string_view(fields, fields_len)});
+    }
+  } catch (...) {
+    // A sink's exception must not unwind into Rust.
+  }
+}
+
+namespace kvlink {
+
+/// Routes every kvlink log event at or above `level` to `sink`, instead of stderr; replaces any
+/// sink registered before. `LogLevel::Off` or an empty `sink` removes it (stderr again, if
+/// KVLINK_LOG is set). Returns false when the process had already installed a global Rust
+/// `tracing` subscriber of its own before kvlink's first engine or sink: kvlink does not replace
+/// it, and its events go there. Does not block. Throws `Error` InvalidArgument for a level
+/// outside the enum.
+inline bool set_log_sink(LogLevel level, LogSink sink) {
+  const bool on = level != LogLevel::Off && static_cast<bool>(sink);
+  {
+    detail::LogSlot& slot = detail::log_slot();
+    std::lock_guard<std::mutex> lock(slot.mutex);
+    if (on) slot.sink = std::make_shared<const LogSink>(std::move(sink));
+  }
+  const bool ours = detail::call(ffi::set_log_sink, static_cast<std::uint8_t>(on ? level : LogLevel::Off),
+                                 on ? reinterpret_cast<std::size_t>(&kvlink_detail_log_trampoline) : std::size_t{0});
+  if (!on) {
+    detail::LogSlot& slot = detail::log_slot();
+    std::lock_guard<std::mutex> lock(slot.mutex);
+    slot.sink.reset();
+  }
+  return ours;
+}
+
+/// Removes the log sink (same as `set_log_sink(LogLevel::Off, {})`). Does not block.
+inline void clear_log_sink() { set_log_sink(LogLevel::Off, {}); }
 
 }  // namespace kvlink
 

@@ -79,6 +79,10 @@ pub(crate) struct Core {
     pub control_ops: Vec<Op>,
     pub waiters: Waiters,
     pub counters: Counters,
+    /// When each running request started here (for `kvlink_request_duration_seconds`):
+    /// inserted at advertise (receiver) or the advertisement's arrival (sender), removed at its
+    /// end, so bounded by the requests in flight.
+    pub starts: HashMap<(RequestKey, Role), Instant>,
     last_prune: Instant,
 }
 
@@ -124,6 +128,7 @@ impl Core {
             control_ops: Vec::new(),
             waiters: Waiters::default(),
             counters: Counters::default(),
+            starts: HashMap::new(),
             last_prune: Instant::now(),
         }
     }
@@ -150,6 +155,7 @@ pub(crate) struct Inner {
     pub windows: (Duration, Duration),
     pub core: Mutex<Core>,
     pub stopping: AtomicBool,
+    pub metrics: crate::metrics::Metrics,
 }
 
 impl Inner {
@@ -426,6 +432,8 @@ impl Inner {
                 request_info,
                 buffers,
             } => {
+                core.starts
+                    .insert((key, Role::Sender { receiver: from }), now);
                 if core.adverts.len() >= MAX_ADVERTS {
                     // Bounded: refuse rather than queue without end. The receiver sees
                     // `Rejected` at once instead of a timeout.
@@ -459,6 +467,28 @@ impl Inner {
                 core.finished.insert((key, peer), now);
                 if matches!(outcome, Outcome::TimedOut | Outcome::PeerLost) {
                     core.counters.last_fault = Some(now);
+                }
+                let took = core
+                    .starts
+                    .remove(&(key, role))
+                    .map(|t| now.saturating_duration_since(t));
+                self.metrics.ended(role, outcome, took);
+                macro_rules! ended {
+                    ($level:ident) => {
+                        tracing::$level!(
+                            request = key.request.0,
+                            generation = key.generation.0,
+                            role = crate::metrics::role_label(role),
+                            peer = peer.map(|r| r.0),
+                            outcome = crate::metrics::outcome_label(outcome),
+                            "request {key} ended {outcome:?}"
+                        )
+                    };
+                }
+                if outcome == Outcome::Completed {
+                    ended!(debug);
+                } else {
+                    ended!(warn);
                 }
                 if role == Role::Receiver && core.fencing.contains_key(&key) {
                     core.deferred.insert(key, outcome);

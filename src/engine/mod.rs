@@ -210,6 +210,7 @@ impl Engine {
         let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
         opts.listen = cfg.listen;
         opts.reap_grace = REAP_GRACE;
+        crate::log::init();
         let agent = Agent::new(opts)?;
         let me = RankId(cfg.rank);
         let config = Config {
@@ -226,6 +227,7 @@ impl Engine {
             windows: (cfg.wedge_window, cfg.degraded_window),
             core: Mutex::new(Core::new(Endpoint::new(me, config), POOL_SLOTS)),
             stopping: AtomicBool::new(false),
+            metrics: crate::metrics::Metrics::new(),
         });
         inner
             .agent
@@ -335,7 +337,8 @@ impl Engine {
         if timeout.is_zero() {
             return Err(key_err(ErrorKind::InvalidArgument, key, "zero timeout"));
         }
-        let deadline = Instant::now() + timeout;
+        let started = Instant::now();
+        let deadline = started + timeout;
         if flows.is_empty() || flows.iter().any(|(_, b)| b.is_empty()) {
             return Err(key_err(
                 ErrorKind::InvalidArgument,
@@ -397,6 +400,9 @@ impl Engine {
                 // (through `on_reap`) only once UCX has released the receive.
                 r.op.request_cancel();
             }
+        }
+        if result.is_ok() {
+            core.starts.insert((key, Role::Receiver), started);
         }
         self.inner.flush(&mut core);
         result
@@ -895,6 +901,13 @@ impl Engine {
             unreaped_ops: s.unreaped,
             unsettled_returns: c.unsettled_returns,
         }
+    }
+
+    /// This engine's metrics in the Prometheus text format (version 0.0.4): requests by outcome
+    /// and role, their durations, bytes moved, and the gauges and counters of [`Health`]
+    /// (README, "Metrics"). Does not block beyond the engine's lock; opens no port.
+    pub fn metrics_text(&self) -> Result<String> {
+        self.inner.metrics.text(&self.health())
     }
 
     /// Blocks until `f` yields, `deadline` passes, `cancel()` says so (checked every 5 ms when

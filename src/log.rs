@@ -1,0 +1,333 @@
+//! Logs: kvlink's `tracing` events go to stderr when `KVLINK_LOG` asks for them (the
+//! `tracing-subscriber` `EnvFilter` syntax: `KVLINK_LOG=debug`, `KVLINK_LOG=kvlink=info`), or to
+//! the host's log sink once one is registered ([`set_sink`], the C++ `kvlink::set_log_sink`),
+//! instead of stderr. With neither, every callsite is disabled: the subscriber's max level hint
+//! is `OFF`, so a `tracing` macro on the request path costs one relaxed load and a compare.
+//!
+//! kvlink installs its global subscriber once, lazily, on the first engine creation or sink
+//! registration. If the host has already installed a global `tracing` subscriber, kvlink leaves
+//! it alone: its events go there, and [`set_sink`] says so by returning `false`.
+use std::cell::Cell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use tracing::field::{Field, Visit};
+use tracing::level_filters::LevelFilter;
+use tracing::{Event, Level, Metadata, Subscriber};
+use tracing_core::subscriber::Interest;
+use tracing_subscriber::layer::{Context, Filter, Layer, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::{EnvFilter, Registry};
+
+use crate::error::{Error, Result};
+
+/// The environment variable read (once, at installation) for the stderr filter.
+pub const ENV: &str = "KVLINK_LOG";
+
+/// A host's sink, as C++ passes it: the address of an `extern "C"` function taking the level
+/// (1 error .. 5 trace), then the target, the message and the fields (`k=v` separated by
+/// spaces), each as UTF-8 bytes and a length. Called on kvlink's threads, concurrently.
+pub type SinkFn = unsafe extern "C" fn(u8, *const u8, usize, *const u8, usize, *const u8, usize);
+
+/// The sink's level code (0: no sink) and its function's address.
+static SINK_LEVEL: AtomicU8 = AtomicU8::new(0);
+static SINK_FN: AtomicUsize = AtomicUsize::new(0);
+/// Whether kvlink's subscriber is the global one (decided once).
+static INSTALLED: OnceLock<bool> = OnceLock::new();
+
+thread_local! {
+    /// Set while this thread is inside the sink: an event the sink itself causes is dropped
+    /// rather than recursing.
+    static IN_SINK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Level code (1 error .. 5 trace) as a filter; 0 is `OFF`.
+fn filter_of(code: u8) -> LevelFilter {
+    match code {
+        1 => LevelFilter::ERROR,
+        2 => LevelFilter::WARN,
+        3 => LevelFilter::INFO,
+        4 => LevelFilter::DEBUG,
+        5 => LevelFilter::TRACE,
+        _ => LevelFilter::OFF,
+    }
+}
+
+/// A level as its code (1 error .. 5 trace).
+pub fn level_code(level: &Level) -> u8 {
+    match *level {
+        Level::ERROR => 1,
+        Level::WARN => 2,
+        Level::INFO => 3,
+        Level::DEBUG => 4,
+        Level::TRACE => 5,
+    }
+}
+
+fn sink_filter() -> LevelFilter {
+    filter_of(SINK_LEVEL.load(Ordering::Acquire))
+}
+
+fn sink_active() -> bool {
+    SINK_LEVEL.load(Ordering::Acquire) != 0
+}
+
+/// Installs kvlink's global subscriber if no global subscriber exists yet; returns whether
+/// kvlink's is the one installed. Called on every engine creation: after the first, a load.
+pub fn init() -> bool {
+    *INSTALLED.get_or_init(|| {
+        let spec = std::env::var(ENV).ok().filter(|s| !s.trim().is_empty());
+        let env = match spec {
+            Some(s) => EnvFilter::builder().parse_lossy(s),
+            None => EnvFilter::new("off"),
+        };
+        let stderr = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_filter(StderrFilter(env));
+        let sink = SinkLayer.with_filter(SinkLevel);
+        let subscriber = Registry::default().with(stderr).with(sink);
+        tracing::subscriber::set_global_default(subscriber).is_ok()
+    })
+}
+
+/// Routes every event at or above `level` (1 error .. 5 trace) to `callback` instead of stderr;
+/// `level` 0 or a null `callback` removes the sink (stderr, if `KVLINK_LOG` is set, again).
+/// Returns whether the events reach it (false: the host installed a global `tracing` subscriber
+/// of its own first, and the events go there).
+///
+/// # Safety
+/// `callback` is 0 or the address of a function of type [`SinkFn`] that stays callable for as
+/// long as it is registered (until replaced, removed, or the process ends), does not unwind, and
+/// may be called from any thread at any time, including while a kvlink lock is held: it must
+/// not call into a kvlink engine.
+pub unsafe fn set_sink(level: u8, callback: usize) -> Result<bool> {
+    if level > 5 {
+        return Err(Error::invalid(format!(
+            "log level {level}: use 0 (off), 1 (error) .. 5 (trace)"
+        )));
+    }
+    let level = if callback == 0 { 0 } else { level };
+    // The function first, then the level that makes the layer read it.
+    if level != 0 {
+        SINK_FN.store(callback, Ordering::Release);
+    }
+    SINK_LEVEL.store(level, Ordering::Release);
+    let ours = init();
+    // Callsites cached their interest under the old level: ask every one again (this also
+    // recomputes the global max level from the subscriber's hint).
+    tracing_core::callsite::rebuild_interest_cache();
+    Ok(ours)
+}
+
+/// The stderr layer's filter: `KVLINK_LOG`'s `EnvFilter`, and nothing while a sink is set.
+struct StderrFilter(EnvFilter);
+
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Filter<S> for StderrFilter {
+    fn enabled(&self, meta: &Metadata<'_>, cx: &Context<'_, S>) -> bool {
+        !sink_active() && Filter::<S>::enabled(&self.0, meta, cx)
+    }
+
+    fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
+        if sink_active() {
+            Interest::never()
+        } else {
+            Filter::<S>::callsite_enabled(&self.0, meta)
+        }
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        if sink_active() {
+            Some(LevelFilter::OFF)
+        } else {
+            Filter::<S>::max_level_hint(&self.0)
+        }
+    }
+
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        cx: Context<'_, S>,
+    ) {
+        Filter::<S>::on_new_span(&self.0, attrs, id, cx)
+    }
+
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        cx: Context<'_, S>,
+    ) {
+        Filter::<S>::on_record(&self.0, id, values, cx)
+    }
+
+    fn on_enter(&self, id: &tracing::span::Id, cx: Context<'_, S>) {
+        Filter::<S>::on_enter(&self.0, id, cx)
+    }
+
+    fn on_exit(&self, id: &tracing::span::Id, cx: Context<'_, S>) {
+        Filter::<S>::on_exit(&self.0, id, cx)
+    }
+
+    fn on_close(&self, id: tracing::span::Id, cx: Context<'_, S>) {
+        Filter::<S>::on_close(&self.0, id, cx)
+    }
+}
+
+/// The sink layer's filter: events at or above the sink's level; everything off with no sink.
+struct SinkLevel;
+
+impl SinkLevel {
+    fn wants(meta: &Metadata<'_>) -> bool {
+        meta.is_event() && *meta.level() <= sink_filter()
+    }
+}
+
+impl<S> Filter<S> for SinkLevel {
+    fn enabled(&self, meta: &Metadata<'_>, _: &Context<'_, S>) -> bool {
+        Self::wants(meta)
+    }
+
+    fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
+        if Self::wants(meta) {
+            Interest::always()
+        } else {
+            Interest::never()
+        }
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        Some(sink_filter())
+    }
+}
+
+/// An event's message and its other fields as `k=v` text.
+#[derive(Default)]
+struct Text {
+    message: String,
+    fields: String,
+}
+
+impl Visit for Text {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message" {
+            self.message.push_str(value);
+        } else {
+            self.push(field, format_args!("{value}"));
+        }
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        use std::fmt::Write;
+        if field.name() == "message" {
+            let _ = write!(self.message, "{value:?}");
+        } else {
+            self.push(field, format_args!("{value:?}"));
+        }
+    }
+}
+
+impl Text {
+    fn push(&mut self, field: &Field, value: std::fmt::Arguments<'_>) {
+        use std::fmt::Write;
+        if !self.fields.is_empty() {
+            self.fields.push(' ');
+        }
+        let _ = write!(self.fields, "{}={value}", field.name());
+    }
+}
+
+/// Hands each event to the host's sink.
+struct SinkLayer;
+
+impl<S: Subscriber> Layer<S> for SinkLayer {
+    fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
+        let meta = event.metadata();
+        let f = SINK_FN.load(Ordering::Acquire);
+        if f == 0 || !SinkLevel::wants(meta) || IN_SINK.with(|b| b.replace(true)) {
+            return;
+        }
+        // A panic while formatting (a field's Display) must not reach the code that logged,
+        // and none can come from the sink: it is an `extern "C"` function that must not unwind.
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            let mut text = Text::default();
+            event.record(&mut text);
+            // SAFETY: `f` is a `SinkFn` that stays callable while registered (`set_sink`'s
+            // contract); the three byte ranges live for the call.
+            unsafe {
+                let sink: SinkFn = std::mem::transmute::<usize, SinkFn>(f);
+                sink(
+                    level_code(meta.level()),
+                    meta.target().as_ptr(),
+                    meta.target().len(),
+                    text.message.as_ptr(),
+                    text.message.len(),
+                    text.fields.as_ptr(),
+                    text.fields.len(),
+                );
+            }
+        }));
+        IN_SINK.with(|b| b.set(false));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parking_lot::Mutex;
+
+    static SEEN: Mutex<Vec<(u8, String, String, String)>> = Mutex::new(Vec::new());
+
+    unsafe extern "C" fn collect(
+        level: u8,
+        t: *const u8,
+        tl: usize,
+        m: *const u8,
+        ml: usize,
+        f: *const u8,
+        fl: usize,
+    ) {
+        let s = |p: *const u8, n: usize| {
+            // SAFETY: the layer passes valid UTF-8 ranges for the call.
+            String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(p, n) }).into_owned()
+        };
+        SEEN.lock().push((level, s(t, tl), s(m, ml), s(f, fl)));
+    }
+
+    #[test]
+    fn a_sink_gets_events_at_or_above_its_level_with_their_fields() {
+        // SAFETY: `collect` is a SinkFn that never unwinds and lives for the whole process.
+        let ours = unsafe { set_sink(2, collect as SinkFn as usize) }.unwrap();
+        if !ours {
+            return; // another test binary installed a subscriber of its own first
+        }
+        tracing::info!(request = 7u64, "below the sink's level");
+        tracing::warn!(
+            request = 7u64,
+            generation = 3u32,
+            "request ended {}",
+            "TimedOut"
+        );
+        // SAFETY: removing the sink.
+        unsafe { set_sink(0, 0) }.unwrap();
+        tracing::warn!(request = 8u64, "after removal");
+        let seen = SEEN.lock().clone();
+        let ours: Vec<_> = seen
+            .iter()
+            .filter(|e| e.3.contains("request=7") || e.3.contains("request=8"))
+            .collect();
+        assert_eq!(ours.len(), 1, "{seen:?}");
+        let (level, target, message, fields) = ours[0];
+        assert_eq!(*level, 2);
+        assert_eq!(target, "kvlink::log::tests");
+        assert_eq!(message, "request ended TimedOut");
+        assert_eq!(fields, "request=7 generation=3");
+        assert!(set_sink_invalid_level_is_refused());
+    }
+
+    fn set_sink_invalid_level_is_refused() -> bool {
+        // SAFETY: refused before anything is stored.
+        unsafe { set_sink(9, collect as SinkFn as usize) }.is_err()
+    }
+}

@@ -1,0 +1,315 @@
+//! Metrics: one engine's counters, gauges and histogram in the Prometheus text format
+//! (version 0.0.4), from one call ([`crate::engine::Engine::metrics_text`]). kvlink opens no
+//! port: the host serves the text however it serves its own.
+//!
+//! Encoded by `prometheus-client`, the Prometheus project's own Rust client. What happens to a
+//! request (its outcome and duration) is counted as it ends, on the progress thread; the rest is
+//! read from [`Health`] when the text is asked for. Counters taken from `Health` only ever move
+//! forward.
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::engine::Health;
+use crate::error::{Error, ErrorKind, Outcome, Result};
+use crate::proto::Role;
+
+type Labels2 = [(&'static str, &'static str); 2];
+type Labels1 = [(&'static str, &'static str); 1];
+
+const OUTCOMES: [Outcome; 5] = [
+    Outcome::Completed,
+    Outcome::TimedOut,
+    Outcome::Cancelled,
+    Outcome::PeerLost,
+    Outcome::Rejected,
+];
+const ROLES: [&str; 2] = ["receiver", "sender"];
+
+/// The `outcome` label value of an outcome.
+pub fn outcome_label(o: Outcome) -> &'static str {
+    match o {
+        Outcome::Completed => "completed",
+        Outcome::TimedOut => "timed_out",
+        Outcome::Cancelled => "cancelled",
+        Outcome::PeerLost => "peer_lost",
+        Outcome::Rejected => "rejected",
+    }
+}
+
+pub(crate) fn role_label(r: Role) -> &'static str {
+    match r {
+        Role::Receiver => "receiver",
+        Role::Sender { .. } => "sender",
+    }
+}
+
+fn duration_histogram() -> Histogram {
+    // 1 ms .. 65 s, doubling: a transfer on loopback up to a request's whole deadline.
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+/// One engine's metrics.
+pub(crate) struct Metrics {
+    registry: Registry,
+    requests: Family<Labels2, Counter>,
+    duration: Family<Labels1, Histogram, fn() -> Histogram>,
+    bytes: Counter,
+    stale: Counter,
+    bad: Counter,
+    peer_failures: Counter,
+    reconnects: Counter,
+    ops: Gauge,
+    leased: Gauge,
+    fenced: Gauge,
+    state: Gauge,
+    /// Serialises the catch-up from `Health` and the encoding (two scrapes at once would
+    /// otherwise both add the same increment).
+    scrape: Mutex<()>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("kvlink");
+        let requests = Family::<Labels2, Counter>::default();
+        // Every outcome and role from the start, at 0: a dashboard's rate() sees the first one.
+        for o in OUTCOMES {
+            for r in ROLES {
+                let _ = requests.get_or_create(&[("outcome", outcome_label(o)), ("role", r)]);
+            }
+        }
+        let duration: Family<Labels1, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(duration_histogram);
+        for r in ROLES {
+            let _ = duration.get_or_create(&[("role", r)]);
+        }
+        let m = Metrics {
+            requests,
+            duration,
+            bytes: Counter::default(),
+            stale: Counter::default(),
+            bad: Counter::default(),
+            peer_failures: Counter::default(),
+            reconnects: Counter::default(),
+            ops: Gauge::default(),
+            leased: Gauge::default(),
+            fenced: Gauge::default(),
+            state: Gauge::default(),
+            scrape: Mutex::new(()),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "requests",
+            "Requests ended on this rank, by outcome and by this rank's role in them",
+            m.requests.clone(),
+        );
+        registry.register_with_unit(
+            "request_duration",
+            "From a request's start (advertise on the receiver, the advertisement's arrival on the sender) to its end",
+            Unit::Seconds,
+            m.duration.clone(),
+        );
+        registry.register_with_unit(
+            "transfer",
+            "Bytes moved by completed transfers (both directions)",
+            Unit::Bytes,
+            m.bytes.clone(),
+        );
+        registry.register(
+            "ops_in_flight",
+            "Transport operations in flight",
+            m.ops.clone(),
+        );
+        registry.register(
+            "buffers_leased",
+            "Receive buffers leased to a running request (0 when idle)",
+            m.leased.clone(),
+        );
+        registry.register(
+            "buffers_fenced",
+            "Receive buffers fenced until the transport releases them",
+            m.fenced.clone(),
+        );
+        registry.register(
+            "health_state",
+            "health().state: 0 healthy, 1 degraded, 2 wedged",
+            m.state.clone(),
+        );
+        registry.register(
+            "stale_frames",
+            "Messages from an older generation or a finished request, dropped",
+            m.stale.clone(),
+        );
+        registry.register(
+            "bad_frames",
+            "Control messages that failed to decode or came from an unknown peer",
+            m.bad.clone(),
+        );
+        registry.register(
+            "peer_failures",
+            "Connection failures seen",
+            m.peer_failures.clone(),
+        );
+        registry.register(
+            "reconnects",
+            "Dial attempts to reconnect a failed peer",
+            m.reconnects.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// A request ended on this rank as `role`; `took` is from its start, when known.
+    pub fn ended(&self, role: Role, outcome: Outcome, took: Option<Duration>) {
+        let role = role_label(role);
+        self.requests
+            .get_or_create(&[("outcome", outcome_label(outcome)), ("role", role)])
+            .inc();
+        if let Some(d) = took {
+            self.duration
+                .get_or_create(&[("role", role)])
+                .observe(d.as_secs_f64());
+        }
+    }
+
+    /// The text, after bringing the values read from `h` up to date.
+    pub fn text(&self, h: &Health) -> Result<String> {
+        let _one = self.scrape.lock();
+        let gauge = |g: &Gauge, v: u64| {
+            g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        };
+        gauge(&self.ops, h.ops_in_flight);
+        gauge(&self.leased, h.buffers_leased);
+        gauge(&self.fenced, h.buffers_fenced);
+        gauge(&self.state, h.state as u64);
+        // Monotonic: only the increase since the last scrape is added.
+        let catch_up = |c: &Counter, v: u64| {
+            c.inc_by(v.saturating_sub(c.get()));
+        };
+        catch_up(&self.bytes, h.bytes_completed);
+        catch_up(&self.stale, h.stale_dropped);
+        catch_up(&self.bad, h.bad_frames);
+        catch_up(&self.peer_failures, h.peers_failed);
+        catch_up(&self.reconnects, h.reconnects);
+        let mut out = String::new();
+        prometheus_text::encode(&mut out, &self.registry)
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("metrics encoding: {e}")))?;
+        Ok(out)
+    }
+}
+
+/// The `Content-Type` a host serving [`Metrics::text`] over HTTP should send.
+pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::HealthState;
+    use crate::proto::RankId;
+
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn names_labels_and_values_as_documented() {
+        let m = Metrics::new();
+        let sender = Role::Sender {
+            receiver: RankId(1),
+        };
+        m.ended(
+            Role::Receiver,
+            Outcome::Completed,
+            Some(Duration::from_millis(3)),
+        );
+        m.ended(
+            Role::Receiver,
+            Outcome::Completed,
+            Some(Duration::from_millis(5)),
+        );
+        m.ended(
+            Role::Receiver,
+            Outcome::TimedOut,
+            Some(Duration::from_secs(2)),
+        );
+        m.ended(sender, Outcome::Rejected, None);
+        let mut h = Health {
+            state: HealthState::Degraded,
+            ops_in_flight: 4,
+            buffers_leased: 9,
+            buffers_fenced: 1,
+            bytes_completed: 1000,
+            stale_dropped: 2,
+            bad_frames: 3,
+            peers_failed: 1,
+            reconnects: 5,
+            ..Health::default()
+        };
+        let t = m.text(&h).unwrap();
+        let v = |s: &str| value(&t, s).unwrap_or_else(|| panic!("{s} missing in\n{t}"));
+        assert_eq!(
+            v(r#"kvlink_requests_total{outcome="completed",role="receiver"}"#),
+            2.0
+        );
+        assert_eq!(
+            v(r#"kvlink_requests_total{outcome="timed_out",role="receiver"}"#),
+            1.0
+        );
+        assert_eq!(
+            v(r#"kvlink_requests_total{outcome="rejected",role="sender"}"#),
+            1.0
+        );
+        assert_eq!(
+            v(r#"kvlink_requests_total{outcome="peer_lost",role="sender"}"#),
+            0.0
+        );
+        assert_eq!(
+            v(r#"kvlink_request_duration_seconds_count{role="receiver"}"#),
+            3.0
+        );
+        assert_eq!(
+            v(r#"kvlink_request_duration_seconds_count{role="sender"}"#),
+            0.0
+        );
+        assert_eq!(v("kvlink_transfer_bytes_total"), 1000.0);
+        assert_eq!(v("kvlink_ops_in_flight"), 4.0);
+        assert_eq!(v("kvlink_buffers_leased"), 9.0);
+        assert_eq!(v("kvlink_buffers_fenced"), 1.0);
+        assert_eq!(v("kvlink_health_state"), 1.0);
+        assert_eq!(v("kvlink_stale_frames_total"), 2.0);
+        assert_eq!(v("kvlink_bad_frames_total"), 3.0);
+        assert_eq!(v("kvlink_peer_failures_total"), 1.0);
+        assert_eq!(v("kvlink_reconnects_total"), 5.0);
+        assert!(
+            t.contains("# TYPE kvlink_request_duration_seconds histogram"),
+            "{t}"
+        );
+        // Counters never go back, whatever the snapshot says; gauges follow it.
+        h.bytes_completed = 10;
+        h.buffers_leased = 0;
+        let t = m.text(&h).unwrap();
+        assert_eq!(value(&t, "kvlink_transfer_bytes_total"), Some(1000.0));
+        assert_eq!(value(&t, "kvlink_buffers_leased"), Some(0.0));
+        h.bytes_completed = 1500;
+        let t = m.text(&h).unwrap();
+        assert_eq!(value(&t, "kvlink_transfer_bytes_total"), Some(1500.0));
+    }
+}
