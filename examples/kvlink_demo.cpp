@@ -4,7 +4,10 @@
 // ends TimedOut at its deadline on both sides while both processes stay healthy; then a third
 // request is served. Exit status 0 only if every step went as stated.
 //
-//   kvlink_demo [--transport tcp|sm] [--timeout-ms N]
+//   kvlink_demo [--transport tcp|sm] [--timeout-ms N] [--metrics-file PATH]
+//
+// --metrics-file writes the generation side's metrics (Prometheus text format) to PATH at the end.
+// KVLINK_LOG=debug (or any tracing EnvFilter) makes both processes log to stderr.
 //
 // This process is the generation side; it starts the context side as a second process (this
 // program with --role context) and reads its address and results from a pipe.
@@ -18,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -91,7 +95,8 @@ int run_context(const std::string& transport, milliseconds timeout) {
   return 0;
 }
 
-int run_generation(const char* self, const std::string& transport, milliseconds timeout) {
+int run_generation(const char* self, const std::string& transport, milliseconds timeout,
+                   const std::string& metrics_file) {
   int fds[2];
   if (pipe(fds) != 0) return 1;
   const std::string ms = std::to_string(timeout.count());
@@ -180,6 +185,15 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
   all_ok = all_ok && joined == "CTX 1 Completed, CTX 2 TimedOut, CTX 3 Completed";
   int status = 0;
   all_ok = all_ok && waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  if (!metrics_file.empty()) {
+    std::ofstream out(metrics_file, std::ios::binary | std::ios::trunc);
+    out << engine.metrics_text();
+    out.close();
+    const bool written = static_cast<bool>(out);
+    std::printf("  metrics (generation side, Prometheus text) written to %s: %s\n", metrics_file.c_str(),
+                written ? "yes" : "NO");
+    all_ok = all_ok && written;
+  }
   std::printf("kvlink demo: %s\n", all_ok ? "OK (transfer verified, fault handled, process kept serving)" : "FAILED");
   return all_ok ? 0 : 1;
 }
@@ -191,7 +205,7 @@ int main(int argc, char** argv) {
   const milliseconds timeout(std::stoll(arg(argc, argv, "--timeout-ms", "2000")));
   try {
     if (arg(argc, argv, "--role", "generation") == "context") return run_context(transport, timeout);
-    return run_generation(argv[0], transport, timeout);
+    return run_generation(argv[0], transport, timeout, arg(argc, argv, "--metrics-file", ""));
   } catch (const kvlink::Error& e) {
     std::fprintf(stderr, "kvlink error (%s): %s\n", kvlink::to_string(e.kind()), e.what());
     return 1;

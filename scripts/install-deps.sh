@@ -5,6 +5,7 @@
 #
 #   system packages (apt-get, non-interactive; root, or sudo when available)
 #   a Rust toolchain with rustfmt and clippy (rustup) when `cargo` is not found
+#   the Python package prometheus_client (pip), which the metrics ctest parses with
 #
 # Set KVLINK_SKIP_DEPS=1 to skip everything (e.g. on a machine set up another way).
 set -euo pipefail
@@ -59,5 +60,14 @@ if [[ $need_rust -eq 1 ]]; then
 elif command -v rustup >/dev/null 2>&1; then
     if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
         rustup component add rustfmt clippy
+    fi
+fi
+
+# The metrics ctest (kvlink.demo.metrics) parses the demo's metrics with prometheus_client's
+# Prometheus text parser. Without it that test fails (loudly, not skipped): say so here too.
+if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import prometheus_client' >/dev/null 2>&1; then
+    echo "install-deps: installing prometheus_client (pip)"
+    if ! python3 -m pip install --quiet prometheus_client; then
+        echo "install-deps: WARNING: pip could not install prometheus_client; kvlink.demo.metrics will fail" >&2
     fi
 fi

@@ -3,14 +3,22 @@
 //! hook ends `TimedOut` at its deadline on both sides, and the same processes serve a third
 //! request. Exit status 0 only if every step went as stated.
 //!
-//! `kvlink-demo [--transport tcp|sm] [--timeout-ms N]` runs the generation side here and starts
-//! the context side as a second OS process (this binary with `--role context`).
+//! `kvlink-demo [--transport tcp|sm] [--timeout-ms N] [--metrics-listen IP:PORT
+//! [--metrics-linger-ms N]]` runs the generation side here and starts the context side as a
+//! second OS process (this binary with `--role context`).
+//!
+//! `--metrics-listen` serves the generation side's metrics (Prometheus text) on plain HTTP at
+//! that address while the demo runs, and `--metrics-linger-ms` keeps serving that long after
+//! it (so a scraper sees the final counts). The library opens no port: this is the host's job,
+//! done here in a few lines of `std::net`. `KVLINK_LOG=debug` logs both processes to stderr.
 use kvlink::connection::{BufferSpec, Engine, EngineConfig};
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
 use kvlink::transport::TransportKind;
 use kvlink::Outcome;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 const CTX: u32 = 0;
@@ -107,7 +115,70 @@ fn context(transport: TransportKind, timeout: Duration) -> bool {
     true
 }
 
-fn generation(transport: TransportKind, timeout: Duration, _args: &[String]) -> bool {
+/// Answers each HTTP request at `listener` with the engine's metrics text, one short connection
+/// at a time on a thread of its own, for as long as the engine lives.
+fn serve_metrics(engine: Weak<Engine>, listener: TcpListener) {
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Some(engine) = engine.upgrade() else {
+                return;
+            };
+            if let Ok(s) = stream {
+                let _ = answer(&engine, s);
+            }
+        }
+    });
+}
+
+/// One HTTP/1.1 exchange, bounded: a request head of at most 8 KiB, 2 s to read and to write.
+fn answer(engine: &Engine, mut s: TcpStream) -> std::io::Result<()> {
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.set_write_timeout(Some(Duration::from_secs(2)))?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let (status, kind, body) = if !head.starts_with(b"GET ") {
+        (
+            "405 Method Not Allowed",
+            "text/plain",
+            "GET only\n".to_string(),
+        )
+    } else {
+        match engine.metrics_text() {
+            Ok(text) => ("200 OK", kvlink::metrics::CONTENT_TYPE, text),
+            Err(e) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
+        }
+    };
+    write!(
+        s,
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    s.flush()
+}
+
+fn generation(transport: TransportKind, timeout: Duration, args: &[String]) -> bool {
+    // Bound before anything starts, so a bad address fails at once.
+    let metrics = arg(args, "--metrics-listen").map(|a| {
+        let listener = a
+            .parse::<SocketAddr>()
+            .map_err(|e| e.to_string())
+            .and_then(|addr| TcpListener::bind(addr).map_err(|e| e.to_string()))
+            .unwrap_or_else(|e| {
+                eprintln!("--metrics-listen {a}: {e}");
+                std::process::exit(2)
+            });
+        let linger = Duration::from_millis(
+            arg(args, "--metrics-linger-ms").map_or(0, |s| s.parse().expect("--metrics-linger-ms")),
+        );
+        (listener, linger)
+    });
     let exe = std::env::current_exe().expect("own path");
     let mut child = Command::new(exe)
         .args([
@@ -136,7 +207,13 @@ fn generation(transport: TransportKind, timeout: Duration, _args: &[String]) -> 
     println!("kvlink demo: context process pid {} and generation process pid {} over UCX {transport:?} on loopback", child.id(), std::process::id());
     let mut cfg = EngineConfig::new("generation", GEN, transport);
     cfg.timeout = timeout;
-    let engine = Engine::new(cfg).expect("generation engine");
+    let engine = Arc::new(Engine::new(cfg).expect("generation engine"));
+    let linger = metrics.map(|(listener, linger)| {
+        let at = listener.local_addr().expect("metrics address");
+        println!("  metrics (generation side): http://{at}/metrics");
+        serve_metrics(Arc::downgrade(&engine), listener);
+        linger
+    });
     let peer = engine
         .connect(&addr, Instant::now() + Duration::from_secs(10))
         .expect("connect");
@@ -240,5 +317,10 @@ fn generation(transport: TransportKind, timeout: Duration, _args: &[String]) -> 
             "FAILED"
         }
     );
+    if let Some(linger) = linger.filter(|d| !d.is_zero()) {
+        println!("  metrics: serving {} ms more", linger.as_millis());
+        std::io::stdout().flush().unwrap();
+        std::thread::sleep(linger);
+    }
     all_ok
 }
