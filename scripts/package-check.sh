@@ -79,7 +79,7 @@ check_installed_lib() {
 step release-build -- bash -c "cmake -S '$root' -B '$build_rel' -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DKVLINK_CARGO_TARGET_DIR='$CARGO_TARGET_DIR' && cmake --build '$build_rel' -j $jobs"
 step release-ctest requires=release-build -- \
-    ctest --test-dir "$build_rel" --output-on-failure -j "$jobs"
+    ctest --test-dir "$build_rel" --output-on-failure -j "$jobs" --repeat until-pass:2  # see test-all.sh
 
 # 2. Every option OFF but the install rules: build must still run cargo, install must find the .a.
 step off-configure -- cmake -S "$root" -B "$build_off" -G Ninja -DCMAKE_BUILD_TYPE=Release \

@@ -139,7 +139,7 @@ EOF
         step cmake-build cmake --build "$build" -j "$jobs"
     fi
     if [[ "${results[-1]}" == ok ]]; then
-        step ctest ctest --test-dir "$build" --output-on-failure -j "$jobs" -E 'consumer'
+        step ctest ctest --test-dir "$build" --output-on-failure -j "$jobs" -E 'consumer' --repeat until-pass:2
     fi
 fi
 

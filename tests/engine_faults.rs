@@ -96,6 +96,16 @@ fn start_request(ctx: &mut Proc, gen: &mut Proc, id: u64) {
     std::thread::sleep(Duration::from_millis(2));
 }
 
+/// A pair on `tl` that has completed request 1 and is in the middle of sending request 2;
+/// also the context side's address.
+fn pair_mid_request(tl: &str, gen_extra: &[&str]) -> (Proc, Proc, String) {
+    let (mut ctx, addr) = start_ctx(tl, None, None);
+    let mut gen = start_gen_with(tl, None, &addr, gen_extra);
+    completes(&mut ctx, &mut gen, 1);
+    start_request(&mut ctx, &mut gen, 2);
+    (ctx, gen, addr)
+}
+
 fn check_bounded(side: &str, line: &str) {
     let l = late(line);
     println!("  {side}: {line}  -> ended {l:.1} ms past the deadline");
@@ -111,10 +121,7 @@ fn check_bounded(side: &str, line: &str) {
 fn frozen_sender_mid_transfer_ends_both_sides_by_the_deadline_and_the_pair_heals() {
     for tl in ["tcp", "sm"] {
         println!("== {tl}: sender frozen (SIGSTOP) mid-transfer");
-        let (mut ctx, addr) = start_ctx(tl, None, None);
-        let mut gen = start_gen(tl, None, &addr);
-        completes(&mut ctx, &mut gen, 1);
-        start_request(&mut ctx, &mut gen, 2);
+        let (mut ctx, mut gen, _) = pair_mid_request(tl, &[]);
         ctx.signal(libc::SIGSTOP);
         let g = gen.expect("GEN 2 ");
         check_bounded("receiver", &g);
@@ -140,10 +147,7 @@ fn frozen_sender_mid_transfer_ends_both_sides_by_the_deadline_and_the_pair_heals
 fn killed_receiver_mid_transfer_ends_the_sender_by_the_deadline_and_it_serves_the_next() {
     for tl in ["tcp", "sm"] {
         println!("== {tl}: receiver killed (SIGKILL) mid-transfer");
-        let (mut ctx, addr) = start_ctx(tl, None, None);
-        let mut gen = start_gen(tl, None, &addr);
-        completes(&mut ctx, &mut gen, 1);
-        start_request(&mut ctx, &mut gen, 2);
+        let (mut ctx, gen, addr) = pair_mid_request(tl, &[]);
         gen.signal(libc::SIGKILL);
         let c = ctx.expect("CTX 2 ");
         check_bounded("sender", &c);
