@@ -208,14 +208,23 @@ fn health_state_is_wedged_while_a_peer_is_frozen_and_recovers() {
     // Before the request's deadline (4 s) the receiver must be seen Wedged.
     let seen = gen.expect_one_of(&["STATE Wedged", "GEN 2 "]);
     assert_eq!(seen, "STATE Wedged", "not Wedged before the request ended");
+    let fault_seen = gen.states.len();
     let g = gen.expect("GEN 2 ");
     check_bounded("receiver", &g);
     ctx.signal(libc::SIGCONT);
     ctx.expect("CTX 2 ");
     completes(&mut ctx, &mut gen, 3);
-    assert_eq!(gen.expect_one_of(&["STATE Degraded"]), "STATE Degraded");
     let t0 = Instant::now();
     assert_eq!(gen.expect_one_of(&["STATE Healthy"]), "STATE Healthy");
+    // On the way back from Wedged it was Degraded (the fault within its 3 s window), not
+    // straight Healthy.
+    let after: Vec<&String> = gen.states[fault_seen..].iter().collect();
+    let degraded = after.iter().position(|s| *s == "STATE Degraded");
+    let healthy = after.iter().position(|s| *s == "STATE Healthy");
+    assert!(
+        degraded.is_some() && degraded < healthy,
+        "states after the fault: {after:?}"
+    );
     println!(
         "  Healthy again {:?} after the pair recovered",
         t0.elapsed()

@@ -17,6 +17,8 @@ pub struct Proc {
     /// Lines of the child's stdout, read by a thread of their own so a wait can time out.
     out: Receiver<String>,
     input: Option<ChildStdin>,
+    /// Every `STATE ...` line read so far (a health reporter's), in order.
+    pub states: Vec<String>,
 }
 
 impl Proc {
@@ -39,7 +41,12 @@ impl Proc {
             }
         });
         let input = child.stdin.take();
-        Proc { child, out, input }
+        Proc {
+            child,
+            out,
+            input,
+            states: Vec::new(),
+        }
     }
 
     /// Writes one line to the child's stdin.
@@ -72,7 +79,12 @@ impl Proc {
     /// Next stdout line that starts with one of `prefixes` (other lines are skipped); returns
     /// the matched line trimmed to that prefix when the prefix is a whole word sequence.
     pub fn expect_one_of(&mut self, prefixes: &[&str]) -> String {
+        let until = std::time::Instant::now() + LINE_TIMEOUT;
         loop {
+            assert!(
+                std::time::Instant::now() < until,
+                "none of {prefixes:?} within {LINE_TIMEOUT:?}"
+            );
             let line = self.line(&format!("{prefixes:?}"));
             if !line.starts_with("STATE ") {
                 println!("  | {line}");
@@ -90,7 +102,13 @@ impl Proc {
     /// The next line, or a test failure naming what was awaited if none comes in time.
     fn line(&mut self, awaited: &str) -> String {
         match self.out.recv_timeout(LINE_TIMEOUT) {
-            Ok(line) => line.trim_end().to_string(),
+            Ok(line) => {
+                let line = line.trim_end().to_string();
+                if line.starts_with("STATE ") {
+                    self.states.push(line.clone());
+                }
+                line
+            }
             Err(RecvTimeoutError::Timeout) => {
                 panic!("no line from the peer for {LINE_TIMEOUT:?} while waiting for {awaited}")
             }
