@@ -201,6 +201,23 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
 }  // namespace
 
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf(
+          "kvlink_demo: the main job through kvlink's C++ API. A context (prefill) process and a\n"
+          "generation (decode) process on loopback hand over three KV-cache-shaped requests over\n"
+          "UCX; the second one's data is dropped by a fault hook (a lost completion), which both\n"
+          "sides must end TimedOut at its deadline, leaking nothing, before serving the third.\n"
+          "Exits 0 only if every step went as stated.\n\n"
+          "Options:\n"
+          "  --transport tcp|sm      UCX transport between the two processes (default tcp)\n"
+          "  --timeout-ms N          per-request deadline in milliseconds (default 2000)\n"
+          "  --metrics-file PATH     write the generation side's Prometheus metrics there at the end\n"
+          "  -h, --help              this text\n"
+          "Environment: KVLINK_LOG=debug (or info, warn, ...) logs both processes to stderr.\n");
+      return 0;
+    }
+  }
   const std::string transport = arg(argc, argv, "--transport", "tcp");
   const milliseconds timeout(std::stoll(arg(argc, argv, "--timeout-ms", "2000")));
   try {

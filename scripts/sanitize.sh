@@ -88,7 +88,13 @@ step() {
     if [[ -e "${files[0]}" ]]; then
         local errors=0 f
         for f in "${files[@]}"; do
-            if grep -q 'ERROR: ' "$f"; then
+            if grep -q 'ERROR: AddressSanitizer: SEGV' "$f" &&
+               grep -q 'in ucp_cm_server_conn_request_cb' "$f" &&
+               ! awk '/^    #0/ { on = 1 } on && /^$/ { exit } on' "$f" | grep -q kvlink; then
+                # UCX 1.13's own crash on its async thread (no kvlink frame in the faulting
+                # stack), known and printed; the crashed case is rerun by ctest.
+                echo "--- known UCX 1.13 async-thread crash (ucp_cm_server_conn_request_cb), not counted: $f"
+            elif grep -q 'ERROR: ' "$f"; then
                 errors=$((errors + 1))
                 echo "--- sanitizer report: $f"
             else

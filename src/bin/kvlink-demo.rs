@@ -51,25 +51,42 @@ fn content(request: u64, segment: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
+/// The main job of kvlink: a context (prefill) process and a generation (decode) process on
+/// loopback hand over three KV-cache-shaped requests over UCX. The second one's data is
+/// dropped by a fault hook on the context side (the field's lost-completion hang): both sides
+/// must end it TimedOut at its deadline, leak nothing, and serve the third. Exits 0 only if
+/// every step went as stated.
+#[derive(clap::Parser, Debug)]
+#[command(name = "kvlink-demo", version)]
+struct Args {
+    /// UCX transport between the two processes: tcp (loopback) or sm (shared memory).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "sm"])]
+    transport: String,
+    /// Per-request deadline in milliseconds (TensorRT-LLM's kv_transfer_timeout_ms); the
+    /// faulty request must end TimedOut at it.
+    #[arg(long = "timeout-ms", default_value_t = 2000)]
+    timeout_ms: u64,
+    /// Serve the generation side's Prometheus metrics on this ip:port over plain HTTP GET
+    /// while the demo runs (the library itself opens no port).
+    #[arg(long = "metrics-listen", value_name = "IP:PORT")]
+    metrics_listen: Option<String>,
+    /// With --metrics-listen: keep serving this many milliseconds after the run, so a
+    /// scraper sees the final counts.
+    #[arg(long = "metrics-linger-ms", default_value_t = 0)]
+    metrics_linger_ms: u64,
+    /// Internal: run as the context process (the demo starts it itself).
+    #[arg(long, hide = true)]
+    role: Option<String>,
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let transport =
-        TransportKind::parse(&arg(&args, "--transport").unwrap_or_else(|| "tcp".into()))
-            .unwrap_or_else(|e| {
-                eprintln!("{e}");
-                std::process::exit(2)
-            });
-    let timeout = Duration::from_millis(
-        arg(&args, "--timeout-ms").map_or(2000, |s| s.parse().expect("--timeout-ms")),
-    );
-    let ok = match arg(&args, "--role").as_deref() {
+    let args = <Args as clap::Parser>::parse();
+    let transport = TransportKind::parse(&args.transport).unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2)
+    });
+    let timeout = Duration::from_millis(args.timeout_ms);
+    let ok = match args.role.as_deref() {
         Some("context") => context(transport, timeout),
         _ => generation(transport, timeout, &args),
     };
@@ -163,9 +180,9 @@ fn answer(engine: &Engine, mut s: TcpStream) -> std::io::Result<()> {
     s.flush()
 }
 
-fn generation(transport: TransportKind, timeout: Duration, args: &[String]) -> bool {
+fn generation(transport: TransportKind, timeout: Duration, args: &Args) -> bool {
     // Bound before anything starts, so a bad address fails at once.
-    let metrics = arg(args, "--metrics-listen").map(|a| {
+    let metrics = args.metrics_listen.as_ref().map(|a| {
         let listener = a
             .parse::<SocketAddr>()
             .map_err(|e| e.to_string())
@@ -174,9 +191,7 @@ fn generation(transport: TransportKind, timeout: Duration, args: &[String]) -> b
                 eprintln!("--metrics-listen {a}: {e}");
                 std::process::exit(2)
             });
-        let linger = Duration::from_millis(
-            arg(args, "--metrics-linger-ms").map_or(0, |s| s.parse().expect("--metrics-linger-ms")),
-        );
+        let linger = Duration::from_millis(args.metrics_linger_ms);
         (listener, linger)
     });
     let exe = std::env::current_exe().expect("own path");

@@ -21,11 +21,52 @@ use std::time::{Duration, Instant};
 const CTX: u32 = 0;
 const GEN: u32 = 1;
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
+/// One rank of a two-process engine test, driven over stdin/stdout (see the module docs).
+#[derive(clap::Parser, Debug)]
+#[command(name = "kvlink-engine-peer", version)]
+struct Args {
+    #[command(subcommand)]
+    role: Rank,
+    /// UCX transport: tcp (loopback) or sm (shared memory).
+    #[arg(long, global = true, default_value = "tcp", value_parser = ["tcp", "sm"])]
+    transport: String,
+    /// The engine's per-request deadline in milliseconds.
+    #[arg(long = "timeout-ms", global = true, default_value_t = 2000)]
+    timeout_ms: u64,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Rank {
+    /// The context (sending) rank: serves every advertisement it gets.
+    Ctx {
+        /// tcp: where to listen (default 127.0.0.1:0).
+        #[arg(long, value_name = "IP:PORT")]
+        listen: Option<String>,
+        /// The lost-completion fault: this request's data is "sent" without moving.
+        #[arg(long, value_name = "REQUEST")]
+        suppress: Option<u64>,
+    },
+    /// The generation (receiving) rank: one request per `REQ <id>` line on stdin.
+    Gen(GenOpts),
+}
+
+#[derive(clap::Args, Debug)]
+struct GenOpts {
+    /// The context rank's address, as its ADDR line printed it.
+    #[arg(long)]
+    to: String,
+    /// Buffer sizes of each request, comma-separated (K and M suffixes).
+    #[arg(long, default_value = "4K")]
+    sizes: String,
+    /// health().state: the wedge window in milliseconds.
+    #[arg(long = "wedge-ms")]
+    wedge_ms: Option<u64>,
+    /// health().state: the degraded window in milliseconds.
+    #[arg(long = "degraded-ms")]
+    degraded_ms: Option<u64>,
+    /// Print `STATE <state>` from a second thread every this many milliseconds.
+    #[arg(long = "health-every-ms")]
+    health_every_ms: Option<u64>,
 }
 
 fn size(s: &str) -> usize {
@@ -86,32 +127,24 @@ fn say(line: String) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let transport = TransportKind::parse(&arg(&args, "--transport").unwrap_or("tcp".into()))
-        .unwrap_or_else(|e| {
-            eprintln!("{e}");
-            std::process::exit(2)
-        });
-    let timeout = Duration::from_millis(
-        arg(&args, "--timeout-ms").map_or(2000, |s| s.parse().expect("--timeout-ms")),
-    );
-    match args.get(1).map(String::as_str) {
-        Some("ctx") => ctx(transport, timeout, &args),
-        Some("gen") => gen(transport, timeout, &args),
-        _ => {
-            eprintln!("usage: kvlink-engine-peer ctx|gen --transport tcp|sm ...");
-            std::process::exit(2)
-        }
+    let args = <Args as clap::Parser>::parse();
+    let transport = TransportKind::parse(&args.transport).unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2)
+    });
+    let timeout = Duration::from_millis(args.timeout_ms);
+    match &args.role {
+        Rank::Ctx { listen, suppress } => ctx(transport, timeout, listen.as_deref(), *suppress),
+        Rank::Gen(opts) => gen(transport, timeout, opts),
     }
 }
 
-fn ctx(transport: TransportKind, timeout: Duration, args: &[String]) {
+fn ctx(transport: TransportKind, timeout: Duration, listen: Option<&str>, suppress: Option<u64>) {
     let mut cfg = EngineConfig::new("ctx", CTX, transport);
     cfg.timeout = timeout;
     // The lost-completion fault: this request's data is "sent" without moving.
-    cfg.faults.suppress_data_of_request =
-        arg(args, "--suppress").map(|v| v.parse().expect("--suppress"));
-    if let Some(l) = arg(args, "--listen") {
+    cfg.faults.suppress_data_of_request = suppress;
+    if let Some(l) = listen {
         cfg.listen = Some(l.parse().expect("--listen ip:port"));
     } else if transport == TransportKind::Tcp {
         cfg.listen = Some("127.0.0.1:0".parse().unwrap());
@@ -154,18 +187,25 @@ fn ctx(transport: TransportKind, timeout: Duration, args: &[String]) {
     }
 }
 
-fn gen(transport: TransportKind, timeout: Duration, args: &[String]) {
+fn gen(transport: TransportKind, timeout: Duration, opts: &GenOpts) {
+    let GenOpts {
+        to,
+        sizes,
+        wedge_ms,
+        degraded_ms,
+        health_every_ms,
+    } = opts;
     let mut cfg = EngineConfig::new("gen", GEN, transport);
     cfg.timeout = timeout;
-    let ms = |name: &str| arg(args, name).map(|v| Duration::from_millis(v.parse().expect(name)));
-    if let Some(w) = ms("--wedge-ms") {
+    let ms = |v: &Option<u64>| v.map(Duration::from_millis);
+    if let Some(w) = ms(wedge_ms) {
         cfg.wedge_window = w;
     }
-    if let Some(d) = ms("--degraded-ms") {
+    if let Some(d) = ms(degraded_ms) {
         cfg.degraded_window = d;
     }
     let engine = std::sync::Arc::new(Engine::new(cfg).expect("engine"));
-    if let Some(every) = ms("--health-every-ms") {
+    if let Some(every) = ms(health_every_ms) {
         // What a router's health check would see, while requests run on the main thread.
         let e = engine.clone();
         std::thread::spawn(move || loop {
@@ -173,14 +213,9 @@ fn gen(transport: TransportKind, timeout: Duration, args: &[String]) {
             std::thread::sleep(every);
         });
     }
-    let to = arg(args, "--to").expect("--to ADDR");
-    let sizes: Vec<usize> = arg(args, "--sizes")
-        .unwrap_or("4K".into())
-        .split(',')
-        .map(size)
-        .collect();
+    let sizes: Vec<usize> = sizes.split(',').map(size).collect();
     let peer = engine
-        .connect(&to, Instant::now() + Duration::from_secs(20))
+        .connect(to, Instant::now() + Duration::from_secs(20))
         .expect("connect");
     say("CONNECTED".into());
     for line in std::io::stdin().lock().lines() {

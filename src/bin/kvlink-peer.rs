@@ -16,11 +16,42 @@ use kvlink::transport::{Agent, AgentOptions, Event, TransportKind};
 use kvlink::Outcome;
 use std::time::{Duration, Instant};
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
+/// A transport-level peer process (UCX agent, no protocol) for the two-process tests: one
+/// side posts tagged receives and checks every byte, the other sends, or fails to on purpose.
+#[derive(clap::Parser, Debug)]
+#[command(name = "kvlink-peer", version)]
+struct Args {
+    #[command(subcommand)]
+    role: PeerRole,
+    /// UCX transport: tcp (loopback) or sm (shared memory).
+    #[arg(long, global = true, default_value = "tcp", value_parser = ["tcp", "sm"])]
+    transport: String,
+    /// Transfer sizes in bytes, comma-separated, in order.
+    #[arg(long, global = true, default_value = "4096", value_delimiter = ',')]
+    sizes: Vec<usize>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum PeerRole {
+    /// Listen, post one receive per size, and print a RESULT line per transfer and a CPU line.
+    Recv {
+        /// tcp: where to listen (port 0 picks one).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+        /// Deadline of each receive in milliseconds.
+        #[arg(long = "timeout-ms", default_value_t = 10_000)]
+        timeout_ms: u64,
+    },
+    /// Connect to a receiver and send each size.
+    Send {
+        /// The receiver's address, as its ADDR line printed it.
+        #[arg(long)]
+        to: String,
+        /// normal; suppress (never send: the receiver must time out); loop (keep sending the
+        /// last size until killed); slow (300 ms before each send).
+        #[arg(long, default_value = "normal", value_parser = ["normal", "suppress", "loop", "slow"])]
+        mode: String,
+    },
 }
 
 fn pattern(size: usize, i: usize) -> Vec<u8> {
@@ -40,34 +71,16 @@ fn cpu_ms() -> f64 {
 const TAG_BASE: u64 = 0x5EED_0000_0000_0000;
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let role = args.get(1).cloned().unwrap_or_default();
-    let transport =
-        TransportKind::parse(&arg(&args, "--transport").unwrap_or("tcp".into())).unwrap();
-    let sizes: Vec<usize> = arg(&args, "--sizes")
-        .unwrap_or("4096".into())
-        .split(',')
-        .map(|s| s.parse().expect("size"))
-        .collect();
-    let timeout =
-        Duration::from_millis(arg(&args, "--timeout-ms").map_or(10_000, |s| s.parse().unwrap()));
-    match role.as_str() {
-        "recv" => recv(
+    let args = <Args as clap::Parser>::parse();
+    let transport = TransportKind::parse(&args.transport).unwrap();
+    match &args.role {
+        PeerRole::Recv { listen, timeout_ms } => recv(
             transport,
-            &sizes,
-            timeout,
-            &arg(&args, "--listen").unwrap_or_else(|| "127.0.0.1:0".into()),
+            &args.sizes,
+            Duration::from_millis(*timeout_ms),
+            listen,
         ),
-        "send" => send(
-            transport,
-            &arg(&args, "--to").expect("--to"),
-            &sizes,
-            &arg(&args, "--mode").unwrap_or("normal".into()),
-        ),
-        _ => {
-            eprintln!("usage: kvlink-peer recv|send ...");
-            std::process::exit(2)
-        }
+        PeerRole::Send { to, mode } => send(transport, to, &args.sizes, mode),
     }
 }
 
