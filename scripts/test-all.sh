@@ -53,9 +53,11 @@ step cmake-configure -- cmake -S "$root" -B "$build_dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
     -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR"
 step cmake-build requires=cmake-configure -- cmake --build "$build_dir" -j "$jobs"
-# --repeat until-pass:2: a case that fails is run once more, and both runs are printed. This
-# is a stopgap for a known crash inside UCX 1.13's async thread (ucp_cm_server_conn_request_cb,
-# seen about once in 60 runs of in-process tcp cases with several listeners), not for timing.
+# --repeat until-pass:2: a case that fails is run once more, and both runs are printed. A net
+# for UCX 1.13's async-thread crash in ucp_cm_server_conn_request_cb (a listener destroyed while
+# it serves a connection request). Its trigger in kvlink, a peer redialling an agent that is
+# shutting down, is fixed (the listener now closes first; 0 in 150 runs, was 16 in 150), but
+# UCX's race itself remains. Not a net for timing: no kvlink test is retried for being slow.
 step ctest requires=cmake-build -- ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --repeat until-pass:2
 # The package as the README documents it: the Release CMake line + ctest, an install with every
 # option off, and a consumer built against that install alone.

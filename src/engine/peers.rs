@@ -150,9 +150,11 @@ impl Peers {
         r.peer = None;
         self.failures += 1;
         if r.dial.is_some() {
+            // Not at once: a peer that is shutting down (the common case of a failure seen on
+            // a healthy machine) has a moment to close its listener first.
             r.state = PeerState::Reconnecting;
             r.tries = 0;
-            r.next_try = Some(now);
+            r.next_try = Some(now + FIRST_BACKOFF);
         } else {
             r.state = PeerState::Failed;
         }

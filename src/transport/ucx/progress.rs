@@ -467,6 +467,12 @@ impl Progress {
         for cmd in leftovers {
             self.shared.fail_cmd(cmd);
         }
+        // Stop listening first: a peer that redials while this agent shuts down must meet a
+        // closed port, not a listener that is destroyed under a connection request UCX is
+        // still serving on its async thread (UCX 1.13 crashes in
+        // ucp_cm_server_conn_request_cb then). Pending requests are rejected before it goes.
+        self.handle_callbacks_discard();
+        self.listener = None;
         let slots: Vec<Arc<OpSlot>> = self
             .shared
             .in_flight
