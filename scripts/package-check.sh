@@ -36,31 +36,8 @@ rm -rf "$build_off" "$prefix" "$work/consumer"
 if [[ "${KVLINK_PKG_FRESH:-0}" == "1" ]]; then rm -rf "$build_rel"; fi
 mkdir -p "$work"
 
-names=() results=() times=()
-failed=0
-declare -A ok=()
-
-# step NAME [requires=PREV_NAME] -- COMMAND...
-step() {
-    local name="$1"; shift
-    local requires=""
-    if [[ "$1" == requires=* ]]; then requires="${1#requires=}"; shift; fi
-    [[ "$1" == "--" ]] && shift
-    names+=("$name")
-    if [[ -n "$requires" && "${ok[$requires]:-0}" != 1 ]]; then
-        results+=("SKIP (needs $requires)"); times+=("-"); failed=1
-        return 0
-    fi
-    echo
-    echo "=== $name: $*"
-    local t0=$SECONDS
-    if "$@"; then
-        results+=("ok"); ok[$name]=1
-    else
-        results+=("FAIL"); failed=1
-    fi
-    times+=("$((SECONDS - t0))s")
-}
+# shellcheck source=scripts/steps.sh
+source "$root/scripts/steps.sh"
 
 # The installed library: present, and without .debug_* sections unless asked for.
 check_installed_lib() {
@@ -95,13 +72,4 @@ step consumer requires=off-install -- cmake -DMODE=prefix -DPREFIX="$prefix" \
     -DGENERATOR=Ninja -DCONFIG=Release -DEXPECTED_VERSION="$version" \
     -DEXPECTED_UCX_VERSION="$ucx_version" -P "$root/cpp_tests/consumer/run_consumer.cmake"
 
-echo
-echo "=== package-check summary (kvlink $version, UCX $ucx_version)"
-for i in "${!names[@]}"; do
-    printf '  %-16s %-24s %s\n' "${names[$i]}" "${results[$i]}" "${times[$i]}"
-done
-if [[ $failed -ne 0 ]]; then
-    echo "package-check: FAILED"
-    exit 1
-fi
-echo "package-check: all checks passed"
+finish package-check "package-check summary (kvlink $version, UCX $ucx_version)"

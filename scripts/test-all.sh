@@ -20,31 +20,8 @@ jobs="$(nproc 2>/dev/null || echo 2)"
 bash "$root/scripts/install-deps.sh"
 export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 
-names=() results=() times=()
-failed=0
-declare -A ok=()
-
-# step NAME [requires=PREV_NAME] -- COMMAND...
-step() {
-    local name="$1"; shift
-    local requires=""
-    if [[ "$1" == requires=* ]]; then requires="${1#requires=}"; shift; fi
-    [[ "$1" == "--" ]] && shift
-    names+=("$name")
-    if [[ -n "$requires" && "${ok[$requires]:-0}" != 1 ]]; then
-        results+=("SKIP (needs $requires)"); times+=("-"); failed=1
-        return 0
-    fi
-    echo
-    echo "=== $name: $*"
-    local t0=$SECONDS
-    if "$@"; then
-        results+=("ok"); ok[$name]=1
-    else
-        results+=("FAIL"); failed=1
-    fi
-    times+=("$((SECONDS - t0))s")
-}
+# shellcheck source=scripts/steps.sh
+source "$root/scripts/steps.sh"
 
 step fmt -- cargo fmt --all -- --check
 step clippy -- cargo clippy --locked --all-targets -- -D warnings
@@ -69,13 +46,4 @@ step header-drift -- bash "$root/scripts/check-header-drift.sh"
 step sanitize -- bash "$root/scripts/sanitize.sh"
 step fuzz -- env KVLINK_FUZZ_SECONDS="${KVLINK_FUZZ_SECONDS:-45}" bash "$root/scripts/fuzz.sh"
 
-echo
-echo "=== summary"
-for i in "${!names[@]}"; do
-    printf '  %-16s %-24s %s\n' "${names[$i]}" "${results[$i]}" "${times[$i]}"
-done
-if [[ $failed -ne 0 ]]; then
-    echo "test-all: FAILED"
-    exit 1
-fi
-echo "test-all: all checks passed"
+finish test-all
