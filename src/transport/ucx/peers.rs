@@ -159,17 +159,7 @@ impl Progress {
             .filter(|s| s.peer.0 == peer)
             .collect();
         for s in &slots {
-            let _ = s.stop_reason.compare_exchange(
-                STOP_NONE,
-                STOP_PEER,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-            let req = s.request.load(Ordering::Acquire);
-            if !req.is_null() {
-                // SAFETY: live request of this worker (see cancel_op).
-                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
-            }
+            self.stop_slot(s, STOP_PEER);
         }
         if let Some(ep) = ep {
             // Dropping the endpoint force-closes it: every send still on it ends.
@@ -262,17 +252,7 @@ impl Progress {
             .filter(|s| s.peer.0 == peer && !s.send && s.tag == tag)
             .collect();
         for s in &slots {
-            let _ = s.stop_reason.compare_exchange(
-                STOP_NONE,
-                STOP_REMOTE_CANCEL,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-            let req = s.request.load(Ordering::Acquire);
-            if !req.is_null() {
-                // SAFETY: live request of this worker.
-                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
-            }
+            self.stop_slot(s, STOP_REMOTE_CANCEL);
         }
         let slot = Arc::new(OpSlot {
             id: 0,

@@ -3,7 +3,7 @@
 //! worker's event fd and the wake eventfd, and tears everything down in order at the end.
 use super::callbacks::{self, am_bind_cb, am_control_cb, am_drain_cb, conn_cb, AmCb, CbEvent};
 use super::handles::{Context, Listener, Mapped, RemoteKey as UcxRkey, Worker};
-use super::op::{OpSlot, STOP_NONE, STOP_SHUTDOWN};
+use super::op::{OpSlot, STOP_SHUTDOWN};
 use super::peers::{sockaddr_of, sockaddr_port, PeerEntry, Target};
 use super::shared::{Cmd, Reply, Shared};
 use super::{sys, ucx_err, AgentOptions, TransportKind, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID};
@@ -483,17 +483,7 @@ impl Progress {
         // The drain receives (posted for senders that gave up) are not in `in_flight`: cancel
         // them too, or UCX never completes them and the reference it holds is never released.
         for s in slots.iter().chain(self.drains.iter()) {
-            let _ = s.stop_reason.compare_exchange(
-                STOP_NONE,
-                STOP_SHUTDOWN,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-            let req = s.request.load(Ordering::Acquire);
-            if !req.is_null() {
-                // SAFETY: live request of this worker.
-                unsafe { sys::ucp_request_cancel(self.worker.0, req) };
-            }
+            self.stop_slot(s, STOP_SHUTDOWN);
         }
         self.rkeys.clear();
         for entry in self.peers.values_mut() {

@@ -11,6 +11,23 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 impl Progress {
+    /// Records why `slot` stops (unless a reason is already set) and cancels its UCX request,
+    /// if UCX still holds it. The completion callback reports the end as usual.
+    pub(super) fn stop_slot(&self, slot: &OpSlot, reason: u8) {
+        let _ = slot.stop_reason.compare_exchange(
+            STOP_NONE,
+            reason,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        let req = slot.request.load(Ordering::Acquire);
+        if !req.is_null() {
+            // SAFETY: req is a live request of our worker: the completion callback clears
+            // `slot.request` (on this thread) before freeing it.
+            unsafe { sys::ucp_request_cancel(self.worker.0, req) };
+        }
+    }
+
     pub(super) fn cancel_op(&mut self, id: u64) {
         let slot = self
             .shared
