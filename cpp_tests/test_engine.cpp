@@ -128,6 +128,36 @@ TEST_P(EngineTest, FaultsThrowWithKinds) {
   EXPECT_LT(kvlink::Clock::now() - t0, 100ms);
 }
 
+// The deployment secret through the facade: a rank with another secret (or none) is refused at
+// connect with AuthFailed, and the refusing side counts it; the same secret connects.
+TEST_P(EngineTest, ASecretKeepsOutThoseWithoutIt) {
+  auto guarded = config(GetParam(), 7);
+  guarded.secret = std::string("deployment-secret");
+  kvlink::Engine door(guarded);
+  for (const std::optional<std::string>& s :
+       {std::optional<std::string>(""), std::optional<std::string>("wrong")}) {
+    auto c = config(GetParam(), 8);
+    c.secret = s;
+    kvlink::Engine stranger(c);
+    try {
+      stranger.connect(door.address(), kvlink::after(5s));
+      FAIL() << "connected without the secret";
+    } catch (const kvlink::Error& e) {
+      EXPECT_EQ(e.kind(), kvlink::ErrorKind::AuthFailed) << e.what();
+    }
+    const auto h = stranger.health();
+    const auto d = door.health();
+    EXPECT_EQ(h.refused_auth + h.refused_by_peer + d.refused_auth + d.refused_by_peer >= 1, true);
+    EXPECT_EQ(h.peers, 0u);
+  }
+  auto c = config(GetParam(), 9);
+  c.secret = std::string("deployment-secret");
+  kvlink::Engine member(c);
+  EXPECT_EQ(member.connect(door.address(), kvlink::after(5s)), 7u);
+  door.wait_peer(9, kvlink::after(5s));
+  EXPECT_EQ(door.peer_state(9), kvlink::PeerState::Connected);
+}
+
 // The deadline rule at the clock's extremes: min() does not overflow and means "do not wait";
 // max() waits until the request's own deadline at most. The sender learns that deadline.
 TEST_P(EngineTest, DeadlinesAtTheClockExtremes) {

@@ -65,6 +65,9 @@ pub fn engine_new(o: &EngineOptions) -> Result<Box<EngineHandle>> {
         if o.degraded_ms > 0 {
             cfg.degraded_window = Duration::from_millis(o.degraded_ms);
         }
+        if o.has_secret {
+            cfg.secret = Some(o.secret.clone());
+        }
         cfg.faults.suppress_data_of_request =
             (o.fault_suppress_request >= 0).then_some(o.fault_suppress_request as u64);
         Ok(Box::new(EngineHandle {
@@ -411,6 +414,11 @@ impl EngineHandle {
             adverts_refused: h.adverts_refused,
             notes_dropped: h.notes_dropped,
             unsettled_returns: h.unsettled_returns,
+            foreign_data: h.foreign_data,
+            late_data: h.late_data,
+            refused_auth: h.refused_auth,
+            refused_rank_in_use: h.refused_rank_in_use,
+            refused_by_peer: h.refused_by_peer,
         }
     }
 

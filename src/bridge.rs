@@ -26,6 +26,9 @@ pub mod ffi {
         degraded_ms: u64,
         /// Fault hook: the request id whose data a sender silently drops; -1 for none.
         fault_suppress_request: i64,
+        /// The deployment secret, when `has_secret` (else `KVLINK_SECRET` from the environment).
+        has_secret: bool,
+        secret: Vec<u8>,
     }
 
     /// One advertised buffer.
@@ -89,6 +92,11 @@ pub mod ffi {
         adverts_refused: u64,
         notes_dropped: u64,
         unsettled_returns: u64,
+        foreign_data: u64,
+        late_data: u64,
+        refused_auth: u64,
+        refused_rank_in_use: u64,
+        refused_by_peer: u64,
     }
 
     extern "Rust" {

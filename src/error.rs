@@ -38,6 +38,12 @@ pub enum ErrorKind {
     UnknownRequest = 13,
     /// A bounded queue fed by peers (advertisements, notifications) is full.
     QueueFull = 14,
+    /// The handshake failed: one side holds the deployment secret and the other does not (or
+    /// holds another). Reported on both sides; the connection is closed.
+    AuthFailed = 15,
+    /// The peer's rank is bound to another live process: a second process with the same rank
+    /// is refused until the first is gone.
+    RankInUse = 16,
 }
 
 impl ErrorKind {
@@ -61,6 +67,8 @@ impl ErrorKind {
             Internal,
             UnknownRequest,
             QueueFull,
+            AuthFailed,
+            RankInUse,
         ]
         .into_iter()
         .find(|k| k.code() == code)
@@ -81,6 +89,8 @@ impl ErrorKind {
             ErrorKind::Internal => "Internal",
             ErrorKind::UnknownRequest => "UnknownRequest",
             ErrorKind::QueueFull => "QueueFull",
+            ErrorKind::AuthFailed => "AuthFailed",
+            ErrorKind::RankInUse => "RankInUse",
         }
     }
 }

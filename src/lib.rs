@@ -28,5 +28,6 @@ pub mod transport;
 mod api;
 mod boundary;
 mod bridge;
+mod random;
 
 pub use error::{Error, ErrorKind, Outcome, Result};

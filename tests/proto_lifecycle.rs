@@ -238,7 +238,7 @@ fn stale_landing_is_counted_and_dropped() {
     let me = RankId(1);
     let mut ep = Endpoint::new(me, config());
     let mut pool = BufferPool::new(4);
-    let mut tokens = TokenAllocator::new();
+    let mut tokens = TokenAllocator::default();
     let mut spec = |ep: &mut Endpoint, key: RequestKey| {
         let lease = pool.lease(key).unwrap();
         let desc = BufferDesc {
@@ -310,7 +310,7 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     let mut gen = Endpoint::new(g, config());
     let mut ctx = Endpoint::new(c, config());
     let mut pool = BufferPool::new(4);
-    let mut tokens = TokenAllocator::new();
+    let mut tokens = TokenAllocator::default();
     let key = RequestKey::new(9, 0);
     let desc = BufferDesc {
         kind: BufferKind::Kv,

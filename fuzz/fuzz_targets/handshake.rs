@@ -4,8 +4,11 @@
 //! For every input:
 //! 1. The input as the body of a `Hello` frame: decode never panics; a refusal is a protocol
 //!    error inside the frame; an acceptance is a `Hello` that re-encodes to the very same bytes.
-//! 2. The input as a `Hello` value (rank, then a name): encode and decode round trip exactly, and
-//!    encode refuses exactly the names decode would refuse.
+//! 2. The input as a `Hello` value (rank, instance, then a name): encode and decode round trip
+//!    exactly, and encode refuses exactly the names decode would refuse.
+//! 4. The input as frames a stranger sends during the handshake (as `Hello`, `Proof`, `Welcome`,
+//!    `Refuse` and raw), to an answering and to a dialling rank that hold a deployment secret: the
+//!    stranger, who does not hold it, is never bound.
 //! 3. A whole request between a generation endpoint (rank 0) and a context endpoint (rank 1),
 //!    with frames built from the input (raw, as a `Hello`, and as a body of each other message
 //!    type) injected into both endpoints as if sent by rank 7, a peer neither knows, before and
@@ -17,8 +20,8 @@ use std::time::{Duration, Instant};
 use kvlink::error::{ErrorKind, Outcome};
 use kvlink::proto::wire::{HEADER_LEN, MAGIC, MAX_NAME, VERSION};
 use kvlink::proto::{
-    Action, BufferDesc, BufferKind, BufferPool, Config, Endpoint, Event, Message, RankId,
-    ReceiveFlow, ReceiveSpec, RequestKey, Role, Token,
+    Action, BufferDesc, BufferKind, BufferPool, Config, Endpoint, Event, Handshake, Identity,
+    Message, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role, Secret, Token,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -52,13 +55,21 @@ fn check_hello_frame(bytes: &[u8]) {
 }
 
 fn check_hello_value(data: &[u8]) {
-    let mut r = [0u8; 4];
-    let n = data.len().min(4);
+    let mut r = [0u8; 12];
+    let n = data.len().min(12);
     r[..n].copy_from_slice(&data[..n]);
-    let rank = RankId(u32::from_le_bytes(r));
+    let rank = RankId(u32::from_le_bytes(r[..4].try_into().unwrap()));
+    let instance = u64::from_le_bytes(r[4..].try_into().unwrap());
     let agent_name = String::from_utf8_lossy(&data[n..]).into_owned();
     let fits = !agent_name.is_empty() && agent_name.len() <= MAX_NAME;
-    let m = Message::Hello { agent_name, rank };
+    let proof = (data.len() % 2 == 1).then_some([data.len() as u8; 32]);
+    let m = Message::Hello {
+        agent_name,
+        rank,
+        instance,
+        challenge: !instance,
+        proof,
+    };
     match m.to_bytes() {
         Ok(bytes) => {
             assert!(fits, "encoded a Hello the decoder must refuse");
@@ -209,6 +220,30 @@ fn request_survives_stranger(key: RequestKey, intruder: &[Vec<u8>]) {
     pool.check_all_returned().expect("buffer back in the pool");
 }
 
+/// A stranger without the secret talks to a rank that holds one: it must never be bound.
+fn stranger_is_never_bound(frames: &[Vec<u8>]) {
+    let me = Identity {
+        rank: RankId(1),
+        name: "ctx".into(),
+        instance: 77,
+        secret: Secret::new(b"deployment secret".to_vec()),
+    };
+    let mut answering = Handshake::answer(1234);
+    let (mut dialling, _) = Handshake::dial(&me, 5678);
+    for f in frames {
+        let Ok(msg) = Message::decode(f) else { continue };
+        if msg.key().is_some() {
+            continue; // not a handshake message: the engine never hands it to a handshake
+        }
+        for hs in [&mut answering, &mut dialling] {
+            let _ = hs.handle(&me, msg.clone());
+            // The engine would now decide; say yes, as if the rank were free.
+            let _ = hs.accept();
+            assert!(hs.peer().is_none(), "a stranger was bound: {msg:?}");
+        }
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     let hello = frame(1, data);
     check_hello_frame(&hello);
@@ -216,9 +251,14 @@ fuzz_target!(|data: &[u8]| {
 
     let mut intruder = vec![data.to_vec(), hello];
     if let Some((&t, body)) = data.split_first() {
-        // Every other message type around the same bytes (1..=7), so bodies reach the endpoint.
-        intruder.push(frame(t % 7 + 1, body));
+        // Every other message type around the same bytes (1..=10), so bodies reach the endpoint.
+        intruder.push(frame(t % 10 + 1, body));
     }
+    let mut hs_frames = intruder.clone();
+    for t in [8u8, 9, 10] {
+        hs_frames.push(frame(t, data));
+    }
+    stranger_is_never_bound(&hs_frames);
     // The request is the one the stranger's frame names, when it names one: its messages then
     // aim at live state instead of missing it by key.
     let key = Message::decode(data)

@@ -994,6 +994,9 @@ struct EngineOptions final {
   ::std::uint64_t degraded_ms CXX_DEFAULT_VALUE(0);
   // Fault hook: the request id whose data a sender silently drops; -1 for none.
   ::std::int64_t fault_suppress_request CXX_DEFAULT_VALUE(0);
+  // The deployment secret, when `has_secret` (else `KVLINK_SECRET` from the environment).
+  bool has_secret CXX_DEFAULT_VALUE(false);
+  ::rust::Vec<::std::uint8_t> secret;
 
   using IsRelocatable = ::std::true_type;
 };
@@ -1073,6 +1076,11 @@ struct HealthInfo final {
   ::std::uint64_t adverts_refused CXX_DEFAULT_VALUE(0);
   ::std::uint64_t notes_dropped CXX_DEFAULT_VALUE(0);
   ::std::uint64_t unsettled_returns CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t foreign_data CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t late_data CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t refused_auth CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t refused_rank_in_use CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t refused_by_peer CXX_DEFAULT_VALUE(0);
 
   using IsRelocatable = ::std::true_type;
 };

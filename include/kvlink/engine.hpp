@@ -114,6 +114,11 @@ struct EngineConfig {
   /// Fault hook for tests and the demo: a context rank "sends" this request id's data without
   /// moving it (a lost completion). Leave empty in production.
   std::optional<std::uint64_t> fault_suppress_request;
+  /// The deployment secret: a peer is bound only if it proves it holds the same bytes
+  /// (challenge-response in the handshake; `connect` fails with `AuthFailed` otherwise, on both
+  /// sides). Empty optional: `KVLINK_SECRET` from the environment (unset or empty: none). An
+  /// empty string: no secret, whatever the environment says.
+  std::optional<std::string> secret;
 };
 
 /// One attempt of one request: the 64-bit request id plus the attempt number. A retry of the
@@ -209,6 +214,16 @@ struct Health {
   std::uint64_t notes_dropped = 0;
   /// Waits that returned before UCX released a fenced receive (should stay 0).
   std::uint64_t unsettled_returns = 0;
+  /// Tagged data discarded because no receive here was offered under its tag: a process that is
+  /// not the buffer's peer (it never lands, never completes anything). And data that came after
+  /// its receive had ended.
+  std::uint64_t foreign_data = 0;
+  std::uint64_t late_data = 0;
+  /// Handshakes refused by this rank (no proof of the deployment secret; a rank bound to another
+  /// live process), and by a peer.
+  std::uint64_t refused_auth = 0;
+  std::uint64_t refused_rank_in_use = 0;
+  std::uint64_t refused_by_peer = 0;
 };
 
 /// A rank's connection as this engine sees it.
@@ -443,7 +458,8 @@ class Engine {
             h.failed,          h.stale_dropped,  h.bad_frames,      h.buffers_leased,
             h.buffers_fenced,  h.ops_in_flight,  h.oldest_op_ms,    h.since_last_completion_ms,
             h.bytes_completed, h.unreaped_ops,    h.peers_reconnecting, h.reconnects,
-            h.adverts_refused, h.notes_dropped,   h.unsettled_returns};
+            h.adverts_refused, h.notes_dropped,   h.unsettled_returns,  h.foreign_data,
+            h.late_data,       h.refused_auth,    h.refused_rank_in_use, h.refused_by_peer};
   }
 
   /// This engine's metrics in the Prometheus text format (version 0.0.4): `kvlink_requests_total`
@@ -476,6 +492,10 @@ class Engine {
     o.degraded_ms = c.degraded_window.count() > 0 ? static_cast<std::uint64_t>(c.degraded_window.count()) : 0;
     o.fault_suppress_request =
         c.fault_suppress_request ? static_cast<std::int64_t>(*c.fault_suppress_request) : -1;
+    o.has_secret = c.secret.has_value();
+    if (c.secret) {
+      for (const char ch : *c.secret) o.secret.push_back(static_cast<std::uint8_t>(ch));
+    }
     return detail::call([&] { return ffi::engine_new(o); });
   }
 

@@ -112,6 +112,12 @@ enum class ErrorKind : std::uint8_t {
   UnknownRequest = 13,
   /// A bounded queue fed by peers (advertisements, notifications) is full.
   QueueFull = 14,
+  /// The handshake failed: one side holds the deployment secret and the other does not (or holds
+  /// another). Reported on both sides; the connection is closed.
+  AuthFailed = 15,
+  /// The peer's rank is bound to another live process: a second process with the same rank is
+  /// refused until the first is gone.
+  RankInUse = 16,
 };
 
 /// How a bounded wait ended. Only `Completed` is success; the others are ordinary results, not
@@ -146,6 +152,8 @@ constexpr const char* to_string(ErrorKind kind) noexcept {
     case ErrorKind::Internal: return "Internal";
     case ErrorKind::UnknownRequest: return "UnknownRequest";
     case ErrorKind::QueueFull: return "QueueFull";
+    case ErrorKind::AuthFailed: return "AuthFailed";
+    case ErrorKind::RankInUse: return "RankInUse";
   }
   return "Unknown";
 }

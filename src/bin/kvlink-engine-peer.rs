@@ -11,11 +11,24 @@
 //!   with one buffer per size, prints `ADV <id>`, waits for its end and prints
 //!   `GEN <id> end=<outcome> late_ms=<ms> verified=<bool> leased=<n>`; `HEALTH` prints a line.
 //!   With `--health-every-ms N` a second thread prints `STATE <Healthy|Degraded|Wedged>` every N
-//!   ms (`--wedge-ms`, `--degraded-ms` set the windows).
+//!   ms (`--wedge-ms`, `--degraded-ms` set the windows). With `--listen` it also listens (and
+//!   prints `ADDR <address>` first), so that a third process can reach it. A refused handshake
+//!   prints `CONNECT-ERROR <kind>` and exits with status 3 (`--retry-ms N` keeps dialling that
+//!   long first).
+//! `kvlink-engine-peer intruder --to ADDR --tags T,.. --lens N,..` is a process that is not a
+//!   rank of the deployment: it connects at the UCX level (no handshake) and sends data of each
+//!   length under each tag, then prints `INTRUDER sent=<n> done=<n>`.
+//!
+//! Everywhere: `--secret S` sets the deployment secret (else `KVLINK_SECRET`); ctx `--hold`
+//! prints `TOKENS <request> <token,..>` for each advertisement (what an observer could learn)
+//! and waits for a `GO` line on stdin before it sends; `--trust-every-ms N` prints
+//! `TRUST foreign=<n> late=<n> auth=<n> rank=<n> by_peer=<n> completed=<n>` every N ms.
 use kvlink::engine::{BufferSpec, Engine, EngineConfig};
+use kvlink::error::ErrorKind;
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
-use kvlink::transport::TransportKind;
+use kvlink::transport::{Agent, AgentOptions, TransportKind};
 use std::io::{BufRead, Write};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const CTX: u32 = 0;
@@ -33,6 +46,12 @@ struct Args {
     /// The engine's per-request deadline in milliseconds.
     #[arg(long = "timeout-ms", global = true, default_value_t = 2000)]
     timeout_ms: u64,
+    /// The deployment secret (default: KVLINK_SECRET from the environment, if set).
+    #[arg(long, global = true)]
+    secret: Option<String>,
+    /// Print a `TRUST ...` line of the engine's trust counters every this many milliseconds.
+    #[arg(long = "trust-every-ms", global = true)]
+    trust_every_ms: Option<u64>,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -45,9 +64,24 @@ enum Rank {
         /// The lost-completion fault: this request's data is "sent" without moving.
         #[arg(long, value_name = "REQUEST")]
         suppress: Option<u64>,
+        /// Print each advertisement's tokens and wait for a `GO` line on stdin before sending.
+        #[arg(long)]
+        hold: bool,
     },
     /// The generation (receiving) rank: one request per `REQ <id>` line on stdin.
     Gen(GenOpts),
+    /// Not a rank: connects without a handshake and sends data under the given tags.
+    Intruder {
+        /// The address of the rank to attack.
+        #[arg(long)]
+        to: String,
+        /// UCX tags to send under, comma-separated (decimal or 0x hex).
+        #[arg(long)]
+        tags: String,
+        /// Message lengths to send under each tag, comma-separated (K and M suffixes).
+        #[arg(long, default_value = "4K")]
+        lens: String,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -67,6 +101,12 @@ struct GenOpts {
     /// Print `STATE <state>` from a second thread every this many milliseconds.
     #[arg(long = "health-every-ms")]
     health_every_ms: Option<u64>,
+    /// tcp: also listen here (prints `ADDR <address>` before connecting).
+    #[arg(long, value_name = "IP:PORT")]
+    listen: Option<String>,
+    /// Keep dialling this long while the handshake is refused (for a rank that frees up).
+    #[arg(long = "retry-ms", default_value_t = 0)]
+    retry_ms: u64,
 }
 
 fn size(s: &str) -> usize {
@@ -132,16 +172,54 @@ fn main() {
         eprintln!("{e}");
         std::process::exit(2)
     });
-    let timeout = Duration::from_millis(args.timeout_ms);
     match &args.role {
-        Rank::Ctx { listen, suppress } => ctx(transport, timeout, listen.as_deref(), *suppress),
-        Rank::Gen(opts) => gen(transport, timeout, opts),
+        Rank::Ctx {
+            listen,
+            suppress,
+            hold,
+        } => ctx(&args, transport, listen.as_deref(), *suppress, *hold),
+        Rank::Gen(opts) => gen(&args, transport, opts),
+        Rank::Intruder { to, tags, lens } => intruder(transport, to, tags, lens),
     }
 }
 
-fn ctx(transport: TransportKind, timeout: Duration, listen: Option<&str>, suppress: Option<u64>) {
-    let mut cfg = EngineConfig::new("ctx", CTX, transport);
-    cfg.timeout = timeout;
+/// The engine configuration every rank shares: deadline and secret.
+fn config(args: &Args, name: &str, rank: u32, transport: TransportKind) -> EngineConfig {
+    let mut cfg = EngineConfig::new(name, rank, transport);
+    cfg.timeout = Duration::from_millis(args.timeout_ms);
+    cfg.secret = args.secret.as_ref().map(|s| s.as_bytes().to_vec());
+    cfg
+}
+
+/// With `--trust-every-ms`, a thread that prints the trust counters.
+fn trust_lines(args: &Args, engine: &Arc<Engine>) {
+    let Some(every) = args.trust_every_ms.map(Duration::from_millis) else {
+        return;
+    };
+    let e = engine.clone();
+    std::thread::spawn(move || loop {
+        let h = e.health();
+        say(format!(
+            "TRUST foreign={} late={} auth={} rank={} by_peer={} completed={}",
+            h.foreign_data,
+            h.late_data,
+            h.refused_auth,
+            h.refused_rank_in_use,
+            h.refused_by_peer,
+            h.completed
+        ));
+        std::thread::sleep(every);
+    });
+}
+
+fn ctx(
+    args: &Args,
+    transport: TransportKind,
+    listen: Option<&str>,
+    suppress: Option<u64>,
+    hold: bool,
+) {
+    let mut cfg = config(args, "ctx", CTX, transport);
     // The lost-completion fault: this request's data is "sent" without moving.
     cfg.faults.suppress_data_of_request = suppress;
     if let Some(l) = listen {
@@ -149,8 +227,10 @@ fn ctx(transport: TransportKind, timeout: Duration, listen: Option<&str>, suppre
     } else if transport == TransportKind::Tcp {
         cfg.listen = Some("127.0.0.1:0".parse().unwrap());
     }
-    let engine = Engine::new(cfg).expect("engine");
+    let engine = Arc::new(Engine::new(cfg).expect("engine"));
     say(format!("ADDR {}", engine.address()));
+    trust_lines(args, &engine);
+    let mut stdin = std::io::stdin().lock().lines();
     loop {
         let Some(adv) = engine.next_advertisement(Instant::now() + Duration::from_secs(3600), None)
         else {
@@ -171,6 +251,11 @@ fn ctx(transport: TransportKind, timeout: Duration, listen: Option<&str>, suppre
             })
             .collect();
         let segs: Vec<(u32, &[u8])> = data.iter().map(|(s, d)| (*s, d.as_slice())).collect();
+        if hold {
+            let tokens: Vec<String> = adv.buffers.iter().map(|d| d.token.0.to_string()).collect();
+            say(format!("TOKENS {} {}", key.request.0, tokens.join(",")));
+            while !matches!(stdin.next(), Some(Ok(l)) if l.trim() == "GO") {}
+        }
         say(format!("SENDING {}", key.request.0));
         let sent = engine
             .send_segments(key, adv.from, &segs, adv.deadline, None)
@@ -187,16 +272,21 @@ fn ctx(transport: TransportKind, timeout: Duration, listen: Option<&str>, suppre
     }
 }
 
-fn gen(transport: TransportKind, timeout: Duration, opts: &GenOpts) {
+fn gen(args: &Args, transport: TransportKind, opts: &GenOpts) {
     let GenOpts {
         to,
         sizes,
         wedge_ms,
         degraded_ms,
         health_every_ms,
+        listen,
+        retry_ms,
     } = opts;
-    let mut cfg = EngineConfig::new("gen", GEN, transport);
-    cfg.timeout = timeout;
+    let timeout = Duration::from_millis(args.timeout_ms);
+    let mut cfg = config(args, "gen", GEN, transport);
+    if let Some(l) = listen {
+        cfg.listen = Some(l.parse().expect("--listen ip:port"));
+    }
     let ms = |v: &Option<u64>| v.map(Duration::from_millis);
     if let Some(w) = ms(wedge_ms) {
         cfg.wedge_window = w;
@@ -204,7 +294,11 @@ fn gen(transport: TransportKind, timeout: Duration, opts: &GenOpts) {
     if let Some(d) = ms(degraded_ms) {
         cfg.degraded_window = d;
     }
-    let engine = std::sync::Arc::new(Engine::new(cfg).expect("engine"));
+    let engine = Arc::new(Engine::new(cfg).expect("engine"));
+    if listen.is_some() || transport != TransportKind::Tcp {
+        say(format!("ADDR {}", engine.address()));
+    }
+    trust_lines(args, &engine);
     if let Some(every) = ms(health_every_ms) {
         // What a router's health check would see, while requests run on the main thread.
         let e = engine.clone();
@@ -214,9 +308,27 @@ fn gen(transport: TransportKind, timeout: Duration, opts: &GenOpts) {
         });
     }
     let sizes: Vec<usize> = sizes.split(',').map(size).collect();
-    let peer = engine
-        .connect(to, Instant::now() + Duration::from_secs(20))
-        .expect("connect");
+    let retry_until = Instant::now() + Duration::from_millis(*retry_ms);
+    // While retrying, each attempt gets a few seconds: an attempt can be lost when the peer
+    // closes the refused endpoint of the one before.
+    let attempt = if *retry_ms > 0 { 3 } else { 20 };
+    let peer = loop {
+        match engine.connect(to, Instant::now() + Duration::from_secs(attempt)) {
+            Ok(p) => break p,
+            Err(e)
+                if matches!(
+                    e.kind,
+                    ErrorKind::AuthFailed | ErrorKind::RankInUse | ErrorKind::PeerLost
+                ) && Instant::now() < retry_until =>
+            {
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            Err(e) => {
+                say(format!("CONNECT-ERROR {:?} {e}", e.kind));
+                std::process::exit(3);
+            }
+        }
+    };
     say("CONNECTED".into());
     for line in std::io::stdin().lock().lines() {
         let line = line.unwrap_or_default();
@@ -277,4 +389,43 @@ fn gen(transport: TransportKind, timeout: Duration, opts: &GenOpts) {
             _ => {}
         }
     }
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex address"))
+        .collect()
+}
+
+fn intruder(transport: TransportKind, to: &str, tags: &str, lens: &str) {
+    let agent = Agent::new(AgentOptions::new("intruder", transport)).expect("agent");
+    let peer = match to.strip_prefix("ucx:") {
+        Some(h) => agent.connect_worker(&unhex(h)),
+        None => agent.connect(to.parse().expect("--to ip:port")),
+    }
+    .expect("connect");
+    let tags: Vec<u64> = tags
+        .split(',')
+        .map(|t| match t.strip_prefix("0x") {
+            Some(h) => u64::from_str_radix(h, 16).expect("tag"),
+            None => t.parse().expect("tag"),
+        })
+        .collect();
+    let lens: Vec<usize> = lens.split(',').map(size).collect();
+    let data = vec![0xEEu8; lens.iter().copied().max().unwrap_or(0)];
+    let (mut sent, mut done) = (0, 0);
+    for &tag in &tags {
+        for &len in &lens {
+            // SAFETY: `data` outlives the op: it is waited for (or given up and reaped) below.
+            let op = unsafe { agent.post_send(peer, tag, data.as_ptr(), len) };
+            let Ok(mut op) = op else { continue };
+            sent += 1;
+            if let Ok(kvlink::error::Outcome::Completed) =
+                op.wait(Instant::now() + Duration::from_secs(5), None)
+            {
+                done += 1;
+            }
+        }
+    }
+    say(format!("INTRUDER sent={sent} done={done}"));
 }

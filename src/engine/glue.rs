@@ -14,12 +14,14 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::peers::Peers;
+use super::peers::TagKeys;
 use super::waiters::{HasWaiters, WaitKey, Waiters};
 use super::{Advertisement, Faults};
 use crate::error::{ErrorKind, Outcome, Result};
 use crate::proto::pool::{BufferId, BufferPool, Lease};
 use crate::proto::{
-    Action, Endpoint, Event as ProtoEvent, Message, RankId, RequestKey, Role, Token, TokenAllocator,
+    Action, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, PeerInfo, RankId, Refusal,
+    RequestKey, Role, Step, TagKey, Token, TokenAllocator,
 };
 use crate::transport::cuda::Staging;
 use crate::transport::{Agent, Event, EventSink, Op, PeerId};
@@ -43,6 +45,8 @@ pub(crate) struct RecvOp {
     pub staged: Option<(Staging, u64)>,
     pub len: usize,
     pub token: Token,
+    /// The UCX tag the receive is posted under (the token keyed for its sender).
+    pub tag: u64,
 }
 
 /// What to do with a receive's buffer once UCX has released the receive, for receives the
@@ -83,8 +87,14 @@ pub(crate) struct Core {
     /// inserted at advertise (receiver) or the advertisement's arrival (sender), removed at its
     /// end, so bounded by the requests in flight.
     pub starts: HashMap<(RequestKey, Role), Instant>,
+    /// Tags of receives that ended without their data, with when: data arriving later under one
+    /// is `late`, not `foreign`. Pruned after RETIRED_FOR.
+    pub retired: HashMap<u64, Instant>,
     last_prune: Instant,
 }
+
+/// How long an ended receive's tag is remembered as "late, not foreign".
+const RETIRED_FOR: Duration = Duration::from_secs(120);
 
 /// Counters of the glue (the core and the agent keep their own).
 #[derive(Clone, Copy, Debug, Default)]
@@ -96,6 +106,11 @@ pub(crate) struct Counters {
     /// Waits that returned at their deadline's slack before the request's end was certain
     /// (UCX did not release a fenced receive in time): should stay 0.
     pub unsettled_returns: u64,
+    /// Tagged data that matched no posted receive and was discarded: `foreign` under a tag no
+    /// receive of ours ever had (a process that is not the peer the buffer was offered to, or
+    /// garbage); `late` for a receive that had already ended (its sender was too slow).
+    pub foreign_data: u64,
+    pub late_data: u64,
     /// When a peer last failed or a request last ended TimedOut / PeerLost.
     pub last_fault: Option<Instant>,
 }
@@ -111,7 +126,7 @@ impl Core {
         Core {
             ep,
             pool: BufferPool::new(pool_slots),
-            tokens: TokenAllocator::new(),
+            tokens: TokenAllocator::new(crate::random::key16()),
             peers: Peers::default(),
             recv_ops: HashMap::new(),
             by_token: HashMap::new(),
@@ -129,6 +144,7 @@ impl Core {
             waiters: Waiters::default(),
             counters: Counters::default(),
             starts: HashMap::new(),
+            retired: HashMap::new(),
             last_prune: Instant::now(),
         }
     }
@@ -149,6 +165,8 @@ pub(crate) struct Inner {
     pub agent: Agent,
     pub me: RankId,
     pub name: String,
+    /// How this rank introduces itself in the handshake (rank, name, instance, secret).
+    pub identity: Identity,
     pub faults: Faults,
     pub agreement_bound: Duration,
     /// The wedge and degraded windows of `health().state`.
@@ -159,18 +177,106 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// Starts the handshake on an endpoint this side dialled (once per endpoint).
     pub fn say_hello(&self, core: &mut Core, peer: PeerId) -> Result<()> {
-        if !core.peers.first_hello(peer) {
+        if core.peers.handshakes.contains_key(&peer) {
             return Ok(());
         }
-        let bytes = Message::Hello {
-            agent_name: self.name.clone(),
-            rank: self.me,
+        let (hs, hello) = Handshake::dial(&self.identity, crate::random::u64());
+        core.peers.handshakes.insert(peer, hs);
+        self.send_msg(core, peer, &hello)
+    }
+
+    fn send_msg(&self, core: &mut Core, peer: PeerId, msg: &Message) -> Result<()> {
+        let op = self.agent.send_control(peer, msg.to_bytes()?)?;
+        if matches!(msg, Message::Refuse { .. }) {
+            core.peers.refusal_ops.insert(peer, op);
+        } else {
+            core.control_ops.push(op);
         }
-        .to_bytes()?;
-        let op = self.agent.send_control(peer, bytes)?;
-        core.control_ops.push(op);
         Ok(())
+    }
+
+    /// The keys of the tags between this rank and a peer process.
+    fn tag_keys(&self, peer: &PeerInfo) -> TagKeys {
+        let (me, secret) = (self.identity.instance, &self.identity.secret);
+        TagKeys {
+            inbound: TagKey::derive(secret, me, peer.instance),
+            outbound: TagKey::derive(secret, peer.instance, me),
+        }
+    }
+
+    /// One handshake message from `peer` (see [`crate::proto::handshake`]); binds the peer's
+    /// rank once both sides have proved themselves and the rank is free.
+    fn on_handshake(&self, core: &mut Core, now: Instant, peer: PeerId, msg: Message) {
+        let mut hs = core
+            .peers
+            .handshakes
+            .remove(&peer)
+            .unwrap_or_else(|| Handshake::answer(crate::random::u64()));
+        if hs.refused().is_some() && matches!(msg, Message::Hello { proof: None, .. }) {
+            // A new attempt from a dialler refused before, on the same endpoint (shared memory
+            // keeps one endpoint per peer process): start over, and keep the endpoint open.
+            hs = Handshake::answer(crate::random::u64());
+            core.peers.retry(peer);
+        }
+        let step = hs.handle(&self.identity, msg);
+        tracing::debug!("handshake on endpoint {}: {step:?}", peer.0);
+        let mut refuse = None;
+        match step {
+            Step::Reply(m) => {
+                let _ = self.send_msg(core, peer, &m);
+            }
+            Step::Verified { peer: info, reply } => {
+                if core.peers.may_bind(&info, peer) {
+                    hs.accept();
+                    let _ = self.send_msg(core, peer, &reply);
+                } else {
+                    refuse = Some((Refusal::RankInUse, info.rank));
+                }
+            }
+            Step::Proven(info) | Step::Welcomed(info) => {
+                if core.peers.may_bind(&info, peer) {
+                    let rank = info.rank;
+                    let keys = self.tag_keys(&info);
+                    tracing::info!(peer = rank.0, "{rank} ({}) connected", info.name);
+                    if let Some(old) = core.peers.bind(info, peer, keys) {
+                        // The same process came back on a new endpoint: the old one is done.
+                        let _ = self.agent.close_peer(old);
+                    }
+                    if let Some(welcome) = hs.accept() {
+                        let _ = self.send_msg(core, peer, &welcome);
+                    }
+                    core.waiters.wake(WaitKey::Peer(rank));
+                } else {
+                    refuse = Some((Refusal::RankInUse, info.rank));
+                }
+            }
+            Step::Refuse(reason) => {
+                let _ = self.send_msg(core, peer, &Message::Refuse { reason });
+                tracing::warn!("refused a peer: {reason:?} (no proof of the deployment secret)");
+                core.peers.refuse(peer, reason, false, now);
+            }
+            Step::RefusedByPeer(reason) => {
+                tracing::warn!("a peer refused this rank: {reason:?}");
+                if let Some(rank) = core.peers.refuse(peer, reason, true, now) {
+                    core.ep.handle_peer_lost(now, rank);
+                    core.waiters.wake(WaitKey::Peer(rank));
+                }
+            }
+            Step::Unexpected => core.counters.bad_frames += 1,
+        }
+        if let Some((reason, rank)) = refuse {
+            let m = hs.refuse(reason);
+            let _ = self.send_msg(core, peer, &m);
+            tracing::warn!(
+                peer = rank.0,
+                "refused {rank}: it is bound to another live process"
+            );
+            core.peers.refuse(peer, reason, false, now);
+        }
+        core.peers.handshakes.insert(peer, hs);
+        core.waiters.wake(WaitKey::Dial(peer));
     }
 
     /// Redials `rank` at `address` on a short-lived thread of its own: a dial waits for the
@@ -214,6 +320,8 @@ impl Inner {
             .retain(|_, (_, at)| now.duration_since(*at) < RETENTION);
         core.finished
             .retain(|_, at| now.duration_since(*at) < RETENTION);
+        core.retired
+            .retain(|_, at| now.duration_since(*at) < RETIRED_FOR);
         core.control_ops.retain_mut(|op| op.poll().is_none());
     }
 
@@ -231,6 +339,19 @@ impl Inner {
                 core.waiters.wake(WaitKey::Dial(peer));
             }
             Event::OpDone(id) => self.on_receive_done(core, now, id),
+            Event::StrayData { tag, len } => {
+                // Nothing of it was kept: the transport discarded it.
+                if core.retired.contains_key(&tag) {
+                    core.counters.late_data += 1;
+                    tracing::debug!("late data under tag {tag:#x} ({len} bytes) discarded");
+                } else {
+                    core.counters.foreign_data += 1;
+                    tracing::warn!(
+                        "data under a tag no receive here was offered ({len} bytes) discarded: \
+                         a process that is not the buffer's peer, or a corrupt sender"
+                    );
+                }
+            }
         }
     }
 
@@ -243,15 +364,8 @@ impl Inner {
                 return;
             }
         };
-        if let Message::Hello { agent_name, rank } = msg {
-            if let Some(old) = core.peers.bind(rank, peer, agent_name) {
-                // The rank came back on a new endpoint: the old one is done.
-                let _ = self.agent.close_peer(old);
-            }
-            let _ = self.say_hello(core, peer);
-            core.waiters.wake(WaitKey::Peer(rank));
-            core.waiters.wake(WaitKey::Dial(peer));
-            return;
+        if msg.key().is_none() {
+            return self.on_handshake(core, now, peer, msg);
         }
         let Some(rank) = core.peers.rank_of(peer) else {
             core.counters.bad_frames += 1;
@@ -279,6 +393,9 @@ impl Inner {
         };
         let result = r.op.poll();
         core.by_token.remove(&r.token);
+        if !matches!(result, Some(Ok(Outcome::Completed))) {
+            core.retired.insert(r.tag, now);
+        }
         if let Some(act) = core.on_reap.remove(&id) {
             // The core is done with this receive; only its buffer was waiting.
             match act {
@@ -520,6 +637,9 @@ impl EventSink for Sink {
         }
         for (rank, address) in core.peers.due(now) {
             inner.redial(rank, address);
+        }
+        for peer in core.peers.due_closes(now) {
+            let _ = inner.agent.close_peer(peer);
         }
         inner.prune(&mut core, now);
         inner.flush(&mut core);

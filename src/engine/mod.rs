@@ -39,7 +39,8 @@ pub use peers::PeerState;
 
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use crate::proto::{
-    BufferDesc, BufferKind, Config, Endpoint, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role,
+    BufferDesc, BufferKind, Config, Endpoint, Identity, RankId, ReceiveFlow, ReceiveSpec,
+    RequestKey, Role, Secret,
 };
 use crate::transport::cuda::Staging;
 use crate::transport::{Agent, AgentOptions, PeerId, TransportKind};
@@ -69,6 +70,10 @@ pub struct EngineConfig {
     pub wedge_window: Duration,
     /// `health().state`: a fault (failed peer, failed request) this recent is `Degraded`.
     pub degraded_window: Duration,
+    /// The deployment secret: a peer is bound only if it proves it holds the same one (see
+    /// [`crate::proto::handshake`]). `None` takes `KVLINK_SECRET` from the environment (unset or
+    /// empty: no secret); `Some(empty)` is no secret whatever the environment says.
+    pub secret: Option<Vec<u8>>,
     /// Fault hooks for tests and the demo.
     pub faults: Faults,
 }
@@ -84,6 +89,7 @@ impl EngineConfig {
             agreement_bound: Config::default().agreement_bound,
             wedge_window: Duration::from_secs(10),
             degraded_window: Duration::from_secs(60),
+            secret: None,
             faults: Faults::default(),
         }
     }
@@ -171,6 +177,17 @@ pub struct Health {
     pub unreaped_ops: u64,
     /// Waits that had to return before UCX released a fenced receive (should stay 0).
     pub unsettled_returns: u64,
+    /// Tagged data discarded because no receive of ours was offered under its tag: attempts by
+    /// a process that is not the buffer's peer (or garbage). Never landed, never completed
+    /// anything.
+    pub foreign_data: u64,
+    /// Data discarded because its receive had already ended (a sender too late).
+    pub late_data: u64,
+    /// Handshakes this rank refused: no proof of the deployment secret, or a rank bound to
+    /// another live process; and handshakes a peer refused.
+    pub refused_auth: u64,
+    pub refused_rank_in_use: u64,
+    pub refused_by_peer: u64,
 }
 
 const POOL_SLOTS: u32 = 1 << 16;
@@ -182,6 +199,9 @@ const SETTLE_SLACK: Duration = Duration::from_millis(30);
 /// How long a stopped send waits for its receiver to drain it before the endpoint is
 /// force-closed (a live receiver drains in about 2 ms on loopback).
 const REAP_GRACE: Duration = Duration::from_millis(20);
+
+/// How long `connect` lets its own `Refuse` go out before it returns the refusal.
+const REFUSE_FLUSH: Duration = Duration::from_millis(100);
 
 /// One rank: agent, protocol core, driver thread. Dropping it stops the driver, then the agent
 /// (which cancels and reaps every op).
@@ -210,6 +230,13 @@ impl Engine {
         let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
         opts.listen = cfg.listen;
         opts.reap_grace = REAP_GRACE;
+        // Every receive is posted before its sender can know the tag: anything unmatched is
+        // from someone the buffer was not offered to (or too late), and is discarded.
+        opts.discard_unexpected = true;
+        let secret = match cfg.secret {
+            Some(s) => Secret::new(s),
+            None => Secret::new(std::env::var("KVLINK_SECRET").unwrap_or_default()),
+        };
         crate::log::init();
         let agent = Agent::new(opts)?;
         let me = RankId(cfg.rank);
@@ -218,10 +245,17 @@ impl Engine {
             agreement_bound: cfg.agreement_bound,
             ..Config::default()
         };
+        let identity = Identity {
+            rank: me,
+            name: cfg.name.clone(),
+            instance: crate::random::u64(),
+            secret,
+        };
         let inner = Arc::new(Inner {
             agent,
             me,
             name: cfg.name,
+            identity,
             faults: cfg.faults,
             agreement_bound: cfg.agreement_bound,
             windows: (cfg.wedge_window, cfg.degraded_window),
@@ -256,8 +290,11 @@ impl Engine {
     }
 
     /// Connects to the rank at `address` (as printed by [`Engine::address`]) and waits, until
-    /// `deadline`, for its `Hello`. Returns its rank. The engine remembers the address: if the
-    /// connection fails later, it dials it again by itself (see [`PeerState`]).
+    /// `deadline`, for the handshake to bind it. Returns its rank. The engine remembers the
+    /// address: if the connection fails later, it dials it again by itself (see [`PeerState`]).
+    /// A handshake refused either way is `AuthFailed` (the two sides do not hold the same
+    /// deployment secret) or `RankInUse` (the peer, or this side, has that rank bound to another
+    /// live process).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         let peer = dial(&self.inner.agent, address)?;
         let mut core = self.inner.core.lock();
@@ -266,6 +303,20 @@ impl Engine {
             if let Some(r) = core.peers.rank_of(peer) {
                 core.peers.set_dial(r, address);
                 return Ok(r);
+            }
+            if let Some(&reason) = core.peers.refused.get(&peer) {
+                // Let our own `Refuse` (if we sent one) go out, then close the endpoint: a
+                // retry must not meet this one (shared memory keeps one per peer process).
+                let sent = core.peers.refusal_ops.remove(&peer);
+                drop(core);
+                if let Some(mut op) = sent {
+                    let _ = op.wait(Instant::now() + REFUSE_FLUSH, None);
+                }
+                let _ = self.inner.agent.close_peer(peer);
+                return Err(Error::new(
+                    reason.kind(),
+                    format!("{address}: handshake refused ({reason:?})"),
+                ));
             }
             if self.inner.agent.peer_state(peer).is_err() {
                 return Err(Error::new(
@@ -472,6 +523,9 @@ impl Engine {
                 sender: *sender,
                 buffers: Vec::with_capacity(buffers.len()),
             };
+            let keys = core.peers.keys(*sender).ok_or_else(|| {
+                Error::new(ErrorKind::PeerLost, format!("{sender} is not connected"))
+            })?;
             for b in buffers {
                 let len = b.len as usize;
                 // The system UCX cannot move device memory: a CUDA buffer's receive lands in a
@@ -488,13 +542,15 @@ impl Engine {
                     .tokens
                     .allocate()
                     .ok_or_else(|| Error::new(ErrorKind::Internal, "tokens exhausted"))?;
+                // Only `sender` can name this tag: the token keyed for the pair.
+                let tag = keys.inbound.tag(token);
                 // SAFETY: the caller's promise covers the buffer until the request ends (a
                 // staging buffer lives in the RecvOp); its lease goes back only after this
                 // receive is reaped.
                 let op = unsafe {
                     self.inner
                         .agent
-                        .post_recv_with(peer, token.0, target, len, true)
+                        .post_recv_with(peer, tag, target, len, true)
                 }?;
                 // Leased only once the receive is posted, so a failed post leaks nothing; the
                 // pool has room (checked under the same lock).
@@ -516,6 +572,7 @@ impl Engine {
                         staged,
                         len,
                         token,
+                        tag,
                     },
                 );
                 flow.buffers.push((
@@ -652,7 +709,7 @@ impl Engine {
             inner.flush(&mut core);
             return Ok(Outcome::Completed);
         }
-        let peer = core.peers.endpoint(to);
+        let peer = core.peers.endpoint(to).zip(core.peers.keys(to));
         let mut ops = Vec::with_capacity(segments.len());
         let mut first_err = None;
         for ((segment, data), desc) in segments.iter().zip(&descs) {
@@ -663,10 +720,13 @@ impl Engine {
                 )),
                 // SAFETY: `data` is borrowed for this call, and every op is waited for below
                 // before it returns (a wait that gives up stops and reaps its op).
-                Some(p) => unsafe {
-                    inner
-                        .agent
-                        .post_send(p, desc.token.0, data.as_ptr(), data.len())
+                Some((p, keys)) => unsafe {
+                    inner.agent.post_send(
+                        p,
+                        keys.outbound.tag(desc.token),
+                        data.as_ptr(),
+                        data.len(),
+                    )
                 },
             };
             match posted {
@@ -900,6 +960,11 @@ impl Engine {
             bytes_completed: s.bytes_completed,
             unreaped_ops: s.unreaped,
             unsettled_returns: c.unsettled_returns,
+            foreign_data: c.foreign_data,
+            late_data: c.late_data,
+            refused_auth: core.peers.refusals.auth,
+            refused_rank_in_use: core.peers.refusals.rank_in_use,
+            refused_by_peer: core.peers.refusals.by_peer,
         }
     }
 

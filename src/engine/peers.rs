@@ -1,22 +1,27 @@
 //! The peer table: which transport endpoint serves which rank, its state, and the reconnect
 //! policy that heals a pair after a fault.
 //!
-//! A rank is bound to an endpoint by its `Hello`. When the transport reports the endpoint
+//! A rank is bound to an endpoint by the handshake ([`crate::proto::handshake`]): only a peer that
+//! proved it holds the deployment secret, and only while no other live process holds its rank.
+//! The same process coming back on a new endpoint (same instance nonce) is bound again; a second
+//! process with the rank is refused until the first is gone. When the transport reports the endpoint
 //! failed, the rank becomes `Failed`; if this side dialled it (`connect`), it becomes
 //! `Reconnecting` and the engine dials the same address again in the background, up to
 //! [`MAX_TRIES`] times with a doubling back-off. The side that was dialled waits for the peer's
 //! new `Hello`. A later use of a rank that gave up (`advertise`) starts a fresh round. Only the
 //! requests that were on the failed endpoint are lost, never the pair.
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::proto::RankId;
+use crate::proto::{Handshake, PeerInfo, RankId, Refusal, TagKey};
 use crate::transport::PeerId;
 
 /// Dial attempts per round before a rank is left `Failed` (until its next use).
 pub const MAX_TRIES: u32 = 6;
 /// The first back-off between attempts; it doubles after each.
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+/// How long a refused endpoint stays open so that its `Refuse` reaches the peer.
+const REFUSE_LINGER: Duration = Duration::from_millis(200);
 
 /// A rank's connection, as [`crate::engine::Engine::peer_state`] reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,8 +43,29 @@ pub(crate) struct Rank {
     pub state: PeerState,
     /// The address this side dialled it at, if it did.
     pub dial: Option<String>,
+    /// The process behind the rank (its instance nonce) and the keys of the tags between us.
+    pub instance: u64,
+    pub keys: Option<TagKeys>,
     tries: u32,
     next_try: Option<Instant>,
+}
+
+/// The tag keys of one bound pair: for receives this side posts for the rank's data (`inbound`)
+/// and for sends to it (`outbound`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TagKeys {
+    pub inbound: TagKey,
+    pub outbound: TagKey,
+}
+
+/// Handshake refusals, both ways.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Refusals {
+    /// Peers this side refused: no proof of the secret, or a rank held by another process.
+    pub auth: u64,
+    pub rank_in_use: u64,
+    /// Times a peer refused this side.
+    pub by_peer: u64,
 }
 
 #[derive(Default)]
@@ -48,7 +74,17 @@ pub(crate) struct Peers {
     rank_of: HashMap<PeerId, RankId>,
     /// Endpoints dialled for a rank, waiting for its `Hello`.
     dialling: HashMap<PeerId, RankId>,
-    hello_sent: HashSet<PeerId>,
+    /// The handshake of every endpoint not yet failed (done ones included: a late handshake
+    /// message on a bound endpoint is answered as out of order).
+    pub handshakes: HashMap<PeerId, Handshake>,
+    /// Endpoints refused (either way) and why: `connect` reports it.
+    pub refused: HashMap<PeerId, Refusal>,
+    /// The `Refuse` this side sent on an endpoint, so that `connect` can let it go out before it
+    /// returns (a dialler that exits right after must still tell the peer why).
+    pub refusal_ops: HashMap<PeerId, crate::transport::Op>,
+    /// Refused endpoints to close once their `Refuse` had time to go out.
+    closing: Vec<(PeerId, Instant)>,
+    pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
 }
@@ -87,35 +123,96 @@ impl Peers {
         self.ranks.values().filter(|r| r.state == state).count()
     }
 
-    /// True the first time for `peer`: say `Hello` on it.
-    pub fn first_hello(&mut self, peer: PeerId) -> bool {
-        self.hello_sent.insert(peer)
+    /// The tag keys of a connected rank.
+    pub fn keys(&self, rank: RankId) -> Option<TagKeys> {
+        self.ranks
+            .get(&rank)
+            .filter(|r| r.state == PeerState::Connected)
+            .and_then(|r| r.keys)
     }
 
-    /// A `Hello` from `peer` for `rank`: bind them (replacing an older endpoint). Returns the
-    /// endpoint it replaced, if any, and whether `peer` was dialled here.
-    pub fn bind(&mut self, rank: RankId, peer: PeerId, name: String) -> Option<PeerId> {
+    /// May `info`'s rank be bound to `peer`? Yes unless another live endpoint holds it for
+    /// another process (a different instance nonce).
+    pub fn may_bind(&self, info: &PeerInfo, peer: PeerId) -> bool {
+        match self.ranks.get(&info.rank) {
+            Some(r) if r.state == PeerState::Connected => {
+                r.peer == Some(peer) || r.instance == info.instance
+            }
+            _ => true,
+        }
+    }
+
+    /// A finished handshake on `peer`: bind its rank (replacing an older endpoint of the same
+    /// process). Returns the endpoint it replaced, if any.
+    pub fn bind(&mut self, info: PeerInfo, peer: PeerId, keys: TagKeys) -> Option<PeerId> {
         self.dialling.remove(&peer);
-        let r = self.ranks.entry(rank).or_insert(Rank {
+        let r = self.ranks.entry(info.rank).or_insert(Rank {
             peer: None,
             name: String::new(),
             state: PeerState::Unknown,
             dial: None,
+            instance: 0,
+            keys: None,
             tries: 0,
             next_try: None,
         });
         let old = r.peer.filter(|p| *p != peer);
         r.peer = Some(peer);
-        r.name = name;
+        r.name = info.name;
+        r.instance = info.instance;
+        r.keys = Some(keys);
         r.state = PeerState::Connected;
         r.tries = 0;
         r.next_try = None;
         if let Some(old) = old {
             self.rank_of.remove(&old);
-            self.hello_sent.remove(&old);
+            self.handshakes.remove(&old);
         }
-        self.rank_of.insert(peer, rank);
+        self.rank_of.insert(peer, info.rank);
         old
+    }
+
+    /// The handshake on `peer` was refused (`by_peer`: the peer refused us). Unbinds whatever
+    /// the endpoint held and schedules its close. Returns the rank that lost its endpoint.
+    pub fn refuse(
+        &mut self,
+        peer: PeerId,
+        reason: Refusal,
+        by_peer: bool,
+        now: Instant,
+    ) -> Option<RankId> {
+        self.refused.insert(peer, reason);
+        match (by_peer, reason) {
+            (true, _) => self.refusals.by_peer += 1,
+            (false, Refusal::AuthFailed) => self.refusals.auth += 1,
+            (false, Refusal::RankInUse) => self.refusals.rank_in_use += 1,
+        }
+        // A peer that refused us has nothing more to say: close at once. Our own `Refuse` gets
+        // a moment to reach the peer first.
+        let at = if by_peer { now } else { now + REFUSE_LINGER };
+        self.closing.push((peer, at));
+        self.dialling.remove(&peer);
+        let rank = self.rank_of.remove(&peer)?;
+        let r = self.ranks.get_mut(&rank)?;
+        if r.peer == Some(peer) {
+            r.peer = None;
+            r.state = PeerState::Failed;
+        }
+        Some(rank)
+    }
+
+    /// A refused endpoint starts a new handshake: it is not closed, and not refused (yet).
+    pub fn retry(&mut self, peer: PeerId) {
+        self.refused.remove(&peer);
+        self.refusal_ops.remove(&peer);
+        self.closing.retain(|(p, _)| *p != peer);
+    }
+
+    /// Refused endpoints due to be closed at `now`.
+    pub fn due_closes(&mut self, now: Instant) -> Vec<PeerId> {
+        let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
+        self.closing = keep;
+        due.into_iter().map(|(p, _)| p).collect()
     }
 
     /// Remembers that this side dialled `rank` at `address` through `peer`.
@@ -137,7 +234,12 @@ impl Peers {
 
     /// The transport reported `peer` failed. Returns the rank that lost its live endpoint.
     pub fn on_failed(&mut self, peer: PeerId, now: Instant) -> Option<RankId> {
-        self.hello_sent.remove(&peer);
+        self.handshakes.remove(&peer);
+        self.refusal_ops.remove(&peer);
+        if self.refused.len() > 1024 {
+            // Only `connect` reads these, right after the refusal: keep the table small.
+            self.refused.clear();
+        }
         if self.dialling.remove(&peer).is_some() {
             // A reconnect attempt failed; the next try is already scheduled.
             return None;
@@ -197,12 +299,13 @@ impl Peers {
         out
     }
 
-    /// When the next dial attempt is due, if any.
+    /// When the next dial attempt or close is due, if any.
     pub fn next_due(&self) -> Option<Instant> {
         self.ranks
             .values()
             .filter(|r| r.state == PeerState::Reconnecting)
             .filter_map(|r| r.next_try)
+            .chain(self.closing.iter().map(|(_, t)| *t))
             .min()
     }
 }

@@ -335,7 +335,11 @@ impl Endpoint {
     /// duplicated and stale messages are counted and dropped, not errors.
     pub fn handle_message(&mut self, now: Instant, from: RankId, msg: Message) -> Result<()> {
         match msg {
-            Message::Hello { .. } => {}
+            // The handshake is the engine's (see `handshake`): nothing for a request here.
+            Message::Hello { .. }
+            | Message::Proof { .. }
+            | Message::Welcome
+            | Message::Refuse { .. } => {}
             Message::Advertise {
                 key,
                 src_rank,

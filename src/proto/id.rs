@@ -6,13 +6,15 @@
 //! (`(id & 0xFFF) << 8 | 43`), so two requests 4096 ids apart collide; kvlink does not build tags
 //! from ids at all.
 //!
-//! # Tag layout
-//! A tag-matched data transfer carries a [`Token`] as its whole 64-bit UCX tag. The receiver
-//! allocates tokens from a [`TokenAllocator`] (one per receiver lifetime, strictly increasing,
-//! never reused) and keeps the map `token -> (RequestKey, segment)` next to the posted receive.
-//! Request id, generation, peer and segment therefore live in that table, untruncated, and a
-//! late transfer of an old attempt can only match the old attempt's receive (or none, once it has
-//! been reaped), never the retry's.
+//! # Tokens and tags
+//! A tag-matched data transfer is named by a [`Token`]: 64 bits the receiver draws from a
+//! [`TokenAllocator`] (a keyed pseudo-random permutation of a counter: unpredictable without the
+//! receiver's key, and never repeated within one allocator). The receiver keeps the map
+//! `token -> (RequestKey, segment)` next to the posted receive, so request id, generation, peer
+//! and segment live in that table, untruncated, and a late transfer of an old attempt can only
+//! match the old attempt's receive (or none, once it has been reaped), never the retry's. The
+//! receive's UCX tag is not the token itself but the token keyed for the one sender the buffer
+//! was offered to ([`super::auth::TagKey`]): nobody else can name it.
 use std::fmt;
 
 /// A request id as TensorRT-LLM assigns it: all 64 bits are significant.
@@ -69,24 +71,87 @@ impl fmt::Display for RankId {
     }
 }
 
-/// A receiver-assigned 64-bit UCX tag for one posted receive; unique per receiver lifetime.
+/// A receiver-assigned 64-bit name for one posted receive; unique per receiver lifetime.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Token(pub u64);
 
-/// Hands out [`Token`]s for one receiver: strictly increasing, never reused, never zero.
-#[derive(Debug, Default)]
+/// Hands out [`Token`]s for one receiver: unpredictable without the key, never zero, never
+/// repeated. Token `n` is a 4-round Feistel permutation of the counter `n`, keyed by SipHash
+/// with the allocator's 128-bit key: a bijection, so distinct counters give distinct tokens.
+#[derive(Debug)]
 pub struct TokenAllocator {
-    last: u64,
+    key: [u8; 16],
+    next: u64,
+}
+
+impl Default for TokenAllocator {
+    /// A fixed, public key: for deterministic tests only. An engine seeds its own.
+    fn default() -> Self {
+        TokenAllocator::new([0; 16])
+    }
 }
 
 impl TokenAllocator {
-    pub fn new() -> Self {
-        Self::default()
+    /// An allocator keyed by `key` (draw it from the operating system's random source).
+    pub fn new(key: [u8; 16]) -> Self {
+        TokenAllocator { key, next: 0 }
     }
 
-    /// The next token, or `None` after 2^64 - 1 tokens (the receiver must then be recreated).
+    fn round(&self, i: u8, half: u32) -> u32 {
+        use std::hash::Hasher;
+        let mut h = siphasher::sip::SipHasher13::new_with_key(&self.key);
+        h.write_u8(i);
+        h.write_u32(half);
+        h.finish() as u32
+    }
+
+    fn permute(&self, n: u64) -> u64 {
+        let (mut l, mut r) = ((n >> 32) as u32, n as u32);
+        for i in 0..4 {
+            let f = self.round(i, r);
+            (l, r) = (r, l ^ f);
+        }
+        ((l as u64) << 32) | r as u64
+    }
+
+    /// The next token, or `None` after 2^64 tokens (the receiver must then be recreated).
     pub fn allocate(&mut self) -> Option<Token> {
-        self.last = self.last.checked_add(1)?;
-        Some(Token(self.last))
+        loop {
+            let n = self.next;
+            self.next = n.checked_add(1)?;
+            let t = self.permute(n);
+            if t != 0 {
+                return Some(Token(t));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn tokens_are_distinct_nonzero_and_depend_on_the_key() {
+        let mut a = TokenAllocator::new([7; 16]);
+        let mut b = TokenAllocator::new([8; 16]);
+        let mut seen = HashSet::new();
+        let mut sequential = 0;
+        let mut prev = 0u64;
+        for _ in 0..100_000 {
+            let t = a.allocate().unwrap();
+            assert_ne!(t.0, 0);
+            assert!(seen.insert(t.0), "token {t:?} repeated");
+            if t.0 == prev.wrapping_add(1) {
+                sequential += 1;
+            }
+            prev = t.0;
+        }
+        assert!(sequential < 3, "{sequential} sequential tokens: guessable");
+        let first_b: Vec<u64> = (0..16).map(|_| b.allocate().unwrap().0).collect();
+        let mut a2 = TokenAllocator::new([7; 16]);
+        let first_a: Vec<u64> = (0..16).map(|_| a2.allocate().unwrap().0).collect();
+        assert_ne!(first_a, first_b, "another key, another sequence");
     }
 }

@@ -31,15 +31,19 @@
 #![forbid(unsafe_code)]
 
 pub mod agreement;
+pub mod auth;
 pub mod endpoint;
+pub mod handshake;
 pub mod id;
 pub mod pool;
 pub mod request;
 pub mod wire;
 
 pub use agreement::{reduce, Collective};
+pub use auth::{Secret, TagKey};
 pub use endpoint::{Endpoint, ReceiveFlow, ReceiveSpec};
+pub use handshake::{Handshake, Identity, PeerInfo, Step};
 pub use id::{Generation, RankId, RequestId, RequestKey, Token, TokenAllocator};
 pub use pool::{BufferId, BufferPool, Lease};
 pub use request::{Action, Config, Event, Role, Stats, Transmit};
-pub use wire::{BufferDesc, BufferKind, Message, WireError, WireReason};
+pub use wire::{BufferDesc, BufferKind, Message, Refusal, WireError, WireReason};

@@ -4,15 +4,18 @@
 //! ```text
 //! offset size field
 //!      0    4 magic      b"KVLK"
-//!      4    2 version    2 (1: Advertise without timeout_ms)
-//!      6    1 type       1 Hello, 2 Advertise, 3 Ready, 4 Notify, 5 Vote, 6 Verdict, 7 Quiesced
+//!      4    2 version    3 (2: Hello without instance, challenge and proof; 1: Advertise
+//!                        without timeout_ms)
+//!      6    1 type       1 Hello, 2 Advertise, 3 Ready, 4 Notify, 5 Vote, 6 Verdict, 7 Quiesced,
+//!                        8 Proof, 9 Welcome, 10 Refuse
 //!      7    1 flags      0 (any other value is rejected)
 //!      8    4 body_len   exact number of body bytes that follow, <= MAX_BODY
 //!     12    . body
 //! ```
 //! Bodies (`key` = request u64, generation u32):
 //! ```text
-//! Hello     rank u32, name_len u16, name (UTF-8, 1..=MAX_NAME bytes)
+//! Hello     rank u32, instance u64, challenge u64, has_proof u8 (0 | 1), proof (32 bytes, if
+//!           has_proof), name_len u16, name (UTF-8, 1..=MAX_NAME bytes)
 //! Advertise key, src_rank u32, timeout_ms u32 (1..), info_len u32, info (<= MAX_INFO), count u16 (1..=MAX_BUFFERS),
 //!           count x BufferDesc { kind u8, segment u32, addr u64, len u64, device_id i32,
 //!                                token u64 }                                      (33 bytes)
@@ -21,18 +24,23 @@
 //! Vote      key, outcome u8 (error::Outcome numbering)
 //! Verdict   key, outcome u8
 //! Quiesced  key
+//! Proof     proof (32 bytes)
+//! Welcome   (empty)
+//! Refuse    reason u8 (1 auth failed, 2 rank in use)
 //! ```
+//! `Hello`, `Proof`, `Welcome` and `Refuse` make the handshake ([`super::handshake`]).
 //! Decoding never panics and never allocates more than the bytes actually present: every length
 //! is checked against both its hard cap and the remaining input before anything is reserved. A
 //! frame must be consumed exactly; trailing bytes are an error. Encoding applies the same limits,
 //! so kvlink never emits a frame it would refuse.
 use std::fmt;
 
+use super::auth::PROOF_LEN;
 use super::id::{Generation, RankId, RequestId, RequestKey, Token};
 use crate::error::{Error, ErrorKind, Outcome};
 
 pub const MAGIC: [u8; 4] = *b"KVLK";
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.
 pub const MAX_BODY: usize = 2 << 20;
@@ -98,8 +106,16 @@ impl BufferDesc {
 /// Every control message kvlink sends.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
-    /// First message on a connection: who is speaking.
-    Hello { agent_name: String, rank: RankId },
+    /// First message on a connection each way: who is speaking, its instance (a nonce drawn at
+    /// start, which keys its tags), a fresh challenge for the peer, and (from the side that
+    /// answers a `Hello`) its proof for the peer's challenge.
+    Hello {
+        agent_name: String,
+        rank: RankId,
+        instance: u64,
+        challenge: u64,
+        proof: Option<[u8; PROOF_LEN]>,
+    },
     /// Generation side -> context side: the request and the receive buffers for it.
     Advertise {
         key: RequestKey,
@@ -121,13 +137,50 @@ pub enum Message {
     /// Sender -> receiver: the verdict is known here and every send of this request to you has
     /// finished or been aborted; nothing more will be sent for this key.
     Quiesced { key: RequestKey },
+    /// Handshake, dialling side: its proof for the challenge in the answering `Hello`.
+    Proof { proof: [u8; PROOF_LEN] },
+    /// Handshake, answering side: the dialler's proof holds and its rank is bound here.
+    Welcome,
+    /// Handshake: this side will not bind the peer, and closes the connection.
+    Refuse { reason: Refusal },
+}
+
+/// Why a handshake was refused.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// The peer's proof did not verify: it does not hold this deployment's secret.
+    AuthFailed = 1,
+    /// The peer's rank is bound here to another live process.
+    RankInUse = 2,
+}
+
+impl Refusal {
+    pub fn from_u8(v: u8) -> Option<Refusal> {
+        match v {
+            1 => Some(Refusal::AuthFailed),
+            2 => Some(Refusal::RankInUse),
+            _ => None,
+        }
+    }
+
+    /// The typed error a refusal is reported as.
+    pub fn kind(self) -> ErrorKind {
+        match self {
+            Refusal::AuthFailed => ErrorKind::AuthFailed,
+            Refusal::RankInUse => ErrorKind::RankInUse,
+        }
+    }
 }
 
 impl Message {
-    /// The request a message is about (`None` for `Hello`).
+    /// The request a message is about (`None` for the handshake).
     pub fn key(&self) -> Option<RequestKey> {
         match self {
-            Message::Hello { .. } => None,
+            Message::Hello { .. }
+            | Message::Proof { .. }
+            | Message::Welcome
+            | Message::Refuse { .. } => None,
             Message::Advertise { key, .. }
             | Message::Ready { key, .. }
             | Message::Notify { key, .. }
@@ -146,6 +199,9 @@ impl Message {
             Message::Vote { .. } => 5,
             Message::Verdict { .. } => 6,
             Message::Quiesced { .. } => 7,
+            Message::Proof { .. } => 8,
+            Message::Welcome => 9,
+            Message::Refuse { .. } => 10,
         }
     }
 
@@ -155,11 +211,23 @@ impl Message {
         let mut body = Vec::new();
         let bad = |reason| WireError { reason, offset: 0 };
         match self {
-            Message::Hello { agent_name, rank } => {
+            Message::Hello {
+                agent_name,
+                rank,
+                instance,
+                challenge,
+                proof,
+            } => {
                 if agent_name.is_empty() || agent_name.len() > MAX_NAME {
                     return Err(bad(WireReason::TooLarge));
                 }
                 body.extend_from_slice(&rank.0.to_le_bytes());
+                body.extend_from_slice(&instance.to_le_bytes());
+                body.extend_from_slice(&challenge.to_le_bytes());
+                body.push(proof.is_some() as u8);
+                if let Some(p) = proof {
+                    body.extend_from_slice(p);
+                }
                 body.extend_from_slice(&(agent_name.len() as u16).to_le_bytes());
                 body.extend_from_slice(agent_name.as_bytes());
             }
@@ -212,6 +280,9 @@ impl Message {
                 body.push(*outcome as u8);
             }
             Message::Quiesced { key } => put_key(&mut body, key),
+            Message::Proof { proof } => body.extend_from_slice(proof),
+            Message::Welcome => {}
+            Message::Refuse { reason } => body.push(*reason as u8),
         }
         out.reserve(HEADER_LEN + body.len());
         out.extend_from_slice(&MAGIC);
@@ -249,6 +320,14 @@ impl Message {
         let msg = match bytes[6] {
             1 => {
                 let rank = RankId(r.u32()?);
+                let instance = r.u64()?;
+                let challenge = r.u64()?;
+                let at = r.pos;
+                let proof = match r.u8()? {
+                    0 => None,
+                    1 => Some(r.proof()?),
+                    _ => return Err(WireError::at(WireReason::BadBool, at)),
+                };
                 let len = r.u16()? as usize;
                 if len == 0 || len > MAX_NAME {
                     return Err(r.err(WireReason::TooLarge));
@@ -258,7 +337,13 @@ impl Message {
                 let agent_name = std::str::from_utf8(raw)
                     .map_err(|_| WireError::at(WireReason::BadUtf8, at))?
                     .to_owned();
-                Message::Hello { agent_name, rank }
+                Message::Hello {
+                    agent_name,
+                    rank,
+                    instance,
+                    challenge,
+                    proof,
+                }
             }
             2 => {
                 let key = r.key()?;
@@ -340,6 +425,14 @@ impl Message {
                 }
             }
             7 => Message::Quiesced { key: r.key()? },
+            8 => Message::Proof { proof: r.proof()? },
+            9 => Message::Welcome,
+            10 => {
+                let at = r.pos;
+                let reason =
+                    Refusal::from_u8(r.u8()?).ok_or(WireError::at(WireReason::BadRefusal, at))?;
+                Message::Refuse { reason }
+            }
             _ => unreachable_type(),
         };
         if r.remaining() != 0 {
@@ -375,7 +468,7 @@ pub fn frame_len(prefix: &[u8]) -> Result<Option<usize>, WireError> {
     if version != VERSION {
         return Err(WireError::at(WireReason::UnsupportedVersion(version), 4));
     }
-    if !(1..=7).contains(&prefix[6]) {
+    if !(1..=10).contains(&prefix[6]) {
         return Err(WireError::at(WireReason::UnknownType(prefix[6]), 6));
     }
     if prefix[7] != 0 {
@@ -454,6 +547,9 @@ impl<'a> Reader<'a> {
     fn u64(&mut self) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(self.array()?))
     }
+    fn proof(&mut self) -> Result<[u8; PROOF_LEN], WireError> {
+        self.array()
+    }
     fn key(&mut self) -> Result<RequestKey, WireError> {
         Ok(RequestKey {
             request: RequestId(self.u64()?),
@@ -485,6 +581,8 @@ pub enum WireReason {
     DuplicateToken,
     /// An `Advertise` whose deadline has no time left in it.
     ZeroTimeout,
+    /// A `Refuse` with a reason this version does not know.
+    BadRefusal,
 }
 
 /// A refused frame: the reason and the byte offset where decoding stopped.

@@ -279,7 +279,7 @@ impl Sim {
                 Node {
                     ep,
                     pool: BufferPool::new(plan.pool_capacity),
-                    tokens: TokenAllocator::new(),
+                    tokens: TokenAllocator::default(),
                     posted: BTreeMap::new(),
                     content: BTreeMap::new(),
                     started: BTreeMap::new(),

@@ -476,6 +476,7 @@ impl Agent {
             empty_wakeups: s.empty_wakeups.load(Ordering::Relaxed),
             backoffs: s.backoffs.load(Ordering::Relaxed),
             stale_control_dropped: s.stale_control_dropped.load(Ordering::Relaxed),
+            stray_discarded: s.stray_discarded.load(Ordering::Relaxed),
         }
     }
 

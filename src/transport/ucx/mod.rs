@@ -97,6 +97,12 @@ pub struct AgentOptions {
     pub keepalive: Duration,
     /// How long a wait that gave up may spend getting UCX to release its request.
     pub reap_grace: Duration,
+    /// Discard tagged data that matches no posted receive (reported as
+    /// [`Event::StrayData`]) instead of keeping it for a receive posted later. For owners that
+    /// always post a receive before its sender can know the tag (the engine): then such data
+    /// is from someone the buffer was not offered to, or too late, and it must neither land
+    /// nor pile up in UCX's unexpected queue.
+    pub discard_unexpected: bool,
 }
 
 impl AgentOptions {
@@ -107,6 +113,7 @@ impl AgentOptions {
             listen: None,
             keepalive: Duration::from_secs(1),
             reap_grace: Duration::from_secs(2),
+            discard_unexpected: false,
         }
     }
 }
@@ -126,6 +133,9 @@ pub enum Event {
     PeerFailed(PeerId),
     /// An op posted with `notify` has ended; [`Op::poll`] has its result.
     OpDone(u64),
+    /// Tagged data matched no posted receive and was discarded (with
+    /// [`AgentOptions::discard_unexpected`]): its tag and length.
+    StrayData { tag: u64, len: usize },
 }
 
 /// Progress counters: these tell "alive" from "working".
@@ -146,6 +156,8 @@ pub struct Stats {
     pub empty_wakeups: u64,
     pub backoffs: u64,
     pub stale_control_dropped: u64,
+    /// Tagged messages discarded because no receive was posted for them.
+    pub stray_discarded: u64,
 }
 
 /// Maps a UCX status to kvlink's error kinds (one exhaustive place).

@@ -108,16 +108,17 @@ impl Progress {
         }
     }
 
-    /// A peer that connected to us by worker address sent its own: connect back, once per uid.
+    /// A peer that connected to us by worker address sent its own: connect back. Each `Bind`
+    /// is a new connection from that agent (a first one, or a redial after this side's owner
+    /// refused or lost the last one), so its messages go to the new endpoint from now on; the
+    /// older endpoint stays until it fails or its owner closes it.
     pub(super) fn bind(&mut self, uid: u64, address: &[u8]) {
-        if !self.uid_to_peer.contains_key(&uid) {
-            match self.connect(Target::Worker(address)) {
-                Ok(peer) => {
-                    self.uid_to_peer.insert(uid, peer.0);
-                    self.shared.push_event(Event::Accepted(peer));
-                }
-                Err(e) => tracing::warn!("connecting back to a peer failed: {e}"),
+        match self.connect(Target::Worker(address)) {
+            Ok(peer) => {
+                self.uid_to_peer.insert(uid, peer.0);
+                self.shared.push_event(Event::Accepted(peer));
             }
+            Err(e) => tracing::warn!("connecting back to a peer failed: {e}"),
         }
     }
 
@@ -254,6 +255,13 @@ impl Progress {
         for s in &slots {
             self.stop_slot(s, STOP_REMOTE_CANCEL);
         }
+        self.swallow(peer, tag, None);
+    }
+
+    /// Posts a 1-byte receive into the scratch bytes that swallows one message: the next one
+    /// under `tag` (from `peer`), or the unexpected message `msg` already probed. UCX completes
+    /// it as truncated, the sender's request completes, and nothing is kept.
+    fn swallow(&mut self, peer: u64, tag: u64, msg: Option<sys::ucp_tag_message_h>) {
         let slot = Arc::new(OpSlot {
             id: 0,
             peer: PeerId(peer),
@@ -272,11 +280,38 @@ impl Progress {
         param.cb.recv = Some(recv_cb);
         let scratch = self.scratch.as_mut_ptr() as *mut c_void;
         // SAFETY: the scratch bytes live as long as the worker; only truncated (discarded)
-        // messages ever target them.
-        let ptr =
-            unsafe { sys::ucp_tag_recv_nbx(self.worker.0, scratch, 1, tag, u64::MAX, &param) };
+        // messages ever target them. `msg` came from ucp_tag_probe_nb with remove = 1, so it is
+        // received exactly once, here.
+        let ptr = unsafe {
+            match msg {
+                None => sys::ucp_tag_recv_nbx(self.worker.0, scratch, 1, tag, u64::MAX, &param),
+                Some(m) => sys::ucp_tag_msg_recv_nbx(self.worker.0, scratch, 1, m, &param),
+            }
+        };
         self.track(&slot, ptr);
         self.drains.push(slot);
+    }
+
+    /// Discards every tagged message that arrived with no receive posted for it (see
+    /// `AgentOptions::discard_unexpected`) and reports each as `Event::StrayData`.
+    pub(super) fn discard_strays(&mut self) {
+        loop {
+            let mut info = sys::ucp_tag_recv_info_t::default();
+            // SAFETY: the worker is owned by this thread; info is written on a match.
+            let msg = unsafe { sys::ucp_tag_probe_nb(self.worker.0, 0, 0, 1, &mut info) };
+            if msg.is_null() {
+                return;
+            }
+            self.swallow(0, info.sender_tag, Some(msg));
+            self.shared
+                .stats
+                .stray_discarded
+                .fetch_add(1, Ordering::Relaxed);
+            self.shared.push_event(Event::StrayData {
+                tag: info.sender_tag,
+                len: info.length,
+            });
+        }
     }
 
     /// Cancels drain receives whose abandoned message never came.

@@ -51,6 +51,8 @@ pub(super) struct Progress {
     pub(super) drains: Vec<Arc<OpSlot>>,
     pub(super) scratch: Box<[u8; 8]>,
     pub(super) own_address: Vec<u8>,
+    /// See [`AgentOptions::discard_unexpected`].
+    pub(super) discard_unexpected: bool,
     pub(super) shared: Arc<Shared>,
 }
 
@@ -152,6 +154,7 @@ impl Progress {
                 drains: Vec::new(),
                 scratch: Box::new([0; 8]),
                 own_address: Vec::new(),
+                discard_unexpected: opts.discard_unexpected,
                 shared,
             };
             // From here on, `p.teardown()` releases what exists.
@@ -296,6 +299,9 @@ impl Progress {
             if did.0 {
                 empty_streak = 0;
                 last_progress = Instant::now();
+            }
+            if self.discard_unexpected {
+                self.discard_strays();
             }
             if !self.drains.is_empty() {
                 self.expire_drains();

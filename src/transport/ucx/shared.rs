@@ -106,6 +106,7 @@ pub(super) struct AtomicStats {
     pub(super) empty_wakeups: AtomicU64,
     pub(super) backoffs: AtomicU64,
     pub(super) stale_control_dropped: AtomicU64,
+    pub(super) stray_discarded: AtomicU64,
 }
 
 /// Where the progress thread hands its events when an owner runs its logic there (the engine
