@@ -65,6 +65,10 @@ pub(crate) struct Metrics {
     bad: Counter,
     peer_failures: Counter,
     reconnects: Counter,
+    foreign: Counter,
+    late: Counter,
+    refused: Family<Labels1, Counter>,
+    refused_by_peer: Counter,
     ops: Gauge,
     leased: Gauge,
     fenced: Gauge,
@@ -109,6 +113,10 @@ impl Metrics {
             bad: Counter::default(),
             peer_failures: Counter::default(),
             reconnects: Counter::default(),
+            foreign: Counter::default(),
+            late: Counter::default(),
+            refused: Family::default(),
+            refused_by_peer: Counter::default(),
             ops: Gauge::default(),
             leased: Gauge::default(),
             fenced: Gauge::default(),
@@ -173,6 +181,29 @@ impl Metrics {
             "Dial attempts to reconnect a failed peer",
             m.reconnects.clone(),
         );
+        registry.register(
+            "foreign_data",
+            "Tagged data under a tag no receive here was offered for (a process that is not the buffer's peer), discarded unlanded",
+            m.foreign.clone(),
+        );
+        registry.register(
+            "late_data",
+            "Tagged data for a receive that had already ended, discarded",
+            m.late.clone(),
+        );
+        for r in ["auth_failed", "rank_in_use"] {
+            let _ = m.refused.get_or_create(&[("reason", r)]);
+        }
+        registry.register(
+            "peers_refused",
+            "Handshakes this rank refused, by reason",
+            m.refused.clone(),
+        );
+        registry.register(
+            "refused_by_peer",
+            "Handshakes a peer refused",
+            m.refused_by_peer.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -208,6 +239,17 @@ impl Metrics {
         catch_up(&self.bad, h.bad_frames);
         catch_up(&self.peer_failures, h.peers_failed);
         catch_up(&self.reconnects, h.reconnects);
+        catch_up(&self.foreign, h.foreign_data);
+        catch_up(&self.late, h.late_data);
+        catch_up(
+            &self.refused.get_or_create(&[("reason", "auth_failed")]),
+            h.refused_auth,
+        );
+        catch_up(
+            &self.refused.get_or_create(&[("reason", "rank_in_use")]),
+            h.refused_rank_in_use,
+        );
+        catch_up(&self.refused_by_peer, h.refused_by_peer);
         let mut out = String::new();
         prometheus_text::encode(&mut out, &self.registry)
             .map_err(|e| Error::new(ErrorKind::Internal, format!("metrics encoding: {e}")))?;
@@ -261,6 +303,8 @@ mod tests {
             bad_frames: 3,
             peers_failed: 1,
             reconnects: 5,
+            foreign_data: 6,
+            refused_rank_in_use: 7,
             ..Health::default()
         };
         let t = m.text(&h).unwrap();
@@ -298,6 +342,16 @@ mod tests {
         assert_eq!(v("kvlink_bad_frames_total"), 3.0);
         assert_eq!(v("kvlink_peer_failures_total"), 1.0);
         assert_eq!(v("kvlink_reconnects_total"), 5.0);
+        assert_eq!(v("kvlink_foreign_data_total"), 6.0);
+        assert_eq!(v("kvlink_late_data_total"), 0.0);
+        assert_eq!(
+            v(r#"kvlink_peers_refused_total{reason="rank_in_use"}"#),
+            7.0
+        );
+        assert_eq!(
+            v(r#"kvlink_peers_refused_total{reason="auth_failed"}"#),
+            0.0
+        );
         assert!(
             t.contains("# TYPE kvlink_request_duration_seconds histogram"),
             "{t}"
