@@ -22,6 +22,7 @@ pub mod error;
 pub mod log;
 pub mod memory;
 pub mod metrics;
+pub mod metrics_http;
 pub mod proto;
 pub mod transport;
 

@@ -108,6 +108,11 @@ pub struct RunArgs {
     /// No progress bar (it is also hidden when standard error is not a terminal).
     #[arg(long)]
     pub no_progress: bool,
+
+    /// Serve the generation side's Prometheus metrics on this ip:port (plain HTTP GET) while
+    /// each whole-request row runs: watch a row from outside, e.g. `curl IP:PORT/metrics`.
+    #[arg(long, value_name = "IP:PORT")]
+    pub metrics_listen: Option<String>,
 }
 
 impl RunArgs {
@@ -221,6 +226,9 @@ pub struct PeerArgs {
     /// Time limit of the whole row, milliseconds.
     #[arg(long, default_value_t = 60_000)]
     pub limit_ms: u64,
+    /// Generation side: serve the engine's metrics on this ip:port while the row runs.
+    #[arg(long, value_name = "IP:PORT")]
+    pub metrics_listen: Option<String>,
 }
 
 impl PeerArgs {

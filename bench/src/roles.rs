@@ -193,6 +193,15 @@ fn gen(a: &PeerArgs) -> i32 {
         }
     };
     st.watch_engine(&engine);
+    if let Some(m) = &a.metrics_listen {
+        match std::net::TcpListener::bind(m.as_str()) {
+            Ok(l) => kvlink::metrics_http::serve(Arc::downgrade(&engine), l),
+            Err(e) => {
+                st.lock().error(format!("--metrics-listen {m}: {e}"));
+                return finish(2);
+            }
+        }
+    }
     let ctx = match engine.connect(addr, (Instant::now() + CONNECT_LIMIT).min(deadline)) {
         Ok(r) => r,
         Err(e) => {

@@ -313,6 +313,9 @@ impl Runner {
         };
         let mut args = common(active_role);
         args.extend(["--peer".into(), addr]);
+        if let (PeerRole::Gen, Some(m)) = (active_role, &self.args.metrics_listen) {
+            args.extend(["--metrics-listen".into(), m.clone()]);
+        }
         let mut active = match Proc::spawn(&self.exe, &args) {
             Ok(p) => p,
             Err(e) => {

@@ -15,10 +15,10 @@ use kvlink::connection::{BufferSpec, Engine, EngineConfig};
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
 use kvlink::transport::TransportKind;
 use kvlink::Outcome;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const CTX: u32 = 0;
@@ -132,54 +132,6 @@ fn context(transport: TransportKind, timeout: Duration) -> bool {
     true
 }
 
-/// Answers each HTTP request at `listener` with the engine's metrics text, one short connection
-/// at a time on a thread of its own, for as long as the engine lives.
-fn serve_metrics(engine: Weak<Engine>, listener: TcpListener) {
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Some(engine) = engine.upgrade() else {
-                return;
-            };
-            if let Ok(s) = stream {
-                let _ = answer(&engine, s);
-            }
-        }
-    });
-}
-
-/// One HTTP/1.1 exchange, bounded: a request head of at most 8 KiB, 2 s to read and to write.
-fn answer(engine: &Engine, mut s: TcpStream) -> std::io::Result<()> {
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    s.set_write_timeout(Some(Duration::from_secs(2)))?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-        let n = s.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let (status, kind, body) = if !head.starts_with(b"GET ") {
-        (
-            "405 Method Not Allowed",
-            "text/plain",
-            "GET only\n".to_string(),
-        )
-    } else {
-        match engine.metrics_text() {
-            Ok(text) => ("200 OK", kvlink::metrics::CONTENT_TYPE, text),
-            Err(e) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
-        }
-    };
-    write!(
-        s,
-        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    s.flush()
-}
-
 fn generation(transport: TransportKind, timeout: Duration, args: &Args) -> bool {
     // Bound before anything starts, so a bad address fails at once.
     let metrics = args.metrics_listen.as_ref().map(|a| {
@@ -226,7 +178,7 @@ fn generation(transport: TransportKind, timeout: Duration, args: &Args) -> bool 
     let linger = metrics.map(|(listener, linger)| {
         let at = listener.local_addr().expect("metrics address");
         println!("  metrics (generation side): http://{at}/metrics");
-        serve_metrics(Arc::downgrade(&engine), listener);
+        kvlink::metrics_http::serve(Arc::downgrade(&engine), listener);
         linger
     });
     let peer = engine

@@ -74,6 +74,9 @@ pub struct EngineConfig {
     /// [`crate::proto::handshake`]). `None` takes `KVLINK_SECRET` from the environment (unset or
     /// empty: no secret); `Some(empty)` is no secret whatever the environment says.
     pub secret: Option<Vec<u8>>,
+    /// Receive buffers that may be posted at once, over all requests: past this `advertise`
+    /// fails with `QueueFull` (and changes nothing) until earlier requests end.
+    pub pool_slots: u32,
     /// Fault hooks for tests and the demo.
     pub faults: Faults,
 }
@@ -90,6 +93,7 @@ impl EngineConfig {
             wedge_window: Duration::from_secs(10),
             degraded_window: Duration::from_secs(60),
             secret: None,
+            pool_slots: POOL_SLOTS,
             faults: Faults::default(),
         }
     }
@@ -227,6 +231,9 @@ impl Engine {
         if cfg.timeout.is_zero() {
             return Err(Error::invalid("timeout must be positive"));
         }
+        if cfg.pool_slots == 0 {
+            return Err(Error::invalid("pool_slots must be positive"));
+        }
         let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
         opts.listen = cfg.listen;
         opts.reap_grace = REAP_GRACE;
@@ -259,7 +266,7 @@ impl Engine {
             faults: cfg.faults,
             agreement_bound: cfg.agreement_bound,
             windows: (cfg.wedge_window, cfg.degraded_window),
-            core: Mutex::new(Core::new(Endpoint::new(me, config), POOL_SLOTS)),
+            core: Mutex::new(Core::new(Endpoint::new(me, config), cfg.pool_slots)),
             stopping: AtomicBool::new(false),
             metrics: crate::metrics::Metrics::new(),
         });

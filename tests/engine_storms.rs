@@ -1,0 +1,206 @@
+//! Load faults between two engines over real UCX (tcp on loopback and shared memory): a cancel
+//! storm from both sides at once, and an exhausted receive pool. For each: both sides agree on
+//! every request's outcome, every completed request's bytes check out, nothing stays leased, and
+//! the figures are printed (docs/RELIABILITY.md quotes them; `bash scripts/reliability.sh`).
+use kvlink::connection::{BufferSpec, Engine, EngineConfig};
+use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
+use kvlink::transport::TransportKind;
+use kvlink::{ErrorKind, Outcome};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const CTX: u32 = 0;
+const GEN: u32 = 1;
+
+fn engines(kind: TransportKind, pool_slots: u32) -> (Engine, Engine) {
+    let mut c = EngineConfig::new("ctx", CTX, kind);
+    if kind == TransportKind::Tcp {
+        c.listen = Some("127.0.0.1:0".parse().unwrap());
+    }
+    c.timeout = Duration::from_secs(20);
+    let ctx = Engine::new(c).unwrap();
+    let mut g = EngineConfig::new("gen", GEN, kind);
+    g.timeout = Duration::from_secs(20);
+    g.pool_slots = pool_slots;
+    let gen = Engine::new(g).unwrap();
+    gen.connect(&ctx.address(), Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    (ctx, gen)
+}
+
+fn fill(id: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(id as u8))
+        .collect()
+}
+
+/// # Safety
+/// `buf` must stay untouched until the request's end has been waited for.
+unsafe fn advertise(gen: &Engine, key: RequestKey, buf: &mut [u8]) -> kvlink::Result<()> {
+    let spec = BufferSpec {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: buf.as_mut_ptr() as u64,
+        len: buf.len() as u64,
+        device_id: -1,
+    };
+    // SAFETY: forwarded.
+    unsafe {
+        gen.advertise(
+            key,
+            vec![RankId(GEN)],
+            vec![(RankId(CTX), vec![spec])],
+            vec![],
+        )
+    }
+}
+
+/// 300 requests of 64 KiB in flight together. Every third one is cancelled by the generation
+/// side right after it is advertised; every third (offset one) by the context side while it
+/// sends; the rest run. Both sides must agree on each outcome.
+#[test]
+fn a_cancel_storm_from_both_sides_is_agreed_on_every_request_and_leaks_nothing() {
+    const N: u64 = 300;
+    const LEN: usize = 64 << 10;
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind, 1 << 16);
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_secs(20);
+        let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
+        let sender_ends = Mutex::new(HashMap::new());
+        let mut receiver_ends = HashMap::new();
+        let mut worst_wait = Duration::ZERO;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for _ in 0..N {
+                    let Some(adv) = ctx.next_advertisement(deadline, None) else {
+                        break;
+                    };
+                    let id = adv.key.request.0;
+                    if ctx.accept(adv.key, adv.from, true).is_err() {
+                        // Cancelled before it got here: the end is already known.
+                    }
+                    let data = fill(id, LEN);
+                    let stop = || id % 3 == 1;
+                    let _ = ctx.send(adv.key, adv.from, 0, &data, adv.deadline, Some(&stop));
+                    let end = ctx
+                        .wait(
+                            adv.key,
+                            Role::Sender { receiver: adv.from },
+                            adv.deadline,
+                            None,
+                        )
+                        .unwrap_or_else(|e| panic!("sender wait {id}: {e}"));
+                    sender_ends.lock().unwrap().insert(id, end);
+                }
+            });
+            for (i, b) in bufs.iter_mut().enumerate() {
+                let key = RequestKey::new(i as u64, 0);
+                // SAFETY: every request is waited for below before `bufs` is read or dropped.
+                unsafe { advertise(&gen, key, b) }.unwrap();
+                if i % 3 == 0 {
+                    gen.cancel(key).unwrap();
+                }
+            }
+            for i in 0..N {
+                let t = Instant::now();
+                let key = RequestKey::new(i, 0);
+                let end = gen.wait(key, Role::Receiver, deadline, None).unwrap();
+                worst_wait = worst_wait.max(t.elapsed());
+                receiver_ends.insert(i, end);
+            }
+        });
+        let sender_ends = sender_ends.into_inner().unwrap();
+        let (mut cancelled, mut completed, mut wrong) = (0, 0, 0);
+        for i in 0..N {
+            let (g, c) = (receiver_ends[&i], sender_ends.get(&i).copied());
+            assert_eq!(Some(g), c, "request {i}: receiver {g:?}, sender {c:?}");
+            match g {
+                Outcome::Completed => {
+                    completed += 1;
+                    if bufs[i as usize] != fill(i, LEN) {
+                        wrong += 1;
+                    }
+                }
+                Outcome::Cancelled => cancelled += 1,
+                other => panic!("request {i} ended {other:?}"),
+            }
+            if i % 3 == 2 {
+                assert_eq!(g, Outcome::Completed, "request {i} was never cancelled");
+            }
+        }
+        let (hg, hc) = (gen.health(), ctx.health());
+        println!(
+            "== {kind:?}: cancel storm, {N} x 64 KiB, a third cancelled by each side\n  \
+             STORM completed={completed} cancelled={cancelled} agreed={N} wrong={wrong} \
+             leased={} fenced={} took_ms={} worst_wait_ms={:.1}",
+            hg.buffers_leased,
+            hg.buffers_fenced,
+            t0.elapsed().as_millis(),
+            worst_wait.as_secs_f64() * 1e3
+        );
+        assert_eq!(wrong, 0, "a completed request's bytes did not check out");
+        assert!(cancelled >= N / 3, "only {cancelled} cancelled");
+        assert_eq!(hg.buffers_leased, 0);
+        assert_eq!(hg.buffers_fenced, 0);
+        assert_eq!(hc.ops_in_flight, 0);
+    }
+}
+
+/// A receive pool of 8 buffers: the ninth advertisement is `QueueFull` at once and changes
+/// nothing; once the first eight end, it is accepted and completes.
+#[test]
+fn an_exhausted_receive_pool_is_queue_full_at_once_and_loses_nothing() {
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind, 8);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut bufs: Vec<Vec<u8>> = (0..9).map(|_| vec![0u8; 4096]).collect();
+        let (first, ninth) = bufs.split_at_mut(8);
+        for (i, b) in first.iter_mut().enumerate() {
+            // SAFETY: waited for below.
+            unsafe { advertise(&gen, RequestKey::new(i as u64, 0), b) }.unwrap();
+        }
+        let t = Instant::now();
+        // SAFETY: refused, so nothing is posted into it.
+        let e = unsafe { advertise(&gen, RequestKey::new(8, 0), &mut ninth[0]) }.unwrap_err();
+        let refused_in = t.elapsed();
+        assert_eq!(e.kind, ErrorKind::QueueFull, "{e}");
+        assert_eq!(gen.health().buffers_leased, 8);
+        let serve = |n: usize| {
+            for _ in 0..n {
+                let adv = ctx.next_advertisement(deadline, None).unwrap();
+                ctx.accept(adv.key, adv.from, true).unwrap();
+                let data = fill(adv.key.request.0, 4096);
+                ctx.send(adv.key, adv.from, 0, &data, deadline, None)
+                    .unwrap();
+            }
+        };
+        serve(8);
+        for i in 0..8 {
+            let o = gen.wait(RequestKey::new(i, 0), Role::Receiver, deadline, None);
+            assert_eq!(o.unwrap(), Outcome::Completed);
+        }
+        assert_eq!(gen.health().buffers_leased, 0);
+        // The refused key was never started: it can be advertised now.
+        // SAFETY: waited for below.
+        unsafe { advertise(&gen, RequestKey::new(8, 0), &mut ninth[0]) }.unwrap();
+        serve(1);
+        let o = gen.wait(RequestKey::new(8, 0), Role::Receiver, deadline, None);
+        assert_eq!(o.unwrap(), Outcome::Completed);
+        let wrong = bufs
+            .iter()
+            .enumerate()
+            .filter(|(i, b)| **b != fill(*i as u64, 4096))
+            .count();
+        println!(
+            "== {kind:?}: receive pool of 8 exhausted\n  POOL refused_in_us={} wrong={wrong} leased={}",
+            refused_in.as_micros(),
+            gen.health().buffers_leased
+        );
+        assert_eq!(wrong, 0);
+        assert_eq!(gen.health().buffers_leased, 0);
+    }
+}
