@@ -12,7 +12,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 log="${KVLINK_RELIABILITY_LOG:-$(mktemp /tmp/kvlink-reliability.XXXXXX)}"
 
-cargo test --locked --test engine_faults --test netns --test trust --test transport_two_process \
+cargo test --locked --test engine_faults --test netns --test trust --test engine_storms \
+    --test transport_two_process \
     -- --nocapture --test-threads=1 >"$log" 2>&1 || {
     echo "reliability: a suite failed; see $log" >&2
     grep -E "^test .*FAILED|panicked" "$log" >&2 || true
@@ -35,7 +36,7 @@ for line in open(sys.argv[1], errors="replace"):
         continue
     if cur is None:
         continue
-    if "late_ms=" in line or re.search(r"\bRESULT\b", line):
+    if "late_ms=" in line or re.search(r"\b(RESULT|STORM|POOL)\b", line):
         cur["lines"] += 1
         e = re.search(r"\bend=(\S+)", line)
         if e:
@@ -47,6 +48,14 @@ for line in open(sys.argv[1], errors="replace"):
             cur["leased"] += 1
         if "verified=false" in line:
             cur["wrong"] += 1
+        w = re.search(r"\bwrong=([0-9]+)", line)
+        if w:
+            cur["wrong"] += int(w.group(1))
+        for k in ("completed", "cancelled"):
+            n = re.search(rf"\b{k}=([0-9]+)", line)
+            if n and "STORM" in line:
+                key = k.capitalize()
+                cur["ends"][key] = cur["ends"].get(key, 0) + int(n.group(1))
     if line.startswith("test ") and (" ... ok" in line or " ... FAILED" in line):
         cur = None
 print(f"{'scenario':<62} {'ends':<34} {'worst past deadline':>20} {'leaks':>5} {'wrong data':>10}")
@@ -55,4 +64,7 @@ for r in rows:
     worst = f"{max(r['late']):+.1f} ms" if r["late"] else "-"
     print(f"{r['name'][:62]:<62} {ends[:34]:<34} {worst:>20} {r['leased']:>5} {r['wrong']:>10}")
 EOF
+echo
+echo "transport-level figures (netns, transport_two_process):"
+grep -E "^(partition|10% loss)|TimedOut after|PeerLost after|: outcomes" "$log" | sed 's/^/  /' || true
 echo "reliability: raw output in $log"

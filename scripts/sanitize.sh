@@ -66,7 +66,7 @@ export UCX_MEM_EVENTS=no UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_MALLOC_HOOKS=no
 cargo_test=(cargo +nightly test --locked --target "$host" --target-dir "$tgt")
 
 suites=()
-for s in transport_local engine transport_two_process demo; do
+for s in transport_local engine transport_two_process demo trust; do
     if [[ -f "tests/$s.rs" ]]; then
         suites+=(--test "$s")
     else
