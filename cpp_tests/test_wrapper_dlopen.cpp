@@ -311,6 +311,80 @@ TEST_P(WrapperTest, IdsEqualMod4096NeverCrossAndAreRefusedWhenInFlightTogether) 
   server.get();
 }
 
+/// The CUDA driver, loaded at run time (this binary links nothing of CUDA): device memory for
+/// the GPU test, or the reason there is none.
+struct Cuda {
+  using Ptr = unsigned long long;
+  void* lib = nullptr;
+  int (*memAlloc)(Ptr*, size_t) = nullptr;
+  int (*memFree)(Ptr) = nullptr;
+  int (*htod)(Ptr, void const*, size_t) = nullptr;
+  int (*dtoh)(void*, Ptr, size_t) = nullptr;
+  std::string why;
+  Cuda() {
+    lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (lib == nullptr) {
+      why = "no CUDA driver (libcuda.so.1 not found)";
+      return;
+    }
+    auto init = reinterpret_cast<int (*)(unsigned)>(dlsym(lib, "cuInit"));
+    auto deviceGet = reinterpret_cast<int (*)(int*, int)>(dlsym(lib, "cuDeviceGet"));
+    auto retain = reinterpret_cast<int (*)(void**, int)>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    auto setCurrent = reinterpret_cast<int (*)(void*)>(dlsym(lib, "cuCtxSetCurrent"));
+    memAlloc = reinterpret_cast<int (*)(Ptr*, size_t)>(dlsym(lib, "cuMemAlloc_v2"));
+    memFree = reinterpret_cast<int (*)(Ptr)>(dlsym(lib, "cuMemFree_v2"));
+    htod = reinterpret_cast<int (*)(Ptr, void const*, size_t)>(dlsym(lib, "cuMemcpyHtoD_v2"));
+    dtoh = reinterpret_cast<int (*)(void*, Ptr, size_t)>(dlsym(lib, "cuMemcpyDtoH_v2"));
+    int dev = 0;
+    void* ctx = nullptr;
+    if (init == nullptr || deviceGet == nullptr || retain == nullptr || setCurrent == nullptr || memAlloc == nullptr ||
+        memFree == nullptr || htod == nullptr || dtoh == nullptr) {
+      why = "the CUDA driver lacks a needed entry point";
+    } else if (int r = init(0); r != 0) {
+      why = "cuInit failed (" + std::to_string(r) + "): no usable GPU";
+    } else if (deviceGet(&dev, 0) != 0 || retain(&ctx, dev) != 0 || setCurrent(ctx) != 0) {
+      why = "no CUDA device 0";
+    }
+  }
+  bool ok() const { return why.empty(); }
+};
+
+// TensorRT-LLM's buffers are device memory: the generation side receives into a device pointer
+// and the context side sends from one. kvlink must take its device path (staged through pinned
+// host memory by kvlink), never read or write the device pointer on the host. Skips, saying
+// why, where no GPU exists; runs on a GPU machine (scripts/gpu-check.sh).
+TEST_P(WrapperTest, DeviceMemoryMovesThroughKvlinksDevicePath) {
+  Cuda cuda;
+  if (!cuda.ok()) GTEST_SKIP() << "GPU test skipped: " << cuda.why;
+  // Managers made after libcuda is loaded see device pointers as such.
+  auto ctx = make(*wrapper_, options(GetParam()));
+  auto gen = make(*wrapper_, options(GetParam()));
+  auto const* conn = gen->getConnections(ctx->getCommState()).at(0);
+  GenSide side{conn, Tags{true}};
+  constexpr uint64_t kId = 0xD0;
+  constexpr size_t kBytes = 8 << 20;
+  std::vector<uint8_t> host(kBytes), back(kBytes, 0);
+  fill(kId, 0, host.data(), host.size());
+  Cuda::Ptr src = 0, dst = 0;
+  ASSERT_EQ(cuda.memAlloc(&src, kBytes), 0);
+  ASSERT_EQ(cuda.memAlloc(&dst, kBytes), 0);
+  ASSERT_EQ(cuda.htod(src, host.data(), kBytes), 0);
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx, never_);
+    bool const ready = true;
+    t.conn->send(kv::DataContext{side.tags.ready(kId)}, &ready, sizeof ready);
+    t.conn->send(kv::DataContext{side.tags.data(kId)}, reinterpret_cast<void const*>(src), kBytes);
+  });
+  side.sendRequestInfo(kId);
+  ASSERT_TRUE(side.recvReady(kId, never_));
+  conn->recv(kv::DataContext{side.tags.data(kId)}, reinterpret_cast<void*>(dst), kBytes);
+  server.get();
+  ASSERT_EQ(cuda.dtoh(back.data(), dst, kBytes), 0);
+  EXPECT_EQ(check(kId, 0, back.data(), back.size()), SIZE_MAX);
+  cuda.memFree(src);
+  cuda.memFree(dst);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, WrapperTest, testing::Values("tcp", "sm"), param_name);
 
 }  // namespace
