@@ -1,101 +1,390 @@
 // libkvlink_trtllm_wrapper.so as TensorRT-LLM loads a backend: dlopen, dlsym the extern "C"
-// factory, build managers, move data. This binary does not link kvlink: it only calls virtual
-// functions, so every line of kvlink that runs comes out of the shared library.
-#include <kvlink/trtllm_adapter.h>
+// factory, and drive the managers only through TensorRT-LLM's generic interface
+// (ConnectionManager / Connection, the stand-ins of cpp_tests/trtllm_shapes). This binary does
+// not link kvlink: every line of kvlink that runs comes out of the shared library.
+// Ranks here share one process; test_trtllm_callsites.cpp runs them in separate processes.
+#include "trtllm_test_util.h"
 
-#include <dlfcn.h>
 #include <gtest/gtest.h>
 
-#include <memory>
+#include <atomic>
+#include <cstdlib>
+#include <future>
+#include <mutex>
 #include <thread>
 
-namespace kv = tensorrt_llm::executor::kv_cache;
-namespace bm = tensorrt_llm::batch_manager;
-using kvlink::trtllm::AgentConnection;
-using kvlink::trtllm::AgentConnectionManager;
+using namespace kvtest;
+using namespace std::chrono_literals;
 
 namespace {
 
-struct Library {
-  void* handle = dlopen(KVLINK_WRAPPER_PATH, RTLD_NOW | RTLD_LOCAL);
-  ~Library() {
-    if (handle != nullptr) dlclose(handle);
+std::string param_name(testing::TestParamInfo<std::string> const& i) { return i.param; }
+
+class WrapperTest : public testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    wrapper_ = std::make_unique<Wrapper>();
+    ctx_ = make(*wrapper_, options(GetParam()));
+    gen_ = make(*wrapper_, options(GetParam()));
+    auto conns = gen_->getConnections(ctx_->getCommState());
+    ASSERT_EQ(conns.size(), 1u);
+    toCtx_ = conns.at(0);
+    ASSERT_NE(toCtx_, nullptr);
   }
+  void TearDown() override {
+    gen_.reset();
+    ctx_.reset();
+    wrapper_.reset();
+  }
+  std::unique_ptr<Wrapper> wrapper_;
+  std::unique_ptr<kv::ConnectionManager> ctx_, gen_;
+  kv::Connection const* toCtx_ = nullptr;
+  std::atomic<bool> never_{false};
 };
 
-std::unique_ptr<kv::ConnectionManager> make(KvlinkMakeConnectionManagerFn fn, const char* name, uint32_t rank,
-                                            const char* transport, std::string& error) {
-  KvlinkManagerOptions o{};
-  o.struct_size = sizeof o;
-  o.name = name;
-  o.rank = rank;
-  o.transport = transport;
-  o.listen = std::string(transport) == "tcp" ? "127.0.0.1:0" : "";
-  o.kv_transfer_timeout_ms = 5000;
-  o.agreement_ms = 500;
-  o.fault_suppress_request = -1;
+TEST(WrapperFactory, ExportsOnlyTheFactoryAndRefusesBadOptions) {
+  Wrapper w;
+  // Only the factory is exported: the Rust library and the classes inside stay private.
+  EXPECT_EQ(dlsym(w.handle, "cxxbridge1$string$new"), nullptr);
+  EXPECT_EQ(dlsym(w.handle, "rust_eh_personality"), nullptr);
   char err[256] = {0};
-  kv::ConnectionManager* m = fn(&o, err, sizeof err);
-  error = err;
-  return std::unique_ptr<kv::ConnectionManager>(m);
+  EXPECT_EQ(w.make(nullptr, err, sizeof err), nullptr);
+  EXPECT_NE(std::string(err).find("KvlinkTrtllmOptions"), std::string::npos) << err;
+  KvlinkTrtllmOptions o = options("tcp", 2, 2);  // rank outside the world
+  EXPECT_EQ(w.make(&o, err, sizeof err), nullptr);
+  EXPECT_NE(std::string(err).find("outside"), std::string::npos) << err;
+  o = options("tcp", 0, 2);  // two ranks and no way to exchange addresses
+  EXPECT_EQ(w.make(&o, err, sizeof err), nullptr);
+  EXPECT_NE(std::string(err).find("allgather"), std::string::npos) << err;
+  o = options("carrier-pigeon");
+  o.transport = "carrier-pigeon";
+  EXPECT_EQ(w.make(&o, err, sizeof err), nullptr);
+  EXPECT_STRNE(err, "");
 }
 
-class WrapperTest : public testing::TestWithParam<std::string> {};
-
-TEST_P(WrapperTest, DlopenFactoryBuildsAWorkingManager) {
-  Library lib;
-  ASSERT_NE(lib.handle, nullptr) << dlerror();
-  auto fn = reinterpret_cast<KvlinkMakeConnectionManagerFn>(dlsym(lib.handle, "makeKvlinkConnectionManager"));
-  ASSERT_NE(fn, nullptr) << dlerror();
-  // Only the factory is exported: the Rust library inside stays private to the wrapper.
-  EXPECT_EQ(dlsym(lib.handle, "cxxbridge1$string$new"), nullptr);
-
-  std::string error;
-  KvlinkManagerOptions bad{};
-  bad.struct_size = sizeof bad;
-  bad.transport = "tcp";
-  bad.kv_transfer_timeout_ms = 0;  // invalid: the factory reports, does not throw across dlsym
-  char err[256] = {0};
-  EXPECT_EQ(fn(&bad, err, sizeof err), nullptr);
-  EXPECT_NE(std::string(err).find("timeout"), std::string::npos) << err;
-
-  {
-    auto ctxBase = make(fn, "ctx", 0, GetParam().c_str(), error);
-    ASSERT_TRUE(ctxBase) << error;
-    auto genBase = make(fn, "gen", 1, GetParam().c_str(), error);
-    ASSERT_TRUE(genBase) << error;
-    EXPECT_TRUE(genBase->isRunning());
-    ASSERT_EQ(genBase->getCommState().getAgentState().size(), 1u);
-    // The object is the adapter's manager; its methods are virtual and run in the library.
-    auto* ctx = static_cast<AgentConnectionManager*>(ctxBase.get());
-    auto* gen = static_cast<AgentConnectionManager*>(genBase.get());
-
-    std::vector<std::uint8_t> recvBuf(1024, 0), src(1024);
-    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint8_t>(i * 7 + 3);
-    gen->registerReceiveBuffer(0, 0, recvBuf.data(), recvBuf.size());
-    auto conns = gen->getConnections(ctx->getCommState());
-    ASSERT_EQ(conns.size(), 1u);
-    auto* toCtx = const_cast<AgentConnection*>(static_cast<AgentConnection const*>(conns[0]));
-    bm::RequestInfo req(4242, "state");
-    toCtx->sendRequestAndBufferInfo(req, {std::optional<size_t>(0)}, 0);
-    bm::RequestInfo got;
-    std::atomic<bool> never{false};
-    auto const* fromGen = ctx->recvConnectionAndRequestInfo(got, never);
-    ASSERT_NE(fromGen, nullptr);
-    EXPECT_EQ(got, req);
-    fromGen->sendReadySignal(kv::DataContext(42), true);
-    EXPECT_EQ(toCtx->recvReadySignalWithStatus(kv::DataContext(42)), std::optional<bool>(true));
-    kv::DataContext const data(kvlink::trtllm::dataTag(4242));
-    std::thread t([&] { fromGen->send(data, src.data(), src.size()); });
-    toCtx->recv(data, recvBuf.data(), recvBuf.size());
-    t.join();
-    EXPECT_EQ(recvBuf, src);
-    EXPECT_EQ(gen->health().buffers_leased, 0u);
-    EXPECT_EQ(gen->buffersReserved(), 0u);
+// getCommState() lists every rank of the instance (from the allgather) with selfIdx = rank:
+// what CacheSender / CacheReceiver check at construction and index connections by.
+TEST(WrapperFactory, CommStateCoversEveryRankWithSelfIdxTheRank) {
+  Wrapper w;
+  char dir[] = "/tmp/kvlink-commstate-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  std::unique_ptr<kv::ConnectionManager> m[2];
+  std::vector<std::thread> ts;
+  FileAllgather g[2];
+  for (int r = 0; r < 2; ++r) {
+    g[r] = FileAllgather{dir, "ctx", r, 2};
+    ts.emplace_back([&, r] {
+      KvlinkTrtllmOptions o = options("tcp", r, 2);
+      o.allgather = &FileAllgather::call;
+      o.allgather_user = &g[r];
+      m[r] = make(w, o);
+    });
   }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(m[r]);
+    auto const& s = m[r]->getCommState();
+    EXPECT_EQ(s.getSelfIdx(), r);
+    ASSERT_TRUE(s.isAgentState());
+    ASSERT_EQ(s.getAgentState().size(), 2u);
+    EXPECT_TRUE(m[r]->isRunning());
+  }
+  EXPECT_EQ(m[0]->getCommState(), m[1]->getCommState());
+  EXPECT_NE(m[0]->getCommState().getAgentState()[0].mConnectionInfo,
+            m[0]->getCommState().getAgentState()[1].mConnectionInfo);
+  // A peer connects to each rank by its index: connections[i] reaches rank i.
+  auto peer = make(w, options("tcp"));
+  auto conns = peer->getConnections(m[0]->getCommState());
+  ASSERT_EQ(conns.size(), 2u);
+  EXPECT_NE(conns[0], nullptr);
+  EXPECT_NE(conns[1], nullptr);
+  EXPECT_NE(conns[0], conns[1]);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, WrapperTest, testing::Values("tcp", "sm"),
-                         [](const testing::TestParamInfo<std::string>& i) { return i.param; });
+// The generic path, with the older releases' tags (12-bit data tag, fixed ready tag 42):
+// request info round trip, ready, and three KV-shaped segments checked byte for byte.
+TEST_P(WrapperTest, GenericPathMovesARequestByteForByte) {
+  GenSide gen{toCtx_, Tags{false}};
+  constexpr uint64_t kId = 4242;
+  std::vector<std::vector<uint8_t>> src(3, std::vector<uint8_t>(256 * 1024)), dst(3, std::vector<uint8_t>(256 * 1024));
+  for (size_t i = 0; i < src.size(); ++i) fill(kId, i, src[i].data(), src[i].size());
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    EXPECT_NE(t.conn, nullptr);
+    EXPECT_EQ(t.info.getRequestId(), kId);
+    EXPECT_EQ(t.info.getTransState().getCacheState()->opaque(), "layout");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    std::atomic<bool> cancel{false};
+    kv::DataContext const data{gen.tags.data(kId), cancel};
+    for (auto& s : src) t.conn->send(data, s.data(), s.size());
+  });
+  gen.sendRequestInfo(kId);
+  EXPECT_TRUE(gen.recvReady(kId, never_));
+  std::atomic<bool> cancel{false};
+  kv::DataContext const data{gen.tags.data(kId), cancel};
+  for (auto& d : dst) toCtx_->recv(data, d.data(), d.size());
+  server.get();
+  for (size_t i = 0; i < dst.size(); ++i) EXPECT_EQ(check(kId, i, dst[i].data(), dst[i].size()), SIZE_MAX) << i;
+}
+
+// A context rank that refuses (sendReadySignal false) is a `false`, not an error; the
+// connection then serves the next request.
+TEST_P(WrapperTest, RefusedReadySignalReadsFalseAndTheNextRequestRuns) {
+  GenSide gen{toCtx_, Tags{true}};
+  auto server = std::async(std::launch::async, [&] {
+    for (bool ready : {false, true}) {
+      Taken t = recvRequestInfo(*ctx_, never_);
+      t.conn->send(kv::DataContext{gen.tags.ready(t.info.getRequestId())}, &ready, sizeof ready);
+      if (!ready) continue;
+      std::vector<uint8_t> s(4096);
+      fill(t.info.getRequestId(), 0, s.data(), s.size());
+      t.conn->send(kv::DataContext{gen.tags.data(t.info.getRequestId())}, s.data(), s.size());
+    }
+  });
+  gen.sendRequestInfo(10);
+  EXPECT_FALSE(gen.recvReady(10, never_));
+  gen.sendRequestInfo(11);
+  EXPECT_TRUE(gen.recvReady(11, never_));
+  std::vector<uint8_t> d(4096);
+  toCtx_->recv(kv::DataContext{gen.tags.data(11)}, d.data(), d.size());
+  server.get();
+  EXPECT_EQ(check(11, 0, d.data(), d.size()), SIZE_MAX);
+}
+
+// kv_transfer_timeout_ms absent from the config (<= 0): the wrapper still bounds every wait,
+// with TRTLLM_KVLINK_TIMEOUT_MS (else 60 s). A context rank that never answers ends the
+// generation side's ready wait TimedOut at that deadline, not never; and the event reaches the
+// host's logger through the options' log hook, with its request id.
+TEST_P(WrapperTest, AbsentTimeoutStillBoundsTheWaitAndLogsThroughTheHook) {
+  struct Lines {
+    std::mutex mu;
+    std::vector<std::string> v;
+  } lines;
+  setenv("TRTLLM_KVLINK_TIMEOUT_MS", "700", 1);
+  KvlinkTrtllmOptions o = options(GetParam());
+  o.kv_transfer_timeout_ms = 0;
+  o.log = [](void* user, int level, char const* m, size_t n) {
+    auto* l = static_cast<Lines*>(user);
+    std::lock_guard<std::mutex> g(l->mu);
+    l->v.push_back(std::to_string(level) + " " + std::string(m, n));
+  };
+  o.log_user = &lines;
+  o.log_level = 2;
+  auto gen = make(*wrapper_, o);
+  unsetenv("TRTLLM_KVLINK_TIMEOUT_MS");
+  auto conns = gen->getConnections(ctx_->getCommState());
+  GenSide side{conns.at(0), Tags{true}};
+  constexpr uint64_t kId = 0x5EED0077;
+  auto const t0 = Clock::now();
+  side.sendRequestInfo(kId);  // the context rank never calls recvConnect
+  try {
+    side.recvReady(kId, never_);
+    FAIL() << "a ready signal arrived from nobody";
+  } catch (kvlink::trtllm::TransferError const& e) {
+    EXPECT_EQ(e.outcome(), 1) << e.what();  // TimedOut
+    EXPECT_EQ(e.request(), kId);
+  }
+  auto const took = Clock::now() - t0;
+  std::printf("ready wait with no answer ended after %.1f ms (timeout 700 ms)\n",
+              std::chrono::duration<double, std::milli>(took).count());
+  EXPECT_GE(took, 650ms);
+  EXPECT_LT(took, 700ms + 1500ms);
+  bool seen = false;
+  {
+    std::lock_guard<std::mutex> g(lines.mu);
+    for (auto const& l : lines.v) seen = seen || l.find("request=" + std::to_string(kId)) != std::string::npos;
+  }
+  EXPECT_TRUE(seen) << "no log line with the request id reached the hook";
+}
+
+// The DataContext's terminate flag ends a blocked recv on both ranks: Cancelled within 50 ms.
+TEST_P(WrapperTest, TerminateFlagEndsBothSidesWithin50ms) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 77;
+  std::atomic<bool> cancel{false};
+  std::atomic<int64_t> ctxEnd{0};
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    std::vector<uint8_t> s(1 << 20);
+    std::atomic<bool> ctxCancel{false};
+    try {
+      for (int i = 0; i < 1000; ++i) t.conn->send(kv::DataContext{gen.tags.data(kId), ctxCancel}, s.data(), s.size());
+      ADD_FAILURE() << "the context side sent everything";
+    } catch (kvlink::trtllm::TransferError const& e) {
+      ctxEnd = nowNs();
+      EXPECT_EQ(e.outcome(), 2) << e.what();  // Cancelled
+    }
+  });
+  gen.sendRequestInfo(kId);
+  ASSERT_TRUE(gen.recvReady(kId, never_));
+  std::vector<uint8_t> d(1 << 20);
+  kv::DataContext const data{gen.tags.data(kId), cancel};
+  for (int i = 0; i < 3; ++i) toCtx_->recv(data, d.data(), d.size());
+  std::atomic<int64_t> setAt{0};
+  std::thread setter([&] {
+    std::this_thread::sleep_for(20ms);
+    setAt = nowNs();
+    cancel = true;
+  });
+  int64_t genEnd = 0;
+  try {
+    for (int i = 0; i < 1000; ++i) toCtx_->recv(data, d.data(), d.size());
+  } catch (kvlink::trtllm::TransferError const& e) {
+    genEnd = nowNs();
+    EXPECT_EQ(e.outcome(), 2) << e.what();
+  }
+  setter.join();
+  server.get();
+  ASSERT_NE(genEnd, 0);
+  ASSERT_NE(ctxEnd.load(), 0);
+  double const genMs = (genEnd - setAt.load()) / 1e6, ctxMs = (ctxEnd.load() - setAt.load()) / 1e6;
+  std::printf("terminate flag set mid-transfer: generation side out after %.2f ms, context side after %.2f ms\n",
+              genMs, ctxMs);
+  EXPECT_LE(genMs, 50.0);
+  EXPECT_LE(ctxMs, 50.0);
+}
+
+// Two requests whose ids are 4096 apart (equal in a 12-bit tag) on one connection: one after the
+// other on a thread, both complete with their own bytes; in flight together from two threads,
+// the second is refused with AmbiguousTagError and the first still completes with its own bytes.
+TEST_P(WrapperTest, IdsEqualMod4096NeverCrossAndAreRefusedWhenInFlightTogether) {
+  GenSide gen{toCtx_, Tags{false}};
+  constexpr uint64_t kA = 5, kB = 5 + 4096;
+  std::atomic<bool> stop{false};
+  auto server = std::async(std::launch::async, [&] {
+    std::vector<std::future<void>> sends;
+    for (;;) {
+      Taken t = recvRequestInfo(*ctx_, stop);
+      if (t.conn == nullptr) break;
+      uint64_t const id = t.info.getRequestId();
+      bool const ready = true;
+      t.conn->send(kv::DataContext{gen.tags.ready(id)}, &ready, sizeof ready);
+      sends.push_back(std::async(std::launch::async, [&gen, t, id] {
+        std::vector<uint8_t> s(64 * 1024);
+        fill(id, 0, s.data(), s.size());
+        t.conn->send(kv::DataContext{gen.tags.data(id)}, s.data(), s.size());
+      }));
+    }
+    for (auto& f : sends) f.get();
+  });
+  auto receive = [&](uint64_t id) {
+    gen.sendRequestInfo(id);
+    EXPECT_TRUE(gen.recvReady(id, never_));
+    std::vector<uint8_t> d(64 * 1024);
+    toCtx_->recv(kv::DataContext{gen.tags.data(id)}, d.data(), d.size());
+    return check(id, 0, d.data(), d.size()) == SIZE_MAX;
+  };
+  // One after the other on one thread.
+  EXPECT_TRUE(receive(kA));
+  EXPECT_TRUE(receive(kB));
+  // In flight together: thread 1 holds request 9 (= 9 + 4096k for none other), thread 2 asks for
+  // 9 + 4096 while 9 is still open.
+  constexpr uint64_t kC = 9, kD = 9 + 4096;
+  std::promise<void> cSent;
+  std::promise<void> dTried;
+  auto first = std::async(std::launch::async, [&] {
+    gen.sendRequestInfo(kC);
+    cSent.set_value();
+    dTried.get_future().wait();
+    EXPECT_TRUE(gen.recvReady(kC, never_));
+    std::vector<uint8_t> d(64 * 1024);
+    toCtx_->recv(kv::DataContext{gen.tags.data(kC)}, d.data(), d.size());
+    return check(kC, 0, d.data(), d.size()) == SIZE_MAX;
+  });
+  cSent.get_future().wait();
+  std::thread second([&] {
+    try {
+      gen.sendRequestInfo(kD);
+      ADD_FAILURE() << "request " << kD << " was let in while " << kC << " is in flight on the connection";
+    } catch (kvlink::trtllm::AmbiguousTagError const& e) {
+      EXPECT_EQ(e.request(), kD);
+      EXPECT_EQ(e.other(), kC);
+    }
+    dTried.set_value();
+  });
+  second.join();
+  EXPECT_TRUE(first.get()) << "request " << kC << " did not get its own bytes";
+  stop = true;
+  server.get();
+}
+
+/// The CUDA driver, loaded at run time (this binary links nothing of CUDA): device memory for
+/// the GPU test, or the reason there is none.
+struct Cuda {
+  using Ptr = unsigned long long;
+  void* lib = nullptr;
+  int (*memAlloc)(Ptr*, size_t) = nullptr;
+  int (*memFree)(Ptr) = nullptr;
+  int (*htod)(Ptr, void const*, size_t) = nullptr;
+  int (*dtoh)(void*, Ptr, size_t) = nullptr;
+  std::string why;
+  Cuda() {
+    lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (lib == nullptr) {
+      why = "no CUDA driver (libcuda.so.1 not found)";
+      return;
+    }
+    auto init = reinterpret_cast<int (*)(unsigned)>(dlsym(lib, "cuInit"));
+    auto deviceGet = reinterpret_cast<int (*)(int*, int)>(dlsym(lib, "cuDeviceGet"));
+    auto retain = reinterpret_cast<int (*)(void**, int)>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    auto setCurrent = reinterpret_cast<int (*)(void*)>(dlsym(lib, "cuCtxSetCurrent"));
+    memAlloc = reinterpret_cast<int (*)(Ptr*, size_t)>(dlsym(lib, "cuMemAlloc_v2"));
+    memFree = reinterpret_cast<int (*)(Ptr)>(dlsym(lib, "cuMemFree_v2"));
+    htod = reinterpret_cast<int (*)(Ptr, void const*, size_t)>(dlsym(lib, "cuMemcpyHtoD_v2"));
+    dtoh = reinterpret_cast<int (*)(void*, Ptr, size_t)>(dlsym(lib, "cuMemcpyDtoH_v2"));
+    int dev = 0;
+    void* ctx = nullptr;
+    if (init == nullptr || deviceGet == nullptr || retain == nullptr || setCurrent == nullptr || memAlloc == nullptr ||
+        memFree == nullptr || htod == nullptr || dtoh == nullptr) {
+      why = "the CUDA driver lacks a needed entry point";
+    } else if (int r = init(0); r != 0) {
+      why = "cuInit failed (" + std::to_string(r) + "): no usable GPU";
+    } else if (deviceGet(&dev, 0) != 0 || retain(&ctx, dev) != 0 || setCurrent(ctx) != 0) {
+      why = "no CUDA device 0";
+    }
+  }
+  bool ok() const { return why.empty(); }
+};
+
+// TensorRT-LLM's buffers are device memory: the generation side receives into a device pointer
+// and the context side sends from one. kvlink must take its device path (staged through pinned
+// host memory by kvlink), never read or write the device pointer on the host. Skips, saying
+// why, where no GPU exists; runs on a GPU machine (scripts/gpu-check.sh).
+TEST_P(WrapperTest, DeviceMemoryMovesThroughKvlinksDevicePath) {
+  Cuda cuda;
+  if (!cuda.ok()) GTEST_SKIP() << "GPU test skipped: " << cuda.why;
+  // Managers made after libcuda is loaded see device pointers as such.
+  auto ctx = make(*wrapper_, options(GetParam()));
+  auto gen = make(*wrapper_, options(GetParam()));
+  auto const* conn = gen->getConnections(ctx->getCommState()).at(0);
+  GenSide side{conn, Tags{true}};
+  constexpr uint64_t kId = 0xD0;
+  constexpr size_t kBytes = 8 << 20;
+  std::vector<uint8_t> host(kBytes), back(kBytes, 0);
+  fill(kId, 0, host.data(), host.size());
+  Cuda::Ptr src = 0, dst = 0;
+  ASSERT_EQ(cuda.memAlloc(&src, kBytes), 0);
+  ASSERT_EQ(cuda.memAlloc(&dst, kBytes), 0);
+  ASSERT_EQ(cuda.htod(src, host.data(), kBytes), 0);
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx, never_);
+    bool const ready = true;
+    t.conn->send(kv::DataContext{side.tags.ready(kId)}, &ready, sizeof ready);
+    t.conn->send(kv::DataContext{side.tags.data(kId)}, reinterpret_cast<void const*>(src), kBytes);
+  });
+  side.sendRequestInfo(kId);
+  ASSERT_TRUE(side.recvReady(kId, never_));
+  conn->recv(kv::DataContext{side.tags.data(kId)}, reinterpret_cast<void*>(dst), kBytes);
+  server.get();
+  ASSERT_EQ(cuda.dtoh(back.data(), dst, kBytes), 0);
+  EXPECT_EQ(check(kId, 0, back.data(), back.size()), SIZE_MAX);
+  cuda.memFree(src);
+  cuda.memFree(dst);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, WrapperTest, testing::Values("tcp", "sm"), param_name);
 
 }  // namespace

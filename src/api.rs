@@ -301,6 +301,51 @@ impl EngineHandle {
         })
     }
 
+    /// [`EngineHandle::send`] of `len` bytes of CUDA device memory at `device_addr` on
+    /// `device` ([`Engine::send_device`]: staged through pinned host memory). `Cuda` where no
+    /// driver or no such device exists.
+    ///
+    /// # Safety
+    /// `cancel` as for [`cancel_flag`]; `device_addr` must be `len` bytes of device memory on
+    /// `device` for the duration of the call.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn send_device(
+        &self,
+        request: u64,
+        generation: u32,
+        to_rank: u32,
+        segment: u32,
+        device: i32,
+        device_addr: u64,
+        len: usize,
+        timeout_ms: u64,
+        cancel: usize,
+    ) -> Result<u8> {
+        // SAFETY: forwarded caller promise.
+        let flag = unsafe { cancel_flag(cancel) };
+        guard(|| {
+            if device < 0 || device_addr == 0 || len == 0 {
+                return Err(Error::invalid(
+                    "send_device needs a device, a non-null address and a non-zero size",
+                ));
+            }
+            let check = cancel_check(flag);
+            let key = RequestKey::new(request, generation);
+            self.engine
+                .send_device(
+                    key,
+                    RankId(to_rank),
+                    segment,
+                    device,
+                    device_addr,
+                    len,
+                    deadline(timeout_ms),
+                    check.as_deref(),
+                )
+                .map(outcome_code)
+        })
+    }
+
     /// Waits for the agreed end of the request: as its receiver (`peer_rank` ignored) or as the
     /// sender to `peer_rank`.
     ///

@@ -177,6 +177,20 @@ pub mod ffi {
             timeout_ms: u64,
             cancel: usize,
         ) -> Result<u8>;
+        /// `send` of CUDA device memory (staged through pinned host memory).
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn send_device(
+            self: &EngineHandle,
+            request: u64,
+            generation: u32,
+            to_rank: u32,
+            segment: u32,
+            device: i32,
+            device_addr: u64,
+            len: usize,
+            timeout_ms: u64,
+            cancel: usize,
+        ) -> Result<u8>;
         unsafe fn wait(
             self: &EngineHandle,
             request: u64,

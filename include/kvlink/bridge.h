@@ -1104,6 +1104,10 @@ struct EngineHandle final : public ::rust::Opaque {
   void accept(::std::uint64_t request, ::std::uint32_t generation, ::std::uint32_t from_rank, bool ready) const;
   ::std::int8_t recv_ready(::std::uint64_t request, ::std::uint32_t generation, ::std::uint64_t timeout_ms, ::std::size_t cancel) const;
   ::std::uint8_t send(::std::uint64_t request, ::std::uint32_t generation, ::std::uint32_t to_rank, ::std::uint32_t segment, ::std::uint8_t const *data, ::std::size_t len, ::std::uint64_t timeout_ms, ::std::size_t cancel) const;
+
+  // `send` of CUDA device memory (staged through pinned host memory).
+  ::std::uint8_t send_device(::std::uint64_t request, ::std::uint32_t generation, ::std::uint32_t to_rank, ::std::uint32_t segment, ::std::int32_t device, ::std::uint64_t device_addr, ::std::size_t len, ::std::uint64_t timeout_ms, ::std::size_t cancel) const;
+
   ::std::uint8_t wait(::std::uint64_t request, ::std::uint32_t generation, bool as_receiver, ::std::uint32_t peer_rank, ::std::uint64_t timeout_ms, ::std::size_t cancel) const;
   void cancel(::std::uint64_t request, ::std::uint32_t generation) const;
   void notify(::std::uint32_t to_rank, ::std::uint64_t request, ::std::uint32_t generation, ::rust::Slice<::std::uint8_t const> payload) const;

@@ -135,13 +135,17 @@ struct RequestKey {
 /// Buffer kinds, as TensorRT-LLM numbers them.
 enum class BufferKind : std::uint8_t { Kv = 0, KvIndexer = 1, Rnn = 2 };
 
-/// A receive buffer the generation rank offers (host memory).
+/// A receive buffer the generation rank offers: host memory, or CUDA device memory when
+/// `device_id` is a device (the receive then lands in pinned host memory and is copied to the
+/// device on arrival; `ErrorKind::Cuda` where no driver exists).
 struct Buffer {
   BufferKind kind = BufferKind::Kv;
   /// Segment number, unique within the request; the sender names it in `send`.
   std::uint32_t segment = 0;
   void* data = nullptr;
   std::size_t size = 0;
+  /// CUDA device of `data`, -1 for host memory.
+  std::int32_t device_id = -1;
 };
 
 /// A buffer as the context rank sees it in an advertisement.
@@ -360,7 +364,7 @@ class Engine {
       i.segment = b.segment;
       i.addr = reinterpret_cast<std::uint64_t>(b.data);
       i.len = b.size;
-      i.device_id = -1;
+      i.device_id = b.device_id;
       i.token = 0;
       infos.push_back(i);
     }
@@ -414,6 +418,17 @@ class Engine {
       return handle_->send(key.request, key.generation, to_rank, segment,
                            static_cast<const std::uint8_t*>(data), size, detail::ms_until(deadline),
                            cancel.address());
+    }));
+  }
+
+  /// Context rank, blocks: `send` of `size` bytes of CUDA device memory at `device_data` on
+  /// `device` (staged through pinned host memory, never read on the host directly). Throws
+  /// `Error` Cuda where no CUDA driver or no such device exists.
+  Outcome send_device(RequestKey key, std::uint32_t to_rank, std::uint32_t segment, std::int32_t device,
+                      std::uint64_t device_data, std::size_t size, Deadline deadline, CancelRef cancel = {}) {
+    return detail::outcome_from_code(detail::call([&] {
+      return handle_->send_device(key.request, key.generation, to_rank, segment, device, device_data, size,
+                                  detail::ms_until(deadline), cancel.address());
     }));
   }
 

@@ -1,0 +1,947 @@
+// libkvlink_trtllm_wrapper.so: kvlink as a TensorRT-LLM `ConnectionManager` / `Connection`.
+//
+// TensorRT-LLM's generic cache-transfer path (batch_manager/dataTransceiver.cpp, the path its
+// UCX backend serves) speaks tagged messages on connections:
+//   generation rank (CacheReceiver)                 context rank (CacheSender)
+//   getConnections(contextCommState)[rank]
+//   send(19, id) send(22, size) send(32, info)  ->  recvConnect(19) -> conn; recv(22); recv(32)
+//   recv(readyTag, &isReady, 1)                 <-  send(readyTag, &isReady, 1)
+//   recv(dataTag, ptr, n) ... (formatter)       <-  send(dataTag, ptr, n) ... (formatter)
+// Each arrow becomes a kvlink request, so completion is the receive's own completion, every wait
+// has the request's deadline (kv_transfer_timeout_ms) and the DataContext's terminate flag
+// cancels it on both sides:
+//   - The three envelope sends are held, then go out as ONE advertisement (any-source, so
+//     `recvConnect` can take it from whoever sent it) whose request info carries them, and whose
+//     one posted 1-byte buffer receives the ready signal. The key is (request id read from the
+//     info's first 8 bytes, a fresh generation).
+//   - `send(readyTag, &b, 1)` on the context rank = accept (b true: the byte is sent into that
+//     buffer; false: Rejected). `recv(readyTag)` on the generation rank = the envelope request's
+//     agreed outcome: Completed -> true, Rejected -> false, anything else throws TransferError.
+//   - Each data `recv(tag, ptr, n)` posts `ptr` (host, or device via kvlink's device path) and
+//     advertises it; the matching `send(tag, ptr, n)` waits for that advertisement and sends
+//     into it (device memory through kvlink's send_device), then both wait for the verdict.
+// Request identity: advertisements carry the full 64-bit request id. Upstream's data tag carries
+// only some bits of it ((id & 0xFFF) << 8 | 43 in older releases, 23 bits in newer ones). On the
+// generation rank a recv is bound to the request its calling thread sent last on that connection
+// (upstream runs a request's sendRequestInfo, ready and unformat on one thread) and the tag is
+// only cross-checked; on the context rank a send picks the one open request whose id matches the
+// tag. Two requests in flight on one connection whose ids a tag cannot tell apart are refused
+// with AmbiguousTagError, never mixed.
+//
+// Written for kvlink against the declarations in docs/TENSORRT_LLM.md (pinned upstream commits);
+// no TensorRT-LLM code. Exports only `makeKvlinkConnectionManager`.
+#include <kvlink/kvlink.hpp>
+#include <kvlink/trtllm_adapter.h>
+
+#include <tensorrt_llm/executor/cacheCommunicator.h>
+#include <tensorrt_llm/executor/dataTransceiverState.h>
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace kvlink::trtllm {
+namespace {
+
+namespace kv = ::tensorrt_llm::executor::kv_cache;
+using namespace std::chrono_literals;
+
+// Upstream's TransceiverTag values (dataTransceiver.h @32779536): the request-info envelope.
+constexpr int kIdTag = 19;
+constexpr int kInfoSizeTag = 22;
+constexpr int kInfoTag = 32;
+// The low 8 bits of a request-scoped tag are its type: 42 ready signal, 43 data.
+constexpr int kReadyType = 42;
+
+// --- Our wire header in an advertisement's request info ---------------------------------------
+// u32 magic 'KVLT', u8 version 1, u8 kind (1 envelope, 2 data), u16 0, i32 tag, u32 envelope
+// generation (data: the generation of its request's envelope), u64 closes (envelope: the request
+// id + 1 that this envelope's thread finished on this connection, 0 none), u32 message count,
+// then per message: i32 tag, u64 length, bytes. Decoded with every length bounds-checked.
+constexpr std::uint32_t kMagic = 0x544C564Bu;
+constexpr std::uint8_t kVersion = 1;
+enum class Kind : std::uint8_t { Envelope = 1, Data = 2 };
+
+struct Message {
+  int tag = 0;
+  std::vector<std::uint8_t> bytes;
+};
+
+struct Header {
+  Kind kind = Kind::Envelope;
+  int tag = 0;
+  std::uint32_t envelopeGeneration = 0;
+  std::uint64_t closes = 0;
+  std::vector<Message> messages;
+};
+
+template <typename T>
+void put(std::vector<std::uint8_t>& out, T v) {
+  auto const* p = reinterpret_cast<std::uint8_t const*>(&v);
+  out.insert(out.end(), p, p + sizeof v);
+}
+
+std::vector<std::uint8_t> encode(Header const& h) {
+  std::vector<std::uint8_t> out;
+  put(out, kMagic);
+  put(out, kVersion);
+  put(out, static_cast<std::uint8_t>(h.kind));
+  put(out, std::uint16_t{0});
+  put(out, static_cast<std::int32_t>(h.tag));
+  put(out, h.envelopeGeneration);
+  put(out, h.closes);
+  put(out, static_cast<std::uint32_t>(h.messages.size()));
+  for (auto const& m : h.messages) {
+    put(out, static_cast<std::int32_t>(m.tag));
+    put(out, static_cast<std::uint64_t>(m.bytes.size()));
+    out.insert(out.end(), m.bytes.begin(), m.bytes.end());
+  }
+  return out;
+}
+
+class Reader {
+ public:
+  explicit Reader(std::vector<std::uint8_t> const& b) : b_(b) {}
+  template <typename T>
+  bool get(T& v) {
+    if (b_.size() - at_ < sizeof v) return false;
+    std::memcpy(&v, b_.data() + at_, sizeof v);
+    at_ += sizeof v;
+    return true;
+  }
+  bool bytes(std::uint64_t n, std::vector<std::uint8_t>& out) {
+    if (b_.size() - at_ < n) return false;
+    out.assign(b_.begin() + static_cast<std::ptrdiff_t>(at_), b_.begin() + static_cast<std::ptrdiff_t>(at_ + n));
+    at_ += static_cast<size_t>(n);
+    return true;
+  }
+  bool done() const { return at_ == b_.size(); }
+
+ private:
+  std::vector<std::uint8_t> const& b_;
+  size_t at_ = 0;
+};
+
+std::optional<Header> decode(std::vector<std::uint8_t> const& info) {
+  Reader r(info);
+  std::uint32_t magic = 0, count = 0;
+  std::uint8_t version = 0, kind = 0;
+  std::uint16_t zero = 0;
+  std::int32_t tag = 0;
+  Header h;
+  if (!r.get(magic) || magic != kMagic || !r.get(version) || version != kVersion || !r.get(kind) ||
+      (kind != 1 && kind != 2) || !r.get(zero) || !r.get(tag) || !r.get(h.envelopeGeneration) || !r.get(h.closes) ||
+      !r.get(count) || count > 16) {
+    return std::nullopt;
+  }
+  h.kind = static_cast<Kind>(kind);
+  h.tag = tag;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    Message m;
+    std::int32_t t = 0;
+    std::uint64_t n = 0;
+    if (!r.get(t) || !r.get(n) || !r.bytes(n, m.bytes)) return std::nullopt;
+    m.tag = t;
+    h.messages.push_back(std::move(m));
+  }
+  if (!r.done()) return std::nullopt;
+  return h;
+}
+
+// --- Tags and request ids ------------------------------------------------------------------------
+
+bool isEnvelopeTag(int tag) { return tag == kIdTag || tag == kInfoSizeTag || tag == kInfoTag; }
+bool isReadyTag(int tag) { return (tag & 0xFF) == kReadyType; }
+
+/// Whether request `id` can be the one a request-scoped `tag` names. Upstream puts the low 12
+/// (older) or 23 (newer) bits of the id above an 8-bit type; a tag without id bits (the fixed
+/// ready tag 42 of older releases) names any request.
+bool tagNames(int tag, std::uint64_t id) {
+  auto const bits = static_cast<std::uint64_t>(static_cast<std::uint32_t>(tag) >> 8);
+  if (bits == 0) return true;
+  if ((id & 0xFFFu) != (bits & 0xFFFu)) return false;
+  return bits < 0x1000u || (id & 0x7FFFFFu) == bits;
+}
+
+std::string envOr(char const* given, char const* name, char const* fallback) {
+  if (given != nullptr && *given != '\0') return given;
+  char const* e = std::getenv(name);
+  return (e != nullptr && *e != '\0') ? std::string(e) : std::string(fallback);
+}
+
+// --- CUDA pointers, without a link dependency ------------------------------------------------------
+// TensorRT-LLM's buffers are device memory. Ask the CUDA driver the process has already loaded
+// (RTLD_NOLOAD: a process without libcuda has no device pointers) which device a pointer is on.
+class CudaPointers {
+ public:
+  CudaPointers() {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (h == nullptr) return;
+    init_ = reinterpret_cast<int (*)(unsigned)>(dlsym(h, "cuInit"));
+    attr_ = reinterpret_cast<int (*)(void*, int, unsigned long long)>(dlsym(h, "cuPointerGetAttribute"));
+    if (init_ == nullptr || attr_ == nullptr || init_(0) != 0) attr_ = nullptr;
+  }
+  /// The CUDA device of `p`, or -1 for host memory (pinned host memory included).
+  int deviceOf(void const* p) const {
+    if (attr_ == nullptr || p == nullptr) return -1;
+    unsigned int memoryType = 0;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2, CU_MEMORYTYPE_DEVICE = 2
+    if (attr_(&memoryType, 2, reinterpret_cast<unsigned long long>(p)) != 0 || memoryType != 2) return -1;
+    int ordinal = -1;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+    if (attr_(&ordinal, 9, reinterpret_cast<unsigned long long>(p)) != 0) return -1;
+    return ordinal;
+  }
+
+ private:
+  int (*init_)(unsigned) = nullptr;
+  int (*attr_)(void*, int, unsigned long long) = nullptr;
+};
+
+std::string describe(std::uint64_t id, int tag) {
+  return "request " + std::to_string(id) + " (tag " + std::to_string(tag) + ")";
+}
+
+class Manager;
+
+/// One remote rank. Thread safe; holds per-thread state for the requests its callers run.
+class KvlinkConnection final : public kv::Connection {
+ public:
+  KvlinkConnection(Manager& m, std::uint32_t remote) : m_(m), remote_(remote) {}
+  ~KvlinkConnection() override;
+
+  void send(kv::DataContext const& ctx, void const* data, size_t size) const override;
+  void recv(kv::DataContext const& ctx, void* data, size_t size) const override;
+  [[nodiscard]] bool isThreadSafe() const noexcept override { return true; }
+
+  // Called by the manager.
+  void adoptEnvelope(Advertisement const& adv, Header&& h) const;
+  void queueData(Advertisement&& adv, Header&& h) const;
+  void wake() const { cv_.notify_all(); }
+
+ private:
+  struct GenRequest {  // generation side: one per calling thread
+    std::uint64_t id = 0;
+    RequestKey envelope;
+    Deadline deadline;
+    std::unique_ptr<std::uint8_t> readyByte = std::make_unique<std::uint8_t>(0);
+    bool settled = false;  // the envelope request's outcome was taken
+    std::optional<bool> ready;
+  };
+  struct CtxRequest {  // context side: one per adopted envelope
+    std::uint64_t id = 0;
+    RequestKey envelope;
+    Deadline deadline;
+    bool answered = false;
+    bool open = true;
+  };
+  struct DataAdvert {
+    Advertisement adv;
+    int tag = 0;
+  };
+
+  void sendEnvelope(std::vector<Message>&& msgs) const;
+  void sendReady(kv::DataContext const& ctx, void const* data, size_t size) const;
+  void sendData(kv::DataContext const& ctx, void const* data, size_t size) const;
+  void recvReady(kv::DataContext const& ctx, void* data, size_t size) const;
+  void recvData(kv::DataContext const& ctx, void* data, size_t size) const;
+  void settle(GenRequest& r) const;  // with mu_ not held
+  std::vector<CtxRequest*> openCtxNaming(int tag, bool answered) const;  // with mu_ held
+
+  Manager& m_;
+  std::uint32_t remote_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  mutable std::map<std::thread::id, std::vector<Message>> outgoing_;   // envelope being built
+  mutable std::map<std::thread::id, std::vector<Message>> incoming_;   // envelope being read
+  mutable std::map<std::thread::id, std::shared_ptr<GenRequest>> gen_;  // generation side
+  mutable std::map<std::uint64_t, CtxRequest> ctx_;                   // context side, by id
+  mutable std::deque<DataAdvert> data_;                               // context side
+};
+
+/// One rank's manager: one kvlink engine, one dispatcher thread for advertisements.
+class Manager final : public kv::ConnectionManager {
+ public:
+  Manager(EngineConfig const& config, std::vector<kv::AgentState> agents, int selfIdx)
+      : config_(config), engine_(config), commState_(std::move(agents), selfIdx) {}
+
+  /// Publishes this rank (the allgather) and starts the dispatcher.
+  static std::unique_ptr<Manager> make(KvlinkTrtllmOptions const& o, EngineConfig const& c) {
+    auto m = std::unique_ptr<Manager>(new Manager(c, {}, o.rank));
+    std::string const mine = c.name + '\n' + m->engine_.address();
+    constexpr size_t kRecord = 8192;
+    if (mine.size() >= kRecord) throw Error(ErrorKind::InvalidArgument, "kvlink: agent name too long");
+    std::vector<kv::AgentState> agents;
+    if (o.world_size <= 1) {
+      agents.emplace_back(c.name, m->engine_.address());
+    } else {
+      if (o.allgather == nullptr) {
+        throw Error(ErrorKind::InvalidArgument, "kvlink: world_size > 1 needs an allgather");
+      }
+      std::vector<char> record(kRecord, '\0'), all(kRecord * static_cast<size_t>(o.world_size), '\0');
+      std::memcpy(record.data(), mine.data(), mine.size());
+      if (o.allgather(o.allgather_user, record.data(), kRecord, all.data()) != 0) {
+        throw Error(ErrorKind::Transport, "kvlink: the allgather of agent addresses failed");
+      }
+      for (int r = 0; r < o.world_size; ++r) {
+        std::string s(all.data() + static_cast<size_t>(r) * kRecord);
+        auto const nl = s.find('\n');
+        if (nl == std::string::npos) throw Error(ErrorKind::Protocol, "kvlink: bad agent record from rank " + std::to_string(r));
+        agents.emplace_back(s.substr(0, nl), s.substr(nl + 1));
+      }
+    }
+    m->commState_ = kv::CommState(std::move(agents), o.rank);
+    m->dispatcher_ = std::thread([p = m.get()] { p->dispatch(); });
+    return m;
+  }
+
+  ~Manager() override {
+    releaseLogSink();
+    running_.store(false, std::memory_order_release);
+    stop_.store(true, std::memory_order_release);
+    envelopeCv_.notify_all();
+    if (dispatcher_.joinable()) dispatcher_.join();
+    std::lock_guard<std::mutex> g(mu_);
+    connections_.clear();  // before the engine they use
+  }
+
+  kv::Connection const* recvConnect(kv::DataContext const& ctx, void* data, size_t size) override {
+    std::atomic<bool> const& terminate = ctx.getTransferTerminate();
+    std::unique_lock<std::mutex> g(mu_);
+    for (;;) {
+      if (!envelopes_.empty()) break;
+      if (!isRunning() || terminate.load(std::memory_order_acquire)) return nullptr;
+      // The flag cannot notify us: look at it every 10 ms (no spinning, bounded latency).
+      envelopeCv_.wait_for(g, 10ms);
+    }
+    auto [adv, header] = std::move(envelopes_.front());
+    envelopes_.pop_front();
+    KvlinkConnection* c = connectionFor(adv.from_rank, g);
+    g.unlock();
+    if (header.messages.empty() || header.messages.front().tag != ctx.getTag() ||
+        header.messages.front().bytes.size() != size) {
+      try {
+        engine_.accept(adv.key, adv.from_rank, false);
+      } catch (Error const&) {
+        // Already ended: nothing to refuse.
+      }
+      throw Error(ErrorKind::Protocol, "kvlink Protocol: the request envelope does not start with tag " +
+                                           std::to_string(ctx.getTag()) + " of " + std::to_string(size) + " bytes");
+    }
+    std::memcpy(data, header.messages.front().bytes.data(), size);
+    header.messages.erase(header.messages.begin());
+    c->adoptEnvelope(adv, std::move(header));
+    return c;
+  }
+
+  [[nodiscard]] std::vector<kv::Connection const*> getConnections(kv::CommState const& state) override {
+    if (!state.isAgentState()) {
+      throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: the CommState is not kvlink's (agent state)");
+    }
+    std::vector<kv::Connection const*> out;
+    for (auto const& a : state.getAgentState()) {
+      out.push_back(a.mConnectionInfo == engine_.address() ? nullptr : connectTo(a.mConnectionInfo));
+    }
+    return out;
+  }
+
+  [[nodiscard]] kv::CommState const& getCommState() const override { return commState_; }
+  [[nodiscard]] bool isRunning() const override { return running_.load(std::memory_order_acquire); }
+
+  /// This manager routes kvlink's logs to the host's hook; the last such manager to go removes
+  /// the sink, so no event reaches a hook whose owner may be gone.
+  void holdLogSink() {
+    std::lock_guard<std::mutex> g(logMutex());
+    ++logHolders();
+    holdsLog_ = true;
+  }
+  void releaseLogSink() {
+    if (!holdsLog_) return;
+    std::lock_guard<std::mutex> g(logMutex());
+    holdsLog_ = false;
+    if (--logHolders() == 0) clear_log_sink();
+  }
+  static std::mutex& logMutex() {
+    static std::mutex m;
+    return m;
+  }
+  static int& logHolders() {
+    static int n = 0;
+    return n;
+  }
+
+  Engine& engine() { return engine_; }
+  std::uint32_t nextGeneration() { return generation_.fetch_add(1, std::memory_order_relaxed); }
+  std::chrono::milliseconds timeout() const { return config_.timeout; }
+  /// How long past a request's deadline its waits may still run (agreement + slack).
+  std::chrono::milliseconds grace() const {
+    return (config_.agreement_bound.count() > 0 ? config_.agreement_bound : std::chrono::milliseconds(50)) + 1000ms;
+  }
+  CudaPointers const& cuda() const { return cuda_; }
+
+ private:
+  void dispatch() {
+    while (!stop_.load(std::memory_order_acquire)) {
+      std::optional<Advertisement> adv;
+      try {
+        adv = engine_.next_advertisement(after(200ms), stop_);
+      } catch (std::exception const&) {
+        adv.reset();
+      }
+      if (!adv) continue;
+      auto h = decode(adv->request_info);
+      if (!h) {
+        refuse(*adv);
+        continue;
+      }
+      if (h->kind == Kind::Envelope) {
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          envelopes_.emplace_back(std::move(*adv), std::move(*h));
+        }
+        envelopeCv_.notify_all();
+      } else {
+        KvlinkConnection* c = nullptr;
+        {
+          std::unique_lock<std::mutex> g(mu_);
+          c = connectionFor(adv->from_rank, g);
+        }
+        c->queueData(std::move(*adv), std::move(*h));
+      }
+    }
+  }
+
+  void refuse(Advertisement const& adv) {
+    try {
+      engine_.accept(adv.key, adv.from_rank, false);
+    } catch (Error const&) {
+      // Already ended.
+    }
+  }
+
+  KvlinkConnection* connectionFor(std::uint32_t rank, std::unique_lock<std::mutex>&) {
+    auto& slot = connections_[rank];
+    if (!slot) slot = std::make_unique<KvlinkConnection>(*this, rank);
+    return slot.get();
+  }
+
+  kv::Connection const* connectTo(std::string const& address) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = byAddress_.find(address);
+      if (it != byAddress_.end()) return it->second;
+    }
+    std::uint32_t const rank = engine_.connect(address, after(config_.timeout));
+    std::unique_lock<std::mutex> g(mu_);
+    KvlinkConnection* c = connectionFor(rank, g);
+    byAddress_[address] = c;
+    return c;
+  }
+
+  EngineConfig config_;
+  Engine engine_;
+  kv::CommState commState_;
+  CudaPointers cuda_;
+  bool holdsLog_ = false;
+  std::atomic<bool> running_{true};
+  std::atomic<bool> stop_{false};
+  std::atomic<std::uint32_t> generation_{1};
+  std::mutex mu_;
+  std::condition_variable envelopeCv_;
+  std::deque<std::pair<Advertisement, Header>> envelopes_;
+  std::map<std::string, KvlinkConnection const*> byAddress_;
+  std::map<std::uint32_t, std::unique_ptr<KvlinkConnection>> connections_;
+  std::thread dispatcher_;
+};
+
+/// Accepts (or refuses) an advertised request. False when it has already ended (the other side
+/// cancelled or timed it out first); its verdict is then `ended`.
+bool acceptOrEnded(Engine& e, RequestKey key, std::uint32_t from, bool ready, std::chrono::milliseconds grace,
+                   Outcome& ended) {
+  try {
+    e.accept(key, from, ready);
+    return true;
+  } catch (Error const&) {
+    try {
+      ended = e.wait_sender(key, from, after(grace));
+    } catch (Error const&) {
+      ended = Outcome::Cancelled;  // already settled and taken: it did not complete here
+    }
+    if (ended == Outcome::Completed) ended = Outcome::Cancelled;
+    return false;
+  }
+}
+
+// --- KvlinkConnection -------------------------------------------------------------------------
+
+KvlinkConnection::~KvlinkConnection() {
+  // Requests still holding a posted ready byte: settle them before the byte is freed.
+  for (auto& [thread, r] : gen_) {
+    (void)thread;
+    if (r && !r->settled) settle(*r);
+  }
+}
+
+void KvlinkConnection::settle(GenRequest& r) const {
+  try {
+    m_.engine().cancel(r.envelope);
+  } catch (Error const&) {
+    // Already ended.
+  }
+  try {
+    (void)m_.engine().wait_receiver(r.envelope, after(m_.grace()));
+  } catch (Error const&) {
+    // Already taken.
+  }
+  r.settled = true;
+}
+
+void KvlinkConnection::send(kv::DataContext const& ctx, void const* data, size_t size) const {
+  int const tag = ctx.getTag();
+  if (isEnvelopeTag(tag)) {
+    std::vector<Message> done;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto& out = outgoing_[std::this_thread::get_id()];
+      auto const* p = static_cast<std::uint8_t const*>(data);
+      out.push_back(Message{tag, std::vector<std::uint8_t>(p, p + size)});
+      if (tag != kInfoTag) return;  // the envelope goes out with its last part
+      done = std::move(out);
+      outgoing_.erase(std::this_thread::get_id());
+    }
+    sendEnvelope(std::move(done));
+    return;
+  }
+  if (isReadyTag(tag)) {
+    sendReady(ctx, data, size);
+  } else {
+    sendData(ctx, data, size);
+  }
+}
+
+void KvlinkConnection::recv(kv::DataContext const& ctx, void* data, size_t size) const {
+  int const tag = ctx.getTag();
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = incoming_.find(std::this_thread::get_id());
+    if (it != incoming_.end() && !it->second.empty() && it->second.front().tag == tag) {
+      // The rest of the envelope that recvConnect took on this thread.
+      Message m = std::move(it->second.front());
+      it->second.erase(it->second.begin());
+      if (it->second.empty()) incoming_.erase(it);
+      if (m.bytes.size() != size) {
+        throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: recv of " + std::to_string(size) +
+                                                    " bytes on tag " + std::to_string(tag) + ", message has " +
+                                                    std::to_string(m.bytes.size()));
+      }
+      if (size > 0) std::memcpy(data, m.bytes.data(), size);
+      return;
+    }
+  }
+  if (isEnvelopeTag(tag)) {
+    throw Error(ErrorKind::InvalidArgument,
+                "kvlink InvalidArgument: recv on envelope tag " + std::to_string(tag) + " with no envelope taken");
+  }
+  if (isReadyTag(tag)) {
+    recvReady(ctx, data, size);
+  } else {
+    recvData(ctx, data, size);
+  }
+}
+
+// Generation side ------------------------------------------------------------------------------
+
+void KvlinkConnection::sendEnvelope(std::vector<Message>&& msgs) const {
+  auto const& info = msgs.back().bytes;
+  if (info.size() < sizeof(std::uint64_t)) {
+    throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: request info shorter than its request id");
+  }
+  std::uint64_t id = 0;
+  std::memcpy(&id, info.data(), sizeof id);  // RequestInfo::serialize writes the id first
+  auto const self = std::this_thread::get_id();
+  std::shared_ptr<GenRequest> previous;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto const now = Clock::now();
+    for (auto const& [thread, r] : gen_) {
+      // Another thread's request, open on this connection until that thread sends its next one
+      // or its deadline passes: their tags must stay distinct. Compared on the 12 id bits every
+      // upstream release puts in a tag (a newer release's 23 bits would tell more apart).
+      if (thread == self || !r || now > r->deadline + m_.grace()) continue;
+      if (r->id == id || (r->id & 0xFFFu) == (id & 0xFFFu)) {
+        throw AmbiguousTagError(static_cast<int>(((id & 0xFFFu) << 8) | 43u), id, r->id,
+                                "kvlink: request " + std::to_string(id) + " would share its data tags with request " +
+                                    std::to_string(r->id) + ", in flight on the same connection; refused");
+      }
+    }
+    auto it = gen_.find(self);
+    if (it != gen_.end()) previous = it->second;
+  }
+  if (previous && !previous->settled) settle(*previous);
+
+  auto r = std::make_shared<GenRequest>();
+  r->id = id;
+  r->envelope = RequestKey{id, m_.nextGeneration()};
+  Header h;
+  h.kind = Kind::Envelope;
+  h.tag = kInfoTag;
+  h.closes = previous ? previous->id + 1 : 0;
+  h.messages = std::move(msgs);
+  std::vector<Buffer> ready{Buffer{BufferKind::Kv, 0, r->readyByte.get(), 1, -1}};
+  r->deadline = after(m_.timeout());
+  m_.engine().advertise(r->envelope, {}, remote_, ready, encode(h));
+  std::lock_guard<std::mutex> g(mu_);
+  gen_[self] = std::move(r);
+}
+
+void KvlinkConnection::recvReady(kv::DataContext const& ctx, void* data, size_t size) const {
+  if (size != 1) throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: a ready signal is one byte");
+  std::shared_ptr<GenRequest> r;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = gen_.find(std::this_thread::get_id());
+    if (it != gen_.end()) r = it->second;
+  }
+  if (!r) throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: ready signal awaited before a request was sent");
+  if (!tagNames(ctx.getTag(), r->id)) {
+    throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: ready tag " + std::to_string(ctx.getTag()) +
+                                                " does not name " + describe(r->id, ctx.getTag()));
+  }
+  if (r->settled) throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: ready signal already taken");
+  Outcome const o = m_.engine().wait_receiver(r->envelope, r->deadline + m_.grace(), ctx.getTransferTerminate());
+  r->settled = true;
+  if (o == Outcome::Completed) {
+    r->ready = *r->readyByte != 0;
+  } else if (o == Outcome::Rejected) {
+    r->ready = false;
+  } else {
+    throw TransferError(static_cast<int>(o), r->id,
+                        "kvlink: ready signal of request " + std::to_string(r->id) + " ended " + to_string(o));
+  }
+  bool const ready = *r->ready;
+  std::memcpy(data, &ready, 1);
+}
+
+void KvlinkConnection::recvData(kv::DataContext const& ctx, void* data, size_t size) const {
+  // The request: the one this thread sent last on this connection if the tag names it (upstream
+  // runs sendRequestInfo and unformat on one thread), else the one accepted request here that
+  // the tag names (a formatter that receives on helper threads). Two: refused.
+  int const tag = ctx.getTag();
+  std::shared_ptr<GenRequest> r;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto const now = Clock::now();
+    auto const usable = [&](std::shared_ptr<GenRequest> const& q) {
+      return q && q->ready.value_or(false) && now <= q->deadline && tagNames(tag, q->id);
+    };
+    auto mine = gen_.find(std::this_thread::get_id());
+    if (mine != gen_.end() && usable(mine->second)) {
+      r = mine->second;
+    } else {
+      for (auto const& [thread, q] : gen_) {
+        (void)thread;
+        if (!usable(q)) continue;
+        if (r && r->id != q->id) {
+          throw AmbiguousTagError(tag, r->id, q->id,
+                                  "kvlink: data tag " + std::to_string(tag) + " names requests " + std::to_string(r->id) +
+                                      " and " + std::to_string(q->id) + " on this connection; refused");
+        }
+        r = q;
+      }
+    }
+  }
+  if (!r) {
+    throw Error(ErrorKind::UnknownRequest, "kvlink UnknownRequest: data recv on tag " + std::to_string(tag) +
+                                               " names no accepted request on this connection");
+  }
+  if (data == nullptr || size == 0) throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: empty recv");
+  auto const left = std::chrono::duration_cast<std::chrono::milliseconds>(r->deadline - Clock::now());
+  if (left.count() <= 0) {
+    throw TransferError(static_cast<int>(Outcome::TimedOut), r->id,
+                        "kvlink: request " + std::to_string(r->id) + " passed its deadline before this recv");
+  }
+  RequestKey const key{r->id, m_.nextGeneration()};
+  Header h;
+  h.kind = Kind::Data;
+  h.tag = tag;
+  h.envelopeGeneration = r->envelope.generation;
+  Buffer b{BufferKind::Kv, 0, data, size, m_.cuda().deviceOf(data)};
+  m_.engine().advertise(key, {}, remote_, {b}, encode(h), left);
+  Outcome const o = m_.engine().wait_receiver(key, r->deadline + m_.grace(), ctx.getTransferTerminate());
+  if (o != Outcome::Completed) {
+    throw TransferError(static_cast<int>(o), r->id,
+                        "kvlink: recv of " + describe(r->id, tag) + " ended " + to_string(o));
+  }
+}
+
+// Context side ---------------------------------------------------------------------------------
+
+void KvlinkConnection::adoptEnvelope(Advertisement const& adv, Header&& h) const {
+  std::lock_guard<std::mutex> g(mu_);
+  if (h.closes != 0) {
+    // The generation thread moved on: that request is over. A send of it still running here ends
+    // Cancelled (not UnknownRequest), and its queued advertisements go.
+    auto it = ctx_.find(h.closes - 1);
+    if (it != ctx_.end()) it->second.open = false;
+    for (auto d = data_.begin(); d != data_.end();) {
+      if (d->adv.key.request != h.closes - 1) {
+        ++d;
+        continue;
+      }
+      try {
+        m_.engine().accept(d->adv.key, remote_, false);
+      } catch (Error const&) {
+        // Already ended.
+      }
+      d = data_.erase(d);
+    }
+    cv_.notify_all();
+  }
+  auto const now = Clock::now();
+  for (auto it = ctx_.begin(); it != ctx_.end();) {  // forget requests past their deadline
+    it = now > it->second.deadline + m_.grace() ? ctx_.erase(it) : std::next(it);
+  }
+  CtxRequest r;
+  r.id = adv.key.request;
+  r.envelope = adv.key;
+  r.deadline = adv.deadline;
+  ctx_[r.id] = r;
+  if (!h.messages.empty()) incoming_[std::this_thread::get_id()] = std::move(h.messages);
+}
+
+void KvlinkConnection::queueData(Advertisement&& adv, Header&& h) const {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    data_.push_back(DataAdvert{std::move(adv), h.tag});
+  }
+  cv_.notify_all();
+}
+
+std::vector<KvlinkConnection::CtxRequest*> KvlinkConnection::openCtxNaming(int tag, bool answered) const {
+  std::vector<CtxRequest*> out;
+  auto const now = Clock::now();
+  for (auto& [id, r] : ctx_) {
+    (void)id;
+    if (!r.open || r.answered != answered || now > r.deadline + m_.grace()) continue;
+    if (tagNames(tag, r.id)) out.push_back(&r);
+  }
+  return out;
+}
+
+void KvlinkConnection::sendReady(kv::DataContext const& ctx, void const* data, size_t size) const {
+  if (size != 1) throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: a ready signal is one byte");
+  CtxRequest r;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto found = openCtxNaming(ctx.getTag(), false);
+    if (found.empty()) {
+      throw Error(ErrorKind::UnknownRequest, "kvlink UnknownRequest: no request awaits a ready signal on tag " +
+                                                 std::to_string(ctx.getTag()));
+    }
+    if (found.size() > 1) {
+      throw AmbiguousTagError(ctx.getTag(), found[0]->id, found[1]->id,
+                              "kvlink: ready tag " + std::to_string(ctx.getTag()) + " names requests " +
+                                  std::to_string(found[0]->id) + " and " + std::to_string(found[1]->id) + "; refused");
+    }
+    found[0]->answered = true;
+    bool const ready = *static_cast<std::uint8_t const*>(data) != 0;
+    if (!ready) found[0]->open = false;
+    r = *found[0];
+  }
+  bool const ready = *static_cast<std::uint8_t const*>(data) != 0;
+  Outcome ended = Outcome::Cancelled;
+  if (!acceptOrEnded(m_.engine(), r.envelope, remote_, ready, m_.grace(), ended)) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = ctx_.find(r.id);
+    if (it != ctx_.end()) it->second.open = false;
+    throw TransferError(static_cast<int>(ended), r.id,
+                        "kvlink: request " + std::to_string(r.id) + " ended " + to_string(ended) + " before its ready signal");
+  }
+  if (!ready) return;
+  std::uint8_t const one = 1;
+  std::atomic<bool> const& terminate = ctx.getTransferTerminate();
+  Outcome o = m_.engine().send(r.envelope, remote_, 0, &one, 1, r.deadline, terminate);
+  Outcome const verdict = m_.engine().wait_sender(r.envelope, remote_, r.deadline + m_.grace(),
+                                                  o == Outcome::Completed ? CancelRef(terminate) : CancelRef());
+  if (verdict != Outcome::Completed) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = ctx_.find(r.id);
+    if (it != ctx_.end()) it->second.open = false;
+    throw TransferError(static_cast<int>(verdict), r.id,
+                        "kvlink: ready signal of request " + std::to_string(r.id) + " ended " + to_string(verdict));
+  }
+}
+
+void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, size_t size) const {
+  int const tag = ctx.getTag();
+  std::atomic<bool> const& terminate = ctx.getTransferTerminate();
+  std::unique_lock<std::mutex> g(mu_);
+  auto found = openCtxNaming(tag, true);
+  if (found.empty()) {
+    for (auto const& [cid, c] : ctx_) {
+      if (!c.open && tagNames(tag, cid)) {
+        throw TransferError(static_cast<int>(Outcome::Cancelled), cid,
+                            "kvlink: send of " + describe(cid, tag) + ": the request already ended");
+      }
+    }
+    throw Error(ErrorKind::UnknownRequest,
+                "kvlink UnknownRequest: no accepted request on this connection for tag " + std::to_string(tag));
+  }
+  if (found.size() > 1) {
+    throw AmbiguousTagError(tag, found[0]->id, found[1]->id,
+                            "kvlink: data tag " + std::to_string(tag) + " names requests " +
+                                std::to_string(found[0]->id) + " and " + std::to_string(found[1]->id) +
+                                ", both in flight on this connection; refused");
+  }
+  std::uint64_t const id = found[0]->id;
+  Deadline const deadline = found[0]->deadline;
+  // Wait for the generation rank's advertisement of the buffer this send fills.
+  std::optional<Advertisement> adv;
+  for (;;) {
+    auto it = std::find_if(data_.begin(), data_.end(),
+                           [&](DataAdvert const& d) { return d.adv.key.request == id && d.tag == tag; });
+    if (it != data_.end()) {
+      adv = std::move(it->adv);
+      data_.erase(it);
+      break;
+    }
+    auto const self = ctx_.find(id);
+    if (terminate.load(std::memory_order_acquire) || self == ctx_.end() || !self->second.open) {
+      throw TransferError(static_cast<int>(Outcome::Cancelled), id, "kvlink: send of " + describe(id, tag) + " cancelled");
+    }
+    if (Clock::now() >= deadline) {
+      throw TransferError(static_cast<int>(Outcome::TimedOut), id,
+                          "kvlink: send of " + describe(id, tag) + ": no buffer advertised by the deadline");
+    }
+    cv_.wait_for(g, 5ms);  // the terminate flag cannot notify: look every 5 ms
+  }
+  g.unlock();
+  if (adv->buffers.size() != 1 || adv->buffers[0].size != size) {
+    Outcome ignored = Outcome::Rejected;
+    (void)acceptOrEnded(m_.engine(), adv->key, remote_, false, m_.grace(), ignored);
+    throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: send of " + std::to_string(size) + " bytes for " +
+                                                describe(id, tag) + " into a buffer of " +
+                                                std::to_string(adv->buffers.empty() ? 0 : adv->buffers[0].size));
+  }
+  Outcome ended = Outcome::Cancelled;
+  if (!acceptOrEnded(m_.engine(), adv->key, remote_, true, m_.grace(), ended)) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = ctx_.find(id);
+    if (it != ctx_.end()) it->second.open = false;
+    throw TransferError(static_cast<int>(ended), id, "kvlink: send of " + describe(id, tag) + " ended " + to_string(ended));
+  }
+  int const device = m_.cuda().deviceOf(data);
+  Outcome o = Outcome::Cancelled;
+  if (!terminate.load(std::memory_order_acquire)) {
+    o = device >= 0 ? m_.engine().send_device(adv->key, remote_, adv->buffers[0].segment, device,
+                                              reinterpret_cast<std::uint64_t>(data), size, adv->deadline, terminate)
+                    : m_.engine().send(adv->key, remote_, adv->buffers[0].segment, data, size, adv->deadline, terminate);
+  } else {
+    try {
+      m_.engine().cancel(adv->key);
+    } catch (Error const&) {
+      // Already ended.
+    }
+  }
+  Outcome const verdict = m_.engine().wait_sender(adv->key, remote_, adv->deadline + m_.grace(),
+                                                  o == Outcome::Completed ? CancelRef(terminate) : CancelRef());
+  if (verdict != Outcome::Completed) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = ctx_.find(id);
+    if (it != ctx_.end()) it->second.open = false;
+    throw TransferError(static_cast<int>(verdict), id, "kvlink: send of " + describe(id, tag) + " ended " + to_string(verdict));
+  }
+}
+
+// --- Options, logging ---------------------------------------------------------------------------
+
+int levelFromEnv() {
+  std::string const l = envOr(nullptr, "TRTLLM_LOG_LEVEL", "WARNING");
+  if (l == "ERROR" || l == "error") return 1;
+  if (l == "INFO" || l == "info") return 3;
+  if (l == "DEBUG" || l == "debug" || l == "VERBOSE" || l == "verbose") return 4;
+  if (l == "TRACE" || l == "trace") return 5;
+  return 2;
+}
+
+std::string uniqueAgentName() {
+  char host[256] = {0};
+  if (gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "host");
+  std::random_device rd;
+  return std::string(host) + "_" + std::to_string(getpid()) + "_" + std::to_string(rd());
+}
+
+std::uint32_t randomRankId() {
+  std::random_device rd;
+  std::uint32_t r = 0;
+  while (r == 0) r = rd();
+  return r;
+}
+
+}  // namespace
+}  // namespace kvlink::trtllm
+
+extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionManager(KvlinkTrtllmOptions const* o,
+                                                                                  char* error, size_t error_size) {
+  using namespace kvlink;
+  using namespace kvlink::trtllm;
+  auto const fail = [&](std::string const& what) -> void* {
+    if (error != nullptr && error_size > 0) {
+      std::strncpy(error, what.c_str(), error_size - 1);
+      error[error_size - 1] = '\0';
+    }
+    return nullptr;
+  };
+  if (o == nullptr || o->struct_size != sizeof(KvlinkTrtllmOptions)) return fail("kvlink: bad KvlinkTrtllmOptions");
+  if (o->rank < 0 || o->world_size < 1 || o->rank >= o->world_size) {
+    return fail("kvlink: rank " + std::to_string(o->rank) + " outside world_size " + std::to_string(o->world_size));
+  }
+  try {
+    EngineConfig c;
+    c.name = envOr(o->agent_name, "TRTLLM_KVLINK_AGENT_NAME", "");
+    if (c.name.empty()) c.name = uniqueAgentName();
+    // kvlink ranks must be unique across the context and generation instances, which TensorRT-LLM's
+    // per-instance rank is not: a random 32-bit id (or TRTLLM_KVLINK_RANK_ID) names this engine.
+    std::string const rankId = envOr(nullptr, "TRTLLM_KVLINK_RANK_ID", "");
+    c.rank = rankId.empty() ? randomRankId() : static_cast<std::uint32_t>(std::stoul(rankId));
+    c.transport = envOr(o->transport, "TRTLLM_KVLINK_TRANSPORT", "tcp");
+    c.listen = c.transport == "tcp" ? envOr(o->listen, "TRTLLM_KVLINK_LISTEN", "0.0.0.0:0") : "";
+    std::int64_t timeout = o->kv_transfer_timeout_ms;
+    if (timeout <= 0) timeout = std::stoll(envOr(nullptr, "TRTLLM_KVLINK_TIMEOUT_MS", "60000"));
+    if (timeout <= 0) return fail("kvlink: kv_transfer_timeout_ms must be positive");
+    c.timeout = std::chrono::milliseconds(timeout);
+    c.agreement_bound = std::chrono::milliseconds(o->agreement_ms);
+    if (o->fault_suppress_request >= 0) c.fault_suppress_request = static_cast<std::uint64_t>(o->fault_suppress_request);
+    if (o->log != nullptr) {
+      int const level = o->log_level > 0 ? std::min(o->log_level, 5) : levelFromEnv();
+      KvlinkLogFn const fn = o->log;
+      void* const user = o->log_user;
+      set_log_sink(static_cast<LogLevel>(level), [fn, user](LogRecord const& r) {
+        std::string line = "[kvlink] ";
+        line.append(r.target.data(), r.target.size()).append(": ").append(r.message.data(), r.message.size());
+        if (!r.fields.empty()) line.append(" ").append(r.fields.data(), r.fields.size());
+        fn(user, static_cast<int>(r.level), line.data(), line.size());
+      });
+    }
+    std::unique_ptr<Manager> m = Manager::make(*o, c);
+    if (o->log != nullptr) m->holdLogSink();
+    return static_cast<::tensorrt_llm::executor::kv_cache::ConnectionManager*>(m.release());
+  } catch (std::exception const& e) {
+    return fail(e.what());
+  } catch (...) {
+    return fail("kvlink: unknown error");
+  }
+}
