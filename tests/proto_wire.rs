@@ -60,7 +60,8 @@ fn message() -> impl Strategy<Value = Message> {
                     proof,
                 }
             ),
-        any::<[u8; 32]>().prop_map(|proof| Message::Proof { proof }),
+        (any::<[u8; 32]>(), prop::option::of(any::<[u8; 32]>()))
+            .prop_map(|(proof, resume)| Message::Proof { proof, resume }),
         Just(Message::Welcome),
         prop_oneof![Just(Refusal::AuthFailed), Just(Refusal::RankInUse)]
             .prop_map(|reason| Message::Refuse { reason }),

@@ -221,14 +221,27 @@ fn a_duplicated_rank_is_refused_while_the_first_lives_and_accepted_after() {
         println!("== {transport}");
         let (mut c, caddr) = ctx(transport, &[], None);
         let mut first = gen(transport, &caddr, &[], None);
+        let instance = first
+            .expect("INSTANCE ")
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .to_string();
         first.expect("CONNECTED");
         first.send("REQ 1");
         assert_eq!(field(&first.expect("GEN 1 "), "end"), "Completed");
-        // A second process with the same rank, while the first is alive: refused.
+        // A second process with the same rank, while the first is alive: refused. Also when it
+        // claims the first one's instance nonce (public: the first gave it in its handshake).
         let mut second = gen(transport, &caddr, &[], None);
         let line = second.expect_one_of(&["CONNECT-ERROR ", "CONNECTED"]);
         assert!(line.starts_with("CONNECT-ERROR RankInUse"), "{line}");
-        trust_until(&mut c, "a rank refusal", |l| num(l, "rank") >= 1);
+        let mut twin = gen(transport, &caddr, &["--instance", &instance], None);
+        let line = twin.expect_one_of(&["CONNECT-ERROR ", "CONNECTED"]);
+        assert!(
+            line.starts_with("CONNECT-ERROR RankInUse"),
+            "impersonation: {line}"
+        );
+        trust_until(&mut c, "two rank refusals", |l| num(l, "rank") >= 2);
         // The first still works: it was not displaced.
         first.send("REQ 2");
         let line = first.expect("GEN 2 ");

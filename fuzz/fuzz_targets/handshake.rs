@@ -238,7 +238,7 @@ fn stranger_is_never_bound(frames: &[Vec<u8>]) {
         for hs in [&mut answering, &mut dialling] {
             let _ = hs.handle(&me, msg.clone());
             // The engine would now decide; say yes, as if the rank were free.
-            let _ = hs.accept();
+            let _ = hs.accept(&me, None);
             assert!(hs.peer().is_none(), "a stranger was bound: {msg:?}");
         }
     }

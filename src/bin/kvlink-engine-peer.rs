@@ -107,6 +107,10 @@ struct GenOpts {
     /// Keep dialling this long while the handshake is refused (for a rank that frees up).
     #[arg(long = "retry-ms", default_value_t = 0)]
     retry_ms: u64,
+    /// Impersonation test: introduce this engine with this instance nonce (another process's,
+    /// as printed in its `INSTANCE` line).
+    #[arg(long)]
+    instance: Option<u64>,
 }
 
 fn size(s: &str) -> usize {
@@ -281,12 +285,14 @@ fn gen(args: &Args, transport: TransportKind, opts: &GenOpts) {
         health_every_ms,
         listen,
         retry_ms,
+        instance,
     } = opts;
     let timeout = Duration::from_millis(args.timeout_ms);
     let mut cfg = config(args, "gen", GEN, transport);
     if let Some(l) = listen {
         cfg.listen = Some(l.parse().expect("--listen ip:port"));
     }
+    cfg.faults.instance = *instance;
     let ms = |v: &Option<u64>| v.map(Duration::from_millis);
     if let Some(w) = ms(wedge_ms) {
         cfg.wedge_window = w;
@@ -329,6 +335,7 @@ fn gen(args: &Args, transport: TransportKind, opts: &GenOpts) {
             }
         }
     };
+    say(format!("INSTANCE {}", engine.instance()));
     say("CONNECTED".into());
     for line in std::io::stdin().lock().lines() {
         let line = line.unwrap_or_default();

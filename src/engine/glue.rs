@@ -14,14 +14,13 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::peers::Peers;
-use super::peers::TagKeys;
 use super::waiters::{HasWaiters, WaitKey, Waiters};
 use super::{Advertisement, Faults};
 use crate::error::{ErrorKind, Outcome, Result};
 use crate::proto::pool::{BufferId, BufferPool, Lease};
 use crate::proto::{
     Action, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, PeerInfo, RankId, Refusal,
-    RequestKey, Role, Step, TagKey, Token, TokenAllocator,
+    RequestKey, Role, SessionKey, Step, Token, TokenAllocator,
 };
 use crate::transport::cuda::Staging;
 use crate::transport::{Agent, Event, EventSink, Op, PeerId};
@@ -111,6 +110,8 @@ pub(crate) struct Counters {
     /// garbage); `late` for a receive that had already ended (its sender was too slow).
     pub foreign_data: u64,
     pub late_data: u64,
+    /// When a foreign landing was last logged.
+    pub foreign_logged: Option<Instant>,
     /// When a peer last failed or a request last ended TimedOut / PeerLost.
     pub last_fault: Option<Instant>,
 }
@@ -184,6 +185,7 @@ impl Inner {
         }
         let (hs, hello) = Handshake::dial(&self.identity, crate::random::u64());
         core.peers.handshakes.insert(peer, hs);
+        core.peers.handshake_started(peer, Instant::now());
         self.send_msg(core, peer, &hello)
     }
 
@@ -197,15 +199,6 @@ impl Inner {
         Ok(())
     }
 
-    /// The keys of the tags between this rank and a peer process.
-    fn tag_keys(&self, peer: &PeerInfo) -> TagKeys {
-        let (me, secret) = (self.identity.instance, &self.identity.secret);
-        TagKeys {
-            inbound: TagKey::derive(secret, me, peer.instance),
-            outbound: TagKey::derive(secret, peer.instance, me),
-        }
-    }
-
     /// One handshake message from `peer` (see [`crate::proto::handshake`]); binds the peer's
     /// rank once both sides have proved themselves and the rank is free.
     fn on_handshake(&self, core: &mut Core, now: Instant, peer: PeerId, msg: Message) {
@@ -214,11 +207,16 @@ impl Inner {
             .handshakes
             .remove(&peer)
             .unwrap_or_else(|| Handshake::answer(crate::random::u64()));
+        core.peers.handshake_started(peer, now);
         if hs.refused().is_some() && matches!(msg, Message::Hello { proof: None, .. }) {
             // A new attempt from a dialler refused before, on the same endpoint (shared memory
-            // keeps one endpoint per peer process): start over, and keep the endpoint open.
+            // pairs a redial with the endpoint it had): start over, a few times at most.
+            if !core.peers.retry(peer) {
+                core.peers.handshakes.insert(peer, hs);
+                core.counters.bad_frames += 1;
+                return;
+            }
             hs = Handshake::answer(crate::random::u64());
-            core.peers.retry(peer);
         }
         let step = hs.handle(&self.identity, msg);
         tracing::debug!("handshake on endpoint {}: {step:?}", peer.0);
@@ -227,34 +225,44 @@ impl Inner {
             Step::Reply(m) => {
                 let _ = self.send_msg(core, peer, &m);
             }
-            Step::Verified { peer: info, reply } => {
+            Step::Verified { peer: info, .. } => {
                 if core.peers.may_bind(&info, peer) {
-                    hs.accept();
-                    let _ = self.send_msg(core, peer, &reply);
+                    let held = core.peers.session(info.rank);
+                    if let Some(proof) = hs.accept(&self.identity, held.as_ref()) {
+                        let _ = self.send_msg(core, peer, &proof);
+                    }
                 } else {
                     refuse = Some((Refusal::RankInUse, info.rank));
                 }
             }
-            Step::Proven(info) | Step::Welcomed(info) => {
+            Step::Proven {
+                peer: info,
+                session,
+                resume,
+            } => {
+                // A rank still bound to a live endpoint is rebound only to the same session
+                // coming back (the dialler proves it holds it).
+                let old = core.peers.session(info.rank);
+                let resumed = resume.is_some_and(|r| old.is_some_and(|o| hs.resumes(&o, &r)));
+                if core.peers.may_bind(&info, peer) || resumed {
+                    self.bind(core, &mut hs, info, peer, session);
+                } else {
+                    refuse = Some((Refusal::RankInUse, info.rank));
+                }
+            }
+            Step::Welcomed {
+                peer: info,
+                session,
+            } => {
                 if core.peers.may_bind(&info, peer) {
-                    let rank = info.rank;
-                    let keys = self.tag_keys(&info);
-                    tracing::info!(peer = rank.0, "{rank} ({}) connected", info.name);
-                    if let Some(old) = core.peers.bind(info, peer, keys) {
-                        // The same process came back on a new endpoint: the old one is done.
-                        let _ = self.agent.close_peer(old);
-                    }
-                    if let Some(welcome) = hs.accept() {
-                        let _ = self.send_msg(core, peer, &welcome);
-                    }
-                    core.waiters.wake(WaitKey::Peer(rank));
+                    self.bind(core, &mut hs, info, peer, session);
                 } else {
                     refuse = Some((Refusal::RankInUse, info.rank));
                 }
             }
             Step::Refuse(reason) => {
                 let _ = self.send_msg(core, peer, &Message::Refuse { reason });
-                tracing::warn!("refused a peer: {reason:?} (no proof of the deployment secret)");
+                tracing::warn!("refused a peer: {reason:?}");
                 core.peers.refuse(peer, reason, false, now);
             }
             Step::RefusedByPeer(reason) => {
@@ -264,6 +272,7 @@ impl Inner {
                     core.waiters.wake(WaitKey::Peer(rank));
                 }
             }
+            Step::Ignore => {}
             Step::Unexpected => core.counters.bad_frames += 1,
         }
         if let Some((reason, rank)) = refuse {
@@ -271,12 +280,34 @@ impl Inner {
             let _ = self.send_msg(core, peer, &m);
             tracing::warn!(
                 peer = rank.0,
-                "refused {rank}: it is bound to another live process"
+                "refused {rank}: it is bound to another live endpoint"
             );
             core.peers.refuse(peer, reason, false, now);
         }
         core.peers.handshakes.insert(peer, hs);
         core.waiters.wake(WaitKey::Dial(peer));
+    }
+
+    /// Binds a proven peer's rank to `peer` and says `Welcome` if this side answered.
+    fn bind(
+        &self,
+        core: &mut Core,
+        hs: &mut Handshake,
+        info: PeerInfo,
+        peer: PeerId,
+        session: SessionKey,
+    ) {
+        let rank = info.rank;
+        tracing::info!(peer = rank.0, "{rank} ({}) connected", info.name);
+        for old in core.peers.bind(info, peer, self.me, session) {
+            // The same session came back on a new endpoint, or another dial for the rank is
+            // still running: those endpoints are done.
+            let _ = self.agent.close_peer(old);
+        }
+        if let Some(welcome) = hs.accept(&self.identity, None) {
+            let _ = self.send_msg(core, peer, &welcome);
+        }
+        core.waiters.wake(WaitKey::Peer(rank));
     }
 
     /// Redials `rank` at `address` on a short-lived thread of its own: a dial waits for the
@@ -327,7 +358,8 @@ impl Inner {
 
     pub fn on_event(&self, core: &mut Core, now: Instant, ev: Event) {
         match ev {
-            Event::Accepted(_) => {}
+            // An endpoint that does not finish its handshake in time is closed.
+            Event::Accepted(peer) => core.peers.handshake_started(peer, now),
             Event::Control(peer, bytes) => self.on_control(core, now, peer, &bytes),
             Event::PeerFailed(peer) => {
                 if let Some(rank) = core.peers.on_failed(peer, now) {
@@ -346,10 +378,20 @@ impl Inner {
                     tracing::debug!("late data under tag {tag:#x} ({len} bytes) discarded");
                 } else {
                     core.counters.foreign_data += 1;
-                    tracing::warn!(
-                        "data under a tag no receive here was offered ({len} bytes) discarded: \
-                         a process that is not the buffer's peer, or a corrupt sender"
-                    );
+                    // At most one line a second: the sender of such data chooses how many.
+                    if core
+                        .counters
+                        .foreign_logged
+                        .is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(1))
+                    {
+                        core.counters.foreign_logged = Some(now);
+                        tracing::warn!(
+                            "data under a tag no receive here was offered ({len} bytes) \
+                             discarded: a process that is not the buffer's peer, or a corrupt \
+                             sender ({} so far)",
+                            core.counters.foreign_data
+                        );
+                    }
                 }
             }
         }

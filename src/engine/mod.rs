@@ -105,6 +105,9 @@ pub struct Faults {
     /// A sender "sends" this request's segments without moving any data: the lost-completion
     /// fault. The receiver must end in `TimedOut` at its deadline.
     pub suppress_data_of_request: Option<u64>,
+    /// Impersonation: introduce this engine with another process's instance nonce (which any
+    /// peer it answered has seen). It must buy nothing: the instance is not a credential.
+    pub instance: Option<u64>,
 }
 
 /// One buffer a generation rank offers for a request.
@@ -255,7 +258,7 @@ impl Engine {
         let identity = Identity {
             rank: me,
             name: cfg.name.clone(),
-            instance: crate::random::u64(),
+            instance: cfg.faults.instance.unwrap_or_else(crate::random::u64),
             secret,
         };
         let inner = Arc::new(Inner {
@@ -281,6 +284,11 @@ impl Engine {
 
     pub fn rank(&self) -> RankId {
         self.inner.me
+    }
+
+    /// The instance nonce this engine drew at start (given to every peer in the handshake).
+    pub fn instance(&self) -> u64 {
+        self.inner.identity.instance
     }
 
     /// The engine's name.

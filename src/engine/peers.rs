@@ -2,9 +2,11 @@
 //! policy that heals a pair after a fault.
 //!
 //! A rank is bound to an endpoint by the handshake ([`crate::proto::handshake`]): only a peer that
-//! proved it holds the deployment secret, and only while no other live process holds its rank.
-//! The same process coming back on a new endpoint (same instance nonce) is bound again; a second
-//! process with the rank is refused until the first is gone. When the transport reports the endpoint
+//! proved it holds the deployment secret, and only while no other live endpoint holds its rank,
+//! unless the newcomer proves it holds that endpoint's session (the same process coming back on a
+//! new connection before this side saw the old one fail). A second process with the rank is
+//! refused until the first is gone. An endpoint that has not finished its handshake within
+//! [`HANDSHAKE_LIMIT`] is closed. When the transport reports the endpoint
 //! failed, the rank becomes `Failed`; if this side dialled it (`connect`), it becomes
 //! `Reconnecting` and the engine dials the same address again in the background, up to
 //! [`MAX_TRIES`] times with a doubling back-off. The side that was dialled waits for the peer's
@@ -13,7 +15,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::proto::{Handshake, PeerInfo, RankId, Refusal, TagKey};
+use crate::proto::{Handshake, PeerInfo, RankId, Refusal, SessionKey, TagKey};
 use crate::transport::PeerId;
 
 /// Dial attempts per round before a rank is left `Failed` (until its next use).
@@ -22,6 +24,10 @@ pub const MAX_TRIES: u32 = 6;
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 /// How long a refused endpoint stays open so that its `Refuse` reaches the peer.
 const REFUSE_LINGER: Duration = Duration::from_millis(200);
+/// An endpoint whose handshake is not done by then is closed.
+pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+/// How many times a dialler refused on an endpoint may start over on it.
+const RETRIES_PER_ENDPOINT: u32 = 3;
 
 /// A rank's connection, as [`crate::engine::Engine::peer_state`] reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,8 +49,9 @@ pub(crate) struct Rank {
     pub state: PeerState,
     /// The address this side dialled it at, if it did.
     pub dial: Option<String>,
-    /// The process behind the rank (its instance nonce) and the keys of the tags between us.
-    pub instance: u64,
+    /// The session of the pair (kept after a failure: a redial proves it holds it) and the
+    /// keys of the tags between us, derived from it.
+    pub session: Option<SessionKey>,
     pub keys: Option<TagKeys>,
     tries: u32,
     next_try: Option<Instant>,
@@ -84,6 +91,10 @@ pub(crate) struct Peers {
     pub refusal_ops: HashMap<PeerId, crate::transport::Op>,
     /// Refused endpoints to close once their `Refuse` had time to go out.
     closing: Vec<(PeerId, Instant)>,
+    /// Endpoints whose handshake is not done, since when: closed after HANDSHAKE_LIMIT.
+    pending: HashMap<PeerId, Instant>,
+    /// Restarts of the handshake on refused endpoints.
+    retries: HashMap<PeerId, u32>,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
@@ -131,27 +142,43 @@ impl Peers {
             .and_then(|r| r.keys)
     }
 
-    /// May `info`'s rank be bound to `peer`? Yes unless another live endpoint holds it for
-    /// another process (a different instance nonce).
+    /// May `info`'s rank be bound to `peer` without more proof? Yes unless another live
+    /// endpoint holds it.
     pub fn may_bind(&self, info: &PeerInfo, peer: PeerId) -> bool {
         match self.ranks.get(&info.rank) {
-            Some(r) if r.state == PeerState::Connected => {
-                r.peer == Some(peer) || r.instance == info.instance
-            }
+            Some(r) if r.state == PeerState::Connected => r.peer == Some(peer),
             _ => true,
         }
     }
 
-    /// A finished handshake on `peer`: bind its rank (replacing an older endpoint of the same
-    /// process). Returns the endpoint it replaced, if any.
-    pub fn bind(&mut self, info: PeerInfo, peer: PeerId, keys: TagKeys) -> Option<PeerId> {
+    /// The session this side holds (or held) with `rank`: a redial proves it holds it.
+    pub fn session(&self, rank: RankId) -> Option<SessionKey> {
+        self.ranks.get(&rank).and_then(|r| r.session)
+    }
+
+    /// A handshake starts on `peer` at `now` (dialled here, or the first message of a dialler).
+    pub fn handshake_started(&mut self, peer: PeerId, now: Instant) {
+        self.pending.entry(peer).or_insert(now);
+    }
+
+    /// A finished handshake on `peer`: bind its rank with the session's tag keys. Returns the
+    /// endpoints to close: the one it replaced, and other dials still running for the rank.
+    pub fn bind(
+        &mut self,
+        info: PeerInfo,
+        peer: PeerId,
+        me: RankId,
+        session: SessionKey,
+    ) -> Vec<PeerId> {
         self.dialling.remove(&peer);
-        let r = self.ranks.entry(info.rank).or_insert(Rank {
+        self.pending.remove(&peer);
+        let rank = info.rank;
+        let r = self.ranks.entry(rank).or_insert(Rank {
             peer: None,
             name: String::new(),
             state: PeerState::Unknown,
             dial: None,
-            instance: 0,
+            session: None,
             keys: None,
             tries: 0,
             next_try: None,
@@ -159,17 +186,31 @@ impl Peers {
         let old = r.peer.filter(|p| *p != peer);
         r.peer = Some(peer);
         r.name = info.name;
-        r.instance = info.instance;
-        r.keys = Some(keys);
+        r.session = Some(session);
+        r.keys = Some(TagKeys {
+            inbound: session.tag_key(rank, me),
+            outbound: session.tag_key(me, rank),
+        });
         r.state = PeerState::Connected;
         r.tries = 0;
         r.next_try = None;
+        let mut close: Vec<PeerId> = self
+            .dialling
+            .iter()
+            .filter(|(_, r)| **r == rank)
+            .map(|(p, _)| *p)
+            .collect();
+        for p in &close {
+            self.dialling.remove(p);
+            self.handshakes.remove(p);
+        }
         if let Some(old) = old {
             self.rank_of.remove(&old);
             self.handshakes.remove(&old);
+            close.push(old);
         }
-        self.rank_of.insert(peer, info.rank);
-        old
+        self.rank_of.insert(peer, rank);
+        close
     }
 
     /// The handshake on `peer` was refused (`by_peer`: the peer refused us). Unbinds whatever
@@ -192,6 +233,7 @@ impl Peers {
         let at = if by_peer { now } else { now + REFUSE_LINGER };
         self.closing.push((peer, at));
         self.dialling.remove(&peer);
+        self.pending.remove(&peer);
         let rank = self.rank_of.remove(&peer)?;
         let r = self.ranks.get_mut(&rank)?;
         if r.peer == Some(peer) {
@@ -202,17 +244,37 @@ impl Peers {
     }
 
     /// A refused endpoint starts a new handshake: it is not closed, and not refused (yet).
-    pub fn retry(&mut self, peer: PeerId) {
+    /// True if it may (a few times per endpoint, within the handshake limit).
+    pub fn retry(&mut self, peer: PeerId) -> bool {
+        let n = self.retries.entry(peer).or_insert(0);
+        if *n >= RETRIES_PER_ENDPOINT {
+            return false;
+        }
+        *n += 1;
         self.refused.remove(&peer);
         self.refusal_ops.remove(&peer);
         self.closing.retain(|(p, _)| *p != peer);
+        true
     }
 
-    /// Refused endpoints due to be closed at `now`.
+    /// Endpoints due to be closed at `now`: refused ones after their linger, and those whose
+    /// handshake is not done within HANDSHAKE_LIMIT.
     pub fn due_closes(&mut self, now: Instant) -> Vec<PeerId> {
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;
-        due.into_iter().map(|(p, _)| p).collect()
+        let mut out: Vec<PeerId> = due.into_iter().map(|(p, _)| p).collect();
+        let stale: Vec<PeerId> = self
+            .pending
+            .iter()
+            .filter(|(_, t)| now.saturating_duration_since(**t) >= HANDSHAKE_LIMIT)
+            .map(|(p, _)| *p)
+            .collect();
+        for p in stale {
+            self.pending.remove(&p);
+            self.dialling.remove(&p);
+            out.push(p);
+        }
+        out
     }
 
     /// Remembers that this side dialled `rank` at `address` through `peer`.
@@ -236,6 +298,8 @@ impl Peers {
     pub fn on_failed(&mut self, peer: PeerId, now: Instant) -> Option<RankId> {
         self.handshakes.remove(&peer);
         self.refusal_ops.remove(&peer);
+        self.pending.remove(&peer);
+        self.retries.remove(&peer);
         if self.refused.len() > 1024 {
             // Only `connect` reads these, right after the refusal: keep the table small.
             self.refused.clear();
@@ -280,8 +344,15 @@ impl Peers {
     /// and the next one scheduled (or the rank given up as `Failed`).
     pub fn due(&mut self, now: Instant) -> Vec<(RankId, String)> {
         let mut out = Vec::new();
+        // One dial at a time per rank: attempts that pile up behind a partition would all
+        // connect when it heals, and each would replace the one before.
+        let busy: std::collections::HashSet<RankId> = self.dialling.values().copied().collect();
         for (rank, r) in self.ranks.iter_mut() {
             if r.state != PeerState::Reconnecting || r.next_try.is_none_or(|t| t > now) {
+                continue;
+            }
+            if busy.contains(rank) {
+                r.next_try = Some(now + FIRST_BACKOFF);
                 continue;
             }
             if r.tries >= MAX_TRIES {
@@ -306,6 +377,7 @@ impl Peers {
             .filter(|r| r.state == PeerState::Reconnecting)
             .filter_map(|r| r.next_try)
             .chain(self.closing.iter().map(|(_, t)| *t))
+            .chain(self.pending.values().map(|t| *t + HANDSHAKE_LIMIT))
             .min()
     }
 }

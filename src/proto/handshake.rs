@@ -1,21 +1,25 @@
-//! The handshake of one connection, sans IO: who the peer is, and whether it proved it belongs.
+//! The handshake of one connection, sans IO: who the peer is, whether it proved it belongs, and
+//! the session key the pair shares afterwards.
 //!
 //! ```text
 //! dialler                                   answerer (accepted the connection)
 //!   Hello {rank, instance, challenge c_d} ->
 //!                                         <- Hello {rank, instance, challenge c_a,
 //!                                                   proof for c_d}
-//!   verify; Proof {proof for c_a}         ->
-//!                                            verify; bind the dialler's rank
+//!   verify; Proof {proof for c_a,         ->
+//!                  [resume proof]}           verify; bind the dialler's rank
 //!                                         <- Welcome          (or Refuse {reason})
 //!   bind the answerer's rank
 //! ```
 //! Each side verifies the other's proof (see [`super::auth`]) before it binds the peer's rank, and
-//! refuses with [`Refusal::AuthFailed`] when it does not verify. Binding itself (is the rank free?)
-//! is the engine's decision: [`Step::Verified`], [`Step::Proven`] and [`Step::Welcomed`] hand it
-//! the peer, and the engine answers with [`Handshake::accept`] or [`Handshake::refuse`]. Nothing
-//! but these four messages is taken from a peer before its handshake is done.
-use super::auth::{self, Secret};
+//! refuses with [`Refusal::AuthFailed`] when it does not verify. Binding itself (is the rank free,
+//! or is this the same session coming back?) is the engine's decision: [`Step::Verified`],
+//! [`Step::Proven`] and [`Step::Welcomed`] hand it the peer, and the engine answers with
+//! [`Handshake::accept`] or [`Handshake::refuse`]. A dialler that held a session with the rank
+//! before adds a resume proof to its `Proof`; the answerer checks it with
+//! [`Handshake::resumes`] when the rank is still bound to an older connection. Nothing but these
+//! four messages is taken from a peer before its handshake is done.
+use super::auth::{self, Party, Secret, SessionKey, Side, PROOF_LEN};
 use super::id::RankId;
 use super::wire::{Message, Refusal};
 
@@ -24,7 +28,7 @@ use super::wire::{Message, Refusal};
 pub struct Identity {
     pub rank: RankId,
     pub name: String,
-    /// Drawn at start; keys this rank's tags (see [`auth::TagKey`]).
+    /// Drawn at start: which process this is (part of every session key).
     pub instance: u64,
     pub secret: Secret,
 }
@@ -56,11 +60,15 @@ enum State {
     /// Our proof is out; the answerer's `Welcome` is awaited.
     AwaitWelcome {
         peer: PeerInfo,
+        session: SessionKey,
     },
     /// The engine is deciding whether to bind `peer` (after the step `phase` names).
     Deciding {
         peer: PeerInfo,
+        session: SessionKey,
         phase: Phase,
+        /// The answerer's and the dialler's challenges.
+        challenges: (u64, u64),
     },
     Bound(PeerInfo),
     Refused(Refusal),
@@ -78,17 +86,25 @@ enum Phase {
 pub enum Step {
     /// Send this message; nothing is decided yet.
     Reply(Message),
-    /// Dialler: the answerer proved itself. If its rank may be bound here, send `reply` (our
-    /// proof) and wait for `Welcome`; else refuse.
-    Verified { peer: PeerInfo, reply: Message },
-    /// Answerer: the dialler proved itself. Bind it and send `Welcome`, or refuse.
-    Proven(PeerInfo),
+    /// Dialler: the answerer proved itself. If its rank may be bound here, [`Handshake::accept`]
+    /// (with the session held with that rank before, if any) and send the `Proof` it returns;
+    /// else refuse.
+    Verified { peer: PeerInfo, session: SessionKey },
+    /// Answerer: the dialler proved itself, with a resume proof if it says it held a session
+    /// with this rank before. Bind it and send `Welcome`, or refuse.
+    Proven {
+        peer: PeerInfo,
+        session: SessionKey,
+        resume: Option<[u8; PROOF_LEN]>,
+    },
     /// Dialler: the answerer bound us. Bind it, or refuse.
-    Welcomed(PeerInfo),
-    /// The peer's proof failed: send `Refuse { reason }` and close the connection.
+    Welcomed { peer: PeerInfo, session: SessionKey },
+    /// The peer's proof failed, or it claims our own rank: send `Refuse { reason }` and close.
     Refuse(Refusal),
     /// The peer refused us.
     RefusedByPeer(Refusal),
+    /// Both sides dialled on one connection and this side lost the tie: wait for the answer.
+    Ignore,
     /// A message out of order (or a second handshake): ignore it and count it.
     Unexpected,
 }
@@ -147,11 +163,30 @@ impl Handshake {
         step
     }
 
+    /// The answer to a dialler's `Hello`: ours, with our proof for its challenge.
+    fn answer_hello(me: &Identity, challenge: u64, peer_challenge: u64) -> Message {
+        Message::Hello {
+            agent_name: me.name.clone(),
+            rank: me.rank,
+            instance: me.instance,
+            challenge,
+            proof: Some(auth::proof(
+                &me.secret,
+                Side::Answerer,
+                peer_challenge,
+                challenge,
+                me.rank,
+                me.instance,
+            )),
+        }
+    }
+
     fn next(me: &Identity, state: State, msg: Message) -> (State, Step) {
         match (state, msg) {
             (_, Message::Refuse { reason }) => {
                 (State::Refused(reason), Step::RefusedByPeer(reason))
             }
+            (_, Message::Hello { rank, .. }) if rank == me.rank => refuse(Refusal::RankInUse),
             (
                 State::Answering { challenge },
                 Message::Hello {
@@ -162,19 +197,37 @@ impl Handshake {
                     proof: None,
                 },
             ) => {
-                let reply = Message::Hello {
-                    agent_name: me.name.clone(),
-                    rank: me.rank,
-                    instance: me.instance,
-                    challenge,
-                    proof: Some(auth::proof(
-                        &me.secret,
-                        peer_challenge,
-                        challenge,
-                        me.rank,
-                        me.instance,
-                    )),
+                let reply = Self::answer_hello(me, challenge, peer_challenge);
+                let peer = PeerInfo {
+                    rank,
+                    name: agent_name,
+                    instance,
                 };
+                (
+                    State::AwaitProof {
+                        challenge,
+                        peer_challenge,
+                        peer,
+                    },
+                    Step::Reply(reply),
+                )
+            }
+            (
+                State::Dialled { challenge },
+                Message::Hello {
+                    agent_name,
+                    rank,
+                    instance,
+                    challenge: peer_challenge,
+                    proof: None,
+                },
+            ) => {
+                // Both sides dialled and UCX made one connection of the two: the higher rank
+                // answers, the lower waits for that answer.
+                if me.rank < rank {
+                    return (State::Dialled { challenge }, Step::Ignore);
+                }
+                let reply = Self::answer_hello(me, challenge, peer_challenge);
                 let peer = PeerInfo {
                     rank,
                     name: agent_name,
@@ -201,6 +254,7 @@ impl Handshake {
             ) => {
                 if !auth::verify(
                     &me.secret,
+                    Side::Answerer,
                     challenge,
                     peer_challenge,
                     rank,
@@ -209,9 +263,19 @@ impl Handshake {
                 ) {
                     return refuse(Refusal::AuthFailed);
                 }
-                let reply = Message::Proof {
-                    proof: auth::proof(&me.secret, peer_challenge, challenge, me.rank, me.instance),
-                };
+                let session = SessionKey::derive(
+                    &me.secret,
+                    Party {
+                        rank: me.rank,
+                        instance: me.instance,
+                        challenge,
+                    },
+                    Party {
+                        rank,
+                        instance,
+                        challenge: peer_challenge,
+                    },
+                );
                 let peer = PeerInfo {
                     rank,
                     name: agent_name,
@@ -220,9 +284,11 @@ impl Handshake {
                 (
                     State::Deciding {
                         peer: peer.clone(),
+                        session,
                         phase: Phase::Verified,
+                        challenges: (peer_challenge, challenge),
                     },
-                    Step::Verified { peer, reply },
+                    Step::Verified { peer, session },
                 )
             }
             (
@@ -231,10 +297,11 @@ impl Handshake {
                     peer_challenge,
                     peer,
                 },
-                Message::Proof { proof },
+                Message::Proof { proof, resume },
             ) => {
                 if !auth::verify(
                     &me.secret,
+                    Side::Dialler,
                     challenge,
                     peer_challenge,
                     peer.rank,
@@ -243,37 +310,88 @@ impl Handshake {
                 ) {
                     return refuse(Refusal::AuthFailed);
                 }
+                let session = SessionKey::derive(
+                    &me.secret,
+                    Party {
+                        rank: peer.rank,
+                        instance: peer.instance,
+                        challenge: peer_challenge,
+                    },
+                    Party {
+                        rank: me.rank,
+                        instance: me.instance,
+                        challenge,
+                    },
+                );
                 (
                     State::Deciding {
                         peer: peer.clone(),
+                        session,
                         phase: Phase::Proven,
+                        challenges: (challenge, peer_challenge),
                     },
-                    Step::Proven(peer),
+                    Step::Proven {
+                        peer,
+                        session,
+                        resume,
+                    },
                 )
             }
-            (State::AwaitWelcome { peer }, Message::Welcome) => (
+            (State::AwaitWelcome { peer, session }, Message::Welcome) => (
                 State::Deciding {
                     peer: peer.clone(),
+                    session,
                     phase: Phase::Welcomed,
+                    challenges: (0, 0),
                 },
-                Step::Welcomed(peer),
+                Step::Welcomed { peer, session },
             ),
             (state, _) => (state, Step::Unexpected),
         }
     }
 
-    /// The engine's yes to the last step: after [`Step::Verified`] wait for `Welcome`; after
-    /// [`Step::Proven`] or [`Step::Welcomed`] the peer is bound. Returns the `Welcome` the
-    /// answerer sends.
-    pub fn accept(&mut self) -> Option<Message> {
-        let State::Deciding { peer, phase } = &self.state else {
+    /// Answerer, after [`Step::Proven`]: does `proof` show that the dialler holds `old`, the
+    /// session of the connection this side still has bound to its rank?
+    pub fn resumes(&self, old: &SessionKey, proof: &[u8; PROOF_LEN]) -> bool {
+        match &self.state {
+            State::Deciding {
+                phase: Phase::Proven,
+                challenges: (answerer, dialler),
+                ..
+            } => old.verify_resume(*answerer, *dialler, proof),
+            _ => false,
+        }
+    }
+
+    /// The engine's yes to the last step. After [`Step::Verified`] it returns the `Proof` to
+    /// send (with a resume proof when `held` is the session this side held with that rank
+    /// before) and waits for `Welcome`; after [`Step::Proven`] the peer is bound and it returns
+    /// the `Welcome` to send; after [`Step::Welcomed`] the peer is bound.
+    pub fn accept(&mut self, me: &Identity, held: Option<&SessionKey>) -> Option<Message> {
+        let State::Deciding {
+            peer,
+            session,
+            phase,
+            challenges: (answerer, dialler),
+        } = &self.state
+        else {
             return None;
         };
-        let peer = peer.clone();
+        let (peer, session, phase, answerer, dialler) =
+            (peer.clone(), *session, *phase, *answerer, *dialler);
         match phase {
             Phase::Verified => {
-                self.state = State::AwaitWelcome { peer };
-                None
+                let proof = auth::proof(
+                    &me.secret,
+                    Side::Dialler,
+                    answerer,
+                    dialler,
+                    me.rank,
+                    me.instance,
+                );
+                let resume = held.map(|k| k.resume_proof(answerer, dialler));
+                self.state = State::AwaitWelcome { peer, session };
+                Some(Message::Proof { proof, resume })
             }
             Phase::Proven => {
                 self.state = State::Bound(peer);
@@ -310,51 +428,61 @@ mod tests {
         }
     }
 
-    /// Runs a whole handshake; returns what each side ended with.
-    fn run(d: &Identity, a: &Identity) -> (Handshake, Handshake, Vec<Step>) {
+    /// Runs a whole handshake (`held`: the dialler's session from before, for a resume proof);
+    /// returns what each side ended with, the steps, and the two session keys seen.
+    fn run(
+        d: &Identity,
+        a: &Identity,
+        held: Option<&SessionKey>,
+    ) -> (Handshake, Handshake, Vec<Step>, Vec<SessionKey>) {
         let (mut hd, hello) = Handshake::dial(d, 11);
         let mut ha = Handshake::answer(22);
         let mut steps = Vec::new();
+        let mut keys = Vec::new();
         let s1 = ha.handle(a, hello);
         steps.push(s1.clone());
         let Step::Reply(answer) = s1 else {
-            return (hd, ha, steps);
+            return (hd, ha, steps, keys);
         };
         let s2 = hd.handle(d, answer);
         steps.push(s2.clone());
-        let Step::Verified { reply, .. } = s2 else {
+        let Step::Verified { session, .. } = s2 else {
             if let Step::Refuse(r) = s2 {
                 ha.handle(a, Message::Refuse { reason: r });
             }
-            return (hd, ha, steps);
+            return (hd, ha, steps, keys);
         };
-        assert_eq!(hd.accept(), None);
+        keys.push(session);
+        let reply = hd.accept(d, held).expect("the dialler's proof");
         let s3 = ha.handle(a, reply);
         steps.push(s3.clone());
         match s3 {
-            Step::Proven(_) => {
-                let welcome = ha.accept().expect("answerer says Welcome");
+            Step::Proven { session, .. } => {
+                keys.push(session);
+                let welcome = ha.accept(a, None).expect("answerer says Welcome");
                 let s4 = hd.handle(d, welcome);
                 steps.push(s4.clone());
-                assert!(matches!(s4, Step::Welcomed(_)));
-                assert_eq!(hd.accept(), None);
+                assert!(matches!(s4, Step::Welcomed { .. }));
+                assert_eq!(hd.accept(d, None), None);
             }
             Step::Refuse(r) => {
                 hd.handle(d, Message::Refuse { reason: r });
             }
             other => panic!("{other:?}"),
         }
-        (hd, ha, steps)
+        (hd, ha, steps, keys)
     }
 
     #[test]
-    fn same_secret_or_none_binds_both_sides() {
+    fn same_secret_or_none_binds_both_sides_with_one_session_key() {
         for secret in [&b""[..], b"s3cret"] {
             let (d, a) = (id(1, secret), id(2, secret));
-            let (hd, ha, _) = run(&d, &a);
+            let (hd, ha, _, keys) = run(&d, &a, None);
             assert_eq!(hd.peer().map(|p| p.rank), Some(RankId(2)));
             assert_eq!(ha.peer().map(|p| p.rank), Some(RankId(1)));
             assert_eq!(ha.peer().unwrap().instance, 1001);
+            assert_eq!(keys.len(), 2);
+            assert_eq!(keys[0], keys[1], "both sides derive the same session key");
         }
     }
 
@@ -365,7 +493,7 @@ mod tests {
             (b"s3cret", b""),
             (b"s3cret", b"other"),
         ] {
-            let (hd, ha, steps) = run(&id(1, ds), &id(2, as_));
+            let (hd, ha, steps, _) = run(&id(1, ds), &id(2, as_), None);
             assert_eq!(hd.refused(), Some(Refusal::AuthFailed), "{steps:?}");
             assert_eq!(ha.refused(), Some(Refusal::AuthFailed), "{steps:?}");
             assert!(hd.peer().is_none() && ha.peer().is_none());
@@ -388,14 +516,81 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_reflected_as_a_dialler_proof_fails() {
+        // The answerer's own proof sent back as the dialler's: the roles differ.
+        let (d, a) = (id(1, b""), id(2, b""));
+        let (_, hello) = Handshake::dial(&d, 11);
+        let mut ha = Handshake::answer(22);
+        let Step::Reply(Message::Hello { proof: Some(p), .. }) = ha.handle(&a, hello) else {
+            panic!()
+        };
+        let step = ha.handle(
+            &a,
+            Message::Proof {
+                proof: p,
+                resume: None,
+            },
+        );
+        assert_eq!(step, Step::Refuse(Refusal::AuthFailed));
+    }
+
+    #[test]
+    fn a_peer_claiming_our_rank_is_refused() {
+        let a = id(2, b"");
+        let mut ha = Handshake::answer(22);
+        let (_, hello) = Handshake::dial(&id(2, b""), 11);
+        assert_eq!(ha.handle(&a, hello), Step::Refuse(Refusal::RankInUse));
+    }
+
+    #[test]
+    fn a_resume_proof_shows_the_old_session_and_only_that() {
+        let (d, a) = (id(1, b""), id(2, b""));
+        let (_, _, _, keys) = run(&d, &a, None);
+        let old = keys[0];
+        // The same process redials holding `old`: the answerer can check it.
+        let (mut hd, hello) = Handshake::dial(&d, 33);
+        let mut ha = Handshake::answer(44);
+        let Step::Reply(answer) = ha.handle(&a, hello) else {
+            panic!()
+        };
+        assert!(matches!(hd.handle(&d, answer), Step::Verified { .. }));
+        let reply = hd.accept(&d, Some(&old)).unwrap();
+        let Step::Proven {
+            resume: Some(r), ..
+        } = ha.handle(&a, reply)
+        else {
+            panic!("no resume proof")
+        };
+        assert!(ha.resumes(&old, &r));
+        // A process that knows everything public (ranks, instances) but not the challenges of
+        // the first connection cannot make the proof.
+        let forged = SessionKey::derive(
+            &Secret::none(),
+            Party {
+                rank: RankId(1),
+                instance: 1001,
+                challenge: 0,
+            },
+            Party {
+                rank: RankId(2),
+                instance: 1002,
+                challenge: 0,
+            },
+        );
+        assert!(!ha.resumes(&forged, &r));
+        assert_ne!(forged, old);
+    }
+
+    #[test]
     fn out_of_order_messages_change_nothing() {
         let a = id(2, b"");
         let mut ha = Handshake::answer(22);
         assert_eq!(ha.handle(&a, Message::Welcome), Step::Unexpected);
-        assert_eq!(
-            ha.handle(&a, Message::Proof { proof: [0; 32] }),
-            Step::Unexpected
-        );
+        let proof = Message::Proof {
+            proof: [0; 32],
+            resume: None,
+        };
+        assert_eq!(ha.handle(&a, proof), Step::Unexpected);
         // A Hello that already carries a proof is not how a dialler starts.
         let bogus = Message::Hello {
             agent_name: "x".into(),
@@ -419,6 +614,26 @@ mod tests {
     }
 
     #[test]
+    fn both_sides_dialling_on_one_connection_meet_in_one_handshake() {
+        let (lo, hi) = (id(1, b"k"), id(2, b"k"));
+        let (mut h_lo, hello_lo) = Handshake::dial(&lo, 11);
+        let (mut h_hi, hello_hi) = Handshake::dial(&hi, 22);
+        // Each gets the other's Hello: the higher rank answers, the lower waits.
+        assert_eq!(h_lo.handle(&lo, hello_hi), Step::Ignore);
+        let Step::Reply(answer) = h_hi.handle(&hi, hello_lo) else {
+            panic!()
+        };
+        assert!(matches!(h_lo.handle(&lo, answer), Step::Verified { .. }));
+        let proof = h_lo.accept(&lo, None).unwrap();
+        assert!(matches!(h_hi.handle(&hi, proof), Step::Proven { .. }));
+        let welcome = h_hi.accept(&hi, None).unwrap();
+        assert!(matches!(h_lo.handle(&lo, welcome), Step::Welcomed { .. }));
+        h_lo.accept(&lo, None);
+        assert_eq!(h_lo.peer().map(|p| p.rank), Some(RankId(2)));
+        assert_eq!(h_hi.peer().map(|p| p.rank), Some(RankId(1)));
+    }
+
+    #[test]
     fn the_engine_can_refuse_a_proven_peer() {
         let (d, a) = (id(1, b""), id(2, b""));
         let (mut hd, hello) = Handshake::dial(&d, 11);
@@ -426,11 +641,9 @@ mod tests {
         let Step::Reply(answer) = ha.handle(&a, hello) else {
             panic!()
         };
-        let Step::Verified { reply, .. } = hd.handle(&d, answer) else {
-            panic!()
-        };
-        hd.accept();
-        assert!(matches!(ha.handle(&a, reply), Step::Proven(_)));
+        assert!(matches!(hd.handle(&d, answer), Step::Verified { .. }));
+        let reply = hd.accept(&d, None).unwrap();
+        assert!(matches!(ha.handle(&a, reply), Step::Proven { .. }));
         let no = ha.refuse(Refusal::RankInUse);
         assert_eq!(hd.handle(&d, no), Step::RefusedByPeer(Refusal::RankInUse));
         assert_eq!(hd.refused(), Some(Refusal::RankInUse));

@@ -40,7 +40,7 @@ pub mod request;
 pub mod wire;
 
 pub use agreement::{reduce, Collective};
-pub use auth::{Secret, TagKey};
+pub use auth::{Secret, SessionKey, TagKey};
 pub use endpoint::{Endpoint, ReceiveFlow, ReceiveSpec};
 pub use handshake::{Handshake, Identity, PeerInfo, Step};
 pub use id::{Generation, RankId, RequestId, RequestKey, Token, TokenAllocator};

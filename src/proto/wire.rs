@@ -24,7 +24,7 @@
 //! Vote      key, outcome u8 (error::Outcome numbering)
 //! Verdict   key, outcome u8
 //! Quiesced  key
-//! Proof     proof (32 bytes)
+//! Proof     proof (32 bytes), has_resume u8 (0 | 1), resume proof (32 bytes, if has_resume)
 //! Welcome   (empty)
 //! Refuse    reason u8 (1 auth failed, 2 rank in use)
 //! ```
@@ -137,8 +137,12 @@ pub enum Message {
     /// Sender -> receiver: the verdict is known here and every send of this request to you has
     /// finished or been aborted; nothing more will be sent for this key.
     Quiesced { key: RequestKey },
-    /// Handshake, dialling side: its proof for the challenge in the answering `Hello`.
-    Proof { proof: [u8; PROOF_LEN] },
+    /// Handshake, dialling side: its proof for the challenge in the answering `Hello`, and (when
+    /// it held a session with that rank before) its proof that it still holds that session.
+    Proof {
+        proof: [u8; PROOF_LEN],
+        resume: Option<[u8; PROOF_LEN]>,
+    },
     /// Handshake, answering side: the dialler's proof holds and its rank is bound here.
     Welcome,
     /// Handshake: this side will not bind the peer, and closes the connection.
@@ -280,7 +284,13 @@ impl Message {
                 body.push(*outcome as u8);
             }
             Message::Quiesced { key } => put_key(&mut body, key),
-            Message::Proof { proof } => body.extend_from_slice(proof),
+            Message::Proof { proof, resume } => {
+                body.extend_from_slice(proof);
+                body.push(resume.is_some() as u8);
+                if let Some(r) = resume {
+                    body.extend_from_slice(r);
+                }
+            }
             Message::Welcome => {}
             Message::Refuse { reason } => body.push(*reason as u8),
         }
@@ -425,7 +435,16 @@ impl Message {
                 }
             }
             7 => Message::Quiesced { key: r.key()? },
-            8 => Message::Proof { proof: r.proof()? },
+            8 => {
+                let proof = r.proof()?;
+                let at = r.pos;
+                let resume = match r.u8()? {
+                    0 => None,
+                    1 => Some(r.proof()?),
+                    _ => return Err(WireError::at(WireReason::BadBool, at)),
+                };
+                Message::Proof { proof, resume }
+            }
             9 => Message::Welcome,
             10 => {
                 let at = r.pos;

@@ -109,15 +109,12 @@ impl Progress {
     }
 
     /// A peer that connected to us by worker address sent its own: connect back. Each `Bind`
-    /// is a new connection from that agent (a first one, or a redial after this side's owner
-    /// refused or lost the last one), so its messages go to the new endpoint from now on; the
-    /// older endpoint stays until it fails or its owner closes it.
-    pub(super) fn bind(&mut self, uid: u64, address: &[u8]) {
+    /// is one new connection from that agent (a first one, or a redial). UCX pairs our endpoint
+    /// with the dialler's (the n-th endpoint each way between two workers is one connection), so
+    /// the dialler's messages arrive on the endpoint made here and are told apart by it.
+    pub(super) fn bind(&mut self, address: &[u8]) {
         match self.connect(Target::Worker(address)) {
-            Ok(peer) => {
-                self.uid_to_peer.insert(uid, peer.0);
-                self.shared.push_event(Event::Accepted(peer));
-            }
+            Ok(peer) => self.shared.push_event(Event::Accepted(peer)),
             Err(e) => tracing::warn!("connecting back to a peer failed: {e}"),
         }
     }
@@ -143,8 +140,6 @@ impl Progress {
         };
         let first = !entry.failed;
         entry.failed = true;
-        // Forget which agent this was: if it connects again it gets a fresh peer.
-        self.uid_to_peer.retain(|_, p| *p != peer);
         let ep = if first { entry.ep.take() } else { None };
         self.shared.failed.lock().insert(PeerId(peer), true);
         if first {
@@ -169,14 +164,11 @@ impl Progress {
         }
     }
 
-    /// A control message arrived: learn the sender's uid from its endpoint if it is new, and
-    /// hand the message on unless the peer has failed (then it is stale and dropped).
+    /// A control message arrived on `ep` (UCX's reply endpoint: ours to the sending endpoint,
+    /// which a sender cannot choose). Hand it on as from that peer unless the peer has failed
+    /// (then it is stale and dropped). The header's uid is not trusted: any sender can write any.
     pub(super) fn control_from(&mut self, ep: sys::ucp_ep_h, uid: u64, bytes: Vec<u8>) {
-        let peer = self.uid_to_peer.get(&uid).copied().or_else(|| {
-            let p = self.ep_to_peer.get(&(ep as usize)).copied()?;
-            self.uid_to_peer.insert(uid, p);
-            Some(p)
-        });
+        let peer = self.ep_to_peer.get(&(ep as usize)).copied();
         match peer {
             Some(peer) if !self.peers[&peer].failed => {
                 self.shared.push_event(Event::Control(PeerId(peer), bytes))
@@ -228,14 +220,9 @@ impl Progress {
         }
     }
 
-    /// A peer (known by uid, else by the endpoint it replied on) asked us to drain `tag`.
-    pub(super) fn drain_from(&mut self, ep: sys::ucp_ep_h, uid: u64, tag: u64) {
-        let peer = self
-            .uid_to_peer
-            .get(&uid)
-            .copied()
-            .or_else(|| self.ep_to_peer.get(&(ep as usize)).copied());
-        if let Some(peer) = peer {
+    /// The peer behind `ep` (the endpoint the request arrived on) asked us to drain `tag`.
+    pub(super) fn drain_from(&mut self, ep: sys::ucp_ep_h, tag: u64) {
+        if let Some(peer) = self.ep_to_peer.get(&(ep as usize)).copied() {
             self.drain(peer, tag);
         }
     }

@@ -46,7 +46,6 @@ pub(super) struct Progress {
     pub(super) worker: Worker,
     pub(super) ctx: Context,
     pub(super) ep_to_peer: HashMap<usize, u64>,
-    pub(super) uid_to_peer: HashMap<u64, u64>,
     pub(super) next_peer: u64,
     pub(super) drains: Vec<Arc<OpSlot>>,
     pub(super) scratch: Box<[u8; 8]>,
@@ -149,7 +148,6 @@ impl Progress {
                 worker: Worker(worker),
                 ctx,
                 ep_to_peer: HashMap::new(),
-                uid_to_peer: HashMap::new(),
                 next_peer: 1,
                 drains: Vec::new(),
                 scratch: Box::new([0; 8]),
@@ -454,8 +452,8 @@ impl Progress {
             match ev {
                 CbEvent::ConnRequest(req) => self.accept(req),
                 CbEvent::EpError(peer, status) => self.fail_peer(peer, status, false),
-                CbEvent::Bind(uid, address) => self.bind(uid, &address),
-                CbEvent::Drain(ep, uid, tag) => self.drain_from(ep, uid, tag),
+                CbEvent::Bind(_uid, address) => self.bind(&address),
+                CbEvent::Drain(ep, _uid, tag) => self.drain_from(ep, tag),
                 CbEvent::Control(ep, uid, bytes) => self.control_from(ep, uid, bytes),
             }
         }
