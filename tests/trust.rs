@@ -91,7 +91,7 @@ fn gen(transport: &str, to: &str, extra: &[&str], env_secret: Option<&str>) -> P
 #[test]
 fn a_third_process_cannot_land_data_by_guessed_or_observed_tokens() {
     for transport in ["tcp", "sm"] {
-        println!("== {transport}");
+        println!("== {transport}: a third process sends under guessed and observed tokens");
         let (mut c, caddr) = ctx(transport, &["--hold"], None);
         let mut extra = vec!["--sizes", "4K,1M", "--trust-every-ms", "200"];
         if transport == "tcp" {
@@ -169,7 +169,7 @@ type Case = (
 #[test]
 fn with_a_secret_a_peer_without_it_is_refused_on_both_sides() {
     for transport in ["tcp", "sm"] {
-        println!("== {transport}");
+        println!("== {transport}: peers with and without the deployment secret");
         // (ctx --secret, ctx env, gen --secret, gen env, connects?)
         let cases: [Case; 5] = [
             // The answering side holds a secret, the dialler none.
@@ -218,7 +218,7 @@ fn with_a_secret_a_peer_without_it_is_refused_on_both_sides() {
 #[test]
 fn a_duplicated_rank_is_refused_while_the_first_lives_and_accepted_after() {
     for transport in ["tcp", "sm"] {
-        println!("== {transport}");
+        println!("== {transport}: a second process claims a live rank");
         let (mut c, caddr) = ctx(transport, &[], None);
         let mut first = gen(transport, &caddr, &[], None);
         let instance = first
