@@ -43,6 +43,10 @@ set(KVLINK_CARGO_TARGET_DIR "${CMAKE_CURRENT_BINARY_DIR}/cargo" CACHE PATH
 set(KVLINK_CARGO_FLAGS "" CACHE STRING "Extra arguments for cargo build (a ;-list)")
 set(KVLINK_UCX_ROOT "$ENV{KVLINK_UCX_ROOT}" CACHE PATH
     "Prefix of the UCX (>= 1.13) to build against (include/, lib/); empty: pkg-config ucx")
+if(DEFINED ENV{KVLINK_UCX_ROOT} AND NOT "$ENV{KVLINK_UCX_ROOT}" STREQUAL "${KVLINK_UCX_ROOT}")
+  message(WARNING "kvlink: the environment's KVLINK_UCX_ROOT ($ENV{KVLINK_UCX_ROOT}) differs from "
+                  "the cache's ('${KVLINK_UCX_ROOT}'); the cache wins. Pass -DKVLINK_UCX_ROOT=... to change it.")
+endif()
 option(KVLINK_DEBUG_INFO "Keep debug info in the kvlink library of Release/MinSizeRel builds and installs" OFF)
 
 set(_kvlink_is_release "$<CONFIG:Release,RelWithDebInfo,MinSizeRel>")
