@@ -10,7 +10,8 @@
 //! `KVLINK_UCX_ROOT`: the UCX that `pkg-config ucx` finds (Debian 12: libucx-dev, 1.13).
 //!
 //! Features newer than UCX 1.13 are gated on `cfg(kvlink_ucx_1_NN)`, set for every minor
-//! version from 1.14 up to the one whose headers were read.
+//! version from 1.14 up to the one whose headers were read, or on a probe of the headers where
+//! the version that added something is not certain (`cfg(kvlink_ucx_ep_transports)`).
 use std::{
     env, fs,
     path::{Path, PathBuf},
@@ -54,6 +55,11 @@ fn main() {
             println!("cargo:rustc-cfg=kvlink_ucx_1_{gate}");
         }
     }
+    println!("cargo::rustc-check-cfg=cfg(kvlink_ucx_ep_transports)");
+    if header_has(&ucx.include, "UCP_EP_ATTR_FIELD_TRANSPORTS") {
+        // ucp_ep_query can list the transports and devices an endpoint uses (not in 1.13).
+        println!("cargo:rustc-cfg=kvlink_ucx_ep_transports");
+    }
     if let Some(libdir) = &ucx.libdir {
         println!("cargo:rustc-link-search=native={}", libdir.display());
         for lib in ["ucp", "uct", "ucs", "ucm"] {
@@ -92,6 +98,7 @@ fn main() {
         .allowlist_function("uct_md_close")
         .allowlist_function("uct_md_query_tl_resources")
         .allowlist_function("uct_release_tl_resource_list")
+        .allowlist_type("uct_component_attr_field")
         .allowlist_type("ucp_.*")
         .allowlist_type("ucs_.*")
         .allowlist_var("UCP_.*")
@@ -197,4 +204,12 @@ fn header_minor(include: &[PathBuf]) -> u32 {
         }
     }
     panic!("no UCP_API_MINOR in ucp/api/ucp_version.h under {include:?}");
+}
+
+/// Whether `ucp/api/ucp.h` in the first include directory that has it mentions `word`.
+fn header_has(include: &[PathBuf], word: &str) -> bool {
+    include
+        .iter()
+        .find_map(|dir| fs::read_to_string(dir.join("ucp/api/ucp.h")).ok())
+        .is_some_and(|text| text.contains(word))
 }

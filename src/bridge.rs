@@ -13,7 +13,8 @@ pub mod ffi {
         name: String,
         /// This rank's id, unique across both engines of a deployment.
         rank: u32,
-        /// "tcp" or "sm" (shared memory).
+        /// "tcp", "sm" (shared memory), "auto" or a UCX transport list ("rc,cuda_copy"), with
+        /// "@devices" for network devices ("tcp@eth0").
         transport: String,
         /// tcp: `ip:port` to listen on (port 0 picks one); empty for none.
         listen: String,

@@ -981,7 +981,8 @@ struct EngineOptions final {
   ::rust::String name;
   // This rank's id, unique across both engines of a deployment.
   ::std::uint32_t rank CXX_DEFAULT_VALUE(0);
-  // "tcp" or "sm" (shared memory).
+  // "tcp", "sm" (shared memory), "auto" or a UCX transport list ("rc,cuda_copy"), with
+  // "@devices" for network devices ("tcp@eth0").
   ::rust::String transport;
   // tcp: `ip:port` to listen on (port 0 picks one); empty for none.
   ::rust::String listen;

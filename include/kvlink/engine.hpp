@@ -94,10 +94,15 @@ struct EngineConfig {
   std::string name;
   /// This rank's id; unique across the context and generation engines of one deployment.
   std::uint32_t rank = 0;
-  /// "tcp" (UCX over TCP sockets) or "sm" (UCX shared memory, same host).
+  /// "tcp" (UCX over TCP sockets), "sm" (UCX shared memory, same host), "auto" (UCX chooses
+  /// among what it has), or a UCX transport list in UCX_TLS syntax ("rc,cuda_copy,cuda_ipc",
+  /// "tcp,self"); "@devices" appends network devices in UCX_NET_DEVICES syntax ("tcp@eth0",
+  /// "rc,cuda_copy@mlx5_0:1"). Names are checked against the linked UCX when the engine starts:
+  /// a bad one throws `InvalidArgument` naming it.
   std::string transport = "tcp";
-  /// tcp: `ip:port` to listen on ("127.0.0.1:0" picks a port). Empty: do not listen (this rank
-  /// then only connects out). Unused for "sm", which is reached by its worker address.
+  /// `ip:port` to listen on ("127.0.0.1:0" picks a port). Empty: do not listen (this rank then
+  /// only connects out, or is reached by its worker address: "sm" and lists without a network
+  /// transport).
   std::string listen;
   /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Must be positive.
   std::chrono::milliseconds timeout{60000};

@@ -541,7 +541,7 @@ struct KvlinkManagerOptions {
   size_t struct_size;
   char const* name;
   uint32_t rank;
-  char const* transport;  ///< "tcp" or "sm"
+  char const* transport;  ///< "tcp", "sm", "auto" or a UCX transport list, "@devices" optional (EngineConfig)
   char const* listen;     ///< tcp listen address ("127.0.0.1:0"), or NULL / "" for none
   uint64_t kv_transfer_timeout_ms;
   uint64_t agreement_ms;  ///< 0: the default

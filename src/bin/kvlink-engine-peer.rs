@@ -27,8 +27,9 @@ const GEN: u32 = 1;
 struct Args {
     #[command(subcommand)]
     role: Rank,
-    /// UCX transport: tcp (loopback) or sm (shared memory).
-    #[arg(long, global = true, default_value = "tcp", value_parser = ["tcp", "sm"])]
+    /// UCX transport: tcp (loopback), sm (shared memory), auto (UCX chooses) or a UCX
+    /// transport list (tcp,self); `@dev` adds network devices (tcp@lo).
+    #[arg(long, global = true, default_value = "tcp")]
     transport: String,
     /// The engine's per-request deadline in milliseconds.
     #[arg(long = "timeout-ms", global = true, default_value_t = 2000)]
@@ -128,7 +129,7 @@ fn say(line: String) {
 
 fn main() {
     let args = <Args as clap::Parser>::parse();
-    let transport = TransportKind::parse(&args.transport).unwrap_or_else(|e| {
+    let transport = TransportKind::parse_setting(&args.transport).unwrap_or_else(|e| {
         eprintln!("{e}");
         std::process::exit(2)
     });
@@ -139,14 +140,23 @@ fn main() {
     }
 }
 
-fn ctx(transport: TransportKind, timeout: Duration, listen: Option<&str>, suppress: Option<u64>) {
-    let mut cfg = EngineConfig::new("ctx", CTX, transport);
+/// The transport and network devices (`--transport tcp@lo`).
+type Setting = (TransportKind, Option<String>);
+
+fn ctx(
+    (transport, devices): Setting,
+    timeout: Duration,
+    listen: Option<&str>,
+    suppress: Option<u64>,
+) {
+    let mut cfg = EngineConfig::new("ctx", CTX, transport.clone());
+    cfg.net_devices = devices;
     cfg.timeout = timeout;
     // The lost-completion fault: this request's data is "sent" without moving.
     cfg.faults.suppress_data_of_request = suppress;
     if let Some(l) = listen {
         cfg.listen = Some(l.parse().expect("--listen ip:port"));
-    } else if transport == TransportKind::Tcp {
+    } else if !transport.by_worker_address() {
         cfg.listen = Some("127.0.0.1:0".parse().unwrap());
     }
     let engine = Engine::new(cfg).expect("engine");
@@ -187,7 +197,7 @@ fn ctx(transport: TransportKind, timeout: Duration, listen: Option<&str>, suppre
     }
 }
 
-fn gen(transport: TransportKind, timeout: Duration, opts: &GenOpts) {
+fn gen((transport, devices): Setting, timeout: Duration, opts: &GenOpts) {
     let GenOpts {
         to,
         sizes,
@@ -196,6 +206,7 @@ fn gen(transport: TransportKind, timeout: Duration, opts: &GenOpts) {
         health_every_ms,
     } = opts;
     let mut cfg = EngineConfig::new("gen", GEN, transport);
+    cfg.net_devices = devices;
     cfg.timeout = timeout;
     let ms = |v: &Option<u64>| v.map(Duration::from_millis);
     if let Some(w) = ms(wedge_ms) {
