@@ -297,3 +297,49 @@ const AM_CONTROL_ID: u32 = 7;
 const AM_DRAIN_ID: u32 = 8;
 /// Internal: "this is my worker address; connect back" (sent after connecting by address).
 const AM_BIND_ID: u32 = 9;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_settings_parse_and_say_how_peers_connect() {
+        assert_eq!(TransportKind::parse(" TCP ").unwrap(), TransportKind::Tcp);
+        assert_eq!(
+            TransportKind::parse("shm").unwrap(),
+            TransportKind::SharedMemory
+        );
+        assert_eq!(TransportKind::parse("auto").unwrap(), TransportKind::Auto);
+        let l = TransportKind::parse("RC,cuda_copy,cuda_ipc").unwrap();
+        assert_eq!(l, TransportKind::List("rc,cuda_copy,cuda_ipc".into()));
+        assert_eq!(l.to_string(), "rc,cuda_copy,cuda_ipc");
+        assert!(TransportKind::parse("^cma").is_ok());
+        assert!(TransportKind::parse("ud:aux,rc").is_ok());
+        for bad in ["", "^", "tcp,", "tcp self", "tcp;x", "tcp@lo", "t=1"] {
+            let e = TransportKind::parse(bad).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{bad:?}");
+        }
+        assert_eq!(
+            TransportKind::parse_setting("rc,cuda_copy@mlx5_0:1").unwrap(),
+            (
+                TransportKind::List("rc,cuda_copy".into()),
+                Some("mlx5_0:1".into())
+            )
+        );
+        assert_eq!(
+            TransportKind::parse_setting("tcp").unwrap(),
+            (TransportKind::Tcp, None)
+        );
+        for bad in ["tcp@", "tcp@eth0,", "tcp@eth 0", "@lo"] {
+            assert!(TransportKind::parse_setting(bad).is_err(), "{bad:?}");
+        }
+        let worker = |s: &str| TransportKind::parse(s).unwrap().by_worker_address();
+        assert!(worker("sm") && worker("posix,sysv,self") && worker("cuda_copy,cuda_ipc"));
+        assert!(!worker("tcp") && !worker("auto") && !worker("tcp,self") && !worker("rc_x"));
+        assert!(!worker("^tcp"), "a negated list may still use the network");
+        let mm = |s: &str| TransportKind::parse(s).unwrap().may_use_mm();
+        let net = |s: &str| TransportKind::parse(s).unwrap().may_use_network();
+        assert!(mm("auto") && mm("sm") && mm("tcp,sysv") && mm("^cma") && !mm("tcp,self"));
+        assert!(net("auto") && net("tcp,sysv") && !net("sm") && !net("posix,sysv,self"));
+    }
+}
