@@ -1,6 +1,8 @@
 // kvlink::Engine through the C++ facade, two ranks in one process, over tcp and shared memory.
 #include "test_util.h"
 
+#include <dlfcn.h>
+
 #include <atomic>
 #include <cstdio>
 #include <thread>
@@ -357,6 +359,16 @@ TEST_P(AnyTransportTest, RoundTripMovesEveryByte) {
 
 INSTANTIATE_TEST_SUITE_P(Ucx, AnyTransportTest, testing::Values("auto", "tcp,self", "posix,sysv,self", "tcp@lo"),
                          param_name);
+
+TEST_P(AnyTransportTest, DevicePathIsStagedWithoutACudaDriver) {
+  // What UCX reports decides it; without libcuda no UCX can support CUDA memory.
+  if (void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL)) {
+    dlclose(cuda);
+    GTEST_SKIP() << "a CUDA driver is present: the path is whatever this UCX reports";
+  }
+  EXPECT_EQ(ctx_->device_path(), kvlink::DevicePath::Staged);
+  EXPECT_EQ(gen_->device_path(), kvlink::DevicePath::Staged);
+}
 
 TEST(TransportSetting, ABadNameOrDeviceIsInvalidArgumentNamingIt) {
   for (const auto& [setting, named] : std::vector<std::pair<std::string, std::string>>{

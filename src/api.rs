@@ -388,6 +388,13 @@ impl EngineHandle {
         })
     }
 
+    pub fn device_path(&self) -> u8 {
+        match self.engine.device_path() {
+            crate::transport::DevicePath::Staged => 0,
+            crate::transport::DevicePath::Direct => 1,
+        }
+    }
+
     pub fn health(&self) -> HealthInfo {
         let h = self.engine.health();
         HealthInfo {

@@ -1109,6 +1109,10 @@ struct EngineHandle final : public ::rust::Opaque {
   // The connection to `rank`: 0 unknown, 1 connected, 2 reconnecting, 3 failed.
   ::std::uint8_t peer_state(::std::uint32_t rank) const noexcept;
 
+  // How CUDA memory moves with this engine's UCX, asked of it at start: 0 staged through
+  // pinned host buffers, 1 direct (UCX reports CUDA memory support).
+  ::std::uint8_t device_path() const noexcept;
+
   ~EngineHandle() = delete;
 
 private:
@@ -1122,6 +1126,9 @@ private:
 
 // The library version (Cargo package version).
 ::rust::String version() noexcept;
+
+// The UCX library kvlink runs on, as it reports itself (`ucp_get_version`): "1.22.0".
+::rust::String ucx_version() noexcept;
 
 // Kind code (see `kvlink::ErrorKind`) of the last error thrown on this thread; 0 if none.
 // Reading clears it.

@@ -171,6 +171,15 @@ struct Notification {
   std::vector<std::uint8_t> payload;
 };
 
+/// How CUDA memory moves with the engine's UCX (asked of UCX when the engine starts).
+enum class DevicePath : std::uint8_t {
+  /// Through pinned host buffers: this UCX reports no CUDA memory support (built without CUDA,
+  /// or its CUDA module could not load, e.g. no driver).
+  Staged = 0,
+  /// UCX reports CUDA memory support.
+  Direct = 1,
+};
+
 /// The verdict of `Health`: is this engine making progress?
 enum class HealthState : std::uint8_t {
   /// No work stuck, no fault within the degraded window.
@@ -439,6 +448,9 @@ class Engine {
     if (!n.found) return std::nullopt;
     return Notification{{n.request, n.generation}, std::vector<std::uint8_t>(n.payload.begin(), n.payload.end())};
   }
+
+  /// How CUDA memory moves with this engine's UCX. Does not block.
+  DevicePath device_path() const noexcept { return static_cast<DevicePath>(handle_->device_path()); }
 
   /// The progress snapshot. Does not block (takes the engine's lock briefly).
   Health health() const noexcept {
