@@ -43,6 +43,7 @@ if ! python3 -m venv "$venv" >&2 2>/dev/null; then
         echo "ucx-wheel: python3 -m venv failed; install python3-venv" >&2
         exit 1
     fi
+    rm -rf "$venv"   # what the failed attempt left (a venv without pip)
     python3 -m venv "$venv" >&2
 fi
 "$venv/bin/pip" install --quiet --disable-pip-version-check "libucx-cu12==$version" >&2
