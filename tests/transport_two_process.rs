@@ -38,7 +38,7 @@ fn auto_and_an_explicit_transport_list_move_every_byte() {
     for transport in ["auto", "tcp,self", "posix,sysv,self"] {
         println!("{transport}:");
         let (mut recv, mut send) = start(transport, "4096,1048576,16777216", "normal", 60_000);
-        // What UCX says the sender's endpoint uses (UCX >= 1.14; "unknown" on 1.13).
+        // What UCX says the sender's endpoint uses (1.22 says; 1.13 cannot: "unknown").
         let lanes = send.expect("LANES");
         for want in [4096, 1 << 20, 16 << 20] {
             let (size, outcome, _, verified) = result(&recv.expect("RESULT"));

@@ -100,8 +100,8 @@ fn agent_or_exit(opts: AgentOptions) -> Agent {
     })
 }
 
-/// `LANES tcp/lo ...`: what UCX says the endpoint to `peer` uses ("unknown" before UCX 1.14),
-/// and `DEVICE_PATH Staged|Direct`.
+/// `LANES tcp/lo ...`: what UCX says the endpoint to `peer` uses ("unknown" where UCX cannot
+/// say, as 1.13 cannot), and `DEVICE_PATH Staged|Direct`.
 fn print_lanes(agent: &Agent, peer: kvlink::transport::PeerId) {
     match agent.peer_transports(peer) {
         Ok(Some(l)) => println!("LANES {}", l.join(" ")),

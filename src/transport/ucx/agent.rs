@@ -151,7 +151,8 @@ impl Agent {
     }
 
     /// The transports and devices (`tcp/lo`, `posix/memory`) `peer`'s endpoint uses, as UCX
-    /// reports them; `Ok(None)` where the linked UCX cannot say (before 1.14).
+    /// reports them; `Ok(None)` where the linked UCX cannot say (no
+    /// `UCP_EP_ATTR_FIELD_TRANSPORTS` in its headers, as in 1.13's; 1.22's have it).
     pub fn peer_transports(&self, peer: PeerId) -> Result<Option<Vec<String>>> {
         self.check_peer(peer)?;
         let r = Reply::new();

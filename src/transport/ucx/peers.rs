@@ -346,7 +346,7 @@ pub(super) unsafe fn sockaddr_port(s: *const libc::sockaddr_storage) -> u16 {
 
 impl Progress {
     /// `transport/device` for each lane of `peer`'s endpoint, as `ucp_ep_query` reports them
-    /// (UCX >= 1.14 has it; None on an older UCX).
+    /// (where the headers have `UCP_EP_ATTR_FIELD_TRANSPORTS`: 1.22 yes, 1.13 no; else None).
     pub(super) fn peer_transports(&mut self, peer: PeerId) -> Result<Option<Vec<String>>> {
         let Some(ep) = self
             .peers
