@@ -12,6 +12,10 @@
 #                            (scripts/test-all.sh does, so CI compiles the crate once).
 #   KVLINK_CARGO_FLAGS       extra arguments for `cargo build` (e.g. --features x)
 #   KVLINK_DEBUG_INFO        keep debug info in Release / MinSizeRel builds (default OFF)
+#   KVLINK_UCX_ROOT          prefix of the UCX (>= 1.13) to build against (defaults to the
+#                            environment variable of the same name); empty: the system UCX that
+#                            `pkg-config ucx` finds. Passed to cargo (build.rs binds that UCX's
+#                            headers) and read the same way here (KvlinkUcx.cmake).
 # Profile: Release, RelWithDebInfo, MinSizeRel -> cargo `release`; Debug or no build type -> `dev`.
 # Works with multi-config generators too (the choice is a generator expression).
 #
@@ -37,6 +41,12 @@ endif()
 set(KVLINK_CARGO_TARGET_DIR "${CMAKE_CURRENT_BINARY_DIR}/cargo" CACHE PATH
     "cargo --target-dir for the kvlink build")
 set(KVLINK_CARGO_FLAGS "" CACHE STRING "Extra arguments for cargo build (a ;-list)")
+set(KVLINK_UCX_ROOT "$ENV{KVLINK_UCX_ROOT}" CACHE PATH
+    "Prefix of the UCX (>= 1.13) to build against (include/, lib/); empty: pkg-config ucx")
+if(DEFINED ENV{KVLINK_UCX_ROOT} AND NOT "$ENV{KVLINK_UCX_ROOT}" STREQUAL "${KVLINK_UCX_ROOT}")
+  message(WARNING "kvlink: the environment's KVLINK_UCX_ROOT ($ENV{KVLINK_UCX_ROOT}) differs from "
+                  "the cache's ('${KVLINK_UCX_ROOT}'); the cache wins. Pass -DKVLINK_UCX_ROOT=... to change it.")
+endif()
 option(KVLINK_DEBUG_INFO "Keep debug info in the kvlink library of Release/MinSizeRel builds and installs" OFF)
 
 set(_kvlink_is_release "$<CONFIG:Release,RelWithDebInfo,MinSizeRel>")
@@ -63,6 +73,7 @@ endif()
 # when a locked crate has never been downloaded on this machine.
 add_custom_target(kvlink_cargo ALL
   COMMAND "${CMAKE_COMMAND}" -E env "CARGO_PROFILE_RELEASE_DEBUG=$<IF:${KVLINK_KEEP_DEBUG_INFO},1,0>"
+          "KVLINK_UCX_ROOT=${KVLINK_UCX_ROOT}"
           "${KVLINK_CARGO}" build --locked --lib
           --profile "${_kvlink_profile}"
           --manifest-path "${PROJECT_SOURCE_DIR}/Cargo.toml"
@@ -75,12 +86,28 @@ add_custom_target(kvlink_cargo ALL
   COMMAND_EXPAND_LISTS
   VERBATIM)
 
-# System libraries the Rust static library needs at final link. UCX via pkg-config (ucp uct ucs
-# ucm); pthread, dl, m and rt are what Rust's std and UCX use.
-find_package(PkgConfig REQUIRED)
-# Sets KVLINK_UCX_VERSION, the UCX this build compiles against (build.rs's bindgen asks the same
-# pkg-config); the installed kvlinkConfig.cmake reports it.
-pkg_check_modules(KVLINK_UCX REQUIRED IMPORTED_TARGET ucx>=1.12)
+# System libraries the Rust static library needs at final link. UCX (ucp uct ucs ucm) from
+# KVLINK_UCX_ROOT, or else via pkg-config; pthread, dl, m and rt are what Rust's std and UCX use.
+# Either way KVLINK_UCX_VERSION is the UCX this build compiles against (build.rs reads the same
+# one); the installed kvlinkConfig.cmake records it, and KVLINK_UCX_ROOT.
+if(KVLINK_UCX_ROOT)
+  include("${CMAKE_CURRENT_LIST_DIR}/KvlinkUcx.cmake")
+  kvlink_ucx_from_root(kvlink::ucx "${KVLINK_UCX_ROOT}" _kvlink_ucx)
+  if(NOT _kvlink_ucx_FOUND)
+    message(FATAL_ERROR "kvlink: KVLINK_UCX_ROOT=${KVLINK_UCX_ROOT}: ${_kvlink_ucx_ERROR}")
+  endif()
+  set(KVLINK_UCX_VERSION "${_kvlink_ucx_VERSION}")
+  set(KVLINK_UCX_LIBDIR "${_kvlink_ucx_LIBDIR}")
+  set(_kvlink_ucx_target kvlink::ucx)
+  set(KVLINK_UCX_ROOT_REAL "${_kvlink_ucx_ROOT}")
+  message(STATUS "kvlink: UCX ${KVLINK_UCX_VERSION} from KVLINK_UCX_ROOT (${KVLINK_UCX_LIBDIR})")
+else()
+  find_package(PkgConfig REQUIRED)
+  pkg_check_modules(KVLINK_UCX REQUIRED IMPORTED_TARGET ucx>=1.13)
+  set(KVLINK_UCX_LIBDIR "")
+  set(KVLINK_UCX_ROOT_REAL "")
+  set(_kvlink_ucx_target PkgConfig::KVLINK_UCX)
+endif()
 set(THREADS_PREFER_PTHREAD_FLAG ON)
 find_package(Threads REQUIRED)
 
@@ -92,5 +119,5 @@ target_include_directories(kvlink INTERFACE "$<BUILD_INTERFACE:${PROJECT_SOURCE_
 target_compile_features(kvlink INTERFACE cxx_std_17)
 target_link_libraries(kvlink INTERFACE
   "$<BUILD_INTERFACE:${KVLINK_STATIC_LIBRARY}>"
-  PkgConfig::KVLINK_UCX Threads::Threads ${CMAKE_DL_LIBS} m rt)
+  ${_kvlink_ucx_target} Threads::Threads ${CMAKE_DL_LIBS} m rt)
 add_dependencies(kvlink kvlink_cargo)

@@ -63,4 +63,5 @@ write_basic_package_version_file(
   COMPATIBILITY SameMinorVersion)
 install(FILES "${PROJECT_BINARY_DIR}/kvlinkConfig.cmake"
               "${PROJECT_BINARY_DIR}/kvlinkConfigVersion.cmake"
+              "${CMAKE_CURRENT_LIST_DIR}/KvlinkUcx.cmake"
         DESTINATION "${KVLINK_INSTALL_CMAKEDIR}")

@@ -11,6 +11,14 @@ TEST(Api, Version) {
   EXPECT_EQ(v, KVLINK_EXPECTED_VERSION);
 }
 
+TEST(Api, RunsOnTheUcxItWasBuiltAgainst) {
+  // KVLINK_UCX_ROOT builds link that UCX with an rpath: the loader must not pick another one
+  // (the system's) at run time.
+  // A version from headers alone is major.minor: compare as a prefix.
+  const std::string built = KVLINK_TEST_UCX_VERSION;
+  EXPECT_EQ(kvlink::ucx_version().rfind(built, 0), 0u) << kvlink::ucx_version() << " vs " << built;
+}
+
 TEST(Api, GoodAddressReturnsCanonicalForm) {
   EXPECT_EQ(kvlink::check_listen_address("127.0.0.1:5000"), "127.0.0.1:5000");
   EXPECT_EQ(kvlink::check_listen_address(" 127.0.0.1:5000 "), "127.0.0.1:5000");

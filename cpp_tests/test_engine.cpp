@@ -1,6 +1,8 @@
 // kvlink::Engine through the C++ facade, two ranks in one process, over tcp and shared memory.
 #include "test_util.h"
 
+#include <dlfcn.h>
+
 #include <atomic>
 #include <cstdio>
 #include <thread>
@@ -366,5 +368,51 @@ TEST_P(EngineTest, TwoContextRanksFillOneRequest) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, EngineTest, testing::ValuesIn(transports()), param_name);
+
+// Any UCX transport: UCX's own choice, explicit lists (network, shared memory only) and a list
+// with a network device. One round trip each, every byte checked.
+class AnyTransportTest : public EngineTest {};
+
+TEST_P(AnyTransportTest, RoundTripMovesEveryByte) {
+  const RequestKey key{77, 0};
+  std::vector<std::uint8_t> buf(1 << 20, 0);
+  advertise(key, buf);
+  auto adv = ctx_->next_advertisement(kvlink::after(5s));
+  ASSERT_TRUE(adv);
+  ctx_->accept(key, kGen, true);
+  const auto src = pattern(buf.size(), 5);
+  EXPECT_EQ(ctx_->send(key, kGen, 0, src.data(), src.size(), kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(buf, src);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ucx, AnyTransportTest, testing::Values("auto", "tcp,self", "posix,sysv,self", "tcp@lo"),
+                         param_name);
+
+TEST_P(AnyTransportTest, DevicePathIsStagedWithoutACudaDriver) {
+  // What UCX reports decides it; without libcuda no UCX can support CUDA memory.
+  if (void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL)) {
+    dlclose(cuda);
+    GTEST_SKIP() << "a CUDA driver is present: the path is whatever this UCX reports";
+  }
+  EXPECT_EQ(ctx_->device_path(), kvlink::DevicePath::Staged);
+  EXPECT_EQ(gen_->device_path(), kvlink::DevicePath::Staged);
+}
+
+TEST(TransportSetting, ABadNameOrDeviceIsInvalidArgumentNamingIt) {
+  for (const auto& [setting, named] : std::vector<std::pair<std::string, std::string>>{
+           {"tcp,tpc", "'tpc'"}, {"tcp@nosuchdev0", "'nosuchdev0'"}, {"auto@lo,eth9z", "'eth9z'"}}) {
+    auto c = config("tcp", 9);
+    c.transport = setting;
+    try {
+      kvlink::Engine e(c);
+      ADD_FAILURE() << setting << " was accepted";
+    } catch (const kvlink::Error& e) {
+      EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument) << setting;
+      EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << setting << ": " << e.what();
+    }
+  }
+}
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -19,12 +20,18 @@ using namespace std::chrono_literals;
 /// The transports every suite runs over.
 inline std::vector<std::string> transports() { return {"tcp", "sm"}; }
 
+/// Whether ranks on `transport` are reached by worker address (no listener): shared memory,
+/// and a transport list without tcp in it.
+inline bool by_worker_address(const std::string& transport) {
+  return transport == "sm" || (transport != "auto" && transport.find("tcp") == std::string::npos);
+}
+
 inline kvlink::EngineConfig config(const std::string& transport, std::uint32_t rank, std::chrono::milliseconds timeout = 5000ms) {
   kvlink::EngineConfig c;
   c.name = "rank" + std::to_string(rank);
   c.rank = rank;
   c.transport = transport;
-  c.listen = transport == "tcp" ? "127.0.0.1:0" : "";
+  c.listen = by_worker_address(transport) ? "" : "127.0.0.1:0";
   c.timeout = timeout;
   c.agreement_bound = 500ms;
   return c;
@@ -53,6 +60,13 @@ inline void expect_no_leak(const kvlink::Engine& e, const char* who) {
   EXPECT_TRUE(eventually([&] { return e.health().ops_in_flight == 0; })) << who << ": ops still in flight";
 }
 
-inline std::string param_name(const testing::TestParamInfo<std::string>& i) { return i.param; }
+/// The parameter as a test name: `tcp,self` -> `tcp_self`, `tcp@lo` -> `tcp_lo`.
+inline std::string param_name(const testing::TestParamInfo<std::string>& i) {
+  std::string n = i.param;
+  for (char& ch : n) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return n;
+}
 
 }  // namespace kvtest

@@ -4,7 +4,7 @@
 // ends TimedOut at its deadline on both sides while both processes stay healthy; then a third
 // request is served. Exit status 0 only if every step went as stated.
 //
-//   kvlink_demo [--transport tcp|sm] [--timeout-ms N] [--metrics-file PATH]
+//   kvlink_demo [--transport tcp|sm|auto|<UCX list>[@devices]] [--timeout-ms N] [--metrics-file PATH]
 //
 // --metrics-file writes the generation side's metrics (Prometheus text format) to PATH at the end.
 // KVLINK_LOG=debug (or any tracing EnvFilter) makes both processes log to stderr.
@@ -70,7 +70,8 @@ int run_context(const std::string& transport, milliseconds timeout) {
   cfg.name = "context";
   cfg.rank = kCtx;
   cfg.transport = transport;
-  if (transport == "tcp") cfg.listen = "127.0.0.1:0";
+  // tcp listens; sm, auto and lists are reached by worker address.
+  if (transport == "tcp" || transport.rfind("tcp@", 0) == 0) cfg.listen = "127.0.0.1:0";
   cfg.timeout = timeout;
   cfg.fault_suppress_request = kFaulty;
   kvlink::Engine engine(cfg);
@@ -210,7 +211,8 @@ int main(int argc, char** argv) {
           "sides must end TimedOut at its deadline, leaking nothing, before serving the third.\n"
           "Exits 0 only if every step went as stated.\n\n"
           "Options:\n"
-          "  --transport tcp|sm      UCX transport between the two processes (default tcp)\n"
+          "  --transport T           UCX transport between the two processes (default tcp): tcp, sm,\n"
+          "                          auto, or a UCX list such as tcp,self; @dev adds network devices\n"
           "  --timeout-ms N          per-request deadline in milliseconds (default 2000)\n"
           "  --metrics-file PATH     write the generation side's Prometheus metrics there at the end\n"
           "  -h, --help              this text\n"

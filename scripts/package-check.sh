@@ -14,7 +14,7 @@
 # Environment: CARGO_TARGET_DIR (default <repo>/target), KVLINK_PKG_DIR (default
 # <repo>/build-pkg: release/, off/, prefix/, consumer/ under it), KVLINK_PKG_FRESH=1 to start
 # the Release build dir from scratch too (the all-OFF build and the prefix always are),
-# KVLINK_SKIP_DEPS=1 to skip the package check.
+# KVLINK_SKIP_DEPS=1 to skip the package check, KVLINK_UCX_ROOT to build against that UCX.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,7 +30,13 @@ build_rel="$work/release"
 build_off="$work/off"
 prefix="$work/prefix"
 version="$(sed -n 's/^version *= *"\([0-9.]*\)".*/\1/p' Cargo.toml | head -n1)"
-ucx_version="$(pkg-config --modversion ucx)"
+# The UCX the builds below compile against: KVLINK_UCX_ROOT's (its ucx.pc's Version: line; its
+# prefix= is not used), else the system one.
+if [[ -n "${KVLINK_UCX_ROOT:-}" ]]; then
+    ucx_version="$(sed -n 's/^Version: *//p' "$KVLINK_UCX_ROOT"/lib*/pkgconfig/ucx.pc | head -n1)"
+else
+    ucx_version="$(pkg-config --modversion ucx)"
+fi
 
 rm -rf "$build_off" "$prefix" "$work/consumer"
 if [[ "${KVLINK_PKG_FRESH:-0}" == "1" ]]; then rm -rf "$build_rel"; fi
@@ -54,14 +60,15 @@ check_installed_lib() {
 
 # 1. The README's line, word for word but for the cargo target dir (shared, so Rust builds once).
 step release-build -- bash -c "cmake -S '$root' -B '$build_rel' -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DKVLINK_CARGO_TARGET_DIR='$CARGO_TARGET_DIR' && cmake --build '$build_rel' -j $jobs"
+    -DKVLINK_CARGO_TARGET_DIR='$CARGO_TARGET_DIR' -DKVLINK_UCX_ROOT='${KVLINK_UCX_ROOT:-}' \
+    && cmake --build '$build_rel' -j $jobs"
 step release-ctest requires=release-build -- \
     ctest --test-dir "$build_rel" --output-on-failure -j "$jobs" --repeat until-pass:2  # see test-all.sh
 
 # 2. Every option OFF but the install rules: build must still run cargo, install must find the .a.
 step off-configure -- cmake -S "$root" -B "$build_off" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DKVLINK_BUILD_TESTS=OFF -DKVLINK_BUILD_EXAMPLES=OFF -DKVLINK_BUILD_TRTLLM_WRAPPER=OFF \
-    -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR"
+    -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="${KVLINK_UCX_ROOT:-}"
 step off-build requires=off-configure -- cmake --build "$build_off" -j "$jobs"
 step off-install requires=off-build -- cmake --install "$build_off" --prefix "$prefix"
 step installed-lib requires=off-install -- check_installed_lib

@@ -2,13 +2,15 @@
 # Runs every check kvlink has, in one go, and prints a summary. Exits non-zero if any fails.
 #   install-deps, cargo fmt --check, cargo clippy (all targets, -D warnings), cargo test,
 #   CMake configure + build (Ninja) + ctest, the package check (Release line, all-off install,
-#   installed consumer), header drift check, AddressSanitizer run, bounded fuzz run.
+#   installed consumer), header drift check, AddressSanitizer run, bounded fuzz run, and the
+#   same crate against a second UCX generation (ucx122: the PyPI wheel's UCX 1.22).
 # Rust is compiled once: CMake's cargo step uses the same target dir and profile (dev) as
 # `cargo test`, so it only links. Later steps still run after a failure, so one run shows all
 # problems; a step whose prerequisite failed is reported as skipped.
 #
 # Environment: CARGO_TARGET_DIR (default <repo>/target), KVLINK_BUILD_DIR (default
-# <repo>/build-ci), KVLINK_SKIP_DEPS=1 to skip the package check.
+# <repo>/build-ci), KVLINK_SKIP_DEPS=1 to skip the package check, KVLINK_UCX_ROOT to run every
+# step against that UCX instead of the system one (the ucx122 step is then skipped).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,7 +30,7 @@ step clippy -- cargo clippy --locked --all-targets -- -D warnings
 step cargo-test -- cargo test --locked --no-fail-fast
 step cmake-configure -- cmake -S "$root" -B "$build_dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
-    -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR"
+    -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="${KVLINK_UCX_ROOT:-}"
 step cmake-build requires=cmake-configure -- cmake --build "$build_dir" -j "$jobs"
 # --repeat until-pass:2: a case that fails is run once more, and both runs are printed. A net
 # for UCX 1.13's async-thread crash in ucp_cm_server_conn_request_cb (a listener destroyed while
@@ -45,5 +47,36 @@ step header-drift -- bash "$root/scripts/check-header-drift.sh"
 # SKIP where nightly (or cargo-fuzz) is missing.
 step sanitize -- bash "$root/scripts/sanitize.sh"
 step fuzz -- env KVLINK_FUZZ_SECONDS="${KVLINK_FUZZ_SECONDS:-45}" bash "$root/scripts/fuzz.sh"
+
+# A second UCX generation: the PyPI wheel's UCX 1.22 (scripts/ucx-wheel.sh installs it in a
+# virtual environment) next to Debian's 1.13, with its own cargo target dir and CMake build dir.
+# Suites, chosen to stay within about 6 minutes here (the crate and its test binaries compile
+# once more, ~3 min): the library's unit tests (the UCX resource and transport checks), the
+# transport in one process and between two processes (tcp, sm, auto, an explicit list), the
+# engine in one process, the engine between two processes under real faults (engine_faults),
+# and the whole C++ suite with the installed and add_subdirectory consumers (ctest, ~1 min).
+ucx122() (
+    local ucx_root
+    ucx_root="$(bash "$root/scripts/ucx-wheel.sh")" || return 1
+    export KVLINK_UCX_ROOT="$ucx_root"
+    export CARGO_TARGET_DIR="${KVLINK_UCX122_TARGET_DIR:-$CARGO_TARGET_DIR-ucx122}"
+    local dir="${build_dir}-ucx122" rc=0
+    echo "ucx122: KVLINK_UCX_ROOT=$KVLINK_UCX_ROOT CARGO_TARGET_DIR=$CARGO_TARGET_DIR build dir $dir"
+    cargo test --locked --no-fail-fast --lib --test transport_local --test transport_two_process \
+        --test engine --test engine_faults || rc=1
+    if cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
+        -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="$KVLINK_UCX_ROOT" &&
+        cmake --build "$dir" -j "$jobs"; then
+        ctest --test-dir "$dir" --output-on-failure -j "$jobs" --repeat until-pass:2 || rc=1
+    else
+        rc=1
+    fi
+    return $rc
+)
+if [[ -n "${KVLINK_UCX_ROOT:-}" ]]; then
+    echo "ucx122: skipped, every step above ran against KVLINK_UCX_ROOT=$KVLINK_UCX_ROOT"
+else
+    step ucx122 -- ucx122
+fi
 
 finish test-all

@@ -47,8 +47,9 @@ fn cancel_check(flag: Option<&AtomicBool>) -> Option<Box<dyn Fn() -> bool + '_>>
 
 pub fn engine_new(o: &EngineOptions) -> Result<Box<EngineHandle>> {
     guard(|| {
-        let transport = TransportKind::parse(&o.transport)?;
+        let (transport, net_devices) = TransportKind::parse_setting(&o.transport)?;
         let mut cfg = EngineConfig::new(o.name.clone(), o.rank, transport);
+        cfg.net_devices = net_devices;
         if !o.listen.is_empty() {
             cfg.listen = Some(crate::config::parse_listen_address(&o.listen)?);
         }
@@ -433,6 +434,13 @@ impl EngineHandle {
                 },
             )
         })
+    }
+
+    pub fn device_path(&self) -> u8 {
+        match self.engine.device_path() {
+            crate::transport::DevicePath::Staged => 0,
+            crate::transport::DevicePath::Direct => 1,
+        }
     }
 
     pub fn health(&self) -> HealthInfo {

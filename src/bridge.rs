@@ -13,7 +13,8 @@ pub mod ffi {
         name: String,
         /// This rank's id, unique across both engines of a deployment.
         rank: u32,
-        /// "tcp" or "sm" (shared memory).
+        /// "tcp", "sm" (shared memory), "auto" or a UCX transport list ("rc,cuda_copy"), with
+        /// "@devices" for network devices ("tcp@eth0").
         transport: String,
         /// tcp: `ip:port` to listen on (port 0 picks one); empty for none.
         listen: String,
@@ -102,6 +103,8 @@ pub mod ffi {
     extern "Rust" {
         /// The library version (Cargo package version).
         fn version() -> String;
+        /// The UCX library kvlink runs on, as it reports itself (`ucp_get_version`): "1.22.0".
+        fn ucx_version() -> String;
         /// Kind code (see `kvlink::ErrorKind`) of the last error thrown on this thread; 0 if none.
         /// Reading clears it.
         fn take_last_error_kind() -> u8;
@@ -219,11 +222,18 @@ pub mod ffi {
         fn metrics_text(self: &EngineHandle) -> Result<String>;
         /// The connection to `rank`: 0 unknown, 1 connected, 2 reconnecting, 3 failed.
         fn peer_state(self: &EngineHandle, rank: u32) -> u8;
+        /// How CUDA memory moves with this engine's UCX, asked of it at start: 0 staged through
+        /// pinned host buffers, 1 direct (UCX reports CUDA memory support).
+        fn device_path(self: &EngineHandle) -> u8;
     }
 }
 
 fn version() -> String {
     env!("CARGO_PKG_VERSION").to_string()
+}
+
+fn ucx_version() -> String {
+    crate::transport::ucx::resources::ucx_version()
 }
 
 fn error_kind_name(code: u8) -> &'static str {

@@ -11,8 +11,8 @@ const CTX: u32 = 0;
 const GEN: u32 = 1;
 
 fn engines(kind: TransportKind, timeout: Duration, suppress: Option<u64>) -> (Engine, Engine) {
-    let mut c = EngineConfig::new("ctx", CTX, kind);
-    if kind == TransportKind::Tcp {
+    let mut c = EngineConfig::new("ctx", CTX, kind.clone());
+    if !kind.by_worker_address() {
         c.listen = Some("127.0.0.1:0".parse().unwrap());
     }
     c.timeout = timeout;
@@ -141,7 +141,7 @@ fn run(ctx: &Engine, gen: &Engine, key: RequestKey, sizes: &[usize]) -> (Outcome
 #[test]
 fn request_lifecycle_over_tcp_and_shared_memory() {
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
-        let (ctx, gen) = engines(kind, Duration::from_secs(5), None);
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
         for (i, sizes) in [vec![4096], vec![1 << 20, 4096, 64 << 10], vec![16 << 20]]
             .into_iter()
             .enumerate()
@@ -656,7 +656,7 @@ fn four_thousand_requests_in_flight_complete_twice() {
     const N: u64 = 4096;
     const LEN: usize = 4096;
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
-        let (ctx, gen) = engines(kind, Duration::from_secs(60), None);
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(60), None);
         for round in 0..2u64 {
             let t0 = Instant::now();
             let dl = Instant::now() + Duration::from_secs(60);

@@ -36,6 +36,20 @@ fn device_memory_round_trip_through_staging() {
     let mut st = Staging::new(0, len).unwrap();
     st.from_device(src_ptr, len).unwrap();
     st.to_device(dst_ptr, len).unwrap();
+    // The pinned buffer goes back to the device's pool and is reused, not allocated again.
+    drop(st);
+    let (kept, bytes) = kvlink::transport::cuda::staging_cached(0);
+    assert!(
+        kept >= 1 && bytes >= len,
+        "pool keeps {kept} buffers, {bytes} bytes"
+    );
+    let again = Staging::new(0, len).unwrap();
+    assert_eq!(
+        kvlink::transport::cuda::staging_cached(0).0,
+        kept - 1,
+        "reused"
+    );
+    drop(again);
     drop((_g1, _g2));
     let back = stream.clone_dtoh(&d_dst).unwrap();
     assert_eq!(
@@ -85,6 +99,8 @@ fn engine_moves_device_memory_through_staging() {
         .unwrap();
     let adv = sender.next_advertisement(dl, None).unwrap();
     sender.accept(key, adv.from, true).unwrap();
+    // Another request's staging is held for the whole transfer: this one must not wait for it.
+    let held = kvlink::transport::cuda::Staging::new(0, len).unwrap();
     assert_eq!(
         sender
             .send_device(key, adv.from, 0, 0, src_ptr, len, dl, None)
@@ -95,6 +111,7 @@ fn engine_moves_device_memory_through_staging() {
         receiver.wait(key, Role::Receiver, dl, None).unwrap(),
         Outcome::Completed
     );
+    drop(held);
     drop((g1, g2));
     assert_eq!(
         stream.clone_dtoh(&d_dst).unwrap(),

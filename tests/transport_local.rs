@@ -8,15 +8,16 @@ use std::time::{Duration, Instant};
 
 /// Two connected agents; returns (a, b, a's peer id for b, b's peer id for a).
 fn pair(kind: TransportKind) -> (Agent, Agent, PeerId, PeerId) {
-    let mut ob = AgentOptions::new("b", kind);
-    if kind == TransportKind::Tcp {
+    let mut ob = AgentOptions::new("b", kind.clone());
+    if !kind.by_worker_address() {
         ob.listen = Some("127.0.0.1:0".parse().unwrap());
     }
     let b = Agent::new(ob).unwrap();
-    let a = Agent::new(AgentOptions::new("a", kind)).unwrap();
-    let ab = match kind {
-        TransportKind::Tcp => a.connect(b.listen_address().unwrap()).unwrap(),
-        TransportKind::SharedMemory => a.connect_worker(b.worker_address()).unwrap(),
+    let a = Agent::new(AgentOptions::new("a", kind.clone())).unwrap();
+    let ab = if kind.by_worker_address() {
+        a.connect_worker(b.worker_address()).unwrap()
+    } else {
+        a.connect(b.listen_address().unwrap()).unwrap()
     };
     let mut hello = a.send_control(ab, a.worker_address().to_vec()).unwrap();
     assert_eq!(
@@ -40,7 +41,7 @@ const KINDS: [TransportKind; 2] = [TransportKind::Tcp, TransportKind::SharedMemo
 #[test]
 fn cancel_flag_ends_waiting_recv_and_send_within_50ms() {
     for kind in KINDS {
-        let (a, b, ab, ba) = pair(kind);
+        let (a, b, ab, ba) = pair(kind.clone());
         // A receive nobody sends to.
         let mut buf = vec![0u8; 1 << 20];
         let mut op = unsafe { b.post_recv(ba, 77, buf.as_mut_ptr(), buf.len()) }.unwrap();
@@ -144,7 +145,7 @@ fn bad_input_is_a_typed_error() {
 #[test]
 fn size_mismatch_is_a_protocol_error_not_a_completion() {
     for kind in KINDS {
-        let (a, b, ab, ba) = pair(kind);
+        let (a, b, ab, ba) = pair(kind.clone());
         let mut small = vec![0u8; 4096];
         let big = vec![1u8; 8192];
         let mut r = unsafe { b.post_recv(ba, 5, small.as_mut_ptr(), small.len()) }.unwrap();
@@ -186,7 +187,7 @@ fn progress_counters_move_with_work() {
 #[test]
 fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
     for kind in KINDS {
-        let (a, b, ab, _ba) = pair(kind);
+        let (a, b, ab, _ba) = pair(kind.clone());
         // b exposes a region; a learns (address, length, key) out of band, as an advertisement.
         let mut target = vec![0u8; 1 << 20];
         let mh = unsafe { b.map(target.as_mut_ptr(), target.len()) }.unwrap();
@@ -268,4 +269,108 @@ fn a_peer_that_was_cut_off_can_connect_again() {
     assert_ne!(got.0, ba, "a fresh peer id");
     assert_eq!(got.1, b"again");
     assert_eq!(b.stats().stale_control_dropped, 0);
+}
+
+/// A transport setting parsed and started as `Agent::new` would from a user's text.
+fn agent_with(setting: &str) -> kvlink::Result<Agent> {
+    let (kind, devices) = TransportKind::parse_setting(setting)?;
+    let mut o = AgentOptions::new("check", kind);
+    o.net_devices = devices;
+    Agent::new(o)
+}
+
+#[test]
+fn a_bad_transport_or_device_is_invalid_argument_naming_it() {
+    for (setting, named) in [
+        ("tcp,tpc", "'tpc'"),               // a typo: UCX knows no such transport
+        ("tcp@nosuchdev0", "'nosuchdev0'"), // a device this machine does not have
+        ("auto@lo,eth9z", "'eth9z'"),
+        ("tcp@memory", "'memory'"), // a device, but not a network device
+        ("rc,cuda_copy,cuda_ipc", "none of the transports"), // no RDMA here
+        ("tcp;rm -rf", "not tcp, sm, auto"), // not a list at all
+        ("tcp@", "network devices"),
+        ("", "not tcp, sm, auto"),
+    ] {
+        let e = agent_with(setting)
+            .err()
+            .unwrap_or_else(|| panic!("'{setting}' was accepted"));
+        println!("'{setting}' -> {:?}: {}", e.kind, e.message);
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{setting}");
+        assert!(e.message.contains(named), "'{setting}': {}", e.message);
+    }
+}
+
+#[test]
+fn auto_a_transport_list_and_a_device_carry_data() {
+    // Every kind below connects through a listener (they include a network transport), except
+    // the shared-memory-only list, which connects by worker address.
+    for kind in [
+        TransportKind::Auto,
+        TransportKind::parse("tcp,self").unwrap(),
+        TransportKind::parse("posix,sysv,self").unwrap(),
+    ] {
+        let (a, b, ab, ba) = pair(kind.clone());
+        let mut buf = vec![0u8; 1 << 20];
+        let src: Vec<u8> = (0..buf.len()).map(|i| (i % 251) as u8).collect();
+        let mut r = unsafe { b.post_recv(ba, 42, buf.as_mut_ptr(), buf.len()) }.unwrap();
+        let mut s = unsafe { a.post_send(ab, 42, src.as_ptr(), src.len()) }.unwrap();
+        let d = Instant::now() + Duration::from_secs(10);
+        assert_eq!(s.wait(d, None).unwrap(), Outcome::Completed, "{kind}");
+        assert_eq!(r.wait(d, None).unwrap(), Outcome::Completed, "{kind}");
+        assert_eq!(buf, src, "{kind}");
+        let lanes = a.peer_transports(ab).unwrap();
+        println!("{kind}: lanes {lanes:?}");
+        if kind == TransportKind::parse("tcp,self").unwrap() {
+            if let Some(l) = &lanes {
+                assert!(l.iter().all(|x| x.starts_with("tcp/")), "{l:?}");
+            }
+        }
+        if kvlink::transport::ucx::resources::ucx_minor() >= 22 {
+            assert!(lanes.is_some_and(|l| !l.is_empty()), "UCX 1.22 lists lanes");
+        }
+    }
+    // A network device: tcp on loopback only.
+    let (kind, dev) = TransportKind::parse_setting("tcp@lo").unwrap();
+    let mut ob = AgentOptions::new("b", kind.clone());
+    ob.net_devices = dev.clone();
+    ob.listen = Some("127.0.0.1:0".parse().unwrap());
+    let b = Agent::new(ob).unwrap();
+    let mut oa = AgentOptions::new("a", kind);
+    oa.net_devices = dev;
+    let a = Agent::new(oa).unwrap();
+    let ab = a.connect(b.listen_address().unwrap()).unwrap();
+    let mut hello = a.send_control(ab, b"hi".to_vec()).unwrap();
+    let d = Instant::now() + Duration::from_secs(10);
+    assert_eq!(hello.wait(d, None).unwrap(), Outcome::Completed);
+    if let Some(l) = a.peer_transports(ab).unwrap() {
+        println!("tcp@lo: lanes {l:?}");
+        // The data lane is on lo (the connection manager's lane names no device).
+        assert!(l.iter().all(|x| x == "tcp/lo" || x == "tcp/"), "{l:?}");
+    }
+}
+
+#[test]
+fn the_device_path_is_what_the_linked_ucx_reports() {
+    let a = Agent::new(AgentOptions::new("mem", TransportKind::Tcp)).unwrap();
+    let types = a.memory_types();
+    let names = kvlink::transport::memory_type_names(types);
+    let cuda_driver = kvlink::transport::cuda::driver_present();
+    println!(
+        "UCX {}: memory types {names}; CUDA driver present: {cuda_driver}; device path {:?}",
+        kvlink::transport::ucx::resources::ucx_version(),
+        a.device_path()
+    );
+    assert!(names.split(',').any(|n| n == "host"), "{names}");
+    if !cuda_driver {
+        // Without a driver no UCX can handle CUDA memory (the 1.22 wheel's CUDA module does
+        // not even load): staging it is.
+        assert!(!names.split(',').any(|n| n == "cuda"), "{names}");
+        assert_eq!(a.device_path(), kvlink::transport::DevicePath::Staged);
+    } else {
+        println!("a CUDA driver is present: the path follows UCX's report");
+        assert_eq!(
+            a.device_path() == kvlink::transport::DevicePath::Direct,
+            names.split(',').any(|n| n == "cuda")
+        );
+    }
 }

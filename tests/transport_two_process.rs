@@ -1,5 +1,6 @@
-//! Two real OS processes (the `kvlink-peer` binary) over UCX: tcp on loopback and shared memory.
-//! Every byte is checked; faults are real signals.
+//! Two real OS processes (the `kvlink-peer` binary) over UCX: tcp on loopback, shared memory,
+//! `auto` (UCX chooses) and an explicit transport list. Every byte is checked; faults are real
+//! signals.
 mod common;
 
 use common::{result, Proc};
@@ -30,6 +31,53 @@ fn transfers_4k_1m_64m_every_byte_checked_tcp_and_shm() {
             assert!(verified, "{transport}: {size} bytes arrived corrupted");
         }
     }
+}
+
+#[test]
+fn auto_and_an_explicit_transport_list_move_every_byte() {
+    for transport in ["auto", "tcp,self", "posix,sysv,self"] {
+        println!("{transport}:");
+        let (mut recv, mut send) = start(transport, "4096,1048576,16777216", "normal", 60_000);
+        // What UCX says the sender's endpoint uses (1.22 says; 1.13 cannot: "unknown").
+        let lanes = send.expect("LANES");
+        for want in [4096, 1 << 20, 16 << 20] {
+            let (size, outcome, _, verified) = result(&recv.expect("RESULT"));
+            assert_eq!(size, want);
+            assert_eq!(outcome, "Completed", "{transport}");
+            assert!(verified, "{transport}: {size} bytes arrived corrupted");
+        }
+        let lanes: Vec<&str> = lanes.split_whitespace().skip(1).collect();
+        println!("{transport}: lanes {lanes:?}");
+        if lanes != ["unknown"] {
+            assert!(!lanes.is_empty());
+            match transport {
+                "tcp,self" => assert!(lanes.iter().all(|l| l.starts_with("tcp/")), "{lanes:?}"),
+                "posix,sysv,self" => assert!(
+                    lanes
+                        .iter()
+                        .all(|l| l.starts_with("posix/") || l.starts_with("sysv/")),
+                    "{lanes:?}"
+                ),
+                _ => {}
+            }
+        }
+        let stats = recv.expect("STATS");
+        assert!(stats.contains("in_flight=0 unreaped=0"), "{stats}");
+    }
+}
+
+#[test]
+fn a_bad_transport_name_is_refused_with_invalid_argument() {
+    let mut p = common::Proc::peer(&["recv", "--transport", "tcp,sysvv"]);
+    let line = p.expect("AGENT_ERROR");
+    assert!(line.starts_with("AGENT_ERROR InvalidArgument"), "{line}");
+    assert!(line.contains("'sysvv'"), "{line}");
+    let status = p.child.wait().unwrap();
+    assert_eq!(
+        status.code(),
+        Some(3),
+        "a clean exit, not a panic or an abort"
+    );
 }
 
 #[test]
@@ -65,7 +113,8 @@ fn suppressed_completion_times_out_at_deadline_without_spinning() {
 #[test]
 fn killed_peer_gives_peer_lost_promptly() {
     // tcp detects a dead peer through the socket; shared memory through UCX keepalive (1 s).
-    for (transport, bound_ms) in [("tcp", 2000.0), ("sm", 5000.0)] {
+    // auto: UCX's own choice (tcp, plus shared memory on UCX 1.22) under the same keepalive.
+    for (transport, bound_ms) in [("tcp", 2000.0), ("sm", 5000.0), ("auto", 5000.0)] {
         println!("{transport}:");
         let (mut recv, mut send) = start(transport, &["4194304"; 8].join(","), "slow", 30_000);
         let (_, first, _, ok) = result(&recv.expect("RESULT"));

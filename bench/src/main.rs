@@ -69,6 +69,7 @@ fn main() -> ExitCode {
             host: report::Host {
                 cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
                 ucx: perftest::version(),
+                kvlink_ucx: kvlink::transport::ucx::resources::ucx_version(),
             },
             rows,
         };

@@ -24,8 +24,26 @@ pub struct Figures {
     pub gbps: f64,
 }
 
+/// A UCX tool of the UCX this bench is linked against: `<prefix>/bin/<name>` with
+/// `LD_LIBRARY_PATH=<prefix>/lib` when built with `KVLINK_UCX_ROOT` (the PyPI wheel's tools have
+/// no rpath to its lib/), else `<name>` from PATH (the system UCX).
+pub fn tool(name: &str) -> Command {
+    let libdir = env!("KVLINK_BENCH_UCX_LIBDIR");
+    if !libdir.is_empty() {
+        let lib = std::path::Path::new(libdir);
+        if let Some(bin) = lib.parent().map(|p| p.join("bin").join(name)) {
+            if bin.is_file() {
+                let mut c = Command::new(bin);
+                c.env("LD_LIBRARY_PATH", lib);
+                return c;
+            }
+        }
+    }
+    Command::new(name)
+}
+
 pub fn version() -> Option<String> {
-    let out = Command::new("ucx_info").arg("-v").output().ok()?;
+    let out = tool("ucx_info").arg("-v").output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
     // "# Version 1.13.1" (older releases: "# UCT version=..." / "Library version: ...").
     let line = text
@@ -73,7 +91,7 @@ pub fn run(
         let port = free_port().map_err(|e| format!("no free port: {e}"))?;
         let mut both = args.clone();
         both.extend(["-p".into(), port.to_string()]);
-        let server = Command::new("ucx_perftest")
+        let server = tool("ucx_perftest")
             .args(&both)
             .env("UCX_TLS", t.ucx_tls())
             .stdin(Stdio::null())
@@ -86,7 +104,7 @@ pub fn run(
             last_err = "the ucx_perftest server did not start listening".into();
             continue;
         }
-        let client = Command::new("ucx_perftest")
+        let client = tool("ucx_perftest")
             .arg("127.0.0.1")
             .args(&both)
             .env("UCX_TLS", t.ucx_tls())

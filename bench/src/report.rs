@@ -171,7 +171,11 @@ pub struct Report {
 #[derive(Debug, Serialize)]
 pub struct Host {
     pub cores: usize,
+    /// What the `ucx_info` of the baseline's UCX says.
     pub ucx: Option<String>,
+    /// The UCX kvlink itself runs on (`ucp_get_version`): the same one, or the ratios compare
+    /// two generations.
+    pub kvlink_ucx: String,
 }
 
 /// `x` to three significant digits, without an exponent (12345 -> "12300", 0.012345 -> "0.0123").

@@ -25,6 +25,12 @@ int main() {
       return 4;
     }
   }
+  // The UCX it runs on is the one the package says it was built against (rpath to
+  // KVLINK_UCX_ROOT, or the system UCX), not another one the loader happened to find.
+  if (kvlink::ucx_version().rfind(KVLINK_PACKAGE_UCX_VERSION, 0) != 0) {
+    std::cerr << "runs on UCX " << kvlink::ucx_version() << ", built against " << KVLINK_PACKAGE_UCX_VERSION << "\n";
+    return 5;
+  }
   std::cout << "kvlink consumer ok (kvlink " << version << ", built against UCX " << KVLINK_PACKAGE_UCX_VERSION
             << ")\n";
   return 0;

@@ -7,7 +7,7 @@
 # sharing CARGO_TARGET_DIR with the current build so cargo has nothing to recompile.
 # Inputs: MODE KVLINK_BINARY_DIR PREFIX KVLINK_SOURCE_DIR CARGO_TARGET_DIR CONFIG
 #         CONSUMER_SOURCE_DIR WORK_DIR GENERATOR MAKE_PROGRAM CXX_COMPILER EXPECTED_VERSION
-#         EXPECTED_UCX_VERSION
+#         EXPECTED_UCX_VERSION UCX_ROOT EXPECTED_UCX_LIBDIR (if set: the executable must load libucp from it)
 cmake_minimum_required(VERSION 3.20)  # policies of this century (CMP0054: "prefix" is a string)
 if(NOT MODE)
   set(MODE install)
@@ -55,6 +55,9 @@ elseif(MODE STREQUAL "subdirectory")
   if(CARGO_TARGET_DIR)
     list(APPEND configure_args "-DKVLINK_CARGO_TARGET_DIR=${CARGO_TARGET_DIR}")
   endif()
+  # The same UCX as the outer build (else cargo rebuilds the crate against another one). An
+  # install records its UCX root itself: that mode passes nothing.
+  list(APPEND configure_args "-DKVLINK_UCX_ROOT=${UCX_ROOT}")
 else()
   message(FATAL_ERROR "run_consumer.cmake: unknown MODE '${MODE}'")
 endif()
@@ -83,4 +86,14 @@ if(NOT rc EQUAL 0)
 endif()
 if(EXPECTED_VERSION AND NOT out MATCHES "kvlink ${EXPECTED_VERSION}")
   message(FATAL_ERROR "consumer did not report kvlink ${EXPECTED_VERSION}")
+endif()
+# Built against KVLINK_UCX_ROOT: the executable finds that UCX at run time by itself (rpath),
+# with no LD_LIBRARY_PATH, even though a system UCX may be installed too.
+if(EXPECTED_UCX_LIBDIR)
+  execute_process(COMMAND ldd "${exe}" OUTPUT_VARIABLE ldd_out RESULT_VARIABLE rc)
+  string(REGEX MATCH "libucp\\.so\\.0 => [^ ]+" ucp_line "${ldd_out}")
+  message(STATUS "consumer loads ${ucp_line}")
+  if(NOT ucp_line STREQUAL "libucp.so.0 => ${EXPECTED_UCX_LIBDIR}/libucp.so.0")
+    message(FATAL_ERROR "consumer loads '${ucp_line}', expected libucp.so.0 from ${EXPECTED_UCX_LIBDIR}")
+  endif()
 endif()

@@ -981,7 +981,8 @@ struct EngineOptions final {
   ::rust::String name;
   // This rank's id, unique across both engines of a deployment.
   ::std::uint32_t rank CXX_DEFAULT_VALUE(0);
-  // "tcp" or "sm" (shared memory).
+  // "tcp", "sm" (shared memory), "auto" or a UCX transport list ("rc,cuda_copy"), with
+  // "@devices" for network devices ("tcp@eth0").
   ::rust::String transport;
   // tcp: `ip:port` to listen on (port 0 picks one); empty for none.
   ::rust::String listen;
@@ -1120,6 +1121,10 @@ struct EngineHandle final : public ::rust::Opaque {
   // The connection to `rank`: 0 unknown, 1 connected, 2 reconnecting, 3 failed.
   ::std::uint8_t peer_state(::std::uint32_t rank) const noexcept;
 
+  // How CUDA memory moves with this engine's UCX, asked of it at start: 0 staged through
+  // pinned host buffers, 1 direct (UCX reports CUDA memory support).
+  ::std::uint8_t device_path() const noexcept;
+
   ~EngineHandle() = delete;
 
 private:
@@ -1133,6 +1138,9 @@ private:
 
 // The library version (Cargo package version).
 ::rust::String version() noexcept;
+
+// The UCX library kvlink runs on, as it reports itself (`ucp_get_version`): "1.22.0".
+::rust::String ucx_version() noexcept;
 
 // Kind code (see `kvlink::ErrorKind`) of the last error thrown on this thread; 0 if none.
 // Reading clears it.

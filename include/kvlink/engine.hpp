@@ -94,10 +94,15 @@ struct EngineConfig {
   std::string name;
   /// This rank's id; unique across the context and generation engines of one deployment.
   std::uint32_t rank = 0;
-  /// "tcp" (UCX over TCP sockets) or "sm" (UCX shared memory, same host).
+  /// "tcp" (UCX over TCP sockets), "sm" (UCX shared memory, same host), "auto" (UCX chooses
+  /// among what it has), or a UCX transport list in UCX_TLS syntax ("rc,cuda_copy,cuda_ipc",
+  /// "tcp,self"); "@devices" appends network devices in UCX_NET_DEVICES syntax ("tcp@eth0",
+  /// "rc,cuda_copy@mlx5_0:1"). Names are checked against the linked UCX when the engine starts:
+  /// a bad one throws `InvalidArgument` naming it.
   std::string transport = "tcp";
-  /// tcp: `ip:port` to listen on ("127.0.0.1:0" picks a port). Empty: do not listen (this rank
-  /// then only connects out). Unused for "sm", which is reached by its worker address.
+  /// `ip:port` to listen on ("127.0.0.1:0" picks a port). Empty: do not listen (this rank then
+  /// only connects out, or is reached by its worker address: "sm" and lists without a network
+  /// transport).
   std::string listen;
   /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Must be positive.
   std::chrono::milliseconds timeout{60000};
@@ -173,6 +178,15 @@ struct Advertisement {
 struct Notification {
   RequestKey key;
   std::vector<std::uint8_t> payload;
+};
+
+/// How CUDA memory moves with the engine's UCX (asked of UCX when the engine starts).
+enum class DevicePath : std::uint8_t {
+  /// Through pinned host buffers: this UCX reports no CUDA memory support (built without CUDA,
+  /// or its CUDA module could not load, e.g. no driver).
+  Staged = 0,
+  /// UCX reports CUDA memory support.
+  Direct = 1,
 };
 
 /// The verdict of `Health`: is this engine making progress?
@@ -464,6 +478,9 @@ class Engine {
     if (!n.found) return std::nullopt;
     return Notification{{n.request, n.generation}, std::vector<std::uint8_t>(n.payload.begin(), n.payload.end())};
   }
+
+  /// How CUDA memory moves with this engine's UCX. Does not block.
+  DevicePath device_path() const noexcept { return static_cast<DevicePath>(handle_->device_path()); }
 
   /// The progress snapshot. Does not block (takes the engine's lock briefly).
   Health health() const noexcept {

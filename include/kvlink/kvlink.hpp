@@ -238,6 +238,10 @@ auto call(F&& f, Args&&... args) {
 /// The library version (the Cargo package version, e.g. "0.1.0"). Does not block.
 inline std::string version() { return detail::call(ffi::version); }
 
+/// The UCX library kvlink runs on, as it reports itself ("1.22.0"): the one it was built
+/// against (`KVLINK_UCX_VERSION`) unless the loader found another.
+inline std::string ucx_version() { return detail::call(ffi::ucx_version); }
+
 /// Parses and checks an `ip:port` listen or connect address (IPv4, or `[IPv6]:port`) and returns
 /// its canonical form (e.g. " 127.0.0.1:5000" -> "127.0.0.1:5000"). Does not block, does not
 /// resolve names. Throws `Error` with `ErrorKind::InvalidArgument` on anything else.

@@ -49,7 +49,7 @@ typedef struct KvlinkTrtllmOptions {
   KvlinkAllgatherFn allgather; /**< required when world_size > 1 */
   void* allgather_user;
   const char* agent_name;     /**< NULL: TRTLLM_KVLINK_AGENT_NAME, else host_pid_random */
-  const char* transport;      /**< NULL: TRTLLM_KVLINK_TRANSPORT, else "tcp" ("tcp" | "sm") */
+  const char* transport;      /**< NULL: TRTLLM_KVLINK_TRANSPORT, else "tcp"; "tcp", "sm", "auto" or a UCX transport list, "@devices" optional */
   const char* listen;         /**< NULL: TRTLLM_KVLINK_LISTEN, else "0.0.0.0:0" (tcp) */
   /** cache_transceiver_config.kv_transfer_timeout_ms; <= 0 when absent: then
    * TRTLLM_KVLINK_TIMEOUT_MS, else 60000. Every request and every wait is bounded by it. */

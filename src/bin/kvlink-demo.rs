@@ -59,7 +59,8 @@ fn content(request: u64, segment: u32, len: usize) -> Vec<u8> {
 #[derive(clap::Parser, Debug)]
 #[command(name = "kvlink-demo", version)]
 struct Args {
-    /// UCX transport between the two processes: tcp (loopback) or sm (shared memory).
+    /// UCX transport between the two processes: tcp (loopback), sm (shared memory), auto (UCX
+    /// chooses) or a UCX transport list (tcp,self); `@dev` adds network devices (tcp@lo).
     #[arg(long, default_value = "tcp", value_parser = ["tcp", "sm"])]
     transport: String,
     /// Per-request deadline in milliseconds (TensorRT-LLM's kv_transfer_timeout_ms); the
@@ -81,21 +82,22 @@ struct Args {
 
 fn main() {
     let args = <Args as clap::Parser>::parse();
-    let transport = TransportKind::parse(&args.transport).unwrap_or_else(|e| {
+    let setting = TransportKind::parse_setting(&args.transport).unwrap_or_else(|e| {
         eprintln!("{e}");
         std::process::exit(2)
     });
     let timeout = Duration::from_millis(args.timeout_ms);
     let ok = match args.role.as_deref() {
-        Some("context") => context(transport, timeout),
-        _ => generation(transport, timeout, &args),
+        Some("context") => context(setting, timeout),
+        _ => generation(setting, timeout, &args),
     };
     std::process::exit(if ok { 0 } else { 1 });
 }
 
-fn context(transport: TransportKind, timeout: Duration) -> bool {
-    let mut cfg = EngineConfig::new("context", CTX, transport);
-    if transport == TransportKind::Tcp {
+fn context((transport, devices): Setting, timeout: Duration) -> bool {
+    let mut cfg = EngineConfig::new("context", CTX, transport.clone());
+    cfg.net_devices = devices;
+    if !transport.by_worker_address() {
         cfg.listen = Some("127.0.0.1:0".parse().unwrap());
     }
     cfg.timeout = timeout;
@@ -132,7 +134,10 @@ fn context(transport: TransportKind, timeout: Duration) -> bool {
     true
 }
 
-fn generation(transport: TransportKind, timeout: Duration, args: &Args) -> bool {
+/// The transport and network devices (`--transport tcp@lo`).
+type Setting = (TransportKind, Option<String>);
+
+fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> bool {
     // Bound before anything starts, so a bad address fails at once.
     let metrics = args.metrics_listen.as_ref().map(|a| {
         let listener = a
@@ -148,16 +153,7 @@ fn generation(transport: TransportKind, timeout: Duration, args: &Args) -> bool 
     });
     let exe = std::env::current_exe().expect("own path");
     let mut child = Command::new(exe)
-        .args([
-            "--role",
-            "context",
-            "--transport",
-            if transport == TransportKind::Tcp {
-                "tcp"
-            } else {
-                "sm"
-            },
-        ])
+        .args(["--role", "context", "--transport", &args.transport])
         .args(["--timeout-ms", &timeout.as_millis().to_string()])
         .stdout(Stdio::piped())
         .spawn()
@@ -171,8 +167,9 @@ fn generation(transport: TransportKind, timeout: Duration, args: &Args) -> bool 
         .expect("ADDR line")
         .to_string();
 
-    println!("kvlink demo: context process pid {} and generation process pid {} over UCX {transport:?} on loopback", child.id(), std::process::id());
+    println!("kvlink demo: context process pid {} and generation process pid {} over UCX {transport} on loopback", child.id(), std::process::id());
     let mut cfg = EngineConfig::new("generation", GEN, transport);
+    cfg.net_devices = devices;
     cfg.timeout = timeout;
     let engine = Arc::new(Engine::new(cfg).expect("generation engine"));
     let linger = metrics.map(|(listener, linger)| {

@@ -40,8 +40,9 @@ const GEN: u32 = 1;
 struct Args {
     #[command(subcommand)]
     role: Rank,
-    /// UCX transport: tcp (loopback) or sm (shared memory).
-    #[arg(long, global = true, default_value = "tcp", value_parser = ["tcp", "sm"])]
+    /// UCX transport: tcp (loopback), sm (shared memory), auto (UCX chooses) or a UCX
+    /// transport list (tcp,self); `@dev` adds network devices (tcp@lo).
+    #[arg(long, global = true, default_value = "tcp")]
     transport: String,
     /// The engine's per-request deadline in milliseconds.
     #[arg(long = "timeout-ms", global = true, default_value_t = 2000)]
@@ -172,7 +173,7 @@ fn say(line: String) {
 
 fn main() {
     let args = <Args as clap::Parser>::parse();
-    let transport = TransportKind::parse(&args.transport).unwrap_or_else(|e| {
+    let transport = TransportKind::parse_setting(&args.transport).unwrap_or_else(|e| {
         eprintln!("{e}");
         std::process::exit(2)
     });
@@ -183,13 +184,17 @@ fn main() {
             hold,
         } => ctx(&args, transport, listen.as_deref(), *suppress, *hold),
         Rank::Gen(opts) => gen(&args, transport, opts),
-        Rank::Intruder { to, tags, lens } => intruder(transport, to, tags, lens),
+        Rank::Intruder { to, tags, lens } => intruder(transport.0, to, tags, lens),
     }
 }
 
-/// The engine configuration every rank shares: deadline and secret.
-fn config(args: &Args, name: &str, rank: u32, transport: TransportKind) -> EngineConfig {
+/// The transport and network devices (`--transport tcp@lo`).
+type Setting = (TransportKind, Option<String>);
+
+/// The engine configuration every rank shares: transport, deadline and secret.
+fn config(args: &Args, name: &str, rank: u32, (transport, devices): Setting) -> EngineConfig {
     let mut cfg = EngineConfig::new(name, rank, transport);
+    cfg.net_devices = devices;
     cfg.timeout = Duration::from_millis(args.timeout_ms);
     cfg.secret = args.secret.as_ref().map(|s| s.as_bytes().to_vec());
     cfg
@@ -216,19 +221,14 @@ fn trust_lines(args: &Args, engine: &Arc<Engine>) {
     });
 }
 
-fn ctx(
-    args: &Args,
-    transport: TransportKind,
-    listen: Option<&str>,
-    suppress: Option<u64>,
-    hold: bool,
-) {
-    let mut cfg = config(args, "ctx", CTX, transport);
+fn ctx(args: &Args, setting: Setting, listen: Option<&str>, suppress: Option<u64>, hold: bool) {
+    let by_address = setting.0.by_worker_address();
+    let mut cfg = config(args, "ctx", CTX, setting);
     // The lost-completion fault: this request's data is "sent" without moving.
     cfg.faults.suppress_data_of_request = suppress;
     if let Some(l) = listen {
         cfg.listen = Some(l.parse().expect("--listen ip:port"));
-    } else if transport == TransportKind::Tcp {
+    } else if !by_address {
         cfg.listen = Some("127.0.0.1:0".parse().unwrap());
     }
     let engine = Arc::new(Engine::new(cfg).expect("engine"));
@@ -276,7 +276,7 @@ fn ctx(
     }
 }
 
-fn gen(args: &Args, transport: TransportKind, opts: &GenOpts) {
+fn gen(args: &Args, setting: Setting, opts: &GenOpts) {
     let GenOpts {
         to,
         sizes,
@@ -288,7 +288,8 @@ fn gen(args: &Args, transport: TransportKind, opts: &GenOpts) {
         instance,
     } = opts;
     let timeout = Duration::from_millis(args.timeout_ms);
-    let mut cfg = config(args, "gen", GEN, transport);
+    let by_address = setting.0.by_worker_address();
+    let mut cfg = config(args, "gen", GEN, setting);
     if let Some(l) = listen {
         cfg.listen = Some(l.parse().expect("--listen ip:port"));
     }
@@ -301,7 +302,7 @@ fn gen(args: &Args, transport: TransportKind, opts: &GenOpts) {
         cfg.degraded_window = d;
     }
     let engine = Arc::new(Engine::new(cfg).expect("engine"));
-    if listen.is_some() || transport != TransportKind::Tcp {
+    if listen.is_some() || by_address {
         say(format!("ADDR {}", engine.address()));
     }
     trust_lines(args, &engine);

@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 struct Args {
     #[command(subcommand)]
     role: PeerRole,
-    /// UCX transport: tcp (loopback) or sm (shared memory).
-    #[arg(long, global = true, default_value = "tcp", value_parser = ["tcp", "sm"])]
+    /// UCX transport: tcp (loopback), sm (shared memory), auto (UCX chooses) or a UCX
+    /// transport list (tcp,self); `@dev` adds network devices (tcp@lo).
+    #[arg(long, global = true, default_value = "tcp")]
     transport: String,
     /// Transfer sizes in bytes, comma-separated, in order.
     #[arg(long, global = true, default_value = "4096", value_delimiter = ',')]
@@ -72,27 +73,54 @@ const TAG_BASE: u64 = 0x5EED_0000_0000_0000;
 
 fn main() {
     let args = <Args as clap::Parser>::parse();
-    let transport = TransportKind::parse(&args.transport).unwrap();
+    let setting = TransportKind::parse_setting(&args.transport).unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2)
+    });
     match &args.role {
         PeerRole::Recv { listen, timeout_ms } => recv(
-            transport,
+            setting,
             &args.sizes,
             Duration::from_millis(*timeout_ms),
             listen,
         ),
-        PeerRole::Send { to, mode } => send(transport, to, &args.sizes, mode),
+        PeerRole::Send { to, mode } => send(setting, to, &args.sizes, mode),
     }
 }
 
-fn recv(transport: TransportKind, sizes: &[usize], timeout: Duration, listen: &str) {
-    let mut opts = AgentOptions::new("peer-recv", transport);
-    if transport == TransportKind::Tcp {
+/// The transport and network devices (`--transport tcp@lo`).
+type Setting = (TransportKind, Option<String>);
+
+/// The agent, or exit 3 with the error's kind and text on one line (`AGENT_ERROR InvalidArgument
+/// ...`): a bad transport name or device must be refused that way, not with a panic.
+fn agent_or_exit(opts: AgentOptions) -> Agent {
+    Agent::new(opts).unwrap_or_else(|e| {
+        println!("AGENT_ERROR {:?} {}", e.kind, e.message);
+        std::process::exit(3)
+    })
+}
+
+/// `LANES tcp/lo ...`: what UCX says the endpoint to `peer` uses ("unknown" where UCX cannot
+/// say, as 1.13 cannot), and `DEVICE_PATH Staged|Direct`.
+fn print_lanes(agent: &Agent, peer: kvlink::transport::PeerId) {
+    match agent.peer_transports(peer) {
+        Ok(Some(l)) => println!("LANES {}", l.join(" ")),
+        Ok(None) => println!("LANES unknown"),
+        Err(e) => println!("LANES error {e}"),
+    }
+    println!("DEVICE_PATH {:?}", agent.device_path());
+}
+
+fn recv((transport, devices): Setting, sizes: &[usize], timeout: Duration, listen: &str) {
+    let mut opts = AgentOptions::new("peer-recv", transport.clone());
+    opts.net_devices = devices;
+    if !transport.by_worker_address() {
         opts.listen = Some(listen.parse().expect("--listen ip:port"));
     }
-    let agent = Agent::new(opts).expect("agent");
-    match transport {
-        TransportKind::Tcp => println!("ADDR tcp {}", agent.listen_address().unwrap()),
-        TransportKind::SharedMemory => println!("ADDR sm {}", hex(agent.worker_address())),
+    let agent = agent_or_exit(opts);
+    match agent.listen_address() {
+        Some(a) => println!("ADDR tcp {a}"),
+        None => println!("ADDR sm {}", hex(agent.worker_address())),
     }
     // Wait for the hello (a control message carrying the sender's worker address).
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -141,13 +169,14 @@ fn recv(transport: TransportKind, sizes: &[usize], timeout: Duration, listen: &s
     );
 }
 
-fn send(transport: TransportKind, to: &str, sizes: &[usize], mode: &str) {
-    let agent = Agent::new(AgentOptions::new("peer-send", transport)).expect("agent");
-    let peer = match transport {
-        TransportKind::Tcp => agent
-            .connect(to.parse().expect("ip:port"))
-            .expect("connect"),
-        TransportKind::SharedMemory => agent.connect_worker(&unhex(to)).expect("connect"),
+fn send((transport, devices): Setting, to: &str, sizes: &[usize], mode: &str) {
+    let mut opts = AgentOptions::new("peer-send", transport);
+    opts.net_devices = devices;
+    let agent = agent_or_exit(opts);
+    // The receiver's ADDR line: an ip:port when it listens, else its worker address in hex.
+    let peer = match to.parse() {
+        Ok(addr) => agent.connect(addr).expect("connect"),
+        Err(_) => agent.connect_worker(&unhex(to)).expect("connect"),
     };
     let mut hello = agent
         .send_control(peer, agent.worker_address().to_vec())
@@ -167,6 +196,7 @@ fn send(transport: TransportKind, to: &str, sizes: &[usize], mode: &str) {
         }
     }
     println!("GO");
+    print_lanes(&agent, peer);
     if mode == "suppress" {
         // The fault hook: the data (and with it the completion) never comes.
         std::thread::sleep(Duration::from_secs(3600));

@@ -60,6 +60,8 @@ pub struct EngineConfig {
     /// This rank's id, unique across both engines of a deployment.
     pub rank: u32,
     pub transport: TransportKind,
+    /// Network devices in `UCX_NET_DEVICES` syntax (`mlx5_0:1`, `eth0`); None: UCX's choice.
+    pub net_devices: Option<String>,
     /// tcp: listen here (`ip:port`, port 0 picks one). Shared memory connects by worker address.
     pub listen: Option<SocketAddr>,
     /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`.
@@ -87,6 +89,7 @@ impl EngineConfig {
             name: name.into(),
             rank,
             transport,
+            net_devices: None,
             listen: None,
             timeout: Duration::from_secs(60),
             agreement_bound: Config::default().agreement_bound,
@@ -239,6 +242,7 @@ impl Engine {
         }
         let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
         opts.listen = cfg.listen;
+        opts.net_devices = cfg.net_devices;
         opts.reap_grace = REAP_GRACE;
         // Every receive is posted before its sender can know the tag: anything unmatched is
         // from someone the buffer was not offered to (or too late), and is discarded.
@@ -294,6 +298,12 @@ impl Engine {
     /// The engine's name.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// How CUDA memory can move with the linked UCX, asked of it at start: `Direct` when it
+    /// supports CUDA memory, else `Staged` (see [`crate::transport::DevicePath`]).
+    pub fn device_path(&self) -> crate::transport::DevicePath {
+        self.inner.agent.device_path()
     }
 
     /// Where peers reach this rank: `ip:port` (tcp) or `ucx:<hex worker address>`.

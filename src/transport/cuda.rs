@@ -1,11 +1,16 @@
 //! CUDA through `cudarc` with dynamic loading: the library builds and runs without CUDA, and a
 //! CUDA region on a machine without a driver is a typed `ErrorKind::Cuda` error, never a panic.
 //!
-//! The system UCX is built without CUDA, so device memory moves through a pinned host bounce
-//! buffer: device -> pinned host before a send, pinned host -> device after a receive.
+//! Device memory moves through a pinned host bounce buffer: device -> pinned host before a send,
+//! pinned host -> device after a receive (the system UCX is built without CUDA, and no UCX here
+//! reports CUDA memory support: `DevicePath::Staged`). The pinned buffers come from a pool per
+//! device, allocated on first use per size class and reused, instead of one allocation (and one
+//! context creation) per buffer per request.
 use crate::error::{Error, ErrorKind, Result};
 use cudarc::driver::{sys, CudaContext, PinnedHostSlice};
-use std::sync::Arc;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 
 /// Whether the CUDA driver library can be loaded here.
 pub fn driver_present() -> bool {
@@ -36,25 +41,141 @@ pub fn check_device(device: i32) -> Result<()> {
     Ok(())
 }
 
-/// A pinned host buffer on one device's context, used to stage device memory.
-pub struct Staging {
+/// Smallest pinned buffer the pool hands out: size classes are powers of two from here.
+const MIN_CLASS: usize = 64 << 10;
+/// Pinned bytes a device's pool keeps for reuse; a buffer given back past this is freed.
+const POOL_CAP: usize = 1 << 30;
+
+/// A free list of buffers by size class (a power of two >= `MIN_CLASS`), bounded in bytes.
+/// Its lock is held only to push or pop: allocation happens outside it, and copies never touch
+/// it, so requests staging at the same time do not wait for each other's copies.
+pub struct BufferPool<B> {
+    free: Mutex<(Vec<(usize, B)>, usize)>,
+    cap: usize,
+}
+
+impl<B> BufferPool<B> {
+    pub fn new(cap: usize) -> Self {
+        BufferPool {
+            free: Mutex::new((Vec::new(), 0)),
+            cap,
+        }
+    }
+
+    /// The size class that holds `len` bytes.
+    pub fn class(len: usize) -> usize {
+        len.max(1).next_power_of_two().max(MIN_CLASS)
+    }
+
+    /// A buffer of `len`'s class: a free one if there is one, else `alloc(class)` (called
+    /// without the lock held).
+    pub fn take(&self, len: usize, alloc: impl FnOnce(usize) -> Result<B>) -> Result<(usize, B)> {
+        let class = Self::class(len);
+        {
+            let mut free = self.free.lock();
+            if let Some(i) = free.0.iter().position(|(c, _)| *c == class) {
+                let (c, b) = free.0.swap_remove(i);
+                free.1 -= c;
+                return Ok((c, b));
+            }
+        }
+        Ok((class, alloc(class)?))
+    }
+
+    /// Gives a buffer back. Returns it when the pool is full, for the caller to free (outside
+    /// the lock: freeing pinned memory synchronizes).
+    pub fn give(&self, class: usize, b: B) -> Option<B> {
+        let mut free = self.free.lock();
+        if free.1 + class > self.cap {
+            return Some(b);
+        }
+        free.1 += class;
+        free.0.push((class, b));
+        None
+    }
+
+    /// Buffers and bytes kept for reuse.
+    pub fn cached(&self) -> (usize, usize) {
+        let free = self.free.lock();
+        (free.0.len(), free.1)
+    }
+}
+
+/// One device's context and its pool of pinned buffers, made on first use and kept.
+struct DevicePool {
     ctx: Arc<CudaContext>,
-    buf: PinnedHostSlice<u8>,
+    pool: BufferPool<PinnedHostSlice<u8>>,
+}
+
+fn pools() -> &'static Mutex<HashMap<i32, Arc<DevicePool>>> {
+    static POOLS: OnceLock<Mutex<HashMap<i32, Arc<DevicePool>>>> = OnceLock::new();
+    POOLS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn device_pool(device: i32) -> Result<Arc<DevicePool>> {
+    let pools = pools();
+    if let Some(p) = pools.lock().get(&device) {
+        return Ok(p.clone());
+    }
+    check_device(device)?;
+    let ctx = CudaContext::new(device as usize).map_err(|e| cuda_err("cuCtxCreate", e))?;
+    let made = Arc::new(DevicePool {
+        ctx,
+        pool: BufferPool::new(POOL_CAP),
+    });
+    Ok(pools.lock().entry(device).or_insert(made).clone())
+}
+
+/// A pinned host buffer on one device's context, used to stage device memory. It comes from
+/// that device's pool (allocated once per size class and reused, not per request) and goes back
+/// to it when dropped.
+pub struct Staging {
+    pool: Arc<DevicePool>,
+    class: usize,
+    buf: Option<PinnedHostSlice<u8>>,
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            // Over the pool's cap it comes back and is freed here, outside the pool's lock.
+            drop(self.pool.pool.give(self.class, b));
+        }
+    }
 }
 
 impl Staging {
     pub fn new(device: i32, len: usize) -> Result<Staging> {
-        check_device(device)?;
-        let ctx = CudaContext::new(device as usize).map_err(|e| cuda_err("cuCtxCreate", e))?;
-        // SAFETY: the bytes are uninitialised until a copy fills them; they are only read after.
-        let buf = unsafe { ctx.alloc_pinned_with_flags::<u8>(len, 0) }
-            .map_err(|e| cuda_err("cuMemHostAlloc", e))?;
-        Ok(Staging { ctx, buf })
+        let pool = device_pool(device)?;
+        let ctx = pool.ctx.clone();
+        let (class, buf) = pool.pool.take(len, |class| {
+            // SAFETY: the bytes are uninitialised until a copy fills them; they are only read
+            // after.
+            unsafe { ctx.alloc_pinned_with_flags::<u8>(class, 0) }
+                .map_err(|e| cuda_err("cuMemHostAlloc", e))
+        })?;
+        Ok(Staging {
+            pool,
+            class,
+            buf: Some(buf),
+        })
+    }
+
+    fn buf(&self) -> Result<&PinnedHostSlice<u8>> {
+        self.buf
+            .as_ref()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "staging buffer already returned"))
+    }
+
+    fn buf_mut(&mut self) -> Result<&mut PinnedHostSlice<u8>> {
+        self.buf
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "staging buffer already returned"))
     }
 
     /// The pinned buffer, for UCX to send from or receive into.
     pub fn host_ptr(&mut self) -> Result<*mut u8> {
-        self.buf
+        self.buf_mut()?
             .as_mut_ptr()
             .map_err(|e| cuda_err("pinned buffer", e))
     }
@@ -62,7 +183,7 @@ impl Staging {
     /// The pinned buffer's bytes (what a send of staged device data reads).
     pub fn host_slice(&self, len: usize) -> Result<&[u8]> {
         let all = self
-            .buf
+            .buf()?
             .as_slice()
             .map_err(|e| cuda_err("pinned buffer", e))?;
         all.get(..len)
@@ -71,9 +192,12 @@ impl Staging {
 
     /// Copies `len` bytes from device address `src` into the pinned buffer.
     pub fn from_device(&mut self, src: u64, len: usize) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        self.pool
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("bind", e))?;
         let dst = self
-            .buf
+            .buf_mut()?
             .as_mut_slice()
             .map_err(|e| cuda_err("pinned buffer", e))?;
         let dst = dst
@@ -87,9 +211,12 @@ impl Staging {
 
     /// Copies `len` bytes from the pinned buffer to device address `dst`.
     pub fn to_device(&mut self, dst: u64, len: usize) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        self.pool
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("bind", e))?;
         let src = self
-            .buf
+            .buf()?
             .as_slice()
             .map_err(|e| cuda_err("pinned buffer", e))?;
         let src = src
@@ -98,5 +225,94 @@ impl Staging {
         // SAFETY: as in from_device, for the destination.
         unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }
             .map_err(|e| cuda_err("cuMemcpyHtoD", e))
+    }
+}
+
+/// Buffers and bytes `device`'s staging pool keeps for reuse (0 before its first use).
+pub fn staging_cached(device: i32) -> (usize, usize) {
+    let pool = pools().lock().get(&device).cloned();
+    pool.map_or((0, 0), |p| p.pool.cached())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn buffers_are_reused_by_size_class_and_bounded() {
+        let pool: BufferPool<Vec<u8>> = BufferPool::new(4 << 20);
+        let allocs = AtomicUsize::new(0);
+        let alloc = |c: usize| {
+            allocs.fetch_add(1, Ordering::Relaxed);
+            Ok(vec![0u8; c])
+        };
+        let (c1, b1) = pool.take(1000, alloc).unwrap();
+        assert_eq!(c1, MIN_CLASS);
+        assert_eq!(b1.len(), MIN_CLASS);
+        assert!(pool.give(c1, b1).is_none());
+        // The same class again: the buffer comes back, nothing is allocated.
+        let (c2, b2) = pool.take(MIN_CLASS, alloc).unwrap();
+        assert_eq!((c2, allocs.load(Ordering::Relaxed)), (MIN_CLASS, 1));
+        // Another class: a new allocation of the next power of two.
+        let (c3, b3) = pool.take((1 << 20) + 1, alloc).unwrap();
+        assert_eq!((c3, allocs.load(Ordering::Relaxed)), (2 << 20, 2));
+        assert!(pool.give(c2, b2).is_none());
+        assert!(pool.give(c3, b3).is_none());
+        assert_eq!(pool.cached(), (2, MIN_CLASS + (2 << 20)));
+        // Past the cap a buffer is handed back to be freed, not kept.
+        let (c4, b4) = pool.take(3 << 20, alloc).unwrap();
+        assert_eq!(c4, 4 << 20);
+        assert!(pool.give(c4, b4).is_some());
+        assert_eq!(pool.cached(), (2, MIN_CLASS + (2 << 20)));
+        // A failed allocation is an error and leaves the pool as it was.
+        let e = pool
+            .take(8 << 20, |_| Err(Error::new(ErrorKind::Cuda, "no memory")))
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Cuda);
+        assert_eq!(pool.cached(), (2, MIN_CLASS + (2 << 20)));
+    }
+
+    #[test]
+    fn a_slow_allocation_does_not_hold_the_pool() {
+        // One thread allocates slowly (pinned allocation takes milliseconds); another takes a
+        // cached buffer meanwhile and must not wait for it.
+        let pool = Arc::new(BufferPool::<Vec<u8>>::new(1 << 30));
+        assert!(pool.give(MIN_CLASS, vec![0; MIN_CLASS]).is_none());
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let slow = {
+            let pool = pool.clone();
+            std::thread::spawn(move || {
+                pool.take(1 << 20, |c| {
+                    started_tx.send(()).unwrap();
+                    std::thread::sleep(std::time::Duration::from_millis(500));
+                    Ok(vec![0; c])
+                })
+                .unwrap()
+            })
+        };
+        started_rx.recv().unwrap();
+        let t0 = std::time::Instant::now();
+        let (c, _b) = pool
+            .take(100, |_| panic!("a cached buffer was there"))
+            .unwrap();
+        assert_eq!(c, MIN_CLASS);
+        assert!(
+            t0.elapsed() < std::time::Duration::from_millis(100),
+            "waited {:?} behind another allocation",
+            t0.elapsed()
+        );
+        assert_eq!(slow.join().unwrap().0, 1 << 20);
+    }
+
+    #[test]
+    fn staging_without_a_driver_is_a_cuda_error() {
+        if driver_present() {
+            println!("a CUDA driver is present: tests/gpu.rs covers staging");
+            return;
+        }
+        let e = Staging::new(0, 4096).err().unwrap();
+        assert_eq!(e.kind, ErrorKind::Cuda);
+        assert_eq!(staging_cached(0), (0, 0));
     }
 }

@@ -3,5 +3,6 @@ pub mod cuda;
 pub mod ucx;
 
 pub use ucx::{
-    Agent, AgentOptions, Event, EventSink, MemHandle, Op, PeerId, RemoteKey, Stats, TransportKind,
+    memory_type_names, Agent, AgentOptions, DevicePath, Event, EventSink, MemHandle, Op, PeerId,
+    RemoteKey, Stats, TransportKind,
 };

@@ -49,6 +49,7 @@ impl Agent {
             uid_le: uid.to_le_bytes(),
             sink: std::sync::OnceLock::new(),
             sink_due_ns: AtomicU64::new(0),
+            memory_types: AtomicU64::new(0),
         });
         let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
@@ -134,6 +135,28 @@ impl Agent {
         let r = Reply::new();
         self.shared
             .submit(Cmd::ConnectWorker(address.to_vec(), r.clone()))?;
+        r.wait(Instant::now() + Duration::from_secs(10))
+    }
+
+    /// The memory types the linked UCX supports (a bit per `ucs_memory_type_t`), asked of UCX
+    /// at start (`ucp_context_query`).
+    pub fn memory_types(&self) -> u64 {
+        self.shared.memory_types.load(Ordering::Acquire)
+    }
+
+    /// How CUDA memory moves with this UCX: [`DevicePath::Direct`] when it supports CUDA
+    /// memory, else [`DevicePath::Staged`].
+    pub fn device_path(&self) -> super::DevicePath {
+        super::DevicePath::from_memory_types(self.memory_types())
+    }
+
+    /// The transports and devices (`tcp/lo`, `posix/memory`) `peer`'s endpoint uses, as UCX
+    /// reports them; `Ok(None)` where the linked UCX cannot say (no
+    /// `UCP_EP_ATTR_FIELD_TRANSPORTS` in its headers, as in 1.13's; 1.22's have it).
+    pub fn peer_transports(&self, peer: PeerId) -> Result<Option<Vec<String>>> {
+        self.check_peer(peer)?;
+        let r = Reply::new();
+        self.shared.submit(Cmd::PeerTransports(peer, r.clone()))?;
         r.wait(Instant::now() + Duration::from_secs(10))
     }
 

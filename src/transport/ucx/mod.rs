@@ -45,6 +45,7 @@ mod handles;
 mod op;
 mod peers;
 mod progress;
+pub mod resources;
 mod rma;
 mod shared;
 mod sys;
@@ -52,36 +53,151 @@ mod tag;
 
 pub use agent::{Agent, MemHandle, RemoteKey};
 pub use op::Op;
+pub use resources::{memory_type_names, DevicePath};
 pub use shared::EventSink;
 
 use crate::error::{Error, ErrorKind, Result};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// Which UCX transports an agent may use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which UCX transports an agent may use (the `transport` setting).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TransportKind {
-    /// TCP sockets (on loopback in tests).
+    /// TCP sockets (on loopback in tests). Connect by `ip:port` (the agent listens).
     Tcp,
     /// Shared memory (posix/sysv) between processes on one host; connect by worker address.
     SharedMemory,
+    /// Whatever UCX chooses among everything it has (`UCX_TLS` unset: `all`). Connect by
+    /// `ip:port` when listening, else by worker address.
+    Auto,
+    /// An explicit UCX transport list, in `UCX_TLS` syntax: `rc,cuda_copy,cuda_ipc`, `tcp,self`,
+    /// `^cma`. Checked against what the linked UCX has when the agent starts. Connects like
+    /// [`TransportKind::Auto`].
+    List(String),
 }
 
 impl TransportKind {
-    fn tls(self) -> &'static str {
+    /// The `UCX_TLS` value the agent sets, or None to leave UCX's choice.
+    fn tls(&self) -> Option<&str> {
         match self {
-            TransportKind::Tcp => "tcp",
+            TransportKind::Tcp => Some("tcp"),
             // cma is left out: it is slower for large tag transfers here (TOOLCHAIN.md).
-            TransportKind::SharedMemory => "posix,sysv,self",
+            TransportKind::SharedMemory => Some("posix,sysv,self"),
+            TransportKind::Auto => None,
+            TransportKind::List(l) => Some(l),
         }
     }
+
+    /// Whether peers connect by worker address rather than to a listener by default: shared
+    /// memory, and a list with no network transport in it (a listener needs one).
+    pub fn by_worker_address(&self) -> bool {
+        match self {
+            TransportKind::SharedMemory => true,
+            TransportKind::List(l) => !l.starts_with('^') && !words(l).any(is_network),
+            _ => false,
+        }
+    }
+
+    /// Whether UCX may pick a shared-memory transport (posix, sysv) with this setting.
+    fn may_use_mm(&self) -> bool {
+        match self {
+            TransportKind::Tcp => false,
+            TransportKind::SharedMemory | TransportKind::Auto => true,
+            TransportKind::List(l) => {
+                l.starts_with('^')
+                    || words(l).any(|w| ["posix", "sysv", "mm", "sm", "shm", "all"].contains(&w))
+            }
+        }
+    }
+
+    /// Whether UCX may pick a network transport with this setting.
+    fn may_use_network(&self) -> bool {
+        match self {
+            TransportKind::SharedMemory => false,
+            TransportKind::Tcp | TransportKind::Auto => true,
+            TransportKind::List(l) => l.starts_with('^') || words(l).any(is_network),
+        }
+    }
+
+    /// Parses `tcp`, `sm`, `auto` or a UCX transport list. Only the form is checked here; the
+    /// names are checked against the linked UCX when an agent starts.
     pub fn parse(s: &str) -> Result<TransportKind> {
-        match s.to_ascii_lowercase().as_str() {
-            "tcp" => Ok(TransportKind::Tcp),
-            "sm" | "shm" | "shared-memory" => Ok(TransportKind::SharedMemory),
-            _ => Err(Error::invalid(format!(
-                "unknown transport '{s}' (expected tcp or sm)"
-            ))),
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "tcp" => return Ok(TransportKind::Tcp),
+            "sm" | "shm" | "shared-memory" => return Ok(TransportKind::SharedMemory),
+            "auto" => return Ok(TransportKind::Auto),
+            _ => {}
+        }
+        let body = t.strip_prefix('^').unwrap_or(&t);
+        let word_ok = |w: &str| {
+            let name = w.strip_suffix(":aux").unwrap_or(w);
+            !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        };
+        if body.is_empty() || !body.split(',').all(word_ok) {
+            return Err(Error::invalid(format!(
+                "transport '{s}' is not tcp, sm, auto or a UCX transport list like \
+                 rc,cuda_copy,cuda_ipc"
+            )));
+        }
+        Ok(TransportKind::List(t))
+    }
+
+    /// Parses a whole transport setting, `<transport>[@<devices>]`: the transport as in
+    /// [`TransportKind::parse`], and the network devices in `UCX_NET_DEVICES` syntax
+    /// (`tcp@lo`, `rc,cuda_copy@mlx5_0:1`, `auto@eth0,eth1`).
+    pub fn parse_setting(s: &str) -> Result<(TransportKind, Option<String>)> {
+        let (t, devices) = match s.split_once('@') {
+            Some((t, d)) => (t, Some(d.trim())),
+            None => (s, None),
+        };
+        let kind = TransportKind::parse(t)?;
+        if let Some(d) = devices {
+            let body = d.strip_prefix('^').unwrap_or(d);
+            let dev_ok = |w: &str| {
+                !w.is_empty()
+                    && w.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b))
+            };
+            if !body.split(',').all(dev_ok) {
+                return Err(Error::invalid(format!(
+                    "network devices '{d}' in '{s}' are not a UCX_NET_DEVICES list like \
+                     mlx5_0:1 or eth0,lo"
+                )));
+            }
+        }
+        Ok((kind, devices.map(str::to_string)))
+    }
+}
+
+/// The transport names of a `UCX_TLS` list, without `^` and `:aux`.
+fn words(list: &str) -> impl Iterator<Item = &str> {
+    list.trim_start_matches('^')
+        .split(',')
+        .map(|w| w.strip_suffix(":aux").unwrap_or(w))
+}
+
+/// Whether a `UCX_TLS` word names (or may stand for) a transport between hosts.
+fn is_network(word: &str) -> bool {
+    word == "all"
+        || word == "tcp"
+        || word == "ib"
+        || word == "srd"
+        || ["rc", "ud", "dc", "ugni"]
+            .iter()
+            .any(|p| word.starts_with(p))
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TransportKind::Tcp => f.write_str("tcp"),
+            TransportKind::SharedMemory => f.write_str("sm"),
+            TransportKind::Auto => f.write_str("auto"),
+            TransportKind::List(l) => f.write_str(l),
         }
     }
 }
@@ -91,6 +207,8 @@ impl TransportKind {
 pub struct AgentOptions {
     pub name: String,
     pub transport: TransportKind,
+    /// Network devices in `UCX_NET_DEVICES` syntax (`mlx5_0:1`, `eth0`); None: UCX's choice.
+    pub net_devices: Option<String>,
     /// Listen on this `ip:port` (port 0 picks one) for incoming connections.
     pub listen: Option<SocketAddr>,
     /// UCX keepalive interval: how fast a dead peer is found when no operation is pending.
@@ -110,6 +228,7 @@ impl AgentOptions {
         AgentOptions {
             name: name.into(),
             transport,
+            net_devices: None,
             listen: None,
             keepalive: Duration::from_secs(1),
             reap_grace: Duration::from_secs(2),
@@ -190,3 +309,49 @@ const AM_CONTROL_ID: u32 = 7;
 const AM_DRAIN_ID: u32 = 8;
 /// Internal: "this is my worker address; connect back" (sent after connecting by address).
 const AM_BIND_ID: u32 = 9;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_settings_parse_and_say_how_peers_connect() {
+        assert_eq!(TransportKind::parse(" TCP ").unwrap(), TransportKind::Tcp);
+        assert_eq!(
+            TransportKind::parse("shm").unwrap(),
+            TransportKind::SharedMemory
+        );
+        assert_eq!(TransportKind::parse("auto").unwrap(), TransportKind::Auto);
+        let l = TransportKind::parse("RC,cuda_copy,cuda_ipc").unwrap();
+        assert_eq!(l, TransportKind::List("rc,cuda_copy,cuda_ipc".into()));
+        assert_eq!(l.to_string(), "rc,cuda_copy,cuda_ipc");
+        assert!(TransportKind::parse("^cma").is_ok());
+        assert!(TransportKind::parse("ud:aux,rc").is_ok());
+        for bad in ["", "^", "tcp,", "tcp self", "tcp;x", "tcp@lo", "t=1"] {
+            let e = TransportKind::parse(bad).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{bad:?}");
+        }
+        assert_eq!(
+            TransportKind::parse_setting("rc,cuda_copy@mlx5_0:1").unwrap(),
+            (
+                TransportKind::List("rc,cuda_copy".into()),
+                Some("mlx5_0:1".into())
+            )
+        );
+        assert_eq!(
+            TransportKind::parse_setting("tcp").unwrap(),
+            (TransportKind::Tcp, None)
+        );
+        for bad in ["tcp@", "tcp@eth0,", "tcp@eth 0", "@lo"] {
+            assert!(TransportKind::parse_setting(bad).is_err(), "{bad:?}");
+        }
+        let worker = |s: &str| TransportKind::parse(s).unwrap().by_worker_address();
+        assert!(worker("sm") && worker("posix,sysv,self") && worker("cuda_copy,cuda_ipc"));
+        assert!(!worker("tcp") && !worker("auto") && !worker("tcp,self") && !worker("rc_x"));
+        assert!(!worker("^tcp"), "a negated list may still use the network");
+        let mm = |s: &str| TransportKind::parse(s).unwrap().may_use_mm();
+        let net = |s: &str| TransportKind::parse(s).unwrap().may_use_network();
+        assert!(mm("auto") && mm("sm") && mm("tcp,sysv") && mm("^cma") && !mm("tcp,self"));
+        assert!(net("auto") && net("tcp,sysv") && !net("sm") && !net("posix,sysv,self"));
+    }
+}

@@ -365,3 +365,61 @@ pub(super) unsafe fn sockaddr_port(s: *const libc::sockaddr_storage) -> u16 {
         _ => 0,
     }
 }
+
+impl Progress {
+    /// `transport/device` for each lane of `peer`'s endpoint, as `ucp_ep_query` reports them
+    /// (where the headers have `UCP_EP_ATTR_FIELD_TRANSPORTS`: 1.22 yes, 1.13 no; else None).
+    pub(super) fn peer_transports(&mut self, peer: PeerId) -> Result<Option<Vec<String>>> {
+        let Some(ep) = self
+            .peers
+            .get(&peer.0)
+            .and_then(|p| p.ep.as_ref())
+            .map(|e| e.ep)
+        else {
+            return Err(Error::new(
+                ErrorKind::UnknownPeer,
+                format!("no live endpoint for peer {}", peer.0),
+            ));
+        };
+        ep_transports(ep)
+    }
+}
+
+#[cfg(kvlink_ucx_ep_transports)]
+fn ep_transports(ep: sys::ucp_ep_h) -> Result<Option<Vec<String>>> {
+    let mut entries = vec![sys::ucp_transport_entry_t::default(); 32];
+    let mut attr = sys::ucp_ep_attr_t {
+        field_mask: sys::UCP_EP_ATTR_FIELD_TRANSPORTS as u64,
+        ..Default::default()
+    };
+    attr.transports.entries = entries.as_mut_ptr();
+    attr.transports.num_entries = entries.len() as _;
+    attr.transports.entry_size = std::mem::size_of::<sys::ucp_transport_entry_t>();
+    // SAFETY: a live endpoint of our worker, on its thread; `entries` has room for
+    // num_entries entries of entry_size bytes; UCX writes back how many it filled.
+    let st = unsafe { sys::ucp_ep_query(ep, &mut attr) };
+    if st != sys::UCS_OK {
+        return Err(ucx_err(st, "ucp_ep_query"));
+    }
+    let n = (attr.transports.num_entries as usize).min(entries.len());
+    Ok(Some(
+        entries[..n]
+            .iter()
+            .map(|e| {
+                // SAFETY: UCX points both names at strings it owns for the endpoint's life.
+                let (t, d) = unsafe {
+                    (
+                        super::resources::c_str(e.transport_name),
+                        super::resources::c_str(e.device_name),
+                    )
+                };
+                format!("{t}/{d}")
+            })
+            .collect(),
+    ))
+}
+
+#[cfg(not(kvlink_ucx_ep_transports))]
+fn ep_transports(_ep: sys::ucp_ep_h) -> Result<Option<Vec<String>>> {
+    Ok(None)
+}

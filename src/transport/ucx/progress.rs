@@ -6,7 +6,7 @@ use super::handles::{Context, Listener, Mapped, RemoteKey as UcxRkey, Worker};
 use super::op::{OpSlot, STOP_SHUTDOWN};
 use super::peers::{sockaddr_of, sockaddr_port, PeerEntry, Target};
 use super::shared::{Cmd, Reply, Shared};
-use super::{sys, ucx_err, AgentOptions, TransportKind, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID};
+use super::{resources, sys, ucx_err, AgentOptions, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -55,6 +55,64 @@ pub(super) struct Progress {
     pub(super) shared: Arc<Shared>,
 }
 
+/// The UCX settings an agent forces, each with whether a refusal is an error: keepalive (a dead
+/// peer is found within about a second when no operation is pending), shared-memory lanes under
+/// peer error handling, the transports and the network devices. The transport and devices
+/// are checked against what the linked UCX has first. `UCX_TLS` / `UCX_NET_DEVICES` in the
+/// environment still win over the setting (they are checked all the same).
+fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>> {
+    let keepalive = format!("{}ms", opts.keepalive.as_millis().max(1));
+    let mut settings = vec![("KEEPALIVE_INTERVAL", keepalive, false)];
+    if opts.transport.may_use_mm() {
+        // Without it UCX refuses shared-memory lanes (posix, sysv) under peer error handling.
+        // UCX 1.13 with both tcp and shared-memory lanes fails every active message over 100
+        // bytes ("Invalid am_short_iov length", measured); 1.22 does not. Below 1.22 (what
+        // lies between is untested) a setting that may also use the network leaves it off,
+        // and UCX uses the network transports alone, as it always did under peer handling.
+        let minor = resources::ucx_minor();
+        if !opts.transport.may_use_network() || minor >= 22 {
+            settings.push(("MM_ERROR_HANDLING", "y".into(), false));
+        } else {
+            tracing::info!(
+                "{}: transport {}: no shared memory next to the network with UCX {} (1.22+ has it)",
+                opts.name,
+                opts.transport,
+                resources::ucx_version()
+            );
+        }
+    }
+    let tls = opts.transport.tls();
+    if tls.is_some() || opts.net_devices.is_some() {
+        let have = resources::resources()?;
+        if let Some(tls) = tls {
+            let missing = resources::check_tls(tls, have)?;
+            if !missing.is_empty() {
+                tracing::warn!(
+                    "{}: transports {} are not available in UCX {} here; UCX uses the rest of '{tls}'",
+                    opts.name,
+                    missing.join(","),
+                    resources::ucx_version()
+                );
+            }
+        }
+        if let Some(d) = &opts.net_devices {
+            resources::check_devices(d, have)?;
+        }
+    }
+    match (tls, std::env::var("UCX_TLS")) {
+        (_, Ok(env)) => tracing::info!("{}: UCX_TLS={env} from the environment", opts.name),
+        (Some(tls), Err(_)) => settings.push(("TLS", tls.to_string(), true)),
+        (None, Err(_)) => {}
+    }
+    if let Some(d) = &opts.net_devices {
+        match std::env::var("UCX_NET_DEVICES") {
+            Ok(env) => tracing::info!("{}: UCX_NET_DEVICES={env} from the environment", opts.name),
+            Err(_) => settings.push(("NET_DEVICES", d.clone(), true)),
+        }
+    }
+    Ok(settings)
+}
+
 pub(super) fn progress_thread(
     opts: AgentOptions,
     shared: Arc<Shared>,
@@ -89,19 +147,24 @@ impl Progress {
             if st != sys::UCS_OK {
                 return Err(ucx_err(st, "ucp_config_read"));
             }
-            let keepalive = format!("{}ms", opts.keepalive.as_millis().max(1));
-            let mut settings: Vec<(&str, String)> = vec![("KEEPALIVE_INTERVAL", keepalive)];
-            if opts.transport == TransportKind::SharedMemory {
-                // Without it UCX 1.13 refuses shared-memory lanes under peer error handling.
-                settings.push(("MM_ERROR_HANDLING", "y".into()));
-            }
-            if std::env::var_os("UCX_TLS").is_none() {
-                settings.push(("TLS", opts.transport.tls().into()));
-            }
-            for (k, v) in &settings {
+            let settings = match ucx_settings(opts) {
+                Ok(s) => s,
+                Err(e) => {
+                    sys::ucp_config_release(config);
+                    return Err(e);
+                }
+            };
+            for (k, v, required) in &settings {
                 let (ck, cv) = (CString::new(*k).unwrap(), CString::new(v.as_str()).unwrap());
                 let st = sys::ucp_config_modify(config, ck.as_ptr(), cv.as_ptr());
                 if st != sys::UCS_OK {
+                    if *required {
+                        sys::ucp_config_release(config);
+                        return Err(Error::invalid(format!(
+                            "UCX refused {k}={v}: {}",
+                            sys::status_str(st)
+                        )));
+                    }
                     tracing::debug!("ucp_config_modify({k}={v}): {}", sys::status_str(st));
                 }
             }
@@ -126,9 +189,41 @@ impl Progress {
             );
             sys::ucp_config_release(config);
             if st != sys::UCS_OK {
-                return Err(ucx_err(st, "ucp_init"));
+                let e = ucx_err(st, "ucp_init");
+                if st == sys::UCS_ERR_NO_DEVICE || st == sys::UCS_ERR_NO_ELEM {
+                    // Nothing left after the transport and device selection.
+                    return Err(Error::invalid(format!(
+                        "{} (transport {}, devices {})",
+                        e.message,
+                        opts.transport,
+                        opts.net_devices.as_deref().unwrap_or("UCX's choice")
+                    )));
+                }
+                return Err(e);
             }
             let ctx = Context(ctx);
+            let mut cattr = sys::ucp_context_attr_t {
+                field_mask: sys::UCP_ATTR_FIELD_MEMORY_TYPES as u64,
+                ..Default::default()
+            };
+            let st = sys::ucp_context_query(ctx.0, &mut cattr);
+            if st != sys::UCS_OK {
+                return Err(ucx_err(st, "ucp_context_query"));
+            }
+            let memory_types = cattr.memory_types;
+            shared.memory_types.store(memory_types, Ordering::Release);
+            tracing::info!(
+                "{}: UCX {} (built against {} at {}), transport {}{}, memory types: {}",
+                opts.name,
+                resources::ucx_version(),
+                env!("KVLINK_UCX_BUILD_VERSION"),
+                env!("KVLINK_UCX_BUILD_LIBDIR"),
+                opts.transport,
+                opts.net_devices
+                    .as_deref()
+                    .map_or(String::new(), |d| format!("@{d}")),
+                resources::memory_type_names(memory_types)
+            );
             let wparams = sys::ucp_worker_params_t {
                 field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
                 thread_mode: sys::UCS_THREAD_MODE_SINGLE,
@@ -406,6 +501,7 @@ impl Progress {
             did = true;
             match cmd {
                 Cmd::Shutdown => return (true, true),
+                Cmd::PeerTransports(peer, reply) => reply.set(self.peer_transports(peer)),
                 Cmd::Connect(addr, reply) => reply.set(self.connect(Target::Sock(addr))),
                 Cmd::ConnectWorker(addr, reply) => reply.set(self.connect_worker(&addr)),
                 Cmd::Tag {

@@ -60,6 +60,8 @@ pub(super) enum Cmd {
         slot: Arc<OpSlot>,
     },
     ForceClose(PeerId, Option<Arc<Reply<()>>>),
+    /// The transports and devices a peer's endpoint uses (None: this UCX cannot say).
+    PeerTransports(PeerId, Arc<Reply<Option<Vec<String>>>>),
     Shutdown,
 }
 
@@ -139,6 +141,8 @@ pub(super) struct Shared {
     pub(super) sink: std::sync::OnceLock<Arc<dyn EventSink>>,
     /// When the progress thread will next call the sink unprompted (ns since `epoch`).
     pub(super) sink_due_ns: AtomicU64,
+    /// The memory types the UCX context supports (a bit per `ucs_memory_type_t`), set at start.
+    pub(super) memory_types: AtomicU64,
 }
 
 impl Shared {
@@ -174,6 +178,7 @@ impl Shared {
             Cmd::Connect(_, r) | Cmd::ConnectWorker(_, r) => r.set(Err(shutdown())),
             Cmd::Map { reply, .. } => reply.set(Err(shutdown())),
             Cmd::UnpackRkey { reply, .. } => reply.set(Err(shutdown())),
+            Cmd::PeerTransports(_, r) => r.set(Err(shutdown())),
             Cmd::ForceClose(_, Some(r)) => r.set(Ok(())),
             Cmd::ForceClose(_, None)
             | Cmd::CancelOp(_)
