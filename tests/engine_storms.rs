@@ -13,14 +13,14 @@ use std::time::{Duration, Instant};
 const CTX: u32 = 0;
 const GEN: u32 = 1;
 
-fn engines(kind: TransportKind, pool_slots: u32) -> (Engine, Engine) {
-    let mut c = EngineConfig::new("ctx", CTX, kind);
-    if kind == TransportKind::Tcp {
+fn engines(kind: &TransportKind, pool_slots: u32) -> (Engine, Engine) {
+    let mut c = EngineConfig::new("ctx", CTX, kind.clone());
+    if *kind == TransportKind::Tcp {
         c.listen = Some("127.0.0.1:0".parse().unwrap());
     }
     c.timeout = Duration::from_secs(20);
     let ctx = Engine::new(c).unwrap();
-    let mut g = EngineConfig::new("gen", GEN, kind);
+    let mut g = EngineConfig::new("gen", GEN, kind.clone());
     g.timeout = Duration::from_secs(20);
     g.pool_slots = pool_slots;
     let gen = Engine::new(g).unwrap();
@@ -66,7 +66,7 @@ fn a_cancel_storm_from_both_sides_is_agreed_on_every_request_and_leaks_nothing()
     const N: u64 = 300;
     const LEN: usize = 64 << 10;
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
-        let (ctx, gen) = engines(kind, 1 << 16);
+        let (ctx, gen) = engines(&kind, 1 << 16);
         let t0 = Instant::now();
         let deadline = t0 + Duration::from_secs(20);
         let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
@@ -155,7 +155,7 @@ fn a_cancel_storm_from_both_sides_is_agreed_on_every_request_and_leaks_nothing()
 #[test]
 fn an_exhausted_receive_pool_is_queue_full_at_once_and_loses_nothing() {
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
-        let (ctx, gen) = engines(kind, 8);
+        let (ctx, gen) = engines(&kind, 8);
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut bufs: Vec<Vec<u8>> = (0..9).map(|_| vec![0u8; 4096]).collect();
         let (first, ninth) = bufs.split_at_mut(8);
