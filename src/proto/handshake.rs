@@ -182,38 +182,22 @@ impl Handshake {
     }
 
     fn next(me: &Identity, state: State, msg: Message) -> (State, Step) {
+        let dialled_too = matches!(state, State::Dialled { .. })
+            && matches!(msg, Message::Hello { proof: None, .. });
         match (state, msg) {
             (_, Message::Refuse { reason }) => {
                 (State::Refused(reason), Step::RefusedByPeer(reason))
             }
             (_, Message::Hello { rank, .. }) if rank == me.rank => refuse(Refusal::RankInUse),
-            (
-                State::Answering { challenge },
-                Message::Hello {
-                    agent_name,
-                    rank,
-                    instance,
-                    challenge: peer_challenge,
-                    proof: None,
-                },
-            ) => {
-                let reply = Self::answer_hello(me, challenge, peer_challenge);
-                let peer = PeerInfo {
-                    rank,
-                    name: agent_name,
-                    instance,
-                };
-                (
-                    State::AwaitProof {
-                        challenge,
-                        peer_challenge,
-                        peer,
-                    },
-                    Step::Reply(reply),
-                )
+            // A dialler's Hello. On a connection this side dialled too, UCX made one connection
+            // of the two: the higher rank answers, the lower waits for that answer.
+            (State::Dialled { challenge }, Message::Hello { rank, .. })
+                if dialled_too && me.rank < rank =>
+            {
+                (State::Dialled { challenge }, Step::Ignore)
             }
             (
-                State::Dialled { challenge },
+                State::Answering { challenge } | State::Dialled { challenge },
                 Message::Hello {
                     agent_name,
                     rank,
@@ -222,11 +206,6 @@ impl Handshake {
                     proof: None,
                 },
             ) => {
-                // Both sides dialled and UCX made one connection of the two: the higher rank
-                // answers, the lower waits for that answer.
-                if me.rank < rank {
-                    return (State::Dialled { challenge }, Step::Ignore);
-                }
                 let reply = Self::answer_hello(me, challenge, peer_challenge);
                 let peer = PeerInfo {
                     rank,
