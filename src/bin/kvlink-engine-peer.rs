@@ -183,7 +183,14 @@ fn main() {
             suppress,
             hold,
         } => ctx(&args, transport, listen.as_deref(), *suppress, *hold),
-        Rank::Gen(opts) => gen(&args, transport, opts),
+        Rank::Gen(opts) => {
+            // The engine is dropped inside `gen`, before the exit: its UCX resources are freed
+            // (LeakSanitizer runs these processes too).
+            let code = gen(&args, transport, opts);
+            if code != 0 {
+                std::process::exit(code);
+            }
+        }
         Rank::Intruder { to, tags, lens } => intruder(transport.0, to, tags, lens),
     }
 }
@@ -205,9 +212,12 @@ fn trust_lines(args: &Args, engine: &Arc<Engine>) {
     let Some(every) = args.trust_every_ms.map(Duration::from_millis) else {
         return;
     };
-    let e = engine.clone();
+    // Weak: the engine must go when its owner returns, not live on in this thread.
+    let e = Arc::downgrade(engine);
     std::thread::spawn(move || loop {
-        let h = e.health();
+        let Some(h) = e.upgrade().map(|e| e.health()) else {
+            return;
+        };
         say(format!(
             "TRUST foreign={} late={} auth={} rank={} by_peer={} completed={}",
             h.foreign_data,
@@ -276,7 +286,8 @@ fn ctx(args: &Args, setting: Setting, listen: Option<&str>, suppress: Option<u64
     }
 }
 
-fn gen(args: &Args, setting: Setting, opts: &GenOpts) {
+/// Returns the process's exit status: 0, or 3 when the handshake was refused.
+fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
     let GenOpts {
         to,
         sizes,
@@ -308,9 +319,12 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) {
     trust_lines(args, &engine);
     if let Some(every) = ms(health_every_ms) {
         // What a router's health check would see, while requests run on the main thread.
-        let e = engine.clone();
+        let e = Arc::downgrade(&engine);
         std::thread::spawn(move || loop {
-            say(format!("STATE {:?}", e.health().state));
+            let Some(state) = e.upgrade().map(|e| e.health().state) else {
+                return;
+            };
+            say(format!("STATE {state:?}"));
             std::thread::sleep(every);
         });
     }
@@ -332,7 +346,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) {
             }
             Err(e) => {
                 say(format!("CONNECT-ERROR {:?} {e}", e.kind));
-                std::process::exit(3);
+                return 3;
             }
         }
     };
@@ -397,6 +411,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) {
             _ => {}
         }
     }
+    0
 }
 
 fn unhex(s: &str) -> Vec<u8> {
