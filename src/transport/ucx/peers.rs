@@ -227,9 +227,11 @@ impl Progress {
         }
     }
 
-    /// The sender of `tag` gave up: cancel our receive for it, then post a 1-byte receive that
-    /// swallows the abandoned message (UCX completes a too-large message as truncated, and the
-    /// sender's request completes) so it neither waits forever nor sits in the unexpected queue.
+    /// The sender of `tag` gave up: cancel our receive for it, so that the abandoned message
+    /// is swallowed (UCX completes a too-large message as truncated, and the sender's request
+    /// completes) instead of waiting forever or sitting in the unexpected queue. With
+    /// `discard_unexpected` the unmatched message is swallowed as soon as it is seen; otherwise
+    /// a 1-byte receive under the tag waits for it (up to DRAIN_TTL).
     pub(super) fn drain(&mut self, peer: u64, tag: u64) {
         let slots: Vec<Arc<OpSlot>> = self
             .shared
@@ -242,7 +244,9 @@ impl Progress {
         for s in &slots {
             self.stop_slot(s, STOP_REMOTE_CANCEL);
         }
-        self.swallow(peer, tag, None);
+        if !self.discard_unexpected {
+            self.swallow(peer, tag, None);
+        }
     }
 
     /// Posts a 1-byte receive into the scratch bytes that swallows one message: the next one
