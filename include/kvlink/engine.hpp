@@ -340,8 +340,11 @@ class Engine {
   std::string address() const { return std::string(handle_->address()); }
   std::uint32_t rank() const noexcept { return handle_->rank(); }
 
-  /// Blocks: connects to the rank at `address` and waits for its hello; returns its rank.
-  /// Throws `Error` PeerLost if none came by `deadline`.
+  /// Blocks: connects to the rank at `address` and runs the handshake (each side proves it holds
+  /// the deployment secret, see `EngineConfig::secret`); returns the peer's rank. Throws `Error`
+  /// with kind `PeerLost` if the handshake did not finish by `deadline`, `AuthFailed` if the two
+  /// sides do not hold the same secret, `RankInUse` if the peer (or this rank) has that rank bound
+  /// to another live process. Connect each pair from one side (the generation side dials).
   std::uint32_t connect(std::string_view address, Deadline deadline) {
     return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
   }
