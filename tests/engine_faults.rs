@@ -272,3 +272,48 @@ fn waiting_ten_seconds_for_data_that_never_comes_costs_under_two_percent_of_a_co
         }
     });
 }
+
+/// Dials `addr` with a connect deadline `connect_ms` from now; the handshake must not finish.
+/// Asserts the typed error came by the deadline + SLACK_MS.
+fn connect_fails_in_time(tl: &str, ns: Option<&str>, addr: &str, connect_ms: &str, what: &str) {
+    let mut cmd = peer_cmd(ns);
+    cmd.args(["gen", "--transport", tl, "--to", addr])
+        .args(["--connect-ms", connect_ms]);
+    let mut gen = Proc::spawn(cmd);
+    let line = gen.expect_one_of(&["CONNECT-ERROR ", "CONNECTED"]);
+    let l = late(&line);
+    println!("  connect, {what} ({connect_ms} ms deadline): {l:+.1} ms past it: {line}");
+    assert!(line.starts_with("CONNECT-ERROR "), "{what}: {line}");
+    assert!(
+        l <= SLACK_MS,
+        "{what}: connect ended {l:.1} ms past its deadline"
+    );
+}
+
+/// `connect` is a blocking call like any other: with a frozen peer, a dead one, a partitioned
+/// one, and a deadline already passed, it returns its typed error by its deadline + 100 ms.
+#[test]
+fn connect_returns_by_its_deadline_whatever_the_peer_does() {
+    for tl in ["tcp", "sm"] {
+        println!("== {tl}: connect to a frozen, a live (past deadline) and a dead peer");
+        let (mut ctx, addr) = start_ctx(tl, None, None);
+        ctx.signal(libc::SIGSTOP);
+        connect_fails_in_time(tl, None, &addr, "800", "frozen peer");
+        ctx.signal(libc::SIGCONT);
+        connect_fails_in_time(tl, None, &addr, "0", "deadline already passed");
+        ctx.child.kill().unwrap();
+        ctx.child.wait().unwrap();
+        connect_fails_in_time(tl, None, &addr, "800", "dead peer");
+    }
+    let Some(net): Option<Net> = setup("cpart") else {
+        return;
+    };
+    println!("== tcp: connect across a partition (iptables DROP both ways)");
+    let listen = format!("{}:0", net.ip_b);
+    let (_ctx, addr) = start_ctx("tcp", Some(&net.b), Some(&listen));
+    assert!(
+        net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
+            && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
+    );
+    connect_fails_in_time("tcp", Some(&net.a), &addr, "800", "partitioned peer");
+}

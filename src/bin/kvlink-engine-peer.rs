@@ -13,7 +13,7 @@
 //!   With `--health-every-ms N` a second thread prints `STATE <Healthy|Degraded|Wedged>` every N
 //!   ms (`--wedge-ms`, `--degraded-ms` set the windows). With `--listen` it also listens (and
 //!   prints `ADDR <address>` first), so that a third process can reach it. A refused handshake
-//!   prints `CONNECT-ERROR <kind>` and exits with status 3 (`--retry-ms N` keeps dialling that
+//!   prints `CONNECT-ERROR <kind> late_ms=<ms past its deadline>` and exits with status 3 (`--retry-ms N` keeps dialling that
 //!   long first).
 //! `kvlink-engine-peer intruder --to ADDR --tags T,.. --lens N,..` is a process that is not a
 //!   rank of the deployment: it connects at the UCX level (no handshake) and sends data of each
@@ -112,6 +112,10 @@ struct GenOpts {
     /// as printed in its `INSTANCE` line).
     #[arg(long)]
     instance: Option<u64>,
+    /// The deadline of each connect, in milliseconds from its start (default 20 s, 3 s while
+    /// retrying; 0 is a deadline already passed).
+    #[arg(long = "connect-ms")]
+    connect_ms: Option<u64>,
 }
 
 fn size(s: &str) -> usize {
@@ -297,6 +301,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
         listen,
         retry_ms,
         instance,
+        connect_ms,
     } = opts;
     let timeout = Duration::from_millis(args.timeout_ms);
     let by_address = setting.0.by_worker_address();
@@ -332,9 +337,10 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
     let retry_until = Instant::now() + Duration::from_millis(*retry_ms);
     // While retrying, each attempt gets a few seconds: an attempt can be lost when the peer
     // closes the refused endpoint of the one before.
-    let attempt = if *retry_ms > 0 { 3 } else { 20 };
+    let attempt = connect_ms.unwrap_or(if *retry_ms > 0 { 3000 } else { 20_000 });
     let peer = loop {
-        match engine.connect(to, Instant::now() + Duration::from_secs(attempt)) {
+        let deadline = Instant::now() + Duration::from_millis(attempt);
+        match engine.connect(to, deadline) {
             Ok(p) => break p,
             Err(e)
                 if matches!(
@@ -345,7 +351,8 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
                 std::thread::sleep(Duration::from_millis(250));
             }
             Err(e) => {
-                say(format!("CONNECT-ERROR {:?} {e}", e.kind));
+                let late = late_ms(deadline);
+                say(format!("CONNECT-ERROR {:?} late_ms={late:.1} {e}", e.kind));
                 return 3;
             }
         }

@@ -331,11 +331,11 @@ impl Engine {
             }
             if let Some(&reason) = core.peers.refused.get(&peer) {
                 // Let our own `Refuse` (if we sent one) go out, then close the endpoint: a
-                // retry must not meet this one (shared memory keeps one per peer process).
+                // retry starts on an endpoint of its own.
                 let sent = core.peers.refusal_ops.remove(&peer);
                 drop(core);
                 if let Some(mut op) = sent {
-                    let _ = op.wait(Instant::now() + REFUSE_FLUSH, None);
+                    let _ = op.wait((Instant::now() + REFUSE_FLUSH).min(deadline), None);
                 }
                 let _ = self.inner.agent.close_peer(peer);
                 return Err(Error::new(
