@@ -208,16 +208,6 @@ impl Inner {
             .remove(&peer)
             .unwrap_or_else(|| Handshake::answer(crate::random::u64()));
         core.peers.handshake_started(peer, now);
-        if hs.refused().is_some() && matches!(msg, Message::Hello { proof: None, .. }) {
-            // A new attempt from a dialler refused before, on the same endpoint (shared memory
-            // pairs a redial with the endpoint it had): start over, a few times at most.
-            if !core.peers.retry(peer) {
-                core.peers.handshakes.insert(peer, hs);
-                core.counters.bad_frames += 1;
-                return;
-            }
-            hs = Handshake::answer(crate::random::u64());
-        }
         let step = hs.handle(&self.identity, msg);
         tracing::debug!("handshake on endpoint {}: {step:?}", peer.0);
         let mut refuse = None;

@@ -26,8 +26,6 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const REFUSE_LINGER: Duration = Duration::from_millis(200);
 /// An endpoint whose handshake is not done by then is closed.
 pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
-/// How many times a dialler refused on an endpoint may start over on it.
-const RETRIES_PER_ENDPOINT: u32 = 3;
 
 /// A rank's connection, as [`crate::engine::Engine::peer_state`] reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,8 +91,6 @@ pub(crate) struct Peers {
     closing: Vec<(PeerId, Instant)>,
     /// Endpoints whose handshake is not done, since when: closed after HANDSHAKE_LIMIT.
     pending: HashMap<PeerId, Instant>,
-    /// Restarts of the handshake on refused endpoints.
-    retries: HashMap<PeerId, u32>,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
@@ -243,20 +239,6 @@ impl Peers {
         Some(rank)
     }
 
-    /// A refused endpoint starts a new handshake: it is not closed, and not refused (yet).
-    /// True if it may (a few times per endpoint, within the handshake limit).
-    pub fn retry(&mut self, peer: PeerId) -> bool {
-        let n = self.retries.entry(peer).or_insert(0);
-        if *n >= RETRIES_PER_ENDPOINT {
-            return false;
-        }
-        *n += 1;
-        self.refused.remove(&peer);
-        self.refusal_ops.remove(&peer);
-        self.closing.retain(|(p, _)| *p != peer);
-        true
-    }
-
     /// Endpoints due to be closed at `now`: refused ones after their linger, and those whose
     /// handshake is not done within HANDSHAKE_LIMIT.
     pub fn due_closes(&mut self, now: Instant) -> Vec<PeerId> {
@@ -299,7 +281,6 @@ impl Peers {
         self.handshakes.remove(&peer);
         self.refusal_ops.remove(&peer);
         self.pending.remove(&peer);
-        self.retries.remove(&peer);
         if self.refused.len() > 1024 {
             // Only `connect` reads these, right after the refusal: keep the table small.
             self.refused.clear();

@@ -228,10 +228,7 @@ impl Message {
                 body.extend_from_slice(&rank.0.to_le_bytes());
                 body.extend_from_slice(&instance.to_le_bytes());
                 body.extend_from_slice(&challenge.to_le_bytes());
-                body.push(proof.is_some() as u8);
-                if let Some(p) = proof {
-                    body.extend_from_slice(p);
-                }
+                put_opt_proof(&mut body, proof);
                 body.extend_from_slice(&(agent_name.len() as u16).to_le_bytes());
                 body.extend_from_slice(agent_name.as_bytes());
             }
@@ -286,10 +283,7 @@ impl Message {
             Message::Quiesced { key } => put_key(&mut body, key),
             Message::Proof { proof, resume } => {
                 body.extend_from_slice(proof);
-                body.push(resume.is_some() as u8);
-                if let Some(r) = resume {
-                    body.extend_from_slice(r);
-                }
+                put_opt_proof(&mut body, resume);
             }
             Message::Welcome => {}
             Message::Refuse { reason } => body.push(*reason as u8),
@@ -332,12 +326,7 @@ impl Message {
                 let rank = RankId(r.u32()?);
                 let instance = r.u64()?;
                 let challenge = r.u64()?;
-                let at = r.pos;
-                let proof = match r.u8()? {
-                    0 => None,
-                    1 => Some(r.proof()?),
-                    _ => return Err(WireError::at(WireReason::BadBool, at)),
-                };
+                let proof = r.opt_proof()?;
                 let len = r.u16()? as usize;
                 if len == 0 || len > MAX_NAME {
                     return Err(r.err(WireReason::TooLarge));
@@ -437,12 +426,7 @@ impl Message {
             7 => Message::Quiesced { key: r.key()? },
             8 => {
                 let proof = r.proof()?;
-                let at = r.pos;
-                let resume = match r.u8()? {
-                    0 => None,
-                    1 => Some(r.proof()?),
-                    _ => return Err(WireError::at(WireReason::BadBool, at)),
-                };
+                let resume = r.opt_proof()?;
                 Message::Proof { proof, resume }
             }
             9 => Message::Welcome,
@@ -513,6 +497,14 @@ fn check_descs(buffers: &[BufferDesc]) -> Result<(), WireReason> {
     Ok(())
 }
 
+/// A flag byte (0 | 1), then the proof if there is one.
+fn put_opt_proof(out: &mut Vec<u8>, proof: &Option<[u8; PROOF_LEN]>) {
+    out.push(proof.is_some() as u8);
+    if let Some(p) = proof {
+        out.extend_from_slice(p);
+    }
+}
+
 fn put_key(out: &mut Vec<u8>, key: &RequestKey) {
     out.extend_from_slice(&key.request.0.to_le_bytes());
     out.extend_from_slice(&key.generation.0.to_le_bytes());
@@ -568,6 +560,15 @@ impl<'a> Reader<'a> {
     }
     fn proof(&mut self) -> Result<[u8; PROOF_LEN], WireError> {
         self.array()
+    }
+    /// A flag byte (0 | 1), then a proof if it is 1.
+    fn opt_proof(&mut self) -> Result<Option<[u8; PROOF_LEN]>, WireError> {
+        let at = self.pos;
+        match self.u8()? {
+            0 => Ok(None),
+            1 => Ok(Some(self.proof()?)),
+            _ => Err(WireError::at(WireReason::BadBool, at)),
+        }
     }
     fn key(&mut self) -> Result<RequestKey, WireError> {
         Ok(RequestKey {
