@@ -1009,6 +1009,8 @@ impl Engine {
         cancel: Option<&dyn Fn() -> bool>,
         mut f: impl FnMut(&mut Core) -> Option<T>,
     ) -> Option<T> {
+        let mut driving = self.inner.agent.driving();
+        let mut polling = true;
         let mut core = self.inner.core.lock();
         loop {
             if let Some(v) = f(&mut core) {
@@ -1021,10 +1023,22 @@ impl Engine {
             if now >= deadline {
                 return None;
             }
+            // Within the poll window, run the progress pass here instead of sleeping: the event
+            // we wait for is then handled on this thread, with no wake-up in between. Our lock
+            // is released first (the sink takes it in the pass).
+            if polling {
+                // The lock was released for the step: look again either way before a sleep.
+                polling = MutexGuard::unlocked(&mut core, || driving.step());
+                continue;
+            }
             if let Some(c) = cancel {
                 // The cancel check may take other locks: never call it under ours.
                 if MutexGuard::unlocked(&mut core, c) {
                     return None;
+                }
+                // The lock was released for the check: a wake in between must not be lost.
+                if let Some(v) = f(&mut core) {
+                    return Some(v);
                 }
             }
             let until = match cancel {

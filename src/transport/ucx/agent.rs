@@ -3,7 +3,7 @@
 //! thread; nothing here touches UCX.
 use super::op::{Op, OpSlot, SlotKind, STOP_NONE};
 use super::progress::progress_thread;
-use super::shared::{AtomicStats, Cmd, CmdQueue, EventSink, Reply, Shared};
+use super::shared::{AtomicStats, Cmd, CmdQueue, Driving, EventSink, Reply, Shared};
 use super::{AgentOptions, Event, PeerId, Stats, MAX_CONTROL};
 use crate::error::{Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex};
@@ -50,6 +50,11 @@ impl Agent {
             sink: std::sync::OnceLock::new(),
             sink_due_ns: AtomicU64::new(0),
             memory_types: AtomicU64::new(0),
+            driver: Mutex::new(None),
+            caller_passes: AtomicU64::new(0),
+            last_progress_ns: AtomicU64::new(0),
+            sleeping_until_ns: AtomicU64::new(0),
+            poll_window: super::progress::poll_window(),
         });
         let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
@@ -107,6 +112,16 @@ impl Agent {
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
         }
+    }
+
+    /// For a waiting caller: its turn at driving progress on its own thread instead of sleeping
+    /// and being woken. [`Driving::step`] runs one pass (commands, UCX progress, callbacks, the
+    /// sink) while the wait is within the poll window (`KVLINK_POLL_US`, 50 µs by default; 0
+    /// turns it off) of the later of its start and the agent's last progress, and no other
+    /// thread drives; so an idle wait polls for one window, then sleeps. Never step holding a
+    /// lock the sink takes (the sink runs in the pass).
+    pub fn driving(&self) -> Driving<'_> {
+        Driving::new(&self.shared)
     }
 
     /// The bound listen address (with the real port when 0 was asked for).

@@ -1,5 +1,5 @@
-//! The functions UCX calls (`extern "C"`). They run inside `ucp_worker_progress` on the progress
-//! thread: completions end their op's slot at once ([`finish_slot`]); everything else is only
+//! The functions UCX calls (`extern "C"`). They run inside `ucp_worker_progress`, on the thread
+//! that holds the agent's driver lock (the progress thread, or a caller driving progress): completions end their op's slot at once ([`finish_slot`]); everything else is only
 //! pushed as a [`CbEvent`] for the progress loop to handle after the call, so no state is borrowed
 //! re-entrantly.
 use super::op::OpSlot;
@@ -10,7 +10,7 @@ use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// What UCX callbacks report; they run inside `ucp_worker_progress` on the progress thread and
+/// What UCX callbacks report; they run inside `ucp_worker_progress` under the driver lock and
 /// only push here, so no state is borrowed re-entrantly.
 pub(super) enum CbEvent {
     ConnRequest(sys::ucp_conn_request_h),
@@ -28,7 +28,8 @@ fn push_cb(ev: CbEvent) {
     CB_EVENTS.with(|q| q.borrow_mut().push(ev));
 }
 
-/// Takes what the callbacks reported since the last call (progress thread only).
+/// Takes what the callbacks reported on this thread since the last call (under the driver lock,
+/// in the same pass as the progress call).
 pub(super) fn take_events() -> Vec<CbEvent> {
     CB_EVENTS.with(|q| std::mem::take(&mut *q.borrow_mut()))
 }
@@ -72,13 +73,24 @@ pub(super) struct ControlSend {
 }
 
 thread_local! {
-    /// The progress thread's shared state, for callbacks that complete slots.
+    /// The shared state of the agent this thread drives, for callbacks that complete slots.
     static SHARED: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
 }
 
-/// Makes `shared` the progress thread's own, for the callbacks that run on it.
-pub(super) fn set_shared(shared: Arc<Shared>) {
-    SHARED.with(|s| *s.borrow_mut() = Some(shared));
+/// Makes `shared` the calling thread's, for the callbacks that run in its next progress call:
+/// whichever thread holds an agent's driver lock sets it before it calls into that worker.
+pub(super) fn set_shared(shared: &Arc<Shared>) {
+    SHARED.with(|s| {
+        let mut s = s.borrow_mut();
+        if !s.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, shared)) {
+            *s = Some(shared.clone());
+        }
+    })
+}
+
+/// Forgets the agent a caller drove, once its pass is over (the agent may go away).
+pub(super) fn clear_shared() {
+    SHARED.with(|s| s.borrow_mut().take());
 }
 
 fn with_shared(f: impl FnOnce(&Shared)) {

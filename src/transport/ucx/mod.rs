@@ -54,7 +54,7 @@ mod tag;
 pub use agent::{Agent, MemHandle, RemoteKey};
 pub use op::Op;
 pub use resources::{memory_type_names, DevicePath};
-pub use shared::EventSink;
+pub use shared::{Driving, EventSink};
 
 use crate::error::{Error, ErrorKind, Result};
 use std::net::SocketAddr;

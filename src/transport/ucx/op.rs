@@ -1,6 +1,6 @@
 //! One in-flight request: its completion slot (shared with the progress thread, which completes
 //! it) and [`Op`], the owner's handle that waits, stops and maps the end to an outcome.
-use super::shared::{Cmd, Shared};
+use super::shared::{Cmd, Driving, Shared};
 use super::{map_status, sys, PeerId};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -89,11 +89,20 @@ impl Op {
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
         const CANCEL_POLL: Duration = Duration::from_millis(5);
+        let shared = self.shared.clone();
+        let mut driving = Driving::new(&shared);
+        let mut polling = true;
         let mut st = self.slot.state.lock();
         let stop = loop {
             if let Some((status, len)) = *st {
                 drop(st);
                 return self.finish(status, len);
+            }
+            if polling && Instant::now() < deadline {
+                // Run a pass here while the window lasts; the lock was released for it, so look
+                // again either way before a sleep.
+                polling = MutexGuard::unlocked(&mut st, || driving.step());
+                continue;
             }
             if let Some(c) = cancel {
                 // The check may take other locks (the engine's): never call it under ours.
@@ -116,6 +125,7 @@ impl Op {
             self.slot.cv.wait_until(&mut st, until);
         };
         drop(st);
+        drop(driving);
         self.stop(stop);
         let (status, len) = self.slot.state.lock().unwrap_or((sys::UCS_ERR_CANCELED, 0));
         // A receive that completed in the race with the stop has all its data: it counts. A send

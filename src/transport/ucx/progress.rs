@@ -26,9 +26,9 @@ const SINK_IDLE: Duration = Duration::from_millis(100);
 /// sleeping: the next completion or command of a busy transfer usually comes within it, and a
 /// sleep/wake round costs 50-120 us here (TOOLCHAIN.md). Idle threads never poll: the window
 /// only follows progress. `KVLINK_POLL_US` overrides it (0 turns polling off).
-const POLL_AFTER_PROGRESS: Duration = Duration::from_micros(50);
+const POLL_AFTER_PROGRESS: Duration = Duration::from_micros(100);
 
-fn poll_window() -> Duration {
+pub(super) fn poll_window() -> Duration {
     std::env::var("KVLINK_POLL_US")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -53,6 +53,21 @@ pub(super) struct Progress {
     /// See [`AgentOptions::discard_unexpected`].
     pub(super) discard_unexpected: bool,
     pub(super) shared: Arc<Shared>,
+    /// A `Shutdown` command was taken: the progress thread tears down next.
+    pub(super) shutdown: bool,
+}
+
+// SAFETY: the UCX handles in `Progress` are raw pointers into a worker created with
+// `UCS_THREAD_MODE_SERIALIZED`; `Progress` lives in `Shared::driver` and is only ever touched
+// by the thread holding that lock, one at a time, which is what that mode allows.
+unsafe impl Send for Progress {}
+
+/// What one [`Progress::pass`] did.
+pub(super) struct Pass {
+    /// Commands ran, or UCX or its callbacks reported work.
+    pub(super) progressed: bool,
+    /// The owner's sink was called (what it did must run before any sleep).
+    pub(super) sink_ran: bool,
 }
 
 /// The UCX settings an agent forces, each with whether a refusal is an error: keepalive (a dead
@@ -118,19 +133,114 @@ pub(super) fn progress_thread(
     shared: Arc<Shared>,
     init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>>,
 ) {
-    callbacks::set_shared(shared.clone());
-    let mut p = match Progress::start(&opts, shared) {
+    callbacks::set_shared(&shared);
+    match Progress::start(&opts, shared.clone()) {
         Ok((p, listen, addr)) => {
+            *shared.driver.lock() = Some(Box::new(p));
             init.set(Ok((listen, addr)));
-            p
         }
         Err(e) => {
             init.set(Err(e));
             return;
         }
-    };
-    p.run();
-    p.teardown();
+    }
+    run(&shared);
+    // Out of the driver lock first: no caller can drive a worker that is going away.
+    let p = shared.driver.lock().take();
+    if let Some(mut p) = p {
+        callbacks::set_shared(&shared);
+        p.teardown();
+    }
+}
+
+/// The progress thread's loop: a pass under the driver lock, a short poll after progress, then
+/// the worker armed and a bounded sleep on its event fd and the wake eventfd. The lock is never
+/// held while asleep, so a waiting caller can drive progress itself meanwhile
+/// ([`Shared::try_drive`]).
+fn run(shared: &Shared) {
+    let mut empty_streak = 0u32;
+    let window = shared.poll_window;
+    let mut last_progress = Instant::now();
+    loop {
+        let mut guard = shared.driver.lock();
+        let Some(p) = guard.as_mut() else { return };
+        callbacks::set_shared(&p.shared);
+        let pass = p.pass();
+        if p.shutdown {
+            return;
+        }
+        if pass.progressed {
+            empty_streak = 0;
+            last_progress = Instant::now();
+        }
+        if pass.sink_ran {
+            // What the sink did (control messages, cancels) runs before any sleep.
+            continue;
+        }
+        if !window.is_zero() && last_progress.elapsed() < window {
+            // Bounded: only within `window` of our last progress (a caller that drives polls
+            // on its own; we do not compete with it).
+            drop(guard);
+            std::hint::spin_loop();
+            continue;
+        }
+        // SAFETY: the worker is used only under the driver lock, which we hold.
+        let st = unsafe { sys::ucp_worker_arm(p.worker.0) };
+        if st == sys::UCS_ERR_BUSY {
+            continue;
+        }
+        // A bounded sleep: UCX keepalive needs progress now and then even when idle, and the
+        // sink's next timer must not be slept through.
+        let sleep_ms = p.sleep_ms();
+        let epfd = p.epoll_fd();
+        let caller_passes = shared.caller_passes.load(Ordering::Acquire);
+        shared.sleeping_until_ns.store(
+            shared.now_ns().saturating_add(sleep_ms as u64 * 1_000_000),
+            Ordering::Release,
+        );
+        drop(guard);
+        let mut evs: [libc::epoll_event; 4] = unsafe { std::mem::zeroed() };
+        // SAFETY: epfd is the driver's (it lives as long as `Shared::driver` holds it, and only
+        // this thread takes it out); evs has room for 4 events.
+        let n = unsafe { libc::epoll_wait(epfd, evs.as_mut_ptr(), 4, sleep_ms) };
+        shared.sleeping_until_ns.store(0, Ordering::Release);
+        shared.stats.wakeups.fetch_add(1, Ordering::Relaxed);
+        if n <= 0 {
+            continue;
+        }
+        let mut ucx_woke = false;
+        for ev in &evs[..n as usize] {
+            if ev.u64 == 2 {
+                let mut buf = 0u64;
+                // SAFETY: reading 8 bytes from our eventfd into a u64.
+                unsafe { libc::read(shared.wake_fd, &mut buf as *mut u64 as *mut c_void, 8) };
+            } else {
+                ucx_woke = true;
+            }
+        }
+        if !ucx_woke || shared.cmds_pending() {
+            continue;
+        }
+        // Woken by UCX: if the next progress pass finds nothing, and no caller drove the worker
+        // while we slept (it may have taken what woke us), count an empty wake.
+        let mut guard = shared.driver.lock();
+        let Some(p) = guard.as_mut() else { return };
+        // SAFETY: as above.
+        let n = unsafe { sys::ucp_worker_progress(p.worker.0) };
+        let handled = p.handle_callbacks();
+        drop(guard);
+        if n != 0 || handled != 0 {
+            shared.note_progress();
+            empty_streak = 0;
+        } else if shared.caller_passes.load(Ordering::Acquire) == caller_passes {
+            empty_streak += 1;
+            shared.stats.empty_wakeups.fetch_add(1, Ordering::Relaxed);
+            if empty_streak >= 64 {
+                shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
 }
 
 impl Progress {
@@ -226,7 +336,7 @@ impl Progress {
             );
             let wparams = sys::ucp_worker_params_t {
                 field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
-                thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+                thread_mode: sys::UCS_THREAD_MODE_SERIALIZED,
                 ..Default::default()
             };
             let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
@@ -249,6 +359,7 @@ impl Progress {
                 own_address: Vec::new(),
                 discard_unexpected: opts.discard_unexpected,
                 shared,
+                shutdown: false,
             };
             // From here on, `p.teardown()` releases what exists.
             match p.setup(opts) {
@@ -361,99 +472,46 @@ impl Progress {
         Ok((bound, address))
     }
 
-    fn epoll_fd(&self) -> c_int {
+    pub(super) fn epoll_fd(&self) -> c_int {
         use std::os::fd::AsRawFd;
         self.epfd.as_ref().map_or(-1, |f| f.as_raw_fd())
     }
 
-    fn run(&mut self) {
-        let mut empty_streak = 0u32;
-        let window = poll_window();
-        let mut last_progress = Instant::now();
-
-        loop {
-            let mut did = self.drain_commands();
-            if did.1 {
-                return;
+    /// One pass of the loop, by whichever thread holds the driver lock: queued commands, a
+    /// burst of progress with the callbacks' reports, stray data, expired drains, the sink.
+    /// Stops early once shutdown was asked (the progress thread tears down).
+    pub(super) fn pass(&mut self) -> Pass {
+        let mut pass = Pass {
+            progressed: self.drain_commands(),
+            sink_ran: false,
+        };
+        if self.shutdown {
+            return pass;
+        }
+        for _ in 0..PROGRESS_BURST {
+            // SAFETY: the worker is used only under the driver lock, which our caller holds.
+            let n = unsafe { sys::ucp_worker_progress(self.worker.0) };
+            let handled = self.handle_callbacks();
+            if n == 0 && handled == 0 {
+                break;
             }
-            for _ in 0..PROGRESS_BURST {
-                // SAFETY: the worker is owned by this thread.
-                let n = unsafe { sys::ucp_worker_progress(self.worker.0) };
-                let handled = self.handle_callbacks();
-                if n == 0 && handled == 0 {
-                    break;
-                }
-                did.0 = true;
-                // Commands (cancels, new posts) must not wait behind a busy transfer.
-                if self.shared.cmds_pending() {
-                    break;
-                }
-            }
-            if did.0 {
-                empty_streak = 0;
-                last_progress = Instant::now();
-            }
-            if self.discard_unexpected {
-                self.discard_strays();
-            }
-            if !self.drains.is_empty() {
-                self.expire_drains();
-            }
-            if self.run_sink() {
-                // What the sink did (control messages, cancels) runs before any sleep.
-                continue;
-            }
-            if !window.is_zero() && last_progress.elapsed() < window {
-                // Bounded: only within `window` of the last progress.
-                std::hint::spin_loop();
-                continue;
-            }
-
-            // SAFETY: as above.
-            let st = unsafe { sys::ucp_worker_arm(self.worker.0) };
-            if st == sys::UCS_ERR_BUSY {
-                continue;
-            }
-            let mut evs: [libc::epoll_event; 4] = unsafe { std::mem::zeroed() };
-            // A bounded sleep: UCX keepalive needs progress now and then even when idle, and the
-            // sink's next timer must not be slept through.
-            let sleep_ms = self.sleep_ms();
-            // SAFETY: epfd is ours; evs has room for 4 events.
-            let n = unsafe { libc::epoll_wait(self.epoll_fd(), evs.as_mut_ptr(), 4, sleep_ms) };
-            self.shared.stats.wakeups.fetch_add(1, Ordering::Relaxed);
-            if n > 0 {
-                let mut ucx_woke = false;
-                for ev in &evs[..n as usize] {
-                    if ev.u64 == 2 {
-                        let mut buf = 0u64;
-                        // SAFETY: reading 8 bytes from our eventfd into a u64.
-                        unsafe {
-                            libc::read(self.shared.wake_fd, &mut buf as *mut u64 as *mut c_void, 8)
-                        };
-                    } else {
-                        ucx_woke = true;
-                    }
-                }
-                if ucx_woke && !self.shared.cmds_pending() {
-                    // Woken by UCX: if the next progress pass finds nothing, count an empty wake.
-                    let n = unsafe { sys::ucp_worker_progress(self.worker.0) };
-                    let handled = self.handle_callbacks();
-                    if n == 0 && handled == 0 {
-                        empty_streak += 1;
-                        self.shared
-                            .stats
-                            .empty_wakeups
-                            .fetch_add(1, Ordering::Relaxed);
-                        if empty_streak >= 64 {
-                            self.shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
-                            std::thread::sleep(Duration::from_millis(1));
-                        }
-                    } else {
-                        empty_streak = 0;
-                    }
-                }
+            pass.progressed = true;
+            // Commands (cancels, new posts) must not wait behind a busy transfer.
+            if self.shared.cmds_pending() {
+                break;
             }
         }
+        if pass.progressed {
+            self.shared.note_progress();
+        }
+        if self.discard_unexpected {
+            self.discard_strays();
+        }
+        if !self.drains.is_empty() {
+            self.expire_drains();
+        }
+        pass.sink_ran = self.run_sink();
+        pass
     }
 
     /// Hands the queued events to the owner's sink, if there is one and there are events or its
@@ -480,7 +538,7 @@ impl Progress {
     }
 
     /// How long the next sleep may last: 100 ms at most, less if the sink's timer comes first.
-    fn sleep_ms(&self) -> c_int {
+    pub(super) fn sleep_ms(&self) -> c_int {
         if self.shared.sink.get().is_none() {
             return 100;
         }
@@ -492,15 +550,19 @@ impl Progress {
         left_ms.min(100) as c_int
     }
 
-    /// Runs queued commands; returns (did something, saw shutdown).
-    fn drain_commands(&mut self) -> (bool, bool) {
+    /// Runs queued commands; returns whether there were any. A `Shutdown` stops it and sets
+    /// `self.shutdown`: what is still queued is failed by the teardown.
+    fn drain_commands(&mut self) -> bool {
         let mut did = false;
         loop {
+            if self.shutdown {
+                return did;
+            }
             let cmd = self.shared.cmds.lock().items.pop_front();
-            let Some(cmd) = cmd else { return (did, false) };
+            let Some(cmd) = cmd else { return did };
             did = true;
             match cmd {
-                Cmd::Shutdown => return (true, true),
+                Cmd::Shutdown => self.shutdown = true,
                 Cmd::PeerTransports(peer, reply) => reply.set(self.peer_transports(peer)),
                 Cmd::Connect(addr, reply) => reply.set(self.connect(Target::Sock(addr))),
                 Cmd::ConnectWorker(addr, reply) => reply.set(self.connect_worker(&addr)),
@@ -541,7 +603,7 @@ impl Progress {
     }
 
     /// Handles what the UCX callbacks reported during the last progress call.
-    fn handle_callbacks(&mut self) -> usize {
+    pub(super) fn handle_callbacks(&mut self) -> usize {
         let evs = callbacks::take_events();
         let n = evs.len();
         for ev in evs {
@@ -556,7 +618,7 @@ impl Progress {
         n
     }
 
-    fn teardown(&mut self) {
+    pub(super) fn teardown(&mut self) {
         // Close the queue (later submits fail at once) and end what never ran; then stop every
         // op, then close every endpoint; the worker and context go when `self` drops.
         let leftovers: Vec<Cmd> = {

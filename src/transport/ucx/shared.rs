@@ -1,7 +1,8 @@
 //! What the owner's threads and the progress thread share: the command queue (with the eventfd
 //! that wakes the progress thread), one-shot replies, the event queue, peer failure flags, the
 //! ops in flight and the progress counters.
-use super::callbacks::finish_slot;
+use super::callbacks::{self, finish_slot};
+use super::progress::Progress;
 use super::op::{OpSlot, STOP_NONE, STOP_SHUTDOWN};
 use super::{sys, Event, PeerId};
 use crate::error::{Error, ErrorKind, Result};
@@ -143,6 +144,20 @@ pub(super) struct Shared {
     pub(super) sink_due_ns: AtomicU64,
     /// The memory types the UCX context supports (a bit per `ucs_memory_type_t`), set at start.
     pub(super) memory_types: AtomicU64,
+    /// The progress state behind the driver lock. Whoever holds the lock may call into UCX (the
+    /// worker is `SERIALIZED`): the progress thread, for one pass at a time and never while it
+    /// sleeps, or a waiting caller that took it with `try_lock` ([`Shared::try_drive`]) so the
+    /// completion it waits for is handled on its own thread, without a wake-up in between.
+    /// `None` before start and from teardown on.
+    pub(super) driver: Mutex<Option<Box<Progress>>>,
+    /// Passes run by callers (the progress thread's empty-wake count leaves those out).
+    pub(super) caller_passes: AtomicU64,
+    /// When a pass last made progress (ns since `epoch`).
+    pub(super) last_progress_ns: AtomicU64,
+    /// Until when the progress thread sleeps (ns since `epoch`; 0 while it is awake).
+    pub(super) sleeping_until_ns: AtomicU64,
+    /// How long a thread keeps polling after the last progress before it sleeps.
+    pub(super) poll_window: Duration,
 }
 
 impl Shared {
@@ -205,7 +220,114 @@ impl Shared {
         self.failed.lock().get(&peer).copied()
     }
 
+    pub(super) fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    pub(super) fn note_progress(&self) {
+        self.last_progress_ns.store(self.now_ns(), Ordering::Release);
+    }
+
+    /// Time since a pass last made progress.
+    pub(super) fn since_progress(&self) -> Duration {
+        let last = self.last_progress_ns.load(Ordering::Acquire);
+        Duration::from_nanos(self.now_ns().saturating_sub(last))
+    }
+
+    /// Whether a caller that began waiting at `since` should drive progress rather than sleep:
+    /// within the poll window of the later of `since` and the last progress. An idle wait
+    /// polls for one window, then sleeps.
+    pub(super) fn may_poll(&self, since: Instant) -> bool {
+        !self.poll_window.is_zero()
+            && since.elapsed().min(self.since_progress()) < self.poll_window
+    }
+
+    /// Runs one progress pass on the calling thread, if no other thread holds the driver lock
+    /// (it never waits for it). Returns whether the pass ran. The caller must hold no lock that
+    /// the owner's sink takes: the sink runs in the pass.
+    pub(super) fn try_drive(self: &Arc<Self>) -> bool {
+        // The progress thread holds the lock only for a pass: a few yields usually get it. A
+        // caller that is driving already wakes us when our fact changes.
+        let mut tries = 0;
+        let mut guard = loop {
+            match self.driver.try_lock() {
+                Some(g) => break g,
+                None if tries < 3 => {
+                    tries += 1;
+                    std::thread::yield_now();
+                }
+                None => return false,
+            }
+        };
+        let Some(p) = guard.as_mut() else {
+            return false;
+        };
+        callbacks::set_shared(self);
+        p.pass();
+        callbacks::clear_shared();
+        drop(guard);
+        self.caller_passes.fetch_add(1, Ordering::AcqRel);
+        // A timer the sink set in our pass, earlier than the progress thread's sleep, must not
+        // be slept through: wake it to sleep again with the new time.
+        let sleeping = self.sleeping_until_ns.load(Ordering::Acquire);
+        if sleeping != 0 && self.sink_due_ns.load(Ordering::Acquire) < sleeping {
+            self.wake();
+        }
+        true
+    }
+
+    /// A caller stopped driving: if the progress thread sleeps, wake it, so it runs a pass and
+    /// arms the worker over what our passes left (work UCX deferred to a later progress call
+    /// raises no event of its own).
+    pub(super) fn done_driving(&self) {
+        if self.sleeping_until_ns.load(Ordering::Acquire) != 0 {
+            self.wake();
+        }
+    }
+
     pub(super) fn cmds_pending(&self) -> bool {
         !self.cmds.lock().items.is_empty()
+    }
+}
+
+/// A waiting caller's turn at driving progress ([`Shared::try_drive`]). When it stops (paused
+/// before a sleep, or dropped), the progress thread takes over ([`Shared::done_driving`]).
+pub struct Driving<'a> {
+    shared: &'a Arc<Shared>,
+    began: Instant,
+    drove: bool,
+}
+
+impl<'a> Driving<'a> {
+    pub(super) fn new(shared: &'a Arc<Shared>) -> Self {
+        Driving {
+            shared,
+            began: Instant::now(),
+            drove: false,
+        }
+    }
+
+    /// Runs one pass here if the wait is within the poll window and no other thread drives;
+    /// true if it ran (look at what you wait for again). False means: sleep, and be woken.
+    pub fn step(&mut self) -> bool {
+        if self.shared.may_poll(self.began) && self.shared.try_drive() {
+            self.drove = true;
+            return true;
+        }
+        self.pause();
+        false
+    }
+
+    /// Hands progress back to the progress thread (before this caller sleeps).
+    pub fn pause(&mut self) {
+        if std::mem::take(&mut self.drove) {
+            self.shared.done_driving();
+        }
+    }
+}
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        self.pause();
     }
 }
