@@ -192,7 +192,11 @@ impl Inner {
     fn send_msg(&self, core: &mut Core, peer: PeerId, msg: &Message) -> Result<()> {
         let op = self.agent.send_control(peer, msg.to_bytes()?)?;
         if matches!(msg, Message::Refuse { .. }) {
-            core.peers.refusal_ops.insert(peer, op);
+            // A replaced one goes to the polled list: dropping an unfinished op waits for UCX,
+            // which cannot progress while this pass runs.
+            if let Some(old) = core.peers.refusal_ops.insert(peer, op) {
+                core.control_ops.push(old);
+            }
         } else {
             core.control_ops.push(op);
         }
@@ -352,6 +356,11 @@ impl Inner {
             Event::Accepted(peer) => core.peers.handshake_started(peer, now),
             Event::Control(peer, bytes) => self.on_control(core, now, peer, &bytes),
             Event::PeerFailed(peer) => {
+                // Its refusal (if one was going out) is failed with it: polled, never dropped
+                // unfinished here (that would wait for progress this pass holds up).
+                if let Some(op) = core.peers.refusal_ops.remove(&peer) {
+                    core.control_ops.push(op);
+                }
                 if let Some(rank) = core.peers.on_failed(peer, now) {
                     tracing::warn!("{rank}: connection failed");
                     core.counters.last_fault = Some(now);

@@ -3,12 +3,16 @@
 //!
 //! One [`Engine`] per rank: a UCX [`Agent`], the sans-IO [`Endpoint`] that owns every request
 //! and its timers, and the glue ([`glue`]) that feeds the endpoint what the agent reports and
-//! carries out what it asks. The glue runs on the agent's progress thread, where the events
-//! arrive (an [`crate::transport::EventSink`]), and the progress thread also sleeps no later than
-//! the endpoint's next timer: there is no engine thread of its own. Callers block in `wait`, `recv_ready`,
-//! `next_advertisement`, `wait_for_notification`, `connect` and `send`, each with a deadline
-//! and an optional cancel check, on a waiter of their own that is woken only for the fact it
-//! waits for ([`waiters`]). No lock is held across a wait and no thread spins.
+//! carries out what it asks. The glue runs where the events arrive (an
+//! [`crate::transport::EventSink`], called in the agent's progress pass), and the progress thread
+//! sleeps no later than the endpoint's next timer: there is no engine thread of its own. Callers
+//! block in `wait`, `recv_ready`, `next_advertisement`, `wait_for_notification`, `connect` and
+//! `send`, each with a deadline and an optional cancel check. For a short window after the last
+//! progress a blocked caller runs the progress pass itself
+//! ([`Agent::driving`](crate::transport::Agent::driving)), so the event it
+//! waits for is handled on its own thread; after that it sleeps on a waiter of its own that is
+//! woken only for the fact it waits for ([`waiters`]). No lock is held across a wait, one thread
+//! at a time drives an agent, and no thread polls longer than one window past the last progress.
 //!
 //! # The data path of one request
 //! 1. generation rank: [`Engine::advertise`] posts one tag-matched receive per buffer (tag = a
@@ -1011,6 +1015,7 @@ impl Engine {
     ) -> Option<T> {
         let mut driving = self.inner.agent.driving();
         let mut polling = true;
+        let mut next_cancel_check = Instant::now();
         let mut core = self.inner.core.lock();
         loop {
             if let Some(v) = f(&mut core) {
@@ -1023,16 +1028,10 @@ impl Engine {
             if now >= deadline {
                 return None;
             }
-            // Within the poll window, run the progress pass here instead of sleeping: the event
-            // we wait for is then handled on this thread, with no wake-up in between. Our lock
-            // is released first (the sink takes it in the pass).
-            if polling {
-                // The lock was released for the step: look again either way before a sleep.
-                polling = MutexGuard::unlocked(&mut core, || driving.step());
-                continue;
-            }
-            if let Some(c) = cancel {
-                // The cancel check may take other locks: never call it under ours.
+            if let Some(c) = cancel.filter(|_| !polling || now >= next_cancel_check) {
+                // While polling, every CANCEL_POLL; asleep, at every wake (at most CANCEL_POLL
+                // apart). The check may take other locks: never call it under ours.
+                next_cancel_check = now + CANCEL_POLL;
                 if MutexGuard::unlocked(&mut core, c) {
                     return None;
                 }
@@ -1040,6 +1039,14 @@ impl Engine {
                 if let Some(v) = f(&mut core) {
                     return Some(v);
                 }
+            }
+            // Within the poll window, run the progress pass here instead of sleeping: the event
+            // we wait for is then handled on this thread, with no wake-up in between. Our lock
+            // is released first (the sink takes it in the pass).
+            if polling {
+                // The lock was released for the step: look again either way before a sleep.
+                polling = MutexGuard::unlocked(&mut core, || driving.step());
+                continue;
             }
             let until = match cancel {
                 Some(_) => deadline.min(now + CANCEL_POLL),

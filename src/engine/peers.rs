@@ -279,7 +279,6 @@ impl Peers {
     /// The transport reported `peer` failed. Returns the rank that lost its live endpoint.
     pub fn on_failed(&mut self, peer: PeerId, now: Instant) -> Option<RankId> {
         self.handshakes.remove(&peer);
-        self.refusal_ops.remove(&peer);
         self.pending.remove(&peer);
         if self.refused.len() > 1024 {
             // Only `connect` reads these, right after the refusal: keep the table small.

@@ -32,6 +32,9 @@ impl Agent {
         if wake_fd < 0 {
             return Err(Error::new(ErrorKind::Transport, "eventfd failed"));
         }
+        // SAFETY: a fresh descriptor that nothing else owns; `Shared` closes it when it goes.
+        let wake_fd =
+            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(wake_fd) };
         let uid = fresh_uid();
         let shared = Arc::new(Shared {
             cmds: Mutex::new(CmdQueue::default()),
@@ -51,6 +54,7 @@ impl Agent {
             sink_due_ns: AtomicU64::new(0),
             memory_types: AtomicU64::new(0),
             driver: Mutex::new(None),
+            cb_events: Mutex::new(Vec::new()),
             caller_passes: AtomicU64::new(0),
             last_progress_ns: AtomicU64::new(0),
             sleeping_until_ns: AtomicU64::new(0),
@@ -75,8 +79,6 @@ impl Agent {
                 shared.stopping.store(true, Ordering::Release);
                 let _ = shared.submit(Cmd::Shutdown);
                 let _ = thread.join();
-                // SAFETY: the progress thread has exited; nobody else uses the fd.
-                unsafe { libc::close(wake_fd) };
                 Err(e)
             }
         }
@@ -86,7 +88,7 @@ impl Agent {
         &self.name
     }
 
-    /// Runs `sink` on the progress thread with every event from now on, instead of queueing
+    /// Runs `sink` in every progress pass with the events from now on, instead of queueing
     /// them for [`Agent::next_event`]. Once per agent; false if one was set already.
     pub fn set_sink(&self, sink: Arc<dyn EventSink>) -> bool {
         let ok = self.shared.sink.set(sink).is_ok();
@@ -98,8 +100,10 @@ impl Agent {
     /// sleep past it (an owner's timer moved earlier).
     pub fn wake_by(&self, at: Instant) {
         let at_ns = at.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
-        if at_ns < self.shared.sink_due_ns.load(Ordering::Acquire) {
-            self.shared.sink_due_ns.store(at_ns, Ordering::Release);
+        let was = self.shared.sink_due_ns.fetch_min(at_ns, Ordering::AcqRel);
+        // `u64::MAX`: a pass is delivering to the sink right now; it keeps the earlier time when
+        // it ends and sleeps (or wakes the progress thread) by it, so no wake-up is needed.
+        if at_ns < was && was != u64::MAX {
             self.shared.wake();
         }
     }
@@ -116,7 +120,7 @@ impl Agent {
 
     /// For a waiting caller: its turn at driving progress on its own thread instead of sleeping
     /// and being woken. [`Driving::step`] runs one pass (commands, UCX progress, callbacks, the
-    /// sink) while the wait is within the poll window (`KVLINK_POLL_US`, 50 µs by default; 0
+    /// sink) while the wait is within the poll window (`KVLINK_POLL_US`, 100 µs by default; 0
     /// turns it off) of the later of its start and the agent's last progress, and no other
     /// thread drives; so an idle wait polls for one window, then sleeps. Never step holding a
     /// lock the sink takes (the sink runs in the pass).
@@ -543,8 +547,6 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         self.shutdown();
-        // SAFETY: the progress thread has exited; the fd is ours and closed once.
-        unsafe { libc::close(self.shared.wake_fd) };
     }
 }
 

@@ -1,5 +1,6 @@
 //! The functions UCX calls (`extern "C"`). They run inside `ucp_worker_progress`, on the thread
-//! that holds the agent's driver lock (the progress thread, or a caller driving progress): completions end their op's slot at once ([`finish_slot`]); everything else is only
+//! that holds the agent's driver lock (the progress thread, or a caller driving progress):
+//! completions end their op's slot at once ([`finish_slot`]); everything else is only
 //! pushed as a [`CbEvent`] for the progress loop to handle after the call, so no state is borrowed
 //! re-entrantly.
 use super::op::OpSlot;
@@ -20,18 +21,28 @@ pub(super) enum CbEvent {
     Control(sys::ucp_ep_h, u64, Vec<u8>),
 }
 
-thread_local! {
-    static CB_EVENTS: RefCell<Vec<CbEvent>> = const { RefCell::new(Vec::new()) };
-}
+// SAFETY: the UCX handles in a `CbEvent` are only used under the agent's driver lock (the
+// queue is the agent's own, `Shared::cb_events`), one thread at a time, as the worker's
+// SERIALIZED mode allows.
+unsafe impl Send for CbEvent {}
 
+/// Queues a report on the agent whose worker is being progressed (the calling thread's, see
+/// [`set_shared`]): the queue is the agent's, not the thread's, so a report never waits on a
+/// thread that stopped driving, and never reaches another agent the same thread drives later.
 fn push_cb(ev: CbEvent) {
-    CB_EVENTS.with(|q| q.borrow_mut().push(ev));
+    let mut pushed = false;
+    with_shared(|sh| {
+        sh.cb_events.lock().push(ev);
+        pushed = true;
+    });
+    if !pushed {
+        tracing::error!("UCX callback on a thread that drives no agent: report dropped");
+    }
 }
 
-/// Takes what the callbacks reported on this thread since the last call (under the driver lock,
-/// in the same pass as the progress call).
-pub(super) fn take_events() -> Vec<CbEvent> {
-    CB_EVENTS.with(|q| std::mem::take(&mut *q.borrow_mut()))
+/// Takes what the callbacks reported since the last call (under the driver lock).
+pub(super) fn take_events(shared: &Shared) -> Vec<CbEvent> {
+    std::mem::take(&mut *shared.cb_events.lock())
 }
 
 /// Ends an op once: counts it, takes it out of the ops in flight, wakes its waiter and, when it

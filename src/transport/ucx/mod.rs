@@ -1,12 +1,22 @@
 //! The UCX agent: the only module with `unsafe` and the only one that calls UCX.
 //!
 //! # Threading
-//! One progress thread owns the UCX worker (`UCS_THREAD_MODE_SINGLE`): every UCX call on the
-//! worker, its endpoints and its requests happens on that thread. Other threads talk to it through
-//! a command queue and an `eventfd`. When there is nothing to do the progress thread sleeps in
-//! `epoll_wait` on the worker's event fd (`ucp_worker_arm`) and the eventfd, with a bounded
-//! timeout so UCX keepalive still runs. Nothing spins: after many wake-ups in a row that make no
-//! progress, the loop backs off (the tcp spin trap described in TOOLCHAIN.md).
+//! The UCX worker (`UCS_THREAD_MODE_SERIALIZED`) and everything made from it live in one
+//! `Progress`, behind the driver lock (`Shared::driver`): every UCX call happens under it, one
+//! thread at a time. Other threads hand work over through a command queue and an `eventfd`.
+//! - The progress thread runs one pass at a time under the lock (commands, a burst of
+//!   `ucp_worker_progress`, what the callbacks reported, the owner's sink). When there is nothing
+//!   to do it arms the worker (`ucp_worker_arm`), lets go of the lock and sleeps in `epoll_wait`
+//!   on the worker's event fd and the eventfd, with a bounded timeout so UCX keepalive still runs.
+//! - A caller that waits (an [`Op::wait`], the engine's blocking calls) may take the lock with
+//!   `try_lock` and run passes itself ([`Agent::driving`]) for a short window after the last
+//!   progress (`KVLINK_POLL_US`, 100 µs): the completion it waits for is then handled on its own
+//!   thread, with no wake-up between threads (one costs about 25 µs on this machine). When it
+//!   stops, it wakes a sleeping progress thread, which arms the worker over what the caller left.
+//!
+//! Nothing spins without bound: polling only follows progress, for one window; after many
+//! wake-ups in a row that make no progress, the loop backs off (the tcp spin trap described in
+//! TOOLCHAIN.md).
 //!
 //! # Completion bound to the request
 //! Data moves with tag-matched two-sided operations. A receive is posted into the caller's buffer
@@ -30,13 +40,13 @@
 //! One room per concern; the direction of use is from the owner's threads down to UCX:
 //! - `agent`: the public face ([`Agent`], [`MemHandle`], [`RemoteKey`]): checks, then a command.
 //! - `op`: one in-flight request ([`Op`]) and its completion slot; waits, stops and outcomes.
-//! - `shared`: what the owner's threads and the progress thread share: the command queue, one-shot
-//!   replies, events, counters.
-//! - `progress`: the progress thread: start, the loop, the commands, teardown.
-//! - `peers`: endpoints on the progress thread: connect, bind, fail, drain.
-//! - `tag`: two-sided transfers on the progress thread (tag sends and receives, control
+//! - `shared`: what the owner's threads and the progress thread share: the driver lock, the command
+//!   queue, one-shot replies, events, counters, and a caller's turn at driving ([`Driving`]).
+//! - `progress`: the pass, the progress thread's loop, the commands, start and teardown.
+//! - `peers`: endpoints, under the driver lock: connect, bind, fail, drain.
+//! - `tag`: two-sided transfers, under the driver lock (tag sends and receives, control
 //!   messages) and how any op's request is handed to UCX and cancelled.
-//! - `rma`: one-sided transfers on the progress thread (put, get) and memory mapping.
+//! - `rma`: one-sided transfers, under the driver lock (put, get) and memory mapping.
 //! - `callbacks`: the `extern "C"` functions UCX calls, and how they report back.
 //! - `handles`, `sys`: owning UCX handles, raw bindings.
 mod agent;

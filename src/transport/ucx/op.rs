@@ -92,20 +92,18 @@ impl Op {
         let shared = self.shared.clone();
         let mut driving = Driving::new(&shared);
         let mut polling = true;
+        let mut next_cancel_check = Instant::now();
         let mut st = self.slot.state.lock();
         let stop = loop {
             if let Some((status, len)) = *st {
                 drop(st);
                 return self.finish(status, len);
             }
-            if polling && Instant::now() < deadline {
-                // Run a pass here while the window lasts; the lock was released for it, so look
-                // again either way before a sleep.
-                polling = MutexGuard::unlocked(&mut st, || driving.step());
-                continue;
-            }
-            if let Some(c) = cancel {
-                // The check may take other locks (the engine's): never call it under ours.
+            let now = Instant::now();
+            if let Some(c) = cancel.filter(|_| !polling || now >= next_cancel_check) {
+                // While polling, every CANCEL_POLL; asleep, at every wake (at most CANCEL_POLL
+                // apart). The check may take other locks (the engine's): never under ours.
+                next_cancel_check = now + CANCEL_POLL;
                 if MutexGuard::unlocked(&mut st, c) {
                     break STOP_CANCEL;
                 }
@@ -113,9 +111,14 @@ impl Op {
                     continue;
                 }
             }
-            let now = Instant::now();
             if now >= deadline {
                 break STOP_TIMEOUT;
+            }
+            if polling {
+                // Run a pass here while the window lasts; the lock was released for it, so look
+                // again either way before a sleep.
+                polling = MutexGuard::unlocked(&mut st, || driving.step());
+                continue;
             }
             let mut until = deadline;
             if cancel.is_some() {

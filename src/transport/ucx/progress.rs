@@ -11,6 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::os::raw::c_int;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -161,6 +162,7 @@ fn run(shared: &Shared) {
     let mut empty_streak = 0u32;
     let window = shared.poll_window;
     let mut last_progress = Instant::now();
+    let mut seen_caller_passes = 0;
     loop {
         let mut guard = shared.driver.lock();
         let Some(p) = guard.as_mut() else { return };
@@ -173,11 +175,13 @@ fn run(shared: &Shared) {
             empty_streak = 0;
             last_progress = Instant::now();
         }
-        if pass.sink_ran {
+        if pass.sink_ran || !shared.cb_events.lock().is_empty() {
             // What the sink did (control messages, cancels) runs before any sleep.
             continue;
         }
-        if !window.is_zero() && last_progress.elapsed() < window {
+        let callers = shared.caller_passes.load(Ordering::Acquire);
+        let caller_drives = std::mem::replace(&mut seen_caller_passes, callers) != callers;
+        if !window.is_zero() && last_progress.elapsed() < window && !caller_drives {
             // Bounded: only within `window` of our last progress (a caller that drives polls
             // on its own; we do not compete with it).
             drop(guard);
@@ -194,10 +198,12 @@ fn run(shared: &Shared) {
         let sleep_ms = p.sleep_ms();
         let epfd = p.epoll_fd();
         let caller_passes = shared.caller_passes.load(Ordering::Acquire);
-        shared.sleeping_until_ns.store(
-            shared.now_ns().saturating_add(sleep_ms as u64 * 1_000_000),
-            Ordering::Release,
-        );
+        // What we sleep against: a caller's pass that moves the sink's timer before it wakes us.
+        let cap = shared.now_ns().saturating_add(sleep_ms as u64 * 1_000_000);
+        let due = shared.sink_due_ns.load(Ordering::Acquire);
+        shared
+            .sleeping_until_ns
+            .store(due.min(cap).max(1), Ordering::Release);
         drop(guard);
         let mut evs: [libc::epoll_event; 4] = unsafe { std::mem::zeroed() };
         // SAFETY: epfd is the driver's (it lives as long as `Shared::driver` holds it, and only
@@ -213,7 +219,13 @@ fn run(shared: &Shared) {
             if ev.u64 == 2 {
                 let mut buf = 0u64;
                 // SAFETY: reading 8 bytes from our eventfd into a u64.
-                unsafe { libc::read(shared.wake_fd, &mut buf as *mut u64 as *mut c_void, 8) };
+                unsafe {
+                    libc::read(
+                        shared.wake_fd.as_raw_fd(),
+                        &mut buf as *mut u64 as *mut c_void,
+                        8,
+                    )
+                };
             } else {
                 ucx_woke = true;
             }
@@ -384,7 +396,7 @@ impl Progress {
         }
         // SAFETY: a fresh fd that nothing else owns.
         self.epfd = Some(std::os::fd::FromRawFd::from_raw_fd(epfd));
-        for (fd, token) in [(efd, 1u64), (self.shared.wake_fd, 2u64)] {
+        for (fd, token) in [(efd, 1u64), (self.shared.wake_fd.as_raw_fd(), 2u64)] {
             let mut ev = libc::epoll_event {
                 events: libc::EPOLLIN as u32,
                 u64: token,
@@ -486,6 +498,7 @@ impl Progress {
             sink_ran: false,
         };
         if self.shutdown {
+            self.settle_callbacks();
             return pass;
         }
         for _ in 0..PROGRESS_BURST {
@@ -510,8 +523,26 @@ impl Progress {
         if !self.drains.is_empty() {
             self.expire_drains();
         }
+        if self.settle_callbacks() {
+            pass.progressed = true;
+        }
         pass.sink_ran = self.run_sink();
         pass
+    }
+
+    /// Handles the reports still queued at the end of a pass: commands and the handling of
+    /// earlier reports call into UCX outside the burst (closing a failed peer's endpoint
+    /// progresses the worker), and what that reports must not wait for a later pass that may
+    /// not come soon. Returns whether there were any.
+    fn settle_callbacks(&mut self) -> bool {
+        let mut any = false;
+        for _ in 0..16 {
+            if self.handle_callbacks() == 0 {
+                break;
+            }
+            any = true;
+        }
+        any
     }
 
     /// Hands the queued events to the owner's sink, if there is one and there are events or its
@@ -529,9 +560,17 @@ impl Progress {
         // While the sink runs, any `wake_by` (from another thread) lands below MAX and wakes
         // us; afterwards the earlier of the two stands.
         self.shared.sink_due_ns.store(u64::MAX, Ordering::Release);
-        let next = sink
-            .deliver(&mut evs, now)
-            .map_or(now + SINK_IDLE, |t| t.min(now + SINK_IDLE));
+        // A panic in the owner's logic must not unwind into whichever thread runs the pass (a
+        // caller's wait, or the progress thread) and leave the timer at "delivering".
+        let delivered =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink.deliver(&mut evs, now)));
+        let next = match delivered {
+            Ok(t) => t.map_or(now + SINK_IDLE, |t| t.min(now + SINK_IDLE)),
+            Err(_) => {
+                tracing::error!("the agent's event sink panicked; its events were dropped");
+                now + SINK_IDLE
+            }
+        };
         let next_ns = next.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
         self.shared.sink_due_ns.fetch_min(next_ns, Ordering::AcqRel);
         true
@@ -604,7 +643,7 @@ impl Progress {
 
     /// Handles what the UCX callbacks reported during the last progress call.
     pub(super) fn handle_callbacks(&mut self) -> usize {
-        let evs = callbacks::take_events();
+        let evs = callbacks::take_events(&self.shared);
         let n = evs.len();
         for ev in evs {
             match ev {
@@ -668,7 +707,7 @@ impl Progress {
     }
 
     fn handle_callbacks_discard(&mut self) {
-        let evs = callbacks::take_events();
+        let evs = callbacks::take_events(&self.shared);
         for ev in evs {
             if let CbEvent::ConnRequest(req) = ev {
                 // SAFETY: an unanswered connection request of our listener.

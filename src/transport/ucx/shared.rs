@@ -1,16 +1,15 @@
 //! What the owner's threads and the progress thread share: the command queue (with the eventfd
 //! that wakes the progress thread), one-shot replies, the event queue, peer failure flags, the
 //! ops in flight and the progress counters.
-use super::callbacks::{self, finish_slot};
-use super::progress::Progress;
+use super::callbacks::{self, finish_slot, CbEvent};
 use super::op::{OpSlot, STOP_NONE, STOP_SHUTDOWN};
+use super::progress::Progress;
 use super::{sys, Event, PeerId};
 use crate::error::{Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::net::SocketAddr;
-use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -112,20 +111,23 @@ pub(super) struct AtomicStats {
     pub(super) stray_discarded: AtomicU64,
 }
 
-/// Where the progress thread hands its events when an owner runs its logic there (the engine
-/// does: its protocol core runs where the events arrive, with no thread of its own between).
+/// Where a progress pass hands its events when an owner runs its logic there (the engine does:
+/// its protocol core runs where the events arrive, with no thread of its own between).
 pub trait EventSink: Send + Sync {
-    /// Called on the progress thread, never inside a UCX callback, with the events since the
-    /// last call (possibly none: a timer came due) and the time. Returns when it next wants to
-    /// be called if nothing happens. It must not wait for the progress thread (no
-    /// `Agent::connect`, no `Op::wait`): commands it submits run after it returns.
+    /// Called in a progress pass, under the driver lock (on the progress thread, or on a caller
+    /// that drives progress while it waits), never inside a UCX callback, with the events since
+    /// the last call (possibly none: a timer came due) and the time. Returns when it next wants
+    /// to be called if nothing happens. It must not wait for progress (no `Agent::connect`, no
+    /// `Op::wait`, no dropping an unfinished `Op`): commands it submits run after it returns.
     fn deliver(&self, events: &mut VecDeque<Event>, now: Instant) -> Option<Instant>;
 }
 
 /// State shared between the owner's threads and the progress thread.
 pub(super) struct Shared {
     pub(super) cmds: Mutex<CmdQueue>,
-    pub(super) wake_fd: c_int,
+    /// The eventfd that wakes the progress thread; closed when the last holder of `Shared` (an
+    /// agent, an op, a handle) lets go, so a late wake never writes into a reused descriptor.
+    pub(super) wake_fd: std::os::fd::OwnedFd,
     pub(super) stopping: AtomicBool,
     pub(super) events: Mutex<VecDeque<Event>>,
     pub(super) events_cv: Condvar,
@@ -150,6 +152,8 @@ pub(super) struct Shared {
     /// completion it waits for is handled on its own thread, without a wake-up in between.
     /// `None` before start and from teardown on.
     pub(super) driver: Mutex<Option<Box<Progress>>>,
+    /// What the UCX callbacks reported, for the pass to handle after its progress call.
+    pub(super) cb_events: Mutex<Vec<CbEvent>>,
     /// Passes run by callers (the progress thread's empty-wake count leaves those out).
     pub(super) caller_passes: AtomicU64,
     /// When a pass last made progress (ns since `epoch`).
@@ -206,9 +210,15 @@ impl Shared {
     /// Wakes the progress thread (the eventfd it sleeps on).
     pub(super) fn wake(&self) {
         let one: u64 = 1;
-        // SAFETY: wake_fd is an eventfd owned by the agent for its whole life; writing 8 bytes
+        // SAFETY: wake_fd is an eventfd that lives as long as `self`; writing 8 bytes
         // from a valid u64 is the eventfd protocol.
-        unsafe { libc::write(self.wake_fd, &one as *const u64 as *const c_void, 8) };
+        unsafe {
+            libc::write(
+                std::os::fd::AsRawFd::as_raw_fd(&self.wake_fd),
+                &one as *const u64 as *const c_void,
+                8,
+            )
+        };
     }
 
     pub(super) fn push_event(&self, ev: Event) {
@@ -225,7 +235,8 @@ impl Shared {
     }
 
     pub(super) fn note_progress(&self) {
-        self.last_progress_ns.store(self.now_ns(), Ordering::Release);
+        self.last_progress_ns
+            .store(self.now_ns(), Ordering::Release);
     }
 
     /// Time since a pass last made progress.
@@ -238,8 +249,7 @@ impl Shared {
     /// within the poll window of the later of `since` and the last progress. An idle wait
     /// polls for one window, then sleeps.
     pub(super) fn may_poll(&self, since: Instant) -> bool {
-        !self.poll_window.is_zero()
-            && since.elapsed().min(self.since_progress()) < self.poll_window
+        !self.poll_window.is_zero() && since.elapsed().min(self.since_progress()) < self.poll_window
     }
 
     /// Runs one progress pass on the calling thread, if no other thread holds the driver lock
