@@ -79,7 +79,7 @@ pub(crate) struct Core {
     pub finished: HashMap<(RequestKey, Option<RankId>), Instant>,
     pub on_reap: HashMap<u64, OnReap>,
     pub notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
-    pub control_ops: Vec<Op>,
+    pub control_ops: VecDeque<Op>,
     pub waiters: Waiters,
     pub counters: Counters,
     /// When each running request started here (for `kvlink_request_duration_seconds`):
@@ -141,7 +141,7 @@ impl Core {
             finished: HashMap::new(),
             on_reap: HashMap::new(),
             notes: HashMap::new(),
-            control_ops: Vec::new(),
+            control_ops: VecDeque::new(),
             waiters: Waiters::default(),
             counters: Counters::default(),
             starts: HashMap::new(),
@@ -195,10 +195,10 @@ impl Inner {
             // A replaced one goes to the polled list: dropping an unfinished op waits for UCX,
             // which cannot progress while this pass runs.
             if let Some(old) = core.peers.refusal_ops.insert(peer, op) {
-                core.control_ops.push(old);
+                core.control_ops.push_back(old);
             }
         } else {
-            core.control_ops.push(op);
+            core.control_ops.push_back(op);
         }
         Ok(())
     }
@@ -359,7 +359,7 @@ impl Inner {
                 // Its refusal (if one was going out) is failed with it: polled, never dropped
                 // unfinished here (that would wait for progress this pass holds up).
                 if let Some(op) = core.peers.refusal_ops.remove(&peer) {
-                    core.control_ops.push(op);
+                    core.control_ops.push_back(op);
                 }
                 if let Some(rank) = core.peers.on_failed(peer, now) {
                     tracing::warn!("{rank}: connection failed");
@@ -508,7 +508,7 @@ impl Inner {
                     .map_err(crate::Error::from)
                     .and_then(|b| self.agent.send_control(peer, b))
                 {
-                    Ok(op) => core.control_ops.push(op),
+                    Ok(op) => core.control_ops.push_back(op),
                     Err(e) => tracing::debug!("control to {}: {e}", t.to),
                 }
             }
@@ -524,8 +524,14 @@ impl Inner {
                 break;
             }
         }
-        if core.control_ops.len() > 64 {
-            core.control_ops.retain_mut(|op| op.poll().is_none());
+        // Control messages on one endpoint complete in order: reclaim the finished ones from the
+        // front, O(1) a flush however many are in flight (the once-a-second prune sweeps the rest).
+        while core
+            .control_ops
+            .front_mut()
+            .is_some_and(|op| op.poll().is_some())
+        {
+            core.control_ops.pop_front();
         }
         // A caller may have moved the core's next timer earlier (a give-up pulls the agreement
         // bound in): the progress thread must not sleep past it.
