@@ -14,8 +14,8 @@
 //   (`send_segments` posts several segments at once and waits for them once.)
 //
 // Ownership
-//   - `Engine` owns the Rust engine (UCX agent, protocol core, one driver thread) through a
-//     `rust::Box`; it is move-only and its destructor stops the driver and releases every UCX
+//   - `Engine` owns the Rust engine (UCX agent, protocol core, one progress thread) through a
+//     `rust::Box`; it is move-only and its destructor stops that thread and releases every UCX
 //     resource. Destroy it only when no other thread is inside one of its member functions.
 //   - Receive buffers passed to `advertise` are borrowed by kvlink from that call until
 //     `wait_receiver` for the same key has returned (whatever the outcome): do not touch, free or
@@ -25,6 +25,10 @@
 // Threading
 //   - Every member function may be called from any thread, concurrently (the engine serialises
 //     internally and no lock is held while a call waits). Typical use is one thread per request.
+//   - A blocked call first drives the engine's progress itself for a short window after the last
+//     progress (100 us, `KVLINK_POLL_US`; 0 turns it off), so the completion it waits for is
+//     handled on the calling thread with no wake-up between threads; then it sleeps until woken
+//     for its own key. One thread drives at a time; an idle engine never polls.
 //
 // Blocking and deadlines (the deadline rule)
 //   - Functions that take a `Deadline` block until it (or the cancel flag, or the awaited event),
@@ -329,7 +333,7 @@ template <typename T>
 /// One rank's engine. See the top of this file for the contract.
 class Engine {
  public:
-  /// Creates the UCX agent (listening if configured) and starts the driver thread. Does not
+  /// Creates the UCX agent (listening if configured) and starts its progress thread. Does not
   /// block on any peer. Throws `Error` (InvalidArgument for a bad config, Transport for UCX).
   explicit Engine(const EngineConfig& config) : handle_(make(config)) {}
 
