@@ -30,12 +30,13 @@ namespace kv = tensorrt_llm::executor::kv_cache;
 namespace bm = tensorrt_llm::batch_manager;
 using Clock = std::chrono::steady_clock;
 
-/// The wrapper, loaded the way cacheTransceiver.cpp loads its UCX wrapper.
+/// The wrapper, loaded the way cacheTransceiver.cpp loads its UCX wrapper (`path`: another build
+/// of it, e.g. the test build with a health probe, helpers/wrapper_probe.cpp).
 struct Wrapper {
   void* handle = nullptr;
   KvlinkMakeConnectionManagerFn make = nullptr;
-  Wrapper() {
-    handle = dlopen(KVLINK_WRAPPER_PATH, RTLD_LAZY | RTLD_LOCAL);
+  explicit Wrapper(char const* path = KVLINK_WRAPPER_PATH) {
+    handle = dlopen(path, RTLD_LAZY | RTLD_LOCAL);
     if (handle == nullptr) throw std::runtime_error(std::string("dlopen: ") + dlerror());
     make = reinterpret_cast<KvlinkMakeConnectionManagerFn>(dlsym(handle, KVLINK_TRTLLM_FACTORY_SYMBOL));
     if (make == nullptr) throw std::runtime_error(std::string("dlsym: ") + dlerror());

@@ -1,0 +1,22 @@
+// The one function kvlink_trtllm_wrapper_probe.so adds to the wrapper (helpers/wrapper_probe.cpp):
+// what a test needs of the engine behind a ConnectionManager, which TensorRT-LLM's interface does
+// not expose. Looked up with dlsym, like the factory; test builds only.
+#pragma once
+
+#include <cstdint>
+
+/// Fields of kvlink::Health (include/kvlink/engine.hpp) a leak or a stuck op shows in.
+struct KvlinkProbeHealth {
+  std::uint64_t buffers_leased;
+  std::uint64_t buffers_fenced;
+  std::uint64_t ops_in_flight;
+  std::uint64_t unreaped_ops;
+  std::uint64_t completed;
+  std::uint64_t failed;
+  std::uint64_t peers_failed;
+};
+
+/// Fills `out` from the engine of `manager` (the factory's result, a ConnectionManager*).
+/// Returns 0, or -1 when `manager` is not a manager made by this library.
+using KvlinkProbeHealthFn = int (*)(void* manager, KvlinkProbeHealth* out);
+#define KVLINK_PROBE_HEALTH_SYMBOL "kvlinkProbeHealth"

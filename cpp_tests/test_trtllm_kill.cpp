@@ -1,0 +1,676 @@
+// A peer process SIGKILLed in the middle of a 1 GiB transfer through the TensorRT-LLM wrapper (it
+// replaces the killed-peer test that went away with the AgentConnection-shaped adapter). Every
+// rank is its own OS process (fork + exec of this binary, as test_trtllm_callsites.cpp does),
+// loads the wrapper by dlopen (this binary links nothing of kvlink) and makes upstream's
+// generic-path calls (GenSide and recvRequestInfo of trtllm_test_util.h): one context rank, one
+// generation rank, a KV-shaped request of 8 layers x K,V x 64 MiB, on tcp and on sm.
+//
+//   ContextKilledWhileGenerationReceives   the generation rank (the survivor) is blocked in
+//                                          recv(dataTag) when the context rank is SIGKILLed
+//   GenerationKilledWhileContextSends      the context rank (the survivor) is blocked in
+//                                          send(dataTag) when the generation rank is SIGKILLed
+//
+// Each case checks that:
+//   - the kill lands mid-transfer: the generation rank's watcher thread reports over its pipe that
+//     segment 1 has started landing (64 MiB + 1 MiB in), the test kills at once, and the survivor
+//     reports how much had landed (or been sent) when its call failed: more than 0, not all;
+//   - the survivor's blocked call throws (never returns success, never hangs) by the request's
+//     deadline + 100 ms + the time the transport needs to find a dead peer (README: about 10 ms
+//     on tcp; on sm UCX keepalive, 1 s). The deadline is kv_transfer_timeout_ms counted from the
+//     generation rank's request info; the test reads the clock just before sendRequestInfo, so
+//     the deadline it checks against is never later than the wrapper's. Printed: how long after
+//     the kill the call ended, and "late by" (its end minus the deadline; negative: before it);
+//   - the survivor then serves a new request with a freshly started process of the same rank
+//     (same kvlink rank id through TRTLLM_KVLINK_RANK_ID, new process, new address), every byte
+//     checked by the generation side;
+//   - the survivor's engine has no buffer leased or fenced and no op in flight or unreaped, and
+//     counts the failed request;
+//   - the survivor and the fresh peer exit cleanly.
+//
+// What the wrapper's interface cannot show, and the closest real layer used instead: leases.
+// TensorRT-LLM's ConnectionManager / Connection has no health or lease query, and the production
+// library exports only its factory. So the survivor loads kvlink_trtllm_wrapper_probe.so, the
+// wrapper's own source (included unchanged) plus one exported function that returns
+// Engine::health() of the manager's engine (helpers/wrapper_probe.cpp); the killed peer and the
+// fresh peer load the production library.
+//
+// Found broken and left open (ContextKilledWhileGenerationReceives on sm only): in some runs the
+// surviving generation rank can no longer connect to any new process. getConnections() to the
+// fresh context rank ends PeerLost ("no hello before the deadline") after kv_transfer_timeout_ms,
+// and so does every later attempt of that process. Measured here on UCX 1.13: 3 of 60 runs; 3 of
+// 90 with a new kvlink rank id for the fresh process (so not rank reuse); 14 of 90 when the fresh
+// process starts 3.5 s after the failure; 14 of 60 on the tree before 2e507cf (so not brought by
+// that change). On UCX 1.22: 7 of 60. UCX's debug log shows the survivor sending its wireup
+// request to the fresh process, which never processes it. Not seen on tcp (40 runs a case), nor
+// when the generation rank is the one killed (40 runs on sm). The test fails then, as it should.
+//
+// A context rank whose generation rank dies between two segments is waiting for an advertisement
+// that never comes; the wrapper ends that wait at the request's deadline (TimedOut; a known limit,
+// docs/TENSORRT_LLM.md). A kill with a segment on the wire ends it PeerLost as soon as the
+// transport finds the peer dead. Both are within the bound above.
+#include "helpers/wrapper_probe.h"
+#include "trtllm_test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <optional>
+
+using namespace kvtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr uint64_t kMiB = 1024 * 1024;
+constexpr int64_t kTimeoutMs = 4000;                 // kv_transfer_timeout_ms of every rank
+Layout const kBig{8, 64 * kMiB};                     // the request the kill interrupts: 1 GiB
+Layout const kSmall{4, kMiB};                        // the fresh peer's request: 8 MiB
+constexpr size_t kWatchSegment = 1;                  // the kill comes once this one is landing
+char const* const kCtxRankId = "41001";              // kvlink rank ids (TRTLLM_KVLINK_RANK_ID):
+char const* const kGenRankId = "41002";              // the fresh peer takes over the killed one's
+
+/// How long the transport takes to find a SIGKILLed peer (README): the socket on tcp (about
+/// 10 ms), UCX keepalive on shared memory (interval 1 s).
+int64_t detectMs(std::string const& transport) { return transport == "tcp" ? 10 : 1000; }
+
+char const* outcomeName(int o) {
+  switch (o) {
+    case 0: return "Completed";
+    case 1: return "TimedOut";
+    case 2: return "Cancelled";
+    case 3: return "PeerLost";
+    case 4: return "Rejected";
+    default: return "an error that is not a TransferError";
+  }
+}
+
+void say(std::string const& line) {
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+[[noreturn]] void die(std::string const& why) {
+  std::fprintf(stderr, "FAILED: %s\n", why.c_str());
+  std::fflush(stderr);
+  std::_Exit(3);
+}
+
+std::string oneLine(std::string s) {
+  for (char& c : s) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  return s;
+}
+
+// --- A rank process ---------------------------------------------------------------------------------
+
+/// One rank (rank 0 of an instance of one), its manager made by the production wrapper or by the
+/// probe build of it.
+struct Rank {
+  Wrapper w;
+  std::unique_ptr<kv::ConnectionManager> m;  // destroyed before the library is closed
+  KvlinkProbeHealthFn probe = nullptr;
+
+  Rank(std::string const& transport, bool withProbe)
+      : w(withProbe ? KVLINK_WRAPPER_PROBE_PATH : KVLINK_WRAPPER_PATH) {
+    KvlinkTrtllmOptions o = options(transport, 0, 1);
+    o.kv_transfer_timeout_ms = kTimeoutMs;
+    o.agreement_ms = 0;  // kvlink's default agreement bound (50 ms)
+    m = make(w, o);
+    if (withProbe) {
+      probe = reinterpret_cast<KvlinkProbeHealthFn>(dlsym(w.handle, KVLINK_PROBE_HEALTH_SYMBOL));
+      if (probe == nullptr) die("the probe library has no " KVLINK_PROBE_HEALTH_SYMBOL);
+    }
+  }
+
+  void sayAddress() const {
+    auto const& a = m->getCommState().getAgentState().at(0);
+    say("ADDR " + a.mAgentName + "\t" + a.mConnectionInfo);
+  }
+
+  /// Waits up to 3 s for nothing to be leased, fenced or in flight, then reports the engine's
+  /// health as it is.
+  void sayHealth() const {
+    if (probe == nullptr) die("HEALTH asked of a rank without the probe");
+    KvlinkProbeHealth h{};
+    auto const until = Clock::now() + 3s;
+    for (;;) {
+      if (probe(m.get(), &h) != 0) die("the probe did not recognise its manager");
+      bool const settled =
+          h.buffers_leased == 0 && h.buffers_fenced == 0 && h.ops_in_flight == 0 && h.unreaped_ops == 0;
+      if (settled || Clock::now() > until) break;
+      std::this_thread::sleep_for(10ms);
+    }
+    char line[256];
+    std::snprintf(line, sizeof line, "HEALTH %llu %llu %llu %llu %llu %llu %llu",
+                  static_cast<unsigned long long>(h.buffers_leased), static_cast<unsigned long long>(h.buffers_fenced),
+                  static_cast<unsigned long long>(h.ops_in_flight), static_cast<unsigned long long>(h.unreaped_ops),
+                  static_cast<unsigned long long>(h.completed), static_cast<unsigned long long>(h.failed),
+                  static_cast<unsigned long long>(h.peers_failed));
+    say(line);
+  }
+};
+
+/// The big request, as CacheReceiver::Impl::requestSync makes the calls, with a watcher thread
+/// that reports when segment kWatchSegment starts landing. Ends with one GEN_BIG line.
+void bigRequest(GenSide side, uint64_t id) {
+  Layout const l = kBig;
+  side.layout = l.str();
+  // Zero pages mapped lazily: a zero-filled 1 GiB vector costs a second of page faults here.
+  void* const cache = mmap(nullptr, l.bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (cache == MAP_FAILED) die("mmap of " + std::to_string(l.bytes()) + " bytes");
+  std::unique_ptr<void, std::function<void(void*)>> const unmap(cache, [&l](void* p) { munmap(p, l.bytes()); });
+  auto* base = static_cast<uint8_t*>(cache);
+  std::atomic<bool> stop{false};
+  std::thread watcher([&] {
+    // The last word of the watched segment's first MiB: written by the transport, read here.
+    auto* w = reinterpret_cast<uint64_t*>(base + kWatchSegment * l.block);
+    size_t const i = kMiB / 8 - 1;
+    uint64_t const want = word(id, kWatchSegment, i);
+    while (!stop.load(std::memory_order_acquire)) {
+      if (__atomic_load_n(&w[i], __ATOMIC_RELAXED) == want) {
+        say("GEN_LANDING " + std::to_string(id) + " " + std::to_string(kWatchSegment * l.block + kMiB));
+        return;
+      }
+      std::this_thread::sleep_for(100us);
+    }
+  });
+  std::atomic<bool> never{false};
+  say("GEN_START " + std::to_string(id) + " " + std::to_string(nowNs()));
+  size_t seg = 0;
+  int64_t end = 0;
+  int outcome = 0;
+  std::string what;
+  try {
+    side.sendRequestInfo(id);
+    if (!side.recvReady(id, never)) die("the context rank refused request " + std::to_string(id));
+    kv::DataContext const ctx{side.tags.data(id), never};
+    for (; seg < l.segments(); ++seg) side.conn->recv(ctx, base + seg * l.block, l.block);
+    end = nowNs();
+  } catch (kvlink::trtllm::TransferError const& e) {
+    end = nowNs();
+    outcome = e.outcome();
+    what = e.what();
+  } catch (std::exception const& e) {
+    end = nowNs();
+    outcome = -1;
+    what = e.what();
+  }
+  stop.store(true, std::memory_order_release);
+  watcher.join();
+  size_t bad = 0;  // whole segments whose bytes are wrong
+  for (size_t s = 0; s < seg; ++s) bad += check(id, s, base + s * l.block, l.block) != SIZE_MAX ? 1 : 0;
+  if (seg == l.segments()) {
+    say("GEN_BIG " + std::to_string(id) + " completed " + std::to_string(end) + " " + std::to_string(bad));
+    return;
+  }
+  // The interrupted segment: how much of it, from its start, holds the right bytes.
+  size_t const right = check(id, seg, base + seg * l.block, l.block);
+  size_t const partial = right == SIZE_MAX ? l.block : right * 8;
+  say("GEN_BIG " + std::to_string(id) + " failed " + std::to_string(end) + " " + std::to_string(outcome) + " " +
+      std::to_string(seg) + " " + std::to_string(partial) + " " + std::to_string(bad) + " " + oneLine(what));
+}
+
+/// A small request with every byte checked. Ends with one GEN_SMALL line.
+void smallRequest(GenSide side, uint64_t id) {
+  Layout const l = kSmall;
+  side.layout = l.str();
+  std::vector<uint64_t> cache(l.bytes() / 8, 0);
+  auto* base = reinterpret_cast<uint8_t*>(cache.data());
+  std::atomic<bool> never{false};
+  try {
+    side.sendRequestInfo(id);
+    if (!side.recvReady(id, never)) die("the context rank refused request " + std::to_string(id));
+    kv::DataContext const ctx{side.tags.data(id), never};
+    for (size_t seg = 0; seg < l.segments(); ++seg) side.conn->recv(ctx, base + seg * l.block, l.block);
+  } catch (std::exception const& e) {
+    say("GEN_SMALL " + std::to_string(id) + " error " + oneLine(e.what()));
+    return;
+  }
+  for (size_t seg = 0; seg < l.segments(); ++seg) {
+    size_t const at = check(id, seg, base + seg * l.block, l.block);
+    if (at != SIZE_MAX) {
+      say("GEN_SMALL " + std::to_string(id) + " bad segment " + std::to_string(seg) + " word " + std::to_string(at));
+      return;
+    }
+  }
+  say("GEN_SMALL " + std::to_string(id) + " ok");
+}
+
+/// Generation rank: connects to the context rank it is told of, runs the requests it is told to.
+int generationProcess(std::string const& transport, bool withProbe) {
+  Rank r(transport, withProbe);
+  std::optional<GenSide> side;
+  std::string line;
+  say("GEN_UP");
+  while (std::getline(std::cin, line)) {
+    if (line.rfind("CTX ", 0) == 0) {  // CTX <agent name>\t<connection info>
+      auto const tab = line.find('\t', 4);
+      if (tab == std::string::npos) die("bad CTX line");
+      std::vector<kv::AgentState> agents;
+      agents.emplace_back(line.substr(4, tab - 4), line.substr(tab + 1));
+      auto const connections = r.m->getConnections(kv::CommState(std::move(agents), 0));
+      if (connections.size() != 1 || connections[0] == nullptr) die("getConnections gave no connection");
+      side.emplace(connections[0], Tags{true});
+      side->self = r.m->getCommState();
+      say("GEN_CONNECTED");
+    } else if (line.rfind("BIG ", 0) == 0 || line.rfind("SMALL ", 0) == 0) {
+      if (!side) die("a request before CTX");
+      uint64_t const id = std::strtoull(line.c_str() + line.find(' ') + 1, nullptr, 10);
+      if (line[0] == 'B') {
+        bigRequest(*side, id);
+      } else {
+        smallRequest(*side, id);
+      }
+    } else if (line == "HEALTH") {
+      r.sayHealth();
+    } else if (line == "EXIT") {
+      break;
+    }
+  }
+  say("GEN_EXIT");
+  return 0;
+}
+
+/// Context rank: serves every request that comes, as CacheSender::Impl does (recvRequestInfo,
+/// the ready signal, then each block in order); stdin: HEALTH, EXIT.
+int contextProcess(std::string const& transport, bool withProbe) {
+  Rank r(transport, withProbe);
+  r.sayAddress();
+  std::atomic<bool> terminate{false};
+  std::thread input([&] {
+    std::string line;
+    while (std::getline(std::cin, line)) {
+      if (line == "HEALTH") r.sayHealth();
+      if (line == "EXIT") break;
+    }
+    terminate = true;  // the executor shutting down
+  });
+  Tags const tags{true};
+  std::atomic<bool> never{false};
+  for (;;) {
+    Taken t = recvRequestInfo(*r.m, terminate);
+    if (t.conn == nullptr) break;
+    uint64_t const id = t.info.getRequestId();
+    Layout const l = Layout::parse(t.info.getTransState().getCacheState()->opaque());
+    std::vector<uint64_t> block(l.block / 8);
+    size_t seg = 0;
+    try {
+      bool const ready = true;
+      t.conn->send(kv::DataContext{tags.ready(id)}, &ready, sizeof ready);
+      kv::DataContext const ctx{tags.data(id), never};
+      for (; seg < l.segments(); ++seg) {
+        fill(id, seg, block.data(), l.block);  // format the block, then send it
+        t.conn->send(ctx, block.data(), l.block);
+      }
+      say("CTX_REQ " + std::to_string(id) + " completed " + std::to_string(nowNs()));
+    } catch (kvlink::trtllm::TransferError const& e) {
+      int64_t const end = nowNs();
+      say("CTX_REQ " + std::to_string(id) + " failed " + std::to_string(end) + " " + std::to_string(e.outcome()) +
+          " " + std::to_string(seg) + " " + oneLine(e.what()));
+    } catch (std::exception const& e) {
+      int64_t const end = nowNs();
+      say("CTX_REQ " + std::to_string(id) + " failed " + std::to_string(end) + " -1 " + std::to_string(seg) + " " +
+          oneLine(e.what()));
+    }
+  }
+  input.join();
+  say("CTX_EXIT");
+  return 0;
+}
+
+// --- The test's side: rank processes on pipes ---------------------------------------------------------
+
+/// A rank process (this binary), its stdin and its stdout + stderr on pipes; every line it
+/// writes is kept. Killed and reaped on destruction.
+class Proc {
+ public:
+  Proc(std::string name, std::vector<std::string> args) : name_(std::move(name)) {
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
+    // Everything the child needs is built before fork: only dup2, execv and _exit after it.
+    args.insert(args.begin(), {"/proc/self/exe", "--kvlink-kill-rank"});
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_ = fork();
+    if (pid_ < 0) throw std::runtime_error("fork");
+    if (pid_ == 0) {
+      dup2(in[0], 0);
+      dup2(out[1], 1);
+      dup2(out[1], 2);
+      execv("/proc/self/exe", argv.data());
+      _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    to_ = in[1];
+    from_ = out[0];
+    reader_ = std::thread([this] { readLines(); });
+  }
+  ~Proc() {
+    if (pid_ > 0) kill();
+    if (to_ >= 0) close(to_);
+    reader_.join();
+    close(from_);
+  }
+  Proc(Proc const&) = delete;
+  Proc& operator=(Proc const&) = delete;
+
+  std::string const& name() const { return name_; }
+
+  void send(std::string const& line) {
+    std::string const l = line + "\n";
+    if (write(to_, l.data(), l.size()) != static_cast<ssize_t>(l.size())) {
+      ADD_FAILURE() << name_ << ": could not write '" << line << "'";
+    }
+  }
+
+  /// The first line not taken yet that starts with `prefix`, waiting up to `limit` for it; ""
+  /// when none came (or the process ended without writing it).
+  std::string expect(std::string const& prefix, Clock::duration limit) {
+    std::unique_lock<std::mutex> g(mu_);
+    auto const until = Clock::now() + limit;
+    for (;;) {
+      for (auto& [text, taken] : lines_) {
+        if (!taken && text.rfind(prefix, 0) == 0) {
+          taken = true;
+          return text;
+        }
+      }
+      if (eof_ || Clock::now() >= until) return "";
+      cv_.wait_until(g, until);
+    }
+  }
+
+  /// SIGKILL, then reap at once (UCX's shared-memory keepalive looks for the peer's pid, which a
+  /// zombie still holds). Returns when the signal was sent (nowNs).
+  int64_t kill() {
+    if (pid_ <= 0) throw std::logic_error(name_ + " was already reaped");
+    int64_t const at = nowNs();
+    ::kill(pid_, SIGKILL);
+    int st = 0;
+    waitpid(pid_, &st, 0);
+    pid_ = -1;
+    return at;
+  }
+
+  /// The exit status once it has exited; killed at `limit` (-1).
+  int finish(Clock::duration limit) {
+    if (pid_ <= 0) throw std::logic_error(name_ + " was already reaped");
+    auto const until = Clock::now() + limit;
+    for (;;) {
+      int st = 0;
+      pid_t const r = waitpid(pid_, &st, WNOHANG);
+      if (r == pid_) {
+        pid_ = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      }
+      if (Clock::now() > until) {
+        kill();
+        return -1;
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+
+  /// Every line, with when it came (ms since the process started).
+  std::string transcript() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::string out;
+    char at[32];
+    for (size_t i = 0; i < lines_.size(); ++i) {
+      std::snprintf(at, sizeof at, "  %+9.1f ms  ", (arrived_[i] - started_) / 1e6);
+      out += at + lines_[i].first + "\n";
+    }
+    return out;
+  }
+
+ private:
+  void readLines() {
+    std::string buf;
+    char tmp[4096];
+    for (;;) {
+      ssize_t const n = read(from_, tmp, sizeof tmp);
+      if (n < 0 && errno == EINTR) continue;
+      std::lock_guard<std::mutex> g(mu_);
+      if (n <= 0) {
+        if (!buf.empty()) {
+          lines_.emplace_back(buf, false);
+          arrived_.push_back(nowNs());
+        }
+        eof_ = true;
+        cv_.notify_all();
+        return;
+      }
+      buf.append(tmp, static_cast<size_t>(n));
+      for (size_t nl; (nl = buf.find('\n')) != std::string::npos; buf.erase(0, nl + 1)) {
+        lines_.emplace_back(buf.substr(0, nl), false);
+        arrived_.push_back(nowNs());
+      }
+      cv_.notify_all();
+    }
+  }
+
+  std::string name_;
+  pid_t pid_ = -1;
+  int to_ = -1, from_ = -1;
+  std::thread reader_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<std::string, bool>> lines_;  // text, taken
+  std::vector<int64_t> arrived_;                     // when each line came (nowNs)
+  int64_t const started_ = nowNs();
+  bool eof_ = false;
+};
+
+/// What a survivor reported about the request the kill interrupted.
+struct Ended {
+  bool failed = false;
+  int64_t end = 0;
+  int outcome = 0;
+  size_t segments = 0;  // whole segments done before the failure
+  size_t partial = 0;   // generation side: bytes of the interrupted segment that landed right
+  size_t bad = 0;       // generation side: whole segments with wrong bytes
+  std::string what;
+};
+
+Ended parseGen(std::string const& line) {  // GEN_BIG <id> failed|completed ...
+  Ended e;
+  std::istringstream is(line);
+  std::string tag, id, how;
+  is >> tag >> id >> how;
+  e.failed = how == "failed";
+  if (e.failed) {
+    is >> e.end >> e.outcome >> e.segments >> e.partial >> e.bad;
+  } else {
+    is >> e.end >> e.bad;
+  }
+  std::getline(is, e.what);
+  return e;
+}
+
+Ended parseCtx(std::string const& line) {  // CTX_REQ <id> failed|completed ...
+  Ended e;
+  std::istringstream is(line);
+  std::string tag, id, how;
+  is >> tag >> id >> how >> e.end;
+  e.failed = how == "failed";
+  if (e.failed) is >> e.outcome >> e.segments;
+  std::getline(is, e.what);
+  return e;
+}
+
+class KillMidTransfer : public testing::TestWithParam<std::string> {
+ protected:
+  void TearDown() override {
+    for (auto const& p : procs_) {
+      std::printf("--- %s (%s)\n%s", p->name().c_str(), GetParam().c_str(), p->transcript().c_str());
+    }
+  }
+
+  Proc& start(std::string const& name, char const* role, bool withProbe, char const* rankId) {
+    procs_.push_back(std::make_unique<Proc>(
+        name, std::vector<std::string>{role, GetParam(), withProbe ? "probe" : "production", rankId}));
+    return *procs_.back();
+  }
+
+  /// The generation rank gets the context rank's CommState (ContextPhaseParams) and connects.
+  void connect(Proc& gen, Proc& ctx) {
+    std::string& addr = addresses_[&ctx];
+    if (addr.empty()) addr = ctx.expect("ADDR ", 30s);
+    ASSERT_FALSE(addr.empty()) << ctx.name() << " did not start";
+    gen.send("CTX " + addr.substr(5));
+    ASSERT_EQ(gen.expect("GEN_CONNECTED", 30s), "GEN_CONNECTED") << gen.name() << " did not connect";
+  }
+
+  /// Starts the big request on `gen`, waits for segment kWatchSegment to start landing, and
+  /// SIGKILLs `victim`. Sets the deadline of the request and the time of the kill (nowNs).
+  static void startAndKill(Proc& gen, uint64_t id, Proc& victim, int64_t& deadline, int64_t& killedAt) {
+    gen.send("BIG " + std::to_string(id));
+    std::string const started = gen.expect("GEN_START " + std::to_string(id) + " ", 30s);
+    ASSERT_FALSE(started.empty()) << gen.name() << " did not start request " << id;
+    deadline = std::stoll(started.substr(started.rfind(' ') + 1)) + kTimeoutMs * 1000000;
+    std::string const landing = gen.expect("GEN_LANDING " + std::to_string(id) + " ", 30s);
+    ASSERT_FALSE(landing.empty()) << "segment " << kWatchSegment << " of request " << id << " never started landing";
+    killedAt = victim.kill();
+    std::printf("[ SIGKILL %s: %s reported %zu MiB landed ]\n", victim.name().c_str(), gen.name().c_str(),
+                static_cast<size_t>(std::stoull(landing.substr(landing.rfind(' ') + 1)) / kMiB));
+  }
+
+  /// The survivor's blocked call failed, within the deadline + 100 ms + the detection time.
+  void checkEnd(Ended const& e, char const* who, int64_t deadline, int64_t killedAt) {
+    ASSERT_TRUE(e.failed) << who << "'s call returned success with its peer killed mid-transfer";
+    EXPECT_NE(e.outcome, 0) << who;
+    double const afterKill = (e.end - killedAt) / 1e6;
+    double const lateBy = (e.end - deadline) / 1e6;
+    int64_t const bound = 100 + detectMs(GetParam());
+    std::printf("[ %s: %s's call ended %s %.1f ms after the SIGKILL; late by %+.1f ms against the request's deadline "
+                "(bound +%lld ms) ]\n",
+                GetParam().c_str(), who, outcomeName(e.outcome), afterKill, lateBy, static_cast<long long>(bound));
+    EXPECT_LE(lateBy, static_cast<double>(bound)) << who << " ended " << lateBy << " ms after the request's deadline";
+  }
+
+  void checkHealth(Proc& survivor) {
+    survivor.send("HEALTH");
+    std::string const h = survivor.expect("HEALTH ", 30s);
+    ASSERT_FALSE(h.empty()) << survivor.name() << " did not report its health";
+    unsigned long long leased = 9, fenced = 9, ops = 9, unreaped = 9, completed = 0, failed = 0, peersFailed = 0;
+    ASSERT_EQ(std::sscanf(h.c_str(), "HEALTH %llu %llu %llu %llu %llu %llu %llu", &leased, &fenced, &ops, &unreaped,
+                          &completed, &failed, &peersFailed),
+              7)
+        << h;
+    std::printf("[ %s health: buffers_leased=%llu buffers_fenced=%llu ops_in_flight=%llu unreaped_ops=%llu "
+                "completed=%llu failed=%llu peers_failed=%llu ]\n",
+                survivor.name().c_str(), leased, fenced, ops, unreaped, completed, failed, peersFailed);
+    EXPECT_EQ(leased, 0u) << "a buffer stayed leased";
+    EXPECT_EQ(fenced, 0u) << "a buffer stayed fenced";
+    EXPECT_EQ(ops, 0u) << "an op stayed in flight";
+    EXPECT_EQ(unreaped, 0u) << "an op was never reaped";
+    EXPECT_GE(failed, 1u) << "the engine did not count the interrupted request as failed";
+  }
+
+  std::vector<std::unique_ptr<Proc>> procs_;
+  std::map<Proc const*, std::string> addresses_;  // a context rank's ADDR line
+};
+
+TEST_P(KillMidTransfer, ContextKilledWhileGenerationReceives) {
+  Proc& gen = start("generation rank (survives)", "gen", true, kGenRankId);
+  Proc& ctx = start("context rank (killed)", "ctx", false, kCtxRankId);
+  ASSERT_NO_FATAL_FAILURE(connect(gen, ctx));
+  int64_t deadline = 0, killedAt = 0;
+  ASSERT_NO_FATAL_FAILURE(startAndKill(gen, 1001, ctx, deadline, killedAt));
+
+  std::string const line = gen.expect("GEN_BIG 1001 ", std::chrono::milliseconds(kTimeoutMs) + 10s);
+  ASSERT_FALSE(line.empty()) << "the generation rank's recv did not return (hang)";
+  Ended const e = parseGen(line);
+  ASSERT_NO_FATAL_FAILURE(checkEnd(e, "the generation rank", deadline, killedAt));
+  size_t const landed = e.segments * kBig.block + e.partial;
+  std::printf("[ %s: %zu whole segments + %.1f MiB of segment %zu had landed: %.1f of %zu MiB; %s ]\n",
+              GetParam().c_str(), e.segments, e.partial / double(kMiB), e.segments, landed / double(kMiB),
+              static_cast<size_t>(kBig.bytes() / kMiB), e.what.c_str());
+  EXPECT_GT(landed, 0u) << "nothing had landed: the kill came before the transfer";
+  EXPECT_LT(landed, kBig.bytes()) << "everything had landed: the kill came after the transfer";
+  EXPECT_EQ(e.bad, 0u) << "segments that landed whole hold wrong bytes";
+
+  // The same generation process, a new context process of the same rank: a request, every byte.
+  // Found by this test and left open: on sm, in a few runs in a hundred, the survivor never
+  // connects to the new process (its connect ends PeerLost, "no hello before the deadline", and
+  // so does every later connect of that survivor); see the top of this file.
+  Proc& fresh = start("context rank (fresh, same rank)", "ctx", false, kCtxRankId);
+  ASSERT_NO_FATAL_FAILURE(connect(gen, fresh));
+  gen.send("SMALL 1002");
+  EXPECT_EQ(gen.expect("GEN_SMALL 1002 ", 30s), "GEN_SMALL 1002 ok");
+  EXPECT_NO_FATAL_FAILURE(checkHealth(gen));
+
+  gen.send("EXIT");
+  fresh.send("EXIT");
+  EXPECT_EQ(gen.finish(30s), 0) << gen.name();
+  EXPECT_EQ(fresh.finish(30s), 0) << fresh.name();
+}
+
+TEST_P(KillMidTransfer, GenerationKilledWhileContextSends) {
+  Proc& ctx = start("context rank (survives)", "ctx", true, kCtxRankId);
+  Proc& gen = start("generation rank (killed)", "gen", false, kGenRankId);
+  ASSERT_NO_FATAL_FAILURE(connect(gen, ctx));
+  int64_t deadline = 0, killedAt = 0;
+  ASSERT_NO_FATAL_FAILURE(startAndKill(gen, 2001, gen, deadline, killedAt));
+
+  std::string const line = ctx.expect("CTX_REQ 2001 ", std::chrono::milliseconds(kTimeoutMs) + 10s);
+  ASSERT_FALSE(line.empty()) << "the context rank's send did not return (hang)";
+  Ended const e = parseCtx(line);
+  ASSERT_NO_FATAL_FAILURE(checkEnd(e, "the context rank", deadline, killedAt));
+  std::printf("[ %s: the context rank had sent %zu of %zu segments; %s ]\n", GetParam().c_str(), e.segments,
+              kBig.segments(), e.what.c_str());
+  EXPECT_GE(e.segments, kWatchSegment) << "segment " << kWatchSegment << " was landing: the ones before were sent";
+  EXPECT_LT(e.segments, kBig.segments()) << "every segment was sent: the kill came after the transfer";
+
+  // The same context process, a new generation process of the same rank: a request, every byte.
+  Proc& fresh = start("generation rank (fresh, same rank)", "gen", false, kGenRankId);
+  ASSERT_NO_FATAL_FAILURE(connect(fresh, ctx));
+  fresh.send("SMALL 2002");
+  EXPECT_EQ(fresh.expect("GEN_SMALL 2002 ", 30s), "GEN_SMALL 2002 ok");
+  std::string const served = ctx.expect("CTX_REQ 2002 ", 30s);
+  EXPECT_EQ(served.rfind("CTX_REQ 2002 completed ", 0), 0u) << served;
+  EXPECT_NO_FATAL_FAILURE(checkHealth(ctx));
+
+  fresh.send("EXIT");
+  ctx.send("EXIT");
+  EXPECT_EQ(fresh.finish(30s), 0) << fresh.name();
+  EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, KillMidTransfer, testing::Values("tcp", "sm"),
+                         [](testing::TestParamInfo<std::string> const& i) { return i.param; });
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc >= 6 && std::string(argv[1]) == "--kvlink-kill-rank") {
+    // <role> <transport> probe|production <kvlink rank id>
+    try {
+      setenv("TRTLLM_KVLINK_RANK_ID", argv[5], 1);
+      std::string const role = argv[2];
+      bool const withProbe = std::string(argv[4]) == "probe";
+      return role == "ctx" ? contextProcess(argv[3], withProbe) : generationProcess(argv[3], withProbe);
+    } catch (std::exception const& e) {
+      die(std::string("rank process: ") + e.what());
+    }
+  }
+  signal(SIGPIPE, SIG_IGN);  // a write to a rank process that died fails instead of killing the test
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
