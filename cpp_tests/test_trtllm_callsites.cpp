@@ -39,17 +39,6 @@ namespace {
 
 constexpr uint64_t kMiB = 1024 * 1024;
 
-void say(std::string const& line) {
-  std::printf("%s\n", line.c_str());
-  std::fflush(stdout);
-}
-
-[[noreturn]] void die(std::string const& why) {
-  std::fprintf(stderr, "FAILED: %s\n", why.c_str());
-  std::fflush(stderr);
-  std::_Exit(3);
-}
-
 std::unique_ptr<kv::ConnectionManager> makeRank(Wrapper& w, std::string const& transport, std::string const& dir,
                                                 std::string const& group, int rank, FileAllgather& g) {
   g = FileAllgather{dir, group, rank, 2};

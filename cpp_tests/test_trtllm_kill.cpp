@@ -97,17 +97,6 @@ char const* outcomeName(int o) {
   }
 }
 
-void say(std::string const& line) {
-  std::printf("%s\n", line.c_str());
-  std::fflush(stdout);
-}
-
-[[noreturn]] void die(std::string const& why) {
-  std::fprintf(stderr, "FAILED: %s\n", why.c_str());
-  std::fflush(stderr);
-  std::_Exit(3);
-}
-
 std::string oneLine(std::string s) {
   for (char& c : s) {
     if (c == '\n' || c == '\r') c = ' ';

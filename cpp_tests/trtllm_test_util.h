@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -47,6 +48,19 @@ struct Wrapper {
   Wrapper(Wrapper const&) = delete;
   Wrapper& operator=(Wrapper const&) = delete;
 };
+
+/// A line to the parent test process (a rank child's stdout is a pipe the parent reads).
+inline void say(std::string const& line) {
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+/// A rank child's fatal failure: the reason on stderr, exit status 3.
+[[noreturn]] inline void die(std::string const& why) {
+  std::fprintf(stderr, "FAILED: %s\n", why.c_str());
+  std::fflush(stderr);
+  std::_Exit(3);
+}
 
 inline KvlinkTrtllmOptions options(std::string const& transport, int rank = 0, int world = 1) {
   KvlinkTrtllmOptions o{};
