@@ -329,7 +329,7 @@ impl<'a> Driving<'a> {
     }
 
     /// Hands progress back to the progress thread (before this caller sleeps).
-    pub fn pause(&mut self) {
+    fn pause(&mut self) {
         if std::mem::take(&mut self.drove) {
             self.shared.done_driving();
         }
