@@ -527,6 +527,11 @@ impl Progress {
             pass.progressed = true;
         }
         pass.sink_ran = self.run_sink();
+        if pass.sink_ran {
+            // What the sink queued (control messages, cancels) leaves now: a caller whose wait
+            // the sink just ended returns without another pass, and nobody else may be awake.
+            self.drain_commands();
+        }
         pass
     }
 
