@@ -175,6 +175,8 @@ pub(crate) struct Inner {
     pub core: Mutex<Core>,
     pub stopping: AtomicBool,
     pub metrics: crate::metrics::Metrics,
+    /// UCX may use shared memory (posix, sysv) here: see `Engine::connect`'s hint.
+    pub shared_memory: bool,
 }
 
 impl Inner {

@@ -244,6 +244,7 @@ impl Engine {
         if cfg.pool_slots == 0 {
             return Err(Error::invalid("pool_slots must be positive"));
         }
+        let shared_memory = cfg.transport.may_use_mm();
         let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
         opts.listen = cfg.listen;
         opts.net_devices = cfg.net_devices;
@@ -280,6 +281,7 @@ impl Engine {
             core: Mutex::new(Core::new(Endpoint::new(me, config), cfg.pool_slots)),
             stopping: AtomicBool::new(false),
             metrics: crate::metrics::Metrics::new(),
+            shared_memory,
         });
         inner
             .agent
@@ -354,9 +356,17 @@ impl Engine {
                 ));
             }
             if !sleep(&mut core, WaitKey::Dial(peer), deadline) && Instant::now() >= deadline {
+                // A peer process that died while writing into our shared-memory receive queue
+                // can leave this process deaf on shared memory (UCX; docs/RELIABILITY.md).
+                let hint = if self.inner.shared_memory && core.peers.failures > 0 {
+                    "; a peer was lost earlier, and on shared memory a peer killed mid-write \
+                     can leave this process unable to receive (docs/RELIABILITY.md, known gaps)"
+                } else {
+                    ""
+                };
                 return Err(Error::new(
                     ErrorKind::PeerLost,
-                    format!("{address}: no hello before the deadline"),
+                    format!("{address}: no hello before the deadline{hint}"),
                 ));
             }
         }

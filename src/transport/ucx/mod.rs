@@ -109,7 +109,7 @@ impl TransportKind {
     }
 
     /// Whether UCX may pick a shared-memory transport (posix, sysv) with this setting.
-    fn may_use_mm(&self) -> bool {
+    pub fn may_use_mm(&self) -> bool {
         match self {
             TransportKind::Tcp => false,
             TransportKind::SharedMemory | TransportKind::Auto => true,
