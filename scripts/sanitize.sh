@@ -5,7 +5,7 @@
 # line and exits 0. Exits non-zero if any step fails (a sanitizer report fails its step).
 #
 #   1. cargo +nightly test --target <host> with RUSTFLAGS=-Zsanitizer=address over
-#      tests/{transport_local,engine,transport_two_process,demo}.rs (the helper binaries they
+#      tests/{transport_local,engine,transport_two_process,demo,trust,sm_kill_wedge}.rs (the helper binaries they
 #      spawn, kvlink-peer and kvlink-demo, are built the same way, so both processes are checked).
 #   2. CMake (Ninja, Debug) with -fsanitize=address; cargo is run through a generated wrapper so
 #      that the .a it links is the ASan build from step 1; then ctest over the GoogleTest
@@ -66,7 +66,7 @@ export UCX_MEM_EVENTS=no UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_MALLOC_HOOKS=no
 cargo_test=(cargo +nightly test --locked --target "$host" --target-dir "$tgt")
 
 suites=()
-for s in transport_local engine transport_two_process demo trust; do
+for s in transport_local engine transport_two_process demo trust sm_kill_wedge; do
     if [[ -f "tests/$s.rs" ]]; then
         suites+=(--test "$s")
     else

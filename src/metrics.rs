@@ -73,6 +73,7 @@ pub(crate) struct Metrics {
     leased: Gauge,
     fenced: Gauge,
     state: Gauge,
+    stuck: Gauge,
     /// Serialises the catch-up from `Health` and the encoding (two scrapes at once would
     /// otherwise both add the same increment).
     scrape: Mutex<()>,
@@ -121,6 +122,7 @@ impl Metrics {
             leased: Gauge::default(),
             fenced: Gauge::default(),
             state: Gauge::default(),
+            stuck: Gauge::default(),
             scrape: Mutex::new(()),
             registry: Registry::default(),
         };
@@ -160,6 +162,11 @@ impl Metrics {
             "health_state",
             "health().state: 0 healthy, 1 degraded, 2 wedged",
             m.state.clone(),
+        );
+        registry.register(
+            "receive_queue_stuck",
+            "1 while this process's shared-memory receive queue is stuck (a peer died or was stopped mid-write; see docs/RELIABILITY.md)",
+            m.stuck.clone(),
         );
         registry.register(
             "stale_frames",
@@ -230,6 +237,7 @@ impl Metrics {
         gauge(&self.leased, h.buffers_leased);
         gauge(&self.fenced, h.buffers_fenced);
         gauge(&self.state, h.state as u64);
+        gauge(&self.stuck, u64::from(h.receive_stuck));
         // Monotonic: only the increase since the last scrape is added.
         let catch_up = |c: &Counter, v: u64| {
             c.inc_by(v.saturating_sub(c.get()));
@@ -338,6 +346,7 @@ mod tests {
         assert_eq!(v("kvlink_buffers_leased"), 9.0);
         assert_eq!(v("kvlink_buffers_fenced"), 1.0);
         assert_eq!(v("kvlink_health_state"), 1.0);
+        assert_eq!(v("kvlink_receive_queue_stuck"), 0.0);
         assert_eq!(v("kvlink_stale_frames_total"), 2.0);
         assert_eq!(v("kvlink_bad_frames_total"), 3.0);
         assert_eq!(v("kvlink_peer_failures_total"), 1.0);
@@ -359,9 +368,11 @@ mod tests {
         // Counters never go back, whatever the snapshot says; gauges follow it.
         h.bytes_completed = 10;
         h.buffers_leased = 0;
+        h.receive_stuck = true;
         let t = m.text(&h).unwrap();
         assert_eq!(value(&t, "kvlink_transfer_bytes_total"), Some(1000.0));
         assert_eq!(value(&t, "kvlink_buffers_leased"), Some(0.0));
+        assert_eq!(value(&t, "kvlink_receive_queue_stuck"), Some(1.0));
         h.bytes_completed = 1500;
         let t = m.text(&h).unwrap();
         assert_eq!(value(&t, "kvlink_transfer_bytes_total"), Some(1500.0));

@@ -201,6 +201,9 @@ enum class HealthState : std::uint8_t {
   /// degraded window.
   Degraded = 1,
   /// Work is pending and no data has moved for longer than the wedge window: alive, not working.
+  /// Also while this process's shared-memory receive queue is stuck (a peer process died or was
+  /// stopped while writing into it; docs/RELIABILITY.md): every peer was failed and connects are
+  /// refused meanwhile, and after a death only a new process recovers.
   Wedged = 2,
 };
 

@@ -11,7 +11,9 @@
 //!   fault hook: it never sends the data (the receiver must time out); `loop` keeps sending the
 //!   last size until killed;
 //   `slow` pauses 300 ms before each send (a sender that stays mid-stream long enough to be
-//   killed or frozen by a test).
+//   killed or frozen by a test); `flood` skips the hello and go and sends the last size in a
+//   loop until killed, into any agent or engine (whose receive queue a test wants written to
+//   when the kill lands).
 use kvlink::transport::{Agent, AgentOptions, Event, TransportKind};
 use kvlink::Outcome;
 use std::time::{Duration, Instant};
@@ -49,8 +51,9 @@ enum PeerRole {
         #[arg(long)]
         to: String,
         /// normal; suppress (never send: the receiver must time out); loop (keep sending the
-        /// last size until killed); slow (300 ms before each send).
-        #[arg(long, default_value = "normal", value_parser = ["normal", "suppress", "loop", "slow"])]
+        /// last size until killed); slow (300 ms before each send); flood (no hello, no go:
+        /// send the last size in a loop until killed).
+        #[arg(long, default_value = "normal", value_parser = ["normal", "suppress", "loop", "slow", "flood"])]
         mode: String,
     },
 }
@@ -176,8 +179,21 @@ fn send((transport, devices): Setting, to: &str, sizes: &[usize], mode: &str) {
     // The receiver's ADDR line: an ip:port when it listens, else its worker address in hex.
     let peer = match to.parse() {
         Ok(addr) => agent.connect(addr).expect("connect"),
-        Err(_) => agent.connect_worker(&unhex(to)).expect("connect"),
+        Err(_) => agent
+            .connect_worker(&unhex(to.trim_start_matches("ucx:")))
+            .expect("connect"),
     };
+    if mode == "flood" {
+        println!("GO");
+        let b = pattern(*sizes.last().unwrap_or(&4096), 0);
+        loop {
+            // SAFETY: `b` outlives the op, which is waited right here.
+            let mut op =
+                unsafe { agent.post_send(peer, TAG_BASE, b.as_ptr(), b.len()) }.expect("post_send");
+            let o = op.wait(Instant::now() + Duration::from_secs(30), None);
+            println!("SENT {} {:?}", b.len(), o);
+        }
+    }
     let mut hello = agent
         .send_control(peer, agent.worker_address().to_vec())
         .expect("hello");

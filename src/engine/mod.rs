@@ -151,7 +151,8 @@ pub enum HealthState {
     /// (timed out, peer lost) within the degraded window.
     Degraded = 1,
     /// Work is pending (a transfer in flight or posted) and no data has landed or been sent for
-    /// longer than the wedge window: alive, not working.
+    /// longer than the wedge window: alive, not working. Also while this process's
+    /// shared-memory receive queue is stuck ([`Health::receive_stuck`]).
     Wedged = 2,
 }
 
@@ -202,6 +203,12 @@ pub struct Health {
     pub refused_auth: u64,
     pub refused_rank_in_use: u64,
     pub refused_by_peer: u64,
+    /// This process's shared-memory receive queue is stuck: a peer process died (or was
+    /// stopped) while writing into it, and nothing any peer sends over shared memory is read.
+    /// Every peer was failed when it was found and connects are refused while it lasts; after a
+    /// death only a new process recovers (`docs/RELIABILITY.md`, known gaps). The state is
+    /// `Wedged` meanwhile.
+    pub receive_stuck: bool,
 }
 
 const POOL_SLOTS: u32 = 1 << 16;
@@ -968,7 +975,7 @@ impl Engine {
             (Some(age), None) => age,
         };
         let (wedge, degraded) = self.inner.windows;
-        let state = if stalled > wedge {
+        let state = if stalled > wedge || s.receive_stuck {
             HealthState::Wedged
         } else if since_fault.is_some_and(|d| d <= degraded) {
             HealthState::Degraded
@@ -1004,6 +1011,7 @@ impl Engine {
             refused_auth: core.peers.refusals.auth,
             refused_rank_in_use: core.peers.refusals.rank_in_use,
             refused_by_peer: core.peers.refusals.by_peer,
+            receive_stuck: s.receive_stuck,
         }
     }
 

@@ -59,6 +59,8 @@ impl Agent {
             last_progress_ns: AtomicU64::new(0),
             sleeping_until_ns: AtomicU64::new(0),
             poll_window: super::progress::poll_window(),
+            probe_seen: AtomicU64::new(0),
+            receive_stuck: AtomicBool::new(false),
         });
         let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
@@ -519,6 +521,7 @@ impl Agent {
             backoffs: s.backoffs.load(Ordering::Relaxed),
             stale_control_dropped: s.stale_control_dropped.load(Ordering::Relaxed),
             stray_discarded: s.stray_discarded.load(Ordering::Relaxed),
+            receive_stuck: self.shared.receive_stuck.load(Ordering::Acquire),
         }
     }
 

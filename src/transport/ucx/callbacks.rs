@@ -104,7 +104,7 @@ pub(super) fn clear_shared() {
     SHARED.with(|s| s.borrow_mut().take());
 }
 
-fn with_shared(f: impl FnOnce(&Shared)) {
+pub(super) fn with_shared(f: impl FnOnce(&Shared)) {
     SHARED.with(|s| {
         if let Some(sh) = s.borrow().as_ref() {
             f(sh)

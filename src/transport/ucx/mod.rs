@@ -54,6 +54,7 @@ mod callbacks;
 mod handles;
 mod op;
 mod peers;
+mod probe;
 mod progress;
 pub mod resources;
 mod rma;
@@ -287,6 +288,12 @@ pub struct Stats {
     pub stale_control_dropped: u64,
     /// Tagged messages discarded because no receive was posted for them.
     pub stray_discarded: u64,
+    /// This agent's shared-memory receive queue is stuck: nothing sent to it over shared
+    /// memory is read (a peer process died, or was stopped, while writing into it; see
+    /// `docs/RELIABILITY.md`). Every peer was failed when it was found, and connects are
+    /// refused while it lasts. After a death it lasts for good: only a new agent (process)
+    /// recovers; a stopped writer that resumes clears it.
+    pub receive_stuck: bool,
 }
 
 /// Maps a UCX status to kvlink's error kinds (one exhaustive place).
@@ -319,6 +326,8 @@ const AM_CONTROL_ID: u32 = 7;
 const AM_DRAIN_ID: u32 = 8;
 /// Internal: "this is my worker address; connect back" (sent after connecting by address).
 const AM_BIND_ID: u32 = 9;
+/// Internal: the receive-queue probe's ping (8-byte sequence number in the header).
+const AM_PROBE_ID: u32 = 10;
 
 #[cfg(test)]
 mod tests {

@@ -35,6 +35,13 @@ pub(super) enum Target<'a> {
 
 impl Progress {
     pub(super) fn connect(&mut self, target: Target<'_>) -> Result<PeerId> {
+        if self.shared.receive_stuck.load(Ordering::Acquire) {
+            return Err(Error::new(
+                ErrorKind::Transport,
+                "this agent's shared-memory receive queue is stuck (a peer process died while \
+                 writing into it; docs/RELIABILITY.md): no peer could reach it",
+            ));
+        }
         let id = self.next_peer;
         let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
         let mut params = sys::ucp_ep_params_t {
@@ -102,6 +109,15 @@ impl Progress {
 
     /// A connection request arrived at our listener.
     pub(super) fn accept(&mut self, req: sys::ucp_conn_request_h) {
+        if self.shared.receive_stuck.load(Ordering::Acquire) {
+            // Refused before UCX saw it (`connect` would refuse too): answer it, so the
+            // dialler learns at once.
+            if let Some(l) = &self.listener {
+                // SAFETY: an unanswered connection request of our listener.
+                unsafe { sys::ucp_listener_reject(l.0, req) };
+            }
+            return;
+        }
         match self.connect(Target::Request(req)) {
             Ok(peer) => self.shared.push_event(Event::Accepted(peer)),
             Err(e) => tracing::warn!("accepting a connection failed: {e}"),

@@ -5,8 +5,11 @@ use super::callbacks::{self, am_bind_cb, am_control_cb, am_drain_cb, conn_cb, Am
 use super::handles::{Context, Listener, Mapped, RemoteKey as UcxRkey, Worker};
 use super::op::{OpSlot, STOP_SHUTDOWN};
 use super::peers::{sockaddr_of, sockaddr_port, PeerEntry, Target};
+use super::probe::{am_probe_cb, Probe, Verdict};
 use super::shared::{Cmd, Reply, Shared};
-use super::{resources, sys, ucx_err, AgentOptions, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID};
+use super::{
+    resources, sys, ucx_err, AgentOptions, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID, AM_PROBE_ID,
+};
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -39,6 +42,8 @@ pub(super) fn poll_window() -> Duration {
 /// The progress thread's state. Field order is drop order: UCX handles made from others are
 /// declared (and so dropped) before what they were made from.
 pub(super) struct Progress {
+    /// The shared-memory receive-queue probe (None where no shared-memory lane is used).
+    pub(super) probe: Option<Probe>,
     pub(super) rkeys: HashMap<u64, (u64, UcxRkey)>,
     pub(super) peers: HashMap<u64, PeerEntry>,
     pub(super) listener: Option<Listener>,
@@ -85,8 +90,7 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
         // bytes ("Invalid am_short_iov length", measured); 1.22 does not. Below 1.22 (what
         // lies between is untested) a setting that may also use the network leaves it off,
         // and UCX uses the network transports alone, as it always did under peer handling.
-        let minor = resources::ucx_minor();
-        if !opts.transport.may_use_network() || minor >= 22 {
+        if mm_lanes(opts) {
             settings.push(("MM_ERROR_HANDLING", "y".into(), false));
         } else {
             tracing::info!(
@@ -127,6 +131,12 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
         }
     }
     Ok(settings)
+}
+
+/// Whether peers' endpoints may use shared-memory lanes (see `ucx_settings`).
+fn mm_lanes(opts: &AgentOptions) -> bool {
+    opts.transport.may_use_mm()
+        && (!opts.transport.may_use_network() || resources::ucx_minor() >= 22)
 }
 
 pub(super) fn progress_thread(
@@ -357,6 +367,7 @@ impl Progress {
                 return Err(ucx_err(st, "ucp_worker_create"));
             }
             let mut p = Progress {
+                probe: None,
                 rkeys: HashMap::new(),
                 peers: HashMap::new(),
                 listener: None,
@@ -421,6 +432,7 @@ impl Progress {
         for (id, cb) in [
             (AM_DRAIN_ID, am_drain_cb as AmCb),
             (AM_BIND_ID, am_bind_cb as AmCb),
+            (AM_PROBE_ID, am_probe_cb as AmCb),
         ] {
             let h = sys::ucp_am_handler_param_t {
                 id,
@@ -444,6 +456,13 @@ impl Progress {
             std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
         sys::ucp_worker_release_address(self.worker.0, attr.address);
         self.own_address = address.clone();
+        if mm_lanes(opts) {
+            // Without it the agent works as before; it only cannot tell a stuck queue.
+            match Probe::start(self.ctx.0, &address) {
+                Ok(p) => self.probe = Some(p),
+                Err(e) => tracing::warn!("{}: no shared-memory receive probe: {e}", opts.name),
+            }
+        }
 
         let mut bound = None;
         if let Some(addr) = opts.listen {
@@ -526,6 +545,18 @@ impl Progress {
         if self.settle_callbacks() {
             pass.progressed = true;
         }
+        let verdict = self
+            .probe
+            .as_mut()
+            .map(|p| p.tick(&self.shared, Instant::now()));
+        match verdict {
+            Some(Verdict::Stuck) => self.receive_stuck(),
+            Some(Verdict::Moving) => {
+                self.shared.receive_stuck.store(false, Ordering::Release);
+                tracing::warn!("the shared-memory receive queue of this agent moves again");
+            }
+            _ => {}
+        }
         pass.sink_ran = self.run_sink();
         if pass.sink_ran {
             // What the sink queued (control messages, cancels) leaves now: a caller whose wait
@@ -533,6 +564,24 @@ impl Progress {
             self.drain_commands();
         }
         pass
+    }
+
+    /// The probe found the shared-memory receive queue stuck: nothing any peer sends over
+    /// shared memory is read (again, if the writer holding it was killed; until it resumes, if
+    /// it was stopped). Say so, fail every peer now (their requests end `PeerLost` instead of
+    /// waiting for deadlines that cannot be met) and refuse new connections while it lasts.
+    fn receive_stuck(&mut self) {
+        self.shared.receive_stuck.store(true, Ordering::Release);
+        tracing::error!(
+            "the shared-memory receive queue of this agent is stuck (a peer process died or was \
+             stopped while writing into it): every peer is failed and new connections are \
+             refused until it moves again; after a death only a new process recovers \
+             (docs/RELIABILITY.md, known gaps)"
+        );
+        let peers: Vec<u64> = self.peers.keys().copied().collect();
+        for peer in peers {
+            self.fail_peer(peer, sys::UCS_ERR_CONNECTION_RESET, true);
+        }
     }
 
     /// Handles the reports still queued at the end of a pass: commands and the handling of
@@ -679,6 +728,7 @@ impl Progress {
         // ucp_cm_server_conn_request_cb then). Pending requests are rejected before it goes.
         self.handle_callbacks_discard();
         self.listener = None;
+        self.probe = None;
         let slots: Vec<Arc<OpSlot>> = self
             .shared
             .in_flight
