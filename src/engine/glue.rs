@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::peers::Peers;
 use super::waiters::{HasWaiters, WaitKey, Waiters};
 use super::{Advertisement, Faults};
 use crate::error::{ErrorKind, Outcome, Result};
+use crate::proto::peers::Peers;
 use crate::proto::pool::{BufferId, BufferPool, Lease};
 use crate::proto::{
     Action, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, PeerInfo, RankId, Refusal,
@@ -60,7 +60,10 @@ pub(crate) struct Core {
     pub ep: Endpoint,
     pub pool: BufferPool,
     pub tokens: TokenAllocator,
-    pub peers: Peers,
+    pub peers: Peers<PeerId>,
+    /// The `Refuse` this side sent on an endpoint, so that `connect` can let it go out before it
+    /// returns (a dialler that exits right after must still tell the peer why).
+    pub refusal_ops: HashMap<PeerId, Op>,
     pub recv_ops: HashMap<u64, RecvOp>,
     pub by_token: HashMap<Token, u64>,
     /// Abort flags of the sends in flight, by (request, receiver, segment).
@@ -129,6 +132,7 @@ impl Core {
             pool: BufferPool::new(pool_slots),
             tokens: TokenAllocator::new(crate::random::key16()),
             peers: Peers::default(),
+            refusal_ops: HashMap::new(),
             recv_ops: HashMap::new(),
             by_token: HashMap::new(),
             sends: HashMap::new(),
@@ -196,7 +200,7 @@ impl Inner {
         if matches!(msg, Message::Refuse { .. }) {
             // A replaced one goes to the polled list: dropping an unfinished op waits for UCX,
             // which cannot progress while this pass runs.
-            if let Some(old) = core.peers.refusal_ops.insert(peer, op) {
+            if let Some(old) = core.refusal_ops.insert(peer, op) {
                 core.control_ops.push_back(old);
             }
         } else {
@@ -360,7 +364,7 @@ impl Inner {
             Event::PeerFailed(peer) => {
                 // Its refusal (if one was going out) is failed with it: polled, never dropped
                 // unfinished here (that would wait for progress this pass holds up).
-                if let Some(op) = core.peers.refusal_ops.remove(&peer) {
+                if let Some(op) = core.refusal_ops.remove(&peer) {
                     core.control_ops.push_back(op);
                 }
                 if let Some(rank) = core.peers.on_failed(peer, now) {

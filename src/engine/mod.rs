@@ -36,10 +36,9 @@
 //! `Rejected`), or `PeerLost` when the transport reported the peer lost; it never reports
 //! `Completed` without the verdict, so a sender's `Completed` implies its receiver's.
 pub(crate) mod glue;
-pub mod peers;
 mod waiters;
 
-pub use peers::PeerState;
+pub use crate::proto::peers::PeerState;
 
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use crate::proto::{
@@ -345,7 +344,7 @@ impl Engine {
             if let Some(&reason) = core.peers.refused.get(&peer) {
                 // Let our own `Refuse` (if we sent one) go out, then close the endpoint: a
                 // retry starts on an endpoint of its own.
-                let sent = core.peers.refusal_ops.remove(&peer);
+                let sent = core.refusal_ops.remove(&peer);
                 drop(core);
                 if let Some(mut op) = sent {
                     let _ = op.wait((Instant::now() + REFUSE_FLUSH).min(deadline), None);

@@ -28,6 +28,11 @@
 //!
 //! Every non-terminal state has a deadline; [`Endpoint::poll_timeout`] says when to call
 //! [`Endpoint::handle_timeout`], which is all cleanup needs: it never waits for new requests.
+//!
+//! The per-peer facts live here too: [`peers`] binds ranks to transport endpoints after the
+//! [`handshake`], refuses a second process with a live rank, closes endpoints that never finish
+//! their handshake, and runs the reconnect policy (which ranks to dial again, when, and when to
+//! give up). The engine only carries out what it says.
 #![forbid(unsafe_code)]
 
 pub mod agreement;
@@ -35,6 +40,7 @@ pub mod auth;
 pub mod endpoint;
 pub mod handshake;
 pub mod id;
+pub mod peers;
 pub mod pool;
 pub mod request;
 pub mod wire;

@@ -12,11 +12,15 @@
 //! [`MAX_TRIES`] times with a doubling back-off. The side that was dialled waits for the peer's
 //! new `Hello`. A later use of a rank that gave up (`advertise`) starts a fresh round. Only the
 //! requests that were on the failed endpoint are lost, never the pair.
+//!
+//! Sans-IO like the rest of the core: the table is generic over the transport's endpoint id
+//! (`P`), takes the time as an argument and only says what to do (endpoints to close, ranks to
+//! dial); the engine carries it out. The tests at the bottom drive it deterministically.
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::time::{Duration, Instant};
 
 use crate::proto::{Handshake, PeerInfo, RankId, Refusal, SessionKey, TagKey};
-use crate::transport::PeerId;
 
 /// Dial attempts per round before a rank is left `Failed` (until its next use).
 pub const MAX_TRIES: u32 = 6;
@@ -41,8 +45,8 @@ pub enum PeerState {
     Failed = 3,
 }
 
-pub(crate) struct Rank {
-    pub peer: Option<PeerId>,
+pub(crate) struct Rank<P> {
+    pub peer: Option<P>,
     pub name: String,
     pub state: PeerState,
     /// The address this side dialled it at, if it did.
@@ -73,30 +77,44 @@ pub(crate) struct Refusals {
     pub by_peer: u64,
 }
 
-#[derive(Default)]
-pub(crate) struct Peers {
-    ranks: HashMap<RankId, Rank>,
-    rank_of: HashMap<PeerId, RankId>,
+/// The peer table over endpoint ids `P` (the transport's `PeerId` in the engine).
+pub(crate) struct Peers<P> {
+    ranks: HashMap<RankId, Rank<P>>,
+    rank_of: HashMap<P, RankId>,
     /// Endpoints dialled for a rank, waiting for its `Hello`.
-    dialling: HashMap<PeerId, RankId>,
+    dialling: HashMap<P, RankId>,
     /// The handshake of every endpoint not yet failed (done ones included: a late handshake
     /// message on a bound endpoint is answered as out of order).
-    pub handshakes: HashMap<PeerId, Handshake>,
+    pub handshakes: HashMap<P, Handshake>,
     /// Endpoints refused (either way) and why: `connect` reports it.
-    pub refused: HashMap<PeerId, Refusal>,
-    /// The `Refuse` this side sent on an endpoint, so that `connect` can let it go out before it
-    /// returns (a dialler that exits right after must still tell the peer why).
-    pub refusal_ops: HashMap<PeerId, crate::transport::Op>,
+    pub refused: HashMap<P, Refusal>,
     /// Refused endpoints to close once their `Refuse` had time to go out.
-    closing: Vec<(PeerId, Instant)>,
+    closing: Vec<(P, Instant)>,
     /// Endpoints whose handshake is not done, since when: closed after HANDSHAKE_LIMIT.
-    pending: HashMap<PeerId, Instant>,
+    pending: HashMap<P, Instant>,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
 }
 
-impl Peers {
+impl<P> Default for Peers<P> {
+    fn default() -> Self {
+        Peers {
+            ranks: HashMap::new(),
+            rank_of: HashMap::new(),
+            dialling: HashMap::new(),
+            handshakes: HashMap::new(),
+            refused: HashMap::new(),
+            closing: Vec::new(),
+            pending: HashMap::new(),
+            refusals: Refusals::default(),
+            reconnects: 0,
+            failures: 0,
+        }
+    }
+}
+
+impl<P: Copy + Eq + Hash> Peers<P> {
     pub fn state(&self, rank: RankId) -> PeerState {
         self.ranks
             .get(&rank)
@@ -104,14 +122,14 @@ impl Peers {
     }
 
     /// The live endpoint of `rank`, if it is connected.
-    pub fn endpoint(&self, rank: RankId) -> Option<PeerId> {
+    pub fn endpoint(&self, rank: RankId) -> Option<P> {
         self.ranks
             .get(&rank)
             .filter(|r| r.state == PeerState::Connected)
             .and_then(|r| r.peer)
     }
 
-    pub fn rank_of(&self, peer: PeerId) -> Option<RankId> {
+    pub fn rank_of(&self, peer: P) -> Option<RankId> {
         self.rank_of.get(&peer).copied()
     }
 
@@ -140,7 +158,7 @@ impl Peers {
 
     /// May `info`'s rank be bound to `peer` without more proof? Yes unless another live
     /// endpoint holds it.
-    pub fn may_bind(&self, info: &PeerInfo, peer: PeerId) -> bool {
+    pub fn may_bind(&self, info: &PeerInfo, peer: P) -> bool {
         match self.ranks.get(&info.rank) {
             Some(r) if r.state == PeerState::Connected => r.peer == Some(peer),
             _ => true,
@@ -153,19 +171,13 @@ impl Peers {
     }
 
     /// A handshake starts on `peer` at `now` (dialled here, or the first message of a dialler).
-    pub fn handshake_started(&mut self, peer: PeerId, now: Instant) {
+    pub fn handshake_started(&mut self, peer: P, now: Instant) {
         self.pending.entry(peer).or_insert(now);
     }
 
     /// A finished handshake on `peer`: bind its rank with the session's tag keys. Returns the
     /// endpoints to close: the one it replaced, and other dials still running for the rank.
-    pub fn bind(
-        &mut self,
-        info: PeerInfo,
-        peer: PeerId,
-        me: RankId,
-        session: SessionKey,
-    ) -> Vec<PeerId> {
+    pub fn bind(&mut self, info: PeerInfo, peer: P, me: RankId, session: SessionKey) -> Vec<P> {
         self.dialling.remove(&peer);
         self.pending.remove(&peer);
         let rank = info.rank;
@@ -190,7 +202,7 @@ impl Peers {
         r.state = PeerState::Connected;
         r.tries = 0;
         r.next_try = None;
-        let mut close: Vec<PeerId> = self
+        let mut close: Vec<P> = self
             .dialling
             .iter()
             .filter(|(_, r)| **r == rank)
@@ -213,7 +225,7 @@ impl Peers {
     /// the endpoint held and schedules its close. Returns the rank that lost its endpoint.
     pub fn refuse(
         &mut self,
-        peer: PeerId,
+        peer: P,
         reason: Refusal,
         by_peer: bool,
         now: Instant,
@@ -241,11 +253,11 @@ impl Peers {
 
     /// Endpoints due to be closed at `now`: refused ones after their linger, and those whose
     /// handshake is not done within HANDSHAKE_LIMIT.
-    pub fn due_closes(&mut self, now: Instant) -> Vec<PeerId> {
+    pub fn due_closes(&mut self, now: Instant) -> Vec<P> {
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;
-        let mut out: Vec<PeerId> = due.into_iter().map(|(p, _)| p).collect();
-        let stale: Vec<PeerId> = self
+        let mut out: Vec<P> = due.into_iter().map(|(p, _)| p).collect();
+        let stale: Vec<P> = self
             .pending
             .iter()
             .filter(|(_, t)| now.saturating_duration_since(**t) >= HANDSHAKE_LIMIT)
@@ -260,7 +272,7 @@ impl Peers {
     }
 
     /// Remembers that this side dialled `rank` at `address` through `peer`.
-    pub fn dialled(&mut self, rank: Option<RankId>, peer: PeerId, address: &str) {
+    pub fn dialled(&mut self, rank: Option<RankId>, peer: P, address: &str) {
         if let Some(rank) = rank {
             self.dialling.insert(peer, rank);
             if let Some(r) = self.ranks.get_mut(&rank) {
@@ -277,7 +289,7 @@ impl Peers {
     }
 
     /// The transport reported `peer` failed. Returns the rank that lost its live endpoint.
-    pub fn on_failed(&mut self, peer: PeerId, now: Instant) -> Option<RankId> {
+    pub fn on_failed(&mut self, peer: P, now: Instant) -> Option<RankId> {
         self.handshakes.remove(&peer);
         self.pending.remove(&peer);
         if self.refused.len() > 1024 {
@@ -359,5 +371,207 @@ impl Peers {
             .chain(self.closing.iter().map(|(_, t)| *t))
             .chain(self.pending.values().map(|t| *t + HANDSHAKE_LIMIT))
             .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::auth::{Party, Secret};
+
+    const ME: RankId = RankId(1);
+    const R: RankId = RankId(7);
+
+    fn info(rank: RankId) -> PeerInfo {
+        PeerInfo {
+            rank,
+            name: format!("rank{}", rank.0),
+            instance: 42,
+        }
+    }
+
+    fn session(challenge: u64) -> SessionKey {
+        let party = |rank, challenge| Party {
+            rank,
+            instance: 1,
+            challenge,
+        };
+        SessionKey::derive(&Secret::none(), party(ME, challenge), party(R, 2))
+    }
+
+    /// A table where this side dialled `R` at "addr" on endpoint 10 and bound it.
+    fn dialled_and_bound(now: Instant) -> Peers<u64> {
+        let mut p = Peers::default();
+        p.handshake_started(10, now);
+        let closed = p.bind(info(R), 10, ME, session(1));
+        assert!(closed.is_empty());
+        p.set_dial(R, "addr");
+        p
+    }
+
+    #[test]
+    fn a_bound_rank_is_connected_with_its_endpoint_and_keys() {
+        let t0 = Instant::now();
+        let p = dialled_and_bound(t0);
+        assert_eq!(p.state(R), PeerState::Connected);
+        assert_eq!(p.endpoint(R), Some(10));
+        assert_eq!(p.rank_of(10), Some(R));
+        assert_eq!(p.name(R).as_deref(), Some("rank7"));
+        let keys = p.keys(R).expect("keys");
+        let s = session(1);
+        assert!(keys.inbound == s.tag_key(R, ME) && keys.outbound == s.tag_key(ME, R));
+        assert_eq!(p.connected(), 1);
+        assert_eq!(p.state(RankId(99)), PeerState::Unknown);
+        // The handshake is done: nothing to close at the limit.
+        assert!(p.next_due().is_none());
+    }
+
+    #[test]
+    fn a_dialled_rank_that_fails_is_redialled_with_a_doubling_backoff_then_given_up() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        assert_eq!(p.on_failed(10, t0), Some(R));
+        assert_eq!(p.failures, 1);
+        assert_eq!(p.state(R), PeerState::Reconnecting);
+        assert_eq!(p.endpoint(R), None);
+        // Not at once: the first try comes after the first back-off.
+        assert!(p.due(t0).is_empty());
+        assert_eq!(p.next_due(), Some(t0 + FIRST_BACKOFF));
+        let mut now = t0 + FIRST_BACKOFF;
+        let mut gaps = Vec::new();
+        for try_no in 1..=MAX_TRIES {
+            assert_eq!(p.due(now), vec![(R, "addr".to_string())], "try {try_no}");
+            // Each attempt's endpoint fails before its handshake ends: that is not a new
+            // failure of the rank, and the next try is already scheduled.
+            let ep = 100 + try_no as u64;
+            p.dialled(Some(R), ep, "addr");
+            assert_eq!(p.on_failed(ep, now), None);
+            let next = p.next_due().expect("next try");
+            gaps.push(next - now);
+            now = next;
+        }
+        assert_eq!(p.reconnects, MAX_TRIES as u64);
+        assert_eq!(p.failures, 1);
+        let doubling: Vec<Duration> = (0..MAX_TRIES).map(|i| FIRST_BACKOFF * (1 << i)).collect();
+        assert_eq!(gaps, doubling);
+        // Out of tries: given up, nothing more due.
+        assert!(p.due(now).is_empty());
+        assert_eq!(p.state(R), PeerState::Failed);
+        assert!(p.next_due().is_none());
+        // A later use starts a fresh round at once.
+        assert!(p.revive(R, now));
+        assert_eq!(p.state(R), PeerState::Reconnecting);
+        assert_eq!(p.due(now), vec![(R, "addr".to_string())]);
+    }
+
+    #[test]
+    fn one_dial_at_a_time_per_rank_and_a_success_ends_the_round() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        p.on_failed(10, t0);
+        let t1 = t0 + FIRST_BACKOFF;
+        assert_eq!(p.due(t1).len(), 1);
+        p.dialled(Some(R), 11, "addr");
+        // The next try comes due while endpoint 11 still dials: it is put off, not doubled up.
+        let t2 = p.next_due().unwrap();
+        assert!(p.due(t2).is_empty());
+        assert_eq!(p.reconnects, 1);
+        // Endpoint 11's handshake ends: bound again, tries reset.
+        assert!(p.bind(info(R), 11, ME, session(3)).is_empty());
+        assert_eq!(p.state(R), PeerState::Connected);
+        assert_eq!(p.endpoint(R), Some(11));
+        assert!(p.due(t2 + Duration::from_secs(60)).is_empty());
+        // A later failure starts from the first back-off again.
+        p.on_failed(11, t2);
+        assert_eq!(p.next_due(), Some(t2 + FIRST_BACKOFF));
+    }
+
+    #[test]
+    fn a_rank_this_side_was_dialled_by_is_failed_not_redialled() {
+        let t0 = Instant::now();
+        let mut p: Peers<u64> = Peers::default();
+        p.handshake_started(5, t0);
+        p.bind(info(R), 5, ME, session(1));
+        assert_eq!(p.on_failed(5, t0), Some(R));
+        assert_eq!(p.state(R), PeerState::Failed);
+        assert!(!p.revive(R, t0), "nothing to dial");
+        assert!(p.due(t0 + Duration::from_secs(60)).is_empty());
+        // The same process comes back on a new endpoint: bound there.
+        p.handshake_started(6, t0);
+        p.bind(info(R), 6, ME, session(1));
+        assert_eq!(p.endpoint(R), Some(6));
+    }
+
+    #[test]
+    fn a_live_rank_is_not_bound_to_a_second_endpoint_without_proof() {
+        let t0 = Instant::now();
+        let p = dialled_and_bound(t0);
+        assert!(p.may_bind(&info(R), 10), "its own endpoint");
+        assert!(
+            !p.may_bind(&info(R), 11),
+            "another endpoint while 10 is live"
+        );
+        assert!(p.may_bind(&info(RankId(8)), 11), "a rank nobody holds");
+        assert!(
+            p.session(R).is_some(),
+            "the proof a returning process must give"
+        );
+    }
+
+    #[test]
+    fn rebinding_a_rank_closes_the_endpoint_it_replaces_and_other_dials() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        // Two dials for R are running (say a connect and a background redial).
+        p.dialled(Some(R), 20, "addr");
+        p.dialled(Some(R), 21, "addr");
+        let mut closed = p.bind(info(R), 20, ME, session(4));
+        closed.sort_unstable();
+        assert_eq!(closed, vec![10, 21]);
+        assert_eq!(p.endpoint(R), Some(20));
+        assert_eq!(p.rank_of(10), None);
+        // The replaced endpoint's failure, reported later, costs the rank nothing.
+        assert_eq!(p.on_failed(10, t0), None);
+        assert_eq!(p.state(R), PeerState::Connected);
+    }
+
+    #[test]
+    fn refusals_are_counted_both_ways_and_closed_after_their_linger() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        // We refuse a stranger on endpoint 30: its Refuse gets REFUSE_LINGER to go out.
+        p.handshake_started(30, t0);
+        assert_eq!(p.refuse(30, Refusal::AuthFailed, false, t0), None);
+        // A peer refuses us on endpoint 10 (bound to R): R loses it, closed at once.
+        assert_eq!(p.refuse(10, Refusal::RankInUse, true, t0), Some(R));
+        assert_eq!(p.state(R), PeerState::Failed);
+        assert_eq!(p.refused.get(&30), Some(&Refusal::AuthFailed));
+        assert_eq!(
+            (p.refusals.auth, p.refusals.rank_in_use, p.refusals.by_peer),
+            (1, 0, 1)
+        );
+        assert_eq!(p.due_closes(t0), vec![10]);
+        assert!(p.due_closes(t0 + REFUSE_LINGER / 2).is_empty());
+        assert_eq!(p.due_closes(t0 + REFUSE_LINGER), vec![30]);
+        assert!(p.due_closes(t0 + REFUSE_LINGER * 2).is_empty());
+    }
+
+    #[test]
+    fn an_endpoint_that_never_finishes_its_handshake_is_closed_at_the_limit() {
+        let t0 = Instant::now();
+        let mut p: Peers<u64> = Peers::default();
+        p.handshake_started(40, t0);
+        // A second start does not push the limit back.
+        p.handshake_started(40, t0 + Duration::from_secs(5));
+        assert_eq!(p.next_due(), Some(t0 + HANDSHAKE_LIMIT));
+        assert!(p
+            .due_closes(t0 + HANDSHAKE_LIMIT - Duration::from_millis(1))
+            .is_empty());
+        assert_eq!(p.due_closes(t0 + HANDSHAKE_LIMIT), vec![40]);
+        assert!(p.next_due().is_none());
+        // One that finishes in time is never closed.
+        p.handshake_started(41, t0);
+        p.bind(info(R), 41, ME, session(1));
+        assert!(p.due_closes(t0 + HANDSHAKE_LIMIT * 2).is_empty());
     }
 }
