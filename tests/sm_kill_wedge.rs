@@ -77,16 +77,57 @@ fn sender(addr: &str, sizes: &str, mode: &str) -> Proc {
     ])
 }
 
+/// The tests of this file run one at a time: each spawns several processes, and the probe's
+/// verdict must not be starved of CPU by another test's flood.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Busy threads in this process while a flooder runs: a flooder that is often preempted is
+/// often preempted mid-write, which is where the kill must land to wedge the queue (on an idle
+/// machine that is rare). Dropping it stops them.
+struct Hog(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Hog {
+    fn start() -> Hog {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        for _ in 0..2 {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            });
+        }
+        Hog(stop)
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// How long a round watches for a false alarm once the evidence says the queue moves: the
+/// probe's whole cycle (a ping every 0.5 s, judged after 1.5 s) and then some.
+const WATCH_CLEAN: Duration = Duration::from_millis(2500);
+
 /// What one round saw.
 struct Round {
-    /// The already-connected sender's data, after the kill.
+    /// The already-connected sender's data, sent about 600 ms after the kill.
     healthy: kvlink::Result<Outcome>,
-    /// When the agent reported its receive queue stuck, counted from the kill (polled for
+    /// When the healthy sender's wait ended, counted from the kill.
+    healthy_after: Duration,
+    /// When the agent reported its receive queue stuck, counted from the kill (watched for
     /// [`FIND_WITHIN`]).
     stuck_after: Option<Duration>,
-    /// A fresh sender's hello and data (None: no hello in 5 s). Not tried once stuck.
+    /// A fresh sender's hello and data (None: no hello in 5 s). Not tried when the agent fails
+    /// its peers and refuses connects once stuck.
     fresh: Option<Option<kvlink::Result<Outcome>>>,
-    /// The agent's answer to a new connection once stuck.
+    /// The agent's answer to a new connection once stuck (when it fails its peers).
     connect_refused: Option<kvlink::ErrorKind>,
 }
 
@@ -95,10 +136,12 @@ fn completed(r: &kvlink::Result<Outcome>) -> bool {
 }
 
 /// One round on a fresh survivor: a flooder killed mid-stream after `sends` messages, a
-/// healthy sender connected before the kill, then (unless the survivor reports its queue
-/// stuck) a fresh sender.
-fn round(sends: usize) -> Round {
-    let agent = Agent::new(AgentOptions::new("survivor", TransportKind::SharedMemory)).unwrap();
+/// healthy sender connected before the kill whose data comes after it, then a fresh sender.
+/// `fail` is the survivor's `fail_peers_when_stuck`.
+fn round(sends: usize, fail: bool) -> Round {
+    let mut opts = AgentOptions::new("survivor", TransportKind::SharedMemory);
+    opts.fail_peers_when_stuck = fail;
+    let agent = Agent::new(opts).unwrap();
     let addr = hex(agent.worker_address());
     // Tags: the flooder sends TAG_BASE; the healthy sender 1 byte on TAG_BASE, then 4096 on
     // TAG_BASE + 1; the fresh one 1, 1, then 4096 on TAG_BASE + 2. No receive can match
@@ -107,20 +150,33 @@ fn round(sends: usize) -> Round {
     let (mut flood_op, _flood_buf) =
         serve(&agent, Duration::from_secs(10), 8000, TAG_BASE).expect("the flooder's hello");
     flood.expect("GO");
+    // `slow`: 300 ms before each message, so its 4096 bytes leave about 600 ms after its go,
+    // well after the kill below (the flooder prints its lines within milliseconds).
     let mut healthy = sender(&addr, "1,4096", "slow");
     let (mut healthy_op, _healthy_buf) =
         serve(&agent, Duration::from_secs(10), 4096, TAG_BASE + 1).expect("a hello");
     healthy.expect("GO");
+    let hog = Hog::start();
     for _ in 0..sends {
         flood.expect("SENT");
     }
     flood.signal(libc::SIGKILL);
     let killed = Instant::now();
+    drop(hog);
     let _ = flood.child.wait();
     let _ = flood_op.wait(killed + Duration::from_secs(3), None);
     let healthy_got = healthy_op.wait(killed + Duration::from_secs(3), None);
+    let healthy_after = killed.elapsed();
+    // The healthy sender's data left after the kill: if it landed, the queue moved after the
+    // kill, and a queue a dead writer stuck never moves again, so a short watch for a false
+    // alarm will do; if it did not, give the probe all of FIND_WITHIN.
+    let watch = if completed(&healthy_got) {
+        WATCH_CLEAN
+    } else {
+        FIND_WITHIN
+    };
     let mut stuck_after = None;
-    while killed.elapsed() < FIND_WITHIN {
+    while killed.elapsed() < watch {
         if agent.stats().receive_stuck {
             stuck_after = Some(killed.elapsed());
             break;
@@ -129,18 +185,19 @@ fn round(sends: usize) -> Round {
     }
     let mut r = Round {
         healthy: healthy_got,
+        healthy_after,
         stuck_after,
         fresh: None,
         connect_refused: None,
     };
-    if stuck_after.is_some() {
+    if fail && stuck_after.is_some() {
         let t = Instant::now();
         r.connect_refused = agent
             .connect_worker(agent.worker_address())
             .err()
             .map(|e| e.kind);
         assert!(
-            t.elapsed() < Duration::from_millis(500),
+            t.elapsed() < Duration::from_secs(2),
             "a refused connect must be quick"
         );
         return r;
@@ -163,46 +220,73 @@ fn rounds() -> usize {
     std::env::var("WEDGE_ITERS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(6)
+        .unwrap_or(8)
 }
 
-/// What a survivor can do today: find the stuck queue and say so, fail its peers at once
-/// rather than at their deadlines, refuse new connections with a typed error, and never cry
-/// wolf in a round where everything still gets through.
+/// The probe's verdict against the evidence, and what a survivor does with it.
+///
+/// Even rounds only report (`fail_peers_when_stuck = false`), so nothing the verdict triggers
+/// can make the evidence agree with it: the verdict must be "stuck" exactly when the healthy
+/// sender's data (sent after the kill) and a fresh sender's hello both fail to arrive.
+///
+/// Odd rounds act on it (the default): once stuck, the healthy sender's wait ends `PeerLost`
+/// soon after the verdict instead of at its 3 s deadline, and a new connection is refused at
+/// once with `ErrorKind::Transport`; a round that was not found stuck must have got
+/// everything through.
 #[test]
 fn a_stuck_sm_receive_queue_is_found_and_reported() {
+    let _one = serial();
     let n = rounds();
-    let (mut stuck, mut clean) = (0, 0);
+    let (mut checked, mut acted, mut clean) = (0, 0, 0);
     for i in 0..n {
-        let r = round((i % 7 + 1) * 20);
+        let fail = i % 2 == 1;
+        let r = round((i % 7 + 1) * 20, fail);
         println!(
-            "round {i}: healthy sender's data {:?}; stuck reported after {:?}; fresh sender {:?}; \
-             connect once stuck {:?}",
-            r.healthy, r.stuck_after, r.fresh, r.connect_refused
+            "round {i} (fail peers: {fail}): healthy sender's data {:?} after {:?}; stuck \
+             reported after {:?}; fresh sender {:?}; connect once stuck {:?}",
+            r.healthy, r.healthy_after, r.stuck_after, r.fresh, r.connect_refused
         );
-        match r.stuck_after {
-            Some(_) => {
-                stuck += 1;
-                assert_eq!(r.connect_refused, Some(kvlink::ErrorKind::Transport));
-                // Data sent before the wedge may have landed; if it did not, the wait ended
-                // (PeerLost when the probe failed the peer first, else TimedOut) by its deadline.
-                assert!(r.healthy.is_ok(), "{:?}", r.healthy);
-            }
-            None => {
+        let fresh_ok = r.fresh.as_ref().map(|f| f.as_ref().is_some_and(completed));
+        match (r.stuck_after, fail) {
+            (None, _) => {
                 // Not reported stuck: then everything must have got through.
                 assert!(completed(&r.healthy), "undetected: {:?}", r.healthy);
-                let fresh = r.fresh.expect("a fresh sender is tried when not stuck");
-                assert!(
-                    fresh.as_ref().is_some_and(completed),
-                    "a fresh sender failed but nothing was reported: {fresh:?}"
-                );
+                assert_eq!(fresh_ok, Some(true), "undetected: {:?}", r.fresh);
                 clean += 1;
+            }
+            (Some(_), false) => {
+                // Reported only: the evidence must say stuck too.
+                assert!(
+                    !completed(&r.healthy),
+                    "reported stuck, yet the data landed"
+                );
+                assert_eq!(
+                    fresh_ok,
+                    Some(false),
+                    "reported stuck, yet a fresh sender got in"
+                );
+                checked += 1;
+            }
+            (Some(after), true) => {
+                assert_eq!(r.connect_refused, Some(kvlink::ErrorKind::Transport));
+                if !completed(&r.healthy) {
+                    assert!(
+                        matches!(r.healthy, Ok(Outcome::PeerLost)),
+                        "the peer is failed when the queue is found stuck: {:?}",
+                        r.healthy
+                    );
+                    assert!(r.healthy_after <= after + Duration::from_millis(500));
+                }
+                acted += 1;
             }
         }
     }
-    println!("STUCK {stuck} CLEAN {clean} of {n} rounds");
-    if stuck == 0 {
-        println!("no round wedged this time: only the no-false-alarm side was checked");
+    println!("STUCK {checked} reported + {acted} acted on, CLEAN {clean}, of {n} rounds");
+    if checked == 0 || acted == 0 {
+        println!(
+            "not every kind of round wedged this time: checked {checked}, acted {acted} (each \
+             round wedges about one time in three here)"
+        );
     }
 }
 
@@ -210,19 +294,16 @@ fn a_stuck_sm_receive_queue_is_found_and_reported() {
 #[ignore = "known gap (docs/RELIABILITY.md): a shared-memory sender killed mid-write wedges \
             the survivor's receive queue for good; run with --ignored to reproduce"]
 fn survivor_of_a_killed_sm_sender_still_receives() {
+    let _one = serial();
     let n = rounds();
     let mut wedged = 0;
     for i in 0..n {
-        let r = round((i % 7 + 1) * 20);
+        let r = round((i % 7 + 1) * 20, false);
         let ok = completed(&r.healthy)
-            && r.stuck_after.is_none()
             && r.fresh
                 .as_ref()
                 .is_some_and(|f| f.as_ref().is_some_and(completed));
-        println!(
-            "round {i}: healthy {:?}; stuck after {:?}; fresh {:?}",
-            r.healthy, r.stuck_after, r.fresh
-        );
+        println!("round {i}: healthy {:?}; fresh {:?}", r.healthy, r.fresh);
         if !ok {
             wedged += 1;
         }
@@ -234,57 +315,68 @@ fn survivor_of_a_killed_sm_sender_still_receives() {
     );
 }
 
-/// The same through the engine: a process that floods an engine's worker over shared memory
-/// (no handshake: it writes into the engine's receive queue all the same) is killed. Then the
-/// engine's health must agree with what a second engine finds: `receive_stuck` (and state
-/// `Wedged`, and the metric) exactly when a handshake with it can no longer complete.
+/// The same through the engine, in report-only mode: a process that floods an engine's worker
+/// over shared memory (no handshake: it writes into the engine's receive queue all the same)
+/// is killed. The engine's health (`receive_stuck`, state `Wedged`) and its metric must agree
+/// with what a second engine finds: a handshake with it no longer completes exactly when it
+/// is reported stuck.
 #[test]
 fn an_engine_reports_its_stuck_receive_queue_in_health_and_metrics() {
     use kvlink::connection::{Engine, EngineConfig, HealthState};
+    let _one = serial();
     let n = rounds();
     let (mut stuck, mut clean) = (0, 0);
     for i in 0..n {
-        let engine = Engine::new(EngineConfig::new(
-            "survivor",
-            1,
-            TransportKind::SharedMemory,
-        ))
-        .unwrap();
+        let mut cfg = EngineConfig::new("survivor", 1, TransportKind::SharedMemory);
+        cfg.fail_peers_when_stuck = false;
+        let engine = Engine::new(cfg).unwrap();
         let addr = engine.address();
         let mut flood = sender(&addr, "8000", "flood");
         flood.expect("GO");
+        let hog = Hog::start();
         for _ in 0..(i % 7 + 1) * 20 {
             flood.expect("SENT");
         }
         flood.signal(libc::SIGKILL);
         let killed = Instant::now();
+        drop(hog);
         let _ = flood.child.wait();
-        let mut health = engine.health();
-        while !health.receive_stuck && killed.elapsed() < FIND_WITHIN {
-            std::thread::sleep(Duration::from_millis(20));
-            health = engine.health();
-        }
+        // The evidence first: a new engine's handshake, whose hello goes into the same queue.
         let other =
             Engine::new(EngineConfig::new("other", 2, TransportKind::SharedMemory)).unwrap();
         let dialled = other.connect(&addr, Instant::now() + Duration::from_secs(3));
-        println!(
-            "round {i}: receive_stuck {} (state {:?}) {:?} after the kill; a new peer's handshake: {:?}",
-            health.receive_stuck,
-            health.state,
-            killed.elapsed(),
-            dialled.as_ref().map(|r| r.0)
-        );
+        let watch = if dialled.is_ok() {
+            WATCH_CLEAN
+        } else {
+            FIND_WITHIN
+        };
+        let mut health = engine.health();
+        while !health.receive_stuck && killed.elapsed() < watch {
+            std::thread::sleep(Duration::from_millis(20));
+            health = engine.health();
+        }
         let metrics = engine.metrics_text().unwrap();
         let gauge = metrics
             .lines()
             .find(|l| l.starts_with("kvlink_receive_queue_stuck "))
             .unwrap_or_else(|| panic!("no receive_queue_stuck gauge in\n{metrics}"))
             .to_string();
+        println!(
+            "round {i}: a new peer's handshake after the kill: {:?}; receive_stuck {} (state \
+             {:?}) {:?} after the kill",
+            dialled.as_ref().map(|r| r.0),
+            health.receive_stuck,
+            health.state,
+            killed.elapsed(),
+        );
         if health.receive_stuck {
             stuck += 1;
             assert_eq!(health.state, HealthState::Wedged);
             assert_eq!(gauge, "kvlink_receive_queue_stuck 1");
-            assert!(dialled.is_err(), "stuck, yet a handshake completed");
+            assert!(
+                dialled.is_err(),
+                "reported stuck, yet a handshake completed"
+            );
         } else {
             clean += 1;
             assert_eq!(gauge, "kvlink_receive_queue_stuck 0");

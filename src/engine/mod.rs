@@ -82,6 +82,10 @@ pub struct EngineConfig {
     /// Receive buffers that may be posted at once, over all requests: past this `advertise`
     /// fails with `QueueFull` (and changes nothing) until earlier requests end.
     pub pool_slots: u32,
+    /// When this process's shared-memory receive queue is found stuck
+    /// ([`Health::receive_stuck`]): fail every peer at once and refuse connects while it lasts
+    /// (true, the default), or only report it.
+    pub fail_peers_when_stuck: bool,
     /// Fault hooks for tests and the demo.
     pub faults: Faults,
 }
@@ -100,6 +104,7 @@ impl EngineConfig {
             degraded_window: Duration::from_secs(60),
             secret: None,
             pool_slots: POOL_SLOTS,
+            fail_peers_when_stuck: true,
             faults: Faults::default(),
         }
     }
@@ -258,6 +263,7 @@ impl Engine {
         // Every receive is posted before its sender can know the tag: anything unmatched is
         // from someone the buffer was not offered to (or too late), and is discarded.
         opts.discard_unexpected = true;
+        opts.fail_peers_when_stuck = cfg.fail_peers_when_stuck;
         let secret = match cfg.secret {
             Some(s) => Secret::new(s),
             None => Secret::new(std::env::var("KVLINK_SECRET").unwrap_or_default()),

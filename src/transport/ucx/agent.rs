@@ -60,6 +60,7 @@ impl Agent {
             sleeping_until_ns: AtomicU64::new(0),
             poll_window: super::progress::poll_window(),
             probe_seen: AtomicU64::new(0),
+            probe_nonce: crate::random::u64(),
             receive_stuck: AtomicBool::new(false),
         });
         let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();

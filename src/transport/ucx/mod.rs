@@ -232,6 +232,10 @@ pub struct AgentOptions {
     /// is from someone the buffer was not offered to, or too late, and it must neither land
     /// nor pile up in UCX's unexpected queue.
     pub discard_unexpected: bool,
+    /// When the probe finds this agent's shared-memory receive queue stuck
+    /// ([`Stats::receive_stuck`]): fail every peer at once and refuse connects while it lasts
+    /// (true, the default), or only report it (false: requests then end at their deadlines).
+    pub fail_peers_when_stuck: bool,
 }
 
 impl AgentOptions {
@@ -244,6 +248,7 @@ impl AgentOptions {
             keepalive: Duration::from_secs(1),
             reap_grace: Duration::from_secs(2),
             discard_unexpected: false,
+            fail_peers_when_stuck: true,
         }
     }
 }

@@ -35,7 +35,7 @@ pub(super) enum Target<'a> {
 
 impl Progress {
     pub(super) fn connect(&mut self, target: Target<'_>) -> Result<PeerId> {
-        if self.shared.receive_stuck.load(Ordering::Acquire) {
+        if self.fail_when_stuck && self.shared.receive_stuck.load(Ordering::Acquire) {
             return Err(Error::new(
                 ErrorKind::Transport,
                 "this agent's shared-memory receive queue is stuck (a peer process died while \
@@ -109,7 +109,7 @@ impl Progress {
 
     /// A connection request arrived at our listener.
     pub(super) fn accept(&mut self, req: sys::ucp_conn_request_h) {
-        if self.shared.receive_stuck.load(Ordering::Acquire) {
+        if self.fail_when_stuck && self.shared.receive_stuck.load(Ordering::Acquire) {
             // Refused before UCX saw it (`connect` would refuse too): answer it, so the
             // dialler learns at once.
             if let Some(l) = &self.listener {

@@ -1,6 +1,6 @@
 //! The receive-queue probe: a second, private UCX worker in the same context pings the agent's
-//! worker over shared memory now and then, and a ping that never arrives says the worker's
-//! shared-memory receive queue is stuck.
+//! worker over shared memory now and then, and a ping that is written but never read says the
+//! worker's shared-memory receive queue is stuck.
 //!
 //! Why: UCX's posix and sysv transports give a worker one receive queue that every sending
 //! process writes into (claim a slot, write it, then flag it written), and the worker reads
@@ -9,11 +9,16 @@
 //! (`docs/RELIABILITY.md`, known gaps). Nothing in UCX reports it. The probe writes into the
 //! same queue as every peer does, so it sees what they see: its pings stop arriving.
 //!
-//! The verdict is conservative: a ping counts as lost only when it has gone unseen for
-//! [`PROBE_TIMEOUT`] *and* [`PROBE_PASSES`] progress passes have polled the worker since it was
-//! sent (a process that was stopped, or starved of CPU, has not had the chance to read it). A
-//! writer that was only stopped (SIGSTOP) mid-write holds the queue the same way until it
-//! resumes; then the ping arrives and the queue counts as moving again.
+//! The verdict is conservative. A ping's clock starts when UCX has written it into the queue
+//! (its send completed), not when it was queued behind a full queue; it counts as lost only
+//! when it has gone unread for [`PROBE_TIMEOUT`] *and* [`PROBE_PASSES`] progress passes have
+//! polled the worker since (a process that was stopped, or starved of CPU, has not had the
+//! chance to read it). A ping that cannot even be written is judged by the worker alone: stuck
+//! only if the worker read nothing at all for [`PROBE_TIMEOUT`] and [`PROBE_PASSES`] passes
+//! (a full queue that is being read is busy, not stuck). A writer that was only stopped
+//! (SIGSTOP) mid-write holds the queue the same way until it resumes; then the ping arrives
+//! and the queue counts as moving again. Pings carry a random per-agent nonce: another process
+//! cannot fake one and blind the probe.
 use super::handles::{Endpoint, Worker};
 use super::shared::Shared;
 use super::{sys, ucx_err, AM_PROBE_ID};
@@ -22,12 +27,14 @@ use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-/// How often a ping is sent while the last one was seen.
+/// How often a ping is sent while the last one was read.
 const PROBE_EVERY: Duration = Duration::from_millis(500);
-/// How long a ping may go unseen before the queue counts as stuck (with [`PROBE_PASSES`]).
+/// How long a ping may go unread before the queue counts as stuck (with [`PROBE_PASSES`]).
 const PROBE_TIMEOUT: Duration = Duration::from_millis(1500);
-/// How many passes must have polled the worker since the ping was sent.
+/// How many passes must have polled the worker meanwhile.
 const PROBE_PASSES: u64 = 10;
+/// A ping: the agent's nonce, then the sequence number (little-endian).
+pub(super) const PING_LEN: usize = 16;
 
 /// What a [`Probe::tick`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,23 +47,48 @@ pub(super) enum Verdict {
     Moving,
 }
 
-/// Field order is drop order: the endpoint closes before its worker goes.
+/// The ping in flight.
+struct Ping {
+    seq: u64,
+    /// UCX's request while the ping is queued, not yet written (null once written).
+    request: *mut c_void,
+    /// When it was written (its send completed), or queued while `request` is set; the pass
+    /// count and the worker's progress count then.
+    since: Instant,
+    passes: u64,
+    progress: u64,
+}
+
+/// Field order is drop order: the endpoint closes before its worker goes. `Drop` frees a
+/// queued ping's request first.
 pub(super) struct Probe {
     ep: Option<Endpoint>,
     worker: Worker,
-    /// The ping's header (its sequence number), at a stable address while a send is pending.
-    header: Box<[u8; 8]>,
+    /// The ping's bytes, at a stable address while a send may be pending.
+    ping: Box<[u8; PING_LEN]>,
     seq: u64,
-    /// The ping in flight: its number, when it was sent and the pass count then.
-    pending: Option<(u64, Instant, u64)>,
+    pending: Option<Ping>,
     next_at: Instant,
     passes: u64,
+    /// Passes in which the agent's worker read something.
+    progress: u64,
     stuck: bool,
 }
 
+/// UCX requires an error handler with peer error handling; the probe needs none: a ping whose
+/// send fails is simply not counted.
+unsafe extern "C" fn probe_ep_err_cb(
+    _arg: *mut c_void,
+    _ep: sys::ucp_ep_h,
+    status: sys::ucs_status_t,
+) {
+    tracing::debug!("probe endpoint: {}", sys::status_str(status));
+}
+
 impl Probe {
-    /// A worker of `ctx` with an endpoint to the agent's worker at `address`.
-    pub(super) fn start(ctx: sys::ucp_context_h, address: &[u8]) -> Result<Probe> {
+    /// A worker of `ctx` with an endpoint to the agent's worker at `address`; its pings carry
+    /// `nonce` (the agent's, in `Shared::probe_nonce`).
+    pub(super) fn start(ctx: sys::ucp_context_h, address: &[u8], nonce: u64) -> Result<Probe> {
         let wparams = sys::ucp_worker_params_t {
             field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
             thread_mode: sys::UCS_THREAD_MODE_SERIALIZED,
@@ -69,9 +101,18 @@ impl Probe {
             return Err(ucx_err(st, "ucp_worker_create (probe)"));
         }
         let worker = Worker(w);
+        // Peer error handling like the agent's own endpoints: the same lanes are chosen, and
+        // the forced close at the end is allowed.
         let params = sys::ucp_ep_params_t {
-            field_mask: sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64,
+            field_mask: (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64,
             address: address.as_ptr() as *const sys::ucp_address_t,
+            err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
+            err_handler: sys::ucp_err_handler_t {
+                cb: Some(probe_ep_err_cb),
+                arg: std::ptr::null_mut(),
+            },
             ..Default::default()
         };
         let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
@@ -81,47 +122,75 @@ impl Probe {
         if st != sys::UCS_OK {
             return Err(ucx_err(st, "ucp_ep_create (probe)"));
         }
+        let mut ping = Box::new([0u8; PING_LEN]);
+        ping[..8].copy_from_slice(&nonce.to_le_bytes());
         Ok(Probe {
             ep: Some(Endpoint::new(ep, worker.0)),
             worker,
-            header: Box::new([0; 8]),
+            ping,
             seq: 0,
             pending: None,
             next_at: Instant::now(),
             passes: 0,
+            progress: 0,
             stuck: false,
         })
     }
 
-    /// One pass's share, after the pass polled the agent's worker: progress the probe's own
-    /// worker, judge the ping in flight against what the agent's worker has seen, and send the
-    /// next one when due. Says when the queue is found stuck, and when it moves again.
-    pub(super) fn tick(&mut self, shared: &Shared, now: Instant) -> Verdict {
+    /// One pass's share, after the pass polled the agent's worker (`read`: it read something):
+    /// progress the probe's own worker, judge the ping in flight against what the agent's
+    /// worker has seen, and send the next one when due. Says when the queue is found stuck,
+    /// and when it moves again.
+    pub(super) fn tick(&mut self, shared: &Shared, read: bool, now: Instant) -> Verdict {
         self.passes += 1;
+        self.progress += u64::from(read);
         // SAFETY: the probe's worker is used only by the holder of the driver lock.
         unsafe { sys::ucp_worker_progress(self.worker.0) };
-        if let Some((seq, sent, passes)) = self.pending {
-            if shared.probe_seen.load(Ordering::Acquire) >= seq {
-                self.pending = None;
-                if std::mem::take(&mut self.stuck) {
-                    // Read at last: the writer that held the queue was only stopped, not
-                    // dead, and has finished its write.
-                    return Verdict::Moving;
+        let Some(ping) = self.pending.as_mut() else {
+            if now >= self.next_at {
+                self.send(now);
+            }
+            return Verdict::Same;
+        };
+        if !ping.request.is_null() {
+            // SAFETY: our own request, not freed yet.
+            let st = unsafe { sys::ucp_request_check_status(ping.request) };
+            if st != sys::UCS_INPROGRESS {
+                // SAFETY: completed; freed once, here.
+                unsafe { sys::ucp_request_free(ping.request) };
+                ping.request = std::ptr::null_mut();
+                if st != sys::UCS_OK {
+                    // Not written (the probe's endpoint failed): it proves nothing.
+                    self.pending = None;
+                    self.next_at = now + PROBE_EVERY;
+                    return Verdict::Same;
                 }
-            } else if !self.stuck
-                && now.saturating_duration_since(sent) >= PROBE_TIMEOUT
-                && self.passes - passes >= PROBE_PASSES
-            {
-                // The same ping stays pending: the queue is read in order, so it arrives
-                // when (if ever) the queue moves again.
-                self.stuck = true;
-                return Verdict::Stuck;
-            } else {
-                return Verdict::Same;
+                // Written now: its clock starts.
+                ping.since = now;
+                ping.passes = self.passes;
+                ping.progress = self.progress;
             }
         }
-        if now >= self.next_at {
-            self.send(now);
+        let seen = shared.probe_seen.load(Ordering::Acquire) >= ping.seq;
+        if seen && ping.request.is_null() {
+            self.pending = None;
+            self.next_at = now + PROBE_EVERY;
+            if std::mem::take(&mut self.stuck) {
+                // Read at last: the writer that held the queue was only stopped, not dead,
+                // and has finished its write.
+                return Verdict::Moving;
+            }
+            return Verdict::Same;
+        }
+        let waited = now.saturating_duration_since(ping.since) >= PROBE_TIMEOUT
+            && self.passes - ping.passes >= PROBE_PASSES;
+        // Written and unread; or not even writable while the worker read nothing at all.
+        let lost = waited && (ping.request.is_null() || self.progress == ping.progress);
+        if lost && !self.stuck {
+            // The same ping stays pending: the queue is read in order, so it arrives when (if
+            // ever) the queue moves again.
+            self.stuck = true;
+            return Verdict::Stuck;
         }
         Verdict::Same
     }
@@ -131,41 +200,57 @@ impl Probe {
             return;
         };
         self.seq += 1;
-        *self.header = self.seq.to_le_bytes();
+        self.ping[8..].copy_from_slice(&self.seq.to_le_bytes());
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
             flags: sys::UCP_AM_SEND_FLAG_EAGER,
             ..Default::default()
         };
-        // SAFETY: the header lives in `self.header`, which is not written again until this ping
-        // was seen (the send completed) or the probe is dropped (closing the endpoint first
-        // ends the send); no payload.
+        // SAFETY: the ping bytes live in `self.ping`, which is not written again until this
+        // send completed (its request is checked in `tick`) and was read, or the probe is
+        // dropped (which frees the request and closes the endpoint first); no payload.
         let ptr = unsafe {
             sys::ucp_am_send_nbx(
                 ep,
                 AM_PROBE_ID,
-                self.header.as_ptr() as *const c_void,
-                8,
+                self.ping.as_ptr() as *const c_void,
+                PING_LEN,
                 std::ptr::null(),
                 0,
                 &param,
             )
         };
+        self.next_at = now + PROBE_EVERY;
         if sys::ptr_is_err(ptr) {
             tracing::debug!("probe ping: {}", sys::status_str(sys::ptr_status(ptr)));
-            self.next_at = now + PROBE_EVERY;
             return;
         }
-        if sys::ptr_is_ptr(ptr) {
-            // SAFETY: a request we do not wait for: UCX releases it when it completes.
-            unsafe { sys::ucp_request_free(ptr) };
-        }
-        self.pending = Some((self.seq, now, self.passes));
-        self.next_at = now + PROBE_EVERY;
+        self.pending = Some(Ping {
+            seq: self.seq,
+            request: if sys::ptr_is_ptr(ptr) {
+                ptr
+            } else {
+                std::ptr::null_mut()
+            },
+            since: now,
+            passes: self.passes,
+            progress: self.progress,
+        });
     }
 }
 
-/// The agent's worker received a ping: record its number.
+impl Drop for Probe {
+    fn drop(&mut self) {
+        if let Some(ping) = self.pending.take() {
+            if !ping.request.is_null() {
+                // SAFETY: our own request, freed once; closing the endpoint next ends it.
+                unsafe { sys::ucp_request_free(ping.request) };
+            }
+        }
+    }
+}
+
+/// The agent's worker received a ping: record its number if it carries the agent's nonce.
 pub(super) unsafe extern "C" fn am_probe_cb(
     _arg: *mut c_void,
     header: *const c_void,
@@ -174,11 +259,15 @@ pub(super) unsafe extern "C" fn am_probe_cb(
     _length: usize,
     _param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    if header_length == 8 && !header.is_null() {
+    if header_length == PING_LEN && !header.is_null() {
         // SAFETY: UCX hands us `header_length` readable bytes.
-        let seq = u64::from_le_bytes(unsafe { *(header as *const [u8; 8]) });
+        let b = unsafe { &*(header as *const [u8; PING_LEN]) };
+        let nonce = u64::from_le_bytes(b[..8].try_into().unwrap());
+        let seq = u64::from_le_bytes(b[8..].try_into().unwrap());
         super::callbacks::with_shared(|sh| {
-            sh.probe_seen.fetch_max(seq, Ordering::AcqRel);
+            if nonce == sh.probe_nonce {
+                sh.probe_seen.fetch_max(seq, Ordering::AcqRel);
+            }
         });
     }
     sys::UCS_OK

@@ -44,6 +44,8 @@ pub(super) fn poll_window() -> Duration {
 pub(super) struct Progress {
     /// The shared-memory receive-queue probe (None where no shared-memory lane is used).
     pub(super) probe: Option<Probe>,
+    /// See [`AgentOptions::fail_peers_when_stuck`].
+    pub(super) fail_when_stuck: bool,
     pub(super) rkeys: HashMap<u64, (u64, UcxRkey)>,
     pub(super) peers: HashMap<u64, PeerEntry>,
     pub(super) listener: Option<Listener>,
@@ -84,7 +86,7 @@ pub(super) struct Pass {
 fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>> {
     let keepalive = format!("{}ms", opts.keepalive.as_millis().max(1));
     let mut settings = vec![("KEEPALIVE_INTERVAL", keepalive, false)];
-    if opts.transport.may_use_mm() {
+    if opts.transport.may_use_mm() || mm_lanes(opts) {
         // Without it UCX refuses shared-memory lanes (posix, sysv) under peer error handling.
         // UCX 1.13 with both tcp and shared-memory lanes fails every active message over 100
         // bytes ("Invalid am_short_iov length", measured); 1.22 does not. Below 1.22 (what
@@ -133,10 +135,14 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
     Ok(settings)
 }
 
-/// Whether peers' endpoints may use shared-memory lanes (see `ucx_settings`).
+/// Whether peers' endpoints may use shared-memory lanes (see `ucx_settings`): by the
+/// transport setting, or by `UCX_TLS` in the environment, which wins over it.
 fn mm_lanes(opts: &AgentOptions) -> bool {
-    opts.transport.may_use_mm()
-        && (!opts.transport.may_use_network() || resources::ucx_minor() >= 22)
+    let env = std::env::var("UCX_TLS")
+        .ok()
+        .map(|l| super::TransportKind::List(l.trim().to_string()));
+    let t = env.as_ref().unwrap_or(&opts.transport);
+    t.may_use_mm() && (!t.may_use_network() || resources::ucx_minor() >= 22)
 }
 
 pub(super) fn progress_thread(
@@ -368,6 +374,7 @@ impl Progress {
             }
             let mut p = Progress {
                 probe: None,
+                fail_when_stuck: opts.fail_peers_when_stuck,
                 rkeys: HashMap::new(),
                 peers: HashMap::new(),
                 listener: None,
@@ -458,7 +465,7 @@ impl Progress {
         self.own_address = address.clone();
         if mm_lanes(opts) {
             // Without it the agent works as before; it only cannot tell a stuck queue.
-            match Probe::start(self.ctx.0, &address) {
+            match Probe::start(self.ctx.0, &address, self.shared.probe_nonce) {
                 Ok(p) => self.probe = Some(p),
                 Err(e) => tracing::warn!("{}: no shared-memory receive probe: {e}", opts.name),
             }
@@ -520,9 +527,11 @@ impl Progress {
             self.settle_callbacks();
             return pass;
         }
+        let mut read = false;
         for _ in 0..PROGRESS_BURST {
             // SAFETY: the worker is used only under the driver lock, which our caller holds.
             let n = unsafe { sys::ucp_worker_progress(self.worker.0) };
+            read |= n != 0;
             let handled = self.handle_callbacks();
             if n == 0 && handled == 0 {
                 break;
@@ -548,7 +557,7 @@ impl Progress {
         let verdict = self
             .probe
             .as_mut()
-            .map(|p| p.tick(&self.shared, Instant::now()));
+            .map(|p| p.tick(&self.shared, read, Instant::now()));
         match verdict {
             Some(Verdict::Stuck) => self.receive_stuck(),
             Some(Verdict::Moving) => {
@@ -572,6 +581,13 @@ impl Progress {
     /// waiting for deadlines that cannot be met) and refuse new connections while it lasts.
     fn receive_stuck(&mut self) {
         self.shared.receive_stuck.store(true, Ordering::Release);
+        if !self.fail_when_stuck {
+            tracing::error!(
+                "the shared-memory receive queue of this agent is stuck (a peer process died or \
+                 was stopped while writing into it; docs/RELIABILITY.md, known gaps)"
+            );
+            return;
+        }
         tracing::error!(
             "the shared-memory receive queue of this agent is stuck (a peer process died or was \
              stopped while writing into it): every peer is failed and new connections are \

@@ -162,8 +162,10 @@ pub(super) struct Shared {
     pub(super) sleeping_until_ns: AtomicU64,
     /// How long a thread keeps polling after the last progress before it sleeps.
     pub(super) poll_window: Duration,
-    /// The highest receive-queue probe ping the worker has read (see `probe.rs`).
+    /// The highest receive-queue probe ping the worker has read (see `probe.rs`), and the
+    /// random nonce a ping must carry to count.
     pub(super) probe_seen: AtomicU64,
+    pub(super) probe_nonce: u64,
     /// The probe found the shared-memory receive queue stuck (sticky).
     pub(super) receive_stuck: AtomicBool,
 }
