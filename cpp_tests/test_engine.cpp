@@ -76,6 +76,10 @@ TEST_P(EngineTest, FullRoundTripThroughTheFacade) {
   EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
   EXPECT_EQ(buf, src);
   EXPECT_GE(gen_->health().completed, 1u);
+  // The shared-memory probe runs on sm (and the field crosses the bridge): a healthy pair is
+  // never reported stuck.
+  EXPECT_FALSE(gen_->health().receive_stuck);
+  EXPECT_FALSE(ctx_->health().receive_stuck);
 }
 
 TEST_P(EngineTest, NothingArrivedIsAnEmptyOptionalAtTheDeadline) {

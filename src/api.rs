@@ -472,6 +472,7 @@ impl EngineHandle {
             refused_auth: h.refused_auth,
             refused_rank_in_use: h.refused_rank_in_use,
             refused_by_peer: h.refused_by_peer,
+            receive_stuck: h.receive_stuck,
         }
     }
 

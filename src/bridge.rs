@@ -98,6 +98,8 @@ pub mod ffi {
         refused_auth: u64,
         refused_rank_in_use: u64,
         refused_by_peer: u64,
+        /// This process's shared-memory receive queue is stuck (see `kvlink::Health`).
+        receive_stuck: bool,
     }
 
     extern "Rust" {

@@ -14,6 +14,8 @@ struct KvlinkProbeHealth {
   std::uint64_t completed;
   std::uint64_t failed;
   std::uint64_t peers_failed;
+  /// 1 while the engine's shared-memory receive queue is stuck (kvlink::Health::receive_stuck).
+  std::uint64_t receive_stuck;
 };
 
 /// Fills `out` from the engine of `manager` (the factory's result, a ConnectionManager*).

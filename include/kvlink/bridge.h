@@ -1082,6 +1082,8 @@ struct HealthInfo final {
   ::std::uint64_t refused_auth CXX_DEFAULT_VALUE(0);
   ::std::uint64_t refused_rank_in_use CXX_DEFAULT_VALUE(0);
   ::std::uint64_t refused_by_peer CXX_DEFAULT_VALUE(0);
+  // This process's shared-memory receive queue is stuck (see `kvlink::Health`).
+  bool receive_stuck CXX_DEFAULT_VALUE(false);
 
   using IsRelocatable = ::std::true_type;
 };

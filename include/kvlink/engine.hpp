@@ -249,6 +249,11 @@ struct Health {
   std::uint64_t refused_auth = 0;
   std::uint64_t refused_rank_in_use = 0;
   std::uint64_t refused_by_peer = 0;
+  /// This process's shared-memory receive queue is stuck: a peer process died (or was stopped)
+  /// while writing into it, and nothing any peer sends over shared memory is read. Every peer
+  /// was failed when it was found and connects are refused while it lasts (state `Wedged`);
+  /// after a death only a new process recovers: replace it (docs/RELIABILITY.md, known gaps).
+  bool receive_stuck = false;
 };
 
 /// A rank's connection as this engine sees it.
@@ -501,7 +506,8 @@ class Engine {
             h.buffers_fenced,  h.ops_in_flight,  h.oldest_op_ms,    h.since_last_completion_ms,
             h.bytes_completed, h.unreaped_ops,    h.peers_reconnecting, h.reconnects,
             h.adverts_refused, h.notes_dropped,   h.unsettled_returns,  h.foreign_data,
-            h.late_data,       h.refused_auth,    h.refused_rank_in_use, h.refused_by_peer};
+            h.late_data,       h.refused_auth,    h.refused_rank_in_use, h.refused_by_peer,
+            h.receive_stuck};
   }
 
   /// This engine's metrics in the Prometheus text format (version 0.0.4): `kvlink_requests_total`

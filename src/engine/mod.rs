@@ -84,7 +84,8 @@ pub struct EngineConfig {
     pub pool_slots: u32,
     /// When this process's shared-memory receive queue is found stuck
     /// ([`Health::receive_stuck`]): fail every peer at once and refuse connects while it lasts
-    /// (true, the default), or only report it.
+    /// (true, the default), or only report it. `KVLINK_STUCK=report` in the environment makes
+    /// it false for every engine of the process.
     pub fail_peers_when_stuck: bool,
     /// Fault hooks for tests and the demo.
     pub faults: Faults,
@@ -263,7 +264,10 @@ impl Engine {
         // Every receive is posted before its sender can know the tag: anything unmatched is
         // from someone the buffer was not offered to (or too late), and is discarded.
         opts.discard_unexpected = true;
-        opts.fail_peers_when_stuck = cfg.fail_peers_when_stuck;
+        // `KVLINK_STUCK=report` turns the action off where the config cannot be reached (the
+        // TensorRT-LLM wrapper builds its own).
+        opts.fail_peers_when_stuck = cfg.fail_peers_when_stuck
+            && std::env::var("KVLINK_STUCK").map_or(true, |v| v.trim() != "report");
         let secret = match cfg.secret {
             Some(s) => Secret::new(s),
             None => Secret::new(std::env::var("KVLINK_SECRET").unwrap_or_default()),
