@@ -34,7 +34,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_millis(1500);
 /// How many passes must have polled the worker meanwhile.
 const PROBE_PASSES: u64 = 10;
 /// A ping: the agent's nonce, then the sequence number (little-endian).
-pub(super) const PING_LEN: usize = 16;
+const PING_LEN: usize = 16;
 
 /// What a [`Probe::tick`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -86,22 +86,20 @@ pub(super) struct Pass {
 fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>> {
     let keepalive = format!("{}ms", opts.keepalive.as_millis().max(1));
     let mut settings = vec![("KEEPALIVE_INTERVAL", keepalive, false)];
-    if opts.transport.may_use_mm() || mm_lanes(opts) {
-        // Without it UCX refuses shared-memory lanes (posix, sysv) under peer error handling.
-        // UCX 1.13 with both tcp and shared-memory lanes fails every active message over 100
-        // bytes ("Invalid am_short_iov length", measured); 1.22 does not. Below 1.22 (what
-        // lies between is untested) a setting that may also use the network leaves it off,
-        // and UCX uses the network transports alone, as it always did under peer handling.
-        if mm_lanes(opts) {
-            settings.push(("MM_ERROR_HANDLING", "y".into(), false));
-        } else {
-            tracing::info!(
-                "{}: transport {}: no shared memory next to the network with UCX {} (1.22+ has it)",
-                opts.name,
-                opts.transport,
-                resources::ucx_version()
-            );
-        }
+    // Without MM_ERROR_HANDLING UCX refuses shared-memory lanes (posix, sysv) under peer error
+    // handling. UCX 1.13 with both tcp and shared-memory lanes fails every active message over
+    // 100 bytes ("Invalid am_short_iov length", measured); 1.22 does not. Below 1.22 (what lies
+    // between is untested) a setting that may also use the network leaves it off, and UCX uses
+    // the network transports alone, as it always did under peer handling (`mm_lanes`).
+    if mm_lanes(opts) {
+        settings.push(("MM_ERROR_HANDLING", "y".into(), false));
+    } else if opts.transport.may_use_mm() {
+        tracing::info!(
+            "{}: transport {}: no shared memory next to the network with UCX {} (1.22+ has it)",
+            opts.name,
+            opts.transport,
+            resources::ucx_version()
+        );
     }
     let tls = opts.transport.tls();
     if tls.is_some() || opts.net_devices.is_some() {
@@ -581,19 +579,19 @@ impl Progress {
     /// waiting for deadlines that cannot be met) and refuse new connections while it lasts.
     fn receive_stuck(&mut self) {
         self.shared.receive_stuck.store(true, Ordering::Release);
-        if !self.fail_when_stuck {
-            tracing::error!(
-                "the shared-memory receive queue of this agent is stuck (a peer process died or \
-                 was stopped while writing into it; docs/RELIABILITY.md, known gaps)"
-            );
-            return;
-        }
+        let action = if self.fail_when_stuck {
+            "every peer is failed and new connections are refused until it moves again"
+        } else {
+            "reported only (fail_peers_when_stuck is off)"
+        };
         tracing::error!(
             "the shared-memory receive queue of this agent is stuck (a peer process died or was \
-             stopped while writing into it): every peer is failed and new connections are \
-             refused until it moves again; after a death only a new process recovers \
-             (docs/RELIABILITY.md, known gaps)"
+             stopped while writing into it): {action}; after a death only a new process \
+             recovers (docs/RELIABILITY.md, known gaps)"
         );
+        if !self.fail_when_stuck {
+            return;
+        }
         let peers: Vec<u64> = self.peers.keys().copied().collect();
         for peer in peers {
             self.fail_peer(peer, sys::UCS_ERR_CONNECTION_RESET, true);

@@ -166,7 +166,8 @@ pub(super) struct Shared {
     /// random nonce a ping must carry to count.
     pub(super) probe_seen: AtomicU64,
     pub(super) probe_nonce: u64,
-    /// The probe found the shared-memory receive queue stuck (sticky).
+    /// The probe found the shared-memory receive queue stuck; cleared if its ping is read
+    /// after all (the writer holding the queue was only stopped).
     pub(super) receive_stuck: AtomicBool,
 }
 
