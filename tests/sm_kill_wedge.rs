@@ -129,6 +129,18 @@ struct Round {
     fresh: Option<Option<kvlink::Result<Outcome>>>,
     /// The agent's answer to a new connection once stuck (when it fails its peers).
     connect_refused: Option<kvlink::ErrorKind>,
+    /// This process's CPU over one second once stuck, in cores: UCX cannot arm a worker whose
+    /// queue is stuck, and the progress thread must back off rather than spin on it.
+    cpu_while_stuck: Option<f64>,
+}
+
+/// CPU time (user + system) of this process so far.
+fn cpu() -> Duration {
+    // SAFETY: getrusage writes into the zeroed struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let t = |tv: libc::timeval| Duration::new(tv.tv_sec as u64, tv.tv_usec as u32 * 1000);
+    t(ru.ru_utime) + t(ru.ru_stime)
 }
 
 fn completed(r: &kvlink::Result<Outcome>) -> bool {
@@ -183,12 +195,18 @@ fn round(sends: usize, fail: bool) -> Round {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    let cpu_while_stuck = stuck_after.map(|_| {
+        let (c0, t0) = (cpu(), Instant::now());
+        std::thread::sleep(Duration::from_secs(1));
+        (cpu() - c0).as_secs_f64() / t0.elapsed().as_secs_f64()
+    });
     let mut r = Round {
         healthy: healthy_got,
         healthy_after,
         stuck_after,
         fresh: None,
         connect_refused: None,
+        cpu_while_stuck,
     };
     if fail && stuck_after.is_some() {
         let t = Instant::now();
@@ -243,9 +261,14 @@ fn a_stuck_sm_receive_queue_is_found_and_reported() {
         let r = round((i % 7 + 1) * 20, fail);
         println!(
             "round {i} (fail peers: {fail}): healthy sender's data {:?} after {:?}; stuck \
-             reported after {:?}; fresh sender {:?}; connect once stuck {:?}",
-            r.healthy, r.healthy_after, r.stuck_after, r.fresh, r.connect_refused
+             reported after {:?}; fresh sender {:?}; connect once stuck {:?}; CPU once stuck \
+             {:?} of a core",
+            r.healthy, r.healthy_after, r.stuck_after, r.fresh, r.connect_refused, r.cpu_while_stuck
         );
+        if let Some(c) = r.cpu_while_stuck {
+            // A progress thread spinning on the unarmable worker costs a whole core.
+            assert!(c < 0.2, "{c:.2} of a core while the queue is stuck: something spins");
+        }
         let fresh_ok = r.fresh.as_ref().map(|f| f.as_ref().is_some_and(completed));
         match (r.stuck_after, fail) {
             (None, _) => {

@@ -32,6 +32,16 @@ const SINK_IDLE: Duration = Duration::from_millis(100);
 /// only follows progress. `KVLINK_POLL_US` overrides it (0 turns polling off).
 const POLL_AFTER_PROGRESS: Duration = Duration::from_micros(100);
 
+/// Passes in a row that may find the worker unarmable (`UCS_ERR_BUSY`) before the thread backs
+/// off. A busy arm normally means data arrived between the pass and the arm, and the next pass
+/// takes it; one that persists while passes find nothing is a shared-memory receive queue whose
+/// head slot was claimed and never written (a writer stopped or killed mid-write:
+/// docs/RELIABILITY.md, known gaps). UCX refuses to arm the worker for as long as that lasts.
+const BUSY_SPINS: u32 = 64;
+/// The longest back-off sleep while the worker stays unarmable: the wedged state is polled
+/// (and commands are taken at once, through the wake eventfd) without spinning a core.
+const BUSY_SLEEP_MAX: Duration = Duration::from_millis(16);
+
 pub(super) fn poll_window() -> Duration {
     std::env::var("KVLINK_POLL_US")
         .ok()
@@ -177,6 +187,7 @@ fn run(shared: &Shared) {
     let window = shared.poll_window;
     let mut last_progress = Instant::now();
     let mut seen_caller_passes = 0;
+    let mut busy_streak = 0u32;
     loop {
         let mut guard = shared.driver.lock();
         let Some(p) = guard.as_mut() else { return };
@@ -187,6 +198,7 @@ fn run(shared: &Shared) {
         }
         if pass.progressed {
             empty_streak = 0;
+            busy_streak = 0;
             last_progress = Instant::now();
         }
         if pass.sink_ran || !shared.cb_events.lock().is_empty() {
@@ -205,8 +217,20 @@ fn run(shared: &Shared) {
         // SAFETY: the worker is used only under the driver lock, which we hold.
         let st = unsafe { sys::ucp_worker_arm(p.worker.0) };
         if st == sys::UCS_ERR_BUSY {
+            busy_streak += 1;
+            if busy_streak <= BUSY_SPINS {
+                continue;
+            }
+            // Unarmable and nothing found (see BUSY_SPINS): sleep on the wake eventfd alone,
+            // 1, 2, 4 ... up to 16 ms, never past the sink's next timer.
+            let step = Duration::from_millis(1 << (busy_streak - BUSY_SPINS - 1).min(4));
+            let nap = step.min(BUSY_SLEEP_MAX).min(Duration::from_millis(p.sleep_ms().max(1) as u64));
+            drop(guard);
+            shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
+            wait_for_wake(shared, nap);
             continue;
         }
+        busy_streak = 0;
         // A bounded sleep: UCX keepalive needs progress now and then even when idle, and the
         // sink's next timer must not be slept through.
         let sleep_ms = p.sleep_ms();
@@ -266,6 +290,23 @@ fn run(shared: &Shared) {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
+    }
+}
+
+/// Sleeps until the wake eventfd fires (a command was queued) or `nap` passes.
+fn wait_for_wake(shared: &Shared, nap: Duration) {
+    let fd = shared.wake_fd.as_raw_fd();
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd, ours; the eventfd lives as long as `shared`.
+    let n = unsafe { libc::poll(&mut pfd, 1, nap.as_millis().max(1) as c_int) };
+    if n > 0 && pfd.revents & libc::POLLIN != 0 {
+        let mut buf = 0u64;
+        // SAFETY: reading 8 bytes from our eventfd into a u64.
+        unsafe { libc::read(fd, &mut buf as *mut u64 as *mut c_void, 8) };
     }
 }
 
