@@ -82,6 +82,62 @@ TEST_P(EngineTest, FullRoundTripThroughTheFacade) {
   EXPECT_FALSE(ctx_->health().receive_stuck);
 }
 
+// A receive region: registered once, received into by range, checked with typed errors, and
+// taken back only when nothing receives into it.
+TEST_P(EngineTest, RequestsReceiveIntoARegisteredRegion) {
+  std::vector<std::uint8_t> region(256 << 10, 0);
+  const kvlink::RegionId r = gen_->register_region(region.data(), region.size());
+  const auto expect_kind = [](kvlink::ErrorKind kind, auto&& f, const char* what) {
+    try {
+      f();
+      ADD_FAILURE() << what << ": no error";
+    } catch (const kvlink::Error& e) {
+      EXPECT_EQ(e.kind(), kind) << what << ": " << e.what();
+    }
+  };
+  expect_kind(kvlink::ErrorKind::InvalidArgument,
+              [&] { gen_->register_region(region.data() + 100, 10); }, "an overlapping region");
+  expect_kind(kvlink::ErrorKind::OutOfBounds,
+              [&] { gen_->region_buffer(r, kvlink::BufferKind::Kv, 0, region.size() - 10, 11); },
+              "a buffer past the region's end");
+  expect_kind(kvlink::ErrorKind::InvalidArgument,
+              [&] { gen_->region_buffer(r + 1000, kvlink::BufferKind::Kv, 0, 0, 1); }, "an unknown region");
+  // A buffer that straddles the region's edge is refused before anything is posted.
+  std::vector<std::uint8_t> outside(16);
+  expect_kind(kvlink::ErrorKind::OutOfBounds,
+              [&] {
+                gen_->advertise({7, 0}, {}, kCtx,
+                                {{kvlink::BufferKind::Kv, 0, region.data() + region.size() - 8, 16}}, {});
+              },
+              "a buffer straddling the region's end");
+  EXPECT_EQ(gen_->health().buffers_leased, 0u);
+
+  const RequestKey key{8, 0};
+  const std::size_t off = 4096, len = 64 << 10;
+  const kvlink::Buffer b = gen_->region_buffer(r, kvlink::BufferKind::Kv, 0, off, len);
+  EXPECT_EQ(b.data, region.data() + off);
+  gen_->advertise(key, {}, kCtx, {b}, {});
+  EXPECT_EQ(gen_->region_info(r).receives, 1u);
+  expect_kind(kvlink::ErrorKind::InvalidArgument,
+              [&] { gen_->deregister_region(r, kvlink::after(1s)); }, "deregistration while in use");
+  auto adv = ctx_->next_advertisement(kvlink::after(5s));
+  ASSERT_TRUE(adv);
+  ctx_->accept(key, kGen, true);
+  const auto src = pattern(len, 3);
+  EXPECT_EQ(ctx_->send(key, kGen, 0, src.data(), src.size(), kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
+  EXPECT_TRUE(std::equal(src.begin(), src.end(), region.begin() + off));
+  const kvlink::RegionInfo info = gen_->region_info(r);
+  EXPECT_EQ(info.address, reinterpret_cast<std::uint64_t>(region.data()));
+  EXPECT_EQ(info.size, region.size());
+  EXPECT_EQ(info.receives, 0u);
+  EXPECT_EQ(info.fenced_bytes, 0u);
+  EXPECT_EQ(gen_->health().region_fenced_bytes, 0u);
+  gen_->deregister_region(r, kvlink::after(1s));
+  expect_kind(kvlink::ErrorKind::InvalidArgument, [&] { gen_->region_info(r); }, "a deregistered region");
+}
+
 TEST_P(EngineTest, NothingArrivedIsAnEmptyOptionalAtTheDeadline) {
   const auto t0 = kvlink::Clock::now();
   EXPECT_FALSE(ctx_->next_advertisement(kvlink::after(100ms)));

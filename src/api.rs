@@ -9,8 +9,10 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use crate::boundary::guard;
-use crate::bridge::ffi::{AdvertInfo, BufferInfo, EngineOptions, HealthInfo, NotificationInfo};
-use crate::engine::{BufferSpec, Engine, EngineConfig};
+use crate::bridge::ffi::{
+    AdvertInfo, BufferInfo, EngineOptions, HealthInfo, NotificationInfo, RegionStatus,
+};
+use crate::engine::{BufferSpec, Engine, EngineConfig, RegionId};
 use crate::error::{Error, Outcome, Result};
 use crate::proto::{BufferKind, RankId, RequestKey, Role};
 use crate::transport::TransportKind;
@@ -473,6 +475,8 @@ impl EngineHandle {
             refused_rank_in_use: h.refused_rank_in_use,
             refused_by_peer: h.refused_by_peer,
             receive_stuck: h.receive_stuck,
+            region_fenced_bytes: h.region_fenced_bytes,
+            region_fences: h.region_fences,
         }
     }
 
@@ -482,5 +486,41 @@ impl EngineHandle {
 
     pub fn peer_state(&self, rank: u32) -> u8 {
         self.engine.peer_state(RankId(rank)) as u8
+    }
+
+    /// # Safety
+    /// As for [`Engine::register_region`]: the memory stays valid until `deregister_region`
+    /// returns for it, or the engine is dropped.
+    pub unsafe fn register_region(&self, addr: u64, len: u64) -> Result<u64> {
+        // SAFETY: forwarded caller promise.
+        guard(|| unsafe { self.engine.register_region(addr, len) }.map(|r| r.0))
+    }
+
+    pub fn region_address(&self, region: u64, offset: u64, len: u64) -> Result<u64> {
+        guard(|| {
+            self.engine
+                .region_buffer(RegionId(region), BufferKind::Kv, 0, offset, len)
+                .map(|b| b.addr)
+        })
+    }
+
+    pub fn region_info(&self, region: u64) -> Result<RegionStatus> {
+        guard(|| {
+            let i = self.engine.region_info(RegionId(region))?;
+            Ok(RegionStatus {
+                addr: i.addr,
+                len: i.len,
+                receives: i.receives as u64,
+                fenced_receives: i.fenced_receives as u64,
+                fenced_bytes: i.fenced_bytes,
+            })
+        })
+    }
+
+    pub fn deregister_region(&self, region: u64, timeout_ms: u64) -> Result<()> {
+        guard(|| {
+            self.engine
+                .deregister_region(RegionId(region), deadline(timeout_ms))
+        })
     }
 }

@@ -44,6 +44,10 @@ pub enum ErrorKind {
     /// The peer's rank is bound to another live process: a second process with the same rank
     /// is refused until the first is gone.
     RankInUse = 16,
+    /// The memory overlaps a fenced range of a receive region: a receive of a request that has
+    /// ended is still held by UCX there (its sender may yet write). Use other memory, or retry
+    /// once the region's `fenced_bytes` is 0.
+    Fenced = 17,
 }
 
 impl ErrorKind {
@@ -69,6 +73,7 @@ impl ErrorKind {
             QueueFull,
             AuthFailed,
             RankInUse,
+            Fenced,
         ]
         .into_iter()
         .find(|k| k.code() == code)
@@ -91,6 +96,7 @@ impl ErrorKind {
             ErrorKind::QueueFull => "QueueFull",
             ErrorKind::AuthFailed => "AuthFailed",
             ErrorKind::RankInUse => "RankInUse",
+            ErrorKind::Fenced => "Fenced",
         }
     }
 }

@@ -74,6 +74,7 @@ pub(crate) struct Metrics {
     fenced: Gauge,
     state: Gauge,
     stuck: Gauge,
+    region_fenced: Gauge,
     /// Serialises the catch-up from `Health` and the encoding (two scrapes at once would
     /// otherwise both add the same increment).
     scrape: Mutex<()>,
@@ -123,6 +124,7 @@ impl Metrics {
             fenced: Gauge::default(),
             state: Gauge::default(),
             stuck: Gauge::default(),
+            region_fenced: Gauge::default(),
             scrape: Mutex::new(()),
             registry: Registry::default(),
         };
@@ -167,6 +169,12 @@ impl Metrics {
             "receive_queue_stuck",
             "1 while this process's shared-memory receive queue is stuck (a peer died or was stopped mid-write; see docs/RELIABILITY.md)",
             m.stuck.clone(),
+        );
+        registry.register_with_unit(
+            "region_fenced",
+            "Receive-region bytes fenced until the transport releases them (refused to new requests meanwhile)",
+            Unit::Bytes,
+            m.region_fenced.clone(),
         );
         registry.register(
             "stale_frames",
@@ -238,6 +246,7 @@ impl Metrics {
         gauge(&self.fenced, h.buffers_fenced);
         gauge(&self.state, h.state as u64);
         gauge(&self.stuck, u64::from(h.receive_stuck));
+        gauge(&self.region_fenced, h.region_fenced_bytes);
         // Monotonic: only the increase since the last scrape is added.
         let catch_up = |c: &Counter, v: u64| {
             c.inc_by(v.saturating_sub(c.get()));
@@ -347,6 +356,7 @@ mod tests {
         assert_eq!(v("kvlink_buffers_fenced"), 1.0);
         assert_eq!(v("kvlink_health_state"), 1.0);
         assert_eq!(v("kvlink_receive_queue_stuck"), 0.0);
+        assert_eq!(v("kvlink_region_fenced_bytes"), 0.0);
         assert_eq!(v("kvlink_stale_frames_total"), 2.0);
         assert_eq!(v("kvlink_bad_frames_total"), 3.0);
         assert_eq!(v("kvlink_peer_failures_total"), 1.0);

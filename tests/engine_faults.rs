@@ -317,3 +317,88 @@ fn connect_returns_by_its_deadline_whatever_the_peer_does() {
     );
     connect_fails_in_time("tcp", Some(&net.a), &addr, "800", "partitioned peer");
 }
+
+/// Receive regions (`Engine::register_region`): a frozen sender mid-transfer into a region ends
+/// the receiver by its deadline without the receiver closing anything. The receives UCX still
+/// holds are fenced by range, and only that range is refused (`Fenced`, at once) while the
+/// sender stays frozen. When the sender resumes (past its deadline) it stops its own send to
+/// get its memory back, which may cost that endpoint on its side (README, "How a request
+/// moves"); the pair reconnects by itself, the fence lifts by itself once UCX releases the
+/// receives, and both halves of the region serve again with every byte checked. Finally a
+/// deregistration ends a fence that nothing lifts (the sender frozen again) by closing that
+/// endpoint, and returns by its deadline.
+#[test]
+fn frozen_sender_into_a_region_fences_only_its_range_and_the_pair_goes_on() {
+    for tl in ["tcp", "sm"] {
+        println!("== {tl}: sender frozen (SIGSTOP) mid-transfer into a receive region");
+        // Request 1 (half 1) completes; request 2 (half 0) is mid-transfer.
+        let (mut ctx, mut gen, _) = pair_mid_request(tl, &["--region"]);
+        ctx.signal(libc::SIGSTOP);
+        let g = gen.expect("GEN 2 ");
+        check_bounded("receiver", &g);
+        let fenced: u64 = field(&g, "region_fenced").parse().unwrap();
+        assert_eq!(
+            field(&g, "peers_failed"),
+            "0",
+            "the receiver closed the pair: {g}"
+        );
+        if fenced > 0 {
+            // Half 0 is fenced: refused at once, while the sender is still frozen.
+            let t0 = Instant::now();
+            gen.send("REQ 4");
+            let r = gen.expect("GEN 4 ");
+            println!("  overlapping the fence: {r} ({:?})", t0.elapsed());
+            assert!(r.contains("advertise-error Fenced"), "{r}");
+            assert!(t0.elapsed() < Duration::from_millis(500), "{r}");
+        } else {
+            println!("  UCX released every receive in time: nothing was fenced this round");
+        }
+        ctx.signal(libc::SIGCONT);
+        let t0 = Instant::now();
+        let c = ctx.expect("CTX 2 ");
+        println!("  sender: {c} ({:?} after SIGCONT)", t0.elapsed());
+        assert!(t0.elapsed() < Duration::from_secs(1), "{c}");
+        assert!(["TimedOut", "PeerLost"].contains(&field(&c, "end")), "{c}");
+        // The fence lifts by itself once UCX releases the receives, and the pair is (again)
+        // connected, with no connect() by hand.
+        let t0 = Instant::now();
+        let h = loop {
+            gen.send("HEALTH");
+            let h = gen.expect("HEALTH");
+            let settled = field(&h, "region_fenced") == "0" && field(&h, "peer") == "Connected";
+            if settled || t0.elapsed() > Duration::from_secs(5) {
+                break h;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        println!("  settled {:?} after the sender's end: {h}", t0.elapsed());
+        assert_eq!(field(&h, "region_fenced"), "0", "{h}");
+        assert_eq!(field(&h, "peer"), "Connected", "{h}");
+        assert_eq!(field(&h, "leased"), "0", "{h}");
+        assert_eq!(field(&h, "fenced"), "0", "{h}");
+        assert_eq!(
+            field(&h, "region_fences").parse::<u64>().unwrap() > 0,
+            fenced > 0,
+            "{h}"
+        );
+        // Both halves serve again, the once-fenced one included, every byte checked.
+        completes(&mut ctx, &mut gen, 3);
+        completes(&mut ctx, &mut gen, 6);
+        // A fence that nothing lifts: the sender frozen again mid-transfer (request 7, half 1).
+        start_request(&mut ctx, &mut gen, 7);
+        ctx.signal(libc::SIGSTOP);
+        let g = gen.expect("GEN 7 ");
+        check_bounded("receiver", &g);
+        let t0 = Instant::now();
+        gen.send("DEREG 1000");
+        let d = gen.expect("DEREG ");
+        println!(
+            "  deregistered with {} bytes fenced: {d} in {:?}",
+            field(&g, "region_fenced"),
+            t0.elapsed()
+        );
+        assert!(d.starts_with("DEREG ok"), "{d}");
+        assert!(late(&d) <= SLACK_MS, "{d}");
+        ctx.signal(libc::SIGCONT);
+    }
+}

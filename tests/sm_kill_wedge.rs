@@ -263,11 +263,19 @@ fn a_stuck_sm_receive_queue_is_found_and_reported() {
             "round {i} (fail peers: {fail}): healthy sender's data {:?} after {:?}; stuck \
              reported after {:?}; fresh sender {:?}; connect once stuck {:?}; CPU once stuck \
              {:?} of a core",
-            r.healthy, r.healthy_after, r.stuck_after, r.fresh, r.connect_refused, r.cpu_while_stuck
+            r.healthy,
+            r.healthy_after,
+            r.stuck_after,
+            r.fresh,
+            r.connect_refused,
+            r.cpu_while_stuck
         );
         if let Some(c) = r.cpu_while_stuck {
             // A progress thread spinning on the unarmable worker costs a whole core.
-            assert!(c < 0.2, "{c:.2} of a core while the queue is stuck: something spins");
+            assert!(
+                c < 0.2,
+                "{c:.2} of a core while the queue is stuck: something spins"
+            );
         }
         let fresh_ok = r.fresh.as_ref().map(|f| f.as_ref().is_some_and(completed));
         match (r.stuck_after, fail) {

@@ -963,6 +963,7 @@ std::size_t align_of() {
 namespace kvlink {
   namespace ffi {
     struct EngineOptions;
+    struct RegionStatus;
     struct BufferInfo;
     struct AdvertInfo;
     struct NotificationInfo;
@@ -1002,6 +1003,20 @@ struct EngineOptions final {
   using IsRelocatable = ::std::true_type;
 };
 #endif // CXXBRIDGE1_STRUCT_kvlink$ffi$EngineOptions
+
+#ifndef CXXBRIDGE1_STRUCT_kvlink$ffi$RegionStatus
+#define CXXBRIDGE1_STRUCT_kvlink$ffi$RegionStatus
+// A receive region now (see `Engine::region_info`).
+struct RegionStatus final {
+  ::std::uint64_t addr CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t len CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t receives CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t fenced_receives CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t fenced_bytes CXX_DEFAULT_VALUE(0);
+
+  using IsRelocatable = ::std::true_type;
+};
+#endif // CXXBRIDGE1_STRUCT_kvlink$ffi$RegionStatus
 
 #ifndef CXXBRIDGE1_STRUCT_kvlink$ffi$BufferInfo
 #define CXXBRIDGE1_STRUCT_kvlink$ffi$BufferInfo
@@ -1084,6 +1099,9 @@ struct HealthInfo final {
   ::std::uint64_t refused_by_peer CXX_DEFAULT_VALUE(0);
   // This process's shared-memory receive queue is stuck (see `kvlink::Health`).
   bool receive_stuck CXX_DEFAULT_VALUE(false);
+  // Receive-region bytes fenced now, and receives fenced that way so far.
+  ::std::uint64_t region_fenced_bytes CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t region_fences CXX_DEFAULT_VALUE(0);
 
   using IsRelocatable = ::std::true_type;
 };
@@ -1127,6 +1145,14 @@ struct EngineHandle final : public ::rust::Opaque {
   // pinned host buffers, 1 direct (UCX reports CUDA memory support).
   ::std::uint8_t device_path() const noexcept;
 
+  // Lends `[addr, addr + len)` to the engine as a receive region; returns its id.
+  ::std::uint64_t register_region(::std::uint64_t addr, ::std::uint64_t len) const;
+
+  // The address of `len` bytes at `offset` in a region (OutOfBounds past its end).
+  ::std::uint64_t region_address(::std::uint64_t region, ::std::uint64_t offset, ::std::uint64_t len) const;
+
+  ::kvlink::ffi::RegionStatus region_info(::std::uint64_t region) const;
+  void deregister_region(::std::uint64_t region, ::std::uint64_t timeout_ms) const;
   ~EngineHandle() = delete;
 
 private:

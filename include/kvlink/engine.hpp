@@ -44,9 +44,11 @@
 //     agree within the bound; a `wait_*` with a later deadline returns then.
 //   - A caller's own earlier deadline, or its cancel flag, gives the request up the same way
 //     (`TimedOut` / `Cancelled`, agreed within the bound). A `wait_*` returns only once nothing
-//     can write the receive buffers any more: unmatched receives are cancelled; one that UCX
-//     cannot recall (half a large message in) has its endpoint force-closed, and the engine
-//     reconnects the pair by itself.
+//     can write the caller's receive buffers any more: unmatched receives are cancelled; one
+//     that UCX cannot recall (half a large message in) has its endpoint force-closed, and the
+//     engine reconnects the pair by itself. Into a receive region (`register_region`) such a
+//     receive is fenced by range instead: the wait returns at once, advertisements that overlap
+//     the range throw `Fenced` until UCX releases it, and the pair is not touched.
 //   - Outcomes: the ranks report the same outcome when they can talk before the deadline. When
 //     they cannot (partition, frozen or dead peer), each reports a failure by its own deadline:
 //     `TimedOut` if its deadline came first (or it gave up), `PeerLost` if the transport said the
@@ -157,6 +159,21 @@ struct Buffer {
   std::int32_t device_id = -1;
 };
 
+/// A receive region: host memory lent to the engine once (`Engine::register_region`).
+using RegionId = std::uint64_t;
+
+/// A receive region now (`Engine::region_info`).
+struct RegionInfo {
+  std::uint64_t address = 0;
+  std::uint64_t size = 0;
+  /// Receives into the region that UCX still holds, fenced ones included.
+  std::uint64_t receives = 0;
+  /// Of those, receives of requests that have ended: their ranges are refused to new requests
+  /// (`ErrorKind::Fenced`) until UCX releases them.
+  std::uint64_t fenced_receives = 0;
+  std::uint64_t fenced_bytes = 0;
+};
+
 /// A buffer as the context rank sees it in an advertisement.
 struct RemoteBuffer {
   BufferKind kind = BufferKind::Kv;
@@ -254,6 +271,11 @@ struct Health {
   /// was failed when it was found and connects are refused while it lasts (state `Wedged`);
   /// after a death only a new process recovers: replace it (docs/RELIABILITY.md, known gaps).
   bool receive_stuck = false;
+  /// Bytes of receive regions fenced now: receives of ended requests that UCX still holds
+  /// (refused to new requests, `ErrorKind::Fenced`, until released); and receives fenced that
+  /// way so far. Each cost its range for a while, never the pair.
+  std::uint64_t region_fenced_bytes = 0;
+  std::uint64_t region_fences = 0;
 };
 
 /// A rank's connection as this engine sees it.
@@ -370,7 +392,8 @@ class Engine {
   /// `receivers` lists every generation rank of the request (empty: this rank alone); they agree
   /// on one verdict. Does not block. The buffers are borrowed until `wait_receiver(key)` returns.
   /// Throws `Error`: InvalidArgument if the key is already known here (a replay), UnknownPeer if
-  /// `sender` is not connected, OutOfBounds for a null or empty buffer.
+  /// `sender` is not connected, OutOfBounds for a null or empty buffer (or one straddling a
+  /// receive region's edge), Fenced for one overlapping a fenced range of a region.
   /// `timeout`: this request's own deadline from now (zero: `EngineConfig::timeout`).
   void advertise(RequestKey key, const std::vector<std::uint32_t>& receivers, std::uint32_t sender,
                  const std::vector<Buffer>& buffers, const std::vector<std::uint8_t>& request_info,
@@ -403,6 +426,48 @@ class Engine {
                                detail::slice(request_info),
                                timeout.count() > 0 ? static_cast<std::uint64_t>(timeout.count()) : 0);
     });
+  }
+
+  /// Lends `[data, data + size)` of host memory to the engine as a receive region, once.
+  /// Requests then receive into ranges of it (`region_buffer`, or any `Buffer` whose memory lies
+  /// inside it). When a request ends while UCX still holds one of its receives (a frozen or cut-off
+  /// sender whose data was already matched), `wait_receiver` returns at once and only that
+  /// receive's range is fenced: advertisements that overlap it throw `Fenced` until UCX releases
+  /// it, and nothing else on the pair is touched. Into memory outside any region the endpoint is
+  /// force-closed instead, which costs every request on the pair. Does not block. Throws
+  /// InvalidArgument for a null or empty range, or one overlapping another region. The memory
+  /// must stay valid until `deregister_region` returns for it, or the engine is destroyed: the
+  /// engine may write a fenced range after its request has ended.
+  RegionId register_region(void* data, std::size_t size) {
+    return detail::call(
+        [&] { return handle_->register_region(reinterpret_cast<std::uint64_t>(data), size); });
+  }
+
+  /// A buffer of `size` bytes at `offset` in `region`. Throws OutOfBounds past the region's end,
+  /// InvalidArgument for an unknown region. Does not block.
+  Buffer region_buffer(RegionId region, BufferKind kind, std::uint32_t segment, std::size_t offset,
+                       std::size_t size) const {
+    Buffer b;
+    b.kind = kind;
+    b.segment = segment;
+    b.data = reinterpret_cast<void*>(
+        detail::call([&] { return handle_->region_address(region, offset, size); }));
+    b.size = size;
+    return b;
+  }
+
+  /// The region's receives and fenced ranges now. Does not block.
+  RegionInfo region_info(RegionId region) const {
+    const ffi::RegionStatus s = detail::call([&] { return handle_->region_info(region); });
+    return {s.addr, s.len, s.receives, s.fenced_receives, s.fenced_bytes};
+  }
+
+  /// Blocks: takes the region back. Throws InvalidArgument while a running request receives
+  /// into it. Fenced receives are ended now: their endpoints are force-closed (those pairs
+  /// reconnect) and the call waits until UCX has released them, or throws `Fenced` at the
+  /// deadline with the region still registered.
+  void deregister_region(RegionId region, Deadline deadline) {
+    detail::call([&] { handle_->deregister_region(region, detail::ms_until(deadline)); });
   }
 
   /// Context rank, blocks: the next advertisement, or empty at the deadline or on cancel.
@@ -507,7 +572,7 @@ class Engine {
             h.bytes_completed, h.unreaped_ops,    h.peers_reconnecting, h.reconnects,
             h.adverts_refused, h.notes_dropped,   h.unsettled_returns,  h.foreign_data,
             h.late_data,       h.refused_auth,    h.refused_rank_in_use, h.refused_by_peer,
-            h.receive_stuck};
+            h.receive_stuck,   h.region_fenced_bytes, h.region_fences};
   }
 
   /// This engine's metrics in the Prometheus text format (version 0.0.4): `kvlink_requests_total`

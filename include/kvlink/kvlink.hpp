@@ -118,6 +118,10 @@ enum class ErrorKind : std::uint8_t {
   /// The peer's rank is bound to another live process: a second process with the same rank is
   /// refused until the first is gone.
   RankInUse = 16,
+  /// The memory overlaps a fenced range of a receive region: a receive of an ended request that
+  /// UCX still holds (its sender may yet write). Use other memory, or retry once the region's
+  /// `fenced_bytes` is 0.
+  Fenced = 17,
 };
 
 /// How a bounded wait ended. Only `Completed` is success; the others are ordinary results, not
@@ -154,6 +158,7 @@ constexpr const char* to_string(ErrorKind kind) noexcept {
     case ErrorKind::QueueFull: return "QueueFull";
     case ErrorKind::AuthFailed: return "AuthFailed";
     case ErrorKind::RankInUse: return "RankInUse";
+    case ErrorKind::Fenced: return "Fenced";
   }
   return "Unknown";
 }

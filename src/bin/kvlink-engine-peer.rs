@@ -9,7 +9,10 @@
 //! `kvlink-engine-peer gen --transport tcp|sm --to ADDR --sizes 4K,64M,.. [--timeout-ms N]`
 //!   connects, prints `CONNECTED`, then for every stdin line `REQ <id>` advertises one request
 //!   with one buffer per size, prints `ADV <id>`, waits for its end and prints
-//!   `GEN <id> end=<outcome> late_ms=<ms> verified=<bool> leased=<n>`; `HEALTH` prints a line.
+//!   `GEN <id> end=<outcome> late_ms=<ms> verified=<bool> leased=<n> ... region_fenced=<bytes>
+//!   peers_failed=<n>`; `HEALTH` prints a line. With `--region` the buffers are ranges of one
+//!   registered receive region (request N in its half N % 2), and `DEREG <ms>` deregisters it
+//!   with that deadline, printing `DEREG ok|error:<kind> late_ms=<ms>`.
 //!   With `--health-every-ms N` a second thread prints `STATE <Healthy|Degraded|Wedged>` every N
 //!   ms (`--wedge-ms`, `--degraded-ms` set the windows). With `--listen` it also listens (and
 //!   prints `ADDR <address>` first), so that a third process can reach it. A refused handshake
@@ -116,6 +119,10 @@ struct GenOpts {
     /// retrying; 0 is a deadline already passed).
     #[arg(long = "connect-ms")]
     connect_ms: Option<u64>,
+    /// Receive into a registered receive region (two request-sized halves, request N in half
+    /// N % 2) instead of fresh memory per request.
+    #[arg(long)]
+    region: bool,
 }
 
 fn size(s: &str) -> usize {
@@ -302,6 +309,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
         retry_ms,
         instance,
         connect_ms,
+        region,
     } = opts;
     let timeout = Duration::from_millis(args.timeout_ms);
     let by_address = setting.0.by_worker_address();
@@ -334,6 +342,21 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
         });
     }
     let sizes: Vec<usize> = sizes.split(',').map(size).collect();
+    let half: usize = sizes.iter().sum();
+    // The region lives as long as the process (leaked: other threads may hold the engine).
+    let region_mem: &'static mut [u8] = match region {
+        true => Box::leak(vec![0u8; 2 * half].into_boxed_slice()),
+        false => &mut [],
+    };
+    let region_base = region_mem.as_mut_ptr();
+    let region_id = match region {
+        // SAFETY: the region memory is never freed and nothing else writes it.
+        true => Some(
+            unsafe { engine.register_region(region_base as u64, region_mem.len() as u64) }
+                .expect("register_region"),
+        ),
+        false => None,
+    };
     let retry_until = Instant::now() + Duration::from_millis(*retry_ms);
     // While retrying, each attempt gets a few seconds: an attempt can be lost when the peer
     // closes the refused endpoint of the one before.
@@ -366,18 +389,39 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
             ["REQ", id] => {
                 let id: u64 = id.parse().expect("request id");
                 let key = RequestKey::new(id, 0);
-                let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
-                let specs: Vec<BufferSpec> = bufs
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(i, b)| BufferSpec {
-                        kind: BufferKind::Kv,
-                        segment: i as u32,
-                        addr: b.as_mut_ptr() as u64,
-                        len: b.len() as u64,
-                        device_id: -1,
-                    })
-                    .collect();
+                let mut bufs: Vec<Vec<u8>> = match region_id {
+                    Some(_) => Vec::new(),
+                    None => sizes.iter().map(|&n| vec![0u8; n]).collect(),
+                };
+                let specs: Vec<BufferSpec> = match region_id {
+                    Some(r) => {
+                        let mut off = (id as usize % 2) * half;
+                        let mut specs = Vec::new();
+                        for (i, &n) in sizes.iter().enumerate() {
+                            let s = engine.region_buffer(
+                                r,
+                                BufferKind::Kv,
+                                i as u32,
+                                off as u64,
+                                n as u64,
+                            );
+                            specs.push(s.expect("region_buffer"));
+                            off += n;
+                        }
+                        specs
+                    }
+                    None => bufs
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(i, b)| BufferSpec {
+                            kind: BufferKind::Kv,
+                            segment: i as u32,
+                            addr: b.as_mut_ptr() as u64,
+                            len: b.len() as u64,
+                            device_id: -1,
+                        })
+                        .collect(),
+                };
                 let deadline = Instant::now() + timeout;
                 let cpu0 = cpu_ms();
                 // SAFETY: `bufs` outlives the request: we wait for its end below.
@@ -385,7 +429,11 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
                     engine.advertise(key, vec![RankId(GEN)], vec![(peer, specs)], vec![])
                 };
                 if let Err(e) = adv {
-                    say(format!("GEN {id} advertise-error {:?} {e}", e.kind));
+                    say(format!(
+                        "GEN {id} advertise-error {:?} late_ms={:.1} {e}",
+                        e.kind,
+                        late_ms(deadline)
+                    ));
                     continue;
                 }
                 say(format!("ADV {id}"));
@@ -394,25 +442,50 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
                     .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
                 let late = late_ms(deadline);
                 let cpu = cpu_ms() - cpu0;
-                let leased = engine.health().buffers_leased;
-                let verified = bufs
-                    .iter()
-                    .enumerate()
-                    .all(|(i, b)| intact(id, i as u32, b));
+                let h = engine.health();
+                let verified = match region_id {
+                    Some(_) => {
+                        let mut off = (id as usize % 2) * half;
+                        sizes.iter().enumerate().all(|(i, &n)| {
+                            // SAFETY: inside the region; the request has ended, so nothing
+                            // writes this half unless it is fenced (then it is not Completed).
+                            let b = unsafe { std::slice::from_raw_parts(region_base.add(off), n) };
+                            off += n;
+                            intact(id, i as u32, b)
+                        })
+                    }
+                    None => bufs
+                        .iter()
+                        .enumerate()
+                        .all(|(i, b)| intact(id, i as u32, b)),
+                };
                 say(format!(
-                    "GEN {id} end={end} late_ms={late:.1} verified={verified} leased={leased} cpu_ms={cpu:.1}"
+                    "GEN {id} end={end} late_ms={late:.1} verified={verified} leased={} cpu_ms={cpu:.1} region_fenced={} peers_failed={}",
+                    h.buffers_leased, h.region_fenced_bytes, h.peers_failed
                 ));
+            }
+            ["DEREG", ms] => {
+                let deadline = Instant::now() + Duration::from_millis(ms.parse().expect("ms"));
+                let r = region_id.map(|r| engine.deregister_region(r, deadline));
+                let res = match r {
+                    Some(Ok(())) => "ok".to_string(),
+                    Some(Err(e)) => format!("error:{:?}", e.kind),
+                    None => "error:no-region".to_string(),
+                };
+                say(format!("DEREG {res} late_ms={:.1}", late_ms(deadline)));
             }
             ["HEALTH"] => {
                 let h = engine.health();
                 say(format!(
-                    "HEALTH peer={:?} failed={} reconnects={} leased={} fenced={} unsettled={}",
+                    "HEALTH peer={:?} failed={} reconnects={} leased={} fenced={} unsettled={} region_fenced={} region_fences={}",
                     engine.peer_state(peer),
                     h.peers_failed,
                     h.reconnects,
                     h.buffers_leased,
                     h.buffers_fenced,
-                    h.unsettled_returns
+                    h.unsettled_returns,
+                    h.region_fenced_bytes,
+                    h.region_fences
                 ));
             }
             _ => {}

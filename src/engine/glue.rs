@@ -18,6 +18,7 @@ use super::{Advertisement, Faults};
 use crate::error::{ErrorKind, Outcome, Result};
 use crate::proto::peers::Peers;
 use crate::proto::pool::{BufferId, BufferPool, Lease};
+use crate::proto::regions::Regions;
 use crate::proto::{
     Action, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, PeerInfo, RankId, Refusal,
     RequestKey, Role, SessionKey, Step, Token, TokenAllocator,
@@ -59,6 +60,8 @@ pub(crate) enum OnReap {
 pub(crate) struct Core {
     pub ep: Endpoint,
     pub pool: BufferPool,
+    /// Receive regions lent to kvlink, and which receives UCX holds in them.
+    pub regions: Regions,
     pub tokens: TokenAllocator,
     pub peers: Peers<PeerId>,
     /// The `Refuse` this side sent on an endpoint, so that `connect` can let it go out before it
@@ -108,6 +111,9 @@ pub(crate) struct Counters {
     /// Waits that returned at their deadline's slack before the request's end was certain
     /// (UCX did not release a fenced receive in time): should stay 0.
     pub unsettled_returns: u64,
+    /// Receives into a region that had to be fenced (their request ended while UCX held them):
+    /// each cost its range for a while, not the pair.
+    pub region_fences: u64,
     /// Tagged data that matched no posted receive and was discarded: `foreign` under a tag no
     /// receive of ours ever had (a process that is not the peer the buffer was offered to, or
     /// garbage); `late` for a receive that had already ended (its sender was too slow).
@@ -130,6 +136,7 @@ impl Core {
         Core {
             ep,
             pool: BufferPool::new(pool_slots),
+            regions: Regions::new(),
             tokens: TokenAllocator::new(crate::random::key16()),
             peers: Peers::default(),
             refusal_ops: HashMap::new(),
@@ -443,6 +450,9 @@ impl Inner {
         if !matches!(result, Some(Ok(Outcome::Completed))) {
             core.retired.insert(r.tag, now);
         }
+        if let Some(region) = core.regions.done(id) {
+            core.waiters.wake(WaitKey::Region(region));
+        }
         if let Some(act) = core.on_reap.remove(&id) {
             // The core is done with this receive; only its buffer was waiting.
             match act {
@@ -583,9 +593,16 @@ impl Inner {
                     Some(id) => {
                         let peer = core.recv_ops[&id].peer;
                         core.recv_ops[&id].op.request_cancel();
-                        let _ = self.agent.close_peer(peer);
                         core.on_reap.insert(id, OnReap::Restore(lease.buffer));
-                        core.fencing.entry(key).or_default().insert(id);
+                        if core.regions.fence(id) {
+                            // Region memory stays lent to kvlink: the request ends now, and only
+                            // this range is refused to new requests until UCX releases the
+                            // receive. The pair and its other requests are not touched.
+                            core.counters.region_fences += 1;
+                        } else {
+                            let _ = self.agent.close_peer(peer);
+                            core.fencing.entry(key).or_default().insert(id);
+                        }
                     }
                     None => drop(core.pool.restore(lease.buffer)),
                 }

@@ -29,8 +29,11 @@
 //! a few milliseconds, whatever the peer does. A request's own deadline (the engine's timeout,
 //! or [`Engine::advertise_with`]'s) ends it on every rank: at that deadline each rank votes
 //! `TimedOut`, the ranks agree within the bound if they can talk, and each rank's receives are
-//! cancelled (or, if UCX cannot recall one, its endpoint is force-closed and the pair
-//! reconnects) before the end is reported, so the buffers handed back are never written again.
+//! cancelled before the end is reported, so the buffers handed back are never written again. If
+//! UCX cannot recall a receive (its data was already matched): into a receive region
+//! ([`Engine::register_region`]) the request ends at once and only that receive's range is
+//! fenced until UCX releases it; into plain caller memory its endpoint is force-closed (the
+//! pair reconnects) and the end waits the few milliseconds UCX takes to release it.
 //! A caller's own earlier deadline (or its cancel flag) gives up on the request the same way.
 //! Without a verdict by the bound a rank reports its own failure (`TimedOut`, `Cancelled`,
 //! `Rejected`), or `PeerLost` when the transport reported the peer lost; it never reports
@@ -39,6 +42,7 @@ pub(crate) mod glue;
 mod waiters;
 
 pub use crate::proto::peers::PeerState;
+pub use crate::proto::regions::{RegionId, RegionInfo};
 
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use crate::proto::{
@@ -49,6 +53,7 @@ use crate::transport::cuda::Staging;
 use crate::transport::{Agent, AgentOptions, PeerId, TransportKind};
 use glue::{Core, Inner, OnReap, RecvOp};
 use parking_lot::{Mutex, MutexGuard};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -214,6 +219,10 @@ pub struct Health {
     /// death only a new process recovers (`docs/RELIABILITY.md`, known gaps). The state is
     /// `Wedged` meanwhile.
     pub receive_stuck: bool,
+    /// Bytes of receive regions fenced now (receives of ended requests that UCX still holds;
+    /// refused to new requests until released), and receives fenced that way so far.
+    pub region_fenced_bytes: u64,
+    pub region_fences: u64,
 }
 
 const POOL_SLOTS: u32 = 1 << 16;
@@ -426,7 +435,9 @@ impl Engine {
     /// rank of the request ends it by that deadline. `receivers` lists every generation rank
     /// of the request (this one included); `flows` gives, per context rank, the buffers it will
     /// fill. A sender whose connection is being re-established is waited for (up to the
-    /// request's deadline). On error nothing stays posted or leased.
+    /// request's deadline). A host buffer inside a receive region ([`Engine::register_region`])
+    /// must lie wholly inside it (`OutOfBounds`) and off its fenced ranges (`Fenced`). On error
+    /// nothing stays posted or leased.
     ///
     /// # Safety
     /// Every buffer must be writable host memory that nobody else touches until [`Engine::wait`]
@@ -583,6 +594,18 @@ impl Engine {
             })?;
             for b in buffers {
                 let len = b.len as usize;
+                // A host buffer inside a receive region is checked against the region's edges
+                // and fenced ranges before anything is posted for it.
+                let region = match b.device_id {
+                    d if d >= 0 => None,
+                    _ => core.regions.check(b.addr, b.len).map_err(|e| {
+                        key_err(
+                            e.kind,
+                            key,
+                            &format!("segment {}: {}", b.segment, e.message),
+                        )
+                    })?,
+                };
                 // The system UCX cannot move device memory: a CUDA buffer's receive lands in a
                 // pinned host buffer that is copied to the device on arrival.
                 let mut staged = match b.device_id {
@@ -615,6 +638,9 @@ impl Engine {
                     .ok_or_else(|| Error::new(ErrorKind::Internal, "pool emptied under lock"))?;
                 let id = op.id();
                 posted.push(id);
+                if let Some(r) = region {
+                    core.regions.track(id, r, b.addr, b.len)?;
+                }
                 core.on_reap.insert(id, OnReap::Release(lease));
                 core.by_token.insert(token, id);
                 core.recv_ops.insert(
@@ -645,6 +671,85 @@ impl Engine {
             spec_flows.push(flow);
         }
         Ok(spec_flows)
+    }
+
+    /// Lends `[addr, addr + len)` of host memory to kvlink as a receive region, once; requests
+    /// then receive into ranges of it (named with [`Engine::region_buffer`], or any buffer
+    /// whose address lies inside it). What a region changes: when a request ends while UCX
+    /// still holds one of its receives (a frozen or partitioned sender whose data was already
+    /// matched), the wait returns at once and only that receive's range is fenced: new
+    /// requests that overlap it get `ErrorKind::Fenced` until UCX releases the receive, and
+    /// nothing else on the pair is touched. Into plain memory the endpoint must be
+    /// force-closed instead, which costs every request on the pair. Regions may not overlap
+    /// (`InvalidArgument`).
+    ///
+    /// # Safety
+    /// The memory must be writable host memory that stays valid until
+    /// [`Engine::deregister_region`] returns `Ok` for it, or the engine is dropped: kvlink may
+    /// write into a fenced range of it after the request that used it has ended.
+    pub unsafe fn register_region(&self, addr: u64, len: u64) -> Result<RegionId> {
+        self.inner.core.lock().regions.register(addr, len)
+    }
+
+    /// A buffer of `len` bytes at `offset` in `region`, for [`Engine::advertise`]:
+    /// `OutOfBounds` past the region's end, `InvalidArgument` for an unknown region.
+    pub fn region_buffer(
+        &self,
+        region: RegionId,
+        kind: BufferKind,
+        segment: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<BufferSpec> {
+        let addr = self
+            .inner
+            .core
+            .lock()
+            .regions
+            .address(region, offset, len)?;
+        Ok(BufferSpec {
+            kind,
+            segment,
+            addr,
+            len,
+            device_id: -1,
+        })
+    }
+
+    /// A region's receives and fenced ranges now.
+    pub fn region_info(&self, region: RegionId) -> Result<RegionInfo> {
+        self.inner.core.lock().regions.info(region)
+    }
+
+    /// Takes a region back. Refused (`InvalidArgument`) while a running request receives into
+    /// it. Fenced receives are ended now: their endpoints are force-closed (the caller wants
+    /// the memory back; those pairs reconnect) and the call waits until UCX has released them,
+    /// or returns `Fenced` at `deadline` with the region still registered.
+    pub fn deregister_region(&self, region: RegionId, deadline: Instant) -> Result<()> {
+        let mut core = self.inner.core.lock();
+        let fenced = core.regions.fenced_receives(region)?;
+        match core.regions.remove(region) {
+            Err(e) if e.kind == ErrorKind::Fenced => {}
+            other => return other,
+        }
+        let peers: HashSet<PeerId> = fenced
+            .iter()
+            .filter_map(|id| core.recv_ops.get(id).map(|r| r.peer))
+            .collect();
+        for peer in peers {
+            tracing::warn!(
+                region = region.0,
+                "deregistration: closing the endpoint of a fenced receive's sender"
+            );
+            let _ = self.inner.agent.close_peer(peer);
+        }
+        drop(core);
+        let released = |core: &mut Core| {
+            let i = core.regions.info(region).ok()?;
+            (i.fenced_receives == 0).then_some(())
+        };
+        self.block(WaitKey::Region(region), deadline, None, released);
+        self.inner.core.lock().regions.remove(region)
     }
 
     /// Context side: the next advertisement, waiting until `deadline` or `cancel()`.
@@ -1021,6 +1126,8 @@ impl Engine {
             refused_rank_in_use: core.peers.refusals.rank_in_use,
             refused_by_peer: core.peers.refusals.by_peer,
             receive_stuck: s.receive_stuck,
+            region_fenced_bytes: core.regions.fenced_bytes(),
+            region_fences: c.region_fences,
         }
     }
 

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::proto::{RankId, RequestKey, Role};
+use crate::proto::{RankId, RegionId, RequestKey, Role};
 use crate::transport::PeerId;
 
 /// The fact a caller waits for.
@@ -27,6 +27,8 @@ pub(crate) enum WaitKey {
     Peer(RankId),
     /// A freshly dialled endpoint got its `Hello` (or failed).
     Dial(PeerId),
+    /// UCX released a receive into this region.
+    Region(RegionId),
 }
 
 #[derive(Default)]

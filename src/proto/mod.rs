@@ -42,6 +42,7 @@ pub mod handshake;
 pub mod id;
 pub mod peers;
 pub mod pool;
+pub mod regions;
 pub mod request;
 pub mod wire;
 
@@ -51,5 +52,6 @@ pub use endpoint::{Endpoint, ReceiveFlow, ReceiveSpec};
 pub use handshake::{Handshake, Identity, PeerInfo, Step};
 pub use id::{Generation, RankId, RequestId, RequestKey, Token, TokenAllocator};
 pub use pool::{BufferId, BufferPool, Lease};
+pub use regions::{RegionId, RegionInfo, Regions};
 pub use request::{Action, Config, Event, Role, Stats, Transmit};
 pub use wire::{BufferDesc, BufferKind, Message, Refusal, WireError, WireReason};

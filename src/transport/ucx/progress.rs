@@ -224,7 +224,9 @@ fn run(shared: &Shared) {
             // Unarmable and nothing found (see BUSY_SPINS): sleep on the wake eventfd alone,
             // 1, 2, 4 ... up to 16 ms, never past the sink's next timer.
             let step = Duration::from_millis(1 << (busy_streak - BUSY_SPINS - 1).min(4));
-            let nap = step.min(BUSY_SLEEP_MAX).min(Duration::from_millis(p.sleep_ms().max(1) as u64));
+            let nap = step
+                .min(BUSY_SLEEP_MAX)
+                .min(Duration::from_millis(p.sleep_ms().max(1) as u64));
             drop(guard);
             shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
             wait_for_wake(shared, nap);

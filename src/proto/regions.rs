@@ -1,0 +1,386 @@
+//! Receive regions: host memory a caller registers once and lends to kvlink until it
+//! deregisters it. Requests name a range inside a region (region + offset + length, or simply
+//! an address that falls inside one).
+//!
+//! Why: UCX cannot recall a rendezvous receive once the sender's data has been matched to it.
+//! A receive into plain caller memory that is still held by UCX when its request ends can only
+//! be stopped by force-closing the endpoint (which ends every request on that pair) while the
+//! caller is held until UCX lets go. A receive into a region does not need either: the memory
+//! stays lent to kvlink, so the request ends at once and only the receive's *range* is fenced.
+//! A fenced range is refused to new requests ([`ErrorKind::Fenced`]) until UCX has released
+//! the receive (the late data landed, or the endpoint failed), then it is free again. Nothing
+//! else on the pair is touched.
+//!
+//! The table only counts; it never touches memory or UCX. Every receive into a region is
+//! [`Regions::track`]ed when posted and [`Regions::done`] when UCX has released it; in between
+//! it may be [`Regions::fence`]d. All operations are O(log n) in the number of regions plus,
+//! for the overlap check, linear in the fenced ranges of one region (bounded by the receive
+//! pool).
+use crate::error::{Error, ErrorKind, Result};
+use std::collections::{BTreeMap, HashMap};
+
+/// A registered region (never reused within one table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RegionId(pub u64);
+
+/// What [`Regions::info`] reports of one region.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegionInfo {
+    pub addr: u64,
+    pub len: u64,
+    /// Receives into the region that UCX still holds, fenced ones included.
+    pub receives: usize,
+    /// Of those, the ones whose request has ended: their ranges are refused to new requests.
+    pub fenced_receives: usize,
+    pub fenced_bytes: u64,
+}
+
+#[derive(Debug)]
+struct Region {
+    id: RegionId,
+    len: u64,
+    /// Receives UCX holds in this region: receive id -> (addr, len, fenced).
+    uses: HashMap<u64, (u64, u64, bool)>,
+    fenced: usize,
+    fenced_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct Regions {
+    /// By start address, so the region holding an address is one range query away.
+    by_start: BTreeMap<u64, Region>,
+    starts: HashMap<RegionId, u64>,
+    /// Receive id -> the start of its region.
+    receives: HashMap<u64, u64>,
+    next: u64,
+    fenced_bytes: u64,
+}
+
+impl Regions {
+    pub fn new() -> Regions {
+        Regions::default()
+    }
+
+    /// Registers `[addr, addr + len)`. It must not overlap a region already registered.
+    pub fn register(&mut self, addr: u64, len: u64) -> Result<RegionId> {
+        let end = match addr.checked_add(len) {
+            Some(e) if addr != 0 && len != 0 => e,
+            _ => return Err(Error::invalid(format!(
+                "region at {addr:#x}, {len} bytes: needs a non-null address, a length and no wrap"
+            ))),
+        };
+        let before = self.by_start.range(..end).next_back();
+        if let Some((&s, r)) = before.filter(|(&s, r)| s + r.len > addr) {
+            return Err(Error::invalid(format!(
+                "region at {addr:#x}, {len} bytes overlaps region {} at {s:#x}, {} bytes",
+                r.id.0, r.len
+            )));
+        }
+        self.next += 1;
+        let id = RegionId(self.next);
+        self.by_start.insert(
+            addr,
+            Region {
+                id,
+                len,
+                uses: HashMap::new(),
+                fenced: 0,
+                fenced_bytes: 0,
+            },
+        );
+        self.starts.insert(id, addr);
+        Ok(id)
+    }
+
+    fn region(&self, id: RegionId) -> Result<(u64, &Region)> {
+        let start = *self.starts.get(&id).ok_or_else(|| unknown(id))?;
+        Ok((start, &self.by_start[&start]))
+    }
+
+    /// The address of `len` bytes at `offset` in region `id`: `OutOfBounds` past its end.
+    pub fn address(&self, id: RegionId, offset: u64, len: u64) -> Result<u64> {
+        let (start, r) = self.region(id)?;
+        match offset.checked_add(len) {
+            Some(end) if len != 0 && end <= r.len => Ok(start + offset),
+            _ => Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!(
+                    "{len} bytes at offset {offset} of region {}: the region has {} bytes",
+                    id.0, r.len
+                ),
+            )),
+        }
+    }
+
+    /// Which region `[addr, addr + len)` lies in (None: none, it is plain caller memory), and
+    /// whether it may be received into now. A range that straddles a region's edge is
+    /// `OutOfBounds`; one that overlaps a fenced range is `Fenced`.
+    pub fn check(&self, addr: u64, len: u64) -> Result<Option<RegionId>> {
+        let Some(end) = addr.checked_add(len) else {
+            return Err(Error::new(
+                ErrorKind::OutOfBounds,
+                "buffer wraps the address space",
+            ));
+        };
+        // The last region that starts before `end` is the only one that can overlap.
+        let Some((&start, r)) = self.by_start.range(..end).next_back() else {
+            return Ok(None);
+        };
+        let r_end = start + r.len;
+        if r_end <= addr {
+            return Ok(None);
+        }
+        if addr < start || end > r_end {
+            return Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!(
+                    "buffer at {addr:#x}, {len} bytes straddles an edge of region {} ({start:#x}, {} bytes)",
+                    r.id.0, r.len
+                ),
+            ));
+        }
+        let hit = r
+            .uses
+            .values()
+            .filter(|(_, _, fenced)| *fenced)
+            .find(|(a, l, _)| *a < end && addr < a + l);
+        if let Some((a, l, _)) = hit {
+            return Err(Error::new(
+                ErrorKind::Fenced,
+                format!(
+                    "buffer at {addr:#x}, {len} bytes overlaps a fenced range of region {} ({a:#x}, {l} bytes): \
+                     a receive of an ended request that UCX still holds; it is freed when UCX releases it",
+                    r.id.0
+                ),
+            ));
+        }
+        Ok(Some(r.id))
+    }
+
+    /// Records receive `recv` into `[addr, addr + len)` of region `id` (as [`Regions::check`]
+    /// found it).
+    pub fn track(&mut self, recv: u64, id: RegionId, addr: u64, len: u64) -> Result<()> {
+        let start = *self.starts.get(&id).ok_or_else(|| unknown(id))?;
+        let r = self.by_start.get_mut(&start).expect("indexed");
+        r.uses.insert(recv, (addr, len, false));
+        self.receives.insert(recv, start);
+        Ok(())
+    }
+
+    /// The request of receive `recv` ended while UCX still holds it: if it is in a region, its
+    /// range is fenced and true is returned (the caller need not be held). False: plain memory.
+    pub fn fence(&mut self, recv: u64) -> bool {
+        let Some(start) = self.receives.get(&recv) else {
+            return false;
+        };
+        let r = self.by_start.get_mut(start).expect("indexed");
+        let Some(u) = r.uses.get_mut(&recv) else {
+            return false;
+        };
+        if !u.2 {
+            u.2 = true;
+            r.fenced += 1;
+            r.fenced_bytes += u.1;
+            self.fenced_bytes += u.1;
+        }
+        true
+    }
+
+    /// UCX has released receive `recv`: its range is free (fenced or not). Unknown ids are
+    /// ignored (plain memory). Returns the region, if it was in one.
+    pub fn done(&mut self, recv: u64) -> Option<RegionId> {
+        let start = self.receives.remove(&recv)?;
+        let r = self.by_start.get_mut(&start).expect("indexed");
+        if let Some((_, len, fenced)) = r.uses.remove(&recv) {
+            if fenced {
+                r.fenced -= 1;
+                r.fenced_bytes -= len;
+                self.fenced_bytes -= len;
+            }
+        }
+        Some(r.id)
+    }
+
+    pub fn info(&self, id: RegionId) -> Result<RegionInfo> {
+        let (start, r) = self.region(id)?;
+        Ok(RegionInfo {
+            addr: start,
+            len: r.len,
+            receives: r.uses.len(),
+            fenced_receives: r.fenced,
+            fenced_bytes: r.fenced_bytes,
+        })
+    }
+
+    /// The fenced receives of region `id` (what a deregistration must have UCX release).
+    pub fn fenced_receives(&self, id: RegionId) -> Result<Vec<u64>> {
+        let (_, r) = self.region(id)?;
+        Ok(r.uses
+            .iter()
+            .filter(|(_, u)| u.2)
+            .map(|(&recv, _)| recv)
+            .collect())
+    }
+
+    /// Forgets region `id`. Refused while any receive into it is held by UCX: `InvalidArgument`
+    /// while a running request uses it, `Fenced` while only fenced receives remain.
+    pub fn remove(&mut self, id: RegionId) -> Result<()> {
+        let (start, r) = self.region(id)?;
+        let live = r.uses.len() - r.fenced;
+        if live > 0 {
+            return Err(Error::invalid(format!(
+                "region {} is in use by {live} receive(s) of running requests",
+                id.0
+            )));
+        }
+        if r.fenced > 0 {
+            return Err(Error::new(
+                ErrorKind::Fenced,
+                format!(
+                    "region {} still has {} fenced receive(s) that UCX has not released",
+                    id.0, r.fenced
+                ),
+            ));
+        }
+        self.by_start.remove(&start);
+        self.starts.remove(&id);
+        Ok(())
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_start.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.by_start.is_empty()
+    }
+    /// Bytes fenced over all regions.
+    pub fn fenced_bytes(&self) -> u64 {
+        self.fenced_bytes
+    }
+}
+
+fn unknown(id: RegionId) -> Error {
+    Error::invalid(format!("region {} is not registered here", id.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: u64 = 0x10_000;
+
+    #[test]
+    fn registration_rejects_bad_and_overlapping_ranges() {
+        let mut t = Regions::new();
+        assert_eq!(
+            t.register(0, 10).unwrap_err().kind,
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(
+            t.register(A, 0).unwrap_err().kind,
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(
+            t.register(u64::MAX - 4, 10).unwrap_err().kind,
+            ErrorKind::InvalidArgument
+        );
+        let r = t.register(A, 100).unwrap();
+        for (addr, len) in [(A, 1), (A + 99, 10), (A - 10, 11), (A - 10, 200)] {
+            let e = t.register(addr, len).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{addr:#x}+{len}: {e}");
+        }
+        // Touching edges are fine.
+        let below = t.register(A - 10, 10).unwrap();
+        let above = t.register(A + 100, 5).unwrap();
+        assert_ne!(below, r);
+        assert_ne!(above, r);
+        assert_eq!(t.len(), 3);
+    }
+
+    #[test]
+    fn addresses_are_found_and_bounded() {
+        let mut t = Regions::new();
+        let r = t.register(A, 100).unwrap();
+        assert_eq!(t.address(r, 10, 90).unwrap(), A + 10);
+        assert_eq!(
+            t.address(r, 10, 91).unwrap_err().kind,
+            ErrorKind::OutOfBounds
+        );
+        assert_eq!(
+            t.address(r, u64::MAX, 2).unwrap_err().kind,
+            ErrorKind::OutOfBounds
+        );
+        assert_eq!(t.address(r, 0, 0).unwrap_err().kind, ErrorKind::OutOfBounds);
+        assert_eq!(
+            t.address(RegionId(99), 0, 1).unwrap_err().kind,
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(t.check(A, 100).unwrap(), Some(r));
+        assert_eq!(t.check(A + 50, 1).unwrap(), Some(r));
+        assert_eq!(t.check(A + 100, 10).unwrap(), None);
+        assert_eq!(t.check(A - 10, 10).unwrap(), None);
+        assert_eq!(t.check(A - 1, 2).unwrap_err().kind, ErrorKind::OutOfBounds);
+        assert_eq!(t.check(A + 99, 2).unwrap_err().kind, ErrorKind::OutOfBounds);
+        assert_eq!(
+            t.check(u64::MAX, 2).unwrap_err().kind,
+            ErrorKind::OutOfBounds
+        );
+    }
+
+    #[test]
+    fn a_fenced_range_is_refused_until_released_and_nothing_else_is() {
+        let mut t = Regions::new();
+        let r = t.register(A, 100).unwrap();
+        t.track(1, r, A, 40).unwrap();
+        t.track(2, r, A + 40, 40).unwrap();
+        // Live receives do not block other ranges (and the table does not police overlap of
+        // running requests: that is the caller's memory contract).
+        assert_eq!(t.check(A + 80, 20).unwrap(), Some(r));
+        assert!(t.fence(1));
+        assert!(!t.fence(77), "plain memory is not fenced here");
+        assert!(t.fence(1), "fencing twice counts once");
+        let i = t.info(r).unwrap();
+        assert_eq!((i.receives, i.fenced_receives, i.fenced_bytes), (2, 1, 40));
+        assert_eq!(t.fenced_bytes(), 40);
+        for (addr, len) in [(A, 1), (A + 39, 1), (A + 10, 80)] {
+            assert_eq!(t.check(addr, len).unwrap_err().kind, ErrorKind::Fenced);
+        }
+        assert_eq!(t.check(A + 40, 60).unwrap(), Some(r));
+        assert_eq!(t.fenced_receives(r).unwrap(), vec![1]);
+        assert_eq!(t.done(1), Some(r));
+        assert_eq!(t.done(1), None);
+        assert_eq!(t.fenced_bytes(), 0);
+        assert_eq!(t.check(A, 40).unwrap(), Some(r));
+        assert_eq!(t.done(2), Some(r));
+        assert_eq!(
+            t.info(r).unwrap(),
+            RegionInfo {
+                addr: A,
+                len: 100,
+                ..RegionInfo::default()
+            }
+        );
+    }
+
+    #[test]
+    fn a_region_in_use_is_not_forgotten() {
+        let mut t = Regions::new();
+        let r = t.register(A, 100).unwrap();
+        t.track(1, r, A, 10).unwrap();
+        assert_eq!(t.remove(r).unwrap_err().kind, ErrorKind::InvalidArgument);
+        t.fence(1);
+        assert_eq!(t.remove(r).unwrap_err().kind, ErrorKind::Fenced);
+        t.done(1);
+        t.remove(r).unwrap();
+        assert!(t.is_empty());
+        assert_eq!(t.remove(r).unwrap_err().kind, ErrorKind::InvalidArgument);
+        assert_eq!(t.check(A, 10).unwrap(), None, "the memory is plain again");
+        assert_eq!(
+            t.track(2, r, A, 10).unwrap_err().kind,
+            ErrorKind::InvalidArgument
+        );
+        // A new registration of the same memory gets a new id.
+        let again = t.register(A, 100).unwrap();
+        assert_ne!(again, r);
+    }
+}
