@@ -163,27 +163,62 @@ fn partition_mid_transfer_ends_both_sides_by_the_deadline_and_the_pair_heals() {
     let Some(net): Option<Net> = setup("epart") else {
         return;
     };
-    println!("== tcp: partition (iptables DROP both ways) mid-transfer");
-    let listen = format!("{}:0", net.ip_b);
-    let (mut ctx, addr) = start_ctx("tcp", Some(&net.b), Some(&listen));
-    let mut gen = start_gen("tcp", Some(&net.a), &addr);
-    completes(&mut ctx, &mut gen, 1);
-    start_request(&mut ctx, &mut gen, 2);
-    assert!(
-        net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
-            && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
-    );
-    let g = gen.expect("GEN 2 ");
-    let c = ctx.expect("CTX 2 ");
-    check_bounded("receiver", &g);
-    check_bounded("sender", &c);
-    assert!(
-        net.iptables_b(&["-D", "INPUT", "-j", "DROP"])
-            && net.iptables_b(&["-D", "OUTPUT", "-j", "DROP"])
-    );
-    completes(&mut ctx, &mut gen, 3);
-    gen.send("HEALTH");
-    println!("  after: {}", gen.expect("HEALTH"));
+    // Plain caller memory, then a receive region (whose receiver closes nothing at its
+    // deadline: the receive UCX still holds is fenced by range until the pair recovers).
+    for extra in [&[][..], &["--region"][..]] {
+        println!("== tcp: partition (iptables DROP both ways) mid-transfer {extra:?}");
+        let listen = format!("{}:0", net.ip_b);
+        let (mut ctx, addr) = start_ctx("tcp", Some(&net.b), Some(&listen));
+        let mut gen = start_gen_with("tcp", Some(&net.a), &addr, extra);
+        completes(&mut ctx, &mut gen, 1);
+        start_request(&mut ctx, &mut gen, 2);
+        assert!(
+            net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
+                && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
+        );
+        let g = gen.expect("GEN 2 ");
+        let c = ctx.expect("CTX 2 ");
+        check_bounded("receiver", &g);
+        check_bounded("sender", &c);
+        assert!(
+            net.iptables_b(&["-D", "INPUT", "-j", "DROP"])
+                && net.iptables_b(&["-D", "OUTPUT", "-j", "DROP"])
+        );
+        // Request 3 uses the other half of a region; request 4 the half request 2 used, once
+        // its fence (if any) has lifted.
+        if extra.is_empty() {
+            completes(&mut ctx, &mut gen, 3);
+        } else {
+            // The receiver closed nothing; the sender dropped its endpoint at its deadline (its
+            // send could not be recalled). The receiver may learn that only when it next uses
+            // the endpoint after the heal: that request fails at once (never at its deadline),
+            // and the pair is reconnected for the next one.
+            gen.send("REQ 3");
+            let g = gen.expect("GEN 3 ");
+            println!("  first request after the heal: {g}");
+            if field(&g, "end") == "Completed" {
+                ctx.expect("CTX 3 ");
+            } else {
+                assert_eq!(field(&g, "end"), "PeerLost", "{g}");
+                assert!(late(&g) < -1000.0, "a lost endpoint must fail at once: {g}");
+                completes(&mut ctx, &mut gen, 5);
+            }
+        }
+        let t0 = Instant::now();
+        let h = loop {
+            gen.send("HEALTH");
+            let h = gen.expect("HEALTH");
+            if field(&h, "region_fenced") == "0" || t0.elapsed() > Duration::from_secs(10) {
+                break h;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        println!("  fence clear after {:?}: {h}", t0.elapsed());
+        assert_eq!(field(&h, "region_fenced"), "0", "{h}");
+        completes(&mut ctx, &mut gen, 4);
+        gen.send("HEALTH");
+        println!("  after: {}", gen.expect("HEALTH"));
+    }
 }
 
 /// `health().state` tells alive from working: a receiver whose sender is frozen mid-transfer is

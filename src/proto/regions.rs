@@ -65,9 +65,11 @@ impl Regions {
     pub fn register(&mut self, addr: u64, len: u64) -> Result<RegionId> {
         let end = match addr.checked_add(len) {
             Some(e) if addr != 0 && len != 0 => e,
-            _ => return Err(Error::invalid(format!(
+            _ => {
+                return Err(Error::invalid(format!(
                 "region at {addr:#x}, {len} bytes: needs a non-null address, a length and no wrap"
-            ))),
+            )))
+            }
         };
         let before = self.by_start.range(..end).next_back();
         if let Some((&s, r)) = before.filter(|(&s, r)| s + r.len > addr) {
