@@ -82,9 +82,9 @@ TEST_P(EngineTest, FullRoundTripThroughTheFacade) {
   EXPECT_FALSE(ctx_->health().receive_stuck);
 }
 
-// A receive region: registered once, received into by range, checked with typed errors, and
-// taken back only when nothing receives into it.
-TEST_P(EngineTest, RequestsReceiveIntoARegisteredRegion) {
+// Regions: registered once, received into by range and sent from, checked with typed errors,
+// and taken back only when no transfer uses them.
+TEST_P(EngineTest, RequestsMoveBetweenRegisteredRegions) {
   std::vector<std::uint8_t> region(256 << 10, 0);
   const kvlink::RegionId r = gen_->register_region(region.data(), region.size());
   const auto expect_kind = [](kvlink::ErrorKind kind, auto&& f, const char* what) {
@@ -117,25 +117,35 @@ TEST_P(EngineTest, RequestsReceiveIntoARegisteredRegion) {
   const kvlink::Buffer b = gen_->region_buffer(r, kvlink::BufferKind::Kv, 0, off, len);
   EXPECT_EQ(b.data, region.data() + off);
   gen_->advertise(key, {}, kCtx, {b}, {});
-  EXPECT_EQ(gen_->region_info(r).receives, 1u);
+  EXPECT_EQ(gen_->region_info(r).transfers, 1u);
   expect_kind(kvlink::ErrorKind::InvalidArgument,
               [&] { gen_->deregister_region(r, kvlink::after(1s)); }, "deregistration while in use");
   auto adv = ctx_->next_advertisement(kvlink::after(5s));
   ASSERT_TRUE(adv);
   ctx_->accept(key, kGen, true);
-  const auto src = pattern(len, 3);
-  EXPECT_EQ(ctx_->send(key, kGen, 0, src.data(), src.size(), kvlink::after(5s)), Outcome::Completed);
+  // The context rank sends from a region of its own.
+  auto src = pattern(len, 3);
+  std::vector<std::uint8_t> send_region(2 * len);
+  std::copy(src.begin(), src.end(), send_region.begin() + len);
+  const kvlink::RegionId sr = ctx_->register_region(send_region.data(), send_region.size());
+  // Data straddling the region's start is refused before anything moves; the request goes on.
+  expect_kind(kvlink::ErrorKind::OutOfBounds,
+              [&] { ctx_->send(key, kGen, 0, send_region.data() - 8, len, kvlink::after(5s)); },
+              "a send straddling a region's edge");
+  EXPECT_EQ(ctx_->send(key, kGen, 0, send_region.data() + len, len, kvlink::after(5s)), Outcome::Completed);
   EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Completed);
   EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
   EXPECT_TRUE(std::equal(src.begin(), src.end(), region.begin() + off));
   const kvlink::RegionInfo info = gen_->region_info(r);
   EXPECT_EQ(info.address, reinterpret_cast<std::uint64_t>(region.data()));
   EXPECT_EQ(info.size, region.size());
-  EXPECT_EQ(info.receives, 0u);
+  EXPECT_EQ(info.transfers, 0u);
   EXPECT_EQ(info.fenced_bytes, 0u);
   EXPECT_EQ(gen_->health().region_fenced_bytes, 0u);
   gen_->deregister_region(r, kvlink::after(1s));
   expect_kind(kvlink::ErrorKind::InvalidArgument, [&] { gen_->region_info(r); }, "a deregistered region");
+  EXPECT_EQ(ctx_->region_info(sr).transfers, 0u);
+  ctx_->deregister_region(sr, kvlink::after(1s));
 }
 
 TEST_P(EngineTest, NothingArrivedIsAnEmptyOptionalAtTheDeadline) {

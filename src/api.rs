@@ -510,8 +510,8 @@ impl EngineHandle {
             Ok(RegionStatus {
                 addr: i.addr,
                 len: i.len,
-                receives: i.receives as u64,
-                fenced_receives: i.fenced_receives as u64,
+                transfers: i.transfers as u64,
+                fenced_transfers: i.fenced_transfers as u64,
                 fenced_bytes: i.fenced_bytes,
             })
         })

@@ -32,13 +32,13 @@ pub mod ffi {
         secret: Vec<u8>,
     }
 
-    /// A receive region now (see `Engine::region_info`).
+    /// A region now (see `Engine::region_info`).
     #[derive(Default, Clone, Debug)]
     struct RegionStatus {
         addr: u64,
         len: u64,
-        receives: u64,
-        fenced_receives: u64,
+        transfers: u64,
+        fenced_transfers: u64,
         fenced_bytes: u64,
     }
 
@@ -110,7 +110,7 @@ pub mod ffi {
         refused_by_peer: u64,
         /// This process's shared-memory receive queue is stuck (see `kvlink::Health`).
         receive_stuck: bool,
-        /// Receive-region bytes fenced now, and receives fenced that way so far.
+        /// Region bytes fenced now, and transfers fenced that way so far.
         region_fenced_bytes: u64,
         region_fences: u64,
     }
@@ -240,7 +240,7 @@ pub mod ffi {
         /// How CUDA memory moves with this engine's UCX, asked of it at start: 0 staged through
         /// pinned host buffers, 1 direct (UCX reports CUDA memory support).
         fn device_path(self: &EngineHandle) -> u8;
-        /// Lends `[addr, addr + len)` to the engine as a receive region; returns its id.
+        /// Lends `[addr, addr + len)` to the engine as a region; returns its id.
         unsafe fn register_region(self: &EngineHandle, addr: u64, len: u64) -> Result<u64>;
         /// The address of `len` bytes at `offset` in a region (OutOfBounds past its end).
         fn region_address(self: &EngineHandle, region: u64, offset: u64, len: u64) -> Result<u64>;

@@ -44,8 +44,8 @@ pub enum ErrorKind {
     /// The peer's rank is bound to another live process: a second process with the same rank
     /// is refused until the first is gone.
     RankInUse = 16,
-    /// The memory overlaps a fenced range of a receive region: a receive of a request that has
-    /// ended is still held by UCX there (its sender may yet write). Use other memory, or retry
+    /// The memory overlaps a fenced range of a region: a transfer of a request that has ended
+    /// is still held by UCX there (its sender may yet write). Use other memory, or retry
     /// once the region's `fenced_bytes` is 0.
     Fenced = 17,
 }

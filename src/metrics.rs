@@ -172,7 +172,7 @@ impl Metrics {
         );
         registry.register_with_unit(
             "region_fenced",
-            "Receive-region bytes fenced until the transport releases them (refused to new requests meanwhile)",
+            "Region bytes fenced until the transport releases their transfers (refused to new receives meanwhile)",
             Unit::Bytes,
             m.region_fenced.clone(),
         );

@@ -1006,12 +1006,12 @@ struct EngineOptions final {
 
 #ifndef CXXBRIDGE1_STRUCT_kvlink$ffi$RegionStatus
 #define CXXBRIDGE1_STRUCT_kvlink$ffi$RegionStatus
-// A receive region now (see `Engine::region_info`).
+// A region now (see `Engine::region_info`).
 struct RegionStatus final {
   ::std::uint64_t addr CXX_DEFAULT_VALUE(0);
   ::std::uint64_t len CXX_DEFAULT_VALUE(0);
-  ::std::uint64_t receives CXX_DEFAULT_VALUE(0);
-  ::std::uint64_t fenced_receives CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t transfers CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t fenced_transfers CXX_DEFAULT_VALUE(0);
   ::std::uint64_t fenced_bytes CXX_DEFAULT_VALUE(0);
 
   using IsRelocatable = ::std::true_type;
@@ -1099,7 +1099,7 @@ struct HealthInfo final {
   ::std::uint64_t refused_by_peer CXX_DEFAULT_VALUE(0);
   // This process's shared-memory receive queue is stuck (see `kvlink::Health`).
   bool receive_stuck CXX_DEFAULT_VALUE(false);
-  // Receive-region bytes fenced now, and receives fenced that way so far.
+  // Region bytes fenced now, and transfers fenced that way so far.
   ::std::uint64_t region_fenced_bytes CXX_DEFAULT_VALUE(0);
   ::std::uint64_t region_fences CXX_DEFAULT_VALUE(0);
 
@@ -1145,7 +1145,7 @@ struct EngineHandle final : public ::rust::Opaque {
   // pinned host buffers, 1 direct (UCX reports CUDA memory support).
   ::std::uint8_t device_path() const noexcept;
 
-  // Lends `[addr, addr + len)` to the engine as a receive region; returns its id.
+  // Lends `[addr, addr + len)` to the engine as a region; returns its id.
   ::std::uint64_t register_region(::std::uint64_t addr, ::std::uint64_t len) const;
 
   // The address of `len` bytes at `offset` in a region (OutOfBounds past its end).

@@ -46,9 +46,10 @@
 //     (`TimedOut` / `Cancelled`, agreed within the bound). A `wait_*` returns only once nothing
 //     can write the caller's receive buffers any more: unmatched receives are cancelled; one
 //     that UCX cannot recall (half a large message in) has its endpoint force-closed, and the
-//     engine reconnects the pair by itself. Into a receive region (`register_region`) such a
-//     receive is fenced by range instead: the wait returns at once, advertisements that overlap
-//     the range throw `Fenced` until UCX releases it, and the pair is not touched.
+//     engine reconnects the pair by itself. In a region (`register_region`) such a transfer (a
+//     receive, or a send that its receiver does not drain) is left to UCX, fenced by range,
+//     instead: the call returns at once, advertisements that overlap the range throw `Fenced`
+//     until UCX releases it, and no endpoint is closed.
 //   - Outcomes: the ranks report the same outcome when they can talk before the deadline. When
 //     they cannot (partition, frozen or dead peer), each reports a failure by its own deadline:
 //     `TimedOut` if its deadline came first (or it gave up), `PeerLost` if the transport said the
@@ -159,18 +160,18 @@ struct Buffer {
   std::int32_t device_id = -1;
 };
 
-/// A receive region: host memory lent to the engine once (`Engine::register_region`).
+/// A region: host memory lent to the engine once (`Engine::register_region`).
 using RegionId = std::uint64_t;
 
-/// A receive region now (`Engine::region_info`).
+/// A region now (`Engine::region_info`).
 struct RegionInfo {
   std::uint64_t address = 0;
   std::uint64_t size = 0;
-  /// Receives into the region that UCX still holds, fenced ones included.
-  std::uint64_t receives = 0;
-  /// Of those, receives of requests that have ended: their ranges are refused to new requests
+  /// Transfers into or out of the region that UCX still holds, fenced ones included.
+  std::uint64_t transfers = 0;
+  /// Of those, transfers of requests that have ended: their ranges are refused to new receives
   /// (`ErrorKind::Fenced`) until UCX releases them.
-  std::uint64_t fenced_receives = 0;
+  std::uint64_t fenced_transfers = 0;
   std::uint64_t fenced_bytes = 0;
 };
 
@@ -271,8 +272,8 @@ struct Health {
   /// was failed when it was found and connects are refused while it lasts (state `Wedged`);
   /// after a death only a new process recovers: replace it (docs/RELIABILITY.md, known gaps).
   bool receive_stuck = false;
-  /// Bytes of receive regions fenced now: receives of ended requests that UCX still holds
-  /// (refused to new requests, `ErrorKind::Fenced`, until released); and receives fenced that
+  /// Bytes of regions fenced now: transfers of ended requests that UCX still holds (refused to
+  /// new receives, `ErrorKind::Fenced`, until released); and transfers fenced that
   /// way so far. Each cost its range for a while, never the pair.
   std::uint64_t region_fenced_bytes = 0;
   std::uint64_t region_fences = 0;
@@ -393,7 +394,7 @@ class Engine {
   /// on one verdict. Does not block. The buffers are borrowed until `wait_receiver(key)` returns.
   /// Throws `Error`: InvalidArgument if the key is already known here (a replay), UnknownPeer if
   /// `sender` is not connected, OutOfBounds for a null or empty buffer (or one straddling a
-  /// receive region's edge), Fenced for one overlapping a fenced range of a region.
+  /// region's edge), Fenced for one overlapping a fenced range of a region.
   /// `timeout`: this request's own deadline from now (zero: `EngineConfig::timeout`).
   void advertise(RequestKey key, const std::vector<std::uint32_t>& receivers, std::uint32_t sender,
                  const std::vector<Buffer>& buffers, const std::vector<std::uint8_t>& request_info,
@@ -428,13 +429,14 @@ class Engine {
     });
   }
 
-  /// Lends `[data, data + size)` of host memory to the engine as a receive region, once.
-  /// Requests then receive into ranges of it (`region_buffer`, or any `Buffer` whose memory lies
-  /// inside it). When a request ends while UCX still holds one of its receives (a frozen or cut-off
-  /// sender whose data was already matched), `wait_receiver` returns at once and only that
-  /// receive's range is fenced: advertisements that overlap it throw `Fenced` until UCX releases
-  /// it, and nothing else on the pair is touched. Into memory outside any region the endpoint is
-  /// force-closed instead, which costs every request on the pair. Does not block. Throws
+  /// Lends `[data, data + size)` of host memory to the engine as a region, once. Requests then
+  /// receive into ranges of it (`region_buffer`, or any `Buffer` whose memory lies inside it) and
+  /// `send` from it. When a request ends while UCX still holds one of its transfers there (a
+  /// frozen or cut-off peer, data already matched), `wait_receiver` / `send` return at once and
+  /// the transfer is left to UCX, fenced by range: advertisements that overlap it throw `Fenced`
+  /// until UCX releases it, and nothing else on the pair is touched. In memory outside any region
+  /// the endpoint is force-closed instead, which costs every request on the pair. Does not block.
+  /// Throws
   /// InvalidArgument for a null or empty range, or one overlapping another region. The memory
   /// must stay valid until `deregister_region` returns for it, or the engine is destroyed: the
   /// engine may write a fenced range after its request has ended.
@@ -459,7 +461,7 @@ class Engine {
   /// The region's receives and fenced ranges now. Does not block.
   RegionInfo region_info(RegionId region) const {
     const ffi::RegionStatus s = detail::call([&] { return handle_->region_info(region); });
-    return {s.addr, s.len, s.receives, s.fenced_receives, s.fenced_bytes};
+    return {s.addr, s.len, s.transfers, s.fenced_transfers, s.fenced_bytes};
   }
 
   /// Blocks: takes the region back. Throws InvalidArgument while a running request receives
@@ -504,7 +506,9 @@ class Engine {
   }
 
   /// Context rank, blocks: sends segment `segment` of `key` (its whole buffer: `size` must equal
-  /// the advertised length) once the request is accepted. `Completed` when this rank's send is
+  /// the advertised length) once the request is accepted. Data inside a region
+  /// (`register_region`) must lie wholly inside it (OutOfBounds); a send of it that the receiver
+  /// cannot drain is left to UCX when this returns, instead of its endpoint being closed. `Completed` when this rank's send is
   /// done; anything else ends the request (the verdict is agreed; read it with `wait_sender`).
   Outcome send(RequestKey key, std::uint32_t to_rank, std::uint32_t segment, const void* data,
                std::size_t size, Deadline deadline, CancelRef cancel = {}) {

@@ -118,8 +118,8 @@ enum class ErrorKind : std::uint8_t {
   /// The peer's rank is bound to another live process: a second process with the same rank is
   /// refused until the first is gone.
   RankInUse = 16,
-  /// The memory overlaps a fenced range of a receive region: a receive of an ended request that
-  /// UCX still holds (its sender may yet write). Use other memory, or retry once the region's
+  /// The memory overlaps a fenced range of a region: a transfer of an ended request that UCX
+  /// still holds (its sender may yet write). Use other memory, or retry once the region's
   /// `fenced_bytes` is 0.
   Fenced = 17,
 };

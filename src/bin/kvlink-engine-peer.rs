@@ -1,7 +1,8 @@
 //! One rank of a two-process engine test (tests/engine_faults.rs), driven through stdin/stdout
 //! so that a test can freeze, kill or cut it off between and during requests.
 //!
-//! `kvlink-engine-peer ctx --transport tcp|sm [--listen IP:PORT] [--timeout-ms N] [--suppress ID]`
+//! `kvlink-engine-peer ctx --transport tcp|sm [--listen IP:PORT] [--timeout-ms N] [--suppress ID]
+//!   [--region-mb N]`
 //!   prints `ADDR <address>`, then serves advertisements forever: accepts, prints
 //!   `SENDING <request>`, sends every segment (deterministic bytes), waits for the agreed end,
 //!   and prints
@@ -71,6 +72,10 @@ enum Rank {
         /// Print each advertisement's tokens and wait for a `GO` line on stdin before sending.
         #[arg(long)]
         hold: bool,
+        /// Send from a registered region of this many MiB (two halves, request N from half
+        /// N % 2) instead of fresh memory per request.
+        #[arg(long = "region-mb", value_name = "MIB")]
+        region_mb: Option<usize>,
     },
     /// The generation (receiving) rank: one request per `REQ <id>` line on stdin.
     Gen(GenOpts),
@@ -157,6 +162,20 @@ fn intact(request: u64, segment: u32, buf: &[u8]) -> bool {
         .all(|(i, c)| c == &word(request, segment, i).to_le_bytes()[..c.len()])
 }
 
+/// Memory lent to an engine as a region for the rest of the process (the engine may still
+/// touch it after the request that used it): never freed, and kept reachable from here so
+/// that LeakSanitizer does not count it as a leak.
+static REGIONS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+fn region_memory(len: usize) -> &'static mut [u8] {
+    let m = Box::leak(vec![0u8; len].into_boxed_slice());
+    REGIONS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(m.as_ptr() as usize);
+    m
+}
+
 /// Signed milliseconds from `deadline` to now.
 fn late_ms(deadline: Instant) -> f64 {
     let now = Instant::now();
@@ -193,7 +212,15 @@ fn main() {
             listen,
             suppress,
             hold,
-        } => ctx(&args, transport, listen.as_deref(), *suppress, *hold),
+            region_mb,
+        } => ctx(
+            &args,
+            transport,
+            listen.as_deref(),
+            *suppress,
+            *hold,
+            *region_mb,
+        ),
         Rank::Gen(opts) => {
             // The engine is dropped inside `gen`, before the exit: its UCX resources are freed
             // (LeakSanitizer runs these processes too).
@@ -242,7 +269,14 @@ fn trust_lines(args: &Args, engine: &Arc<Engine>) {
     });
 }
 
-fn ctx(args: &Args, setting: Setting, listen: Option<&str>, suppress: Option<u64>, hold: bool) {
+fn ctx(
+    args: &Args,
+    setting: Setting,
+    listen: Option<&str>,
+    suppress: Option<u64>,
+    hold: bool,
+    region_mb: Option<usize>,
+) {
     let by_address = setting.0.by_worker_address();
     let mut cfg = config(args, "ctx", CTX, setting);
     // The lost-completion fault: this request's data is "sent" without moving.
@@ -255,6 +289,13 @@ fn ctx(args: &Args, setting: Setting, listen: Option<&str>, suppress: Option<u64
     let engine = Arc::new(Engine::new(cfg).expect("engine"));
     say(format!("ADDR {}", engine.address()));
     trust_lines(args, &engine);
+    let region: Option<&'static mut [u8]> = region_mb.map(|mb| region_memory(mb << 20));
+    if let Some(r) = &region {
+        // SAFETY: never freed, and written below only for requests whose sends have ended.
+        unsafe { engine.register_region(r.as_ptr() as u64, r.len() as u64) }
+            .expect("register_region");
+    }
+    let region_base = region.map(|r| (r.as_mut_ptr(), r.len()));
     let mut stdin = std::io::stdin().lock().lines();
     loop {
         let Some(adv) = engine.next_advertisement(Instant::now() + Duration::from_secs(3600), None)
@@ -266,16 +307,39 @@ fn ctx(args: &Args, setting: Setting, listen: Option<&str>, suppress: Option<u64
             say(format!("CTX {} accept-error {e}", key.request.0));
             continue;
         }
-        let data: Vec<(u32, Vec<u8>)> = adv
-            .buffers
-            .iter()
-            .map(|d| {
-                let mut v = vec![0u8; d.len as usize];
-                fill(key.request.0, d.segment, &mut v);
-                (d.segment, v)
-            })
-            .collect();
-        let segs: Vec<(u32, &[u8])> = data.iter().map(|(s, d)| (*s, d.as_slice())).collect();
+        let data: Vec<(u32, Vec<u8>)> = match region_base {
+            Some(_) => Vec::new(),
+            None => adv
+                .buffers
+                .iter()
+                .map(|d| {
+                    let mut v = vec![0u8; d.len as usize];
+                    fill(key.request.0, d.segment, &mut v);
+                    (d.segment, v)
+                })
+                .collect(),
+        };
+        let segs: Vec<(u32, &[u8])> = match region_base {
+            Some((base, len)) => {
+                let half = len / 2;
+                let mut off = (key.request.0 as usize % 2) * half;
+                let end = off + half;
+                adv.buffers
+                    .iter()
+                    .map(|d| {
+                        let n = d.len as usize;
+                        assert!(off + n <= end, "--region-mb too small for the request");
+                        // SAFETY: inside the leaked region; this half is not in a running
+                        // send (a stale one only reads it, and its data is discarded).
+                        let s = unsafe { std::slice::from_raw_parts_mut(base.add(off), n) };
+                        fill(key.request.0, d.segment, s);
+                        off += n;
+                        (d.segment, &*s)
+                    })
+                    .collect()
+            }
+            None => data.iter().map(|(s, d)| (*s, d.as_slice())).collect(),
+        };
         if hold {
             let tokens: Vec<String> = adv.buffers.iter().map(|d| d.token.0.to_string()).collect();
             say(format!("TOKENS {} {}", key.request.0, tokens.join(",")));
@@ -289,10 +353,10 @@ fn ctx(args: &Args, setting: Setting, listen: Option<&str>, suppress: Option<u64
             .wait(key, Role::Sender { receiver: adv.from }, adv.deadline, None)
             .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
         let late = late_ms(adv.deadline);
+        let h = engine.health();
         say(format!(
-            "CTX {} send={sent} end={end} late_ms={late:.1} leased={}",
-            key.request.0,
-            engine.health().buffers_leased
+            "CTX {} send={sent} end={end} late_ms={late:.1} leased={} region_fenced={} peers_failed={}",
+            key.request.0, h.buffers_leased, h.region_fenced_bytes, h.peers_failed
         ));
     }
 }
@@ -343,9 +407,8 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
     }
     let sizes: Vec<usize> = sizes.split(',').map(size).collect();
     let half: usize = sizes.iter().sum();
-    // The region lives as long as the process (leaked: other threads may hold the engine).
     let region_mem: &'static mut [u8] = match region {
-        true => Box::leak(vec![0u8; 2 * half].into_boxed_slice()),
+        true => region_memory(2 * half),
         false => &mut [],
     };
     let region_base = region_mem.as_mut_ptr();

@@ -60,7 +60,7 @@ pub(crate) enum OnReap {
 pub(crate) struct Core {
     pub ep: Endpoint,
     pub pool: BufferPool,
-    /// Receive regions lent to kvlink, and which receives UCX holds in them.
+    /// Regions lent to kvlink, and which transfers UCX holds in them.
     pub regions: Regions,
     pub tokens: TokenAllocator,
     pub peers: Peers<PeerId>,
@@ -382,7 +382,13 @@ impl Inner {
                 }
                 core.waiters.wake(WaitKey::Dial(peer));
             }
-            Event::OpDone(id) => self.on_receive_done(core, now, id),
+            Event::OpDone(id) => {
+                // A transfer into or out of a region: its range is free again.
+                if let Some(region) = core.regions.done(id) {
+                    core.waiters.wake(WaitKey::Region(region));
+                }
+                self.on_receive_done(core, now, id)
+            }
             Event::StrayData { tag, len } => {
                 // Nothing of it was kept: the transport discarded it.
                 if core.retired.contains_key(&tag) {
@@ -449,9 +455,6 @@ impl Inner {
         core.by_token.remove(&r.token);
         if !matches!(result, Some(Ok(Outcome::Completed))) {
             core.retired.insert(r.tag, now);
-        }
-        if let Some(region) = core.regions.done(id) {
-            core.waiters.wake(WaitKey::Region(region));
         }
         if let Some(act) = core.on_reap.remove(&id) {
             // The core is done with this receive; only its buffer was waiting.

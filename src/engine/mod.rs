@@ -30,10 +30,11 @@
 //! or [`Engine::advertise_with`]'s) ends it on every rank: at that deadline each rank votes
 //! `TimedOut`, the ranks agree within the bound if they can talk, and each rank's receives are
 //! cancelled before the end is reported, so the buffers handed back are never written again. If
-//! UCX cannot recall a receive (its data was already matched): into a receive region
-//! ([`Engine::register_region`]) the request ends at once and only that receive's range is
-//! fenced until UCX releases it; into plain caller memory its endpoint is force-closed (the
-//! pair reconnects) and the end waits the few milliseconds UCX takes to release it.
+//! UCX cannot recall a transfer (a receive whose data was already matched, a send its receiver
+//! does not drain): in a region ([`Engine::register_region`]) the call returns at once and
+//! the transfer is left to UCX, its range fenced until UCX releases it, and no endpoint is
+//! closed; in plain caller memory its endpoint is force-closed (the pair reconnects) and the
+//! call waits the few milliseconds UCX takes to release it.
 //! A caller's own earlier deadline (or its cancel flag) gives up on the request the same way.
 //! Without a verdict by the bound a rank reports its own failure (`TimedOut`, `Cancelled`,
 //! `Rejected`), or `PeerLost` when the transport reported the peer lost; it never reports
@@ -53,7 +54,6 @@ use crate::transport::cuda::Staging;
 use crate::transport::{Agent, AgentOptions, PeerId, TransportKind};
 use glue::{Core, Inner, OnReap, RecvOp};
 use parking_lot::{Mutex, MutexGuard};
-use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -219,8 +219,8 @@ pub struct Health {
     /// death only a new process recovers (`docs/RELIABILITY.md`, known gaps). The state is
     /// `Wedged` meanwhile.
     pub receive_stuck: bool,
-    /// Bytes of receive regions fenced now (receives of ended requests that UCX still holds;
-    /// refused to new requests until released), and receives fenced that way so far.
+    /// Bytes of regions fenced now (transfers of ended requests that UCX still holds; refused
+    /// to new receives until released), and transfers fenced that way so far.
     pub region_fenced_bytes: u64,
     pub region_fences: u64,
 }
@@ -435,7 +435,7 @@ impl Engine {
     /// rank of the request ends it by that deadline. `receivers` lists every generation rank
     /// of the request (this one included); `flows` gives, per context rank, the buffers it will
     /// fill. A sender whose connection is being re-established is waited for (up to the
-    /// request's deadline). A host buffer inside a receive region ([`Engine::register_region`])
+    /// request's deadline). A host buffer inside a region ([`Engine::register_region`])
     /// must lie wholly inside it (`OutOfBounds`) and off its fenced ranges (`Fenced`). On error
     /// nothing stays posted or leased.
     ///
@@ -594,7 +594,7 @@ impl Engine {
             })?;
             for b in buffers {
                 let len = b.len as usize;
-                // A host buffer inside a receive region is checked against the region's edges
+                // A host buffer inside a region is checked against the region's edges
                 // and fenced ranges before anything is posted for it.
                 let region = match b.device_id {
                     d if d >= 0 => None,
@@ -639,7 +639,7 @@ impl Engine {
                 let id = op.id();
                 posted.push(id);
                 if let Some(r) = region {
-                    core.regions.track(id, r, b.addr, b.len)?;
+                    core.regions.track(id, peer.0, r, b.addr, b.len)?;
                 }
                 core.on_reap.insert(id, OnReap::Release(lease));
                 core.by_token.insert(token, id);
@@ -673,20 +673,20 @@ impl Engine {
         Ok(spec_flows)
     }
 
-    /// Lends `[addr, addr + len)` of host memory to kvlink as a receive region, once; requests
-    /// then receive into ranges of it (named with [`Engine::region_buffer`], or any buffer
-    /// whose address lies inside it). What a region changes: when a request ends while UCX
-    /// still holds one of its receives (a frozen or partitioned sender whose data was already
-    /// matched), the wait returns at once and only that receive's range is fenced: new
-    /// requests that overlap it get `ErrorKind::Fenced` until UCX releases the receive, and
-    /// nothing else on the pair is touched. Into plain memory the endpoint must be
-    /// force-closed instead, which costs every request on the pair. Regions may not overlap
-    /// (`InvalidArgument`).
+    /// Lends `[addr, addr + len)` of host memory to kvlink as a region, once; requests then
+    /// receive into ranges of it (named with [`Engine::region_buffer`], or any buffer whose
+    /// address lies inside it) and send from it (any data inside it). What a region changes:
+    /// when a request ends while UCX still holds one of its transfers there (a frozen or
+    /// partitioned peer, data already matched), the call returns at once and the transfer is
+    /// left to UCX with its range fenced: new receives that overlap it get `ErrorKind::Fenced`
+    /// until UCX releases it, and nothing else on the pair is touched. In plain memory the
+    /// endpoint must be force-closed instead, which costs every request on the pair. Regions
+    /// may not overlap (`InvalidArgument`).
     ///
     /// # Safety
-    /// The memory must be writable host memory that stays valid until
+    /// The memory must be host memory, writable for receives, that stays valid until
     /// [`Engine::deregister_region`] returns `Ok` for it, or the engine is dropped: kvlink may
-    /// write into a fenced range of it after the request that used it has ended.
+    /// write into (or read from) a fenced range of it after the request that used it ended.
     pub unsafe fn register_region(&self, addr: u64, len: u64) -> Result<RegionId> {
         self.inner.core.lock().regions.register(addr, len)
     }
@@ -727,26 +727,22 @@ impl Engine {
     /// or returns `Fenced` at `deadline` with the region still registered.
     pub fn deregister_region(&self, region: RegionId, deadline: Instant) -> Result<()> {
         let mut core = self.inner.core.lock();
-        let fenced = core.regions.fenced_receives(region)?;
+        let peers = core.regions.fenced_peers(region)?;
         match core.regions.remove(region) {
             Err(e) if e.kind == ErrorKind::Fenced => {}
             other => return other,
         }
-        let peers: HashSet<PeerId> = fenced
-            .iter()
-            .filter_map(|id| core.recv_ops.get(id).map(|r| r.peer))
-            .collect();
         for peer in peers {
             tracing::warn!(
                 region = region.0,
-                "deregistration: closing the endpoint of a fenced receive's sender"
+                "deregistration: closing the endpoint of a fenced transfer's peer"
             );
-            let _ = self.inner.agent.close_peer(peer);
+            let _ = self.inner.agent.close_peer(PeerId(peer));
         }
         drop(core);
         let released = |core: &mut Core| {
             let i = core.regions.info(region).ok()?;
-            (i.fenced_receives == 0).then_some(())
+            (i.fenced_transfers == 0).then_some(())
         };
         self.block(WaitKey::Region(region), deadline, None, released);
         self.inner.core.lock().regions.remove(region)
@@ -840,7 +836,14 @@ impl Engine {
         let inner = &self.inner;
         let mut core = inner.core.lock();
         let mut descs = Vec::with_capacity(segments.len());
+        let mut regions = Vec::with_capacity(segments.len());
         for (i, (segment, data)) in segments.iter().enumerate() {
+            // Data inside a region must lie wholly inside it (nothing is posted otherwise).
+            let region = core
+                .regions
+                .find(data.as_ptr() as u64, data.len() as u64)
+                .map_err(|e| key_err(e.kind, key, &format!("segment {segment}: {}", e.message)))?;
+            regions.push(region);
             if segments[..i].iter().any(|(s, _)| s == segment) {
                 return Err(key_err(
                     ErrorKind::InvalidArgument,
@@ -872,25 +875,34 @@ impl Engine {
         let peer = core.peers.endpoint(to).zip(core.peers.keys(to));
         let mut ops = Vec::with_capacity(segments.len());
         let mut first_err = None;
-        for ((segment, data), desc) in segments.iter().zip(&descs) {
+        for (((segment, data), desc), region) in segments.iter().zip(&descs).zip(&regions) {
             let posted = match peer {
                 None => Err(Error::new(
                     ErrorKind::PeerLost,
                     format!("{to} is not connected"),
                 )),
                 // SAFETY: `data` is borrowed for this call, and every op is waited for below
-                // before it returns (a wait that gives up stops and reaps its op).
+                // before it returns (a wait that gives up stops and reaps its op), except an op
+                // from a region, whose memory the caller has lent for longer (see below).
                 Some((p, keys)) => unsafe {
-                    inner.agent.post_send(
+                    inner.agent.post_send_with(
                         p,
                         keys.outbound.tag(desc.token),
                         data.as_ptr(),
                         data.len(),
+                        region.is_some(),
                     )
                 },
             };
             match posted {
-                Ok(op) => {
+                Ok(mut op) => {
+                    if let (Some(r), Some((p, _))) = (region, peer) {
+                        // A send that its receiver does not drain is left to UCX, not its
+                        // endpoint closed: the region outlives it, and UCX only reads it.
+                        op.detach_on_stop();
+                        let (addr, len) = (data.as_ptr() as u64, data.len() as u64);
+                        let _ = core.regions.track(op.id(), p.0, *r, addr, len);
+                    }
                     let flag = Arc::new(AtomicBool::new(false));
                     core.sends.insert((key, to, *segment), flag.clone());
                     ops.push((*segment, op, flag));
@@ -924,7 +936,8 @@ impl Engine {
                 }
                 true
             };
-            results.push((segment, op.wait(until, Some(&stop))));
+            let r = op.wait(until, Some(&stop));
+            results.push((segment, r, op.id(), op.is_quiesced()));
         }
         let mut core = inner.core.lock();
         let now = Instant::now();
@@ -933,8 +946,14 @@ impl Engine {
         } else {
             Ok(Outcome::Completed)
         };
-        for (segment, r) in results {
+        for (segment, r, id, quiesced) in results {
             core.sends.remove(&(key, to, segment));
+            if quiesced {
+                core.regions.done(id);
+            } else if core.regions.fence(id) {
+                // Left to UCX (`detach_on_stop`): it ends on its own, reported by `OpDone`.
+                core.counters.region_fences += 1;
+            }
             // This rank's reason goes first: the core takes a failed send with no reason given
             // as a lost peer.
             let why = match r {

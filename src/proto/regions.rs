@@ -1,21 +1,23 @@
-//! Receive regions: host memory a caller registers once and lends to kvlink until it
-//! deregisters it. Requests name a range inside a region (region + offset + length, or simply
-//! an address that falls inside one).
+//! Regions: host memory a caller registers once and lends to kvlink until it deregisters it.
+//! Requests name a range inside a region (region + offset + length, or simply an address that
+//! falls inside one), to receive into or to send from.
 //!
-//! Why: UCX cannot recall a rendezvous receive once the sender's data has been matched to it.
-//! A receive into plain caller memory that is still held by UCX when its request ends can only
+//! Why: UCX cannot recall a rendezvous receive once the sender's data has been matched to it,
+//! nor a send that its receiver does not drain. Such a transfer in plain caller memory can only
 //! be stopped by force-closing the endpoint (which ends every request on that pair) while the
-//! caller is held until UCX lets go. A receive into a region does not need either: the memory
-//! stays lent to kvlink, so the request ends at once and only the receive's *range* is fenced.
-//! A fenced range is refused to new requests ([`ErrorKind::Fenced`]) until UCX has released
-//! the receive (the late data landed, or the endpoint failed), then it is free again. Nothing
-//! else on the pair is touched.
+//! caller is held until UCX lets go. A transfer in a region needs neither: the memory stays
+//! lent to kvlink, so the call returns at once and only the transfer's *range* is fenced. A
+//! fenced range is refused to new receives ([`ErrorKind::Fenced`]: UCX may still write or read
+//! it) until UCX has released the transfer (it finished, or the endpoint failed); sends from it
+//! are not refused (they only read). Nothing else on the pair is touched, and a region cannot
+//! be deregistered while UCX holds any transfer in it.
 //!
-//! The table only counts; it never touches memory or UCX. Every receive into a region is
-//! [`Regions::track`]ed when posted and [`Regions::done`] when UCX has released it; in between
-//! it may be [`Regions::fence`]d. All operations are O(log n) in the number of regions plus,
-//! for the overlap check, linear in the fenced ranges of one region (bounded by the receive
-//! pool).
+//! The table only counts; it never touches memory or UCX. Every transfer into or out of a
+//! region is [`Regions::track`]ed when posted and [`Regions::done`] when UCX has released it;
+//! in between it may be [`Regions::fence`]d (its request ended first). All operations are
+//! O(log n) in the number of regions; the overlap check is O(1) while nothing in the region is
+//! fenced, and otherwise linear in its transfers (bounded by the receive pool and the sends in
+//! flight).
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::{BTreeMap, HashMap};
 
@@ -23,15 +25,25 @@ use std::collections::{BTreeMap, HashMap};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RegionId(pub u64);
 
+/// One transfer UCX holds in a region.
+#[derive(Clone, Copy, Debug)]
+struct Use {
+    addr: u64,
+    len: u64,
+    /// The transfer's peer, as the owner names it (what a deregistration must close).
+    peer: u64,
+    fenced: bool,
+}
+
 /// What [`Regions::info`] reports of one region.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RegionInfo {
     pub addr: u64,
     pub len: u64,
-    /// Receives into the region that UCX still holds, fenced ones included.
-    pub receives: usize,
-    /// Of those, the ones whose request has ended: their ranges are refused to new requests.
-    pub fenced_receives: usize,
+    /// Transfers into or out of the region that UCX still holds, fenced ones included.
+    pub transfers: usize,
+    /// Of those, the ones whose request has ended: their ranges are refused to new receives.
+    pub fenced_transfers: usize,
     pub fenced_bytes: u64,
 }
 
@@ -39,8 +51,8 @@ pub struct RegionInfo {
 struct Region {
     id: RegionId,
     len: u64,
-    /// Receives UCX holds in this region: receive id -> (addr, len, fenced).
-    uses: HashMap<u64, (u64, u64, bool)>,
+    /// Transfers UCX holds in this region: op id -> (addr, len, fenced).
+    uses: HashMap<u64, Use>,
     fenced: usize,
     fenced_bytes: u64,
 }
@@ -50,8 +62,8 @@ pub struct Regions {
     /// By start address, so the region holding an address is one range query away.
     by_start: BTreeMap<u64, Region>,
     starts: HashMap<RegionId, u64>,
-    /// Receive id -> the start of its region.
-    receives: HashMap<u64, u64>,
+    /// Op id -> the start of its region.
+    by_op: HashMap<u64, u64>,
     next: u64,
     fenced_bytes: u64,
 }
@@ -118,6 +130,16 @@ impl Regions {
     /// whether it may be received into now. A range that straddles a region's edge is
     /// `OutOfBounds`; one that overlaps a fenced range is `Fenced`.
     pub fn check(&self, addr: u64, len: u64) -> Result<Option<RegionId>> {
+        self.lookup(addr, len, true)
+    }
+
+    /// Which region `[addr, addr + len)` lies in, for a send (UCX only reads it, so a fenced
+    /// range does not matter); `OutOfBounds` if it straddles a region's edge.
+    pub fn find(&self, addr: u64, len: u64) -> Result<Option<RegionId>> {
+        self.lookup(addr, len, false)
+    }
+
+    fn lookup(&self, addr: u64, len: u64, for_receive: bool) -> Result<Option<RegionId>> {
         let Some(end) = addr.checked_add(len) else {
             return Err(Error::new(
                 ErrorKind::OutOfBounds,
@@ -141,12 +163,18 @@ impl Regions {
                 ),
             ));
         }
+        if !for_receive || r.fenced == 0 {
+            return Ok(Some(r.id));
+        }
         let hit = r
             .uses
             .values()
-            .filter(|(_, _, fenced)| *fenced)
-            .find(|(a, l, _)| *a < end && addr < a + l);
-        if let Some((a, l, _)) = hit {
+            .filter(|u| u.fenced)
+            .find(|u| u.addr < end && addr < u.addr + u.len);
+        if let Some(Use {
+            addr: a, len: l, ..
+        }) = hit
+        {
             return Err(Error::new(
                 ErrorKind::Fenced,
                 format!(
@@ -159,31 +187,39 @@ impl Regions {
         Ok(Some(r.id))
     }
 
-    /// Records receive `recv` into `[addr, addr + len)` of region `id` (as [`Regions::check`]
-    /// found it).
-    pub fn track(&mut self, recv: u64, id: RegionId, addr: u64, len: u64) -> Result<()> {
+    /// Records transfer `recv` (an op id) with `peer` over `[addr, addr + len)` of region `id`
+    /// (as [`Regions::check`] or [`Regions::find`] found it).
+    pub fn track(&mut self, recv: u64, peer: u64, id: RegionId, addr: u64, len: u64) -> Result<()> {
         let start = *self.starts.get(&id).ok_or_else(|| unknown(id))?;
         let r = self.by_start.get_mut(&start).expect("indexed");
-        r.uses.insert(recv, (addr, len, false));
-        self.receives.insert(recv, start);
+        r.uses.insert(
+            recv,
+            Use {
+                addr,
+                len,
+                peer,
+                fenced: false,
+            },
+        );
+        self.by_op.insert(recv, start);
         Ok(())
     }
 
     /// The request of receive `recv` ended while UCX still holds it: if it is in a region, its
     /// range is fenced and true is returned (the caller need not be held). False: plain memory.
     pub fn fence(&mut self, recv: u64) -> bool {
-        let Some(start) = self.receives.get(&recv) else {
+        let Some(start) = self.by_op.get(&recv) else {
             return false;
         };
         let r = self.by_start.get_mut(start).expect("indexed");
         let Some(u) = r.uses.get_mut(&recv) else {
             return false;
         };
-        if !u.2 {
-            u.2 = true;
+        if !u.fenced {
+            u.fenced = true;
             r.fenced += 1;
-            r.fenced_bytes += u.1;
-            self.fenced_bytes += u.1;
+            r.fenced_bytes += u.len;
+            self.fenced_bytes += u.len;
         }
         true
     }
@@ -191,13 +227,13 @@ impl Regions {
     /// UCX has released receive `recv`: its range is free (fenced or not). Unknown ids are
     /// ignored (plain memory). Returns the region, if it was in one.
     pub fn done(&mut self, recv: u64) -> Option<RegionId> {
-        let start = self.receives.remove(&recv)?;
+        let start = self.by_op.remove(&recv)?;
         let r = self.by_start.get_mut(&start).expect("indexed");
-        if let Some((_, len, fenced)) = r.uses.remove(&recv) {
-            if fenced {
+        if let Some(u) = r.uses.remove(&recv) {
+            if u.fenced {
                 r.fenced -= 1;
-                r.fenced_bytes -= len;
-                self.fenced_bytes -= len;
+                r.fenced_bytes -= u.len;
+                self.fenced_bytes -= u.len;
             }
         }
         Some(r.id)
@@ -208,24 +244,29 @@ impl Regions {
         Ok(RegionInfo {
             addr: start,
             len: r.len,
-            receives: r.uses.len(),
-            fenced_receives: r.fenced,
+            transfers: r.uses.len(),
+            fenced_transfers: r.fenced,
             fenced_bytes: r.fenced_bytes,
         })
     }
 
-    /// The fenced receives of region `id` (what a deregistration must have UCX release).
-    pub fn fenced_receives(&self, id: RegionId) -> Result<Vec<u64>> {
+    /// The peers of the fenced transfers of region `id` (what a deregistration must close so
+    /// that UCX releases them), each once.
+    pub fn fenced_peers(&self, id: RegionId) -> Result<Vec<u64>> {
         let (_, r) = self.region(id)?;
-        Ok(r.uses
-            .iter()
-            .filter(|(_, u)| u.2)
-            .map(|(&recv, _)| recv)
-            .collect())
+        let mut peers: Vec<u64> = r
+            .uses
+            .values()
+            .filter(|u| u.fenced)
+            .map(|u| u.peer)
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        Ok(peers)
     }
 
     /// Forgets region `id`. Refused while any receive into it is held by UCX: `InvalidArgument`
-    /// while a running request uses it, `Fenced` while only fenced receives remain.
+    /// while a running request uses it, `Fenced` while only fenced transfers remain.
     pub fn remove(&mut self, id: RegionId) -> Result<()> {
         let (start, r) = self.region(id)?;
         let live = r.uses.len() - r.fenced;
@@ -333,22 +374,32 @@ mod tests {
     fn a_fenced_range_is_refused_until_released_and_nothing_else_is() {
         let mut t = Regions::new();
         let r = t.register(A, 100).unwrap();
-        t.track(1, r, A, 40).unwrap();
-        t.track(2, r, A + 40, 40).unwrap();
+        t.track(1, 50, r, A, 40).unwrap();
+        t.track(2, 50, r, A + 40, 40).unwrap();
+        t.track(3, 60, r, A + 80, 10).unwrap();
         // Live receives do not block other ranges (and the table does not police overlap of
         // running requests: that is the caller's memory contract).
-        assert_eq!(t.check(A + 80, 20).unwrap(), Some(r));
+        assert_eq!(t.check(A + 90, 10).unwrap(), Some(r));
         assert!(t.fence(1));
         assert!(!t.fence(77), "plain memory is not fenced here");
         assert!(t.fence(1), "fencing twice counts once");
         let i = t.info(r).unwrap();
-        assert_eq!((i.receives, i.fenced_receives, i.fenced_bytes), (2, 1, 40));
+        assert_eq!(
+            (i.transfers, i.fenced_transfers, i.fenced_bytes),
+            (3, 1, 40)
+        );
         assert_eq!(t.fenced_bytes(), 40);
         for (addr, len) in [(A, 1), (A + 39, 1), (A + 10, 80)] {
             assert_eq!(t.check(addr, len).unwrap_err().kind, ErrorKind::Fenced);
         }
         assert_eq!(t.check(A + 40, 60).unwrap(), Some(r));
-        assert_eq!(t.fenced_receives(r).unwrap(), vec![1]);
+        // A send only reads: a fenced range does not stop it.
+        assert_eq!(t.find(A, 40).unwrap(), Some(r));
+        assert_eq!(t.find(A - 1, 2).unwrap_err().kind, ErrorKind::OutOfBounds);
+        assert_eq!(t.fenced_peers(r).unwrap(), vec![50]);
+        t.fence(3);
+        assert_eq!(t.fenced_peers(r).unwrap(), vec![50, 60]);
+        t.done(3);
         assert_eq!(t.done(1), Some(r));
         assert_eq!(t.done(1), None);
         assert_eq!(t.fenced_bytes(), 0);
@@ -368,7 +419,7 @@ mod tests {
     fn a_region_in_use_is_not_forgotten() {
         let mut t = Regions::new();
         let r = t.register(A, 100).unwrap();
-        t.track(1, r, A, 10).unwrap();
+        t.track(1, 7, r, A, 10).unwrap();
         assert_eq!(t.remove(r).unwrap_err().kind, ErrorKind::InvalidArgument);
         t.fence(1);
         assert_eq!(t.remove(r).unwrap_err().kind, ErrorKind::Fenced);
@@ -378,7 +429,7 @@ mod tests {
         assert_eq!(t.remove(r).unwrap_err().kind, ErrorKind::InvalidArgument);
         assert_eq!(t.check(A, 10).unwrap(), None, "the memory is plain again");
         assert_eq!(
-            t.track(2, r, A, 10).unwrap_err().kind,
+            t.track(2, 7, r, A, 10).unwrap_err().kind,
             ErrorKind::InvalidArgument
         );
         // A new registration of the same memory gets a new id.

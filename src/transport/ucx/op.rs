@@ -67,6 +67,8 @@ pub struct Op {
     shared: Arc<Shared>,
     finished: bool,
     quiesced: bool,
+    /// See [`Op::detach_on_stop`].
+    detach: bool,
 }
 
 impl Op {
@@ -76,7 +78,17 @@ impl Op {
             shared,
             finished: false,
             quiesced: false,
+            detach: false,
         }
+    }
+
+    /// A stop that the cancel alone does not end leaves the op to UCX instead of force-closing
+    /// its endpoint: the wait returns at once with `is_quiesced()` false, and the op ends later
+    /// on its own (reported as [`Event::OpDone`](super::Event::OpDone) when posted with
+    /// `notify`). For memory the owner has lent for longer than the op (a registered region):
+    /// UCX may still touch it after the wait, and nothing else on the endpoint is ended.
+    pub fn detach_on_stop(&mut self) {
+        self.detach = true;
     }
 
     /// Waits until the op ends, `deadline` passes, or `cancel()` returns true (checked every
@@ -204,6 +216,10 @@ impl Op {
         ] {
             if self.slot.state.lock().is_some() {
                 break;
+            }
+            if self.detach && matches!(cmd, Cmd::ForceClose(..)) {
+                // Left to UCX (see `detach_on_stop`): not quiesced, not counted as unreaped.
+                return;
             }
             if self.shared.submit(cmd).is_err() {
                 break;
