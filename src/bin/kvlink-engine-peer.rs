@@ -128,6 +128,10 @@ struct GenOpts {
     /// N % 2) instead of fresh memory per request.
     #[arg(long)]
     region: bool,
+    /// Only report a stuck shared-memory receive queue (`fail_peers_when_stuck = false`): a
+    /// sender frozen mid-write holds the queue until it resumes, and the test wants the pair.
+    #[arg(long = "stuck-report")]
+    stuck_report: bool,
 }
 
 fn size(s: &str) -> usize {
@@ -374,6 +378,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
         instance,
         connect_ms,
         region,
+        stuck_report,
     } = opts;
     let timeout = Duration::from_millis(args.timeout_ms);
     let by_address = setting.0.by_worker_address();
@@ -382,6 +387,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
         cfg.listen = Some(l.parse().expect("--listen ip:port"));
     }
     cfg.faults.instance = *instance;
+    cfg.fail_peers_when_stuck = !*stuck_report;
     let ms = |v: &Option<u64>| v.map(Duration::from_millis);
     if let Some(w) = ms(wedge_ms) {
         cfg.wedge_window = w;
