@@ -11,6 +11,9 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
+
+/// The largest transfer its caller starts itself (see `Agent::post_tag`).
+const DIRECT_POST_MAX: usize = 64 << 10;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -316,14 +319,25 @@ impl Agent {
         let slot = self.new_slot(peer, len, tag, kind, notify);
         let op = self.op(slot.clone());
         let send = kind == SlotKind::Send;
-        self.shared.submit(Cmd::Tag {
+        let cmd = Cmd::Tag {
             send,
             peer,
             tag,
             addr,
             len,
             slot,
-        })?;
+        };
+        // A small send, or a small receive reported only through its `Op`, is waited on by its
+        // caller right away, and that wait drives it: start it here, without waking the
+        // progress thread (measured: a 4 KiB transport-row transfer 8.8 -> 2.5 us p50 on tcp).
+        // A large one is left to the progress thread, as is a receive reported as an event (it
+        // may sit unwaited): a large transfer driven by its caller has the woken progress
+        // thread compete with it for the worker and the cores (1 MiB: 196 -> 262 us).
+        if len <= DIRECT_POST_MAX && (send || !notify) {
+            self.shared.submit_now(cmd)?;
+        } else {
+            self.shared.submit(cmd)?;
+        }
         Ok(op)
     }
 

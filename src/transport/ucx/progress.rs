@@ -702,7 +702,7 @@ impl Progress {
 
     /// Runs queued commands; returns whether there were any. A `Shutdown` stops it and sets
     /// `self.shutdown`: what is still queued is failed by the teardown.
-    fn drain_commands(&mut self) -> bool {
+    pub(super) fn drain_commands(&mut self) -> bool {
         let mut did = false;
         loop {
             if self.shutdown {

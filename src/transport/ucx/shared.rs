@@ -173,6 +173,33 @@ pub(super) struct Shared {
 
 impl Shared {
     pub(super) fn submit(&self, cmd: Cmd) -> Result<()> {
+        self.enqueue(cmd)?;
+        self.wake();
+        Ok(())
+    }
+
+    /// [`Shared::submit`] for an op its caller is about to wait on: when no other thread
+    /// drives, the queue (this command last) runs here at once, so the op starts without a
+    /// wake-up of the progress thread in between; the caller's wait then drives it (and wakes
+    /// the progress thread when it stops driving). Otherwise the driving thread is woken as by
+    /// `submit`. The caller may hold its own locks: no sink runs here, only the commands.
+    pub(super) fn submit_now(self: &Arc<Self>, cmd: Cmd) -> Result<()> {
+        self.enqueue(cmd)?;
+        if let Some(mut guard) = self.driver.try_lock() {
+            if let Some(p) = guard.as_mut() {
+                callbacks::set_shared(self);
+                p.drain_commands();
+                callbacks::clear_shared();
+                if !p.shutdown {
+                    return Ok(());
+                }
+            }
+        }
+        self.wake();
+        Ok(())
+    }
+
+    fn enqueue(&self, cmd: Cmd) -> Result<()> {
         let mut q = self.cmds.lock();
         let refused =
             q.closed || (self.stopping.load(Ordering::Acquire) && !matches!(cmd, Cmd::Shutdown));
@@ -183,8 +210,6 @@ impl Shared {
             return Err(Error::new(ErrorKind::Shutdown, "agent is shut down"));
         }
         q.items.push_back(cmd);
-        drop(q);
-        self.wake();
         Ok(())
     }
 
