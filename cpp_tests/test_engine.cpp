@@ -35,6 +35,9 @@ class EngineTest : public testing::TestWithParam<std::string> {
     gen_->advertise(key, {}, kCtx, {{kvlink::BufferKind::Kv, 0, buf.data(), buf.size()}}, {1, 2, 3});
   }
 
+  /// Memory a test lends to an engine as a region: declared before the engines, so that it
+  /// outlives them even when an assertion ends the test early.
+  std::vector<std::uint8_t> region_mem_, send_region_mem_;
   std::optional<kvlink::Engine> ctx_, gen_;
 };
 
@@ -85,7 +88,8 @@ TEST_P(EngineTest, FullRoundTripThroughTheFacade) {
 // Regions: registered once, received into by range and sent from, checked with typed errors,
 // and taken back only when no transfer uses them.
 TEST_P(EngineTest, RequestsMoveBetweenRegisteredRegions) {
-  std::vector<std::uint8_t> region(256 << 10, 0);
+  std::vector<std::uint8_t>& region = region_mem_;
+  region.assign(256 << 10, 0);
   const kvlink::RegionId r = gen_->register_region(region.data(), region.size());
   const auto expect_kind = [](kvlink::ErrorKind kind, auto&& f, const char* what) {
     try {
@@ -103,7 +107,6 @@ TEST_P(EngineTest, RequestsMoveBetweenRegisteredRegions) {
   expect_kind(kvlink::ErrorKind::InvalidArgument,
               [&] { gen_->region_buffer(r + 1000, kvlink::BufferKind::Kv, 0, 0, 1); }, "an unknown region");
   // A buffer that straddles the region's edge is refused before anything is posted.
-  std::vector<std::uint8_t> outside(16);
   expect_kind(kvlink::ErrorKind::OutOfBounds,
               [&] {
                 gen_->advertise({7, 0}, {}, kCtx,
@@ -125,7 +128,8 @@ TEST_P(EngineTest, RequestsMoveBetweenRegisteredRegions) {
   ctx_->accept(key, kGen, true);
   // The context rank sends from a region of its own.
   auto src = pattern(len, 3);
-  std::vector<std::uint8_t> send_region(2 * len);
+  std::vector<std::uint8_t>& send_region = send_region_mem_;
+  send_region.assign(2 * len, 0);
   std::copy(src.begin(), src.end(), send_region.begin() + len);
   const kvlink::RegionId sr = ctx_->register_region(send_region.data(), send_region.size());
   // Data straddling the region's start is refused before anything moves; the request goes on.
@@ -142,6 +146,7 @@ TEST_P(EngineTest, RequestsMoveBetweenRegisteredRegions) {
   EXPECT_EQ(info.transfers, 0u);
   EXPECT_EQ(info.fenced_bytes, 0u);
   EXPECT_EQ(gen_->health().region_fenced_bytes, 0u);
+  EXPECT_TRUE(gen_->region_fenced_ranges(r).empty());
   gen_->deregister_region(r, kvlink::after(1s));
   expect_kind(kvlink::ErrorKind::InvalidArgument, [&] { gen_->region_info(r); }, "a deregistered region");
   EXPECT_EQ(ctx_->region_info(sr).transfers, 0u);

@@ -517,6 +517,13 @@ impl EngineHandle {
         })
     }
 
+    pub fn region_fenced_ranges(&self, region: u64) -> Result<Vec<u64>> {
+        guard(|| {
+            let ranges = self.engine.region_fenced_ranges(RegionId(region))?;
+            Ok(ranges.into_iter().flat_map(|(o, l)| [o, l]).collect())
+        })
+    }
+
     pub fn deregister_region(&self, region: u64, timeout_ms: u64) -> Result<()> {
         guard(|| {
             self.engine

@@ -245,6 +245,8 @@ pub mod ffi {
         /// The address of `len` bytes at `offset` in a region (OutOfBounds past its end).
         fn region_address(self: &EngineHandle, region: u64, offset: u64, len: u64) -> Result<u64>;
         fn region_info(self: &EngineHandle, region: u64) -> Result<RegionStatus>;
+        /// The region's fenced ranges, flattened: offset, length, offset, length, ...
+        fn region_fenced_ranges(self: &EngineHandle, region: u64) -> Result<Vec<u64>>;
         fn deregister_region(self: &EngineHandle, region: u64, timeout_ms: u64) -> Result<()>;
     }
 }

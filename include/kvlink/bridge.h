@@ -1152,6 +1152,10 @@ struct EngineHandle final : public ::rust::Opaque {
   ::std::uint64_t region_address(::std::uint64_t region, ::std::uint64_t offset, ::std::uint64_t len) const;
 
   ::kvlink::ffi::RegionStatus region_info(::std::uint64_t region) const;
+
+  // The region's fenced ranges, flattened: offset, length, offset, length, ...
+  ::rust::Vec<::std::uint64_t> region_fenced_ranges(::std::uint64_t region) const;
+
   void deregister_region(::std::uint64_t region, ::std::uint64_t timeout_ms) const;
   ~EngineHandle() = delete;
 

@@ -19,7 +19,10 @@
 //     resource. Destroy it only when no other thread is inside one of its member functions.
 //   - Receive buffers passed to `advertise` are borrowed by kvlink from that call until
 //     `wait_receiver` for the same key has returned (whatever the outcome): do not touch, free or
-//     reuse them before. Send buffers are borrowed only for the duration of `send`.
+//     reuse them before. Send buffers are borrowed only for the duration of `send`. Memory in a
+//     region (`register_region`) is lent for longer: a transfer there that UCX could not recall
+//     is fenced past those calls, and its range (`region_fenced_ranges`) must not be touched
+//     until it is released.
 //   - Everything returned (`Advertisement`, `Notification`, `Health`, strings) is a copy.
 //
 // Threading
@@ -458,16 +461,28 @@ class Engine {
     return b;
   }
 
-  /// The region's receives and fenced ranges now. Does not block.
+  /// The region's transfers and fenced bytes now. Does not block.
   RegionInfo region_info(RegionId region) const {
     const ffi::RegionStatus s = detail::call([&] { return handle_->region_info(region); });
     return {s.addr, s.len, s.transfers, s.fenced_transfers, s.fenced_bytes};
   }
 
-  /// Blocks: takes the region back. Throws InvalidArgument while a running request receives
-  /// into it. Fenced receives are ended now: their endpoints are force-closed (those pairs
-  /// reconnect) and the call waits until UCX has released them, or throws `Fenced` at the
-  /// deadline with the region still registered.
+  /// The region's fenced ranges now, as (offset, size), lowest first: memory the caller must not
+  /// touch yet (UCX may still write a fenced receive's range, or read a fenced send's). Does not
+  /// block.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> region_fenced_ranges(RegionId region) const {
+    const rust::Vec<std::uint64_t> flat =
+        detail::call([&] { return handle_->region_fenced_ranges(region); });
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
+    for (std::size_t i = 0; i + 1 < flat.size(); i += 2) out.emplace_back(flat[i], flat[i + 1]);
+    return out;
+  }
+
+  /// Blocks: takes the region back. Throws InvalidArgument while a running request moves data in
+  /// or out of it; from the call on no new request may use it. Fenced transfers are ended now:
+  /// their endpoints are force-closed (those pairs reconnect) and the call waits until UCX has
+  /// released them, or throws `Fenced` at the deadline with the region still registered (and
+  /// usable again).
   void deregister_region(RegionId region, Deadline deadline) {
     detail::call([&] { handle_->deregister_region(region, detail::ms_until(deadline)); });
   }
@@ -532,7 +547,8 @@ class Engine {
 
   /// Generation rank, blocks: the agreed end of `key`, taken (a second wait for it throws
   /// UnknownRequest, as does a wait for a key never advertised here). Once it returns (any
-  /// outcome) the receive buffers are the caller's again. If `deadline` or `cancel` comes first
+  /// outcome) the receive buffers are the caller's again, except fenced ranges of a region
+  /// (`region_fenced_ranges`). If `deadline` or `cancel` comes first
   /// the request is given up and the verdict awaited for at most the agreement bound.
   Outcome wait_receiver(RequestKey key, Deadline deadline, CancelRef cancel = {}) {
     return wait(key, true, 0, deadline, cancel);

@@ -111,7 +111,7 @@ pub(crate) struct Counters {
     /// Waits that returned at their deadline's slack before the request's end was certain
     /// (UCX did not release a fenced receive in time): should stay 0.
     pub unsettled_returns: u64,
-    /// Receives into a region that had to be fenced (their request ended while UCX held them):
+    /// Transfers in a region that had to be fenced (their request ended while UCX held them):
     /// each cost its range for a while, not the pair.
     pub region_fences: u64,
     /// Tagged data that matched no posted receive and was discarded: `foreign` under a tag no

@@ -29,7 +29,8 @@
 //! a few milliseconds, whatever the peer does. A request's own deadline (the engine's timeout,
 //! or [`Engine::advertise_with`]'s) ends it on every rank: at that deadline each rank votes
 //! `TimedOut`, the ranks agree within the bound if they can talk, and each rank's receives are
-//! cancelled before the end is reported, so the buffers handed back are never written again. If
+//! cancelled before the end is reported, so the buffers handed back are never written again
+//! (outside the fenced ranges of a region, below). If
 //! UCX cannot recall a transfer (a receive whose data was already matched, a send its receiver
 //! does not drain): in a region ([`Engine::register_region`]) the call returns at once and
 //! the transfer is left to UCX, its range fenced until UCX releases it, and no endpoint is
@@ -639,7 +640,8 @@ impl Engine {
                 let id = op.id();
                 posted.push(id);
                 if let Some(r) = region {
-                    core.regions.track(id, peer.0, r, b.addr, b.len)?;
+                    // Cannot fail: `r` was found under this same lock.
+                    let _ = core.regions.track(id, peer.0, true, r, b.addr, b.len);
                 }
                 core.on_reap.insert(id, OnReap::Release(lease));
                 core.by_token.insert(token, id);
@@ -716,22 +718,18 @@ impl Engine {
         })
     }
 
-    /// A region's receives and fenced ranges now.
+    /// A region's transfers and fenced bytes now.
     pub fn region_info(&self, region: RegionId) -> Result<RegionInfo> {
         self.inner.core.lock().regions.info(region)
     }
 
-    /// Takes a region back. Refused (`InvalidArgument`) while a running request receives into
-    /// it. Fenced receives are ended now: their endpoints are force-closed (the caller wants
-    /// the memory back; those pairs reconnect) and the call waits until UCX has released them,
-    /// or returns `Fenced` at `deadline` with the region still registered.
+    /// Takes a region back. Refused (`InvalidArgument`) while a running request moves data in
+    /// or out of it. From the call on, no new request may use it. Fenced transfers are ended
+    /// now: their endpoints are force-closed (the caller wants the memory back; those pairs
+    /// reconnect) and the call waits until UCX has released them, or returns `Fenced` at
+    /// `deadline` with the region still registered (and usable again).
     pub fn deregister_region(&self, region: RegionId, deadline: Instant) -> Result<()> {
-        let mut core = self.inner.core.lock();
-        let peers = core.regions.fenced_peers(region)?;
-        match core.regions.remove(region) {
-            Err(e) if e.kind == ErrorKind::Fenced => {}
-            other => return other,
-        }
+        let peers = self.inner.core.lock().regions.begin_remove(region)?;
         for peer in peers {
             tracing::warn!(
                 region = region.0,
@@ -739,13 +737,18 @@ impl Engine {
             );
             let _ = self.inner.agent.close_peer(PeerId(peer));
         }
-        drop(core);
-        let released = |core: &mut Core| {
-            let i = core.regions.info(region).ok()?;
-            (i.fenced_transfers == 0).then_some(())
+        let released = |core: &mut Core| match core.regions.info(region) {
+            Ok(i) if i.transfers > 0 => None,
+            _ => Some(()),
         };
         self.block(WaitKey::Region(region), deadline, None, released);
-        self.inner.core.lock().regions.remove(region)
+        self.inner.core.lock().regions.finish_remove(region)
+    }
+
+    /// The fenced ranges of `region` now, as (offset, length): memory the caller must not
+    /// touch yet (UCX may still write a fenced receive's range, or read a fenced send's).
+    pub fn region_fenced_ranges(&self, region: RegionId) -> Result<Vec<(u64, u64)>> {
+        self.inner.core.lock().regions.fenced_ranges(region)
     }
 
     /// Context side: the next advertisement, waiting until `deadline` or `cancel()`.
@@ -901,11 +904,11 @@ impl Engine {
                         // endpoint closed: the region outlives it, and UCX only reads it.
                         op.detach_on_stop();
                         let (addr, len) = (data.as_ptr() as u64, data.len() as u64);
-                        let _ = core.regions.track(op.id(), p.0, *r, addr, len);
+                        let _ = core.regions.track(op.id(), p.0, false, *r, addr, len);
                     }
                     let flag = Arc::new(AtomicBool::new(false));
                     core.sends.insert((key, to, *segment), flag.clone());
-                    ops.push((*segment, op, flag));
+                    ops.push((*segment, op, flag, region.is_some()));
                 }
                 Err(e) => {
                     let _ = core
@@ -921,7 +924,13 @@ impl Engine {
         drop(core);
         let mut results = Vec::with_capacity(ops.len());
         let told = std::cell::Cell::new(false);
-        for (segment, mut op, flag) in ops {
+        // Once one region send is given up, the rest of the request's region sends share what
+        // is left of its grace instead of waiting one grace each (a request may have many).
+        let mut grace_spent: Option<Instant> = None;
+        for (segment, mut op, flag, detachable) in ops {
+            if let Some(g) = grace_spent.filter(|_| detachable) {
+                op.limit_grace(g);
+            }
             let stop = || {
                 if flag.load(Ordering::Acquire) {
                     return true; // the core aborted it: the verdict is already known
@@ -937,6 +946,9 @@ impl Engine {
                 true
             };
             let r = op.wait(until, Some(&stop));
+            if detachable && !op.is_quiesced() && grace_spent.is_none() {
+                grace_spent = Some(Instant::now());
+            }
             results.push((segment, r, op.id(), op.is_quiesced()));
         }
         let mut core = inner.core.lock();
@@ -1004,7 +1016,8 @@ impl Engine {
     /// for the same key and role is `UnknownRequest`). At `deadline` (or on `cancel()`) this
     /// rank gives up on the request (`TimedOut` / `Cancelled`, agreed with the other ranks
     /// within the agreement bound), so the call returns by the deadline plus that bound plus
-    /// a few milliseconds, with buffers that nothing can write any more.
+    /// a few milliseconds, with buffers that nothing can write any more (outside the fenced
+    /// ranges of a region: [`Engine::region_fenced_ranges`]).
     pub fn wait(
         &self,
         key: RequestKey,

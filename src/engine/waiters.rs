@@ -27,7 +27,7 @@ pub(crate) enum WaitKey {
     Peer(RankId),
     /// A freshly dialled endpoint got its `Hello` (or failed).
     Dial(PeerId),
-    /// UCX released a receive into this region.
+    /// UCX released a transfer in this region.
     Region(RegionId),
 }
 

@@ -32,6 +32,8 @@ struct Use {
     len: u64,
     /// The transfer's peer, as the owner names it (what a deregistration must close).
     peer: u64,
+    /// A receive: UCX may write the range (a send only reads it).
+    writes: bool,
     fenced: bool,
 }
 
@@ -42,7 +44,8 @@ pub struct RegionInfo {
     pub len: u64,
     /// Transfers into or out of the region that UCX still holds, fenced ones included.
     pub transfers: usize,
-    /// Of those, the ones whose request has ended: their ranges are refused to new receives.
+    /// Of those, the ones whose request has ended: their ranges are refused to new receives
+    /// (and, for a fenced receive, to new sends).
     pub fenced_transfers: usize,
     pub fenced_bytes: u64,
 }
@@ -51,10 +54,12 @@ pub struct RegionInfo {
 struct Region {
     id: RegionId,
     len: u64,
-    /// Transfers UCX holds in this region: op id -> (addr, len, fenced).
+    /// Transfers UCX holds in this region, by op id.
     uses: HashMap<u64, Use>,
     fenced: usize,
     fenced_bytes: u64,
+    /// A deregistration is under way: no new transfer may start here.
+    closing: bool,
 }
 
 #[derive(Debug, Default)]
@@ -100,6 +105,7 @@ impl Regions {
                 uses: HashMap::new(),
                 fenced: 0,
                 fenced_bytes: 0,
+                closing: false,
             },
         );
         self.starts.insert(id, addr);
@@ -109,6 +115,11 @@ impl Regions {
     fn region(&self, id: RegionId) -> Result<(u64, &Region)> {
         let start = *self.starts.get(&id).ok_or_else(|| unknown(id))?;
         Ok((start, &self.by_start[&start]))
+    }
+
+    fn region_mut(&mut self, id: RegionId) -> Result<&mut Region> {
+        let start = *self.starts.get(&id).ok_or_else(|| unknown(id))?;
+        Ok(self.by_start.get_mut(&start).expect("indexed"))
     }
 
     /// The address of `len` bytes at `offset` in region `id`: `OutOfBounds` past its end.
@@ -133,8 +144,8 @@ impl Regions {
         self.lookup(addr, len, true)
     }
 
-    /// Which region `[addr, addr + len)` lies in, for a send (UCX only reads it, so a fenced
-    /// range does not matter); `OutOfBounds` if it straddles a region's edge.
+    /// [`Regions::check`] for a send: UCX only reads the range, so only a fenced *receive*
+    /// (which UCX may still write) is in the way.
     pub fn find(&self, addr: u64, len: u64) -> Result<Option<RegionId>> {
         self.lookup(addr, len, false)
     }
@@ -163,13 +174,19 @@ impl Regions {
                 ),
             ));
         }
-        if !for_receive || r.fenced == 0 {
+        if r.closing {
+            return Err(Error::invalid(format!(
+                "region {} is being deregistered",
+                r.id.0
+            )));
+        }
+        if r.fenced == 0 {
             return Ok(Some(r.id));
         }
         let hit = r
             .uses
             .values()
-            .filter(|u| u.fenced)
+            .filter(|u| u.fenced && (for_receive || u.writes))
             .find(|u| u.addr < end && addr < u.addr + u.len);
         if let Some(Use {
             addr: a, len: l, ..
@@ -179,7 +196,7 @@ impl Regions {
                 ErrorKind::Fenced,
                 format!(
                     "buffer at {addr:#x}, {len} bytes overlaps a fenced range of region {} ({a:#x}, {l} bytes): \
-                     a receive of an ended request that UCX still holds; it is freed when UCX releases it",
+                     a transfer of an ended request that UCX still holds; it is freed when UCX releases it",
                     r.id.0
                 ),
             ));
@@ -187,32 +204,41 @@ impl Regions {
         Ok(Some(r.id))
     }
 
-    /// Records transfer `recv` (an op id) with `peer` over `[addr, addr + len)` of region `id`
-    /// (as [`Regions::check`] or [`Regions::find`] found it).
-    pub fn track(&mut self, recv: u64, peer: u64, id: RegionId, addr: u64, len: u64) -> Result<()> {
+    /// Records transfer `op` (a receive if `writes`) with `peer` over `[addr, addr + len)` of
+    /// region `id` (as [`Regions::check`] or [`Regions::find`] found it).
+    pub fn track(
+        &mut self,
+        op: u64,
+        peer: u64,
+        writes: bool,
+        id: RegionId,
+        addr: u64,
+        len: u64,
+    ) -> Result<()> {
         let start = *self.starts.get(&id).ok_or_else(|| unknown(id))?;
         let r = self.by_start.get_mut(&start).expect("indexed");
         r.uses.insert(
-            recv,
+            op,
             Use {
                 addr,
                 len,
                 peer,
+                writes,
                 fenced: false,
             },
         );
-        self.by_op.insert(recv, start);
+        self.by_op.insert(op, start);
         Ok(())
     }
 
-    /// The request of receive `recv` ended while UCX still holds it: if it is in a region, its
+    /// The request of transfer `op` ended while UCX still holds it: if it is in a region, its
     /// range is fenced and true is returned (the caller need not be held). False: plain memory.
-    pub fn fence(&mut self, recv: u64) -> bool {
-        let Some(start) = self.by_op.get(&recv) else {
+    pub fn fence(&mut self, op: u64) -> bool {
+        let Some(start) = self.by_op.get(&op) else {
             return false;
         };
         let r = self.by_start.get_mut(start).expect("indexed");
-        let Some(u) = r.uses.get_mut(&recv) else {
+        let Some(u) = r.uses.get_mut(&op) else {
             return false;
         };
         if !u.fenced {
@@ -224,12 +250,12 @@ impl Regions {
         true
     }
 
-    /// UCX has released receive `recv`: its range is free (fenced or not). Unknown ids are
+    /// UCX has released transfer `op`: its range is free (fenced or not). Unknown ids are
     /// ignored (plain memory). Returns the region, if it was in one.
-    pub fn done(&mut self, recv: u64) -> Option<RegionId> {
-        let start = self.by_op.remove(&recv)?;
+    pub fn done(&mut self, op: u64) -> Option<RegionId> {
+        let start = self.by_op.remove(&op)?;
         let r = self.by_start.get_mut(&start).expect("indexed");
-        if let Some(u) = r.uses.remove(&recv) {
+        if let Some(u) = r.uses.remove(&op) {
             if u.fenced {
                 r.fenced -= 1;
                 r.fenced_bytes -= u.len;
@@ -250,43 +276,56 @@ impl Regions {
         })
     }
 
-    /// The peers of the fenced transfers of region `id` (what a deregistration must close so
-    /// that UCX releases them), each once.
-    pub fn fenced_peers(&self, id: RegionId) -> Result<Vec<u64>> {
-        let (_, r) = self.region(id)?;
-        let mut peers: Vec<u64> = r
+    /// The fenced ranges of region `id` as (offset, length), lowest first: the memory its owner
+    /// must not touch until they are gone.
+    pub fn fenced_ranges(&self, id: RegionId) -> Result<Vec<(u64, u64)>> {
+        let (start, r) = self.region(id)?;
+        let mut v: Vec<(u64, u64)> = r
             .uses
             .values()
             .filter(|u| u.fenced)
-            .map(|u| u.peer)
+            .map(|u| (u.addr - start, u.len))
             .collect();
+        v.sort_unstable();
+        Ok(v)
+    }
+
+    /// Starts deregistering region `id`: refused (`InvalidArgument`) while a running request
+    /// uses it. From here no new transfer may start in it. Returns the peers of its fenced
+    /// transfers, each once: what must be closed so that UCX releases them.
+    pub fn begin_remove(&mut self, id: RegionId) -> Result<Vec<u64>> {
+        let r = self.region_mut(id)?;
+        let live = r.uses.len() - r.fenced;
+        if live > 0 {
+            return Err(Error::invalid(format!(
+                "region {} is in use by {live} transfer(s) of running requests",
+                id.0
+            )));
+        }
+        r.closing = true;
+        let mut peers: Vec<u64> = r.uses.values().map(|u| u.peer).collect();
         peers.sort_unstable();
         peers.dedup();
         Ok(peers)
     }
 
-    /// Forgets region `id`. Refused while any receive into it is held by UCX: `InvalidArgument`
-    /// while a running request uses it, `Fenced` while only fenced transfers remain.
-    pub fn remove(&mut self, id: RegionId) -> Result<()> {
-        let (start, r) = self.region(id)?;
-        let live = r.uses.len() - r.fenced;
-        if live > 0 {
-            return Err(Error::invalid(format!(
-                "region {} is in use by {live} receive(s) of running requests",
-                id.0
-            )));
-        }
-        if r.fenced > 0 {
+    /// Ends a deregistration: forgets region `id` if UCX holds nothing in it any more, else
+    /// (`Fenced`) leaves it registered and usable again.
+    pub fn finish_remove(&mut self, id: RegionId) -> Result<()> {
+        let r = self.region_mut(id)?;
+        if !r.uses.is_empty() {
+            r.closing = false;
             return Err(Error::new(
                 ErrorKind::Fenced,
                 format!(
-                    "region {} still has {} fenced receive(s) that UCX has not released",
-                    id.0, r.fenced
+                    "region {} still has {} fenced transfer(s) that UCX has not released; it stays registered",
+                    id.0,
+                    r.uses.len()
                 ),
             ));
         }
+        let start = self.starts.remove(&id).expect("indexed");
         self.by_start.remove(&start);
-        self.starts.remove(&id);
         Ok(())
     }
 
@@ -374,9 +413,9 @@ mod tests {
     fn a_fenced_range_is_refused_until_released_and_nothing_else_is() {
         let mut t = Regions::new();
         let r = t.register(A, 100).unwrap();
-        t.track(1, 50, r, A, 40).unwrap();
-        t.track(2, 50, r, A + 40, 40).unwrap();
-        t.track(3, 60, r, A + 80, 10).unwrap();
+        t.track(1, 50, true, r, A, 40).unwrap();
+        t.track(2, 50, true, r, A + 40, 40).unwrap();
+        t.track(3, 60, false, r, A + 80, 10).unwrap();
         // Live receives do not block other ranges (and the table does not police overlap of
         // running requests: that is the caller's memory contract).
         assert_eq!(t.check(A + 90, 10).unwrap(), Some(r));
@@ -393,12 +432,15 @@ mod tests {
             assert_eq!(t.check(addr, len).unwrap_err().kind, ErrorKind::Fenced);
         }
         assert_eq!(t.check(A + 40, 60).unwrap(), Some(r));
-        // A send only reads: a fenced range does not stop it.
-        assert_eq!(t.find(A, 40).unwrap(), Some(r));
+        // A fenced receive may still be written: no send from it either.
+        assert_eq!(t.find(A, 40).unwrap_err().kind, ErrorKind::Fenced);
         assert_eq!(t.find(A - 1, 2).unwrap_err().kind, ErrorKind::OutOfBounds);
-        assert_eq!(t.fenced_peers(r).unwrap(), vec![50]);
+        assert_eq!(t.fenced_ranges(r).unwrap(), vec![(0, 40)]);
+        // A fenced send is only read: sends from it go on, receives into it do not.
         t.fence(3);
-        assert_eq!(t.fenced_peers(r).unwrap(), vec![50, 60]);
+        assert_eq!(t.find(A + 80, 10).unwrap(), Some(r));
+        assert_eq!(t.check(A + 85, 1).unwrap_err().kind, ErrorKind::Fenced);
+        assert_eq!(t.fenced_ranges(r).unwrap(), vec![(0, 40), (80, 10)]);
         t.done(3);
         assert_eq!(t.done(1), Some(r));
         assert_eq!(t.done(1), None);
@@ -419,17 +461,35 @@ mod tests {
     fn a_region_in_use_is_not_forgotten() {
         let mut t = Regions::new();
         let r = t.register(A, 100).unwrap();
-        t.track(1, 7, r, A, 10).unwrap();
-        assert_eq!(t.remove(r).unwrap_err().kind, ErrorKind::InvalidArgument);
+        t.track(1, 7, true, r, A, 10).unwrap();
+        t.track(2, 8, false, r, A + 10, 10).unwrap();
+        assert_eq!(
+            t.begin_remove(r).unwrap_err().kind,
+            ErrorKind::InvalidArgument
+        );
         t.fence(1);
-        assert_eq!(t.remove(r).unwrap_err().kind, ErrorKind::Fenced);
+        t.fence(2);
+        // Closing: the peers to close come back, and nothing new may start meanwhile.
+        assert_eq!(t.begin_remove(r).unwrap(), vec![7, 8]);
+        assert_eq!(
+            t.check(A + 50, 1).unwrap_err().kind,
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(t.finish_remove(r).unwrap_err().kind, ErrorKind::Fenced);
+        // Not released in time: registered and usable again.
+        assert_eq!(t.check(A + 50, 1).unwrap(), Some(r));
+        t.begin_remove(r).unwrap();
         t.done(1);
-        t.remove(r).unwrap();
+        t.done(2);
+        t.finish_remove(r).unwrap();
         assert!(t.is_empty());
-        assert_eq!(t.remove(r).unwrap_err().kind, ErrorKind::InvalidArgument);
+        assert_eq!(
+            t.begin_remove(r).unwrap_err().kind,
+            ErrorKind::InvalidArgument
+        );
         assert_eq!(t.check(A, 10).unwrap(), None, "the memory is plain again");
         assert_eq!(
-            t.track(2, 7, r, A, 10).unwrap_err().kind,
+            t.track(3, 7, true, r, A, 10).unwrap_err().kind,
             ErrorKind::InvalidArgument
         );
         // A new registration of the same memory gets a new id.

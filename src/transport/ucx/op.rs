@@ -69,6 +69,8 @@ pub struct Op {
     quiesced: bool,
     /// See [`Op::detach_on_stop`].
     detach: bool,
+    /// See [`Op::limit_grace`].
+    grace_until: Option<Instant>,
 }
 
 impl Op {
@@ -79,7 +81,14 @@ impl Op {
             finished: false,
             quiesced: false,
             detach: false,
+            grace_until: None,
         }
+    }
+
+    /// For an op that [`Op::detach_on_stop`]: a stop waits for the cancel no later than
+    /// `until` (several ops given up together share one grace instead of one each).
+    pub fn limit_grace(&mut self, until: Instant) {
+        self.grace_until = Some(until);
     }
 
     /// A stop that the cancel alone does not end leaves the op to UCX instead of force-closing
@@ -94,7 +103,8 @@ impl Op {
     /// Waits until the op ends, `deadline` passes, or `cancel()` returns true (checked every
     /// `CANCEL_POLL`). Returns `Completed` only when the whole transfer has landed. On any other
     /// outcome the UCX request has been cancelled and released before this returns: UCX no
-    /// longer touches the buffer (see [`Op::stop`] for the bound on that).
+    /// longer touches the buffer (see [`Op::stop`] for the bound on that), unless the op was
+    /// [`Op::detach_on_stop`]ped and the cancel alone did not end it (`is_quiesced()` false).
     pub fn wait(
         &mut self,
         deadline: Instant,
@@ -224,7 +234,11 @@ impl Op {
             if self.shared.submit(cmd).is_err() {
                 break;
             }
-            self.wait_done(Instant::now() + grace);
+            let mut until = Instant::now() + grace;
+            if let Some(limit) = self.grace_until.filter(|_| self.detach) {
+                until = until.min(limit);
+            }
+            self.wait_done(until);
         }
         if self.slot.state.lock().is_none() {
             // UCX broke its contract (a force-closed endpoint completes its requests). The wait
