@@ -117,6 +117,9 @@ if [[ "${results[-1]}" == ok ]]; then
     # used to stall in a shared-memory round here: each flush scanned every control message in
     # flight (4096 after a burst of advertisements); they are now reclaimed from the front.
     step rust-tests "${cargo_test[@]}" "${suites[@]}"
+    # The region paths between real processes (fenced receives and detached sends, the peers'
+    # region memory, deregistration while fenced): one case of engine_faults, about 50 s here.
+    step rust-regions "${cargo_test[@]}" --test engine_faults -- frozen_sender_into_a_region
 fi
 
 if [[ "${KVLINK_ASAN_CPP:-1}" != 0 ]]; then
