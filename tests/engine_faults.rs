@@ -116,6 +116,20 @@ fn pair_mid_request(tl: &str, gen_extra: &[&str], ctx_extra: &[&str]) -> (Proc, 
     (ctx, gen, addr)
 }
 
+/// The receiver's HEALTH line once its regions have no fenced bytes left (or `within` has
+/// passed), and how long that took.
+fn unfenced(gen: &mut Proc, within: Duration) -> (String, Duration) {
+    let t0 = Instant::now();
+    loop {
+        gen.send("HEALTH");
+        let h = gen.expect("HEALTH");
+        if field(&h, "region_fenced") == "0" || t0.elapsed() > within {
+            return (h, t0.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn check_bounded(side: &str, line: &str) {
     let l = late(line);
     println!("  {side}: {line}  -> ended {l:.1} ms past the deadline");
@@ -201,16 +215,8 @@ fn partition_mid_transfer_ends_both_sides_by_the_deadline_and_the_pair_heals() {
         // Request 3 uses the other half of a region; request 4 the half request 2 used, once
         // its fence (if any) has lifted.
         completes(&mut ctx, &mut gen, 3);
-        let t0 = Instant::now();
-        let h = loop {
-            gen.send("HEALTH");
-            let h = gen.expect("HEALTH");
-            if field(&h, "region_fenced") == "0" || t0.elapsed() > Duration::from_secs(10) {
-                break h;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        println!("  fence clear after {:?}: {h}", t0.elapsed());
+        let (h, took) = unfenced(&mut gen, Duration::from_secs(10));
+        println!("  fence clear after {took:?}: {h}");
         assert_eq!(field(&h, "region_fenced"), "0", "{h}");
         completes(&mut ctx, &mut gen, 4);
         gen.send("HEALTH");
@@ -409,19 +415,8 @@ fn frozen_sender_into_a_region_fences_only_its_range_and_the_pair_goes_on() {
             "an endpoint was closed: {c}"
         );
         // The fences lift by themselves once UCX releases the transfers.
-        let t0 = Instant::now();
-        let h = loop {
-            gen.send("HEALTH");
-            let h = gen.expect("HEALTH");
-            if field(&h, "region_fenced") == "0" || t0.elapsed() > Duration::from_secs(5) {
-                break h;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        println!(
-            "  receiver's fence lifted {:?} after the sender's end: {h}",
-            t0.elapsed()
-        );
+        let (h, took) = unfenced(&mut gen, Duration::from_secs(5));
+        println!("  receiver's fence lifted {took:?} after the sender's end: {h}");
         assert_eq!(field(&h, "region_fenced"), "0", "{h}");
         assert_eq!(field(&h, "leased"), "0", "{h}");
         assert_eq!(field(&h, "fenced"), "0", "{h}");

@@ -284,51 +284,31 @@ proptest! {
     }
 }
 
+fn tx(op: u64, addr: u64, len: u64, writes: bool, peer: u64) -> Step {
+    Step::Transfer {
+        op,
+        addr,
+        len,
+        writes,
+        peer,
+    }
+}
+
 /// A fixed sequence: what the engine does when a frozen sender's receive is fenced, a
 /// deregistration times out, and the late data finally lands.
 #[test]
 fn a_timed_out_deregistration_leaves_the_region_usable() {
     let steps = [
         Step::Register { addr: 16, len: 64 },
-        Step::Transfer {
-            op: 1,
-            addr: 16,
-            len: 32,
-            writes: true,
-            peer: 2,
-        },
+        tx(1, 16, 32, true, 2),
         Step::Fence { op: 1 },
-        Step::Transfer {
-            op: 2,
-            addr: 20,
-            len: 4,
-            writes: true,
-            peer: 2,
-        },
-        Step::Transfer {
-            op: 3,
-            addr: 20,
-            len: 4,
-            writes: false,
-            peer: 2,
-        },
+        tx(2, 20, 4, true, 2),
+        tx(3, 20, 4, false, 2),
         Step::BeginRemove { pick: 0 },
         Step::FinishRemove { pick: 0 },
-        Step::Transfer {
-            op: 4,
-            addr: 60,
-            len: 4,
-            writes: false,
-            peer: 1,
-        },
+        tx(4, 60, 4, false, 1),
         Step::Done { op: 1 },
-        Step::Transfer {
-            op: 5,
-            addr: 20,
-            len: 4,
-            writes: true,
-            peer: 2,
-        },
+        tx(5, 20, 4, true, 2),
         Step::Done { op: 4 },
         Step::Done { op: 5 },
         Step::BeginRemove { pick: 0 },
