@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -135,17 +136,25 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
   const auto shape = layout();
   std::size_t total = 0;
   for (const auto& s : shape) total += s.size;
+  // The generation side's KV-cache pool, lent to kvlink once as a region: requests receive into
+  // ranges of it. Should a sender stall mid-transfer, only that range would be fenced (no
+  // endpoint closed); the pool must outlive the engine's use of it (deregistered below).
+  std::vector<std::uint8_t> pool(total, 0);
+  const kvlink::RegionId region = engine.register_region(pool.data(), pool.size());
+  std::printf("  receive pool of %.1f MiB registered once as region %llu\n", total / 1048576.0,
+              static_cast<unsigned long long>(region));
   bool all_ok = true;
   std::vector<std::string> ctx_lines;
   const std::pair<std::uint64_t, kvlink::Outcome> plan[] = {
       {1, kvlink::Outcome::Completed}, {kFaulty, kvlink::Outcome::TimedOut}, {3, kvlink::Outcome::Completed}};
   for (const auto& [request, expect] : plan) {
     const kvlink::RequestKey key{request, 0};
-    std::vector<std::vector<std::uint8_t>> bufs;
+    std::fill(pool.begin(), pool.end(), 0);
     std::vector<kvlink::Buffer> specs;
-    for (std::size_t i = 0; i < shape.size(); ++i) bufs.emplace_back(shape[i].size, 0);
+    std::size_t offset = 0;
     for (std::size_t i = 0; i < shape.size(); ++i) {
-      specs.push_back({shape[i].kind, static_cast<std::uint32_t>(i), bufs[i].data(), bufs[i].size()});
+      specs.push_back(engine.region_buffer(region, shape[i].kind, static_cast<std::uint32_t>(i), offset, shape[i].size));
+      offset += shape[i].size;
     }
     const auto t0 = steady_clock::now();
     const std::string info = "prompt-" + std::to_string(request);
@@ -154,8 +163,9 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
     const auto outcome = engine.wait_receiver(key, kvlink::after(2 * timeout));
     const double took = duration<double, std::milli>(steady_clock::now() - t0).count();
     bool intact = true;
-    for (std::size_t i = 0; i < bufs.size(); ++i) {
-      intact = intact && bufs[i] == content(request, static_cast<std::uint32_t>(i), bufs[i].size());
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const auto want = content(request, static_cast<std::uint32_t>(i), specs[i].size);
+      intact = intact && std::memcmp(specs[i].data, want.data(), want.size()) == 0;
     }
     std::printf("  request %llu: %zu buffers, %.1f MiB, ready=%s -> %s in %.1f ms, every byte verified: %s   [%s]\n",
                 static_cast<unsigned long long>(request), shape.size(), total / 1048576.0,
@@ -175,11 +185,13 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
       ctx_lines.push_back(l);
     }
     const auto h = engine.health();
-    std::printf("    health: completed=%llu failed=%llu buffers_leased=%llu ops_in_flight=%llu\n",
+    std::printf("    health: completed=%llu failed=%llu buffers_leased=%llu ops_in_flight=%llu region_fenced_bytes=%llu\n",
                 static_cast<unsigned long long>(h.completed), static_cast<unsigned long long>(h.failed),
-                static_cast<unsigned long long>(h.buffers_leased), static_cast<unsigned long long>(h.ops_in_flight));
-    all_ok = all_ok && h.buffers_leased == 0 && h.ops_in_flight == 0;
+                static_cast<unsigned long long>(h.buffers_leased), static_cast<unsigned long long>(h.ops_in_flight),
+                static_cast<unsigned long long>(h.region_fenced_bytes));
+    all_ok = all_ok && h.buffers_leased == 0 && h.ops_in_flight == 0 && h.region_fenced_bytes == 0;
   }
+  engine.deregister_region(region, kvlink::after(seconds(1)));
   std::string joined;
   for (const auto& l : ctx_lines) joined += (joined.empty() ? "" : ", ") + l;
   std::printf("  context side reported: %s\n", joined.c_str());
