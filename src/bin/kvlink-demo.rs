@@ -189,6 +189,17 @@ fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> 
 
     let shape = layout(4, 1 << 20);
     let total: usize = shape.iter().map(|s| s.1).sum();
+    // The generation side's receive pool, lent to kvlink once as a region: requests receive
+    // into ranges of it (a stalled sender would cost only its range, no endpoint).
+    let mut pool = vec![0u8; total];
+    // SAFETY: `pool` is deregistered below before it is dropped (or leaked if that fails).
+    let region = unsafe { engine.register_region(pool.as_mut_ptr() as u64, total as u64) }
+        .expect("register_region");
+    println!(
+        "  receive pool of {:.1} MiB registered once as region {}",
+        total as f64 / (1 << 20) as f64,
+        region.0
+    );
     let mut all_ok = true;
     let mut ctx_lines = Vec::new();
     for (request, expect) in [
@@ -197,21 +208,18 @@ fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> 
         (3, Outcome::Completed),
     ] {
         let key = RequestKey::new(request, 0);
-        let mut bufs: Vec<Vec<u8>> = shape.iter().map(|&(_, n)| vec![0u8; n]).collect();
-        let specs: Vec<BufferSpec> = bufs
-            .iter_mut()
-            .zip(&shape)
-            .enumerate()
-            .map(|(i, (b, &(kind, _)))| BufferSpec {
-                kind,
-                segment: i as u32,
-                addr: b.as_mut_ptr() as u64,
-                len: b.len() as u64,
-                device_id: -1,
-            })
-            .collect();
+        pool.fill(0);
+        let mut offsets = Vec::with_capacity(shape.len());
+        let mut specs: Vec<BufferSpec> = Vec::with_capacity(shape.len());
+        let mut at = 0usize;
+        for (i, &(kind, n)) in shape.iter().enumerate() {
+            let spec = engine.region_buffer(region, kind, i as u32, at as u64, n as u64);
+            specs.push(spec.expect("region_buffer"));
+            offsets.push((at, n));
+            at += n;
+        }
         let t0 = Instant::now();
-        // SAFETY: `bufs` lives until after `wait` below has returned for this request.
+        // SAFETY: the pool is registered as a region (see above).
         unsafe {
             engine.advertise(
                 key,
@@ -226,10 +234,10 @@ fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> 
             .wait(key, Role::Receiver, Instant::now() + timeout * 2, None)
             .unwrap_or_else(|e| panic!("wait: {e}"));
         let took = t0.elapsed();
-        let intact = bufs
+        let intact = offsets
             .iter()
             .enumerate()
-            .all(|(i, b)| *b == content(request, i as u32, b.len()));
+            .all(|(i, &(at, n))| pool[at..at + n] == content(request, i as u32, n)[..]);
         let note = match request {
             FAULTY => {
                 "fault hook: the context side drops this request's data (the lost-completion case)"
@@ -263,10 +271,16 @@ fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> 
         }
         let h = engine.health();
         println!(
-            "    health: completed={} failed={} buffers_leased={} ops_in_flight={} since_last_completion_ms={}",
-            h.completed, h.failed, h.buffers_leased, h.ops_in_flight, h.since_last_completion_ms
+            "    health: completed={} failed={} buffers_leased={} ops_in_flight={} region_fenced_bytes={} since_last_completion_ms={}",
+            h.completed, h.failed, h.buffers_leased, h.ops_in_flight, h.region_fenced_bytes, h.since_last_completion_ms
         );
-        all_ok &= h.buffers_leased == 0 && h.ops_in_flight == 0;
+        all_ok &= h.buffers_leased == 0 && h.ops_in_flight == 0 && h.region_fenced_bytes == 0;
+    }
+    if let Err(e) = engine.deregister_region(region, Instant::now() + Duration::from_secs(1)) {
+        println!("  deregistering the receive pool: {e}");
+        all_ok = false;
+        // The engine may still write it: never freed.
+        std::mem::forget(pool);
     }
     println!("  context side reported: {}", ctx_lines.join(", "));
     let expected_ctx = ["CTX 1 Completed", "CTX 2 TimedOut", "CTX 3 Completed"];
