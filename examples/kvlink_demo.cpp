@@ -124,6 +124,14 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
   std::printf("kvlink demo (C++ API): context process pid %d and generation process pid %d over UCX %s on loopback\n",
               static_cast<int>(child), static_cast<int>(getpid()), transport.c_str());
 
+  const auto shape = layout();
+  std::size_t total = 0;
+  for (const auto& s : shape) total += s.size;
+  // The generation side's KV-cache pool, lent to kvlink once as a region: requests receive into
+  // ranges of it. Should a sender stall mid-transfer, only that range would be fenced (no
+  // endpoint closed). Declared before the engine, so that it outlives the engine whatever
+  // happens (a fenced range may be written until the engine is gone).
+  std::vector<std::uint8_t> pool(total, 0);
   kvlink::EngineConfig cfg;
   cfg.name = "generation";
   cfg.rank = kGen;
@@ -133,13 +141,6 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
   const auto peer = engine.connect(addr, kvlink::after(seconds(10)));
   std::printf("  connected to rank %u\n", peer);
 
-  const auto shape = layout();
-  std::size_t total = 0;
-  for (const auto& s : shape) total += s.size;
-  // The generation side's KV-cache pool, lent to kvlink once as a region: requests receive into
-  // ranges of it. Should a sender stall mid-transfer, only that range would be fenced (no
-  // endpoint closed); the pool must outlive the engine's use of it (deregistered below).
-  std::vector<std::uint8_t> pool(total, 0);
   const kvlink::RegionId region = engine.register_region(pool.data(), pool.size());
   std::printf("  receive pool of %.1f MiB registered once as region %llu\n", total / 1048576.0,
               static_cast<unsigned long long>(region));
@@ -190,6 +191,7 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
                 static_cast<unsigned long long>(h.buffers_leased), static_cast<unsigned long long>(h.ops_in_flight),
                 static_cast<unsigned long long>(h.region_fenced_bytes));
     all_ok = all_ok && h.buffers_leased == 0 && h.ops_in_flight == 0 && h.region_fenced_bytes == 0;
+    if (h.region_fenced_bytes != 0) break;  // fenced memory must not be refilled or read
   }
   engine.deregister_region(region, kvlink::after(seconds(1)));
   std::string joined;

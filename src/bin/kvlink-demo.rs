@@ -190,9 +190,11 @@ fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> 
     let shape = layout(4, 1 << 20);
     let total: usize = shape.iter().map(|s| s.1).sum();
     // The generation side's receive pool, lent to kvlink once as a region: requests receive
-    // into ranges of it (a stalled sender would cost only its range, no endpoint).
-    let mut pool = vec![0u8; total];
-    // SAFETY: `pool` is deregistered below before it is dropped (or leaked if that fails).
+    // into ranges of it (a stalled sender would cost only its range, no endpoint). Never freed:
+    // the engine (shared with the metrics thread) may outlive this function, and a fenced
+    // range may be written until it is gone.
+    let pool: &'static mut [u8] = Box::leak(vec![0u8; total].into_boxed_slice());
+    // SAFETY: the pool is never freed.
     let region = unsafe { engine.register_region(pool.as_mut_ptr() as u64, total as u64) }
         .expect("register_region");
     println!(
@@ -275,12 +277,13 @@ fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> 
             h.completed, h.failed, h.buffers_leased, h.ops_in_flight, h.region_fenced_bytes, h.since_last_completion_ms
         );
         all_ok &= h.buffers_leased == 0 && h.ops_in_flight == 0 && h.region_fenced_bytes == 0;
+        if h.region_fenced_bytes != 0 {
+            break; // fenced memory must not be refilled or read
+        }
     }
     if let Err(e) = engine.deregister_region(region, Instant::now() + Duration::from_secs(1)) {
         println!("  deregistering the receive pool: {e}");
         all_ok = false;
-        // The engine may still write it: never freed.
-        std::mem::forget(pool);
     }
     println!("  context side reported: {}", ctx_lines.join(", "));
     let expected_ctx = ["CTX 1 Completed", "CTX 2 TimedOut", "CTX 3 Completed"];

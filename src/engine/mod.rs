@@ -55,6 +55,7 @@ use crate::transport::cuda::Staging;
 use crate::transport::{Agent, AgentOptions, PeerId, TransportKind};
 use glue::{Core, Inner, OnReap, RecvOp};
 use parking_lot::{Mutex, MutexGuard};
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -924,13 +925,12 @@ impl Engine {
         drop(core);
         let mut results = Vec::with_capacity(ops.len());
         let told = std::cell::Cell::new(false);
-        // Once one region send is given up, the rest of the request's region sends share what
-        // is left of its grace instead of waiting one grace each (a request may have many).
-        let mut grace_spent: Option<Instant> = None;
-        for (segment, mut op, flag, detachable) in ops {
-            if let Some(g) = grace_spent.filter(|_| detachable) {
-                op.limit_grace(g);
-            }
+        // Once one region send is given up, the rest of the request's region sends are asked to
+        // stop at once and share one more grace, instead of waiting a grace each in turn (a
+        // request may have many).
+        let mut rest: VecDeque<_> = ops.into();
+        let mut shared_grace = false;
+        while let Some((segment, mut op, flag, detachable)) = rest.pop_front() {
             let stop = || {
                 if flag.load(Ordering::Acquire) {
                     return true; // the core aborted it: the verdict is already known
@@ -946,8 +946,13 @@ impl Engine {
                 true
             };
             let r = op.wait(until, Some(&stop));
-            if detachable && !op.is_quiesced() && grace_spent.is_none() {
-                grace_spent = Some(Instant::now());
+            if detachable && !op.is_quiesced() && !shared_grace {
+                shared_grace = true;
+                let grace = Instant::now() + REAP_GRACE;
+                for (_, other, _, _) in rest.iter_mut().filter(|o| o.3) {
+                    other.request_cancel();
+                    other.limit_grace(grace);
+                }
             }
             results.push((segment, r, op.id(), op.is_quiesced()));
         }

@@ -100,8 +100,16 @@ pub(super) fn set_shared(shared: &Arc<Shared>) {
 }
 
 /// Forgets the agent a caller drove, once its pass is over (the agent may go away).
-pub(super) fn clear_shared() {
-    SHARED.with(|s| s.borrow_mut().take());
+/// [`set_shared`] for a stretch of work on another agent's worker (a caller driving it, or
+/// starting its commands, possibly from inside the sink of an agent this thread drives):
+/// returns what to hand to [`restore_shared`] afterwards.
+pub(super) fn enter_shared(shared: &Arc<Shared>) -> Option<Arc<Shared>> {
+    SHARED.with(|s| s.borrow_mut().replace(shared.clone()))
+}
+
+/// Puts back what [`enter_shared`] replaced.
+pub(super) fn restore_shared(prev: Option<Arc<Shared>>) {
+    SHARED.with(|s| *s.borrow_mut() = prev);
 }
 
 pub(super) fn with_shared(f: impl FnOnce(&Shared)) {

@@ -178,20 +178,27 @@ impl Shared {
         Ok(())
     }
 
-    /// [`Shared::submit`] for an op its caller is about to wait on: when no other thread
-    /// drives, the queue (this command last) runs here at once, so the op starts without a
-    /// wake-up of the progress thread in between; the caller's wait then drives it (and wakes
-    /// the progress thread when it stops driving). Otherwise the driving thread is woken as by
-    /// `submit`. The caller may hold its own locks: no sink runs here, only the commands.
+    /// [`Shared::submit`] for an op its caller is about to wait on and drive: when the queue
+    /// held nothing else and no other thread drives, the command runs here at once, so the op
+    /// starts without a wake-up of the progress thread in between; the caller's wait then
+    /// drives it (and wakes the progress thread when it stops driving). Otherwise, or when
+    /// callers do not drive (`KVLINK_POLL_US=0`), the progress thread is woken as by `submit`.
+    /// The caller may hold its own locks: no sink runs here, and no other thread's command.
     pub(super) fn submit_now(self: &Arc<Self>, cmd: Cmd) -> Result<()> {
-        self.enqueue(cmd)?;
-        if let Some(mut guard) = self.driver.try_lock() {
-            if let Some(p) = guard.as_mut() {
-                callbacks::set_shared(self);
-                p.drain_commands();
-                callbacks::clear_shared();
-                if !p.shutdown {
-                    return Ok(());
+        let alone = self.enqueue(cmd)?;
+        if alone && !self.poll_window.is_zero() {
+            if let Some(mut guard) = self.driver.try_lock() {
+                if let Some(p) = guard.as_mut() {
+                    let prev = callbacks::enter_shared(self);
+                    p.drain_commands();
+                    callbacks::restore_shared(prev);
+                    // Whatever the commands left for a pass (callback reports) or ended (a
+                    // shutdown) is the progress thread's to handle.
+                    let more = p.shutdown || !self.cb_events.lock().is_empty();
+                    drop(guard);
+                    if !more {
+                        return Ok(());
+                    }
                 }
             }
         }
@@ -199,7 +206,8 @@ impl Shared {
         Ok(())
     }
 
-    fn enqueue(&self, cmd: Cmd) -> Result<()> {
+    /// Queues `cmd`; true if the queue held nothing else.
+    fn enqueue(&self, cmd: Cmd) -> Result<bool> {
         let mut q = self.cmds.lock();
         let refused =
             q.closed || (self.stopping.load(Ordering::Acquire) && !matches!(cmd, Cmd::Shutdown));
@@ -210,7 +218,7 @@ impl Shared {
             return Err(Error::new(ErrorKind::Shutdown, "agent is shut down"));
         }
         q.items.push_back(cmd);
-        Ok(())
+        Ok(q.items.len() == 1)
     }
 
     /// Ends a command that will never run, so nobody waits on it.
@@ -304,9 +312,9 @@ impl Shared {
         let Some(p) = guard.as_mut() else {
             return false;
         };
-        callbacks::set_shared(self);
+        let prev = callbacks::enter_shared(self);
         p.pass();
-        callbacks::clear_shared();
+        callbacks::restore_shared(prev);
         drop(guard);
         self.caller_passes.fetch_add(1, Ordering::AcqRel);
         // A timer the sink set in our pass, earlier than the progress thread's sleep, must not
