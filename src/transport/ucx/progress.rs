@@ -32,14 +32,17 @@ const SINK_IDLE: Duration = Duration::from_millis(100);
 /// only follows progress. `KVLINK_POLL_US` overrides it (0 turns polling off).
 const POLL_AFTER_PROGRESS: Duration = Duration::from_micros(100);
 
-/// Passes in a row that may find the worker unarmable (`UCS_ERR_BUSY`) before the thread backs
-/// off. A busy arm normally means data arrived between the pass and the arm, and the next pass
-/// takes it; one that persists while passes find nothing is a shared-memory receive queue whose
-/// head slot was claimed and never written (a writer stopped or killed mid-write:
-/// docs/RELIABILITY.md, known gaps). UCX refuses to arm the worker for as long as that lasts.
-const BUSY_SPINS: u32 = 64;
+/// How long passes may find the worker unarmable (`UCS_ERR_BUSY`) with nothing to do before the
+/// thread backs off. A busy arm normally means data arrived between the pass and the arm, and
+/// the next pass takes it; on shared memory it also means a sender has claimed the queue's next
+/// slot and not yet written it, which lasts as long as that sender is descheduled (a time
+/// slice here is 4 ms), and the message must be taken as soon as it is written. Only one that
+/// persists is a writer stopped or killed mid-write (docs/RELIABILITY.md, known gaps): UCX
+/// refuses to arm the worker for as long as that lasts.
+const BUSY_SPIN_FOR: Duration = Duration::from_millis(20);
 /// The longest back-off sleep while the worker stays unarmable: the wedged state is polled
-/// (and commands are taken at once, through the wake eventfd) without spinning a core.
+/// (and commands are taken at once, through the wake eventfd) without spinning a core. Each
+/// sleep is an eighth of how long the state has lasted, so a late write costs at most that.
 const BUSY_SLEEP_MAX: Duration = Duration::from_millis(16);
 
 pub(super) fn poll_window() -> Duration {
@@ -187,7 +190,7 @@ fn run(shared: &Shared) {
     let window = shared.poll_window;
     let mut last_progress = Instant::now();
     let mut seen_caller_passes = 0;
-    let mut busy_streak = 0u32;
+    let mut busy_since: Option<Instant> = None;
     loop {
         let mut guard = shared.driver.lock();
         let Some(p) = guard.as_mut() else { return };
@@ -198,7 +201,7 @@ fn run(shared: &Shared) {
         }
         if pass.progressed {
             empty_streak = 0;
-            busy_streak = 0;
+            busy_since = None;
             last_progress = Instant::now();
         }
         if pass.sink_ran || !shared.cb_events.lock().is_empty() {
@@ -217,14 +220,14 @@ fn run(shared: &Shared) {
         // SAFETY: the worker is used only under the driver lock, which we hold.
         let st = unsafe { sys::ucp_worker_arm(p.worker.0) };
         if st == sys::UCS_ERR_BUSY {
-            busy_streak += 1;
-            if busy_streak <= BUSY_SPINS {
+            let busy_for = busy_since.get_or_insert_with(Instant::now).elapsed();
+            if busy_for < BUSY_SPIN_FOR {
                 continue;
             }
-            // Unarmable and nothing found (see BUSY_SPINS): sleep on the wake eventfd alone,
-            // 1, 2, 4 ... up to 16 ms, never past the sink's next timer.
-            let step = Duration::from_millis(1 << (busy_streak - BUSY_SPINS - 1).min(4));
-            let nap = step
+            // Unarmable and nothing found for a while (see BUSY_SPIN_FOR): sleep on the wake
+            // eventfd alone, an eighth of that while, 2.5 up to 16 ms, never past the sink's
+            // next timer.
+            let nap = (busy_for / 8)
                 .min(BUSY_SLEEP_MAX)
                 .min(Duration::from_millis(p.sleep_ms().max(1) as u64));
             drop(guard);
@@ -232,7 +235,7 @@ fn run(shared: &Shared) {
             wait_for_wake(shared, nap);
             continue;
         }
-        busy_streak = 0;
+        busy_since = None;
         // A bounded sleep: UCX keepalive needs progress now and then even when idle, and the
         // sink's next timer must not be slept through.
         let sleep_ms = p.sleep_ms();
