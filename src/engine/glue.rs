@@ -111,9 +111,6 @@ pub(crate) struct Counters {
     /// Waits that returned at their deadline's slack before the request's end was certain
     /// (UCX did not release a fenced receive in time): should stay 0.
     pub unsettled_returns: u64,
-    /// Transfers in a region that had to be fenced (their request ended while UCX held them):
-    /// each cost its range for a while, not the pair.
-    pub region_fences: u64,
     /// Tagged data that matched no posted receive and was discarded: `foreign` under a tag no
     /// receive of ours ever had (a process that is not the peer the buffer was offered to, or
     /// garbage); `late` for a receive that had already ended (its sender was too slow).
@@ -597,12 +594,10 @@ impl Inner {
                         let peer = core.recv_ops[&id].peer;
                         core.recv_ops[&id].op.request_cancel();
                         core.on_reap.insert(id, OnReap::Restore(lease.buffer));
-                        if core.regions.fence(id) {
-                            // Region memory stays lent to kvlink: the request ends now, and only
-                            // this range is refused to new requests until UCX releases the
-                            // receive. The pair and its other requests are not touched.
-                            core.counters.region_fences += 1;
-                        } else {
+                        // Region memory stays lent to kvlink: the request ends now, and only this
+                        // range is refused to new requests until UCX releases the receive. The
+                        // pair and its other requests are not touched.
+                        if !core.regions.fence(id) {
                             let _ = self.agent.close_peer(peer);
                             core.fencing.entry(key).or_default().insert(id);
                         }

@@ -967,9 +967,9 @@ impl Engine {
             core.sends.remove(&(key, to, segment));
             if quiesced {
                 core.regions.done(id);
-            } else if core.regions.fence(id) {
+            } else {
                 // Left to UCX (`detach_on_stop`): it ends on its own, reported by `OpDone`.
-                core.counters.region_fences += 1;
+                core.regions.fence(id);
             }
             // This rank's reason goes first: the core takes a failed send with no reason given
             // as a lost peer.
@@ -1164,7 +1164,7 @@ impl Engine {
             refused_by_peer: core.peers.refusals.by_peer,
             receive_stuck: s.receive_stuck,
             region_fenced_bytes: core.regions.fenced_bytes(),
-            region_fences: c.region_fences,
+            region_fences: core.regions.fences(),
         }
     }
 

@@ -71,6 +71,8 @@ pub struct Regions {
     by_op: HashMap<u64, u64>,
     next: u64,
     fenced_bytes: u64,
+    /// Transfers fenced so far (each cost its range for a while, not the pair).
+    fences: u64,
 }
 
 impl Regions {
@@ -243,6 +245,7 @@ impl Regions {
         };
         if !u.fenced {
             u.fenced = true;
+            self.fences += 1;
             r.fenced += 1;
             r.fenced_bytes += u.len;
             self.fenced_bytes += u.len;
@@ -338,6 +341,10 @@ impl Regions {
     /// Bytes fenced over all regions.
     pub fn fenced_bytes(&self) -> u64 {
         self.fenced_bytes
+    }
+    /// Transfers fenced so far, over all regions (deregistered ones included).
+    pub fn fences(&self) -> u64 {
+        self.fences
     }
 }
 

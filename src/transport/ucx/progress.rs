@@ -12,7 +12,7 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashMap;
-use std::ffi::{c_void, CString};
+use std::ffi::CString;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::raw::c_int;
@@ -260,15 +260,7 @@ fn run(shared: &Shared) {
         let mut ucx_woke = false;
         for ev in &evs[..n as usize] {
             if ev.u64 == 2 {
-                let mut buf = 0u64;
-                // SAFETY: reading 8 bytes from our eventfd into a u64.
-                unsafe {
-                    libc::read(
-                        shared.wake_fd.as_raw_fd(),
-                        &mut buf as *mut u64 as *mut c_void,
-                        8,
-                    )
-                };
+                shared.take_wake();
             } else {
                 ucx_woke = true;
             }
@@ -309,9 +301,7 @@ fn wait_for_wake(shared: &Shared, nap: Duration) {
     // SAFETY: one pollfd, ours; the eventfd lives as long as `shared`.
     let n = unsafe { libc::poll(&mut pfd, 1, nap.as_millis().max(1) as c_int) };
     if n > 0 && pfd.revents & libc::POLLIN != 0 {
-        let mut buf = 0u64;
-        // SAFETY: reading 8 bytes from our eventfd into a u64.
-        unsafe { libc::read(fd, &mut buf as *mut u64 as *mut c_void, 8) };
+        shared.take_wake();
     }
 }
 

@@ -247,6 +247,20 @@ impl Shared {
         }
     }
 
+    /// Consumes the wake-ups the eventfd holds (after a sleep on it ended because it fired).
+    pub(super) fn take_wake(&self) {
+        let mut buf = 0u64;
+        // SAFETY: wake_fd is an eventfd that lives as long as `self`; reading 8 bytes into a
+        // u64 is the eventfd protocol (non-blocking: nothing to take is EAGAIN, ignored).
+        unsafe {
+            libc::read(
+                std::os::fd::AsRawFd::as_raw_fd(&self.wake_fd),
+                &mut buf as *mut u64 as *mut c_void,
+                8,
+            )
+        };
+    }
+
     /// Wakes the progress thread (the eventfd it sleeps on).
     pub(super) fn wake(&self) {
         let one: u64 = 1;
