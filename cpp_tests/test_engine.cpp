@@ -123,6 +123,13 @@ TEST_P(EngineTest, RequestsMoveBetweenRegisteredRegions) {
   EXPECT_EQ(gen_->region_info(r).transfers, 1u);
   expect_kind(kvlink::ErrorKind::InvalidArgument,
               [&] { gen_->deregister_region(r, kvlink::after(1s)); }, "deregistration while in use");
+  // The same refusal, at once, with deadlines at the clock's extremes.
+  for (const auto deadline : {kvlink::Clock::time_point::min(), kvlink::Clock::time_point::max()}) {
+    const auto t0 = kvlink::Clock::now();
+    expect_kind(kvlink::ErrorKind::InvalidArgument, [&] { gen_->deregister_region(r, deadline); },
+                "deregistration while in use, extreme deadline");
+    EXPECT_LT(kvlink::Clock::now() - t0, 100ms);
+  }
   auto adv = ctx_->next_advertisement(kvlink::after(5s));
   ASSERT_TRUE(adv);
   ctx_->accept(key, kGen, true);
@@ -150,7 +157,11 @@ TEST_P(EngineTest, RequestsMoveBetweenRegisteredRegions) {
   gen_->deregister_region(r, kvlink::after(1s));
   expect_kind(kvlink::ErrorKind::InvalidArgument, [&] { gen_->region_info(r); }, "a deregistered region");
   EXPECT_EQ(ctx_->region_info(sr).transfers, 0u);
-  ctx_->deregister_region(sr, kvlink::after(1s));
+  // Nothing held: a deadline already past still deregisters, at once.
+  const auto t0 = kvlink::Clock::now();
+  ctx_->deregister_region(sr, kvlink::Clock::time_point::min());
+  EXPECT_LT(kvlink::Clock::now() - t0, 100ms);
+  expect_kind(kvlink::ErrorKind::InvalidArgument, [&] { ctx_->region_info(sr); }, "a deregistered send region");
 }
 
 TEST_P(EngineTest, NothingArrivedIsAnEmptyOptionalAtTheDeadline) {
