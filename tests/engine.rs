@@ -222,6 +222,118 @@ fn rejected_request_and_notifications() {
     );
 }
 
+/// Several callers asleep in `next_advertisement` and `wait_for_notification` share a burst of
+/// items: each item wakes one of them (not all), and every item is taken exactly once, promptly,
+/// including by callers whose wait ends while items remain (they pass the turn on).
+#[test]
+fn sleeping_takers_share_a_burst_and_none_is_left_behind() {
+    use std::sync::Mutex;
+    const TAKERS: usize = 4;
+    const ITEMS: u64 = 48;
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let adverts = Mutex::new(Vec::new());
+    let notes = Mutex::new(Vec::new());
+    let mut bufs: Vec<Vec<u8>> = (0..ITEMS).map(|_| vec![0u8; 64]).collect();
+    let mut spare: Vec<Vec<u8>> = (0..TAKERS).map(|_| vec![0u8; 64]).collect();
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..TAKERS {
+            let (ctx, adverts, notes) = (&ctx, &adverts, &notes);
+            s.spawn(move || {
+                // One taker of each kind gives up early and comes back: its wait may end just as
+                // it was woken for an item, which another caller must then get.
+                let first = if t == 0 {
+                    Duration::from_millis(150)
+                } else {
+                    Duration::from_secs(10)
+                };
+                let mut until = start + first;
+                loop {
+                    if let Some(a) = ctx.next_advertisement(until, None) {
+                        adverts.lock().unwrap().push(a.key.request.0);
+                    } else if until < start + Duration::from_secs(1) {
+                        until = start + Duration::from_secs(10);
+                    } else {
+                        break;
+                    }
+                    if adverts.lock().unwrap().len() as u64 >= ITEMS {
+                        break;
+                    }
+                }
+            });
+            s.spawn(move || {
+                let until = start + Duration::from_secs(10);
+                while notes.lock().unwrap().len() < ITEMS as usize {
+                    match ctx.wait_for_notification(RankId(GEN), until, None) {
+                        Some((key, _)) => notes.lock().unwrap().push(key.request.0),
+                        None => break,
+                    }
+                }
+            });
+        }
+        // The takers are asleep (past the poll window) before the burst.
+        std::thread::sleep(Duration::from_millis(150));
+        for (i, b) in bufs.iter_mut().enumerate() {
+            advertise_one(&gen, RequestKey::new(1000 + i as u64, 0), b);
+            gen.notify(
+                RankId(CTX),
+                RequestKey::new(2000 + i as u64, 0),
+                vec![i as u8],
+            )
+            .unwrap();
+        }
+        let burst = Instant::now();
+        while (adverts.lock().unwrap().len() as u64) < ITEMS
+            || (notes.lock().unwrap().len() as u64) < ITEMS
+        {
+            assert!(
+                burst.elapsed() < Duration::from_secs(3),
+                "items left behind: {} adverts, {} notifications taken of {ITEMS}",
+                adverts.lock().unwrap().len(),
+                notes.lock().unwrap().len()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        println!(
+            "{ITEMS} adverts and {ITEMS} notifications taken by {TAKERS} takers each in {:?}",
+            burst.elapsed()
+        );
+        // Release the takers still asleep.
+        for (i, b) in spare.iter_mut().enumerate() {
+            advertise_one(&gen, RequestKey::new(3000 + i as u64, 0), b);
+            gen.notify(RankId(CTX), RequestKey::new(3000 + i as u64, 0), vec![])
+                .unwrap();
+        }
+    });
+    let mut a = adverts.into_inner().unwrap();
+    let mut n = notes.into_inner().unwrap();
+    a.sort_unstable();
+    n.sort_unstable();
+    a.retain(|&k| k < 3000);
+    n.retain(|&k| k < 3000);
+    assert_eq!(
+        a,
+        (1000..1000 + ITEMS).collect::<Vec<_>>(),
+        "each advert once"
+    );
+    assert_eq!(
+        n,
+        (2000..2000 + ITEMS).collect::<Vec<_>>(),
+        "each notification once"
+    );
+    for k in (1000..1000 + ITEMS).chain(3000..3000 + TAKERS as u64) {
+        let key = RequestKey::new(k, 0);
+        gen.cancel(key).unwrap();
+        let _ = gen.wait(
+            key,
+            Role::Receiver,
+            Instant::now() + Duration::from_secs(5),
+            None,
+        );
+    }
+    assert_eq!(gen.health().buffers_leased, 0);
+}
+
 #[test]
 fn cancel_on_the_generation_side_is_agreed_with_the_context_side() {
     let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);

@@ -633,7 +633,7 @@ impl Inner {
                     request_info,
                     buffers,
                 });
-                core.waiters.wake(WaitKey::Advert);
+                core.waiters.wake_one(WaitKey::Advert);
             }
             ProtoEvent::Notified { key, from, payload } => {
                 let q = core.notes.entry(from).or_default();
@@ -642,7 +642,7 @@ impl Inner {
                     return;
                 }
                 q.push_back((key, payload));
-                core.waiters.wake(WaitKey::Note(from));
+                core.waiters.wake_one(WaitKey::Note(from));
             }
             ProtoEvent::Terminal { key, role, outcome } => {
                 let peer = match role {

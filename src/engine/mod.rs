@@ -758,9 +758,22 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Option<Advertisement> {
-        self.block(WaitKey::Advert, deadline, cancel, |core| {
-            core.adverts.pop_front()
-        })
+        let taken = self.block(WaitKey::Advert, deadline, cancel, |core| {
+            let a = core.adverts.pop_front();
+            // One sleeper is woken per advertisement: pass the turn on while more wait.
+            if a.is_some() && !core.adverts.is_empty() {
+                core.waiters.wake_one(WaitKey::Advert);
+            }
+            a
+        });
+        if taken.is_none() {
+            // Woken for an advertisement just as the wait ended: another caller takes it.
+            let mut core = self.inner.core.lock();
+            if !core.adverts.is_empty() {
+                core.waiters.wake_one(WaitKey::Advert);
+            }
+        }
+        taken
     }
 
     /// Context side: accept (`ready`) or reject an advertisement before any data moves.
@@ -1105,9 +1118,22 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Option<(RequestKey, Vec<u8>)> {
-        self.block(WaitKey::Note(from), deadline, cancel, |core| {
-            core.notes.get_mut(&from).and_then(|q| q.pop_front())
-        })
+        let pending = |core: &Core| core.notes.get(&from).is_some_and(|q| !q.is_empty());
+        let taken = self.block(WaitKey::Note(from), deadline, cancel, |core| {
+            let n = core.notes.get_mut(&from).and_then(|q| q.pop_front());
+            // One sleeper is woken per notification: pass the turn on while more wait.
+            if n.is_some() && pending(core) {
+                core.waiters.wake_one(WaitKey::Note(from));
+            }
+            n
+        });
+        if taken.is_none() {
+            let mut core = self.inner.core.lock();
+            if pending(&core) {
+                core.waiters.wake_one(WaitKey::Note(from));
+            }
+        }
+        taken
     }
 
     /// The progress snapshot.

@@ -31,37 +31,63 @@ pub(crate) enum WaitKey {
     Region(RegionId),
 }
 
+/// One sleeping caller: its condition variable, and whether it has been woken already (it stays
+/// registered until it runs again, and must not be counted as asleep for a second item).
+struct Sleeper {
+    cv: Arc<Condvar>,
+    woken: bool,
+}
+
 #[derive(Default)]
 pub(crate) struct Waiters {
-    map: HashMap<WaitKey, Vec<Arc<Condvar>>>,
+    map: HashMap<WaitKey, Vec<Sleeper>>,
 }
 
 impl Waiters {
-    /// Wakes the callers waiting for `key` (usually one).
-    pub(crate) fn wake(&self, key: WaitKey) {
-        if let Some(list) = self.map.get(&key) {
-            for cv in list {
-                cv.notify_one();
+    /// Wakes every caller waiting for `key` (usually one).
+    pub(crate) fn wake(&mut self, key: WaitKey) {
+        if let Some(list) = self.map.get_mut(&key) {
+            for s in list {
+                s.woken = true;
+                s.cv.notify_one();
             }
         }
     }
 
+    /// Wakes one caller waiting for `key` that has not been woken yet, the one asleep longest:
+    /// for a fact that one caller takes (an item in a queue), the others would only wake to
+    /// find nothing (a herd of runnable threads on a few cores delays the one that matters).
+    pub(crate) fn wake_one(&mut self, key: WaitKey) {
+        if let Some(s) = self
+            .map
+            .get_mut(&key)
+            .and_then(|list| list.iter_mut().find(|s| !s.woken))
+        {
+            s.woken = true;
+            s.cv.notify_one();
+        }
+    }
+
     /// Wakes everyone (shutdown).
-    pub(crate) fn wake_all(&self) {
-        for cv in self.map.values().flatten() {
-            cv.notify_one();
+    pub(crate) fn wake_all(&mut self) {
+        for s in self.map.values_mut().flatten() {
+            s.woken = true;
+            s.cv.notify_one();
         }
     }
 
     fn register(&mut self, key: WaitKey) -> Arc<Condvar> {
         let cv = Arc::new(Condvar::new());
-        self.map.entry(key).or_default().push(cv.clone());
+        self.map.entry(key).or_default().push(Sleeper {
+            cv: cv.clone(),
+            woken: false,
+        });
         cv
     }
 
     fn unregister(&mut self, key: WaitKey, cv: &Arc<Condvar>) {
         if let Some(list) = self.map.get_mut(&key) {
-            list.retain(|c| !Arc::ptr_eq(c, cv));
+            list.retain(|s| !Arc::ptr_eq(&s.cv, cv));
             if list.is_empty() {
                 self.map.remove(&key);
             }
@@ -85,4 +111,53 @@ pub(crate) fn sleep<S: HasWaiters>(
     let timed_out = cv.wait_until(guard, until).timed_out();
     guard.waiters().unregister(key, &cv);
     !timed_out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn woken(w: &Waiters, key: WaitKey) -> usize {
+        w.map
+            .get(&key)
+            .map_or(0, |l| l.iter().filter(|s| s.woken).count())
+    }
+
+    #[test]
+    fn wake_one_wakes_each_sleeper_once_and_wake_wakes_all() {
+        let mut w = Waiters::default();
+        let a: Vec<_> = (0..3).map(|_| w.register(WaitKey::Advert)).collect();
+        let other = w.register(WaitKey::Peer(RankId(1)));
+        w.wake_one(WaitKey::Advert);
+        assert_eq!(woken(&w, WaitKey::Advert), 1);
+        assert!(
+            w.map[&WaitKey::Advert][0].woken,
+            "the one asleep longest first"
+        );
+        w.wake_one(WaitKey::Advert);
+        w.wake_one(WaitKey::Advert);
+        assert_eq!(
+            woken(&w, WaitKey::Advert),
+            3,
+            "a woken sleeper is not counted twice"
+        );
+        w.wake_one(WaitKey::Advert);
+        assert_eq!(
+            woken(&w, WaitKey::Peer(RankId(1))),
+            0,
+            "other keys untouched"
+        );
+        // A sleeper that ran again and went back to sleep registers anew, unwoken.
+        w.unregister(WaitKey::Advert, &a[0]);
+        let again = w.register(WaitKey::Advert);
+        w.wake_one(WaitKey::Advert);
+        assert_eq!(woken(&w, WaitKey::Advert), 3);
+        w.wake(WaitKey::Peer(RankId(1)));
+        assert_eq!(woken(&w, WaitKey::Peer(RankId(1))), 1);
+        for cv in a.iter().skip(1).chain([&again]) {
+            w.unregister(WaitKey::Advert, cv);
+        }
+        w.unregister(WaitKey::Peer(RankId(1)), &other);
+        assert!(w.map.is_empty());
+    }
 }
