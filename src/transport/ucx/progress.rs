@@ -214,7 +214,10 @@ fn run(shared: &Shared) {
             // Bounded: only within `window` of our last progress (a caller that drives polls
             // on its own; we do not compete with it).
             drop(guard);
-            std::hint::spin_loop();
+            // Give the core to any thread that is ready to run (on a small machine the thread
+            // we just woke, a peer's or our caller, is often queued on this very core): polling
+            // is worth it only while the core would otherwise idle.
+            std::thread::yield_now();
             continue;
         }
         // SAFETY: the worker is used only under the driver lock, which we hold.
