@@ -72,6 +72,13 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 4)]
     pub senders: u64,
 
+    /// Idle pause, in microseconds, between the rounds of the whole-request rows (not timed):
+    /// requests that arrive apart, as in serving, instead of back to back. Every thread of both
+    /// sides is then asleep when a request starts, so its figure includes the wake-ups that
+    /// back-to-back rows hide behind polling.
+    #[arg(long, default_value_t = 0, value_name = "US")]
+    pub gap_us: u64,
+
     /// Time limit of one row in seconds: requests not done by then count as failed (the
     /// "failed" column counts the whole row, warm-up included), and both processes are stopped
     /// [default: 60, --quick: 10].
@@ -226,6 +233,9 @@ pub struct PeerArgs {
     /// Time limit of the whole row, milliseconds.
     #[arg(long, default_value_t = 60_000)]
     pub limit_ms: u64,
+    /// Generation side: idle pause between rounds, microseconds (not timed).
+    #[arg(long, default_value_t = 0)]
+    pub gap_us: u64,
     /// Generation side: serve the engine's metrics on this ip:port while the row runs.
     #[arg(long, value_name = "IP:PORT")]
     pub metrics_listen: Option<String>,

@@ -34,6 +34,7 @@ fn main() -> ExitCode {
         "rounds": args.rounds(),
         "warmup_rounds": 1,
         "senders": args.senders,
+        "gap_us": args.gap_us,
         "row_timeout_s": args.row_timeout().as_secs(),
         "quick": args.quick,
     });

@@ -314,6 +314,10 @@ fn gen(a: &PeerArgs) -> i32 {
             bytes += (n * size) as u64;
             secs += dt;
         }
+        drop(s);
+        if a.gap_us > 0 {
+            std::thread::sleep(Duration::from_micros(a.gap_us));
+        }
     }
     say(format!("P {done} {planned}"));
     {

@@ -108,6 +108,12 @@ impl Runner {
             a.rounds(),
             a.row_timeout().as_secs()
         ));
+        if a.gap_us > 0 {
+            self.print(&format!(
+                "whole-request rows pause {} us between rounds (not timed): requests arrive apart",
+                a.gap_us
+            ));
+        }
         self.print(&report::header());
         for &t in &a.transports {
             let first = self.rows.len();
@@ -276,6 +282,8 @@ impl Runner {
                 self.args.senders.to_string(),
                 "--limit-ms".into(),
                 limit.as_millis().to_string(),
+                "--gap-us".into(),
+                self.args.gap_us.to_string(),
             ]
         };
         let mut out = PairOut {
