@@ -225,6 +225,11 @@ fn run(shared: &Shared) {
         if st == sys::UCS_ERR_BUSY {
             let busy_for = busy_since.get_or_insert_with(Instant::now).elapsed();
             if busy_for < BUSY_SPIN_FOR {
+                // Data arrived since the pass, or (shared memory) a sender here claimed the
+                // queue's next slot and has not written it yet: look again, but yield first,
+                // so that the writer, or our caller driving the same worker, gets the core.
+                drop(guard);
+                std::thread::yield_now();
                 continue;
             }
             // Unarmable and nothing found for a while (see BUSY_SPIN_FOR): sleep on the wake
