@@ -381,3 +381,82 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     assert_eq!(end(&mut ctx), Some(Outcome::Completed));
     assert_eq!(sent, ["Advertise", "Verdict"]);
 }
+
+/// Requests that end long before their deadline do not leave their deadline behind in the
+/// timer heap: after 5000 requests of a minute's deadline, each completed at once, the heap
+/// holds no more than about twice the timers still alive (those lingering), not one per
+/// request ever started.
+#[test]
+fn timers_of_finished_requests_do_not_pile_up() {
+    use kvlink::proto::*;
+    let t0 = std::time::Instant::now();
+    let (g, c) = (RankId(1), RankId(2));
+    let mut gen = Endpoint::new(g, config());
+    let mut ctx = Endpoint::new(c, config());
+    let mut pool = BufferPool::new(8);
+    let mut tokens = TokenAllocator::default();
+    let pump = |from: &mut Endpoint, to: &mut Endpoint, at| {
+        while let Some(tx) = from.poll_transmit() {
+            to.handle_message(at, from.rank(), tx.message).unwrap();
+        }
+    };
+    let mut most = 0;
+    for i in 0..5000u64 {
+        // 0.5 ms apart: about 1000 lingering (linger 500 ms) at any time.
+        let now = t0 + std::time::Duration::from_micros(500 * i);
+        gen.handle_timeout(now);
+        ctx.handle_timeout(now);
+        let key = RequestKey::new(i + 1, 0);
+        let token = tokens.allocate().unwrap();
+        let desc = BufferDesc {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: 0x1000,
+            len: 64,
+            device_id: -1,
+            token,
+        };
+        gen.start_receive(
+            now,
+            ReceiveSpec {
+                key,
+                receivers: vec![g],
+                flows: vec![ReceiveFlow {
+                    sender: c,
+                    buffers: vec![(pool.lease(key).unwrap(), desc)],
+                }],
+                request_info: vec![],
+                timeout: Some(ms(60_000)),
+            },
+        )
+        .unwrap();
+        pump(&mut gen, &mut ctx, now);
+        ctx.accept(now, key, g, true).unwrap();
+        ctx.begin_send(key, g, 0);
+        ctx.handle_send_done(now, key, g, 0, true).unwrap();
+        gen.handle_segment_landed(now, key, 0).unwrap();
+        pump(&mut gen, &mut ctx, now);
+        pump(&mut ctx, &mut gen, now);
+        let mut done = false;
+        while let Some(e) = gen.poll_event() {
+            if let Event::Terminal { outcome, .. } = e {
+                assert_eq!(outcome, Outcome::Completed);
+                done = true;
+            }
+        }
+        while ctx.poll_event().is_some() {}
+        while let Some(a) = gen.poll_action() {
+            if let Action::Release { lease, .. } = a {
+                pool.release(lease).unwrap();
+            }
+        }
+        while ctx.poll_action().is_some() {}
+        assert!(done, "request {i} completed");
+        most = most.max(gen.timer_entries()).max(ctx.timer_entries());
+    }
+    println!("most timer entries on one rank over 5000 requests: {most}");
+    assert!(
+        most < 3000,
+        "timer heap grew with every request ever started: {most}"
+    );
+}

@@ -47,6 +47,9 @@ enum TimerId {
     Send(RequestKey, RankId),
 }
 
+/// Superseded timer entries tolerated beyond the live ones before the heap is rebuilt.
+const COMPACT_SLACK: usize = 64;
+
 /// The protocol core of one rank. See the module docs for the call order.
 pub struct Endpoint {
     me: RankId,
@@ -617,6 +620,22 @@ impl Endpoint {
                 self.timers.push(Reverse((at, id)));
             }
         }
+        // A request that ends early leaves its deadline's entry behind until that deadline
+        // (a minute at defaults): at thousands of requests a second the heap would hold far
+        // more dead entries than live ones. Rebuilt from the live timers once it holds twice
+        // as many as there are, so its size follows the requests alive, at O(1) amortised.
+        if self.timers.len() > 2 * self.scheduled.len() + COMPACT_SLACK {
+            self.timers = self
+                .scheduled
+                .iter()
+                .map(|(&id, &at)| Reverse((at, id)))
+                .collect();
+        }
+    }
+
+    /// Entries in the timer heap, live and superseded (kept within twice the live timers).
+    pub fn timer_entries(&self) -> usize {
+        self.timers.len()
     }
 
     /// The external collective has news: pick up its verdicts now rather than at the next
