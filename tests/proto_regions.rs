@@ -63,7 +63,8 @@ fn step() -> impl Strategy<Value = Step> {
 struct MRegion {
     start: u64,
     len: u64,
-    closing: bool,
+    /// Deregistrations under way.
+    closing: u32,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -102,7 +103,7 @@ impl Model {
         if addr < r.start || addr + len > r.start + r.len {
             return Err(ErrorKind::OutOfBounds);
         }
-        if r.closing {
+        if r.closing > 0 {
             return Err(ErrorKind::InvalidArgument);
         }
         let fenced = self.uses.values().any(|u| {
@@ -150,7 +151,7 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                         MRegion {
                             start: addr,
                             len,
-                            closing: false,
+                            closing: 0,
                         },
                     );
                 }
@@ -221,7 +222,7 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                     peers.sort_unstable();
                     peers.dedup();
                     prop_assert_eq!(got, Ok(peers));
-                    m.regions.get_mut(&id).unwrap().closing = true;
+                    m.regions.get_mut(&id).unwrap().closing += 1;
                 }
             }
             Step::FinishRemove { pick } => {
@@ -230,7 +231,8 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                 let got = kind(t.finish_remove(id));
                 if held {
                     prop_assert_eq!(got, Err(ErrorKind::Fenced));
-                    m.regions.get_mut(&id).unwrap().closing = false;
+                    let r = m.regions.get_mut(&id).unwrap();
+                    r.closing = r.closing.saturating_sub(1);
                 } else {
                     prop_assert_eq!(got, Ok(()));
                     m.regions.remove(&id);

@@ -482,7 +482,8 @@ class Engine {
   /// or out of it; from the call on no new request may use it. Fenced transfers are ended now:
   /// their endpoints are force-closed (those pairs reconnect) and the call waits until UCX has
   /// released them, or throws `Fenced` at the deadline with the region still registered (and
-  /// usable again).
+  /// usable again once no other deregistration of it is waiting). Of several concurrent calls
+  /// for one region, any that ends after the region is gone returns normally.
   void deregister_region(RegionId region, Deadline deadline) {
     detail::call([&] { handle_->deregister_region(region, detail::ms_until(deadline)); });
   }

@@ -728,7 +728,9 @@ impl Engine {
     /// or out of it. From the call on, no new request may use it. Fenced transfers are ended
     /// now: their endpoints are force-closed (the caller wants the memory back; those pairs
     /// reconnect) and the call waits until UCX has released them, or returns `Fenced` at
-    /// `deadline` with the region still registered (and usable again).
+    /// `deadline` with the region still registered (and usable again once no other
+    /// deregistration of it is waiting). Of several concurrent calls for one region, any that
+    /// ends after the region is gone returns `Ok`.
     pub fn deregister_region(&self, region: RegionId, deadline: Instant) -> Result<()> {
         let peers = self.inner.core.lock().regions.begin_remove(region)?;
         for peer in peers {

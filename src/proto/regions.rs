@@ -58,8 +58,9 @@ struct Region {
     uses: HashMap<u64, Use>,
     fenced: usize,
     fenced_bytes: u64,
-    /// A deregistration is under way: no new transfer may start here.
-    closing: bool,
+    /// Deregistrations under way (callers waiting in one): no new transfer may start here
+    /// while any is.
+    closing: u32,
 }
 
 #[derive(Debug, Default)]
@@ -107,7 +108,7 @@ impl Regions {
                 uses: HashMap::new(),
                 fenced: 0,
                 fenced_bytes: 0,
-                closing: false,
+                closing: 0,
             },
         );
         self.starts.insert(id, addr);
@@ -176,7 +177,7 @@ impl Regions {
                 ),
             ));
         }
-        if r.closing {
+        if r.closing > 0 {
             return Err(Error::invalid(format!(
                 "region {} is being deregistered",
                 r.id.0
@@ -305,19 +306,23 @@ impl Regions {
                 id.0
             )));
         }
-        r.closing = true;
+        r.closing += 1;
         let mut peers: Vec<u64> = r.uses.values().map(|u| u.peer).collect();
         peers.sort_unstable();
         peers.dedup();
         Ok(peers)
     }
 
-    /// Ends a deregistration: forgets region `id` if UCX holds nothing in it any more, else
-    /// (`Fenced`) leaves it registered and usable again.
+    /// Ends a deregistration begun by [`Regions::begin_remove`]: forgets region `id` if UCX
+    /// holds nothing in it any more, else (`Fenced`) leaves it registered, and usable again
+    /// once no other deregistration of it is under way. A region that a concurrent
+    /// deregistration has already forgotten is gone, as asked: `Ok`. (Ids are never reused.)
     pub fn finish_remove(&mut self, id: RegionId) -> Result<()> {
-        let r = self.region_mut(id)?;
+        let Ok(r) = self.region_mut(id) else {
+            return Ok(());
+        };
+        r.closing = r.closing.saturating_sub(1);
         if !r.uses.is_empty() {
-            r.closing = false;
             return Err(Error::new(
                 ErrorKind::Fenced,
                 format!(
@@ -502,5 +507,29 @@ mod tests {
         // A new registration of the same memory gets a new id.
         let again = t.register(A, 100).unwrap();
         assert_ne!(again, r);
+    }
+
+    #[test]
+    fn concurrent_deregistrations_of_one_region() {
+        let mut t = Regions::new();
+        let r = t.register(A, 100).unwrap();
+        t.track(1, 7, true, r, A, 10).unwrap();
+        t.fence(1);
+        // Two callers deregister at once; the first gives up while UCX still holds the
+        // transfer: the region stays closed for the second, which is still waiting.
+        assert_eq!(t.begin_remove(r).unwrap(), vec![7]);
+        assert_eq!(t.begin_remove(r).unwrap(), vec![7]);
+        assert_eq!(t.finish_remove(r).unwrap_err().kind, ErrorKind::Fenced);
+        assert_eq!(
+            t.check(A + 50, 1).unwrap_err().kind,
+            ErrorKind::InvalidArgument,
+            "still being deregistered by the second caller"
+        );
+        // UCX releases it: the second succeeds, and a third that raced it finds it gone: Ok.
+        t.begin_remove(r).unwrap();
+        t.done(1);
+        t.finish_remove(r).unwrap();
+        t.finish_remove(r).unwrap();
+        assert!(t.is_empty());
     }
 }
