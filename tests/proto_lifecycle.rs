@@ -27,6 +27,39 @@ fn all_outcomes(sim: &Sim, key: RequestKey) -> Vec<Outcome> {
     sim.outcomes(key).into_iter().map(|o| o.2).collect()
 }
 
+/// One 64-byte KV buffer at a fixed address, under `token`.
+fn kv_desc(token: kvlink::proto::Token) -> kvlink::proto::BufferDesc {
+    kvlink::proto::BufferDesc {
+        kind: kvlink::proto::BufferKind::Kv,
+        segment: 0,
+        addr: 0x1000,
+        len: 64,
+        device_id: -1,
+        token,
+    }
+}
+
+/// A receive of one buffer on rank `me` from `sender`.
+fn one_buffer(
+    key: RequestKey,
+    me: kvlink::proto::RankId,
+    sender: kvlink::proto::RankId,
+    lease: kvlink::proto::Lease,
+    desc: kvlink::proto::BufferDesc,
+    timeout: Option<std::time::Duration>,
+) -> kvlink::proto::ReceiveSpec {
+    kvlink::proto::ReceiveSpec {
+        key,
+        receivers: vec![me],
+        flows: vec![kvlink::proto::ReceiveFlow {
+            sender,
+            buffers: vec![(lease, desc)],
+        }],
+        request_info: vec![],
+        timeout,
+    }
+}
+
 #[test]
 fn clean_run_completes_on_every_rank() {
     let sim = run(Plan::simple(2, 3, vec![req(1, 0, 3), req(2, 5, 2)]));
@@ -241,27 +274,8 @@ fn stale_landing_is_counted_and_dropped() {
     let mut tokens = TokenAllocator::default();
     let mut spec = |ep: &mut Endpoint, key: RequestKey| {
         let lease = pool.lease(key).unwrap();
-        let desc = BufferDesc {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: 0x1000,
-            len: 64,
-            device_id: -1,
-            token: tokens.allocate().unwrap(),
-        };
-        ep.start_receive(
-            base,
-            ReceiveSpec {
-                key,
-                receivers: vec![me],
-                flows: vec![ReceiveFlow {
-                    sender: RankId(2),
-                    buffers: vec![(lease, desc)],
-                }],
-                request_info: vec![],
-                timeout: None,
-            },
-        )
+        let desc = kv_desc(tokens.allocate().unwrap());
+        ep.start_receive(base, one_buffer(key, me, RankId(2), lease, desc, None))
     };
     let old = RequestKey::new(5, 0);
     let new = RequestKey::new(5, 1);
@@ -312,29 +326,10 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     let mut pool = BufferPool::new(4);
     let mut tokens = TokenAllocator::default();
     let key = RequestKey::new(9, 0);
-    let desc = BufferDesc {
-        kind: BufferKind::Kv,
-        segment: 0,
-        addr: 0x1000,
-        len: 64,
-        device_id: -1,
-        token: tokens.allocate().unwrap(),
-    };
+    let desc = kv_desc(tokens.allocate().unwrap());
     let lease = pool.lease(key).unwrap();
-    gen.start_receive(
-        t,
-        ReceiveSpec {
-            key,
-            receivers: vec![g],
-            flows: vec![ReceiveFlow {
-                sender: c,
-                buffers: vec![(lease, desc)],
-            }],
-            request_info: vec![],
-            timeout: Some(ms(700)),
-        },
-    )
-    .unwrap();
+    gen.start_receive(t, one_buffer(key, g, c, lease, desc, Some(ms(700))))
+        .unwrap();
     let mut sent = Vec::new();
     let mut pump = |from: &mut Endpoint, to: &mut Endpoint, at| {
         while let Some(tx) = from.poll_transmit() {
@@ -407,29 +402,12 @@ fn timers_of_finished_requests_do_not_pile_up() {
         gen.handle_timeout(now);
         ctx.handle_timeout(now);
         let key = RequestKey::new(i + 1, 0);
-        let token = tokens.allocate().unwrap();
-        let desc = BufferDesc {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: 0x1000,
-            len: 64,
-            device_id: -1,
-            token,
-        };
-        gen.start_receive(
-            now,
-            ReceiveSpec {
-                key,
-                receivers: vec![g],
-                flows: vec![ReceiveFlow {
-                    sender: c,
-                    buffers: vec![(pool.lease(key).unwrap(), desc)],
-                }],
-                request_info: vec![],
-                timeout: Some(ms(60_000)),
-            },
-        )
-        .unwrap();
+        let (lease, desc) = (
+            pool.lease(key).unwrap(),
+            kv_desc(tokens.allocate().unwrap()),
+        );
+        gen.start_receive(now, one_buffer(key, g, c, lease, desc, Some(ms(60_000))))
+            .unwrap();
         pump(&mut gen, &mut ctx, now);
         ctx.accept(now, key, g, true).unwrap();
         ctx.begin_send(key, g, 0);
