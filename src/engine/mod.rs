@@ -760,22 +760,18 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Option<Advertisement> {
-        let taken = self.block(WaitKey::Advert, deadline, cancel, |core| {
+        // A caller returns None only from a pass that found the queue empty, or after its
+        // cancel check, during which it was not asleep (an arrival then woke another caller).
+        self.block(WaitKey::Advert, deadline, cancel, |core| {
             let a = core.adverts.pop_front();
-            // One sleeper is woken per advertisement: pass the turn on while more wait.
-            if a.is_some() && !core.adverts.is_empty() {
-                core.waiters.wake_one(WaitKey::Advert);
+            // One sleeper is woken per advertisement: pass the turn on while more wait than
+            // callers already woken (a poller may have taken one meant for a sleeper).
+            if a.is_some() {
+                let left = core.adverts.len();
+                core.waiters.pass_on(WaitKey::Advert, left);
             }
             a
-        });
-        if taken.is_none() {
-            // Woken for an advertisement just as the wait ended: another caller takes it.
-            let mut core = self.inner.core.lock();
-            if !core.adverts.is_empty() {
-                core.waiters.wake_one(WaitKey::Advert);
-            }
-        }
-        taken
+        })
     }
 
     /// Context side: accept (`ready`) or reject an advertisement before any data moves.
@@ -1120,22 +1116,16 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Option<(RequestKey, Vec<u8>)> {
-        let pending = |core: &Core| core.notes.get(&from).is_some_and(|q| !q.is_empty());
-        let taken = self.block(WaitKey::Note(from), deadline, cancel, |core| {
-            let n = core.notes.get_mut(&from).and_then(|q| q.pop_front());
-            // One sleeper is woken per notification: pass the turn on while more wait.
-            if n.is_some() && pending(core) {
-                core.waiters.wake_one(WaitKey::Note(from));
+        // As in `next_advertisement`: one sleeper woken per notification, the turn passed on.
+        self.block(WaitKey::Note(from), deadline, cancel, |core| {
+            let q = core.notes.get_mut(&from)?;
+            let n = q.pop_front();
+            if n.is_some() {
+                let left = q.len();
+                core.waiters.pass_on(WaitKey::Note(from), left);
             }
             n
-        });
-        if taken.is_none() {
-            let mut core = self.inner.core.lock();
-            if pending(&core) {
-                core.waiters.wake_one(WaitKey::Note(from));
-            }
-        }
-        taken
+        })
     }
 
     /// The progress snapshot.

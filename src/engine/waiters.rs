@@ -68,6 +68,21 @@ impl Waiters {
         }
     }
 
+    /// Sleepers of `key` woken but not yet run: each will look for an item of its own.
+    pub(crate) fn woken(&self, key: WaitKey) -> usize {
+        self.map
+            .get(&key)
+            .map_or(0, |l| l.iter().filter(|s| s.woken).count())
+    }
+
+    /// After a caller took an item: wakes one more sleeper if more items wait than sleepers
+    /// already woken for them (`pending`).
+    pub(crate) fn pass_on(&mut self, key: WaitKey, pending: usize) {
+        if pending > self.woken(key) {
+            self.wake_one(key);
+        }
+    }
+
     /// Wakes everyone (shutdown).
     pub(crate) fn wake_all(&mut self) {
         for s in self.map.values_mut().flatten() {
@@ -159,5 +174,21 @@ mod tests {
         }
         w.unregister(WaitKey::Peer(RankId(1)), &other);
         assert!(w.map.is_empty());
+    }
+
+    #[test]
+    fn the_turn_is_passed_on_only_for_items_no_woken_sleeper_will_take() {
+        let mut w = Waiters::default();
+        let cvs: Vec<_> = (0..4).map(|_| w.register(WaitKey::Advert)).collect();
+        // Two items arrived together: two sleepers woken.
+        w.wake_one(WaitKey::Advert);
+        w.wake_one(WaitKey::Advert);
+        // The first runs, takes one; one item is left and one woken sleeper will take it.
+        w.unregister(WaitKey::Advert, &cvs[0]);
+        w.pass_on(WaitKey::Advert, 1);
+        assert_eq!(woken(&w, WaitKey::Advert), 1, "no third sleeper woken");
+        // Two items left (a poller took the other's): one more is woken.
+        w.pass_on(WaitKey::Advert, 2);
+        assert_eq!(woken(&w, WaitKey::Advert), 2);
     }
 }

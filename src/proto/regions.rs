@@ -316,8 +316,12 @@ impl Regions {
     /// Ends a deregistration begun by [`Regions::begin_remove`]: forgets region `id` if UCX
     /// holds nothing in it any more, else (`Fenced`) leaves it registered, and usable again
     /// once no other deregistration of it is under way. A region that a concurrent
-    /// deregistration has already forgotten is gone, as asked: `Ok`. (Ids are never reused.)
+    /// deregistration has already forgotten is gone, as asked: `Ok` (ids are never reused; an
+    /// id never issued is an error). Each `begin_remove` that succeeded takes one call.
     pub fn finish_remove(&mut self, id: RegionId) -> Result<()> {
+        if id.0 == 0 || id.0 > self.next {
+            return Err(unknown(id)); // never issued
+        }
         let Ok(r) = self.region_mut(id) else {
             return Ok(());
         };
@@ -531,5 +535,10 @@ mod tests {
         t.finish_remove(r).unwrap();
         t.finish_remove(r).unwrap();
         assert!(t.is_empty());
+        assert_eq!(
+            t.finish_remove(RegionId(r.0 + 1)).unwrap_err().kind,
+            ErrorKind::InvalidArgument,
+            "an id never issued is not 'already gone'"
+        );
     }
 }
