@@ -489,6 +489,8 @@ class Engine {
   }
 
   /// Context rank, blocks: the next advertisement, or empty at the deadline or on cancel.
+  /// Several threads may wait at once: each advertisement goes to exactly one of them, and
+  /// wakes only one.
   std::optional<Advertisement> next_advertisement(Deadline deadline, CancelRef cancel = {}) {
     ffi::AdvertInfo a = detail::call(
         [&] { return handle_->next_advertisement(detail::ms_until(deadline), cancel.address()); });
@@ -569,8 +571,8 @@ class Engine {
     detail::call([&] { handle_->notify(to_rank, key.request, key.generation, detail::slice(payload)); });
   }
 
-  /// Blocks: the next notification from `from_rank` in the order sent (each exactly once), or
-  /// empty at the deadline or on cancel.
+  /// Blocks: the next notification from `from_rank` in the order sent (each exactly once, to
+  /// one waiting thread, waking only that one), or empty at the deadline or on cancel.
   std::optional<Notification> wait_for_notification(std::uint32_t from_rank, Deadline deadline,
                                                     CancelRef cancel = {}) {
     ffi::NotificationInfo n = detail::call([&] {

@@ -754,7 +754,9 @@ impl Engine {
         self.inner.core.lock().regions.fenced_ranges(region)
     }
 
-    /// Context side: the next advertisement, waiting until `deadline` or `cancel()`.
+    /// Context side: the next advertisement, waiting until `deadline` or `cancel()`. Several
+    /// threads may wait at once: each advertisement goes to exactly one of them, and wakes only
+    /// one (as do notifications, for [`Engine::wait_for_notification`]).
     pub fn next_advertisement(
         &self,
         deadline: Instant,
