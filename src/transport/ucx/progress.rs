@@ -291,8 +291,10 @@ fn run(shared: &Shared) {
             empty_streak += 1;
             shared.stats.empty_wakeups.fetch_add(1, Ordering::Relaxed);
             if empty_streak >= 64 {
+                // A readable fd that yields nothing: back off 1 ms, but on the wake eventfd,
+                // so that a command queued meanwhile still starts at once.
                 shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(1));
+                wait_for_wake(shared, Duration::from_millis(1));
             }
         }
     }
