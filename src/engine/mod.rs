@@ -765,14 +765,7 @@ impl Engine {
         // A caller returns None only from a pass that found the queue empty, or after its
         // cancel check, during which it was not asleep (an arrival then woke another caller).
         self.block(WaitKey::Advert, deadline, cancel, |core| {
-            let a = core.adverts.pop_front();
-            // One sleeper is woken per advertisement: pass the turn on while more wait than
-            // callers already woken (a poller may have taken one meant for a sleeper).
-            if a.is_some() {
-                let left = core.adverts.len();
-                core.waiters.pass_on(WaitKey::Advert, left);
-            }
-            a
+            core.waiters.take(WaitKey::Advert, &mut core.adverts)
         })
     }
 
@@ -922,7 +915,7 @@ impl Engine {
                     }
                     let flag = Arc::new(AtomicBool::new(false));
                     core.sends.insert((key, to, *segment), flag.clone());
-                    ops.push((*segment, op, flag, region.is_some()));
+                    ops.push((*segment, op, flag));
                 }
                 Err(e) => {
                     let _ = core
@@ -943,7 +936,7 @@ impl Engine {
         // request may have many).
         let mut rest: VecDeque<_> = ops.into();
         let mut shared_grace = false;
-        while let Some((segment, mut op, flag, detachable)) = rest.pop_front() {
+        while let Some((segment, mut op, flag)) = rest.pop_front() {
             let stop = || {
                 if flag.load(Ordering::Acquire) {
                     return true; // the core aborted it: the verdict is already known
@@ -959,10 +952,10 @@ impl Engine {
                 true
             };
             let r = op.wait(until, Some(&stop));
-            if detachable && !op.is_quiesced() && !shared_grace {
+            if op.detaches_on_stop() && !op.is_quiesced() && !shared_grace {
                 shared_grace = true;
                 let grace = Instant::now() + REAP_GRACE;
-                for (_, other, _, _) in rest.iter_mut().filter(|o| o.3) {
+                for (_, other, _) in rest.iter_mut().filter(|o| o.1.detaches_on_stop()) {
                     other.request_cancel();
                     other.limit_grace(grace);
                 }
@@ -1121,12 +1114,7 @@ impl Engine {
         // As in `next_advertisement`: one sleeper woken per notification, the turn passed on.
         self.block(WaitKey::Note(from), deadline, cancel, |core| {
             let q = core.notes.get_mut(&from)?;
-            let n = q.pop_front();
-            if n.is_some() {
-                let left = q.len();
-                core.waiters.pass_on(WaitKey::Note(from), left);
-            }
-            n
+            core.waiters.take(WaitKey::Note(from), q)
         })
     }
 

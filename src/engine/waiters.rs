@@ -5,7 +5,7 @@
 //! fact it waits for. The engine's glue wakes a key when that fact changes, so an event for one
 //! request wakes the callers of that request only, never every blocked thread.
 use parking_lot::{Condvar, MutexGuard};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -75,12 +75,15 @@ impl Waiters {
             .map_or(0, |l| l.iter().filter(|s| s.woken).count())
     }
 
-    /// After a caller took an item: wakes one more sleeper if more items wait than sleepers
-    /// already woken for them (`pending`).
-    pub(crate) fn pass_on(&mut self, key: WaitKey, pending: usize) {
-        if pending > self.woken(key) {
+    /// Takes the next item of `queue`, the queue whose items wake `key`'s sleepers one each, and
+    /// passes the turn on: wakes one more sleeper if more items wait than sleepers already woken
+    /// for them (a caller that was polling may have taken one meant for a sleeper).
+    pub(crate) fn take<T>(&mut self, key: WaitKey, queue: &mut VecDeque<T>) -> Option<T> {
+        let item = queue.pop_front()?;
+        if queue.len() > self.woken(key) {
             self.wake_one(key);
         }
+        Some(item)
     }
 
     /// Wakes everyone (shutdown).
@@ -183,12 +186,16 @@ mod tests {
         // Two items arrived together: two sleepers woken.
         w.wake_one(WaitKey::Advert);
         w.wake_one(WaitKey::Advert);
+        let mut q: VecDeque<u32> = [1, 2].into();
         // The first runs, takes one; one item is left and one woken sleeper will take it.
         w.unregister(WaitKey::Advert, &cvs[0]);
-        w.pass_on(WaitKey::Advert, 1);
+        assert_eq!(w.take(WaitKey::Advert, &mut q), Some(1));
         assert_eq!(woken(&w, WaitKey::Advert), 1, "no third sleeper woken");
-        // Two items left (a poller took the other's): one more is woken.
-        w.pass_on(WaitKey::Advert, 2);
+        // Two more arrive unannounced (as if a poller had taken the other's): after a take, two
+        // are left for one woken sleeper, so one more is woken.
+        q.extend([3, 4]);
+        assert_eq!(w.take(WaitKey::Advert, &mut q), Some(2));
         assert_eq!(woken(&w, WaitKey::Advert), 2);
+        assert_eq!(w.take(WaitKey::Advert, &mut VecDeque::<u32>::new()), None);
     }
 }

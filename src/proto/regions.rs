@@ -8,9 +8,9 @@
 //! caller is held until UCX lets go. A transfer in a region needs neither: the memory stays
 //! lent to kvlink, so the call returns at once and only the transfer's *range* is fenced. A
 //! fenced range is refused to new receives ([`ErrorKind::Fenced`]: UCX may still write or read
-//! it) until UCX has released the transfer (it finished, or the endpoint failed); sends from it
-//! are not refused (they only read). Nothing else on the pair is touched, and a region cannot
-//! be deregistered while UCX holds any transfer in it.
+//! it) until UCX has released the transfer (it finished, or the endpoint failed); sends, which
+//! only read, are refused only where a fenced receive may still write. Nothing else on the pair
+//! is touched, and a region cannot be deregistered while UCX holds any transfer in it.
 //!
 //! The table only counts; it never touches memory or UCX. Every transfer into or out of a
 //! region is [`Regions::track`]ed when posted and [`Regions::done`] when UCX has released it;
@@ -115,13 +115,17 @@ impl Regions {
         Ok(id)
     }
 
+    fn start(&self, id: RegionId) -> Result<u64> {
+        self.starts.get(&id).copied().ok_or_else(|| unknown(id))
+    }
+
     fn region(&self, id: RegionId) -> Result<(u64, &Region)> {
-        let start = *self.starts.get(&id).ok_or_else(|| unknown(id))?;
+        let start = self.start(id)?;
         Ok((start, &self.by_start[&start]))
     }
 
     fn region_mut(&mut self, id: RegionId) -> Result<&mut Region> {
-        let start = *self.starts.get(&id).ok_or_else(|| unknown(id))?;
+        let start = self.start(id)?;
         Ok(self.by_start.get_mut(&start).expect("indexed"))
     }
 
@@ -218,9 +222,8 @@ impl Regions {
         addr: u64,
         len: u64,
     ) -> Result<()> {
-        let start = *self.starts.get(&id).ok_or_else(|| unknown(id))?;
-        let r = self.by_start.get_mut(&start).expect("indexed");
-        r.uses.insert(
+        let start = self.start(id)?;
+        self.region_mut(id)?.uses.insert(
             op,
             Use {
                 addr,

@@ -11,11 +11,11 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// The largest transfer its caller starts itself (see `Agent::post_tag`).
 const DIRECT_POST_MAX: usize = 64 << 10;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 /// A UCX agent: one context, one worker, one progress thread. Not `Clone`; dropping it shuts the
 /// progress thread down, cancels every op and closes every endpoint.

@@ -99,17 +99,14 @@ pub(super) fn set_shared(shared: &Arc<Shared>) {
     })
 }
 
-/// Forgets the agent a caller drove, once its pass is over (the agent may go away).
-/// [`set_shared`] for a stretch of work on another agent's worker (a caller driving it, or
-/// starting its commands, possibly from inside the sink of an agent this thread drives):
-/// returns what to hand to [`restore_shared`] afterwards.
-pub(super) fn enter_shared(shared: &Arc<Shared>) -> Option<Arc<Shared>> {
-    SHARED.with(|s| s.borrow_mut().replace(shared.clone()))
-}
-
-/// Puts back what [`enter_shared`] replaced.
-pub(super) fn restore_shared(prev: Option<Arc<Shared>>) {
+/// Runs `f` with `shared` as this thread's agent, then puts back the one it had: for a stretch
+/// of work on an agent's worker by a caller (driving it, or starting its commands), possibly
+/// from inside the sink of another agent this thread drives.
+pub(super) fn entered<R>(shared: &Arc<Shared>, f: impl FnOnce() -> R) -> R {
+    let prev = SHARED.with(|s| s.borrow_mut().replace(shared.clone()));
+    let r = f();
     SHARED.with(|s| *s.borrow_mut() = prev);
+    r
 }
 
 pub(super) fn with_shared(f: impl FnOnce(&Shared)) {

@@ -100,6 +100,11 @@ impl Op {
         self.detach = true;
     }
 
+    /// Whether [`Op::detach_on_stop`] was asked for.
+    pub fn detaches_on_stop(&self) -> bool {
+        self.detach
+    }
+
     /// Waits until the op ends, `deadline` passes, or `cancel()` returns true (checked every
     /// `CANCEL_POLL`). Returns `Completed` only when the whole transfer has landed. On any other
     /// outcome the UCX request has been cancelled and released before this returns: UCX no

@@ -189,9 +189,7 @@ impl Shared {
         if alone && !self.poll_window.is_zero() {
             if let Some(mut guard) = self.driver.try_lock() {
                 if let Some(p) = guard.as_mut() {
-                    let prev = callbacks::enter_shared(self);
-                    p.drain_commands();
-                    callbacks::restore_shared(prev);
+                    callbacks::entered(self, || p.drain_commands());
                     // Whatever the commands left for a pass (callback reports) or ended (a
                     // shutdown) is the progress thread's to handle.
                     let more = p.shutdown || !self.cb_events.lock().is_empty();
@@ -326,9 +324,7 @@ impl Shared {
         let Some(p) = guard.as_mut() else {
             return false;
         };
-        let prev = callbacks::enter_shared(self);
-        p.pass();
-        callbacks::restore_shared(prev);
+        callbacks::entered(self, || p.pass());
         drop(guard);
         self.caller_passes.fetch_add(1, Ordering::AcqRel);
         // A timer the sink set in our pass, earlier than the progress thread's sleep, must not
