@@ -63,7 +63,7 @@ ucx122() (
     local dir="${build_dir}-ucx122" rc=0
     echo "ucx122: KVLINK_UCX_ROOT=$KVLINK_UCX_ROOT CARGO_TARGET_DIR=$CARGO_TARGET_DIR build dir $dir"
     cargo test --locked --no-fail-fast --lib --test transport_local --test transport_two_process \
-        --test engine --test engine_faults || rc=1
+        --test engine --test engine_faults --test sm_kill_wedge || rc=1
     if cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
         -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="$KVLINK_UCX_ROOT" &&
         cmake --build "$dir" -j "$jobs"; then

@@ -475,6 +475,7 @@ impl EngineHandle {
             refused_rank_in_use: h.refused_rank_in_use,
             refused_by_peer: h.refused_by_peer,
             receive_stuck: h.receive_stuck,
+            worker_renewals: h.worker_renewals,
             region_fenced_bytes: h.region_fenced_bytes,
             region_fences: h.region_fences,
         }

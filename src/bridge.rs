@@ -110,6 +110,8 @@ pub mod ffi {
         refused_by_peer: u64,
         /// This process's shared-memory receive queue is stuck (see `kvlink::Health`).
         receive_stuck: bool,
+        /// Moves to a new worker after a stuck receive queue (see `kvlink::Health`).
+        worker_renewals: u64,
         /// Region bytes fenced now, and transfers fenced that way so far.
         region_fenced_bytes: u64,
         region_fences: u64,

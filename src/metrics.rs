@@ -67,6 +67,7 @@ pub(crate) struct Metrics {
     reconnects: Counter,
     foreign: Counter,
     late: Counter,
+    renewals: Counter,
     refused: Family<Labels1, Counter>,
     refused_by_peer: Counter,
     ops: Gauge,
@@ -117,6 +118,7 @@ impl Metrics {
             reconnects: Counter::default(),
             foreign: Counter::default(),
             late: Counter::default(),
+            renewals: Counter::default(),
             refused: Family::default(),
             refused_by_peer: Counter::default(),
             ops: Gauge::default(),
@@ -206,6 +208,11 @@ impl Metrics {
             "Tagged data for a receive that had already ended, discarded",
             m.late.clone(),
         );
+        registry.register(
+            "worker_renewals",
+            "Moves to a new UCX worker (a fresh shared-memory receive queue) after the old queue was found stuck; each fails every peer and changes the worker address",
+            m.renewals.clone(),
+        );
         for r in ["auth_failed", "rank_in_use"] {
             let _ = m.refused.get_or_create(&[("reason", r)]);
         }
@@ -258,6 +265,7 @@ impl Metrics {
         catch_up(&self.reconnects, h.reconnects);
         catch_up(&self.foreign, h.foreign_data);
         catch_up(&self.late, h.late_data);
+        catch_up(&self.renewals, h.worker_renewals);
         catch_up(
             &self.refused.get_or_create(&[("reason", "auth_failed")]),
             h.refused_auth,

@@ -15,7 +15,7 @@ fn pair(kind: TransportKind) -> (Agent, Agent, PeerId, PeerId) {
     let b = Agent::new(ob).unwrap();
     let a = Agent::new(AgentOptions::new("a", kind.clone())).unwrap();
     let ab = if kind.by_worker_address() {
-        a.connect_worker(b.worker_address()).unwrap()
+        a.connect_worker(&b.worker_address()).unwrap()
     } else {
         a.connect(b.listen_address().unwrap()).unwrap()
     };

@@ -15,6 +15,7 @@ extern "C" __attribute__((visibility("default"))) int kvlinkProbeHealth(void* ma
   if (m == nullptr) return -1;
   kvlink::Health const h = m->engine().health();
   *out = KvlinkProbeHealth{h.buffers_leased, h.buffers_fenced, h.ops_in_flight, h.unreaped_ops,
-                           h.completed,      h.failed,         h.peers_failed,  h.receive_stuck ? 1u : 0u};
+                           h.completed,      h.failed,         h.peers_failed,  h.receive_stuck ? 1u : 0u,
+                           h.worker_renewals};
   return 0;
 }

@@ -16,6 +16,8 @@ struct KvlinkProbeHealth {
   std::uint64_t peers_failed;
   /// 1 while the engine's shared-memory receive queue is stuck (kvlink::Health::receive_stuck).
   std::uint64_t receive_stuck;
+  /// Moves to a new worker after a stuck receive queue (kvlink::Health::worker_renewals).
+  std::uint64_t worker_renewals;
 };
 
 /// Fills `out` from the engine of `manager` (the factory's result, a ConnectionManager*).

@@ -1099,6 +1099,8 @@ struct HealthInfo final {
   ::std::uint64_t refused_by_peer CXX_DEFAULT_VALUE(0);
   // This process's shared-memory receive queue is stuck (see `kvlink::Health`).
   bool receive_stuck CXX_DEFAULT_VALUE(false);
+  // Moves to a new worker after a stuck receive queue (see `kvlink::Health`).
+  ::std::uint64_t worker_renewals CXX_DEFAULT_VALUE(0);
   // Region bytes fenced now, and transfers fenced that way so far.
   ::std::uint64_t region_fenced_bytes CXX_DEFAULT_VALUE(0);
   ::std::uint64_t region_fences CXX_DEFAULT_VALUE(0);

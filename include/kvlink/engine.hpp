@@ -271,10 +271,16 @@ struct Health {
   std::uint64_t refused_rank_in_use = 0;
   std::uint64_t refused_by_peer = 0;
   /// This process's shared-memory receive queue is stuck: a peer process died (or was stopped)
-  /// while writing into it, and nothing any peer sends over shared memory is read. Every peer
-  /// was failed when it was found and connects are refused while it lasts (state `Wedged`);
-  /// after a death only a new process recovers: replace it (docs/RELIABILITY.md, known gaps).
+  /// while writing into it, and nothing any peer sends over shared memory is read (state
+  /// `Wedged`). By default every peer is failed when it is found and the engine moves to a new
+  /// UCX worker with a fresh queue at once (`worker_renewals`), so this stays true only in
+  /// report-only mode (`KVLINK_STUCK=report`), where after a death only a new process recovers,
+  /// or if that move failed (connects are then refused) (docs/RELIABILITY.md).
   bool receive_stuck = false;
+  /// Moves to a new worker, each after a stuck receive queue. Each failed every peer (ranks this
+  /// engine dialled are redialled from the new worker) and changed `address()`: a process that
+  /// dials this engine later needs the new address.
+  std::uint64_t worker_renewals = 0;
   /// Bytes of regions fenced now: transfers of ended requests that UCX still holds (refused to
   /// new receives, `ErrorKind::Fenced`, until released); and transfers fenced that
   /// way so far. Each cost its range for a while, never the pair.
@@ -595,7 +601,7 @@ class Engine {
             h.bytes_completed, h.unreaped_ops,    h.peers_reconnecting, h.reconnects,
             h.adverts_refused, h.notes_dropped,   h.unsettled_returns,  h.foreign_data,
             h.late_data,       h.refused_auth,    h.refused_rank_in_use, h.refused_by_peer,
-            h.receive_stuck,   h.region_fenced_bytes, h.region_fences};
+            h.receive_stuck,   h.worker_renewals, h.region_fenced_bytes, h.region_fences};
   }
 
   /// This engine's metrics in the Prometheus text format (version 0.0.4): `kvlink_requests_total`

@@ -546,7 +546,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
             ["HEALTH"] => {
                 let h = engine.health();
                 say(format!(
-                    "HEALTH peer={:?} failed={} reconnects={} leased={} fenced={} unsettled={} region_fenced={} region_fences={}",
+                    "HEALTH peer={:?} failed={} reconnects={} leased={} fenced={} unsettled={} region_fenced={} region_fences={} new_workers={}",
                     engine.peer_state(peer),
                     h.peers_failed,
                     h.reconnects,
@@ -554,7 +554,8 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
                     h.buffers_fenced,
                     h.unsettled_returns,
                     h.region_fenced_bytes,
-                    h.region_fences
+                    h.region_fences,
+                    h.worker_renewals
                 ));
             }
             _ => {}

@@ -123,7 +123,7 @@ fn recv((transport, devices): Setting, sizes: &[usize], timeout: Duration, liste
     let agent = agent_or_exit(opts);
     match agent.listen_address() {
         Some(a) => println!("ADDR tcp {a}"),
-        None => println!("ADDR sm {}", hex(agent.worker_address())),
+        None => println!("ADDR sm {}", hex(&agent.worker_address())),
     }
     // Wait for the hello (a control message carrying the sender's worker address).
     let deadline = Instant::now() + Duration::from_secs(20);

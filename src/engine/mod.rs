@@ -90,8 +90,8 @@ pub struct EngineConfig {
     /// fails with `QueueFull` (and changes nothing) until earlier requests end.
     pub pool_slots: u32,
     /// When this process's shared-memory receive queue is found stuck
-    /// ([`Health::receive_stuck`]): fail every peer at once and refuse connects while it lasts
-    /// (true, the default), or only report it. `KVLINK_STUCK=report` in the environment makes
+    /// ([`Health::receive_stuck`]): fail every peer at once and move to a new worker with a
+    /// fresh queue (true, the default; [`Health::worker_renewals`]), or only report it. `KVLINK_STUCK=report` in the environment makes
     /// it false for every engine of the process.
     pub fail_peers_when_stuck: bool,
     /// Fault hooks for tests and the demo.
@@ -217,10 +217,15 @@ pub struct Health {
     pub refused_by_peer: u64,
     /// This process's shared-memory receive queue is stuck: a peer process died (or was
     /// stopped) while writing into it, and nothing any peer sends over shared memory is read.
-    /// Every peer was failed when it was found and connects are refused while it lasts; after a
-    /// death only a new process recovers (`docs/RELIABILITY.md`, known gaps). The state is
-    /// `Wedged` meanwhile.
+    /// By default every peer is failed when it is found and the engine moves to a new worker
+    /// at once ([`Health::worker_renewals`]); it stays set only in report-only mode
+    /// (`fail_peers_when_stuck = false`), or if that move failed (connects are then refused).
+    /// The state is `Wedged` meanwhile (`docs/RELIABILITY.md`).
     pub receive_stuck: bool,
+    /// Moves to a new worker, each after a stuck receive queue. Each failed every peer (ranks
+    /// this engine dialled are redialled from the new one) and changed [`Engine::address`]:
+    /// a process that dials this engine later needs the new address.
+    pub worker_renewals: u64,
     /// Bytes of regions fenced now (transfers of ended requests that UCX still holds; refused
     /// to new receives until released), and transfers fenced that way so far.
     pub region_fenced_bytes: u64,
@@ -343,7 +348,7 @@ impl Engine {
     pub fn address(&self) -> String {
         match self.inner.agent.listen_address() {
             Some(a) => a.to_string(),
-            None => format!("ucx:{}", hex(self.inner.agent.worker_address())),
+            None => format!("ucx:{}", hex(&self.inner.agent.worker_address())),
         }
     }
 
@@ -354,7 +359,8 @@ impl Engine {
     /// deployment secret) or `RankInUse` (the peer, or this side, has that rank bound to another
     /// live process).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
-        let peer = dial(&self.inner.agent, address)?;
+        let mut renewals = self.inner.agent.worker_renewals();
+        let mut peer = dial(&self.inner.agent, address)?;
         let mut core = self.inner.core.lock();
         self.inner.say_hello(&mut core, peer)?;
         loop {
@@ -377,17 +383,29 @@ impl Engine {
                 ));
             }
             if self.inner.agent.peer_state(peer).is_err() {
-                return Err(Error::new(
-                    ErrorKind::PeerLost,
-                    format!("{address}: connection failed"),
-                ));
+                let now_renewals = self.inner.agent.worker_renewals();
+                if now_renewals == renewals || Instant::now() >= deadline {
+                    return Err(Error::new(
+                        ErrorKind::PeerLost,
+                        format!("{address}: connection failed"),
+                    ));
+                }
+                // This agent moved to a new worker meanwhile (its shared-memory receive queue
+                // was stuck, which is why no hello came): dial again from the new one.
+                renewals = now_renewals;
+                drop(core);
+                peer = dial(&self.inner.agent, address)?;
+                core = self.inner.core.lock();
+                self.inner.say_hello(&mut core, peer)?;
+                continue;
             }
             if !sleep(&mut core, WaitKey::Dial(peer), deadline) && Instant::now() >= deadline {
                 // A peer process that died while writing into our shared-memory receive queue
                 // can leave this process deaf on shared memory (UCX; docs/RELIABILITY.md).
                 let hint = if self.inner.shared_memory && core.peers.failures > 0 {
                     "; a peer was lost earlier, and on shared memory a peer killed mid-write \
-                     can leave this process unable to receive (docs/RELIABILITY.md, known gaps)"
+                     can leave this process unable to receive until the probe finds it, or for \
+                     good in report-only mode (docs/RELIABILITY.md)"
                 } else {
                     ""
                 };
@@ -1171,6 +1189,7 @@ impl Engine {
             refused_rank_in_use: core.peers.refusals.rank_in_use,
             refused_by_peer: core.peers.refusals.by_peer,
             receive_stuck: s.receive_stuck,
+            worker_renewals: s.worker_renewals,
             region_fenced_bytes: core.regions.fenced_bytes(),
             region_fences: core.regions.fences(),
         }

@@ -23,7 +23,6 @@ pub struct Agent {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
     listen_addr: Option<SocketAddr>,
-    worker_address: Vec<u8>,
     name: String,
 }
 
@@ -65,6 +64,7 @@ impl Agent {
             probe_seen: AtomicU64::new(0),
             probe_nonce: crate::random::u64(),
             receive_stuck: AtomicBool::new(false),
+            worker_address: Mutex::new(Vec::new()),
         });
         let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
@@ -74,11 +74,10 @@ impl Agent {
             .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn: {e}")))?;
         let started = init.wait(Instant::now() + Duration::from_secs(30));
         match started {
-            Ok((listen_addr, worker_address)) => Ok(Agent {
+            Ok((listen_addr, _)) => Ok(Agent {
                 shared,
                 thread: Mutex::new(Some(thread)),
                 listen_addr,
-                worker_address,
                 name: opts.name,
             }),
             Err(e) => {
@@ -134,14 +133,21 @@ impl Agent {
         Driving::new(&self.shared)
     }
 
+    /// How many times this agent moved to a new worker ([`Stats::worker_renewals`]).
+    pub fn worker_renewals(&self) -> u64 {
+        self.shared.stats.worker_renewals.load(Ordering::Acquire)
+    }
+
     /// The bound listen address (with the real port when 0 was asked for).
     pub fn listen_address(&self) -> Option<SocketAddr> {
         self.listen_addr
     }
 
-    /// The worker's address, for connecting without a listener (shared memory).
-    pub fn worker_address(&self) -> &[u8] {
-        &self.worker_address
+    /// The worker's address, for connecting without a listener (shared memory). It changes
+    /// when the agent moves to a new worker because its shared-memory receive queue got stuck
+    /// ([`Stats::worker_renewals`]): a process that connects later needs the new one.
+    pub fn worker_address(&self) -> Vec<u8> {
+        self.shared.worker_address.lock().clone()
     }
 
     /// Connects to a peer's listener. The endpoint is usable at once; its failure is reported
@@ -537,6 +543,7 @@ impl Agent {
             stale_control_dropped: s.stale_control_dropped.load(Ordering::Relaxed),
             stray_discarded: s.stray_discarded.load(Ordering::Relaxed),
             receive_stuck: self.shared.receive_stuck.load(Ordering::Acquire),
+            worker_renewals: s.worker_renewals.load(Ordering::Relaxed),
         }
     }
 

@@ -236,8 +236,9 @@ pub struct AgentOptions {
     /// nor pile up in UCX's unexpected queue.
     pub discard_unexpected: bool,
     /// When the probe finds this agent's shared-memory receive queue stuck
-    /// ([`Stats::receive_stuck`]): fail every peer at once and refuse connects while it lasts
-    /// (true, the default), or only report it (false: requests then end at their deadlines).
+    /// ([`Stats::receive_stuck`]): fail every peer at once and move to a new worker with a
+    /// fresh queue (true, the default; connects are refused only if the move fails), or only
+    /// report it (false: requests then end at their deadlines and the queue stays deaf).
     pub fail_peers_when_stuck: bool,
 }
 
@@ -298,10 +299,15 @@ pub struct Stats {
     pub stray_discarded: u64,
     /// This agent's shared-memory receive queue is stuck: nothing sent to it over shared
     /// memory is read (a peer process died, or was stopped, while writing into it; see
-    /// `docs/RELIABILITY.md`). Every peer was failed when it was found, and connects are
-    /// refused while it lasts. After a death it lasts for good: only a new agent (process)
-    /// recovers; a stopped writer that resumes clears it.
+    /// `docs/RELIABILITY.md`). With [`AgentOptions::fail_peers_when_stuck`] (the default) it
+    /// lasts only while the agent moves to a new worker ([`Stats::worker_renewals`]), or, if
+    /// that failed, until a stopped writer resumes (connects are refused meanwhile). In
+    /// report-only mode it lasts until the writer resumes: after a death, for good.
     pub receive_stuck: bool,
+    /// How many times the agent moved to a new UCX worker (a fresh receive queue) because the
+    /// old one's queue was stuck. Each move fails every peer and changes
+    /// [`Agent::worker_address`].
+    pub worker_renewals: u64,
 }
 
 /// Maps a UCX status to kvlink's error kinds (one exhaustive place).

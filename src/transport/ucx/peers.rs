@@ -386,6 +386,61 @@ pub(super) unsafe fn sockaddr_port(s: *const libc::sockaddr_storage) -> u16 {
     }
 }
 
+/// Marks close-on-exec every socket of this process bound to `addr`'s port. UCX opens its
+/// listening socket without it, so a child process started later (a helper, a worker pool)
+/// would keep the port bound after the listener is destroyed, and the agent could not listen
+/// there again (found when a listener is re-created after a move to a new worker). UCX does
+/// not expose the descriptor, so this looks for it among the process's descriptors.
+pub(super) fn close_on_exec_at(addr: SocketAddr) {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<c_int>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: a zeroed sockaddr_storage and its size; getsockname fails harmlessly on a
+        // descriptor that is not a socket (or is already closed), and fcntl only sets a flag.
+        unsafe {
+            let mut ss: libc::sockaddr_storage = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            if libc::getsockname(fd, &mut ss as *mut _ as *mut libc::sockaddr, &mut len) != 0 {
+                continue;
+            }
+            if sockaddr_port(&ss) != addr.port() || !same_ip(&ss, addr) {
+                continue;
+            }
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 && flags & libc::FD_CLOEXEC == 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+}
+
+/// Whether `s` is bound to `addr`'s IP, or `addr` is a wildcard (any of the host's).
+///
+/// # Safety
+/// `s` must point to an initialised sockaddr_storage.
+unsafe fn same_ip(s: *const libc::sockaddr_storage, addr: SocketAddr) -> bool {
+    if addr.ip().is_unspecified() {
+        return true;
+    }
+    match ((*s).ss_family as c_int, addr) {
+        (libc::AF_INET, SocketAddr::V4(a)) => {
+            u32::from_be((*(s as *const libc::sockaddr_in)).sin_addr.s_addr) == u32::from(*a.ip())
+        }
+        (libc::AF_INET6, SocketAddr::V6(a)) => {
+            (*(s as *const libc::sockaddr_in6)).sin6_addr.s6_addr == a.ip().octets()
+        }
+        _ => false,
+    }
+}
+
 impl Progress {
     /// `transport/device` for each lane of `peer`'s endpoint, as `ucp_ep_query` reports them
     /// (where the headers have `UCP_EP_ATTR_FIELD_TRANSPORTS`: 1.22 yes, 1.13 no; else None).

@@ -6,7 +6,7 @@
 //! process writes into (claim a slot, write it, then flag it written), and the worker reads
 //! the slots strictly in order. A sender killed between the claim and the flag leaves a slot
 //! that is never flagged, and the worker reads nothing on shared memory again, from anyone
-//! (`docs/RELIABILITY.md`, known gaps). Nothing in UCX reports it. The probe writes into the
+//! (`docs/RELIABILITY.md`). Nothing in UCX reports it. The probe writes into the
 //! same queue as every peer does, so it sees what they see: its pings stop arriving.
 //!
 //! The verdict is conservative. A ping's clock starts when UCX has written it into the queue

@@ -3,8 +3,8 @@
 //! worker's event fd and the wake eventfd, and tears everything down in order at the end.
 use super::callbacks::{self, am_bind_cb, am_control_cb, am_drain_cb, conn_cb, AmCb, CbEvent};
 use super::handles::{Context, Listener, Mapped, RemoteKey as UcxRkey, Worker};
-use super::op::{OpSlot, STOP_SHUTDOWN};
-use super::peers::{sockaddr_of, sockaddr_port, PeerEntry, Target};
+use super::op::{OpSlot, STOP_PEER, STOP_SHUTDOWN};
+use super::peers::{close_on_exec_at, sockaddr_of, sockaddr_port, PeerEntry, Target};
 use super::probe::{am_probe_cb, Probe, Verdict};
 use super::shared::{Cmd, Reply, Shared};
 use super::{
@@ -37,7 +37,7 @@ const POLL_AFTER_PROGRESS: Duration = Duration::from_micros(100);
 /// the next pass takes it; on shared memory it also means a sender has claimed the queue's next
 /// slot and not yet written it, which lasts as long as that sender is descheduled (a time
 /// slice here is 4 ms), and the message must be taken as soon as it is written. Only one that
-/// persists is a writer stopped or killed mid-write (docs/RELIABILITY.md, known gaps): UCX
+/// persists is a writer stopped or killed mid-write (docs/RELIABILITY.md): UCX
 /// refuses to arm the worker for as long as that lasts.
 const BUSY_SPIN_FOR: Duration = Duration::from_millis(20);
 /// The longest back-off sleep while the worker stays unarmable: the wedged state is polled
@@ -71,6 +71,14 @@ pub(super) struct Progress {
     pub(super) drains: Vec<Arc<OpSlot>>,
     pub(super) scratch: Box<[u8; 8]>,
     pub(super) own_address: Vec<u8>,
+    /// What a new worker is set up with when the agent moves to one (see
+    /// [`Progress::renew_worker`]): the listener's bound address, whether to probe its
+    /// shared-memory receive queue, the agent's name (for logs), and the worker's event fd as
+    /// registered in the epoll set.
+    pub(super) listen_at: Option<SocketAddr>,
+    pub(super) probe_wanted: bool,
+    pub(super) name: String,
+    pub(super) worker_efd: c_int,
     /// See [`AgentOptions::discard_unexpected`].
     pub(super) discard_unexpected: bool,
     pub(super) shared: Arc<Shared>,
@@ -106,6 +114,14 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
     // the network transports alone, as it always did under peer handling (`mm_lanes`).
     if mm_lanes(opts) {
         settings.push(("MM_ERROR_HANDLING", "y".into(), false));
+        if opts.listen.is_some() {
+            // A move to a new worker (`Progress::renew_worker`) binds the listener's port again
+            // while connections it accepted may linger in TIME_WAIT: SO_REUSEADDR (two live
+            // listeners on one port are still refused). Only here: UCX 1.13 does not take it
+            // through the config and warns, and there (no shared memory next to the network)
+            // a listening agent never moves.
+            settings.push(("TCP_CM_REUSEADDR", "y".into(), false));
+        }
     } else if opts.transport.may_use_mm() {
         tracing::info!(
             "{}: transport {}: no shared memory next to the network with UCX {} (1.22+ has it)",
@@ -179,6 +195,22 @@ pub(super) fn progress_thread(
         callbacks::set_shared(&shared);
         p.teardown();
     }
+}
+
+/// A worker of `ctx` for one thread at a time (the driver lock's holder).
+fn new_worker(ctx: &Context) -> Result<Worker> {
+    let wparams = sys::ucp_worker_params_t {
+        field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
+        thread_mode: sys::UCS_THREAD_MODE_SERIALIZED,
+        ..Default::default()
+    };
+    let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
+    // SAFETY: a live context; the params name exactly the field set; the out-pointer is valid.
+    let st = unsafe { sys::ucp_worker_create(ctx.0, &wparams, &mut worker) };
+    if st != sys::UCS_OK {
+        return Err(ucx_err(st, "ucp_worker_create"));
+    }
+    Ok(Worker(worker))
 }
 
 /// The progress thread's loop: a pass under the driver lock, a short poll after progress, then
@@ -406,16 +438,7 @@ impl Progress {
                     .map_or(String::new(), |d| format!("@{d}")),
                 resources::memory_type_names(memory_types)
             );
-            let wparams = sys::ucp_worker_params_t {
-                field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
-                thread_mode: sys::UCS_THREAD_MODE_SERIALIZED,
-                ..Default::default()
-            };
-            let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
-            let st = sys::ucp_worker_create(ctx.0, &wparams, &mut worker);
-            if st != sys::UCS_OK {
-                return Err(ucx_err(st, "ucp_worker_create"));
-            }
+            let worker = new_worker(&ctx)?;
             let mut p = Progress {
                 probe: None,
                 fail_when_stuck: opts.fail_peers_when_stuck,
@@ -424,13 +447,17 @@ impl Progress {
                 listener: None,
                 maps: HashMap::new(),
                 epfd: None,
-                worker: Worker(worker),
+                worker,
                 ctx,
                 ep_to_peer: HashMap::new(),
                 next_peer: 1,
                 drains: Vec::new(),
                 scratch: Box::new([0; 8]),
                 own_address: Vec::new(),
+                listen_at: None,
+                probe_wanted: mm_lanes(opts),
+                name: opts.name.clone(),
+                worker_efd: -1,
                 discard_unexpected: opts.discard_unexpected,
                 shared,
                 shutdown: false,
@@ -447,26 +474,49 @@ impl Progress {
     }
 
     unsafe fn setup(&mut self, opts: &AgentOptions) -> Result<(Option<SocketAddr>, Vec<u8>)> {
-        let mut efd: c_int = -1;
-        let st = sys::ucp_worker_get_efd(self.worker.0, &mut efd);
-        if st != sys::UCS_OK {
-            return Err(ucx_err(st, "ucp_worker_get_efd"));
-        }
         let epfd = libc::epoll_create1(libc::EPOLL_CLOEXEC);
         if epfd < 0 {
             return Err(Error::new(ErrorKind::Transport, "epoll_create1 failed"));
         }
         // SAFETY: a fresh fd that nothing else owns.
         self.epfd = Some(std::os::fd::FromRawFd::from_raw_fd(epfd));
-        for (fd, token) in [(efd, 1u64), (self.shared.wake_fd.as_raw_fd(), 2u64)] {
-            let mut ev = libc::epoll_event {
-                events: libc::EPOLLIN as u32,
-                u64: token,
-            };
-            if libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) != 0 {
-                return Err(Error::new(ErrorKind::Transport, "epoll_ctl failed"));
-            }
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: 2,
+        };
+        if libc::epoll_ctl(
+            epfd,
+            libc::EPOLL_CTL_ADD,
+            self.shared.wake_fd.as_raw_fd(),
+            &mut ev,
+        ) != 0
+        {
+            return Err(Error::new(ErrorKind::Transport, "epoll_ctl failed"));
         }
+        self.attach_worker()?;
+        let bound = match opts.listen {
+            Some(addr) => Some(self.listen(addr)?),
+            None => None,
+        };
+        Ok((bound, self.own_address.clone()))
+    }
+
+    /// Sets up `self.worker`: its event fd in the epoll set, the active-message handlers, its
+    /// address and the receive-queue probe.
+    unsafe fn attach_worker(&mut self) -> Result<()> {
+        let mut efd: c_int = -1;
+        let st = sys::ucp_worker_get_efd(self.worker.0, &mut efd);
+        if st != sys::UCS_OK {
+            return Err(ucx_err(st, "ucp_worker_get_efd"));
+        }
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: 1,
+        };
+        if libc::epoll_ctl(self.epoll_fd(), libc::EPOLL_CTL_ADD, efd, &mut ev) != 0 {
+            return Err(Error::new(ErrorKind::Transport, "epoll_ctl failed"));
+        }
+        self.worker_efd = efd;
         let am = sys::ucp_am_handler_param_t {
             field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
                 | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
@@ -507,51 +557,55 @@ impl Progress {
             std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
         sys::ucp_worker_release_address(self.worker.0, attr.address);
         self.own_address = address.clone();
-        if mm_lanes(opts) {
+        *self.shared.worker_address.lock() = address.clone();
+        if self.probe_wanted {
             // Without it the agent works as before; it only cannot tell a stuck queue.
             match Probe::start(self.ctx.0, &address, self.shared.probe_nonce) {
                 Ok(p) => self.probe = Some(p),
-                Err(e) => tracing::warn!("{}: no shared-memory receive probe: {e}", opts.name),
+                Err(e) => tracing::warn!("{}: no shared-memory receive probe: {e}", self.name),
             }
         }
+        Ok(())
+    }
 
-        let mut bound = None;
-        if let Some(addr) = opts.listen {
-            let (storage, len) = sockaddr_of(addr);
-            let lp = sys::ucp_listener_params_t {
-                field_mask: (sys::UCP_LISTENER_PARAM_FIELD_SOCK_ADDR
-                    | sys::UCP_LISTENER_PARAM_FIELD_CONN_HANDLER)
-                    as u64,
-                sockaddr: sys::ucs_sock_addr_t {
-                    addr: &storage as *const libc::sockaddr_storage as *const sys::sockaddr,
-                    addrlen: len,
-                },
-                conn_handler: sys::ucp_listener_conn_handler_t {
-                    cb: Some(conn_cb),
-                    arg: std::ptr::null_mut(),
-                },
-                ..Default::default()
-            };
-            let mut listener: sys::ucp_listener_h = std::ptr::null_mut();
-            let st = sys::ucp_listener_create(self.worker.0, &lp, &mut listener);
-            if st != sys::UCS_OK {
-                return Err(ucx_err(st, &format!("listen on {addr}")));
-            }
-            self.listener = Some(Listener(listener));
-            let mut la = sys::ucp_listener_attr_t {
-                field_mask: sys::UCP_LISTENER_ATTR_FIELD_SOCKADDR as u64,
-                ..Default::default()
-            };
-            let st = sys::ucp_listener_query(listener, &mut la);
-            if st != sys::UCS_OK {
-                return Err(ucx_err(st, "ucp_listener_query"));
-            }
-            let port = sockaddr_port(
-                &la.sockaddr as *const sys::sockaddr_storage as *const libc::sockaddr_storage,
-            );
-            bound = Some(SocketAddr::new(addr.ip(), port));
+    /// Listens on `addr` with the worker; returns the bound address (the real port when 0 was
+    /// asked for).
+    unsafe fn listen(&mut self, addr: SocketAddr) -> Result<SocketAddr> {
+        let (storage, len) = sockaddr_of(addr);
+        let lp = sys::ucp_listener_params_t {
+            field_mask: (sys::UCP_LISTENER_PARAM_FIELD_SOCK_ADDR
+                | sys::UCP_LISTENER_PARAM_FIELD_CONN_HANDLER) as u64,
+            sockaddr: sys::ucs_sock_addr_t {
+                addr: &storage as *const libc::sockaddr_storage as *const sys::sockaddr,
+                addrlen: len,
+            },
+            conn_handler: sys::ucp_listener_conn_handler_t {
+                cb: Some(conn_cb),
+                arg: std::ptr::null_mut(),
+            },
+            ..Default::default()
+        };
+        let mut listener: sys::ucp_listener_h = std::ptr::null_mut();
+        let st = sys::ucp_listener_create(self.worker.0, &lp, &mut listener);
+        if st != sys::UCS_OK {
+            return Err(ucx_err(st, &format!("listen on {addr}")));
         }
-        Ok((bound, address))
+        self.listener = Some(Listener(listener));
+        let mut la = sys::ucp_listener_attr_t {
+            field_mask: sys::UCP_LISTENER_ATTR_FIELD_SOCKADDR as u64,
+            ..Default::default()
+        };
+        let st = sys::ucp_listener_query(listener, &mut la);
+        if st != sys::UCS_OK {
+            return Err(ucx_err(st, "ucp_listener_query"));
+        }
+        let port = sockaddr_port(
+            &la.sockaddr as *const sys::sockaddr_storage as *const libc::sockaddr_storage,
+        );
+        let bound = SocketAddr::new(addr.ip(), port);
+        close_on_exec_at(bound);
+        self.listen_at = Some(bound);
+        Ok(bound)
     }
 
     pub(super) fn epoll_fd(&self) -> c_int {
@@ -621,26 +675,48 @@ impl Progress {
 
     /// The probe found the shared-memory receive queue stuck: nothing any peer sends over
     /// shared memory is read (again, if the writer holding it was killed; until it resumes, if
-    /// it was stopped). Say so, fail every peer now (their requests end `PeerLost` instead of
-    /// waiting for deadlines that cannot be met) and refuse new connections while it lasts.
+    /// it was stopped). Say so; unless only reporting, fail every peer now (their requests end
+    /// `PeerLost` instead of waiting for deadlines that cannot be met) and move to a new worker
+    /// with a fresh queue. If that fails, refuse new connections while the old queue is stuck.
     fn receive_stuck(&mut self) {
         self.shared.receive_stuck.store(true, Ordering::Release);
-        let action = if self.fail_when_stuck {
-            "every peer is failed and new connections are refused until it moves again"
-        } else {
-            "reported only (fail_peers_when_stuck is off)"
-        };
-        tracing::error!(
-            "the shared-memory receive queue of this agent is stuck (a peer process died or was \
-             stopped while writing into it): {action}; after a death only a new process \
-             recovers (docs/RELIABILITY.md, known gaps)"
-        );
         if !self.fail_when_stuck {
+            tracing::error!(
+                "{}: the shared-memory receive queue of this agent is stuck (a peer process \
+                 died or was stopped while writing into it): reported only \
+                 (fail_peers_when_stuck is off); after a death it stays deaf \
+                 (docs/RELIABILITY.md)",
+                self.name
+            );
             return;
         }
         let peers: Vec<u64> = self.peers.keys().copied().collect();
         for peer in peers {
             self.fail_peer(peer, sys::UCS_ERR_CONNECTION_RESET, true);
+        }
+        match self.renew_worker() {
+            Ok(()) => {
+                self.shared.receive_stuck.store(false, Ordering::Release);
+                let n = self
+                    .shared
+                    .stats
+                    .worker_renewals
+                    .fetch_add(1, Ordering::AcqRel)
+                    + 1;
+                tracing::error!(
+                    "{}: the shared-memory receive queue of this agent was stuck (a peer process \
+                     died or was stopped while writing into it): every peer was failed and the \
+                     agent moved to a new worker (renewal {n}); processes that connect by \
+                     worker address need the new one",
+                    self.name
+                );
+            }
+            Err(e) => tracing::error!(
+                "{}: the shared-memory receive queue of this agent is stuck, and moving to a \
+                 new worker failed ({e}): every peer was failed and new connections are refused \
+                 until it moves again; only a new process recovers after a death",
+                self.name
+            ),
         }
     }
 
@@ -782,10 +858,19 @@ impl Progress {
         for cmd in leftovers {
             self.shared.fail_cmd(cmd);
         }
-        // Stop listening first: a peer that redials while this agent shuts down must meet a
-        // closed port, not a listener that is destroyed under a connection request UCX is
-        // still serving on its async thread (UCX 1.13 crashes in
-        // ucp_cm_server_conn_request_cb then). Pending requests are rejected before it goes.
+        self.release_worker(STOP_SHUTDOWN);
+        self.maps.clear();
+    }
+
+    /// Ends everything made from the worker, short of the worker itself: the listener, the
+    /// probe, every op (stopped for `reason`, and failed for its waiter if UCX still holds it
+    /// after a bounded progress), every remote key and endpoint. Memory maps belong to the
+    /// context and stay.
+    fn release_worker(&mut self, reason: u8) {
+        // Stop listening first: a peer that redials meanwhile must meet a closed port, not a
+        // listener that is destroyed under a connection request UCX is still serving on its
+        // async thread (UCX 1.13 crashes in ucp_cm_server_conn_request_cb then). Pending
+        // requests are rejected before it goes.
         self.handle_callbacks_discard();
         self.listener = None;
         self.probe = None;
@@ -799,7 +884,7 @@ impl Progress {
         // The drain receives (posted for senders that gave up) are not in `in_flight`: cancel
         // them too, or UCX never completes them and the reference it holds is never released.
         for s in slots.iter().chain(self.drains.iter()) {
-            self.stop_slot(s, STOP_SHUTDOWN);
+            self.stop_slot(s, reason);
         }
         self.rkeys.clear();
         for entry in self.peers.values_mut() {
@@ -814,11 +899,48 @@ impl Progress {
         }
         self.handle_callbacks_discard();
         for s in slots.iter().chain(self.drains.iter()) {
-            // Any op UCX still holds is failed for its waiter; UCX is about to be destroyed.
+            // Any op UCX still holds is failed for its waiter, and forgotten: the worker that
+            // holds it is about to be destroyed, and nothing may cancel it there later.
+            s.request.store(std::ptr::null_mut(), Ordering::Release);
             s.complete(sys::UCS_ERR_CANCELED, 0);
         }
-        self.listener = None;
-        self.maps.clear();
+        self.drains.clear();
+    }
+
+    /// Moves the agent to a new worker, with a fresh shared-memory receive queue, after the
+    /// probe found the old one stuck (a writer killed mid-write). Every peer has been failed
+    /// already. The old worker's ops end (`PeerLost` for their waiters), its endpoints close,
+    /// and it is destroyed once the new one is set up: the same handlers, the listener on the
+    /// same address, the probe aimed at the new queue, and a new worker address.
+    fn renew_worker(&mut self) -> Result<()> {
+        let fresh = new_worker(&self.ctx)?;
+        self.release_worker(STOP_PEER);
+        // SAFETY: the old worker's event fd leaves our epoll set before the worker goes.
+        unsafe {
+            libc::epoll_ctl(
+                self.epoll_fd(),
+                libc::EPOLL_CTL_DEL,
+                self.worker_efd,
+                std::ptr::null_mut(),
+            );
+        }
+        self.worker_efd = -1;
+        // Dropping the old worker destroys it: nothing made from it is left.
+        drop(std::mem::replace(&mut self.worker, fresh));
+        // SAFETY: a fresh worker of ours, under the driver lock.
+        unsafe { self.attach_worker() }?;
+        if let Some(addr) = self.listen_at {
+            // The same address as before, so that peers dial it as they always did. Without it
+            // the new worker still serves the ranks it dials, and those that have its address.
+            // SAFETY: as above.
+            if let Err(e) = unsafe { self.listen(addr) } {
+                tracing::error!(
+                    "{}: the new worker could not listen on {addr} again: {e}",
+                    self.name
+                );
+            }
+        }
+        Ok(())
     }
 
     fn handle_callbacks_discard(&mut self) {

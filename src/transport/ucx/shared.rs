@@ -109,6 +109,7 @@ pub(super) struct AtomicStats {
     pub(super) backoffs: AtomicU64,
     pub(super) stale_control_dropped: AtomicU64,
     pub(super) stray_discarded: AtomicU64,
+    pub(super) worker_renewals: AtomicU64,
 }
 
 /// Where a progress pass hands its events when an owner runs its logic there (the engine does:
@@ -169,6 +170,9 @@ pub(super) struct Shared {
     /// The probe found the shared-memory receive queue stuck; cleared if its ping is read
     /// after all (the writer holding the queue was only stopped).
     pub(super) receive_stuck: AtomicBool,
+    /// The worker's address, as peers connect to it without a listener. It changes when a
+    /// stuck receive queue makes the agent move to a new worker.
+    pub(super) worker_address: Mutex<Vec<u8>>,
 }
 
 impl Shared {
