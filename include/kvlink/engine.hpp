@@ -278,8 +278,9 @@ struct Health {
   /// or if that move failed (connects are then refused) (docs/RELIABILITY.md).
   bool receive_stuck = false;
   /// Moves to a new worker, each after a stuck receive queue. Each failed every peer (ranks this
-  /// engine dialled are redialled from the new worker) and changed `address()`: a process that
-  /// dials this engine later needs the new address.
+  /// engine dialled are redialled from the new worker) and changed the worker address: a process
+  /// that dials this engine by it later needs the new `address()` (a listening engine keeps its
+  /// `ip:port`).
   std::uint64_t worker_renewals = 0;
   /// Bytes of regions fenced now: transfers of ended requests that UCX still holds (refused to
   /// new receives, `ErrorKind::Fenced`, until released); and transfers fenced that

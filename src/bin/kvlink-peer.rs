@@ -55,6 +55,10 @@ enum PeerRole {
         /// send the last size in a loop until killed).
         #[arg(long, default_value = "normal", value_parser = ["normal", "suppress", "loop", "slow", "flood"])]
         mode: String,
+        /// Added to every tag: a receiver that meets several senders in turn keeps each one's
+        /// messages apart (a message nobody received stays in its unexpected queue).
+        #[arg(long = "tag-offset", default_value_t = 0)]
+        tag_offset: u64,
     },
 }
 
@@ -87,7 +91,11 @@ fn main() {
             Duration::from_millis(*timeout_ms),
             listen,
         ),
-        PeerRole::Send { to, mode } => send(setting, to, &args.sizes, mode),
+        PeerRole::Send {
+            to,
+            mode,
+            tag_offset,
+        } => send(setting, to, &args.sizes, mode, TAG_BASE + tag_offset),
     }
 }
 
@@ -172,7 +180,7 @@ fn recv((transport, devices): Setting, sizes: &[usize], timeout: Duration, liste
     );
 }
 
-fn send((transport, devices): Setting, to: &str, sizes: &[usize], mode: &str) {
+fn send((transport, devices): Setting, to: &str, sizes: &[usize], mode: &str, tag_base: u64) {
     let mut opts = AgentOptions::new("peer-send", transport);
     opts.net_devices = devices;
     let agent = agent_or_exit(opts);
@@ -189,7 +197,7 @@ fn send((transport, devices): Setting, to: &str, sizes: &[usize], mode: &str) {
         loop {
             // SAFETY: `b` outlives the op, which is waited right here.
             let mut op =
-                unsafe { agent.post_send(peer, TAG_BASE, b.as_ptr(), b.len()) }.expect("post_send");
+                unsafe { agent.post_send(peer, tag_base, b.as_ptr(), b.len()) }.expect("post_send");
             let o = op.wait(Instant::now() + Duration::from_secs(30), None);
             println!("SENT {} {:?}", b.len(), o);
         }
@@ -229,7 +237,7 @@ fn send((transport, devices): Setting, to: &str, sizes: &[usize], mode: &str) {
                 std::thread::sleep(Duration::from_millis(300));
             }
             // SAFETY: `b` outlives the op, which is waited right here.
-            let mut op = unsafe { agent.post_send(peer, TAG_BASE + i as u64, b.as_ptr(), b.len()) }
+            let mut op = unsafe { agent.post_send(peer, tag_base + i as u64, b.as_ptr(), b.len()) }
                 .expect("post_send");
             let o = op.wait(Instant::now() + Duration::from_secs(30), None);
             println!("SENT {} {:?}", b.len(), o);

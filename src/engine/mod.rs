@@ -223,8 +223,9 @@ pub struct Health {
     /// The state is `Wedged` meanwhile (`docs/RELIABILITY.md`).
     pub receive_stuck: bool,
     /// Moves to a new worker, each after a stuck receive queue. Each failed every peer (ranks
-    /// this engine dialled are redialled from the new one) and changed [`Engine::address`]:
-    /// a process that dials this engine later needs the new address.
+    /// this engine dialled are redialled from the new one) and changed the worker address: a
+    /// process that dials this engine by it later needs the new [`Engine::address`] (a
+    /// listening engine keeps its `ip:port`).
     pub worker_renewals: u64,
     /// Bytes of regions fenced now (transfers of ended requests that UCX still holds; refused
     /// to new receives until released), and transfers fenced that way so far.
@@ -359,7 +360,7 @@ impl Engine {
     /// deployment secret) or `RankInUse` (the peer, or this side, has that rank bound to another
     /// live process).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
-        let mut renewals = self.inner.agent.worker_renewals();
+        let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address)?;
         let mut core = self.inner.core.lock();
         self.inner.say_hello(&mut core, peer)?;
@@ -383,16 +384,17 @@ impl Engine {
                 ));
             }
             if self.inner.agent.peer_state(peer).is_err() {
-                let now_renewals = self.inner.agent.worker_renewals();
-                if now_renewals == renewals || Instant::now() >= deadline {
+                let now_moves = self.inner.agent.worker_moves_begun();
+                if now_moves == moves || Instant::now() >= deadline {
                     return Err(Error::new(
                         ErrorKind::PeerLost,
                         format!("{address}: connection failed"),
                     ));
                 }
-                // This agent moved to a new worker meanwhile (its shared-memory receive queue
-                // was stuck, which is why no hello came): dial again from the new one.
-                renewals = now_renewals;
+                // This agent is moving to a new worker (its shared-memory receive queue was
+                // stuck, which is why no hello came): dial again, from the new one (the dial is
+                // a command, run after the pass that moves).
+                moves = now_moves;
                 drop(core);
                 peer = dial(&self.inner.agent, address)?;
                 core = self.inner.core.lock();

@@ -65,6 +65,7 @@ impl Agent {
             probe_nonce: crate::random::u64(),
             receive_stuck: AtomicBool::new(false),
             worker_address: Mutex::new(Vec::new()),
+            moves_begun: AtomicU64::new(0),
         });
         let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
@@ -133,9 +134,12 @@ impl Agent {
         Driving::new(&self.shared)
     }
 
-    /// How many times this agent moved to a new worker ([`Stats::worker_renewals`]).
-    pub fn worker_renewals(&self) -> u64 {
-        self.shared.stats.worker_renewals.load(Ordering::Acquire)
+    /// How many moves to a new worker this agent has begun ([`Stats::worker_renewals`] counts
+    /// those that succeeded). It changes before the peers are failed for a move: a connect
+    /// whose endpoint failed while it changed can dial again, and is served by the new worker
+    /// (commands wait for the pass that moves).
+    pub fn worker_moves_begun(&self) -> u64 {
+        self.shared.moves_begun.load(Ordering::Acquire)
     }
 
     /// The bound listen address (with the real port when 0 was asked for).

@@ -44,6 +44,8 @@ const BUSY_SPIN_FOR: Duration = Duration::from_millis(20);
 /// (and commands are taken at once, through the wake eventfd) without spinning a core. Each
 /// sleep is an eighth of how long the state has lasted, so a late write costs at most that.
 const BUSY_SLEEP_MAX: Duration = Duration::from_millis(16);
+/// How often a listen that failed after a move to a new worker is tried again.
+const RELISTEN_EVERY: Duration = Duration::from_secs(1);
 
 pub(super) fn poll_window() -> Duration {
     std::env::var("KVLINK_POLL_US")
@@ -76,6 +78,10 @@ pub(super) struct Progress {
     /// shared-memory receive queue, the agent's name (for logs), and the worker's event fd as
     /// registered in the epoll set.
     pub(super) listen_at: Option<SocketAddr>,
+    /// A listen to retry after a move (the address, when next, tries so far).
+    pub(super) relisten: Option<(SocketAddr, Instant, u32)>,
+    /// Ids of remote keys dropped by a move (their endpoints went with the old worker).
+    pub(super) lost_rkeys: std::collections::HashSet<u64>,
     pub(super) probe_wanted: bool,
     pub(super) name: String,
     pub(super) worker_efd: c_int,
@@ -455,6 +461,8 @@ impl Progress {
                 scratch: Box::new([0; 8]),
                 own_address: Vec::new(),
                 listen_at: None,
+                relisten: None,
+                lost_rkeys: Default::default(),
                 probe_wanted: mm_lanes(opts),
                 name: opts.name.clone(),
                 worker_efd: -1,
@@ -559,6 +567,9 @@ impl Progress {
         self.own_address = address.clone();
         *self.shared.worker_address.lock() = address.clone();
         if self.probe_wanted {
+            // A new probe counts its pings from 1 again: what an earlier worker read must not
+            // count as read here.
+            self.shared.probe_seen.store(0, Ordering::Release);
             // Without it the agent works as before; it only cannot tell a stuck queue.
             match Probe::start(self.ctx.0, &address, self.shared.probe_nonce) {
                 Ok(p) => self.probe = Some(p),
@@ -649,6 +660,9 @@ impl Progress {
         if !self.drains.is_empty() {
             self.expire_drains();
         }
+        if self.relisten.is_some() {
+            self.retry_listen();
+        }
         if self.settle_callbacks() {
             pass.progressed = true;
         }
@@ -690,6 +704,9 @@ impl Progress {
             );
             return;
         }
+        // Before any peer is failed: a caller that sees its dial fail from here on knows a move
+        // is under way, and that its next dial is served by the new worker.
+        self.shared.moves_begun.fetch_add(1, Ordering::AcqRel);
         let peers: Vec<u64> = self.peers.keys().copied().collect();
         for peer in peers {
             self.fail_peer(peer, sys::UCS_ERR_CONNECTION_RESET, true);
@@ -714,7 +731,7 @@ impl Progress {
             Err(e) => tracing::error!(
                 "{}: the shared-memory receive queue of this agent is stuck, and moving to a \
                  new worker failed ({e}): every peer was failed and new connections are refused \
-                 until it moves again; only a new process recovers after a death",
+                 while it reports the queue stuck; replace the process",
                 self.name
             ),
         }
@@ -858,15 +875,19 @@ impl Progress {
         for cmd in leftovers {
             self.shared.fail_cmd(cmd);
         }
-        self.release_worker(STOP_SHUTDOWN);
+        let held = self.release_worker(STOP_SHUTDOWN);
+        // UCX is about to be destroyed (the worker goes with `self`).
+        self.finish_held(held);
         self.maps.clear();
     }
 
     /// Ends everything made from the worker, short of the worker itself: the listener, the
-    /// probe, every op (stopped for `reason`, and failed for its waiter if UCX still holds it
-    /// after a bounded progress), every remote key and endpoint. Memory maps belong to the
-    /// context and stay.
-    fn release_worker(&mut self, reason: u8) {
+    /// probe, every op (stopped for `reason`), every remote key and endpoint. Memory maps belong
+    /// to the context and stay. Returns the ops UCX still holds after a bounded progress, each
+    /// forgotten by UCX's side (nothing may cancel it on that worker later): the caller fails
+    /// them for their waiters with [`Progress::finish_held`], once no transfer of theirs can
+    /// move any more.
+    fn release_worker(&mut self, reason: u8) -> Vec<Arc<OpSlot>> {
         // Stop listening first: a peer that redials meanwhile must meet a closed port, not a
         // listener that is destroyed under a connection request UCX is still serving on its
         // async thread (UCX 1.13 crashes in ucp_cm_server_conn_request_cb then). Pending
@@ -886,6 +907,9 @@ impl Progress {
         for s in slots.iter().chain(self.drains.iter()) {
             self.stop_slot(s, reason);
         }
+        // A key's id stays known as lost, so that a transfer still asked with it ends as its
+        // peer's loss, not as a bad argument.
+        self.lost_rkeys.extend(self.rkeys.keys().copied());
         self.rkeys.clear();
         for entry in self.peers.values_mut() {
             drop(entry.ep.take());
@@ -898,13 +922,24 @@ impl Progress {
             }
         }
         self.handle_callbacks_discard();
-        for s in slots.iter().chain(self.drains.iter()) {
-            // Any op UCX still holds is failed for its waiter, and forgotten: the worker that
-            // holds it is about to be destroyed, and nothing may cancel it there later.
+        let held: Vec<Arc<OpSlot>> = slots
+            .into_iter()
+            .chain(self.drains.drain(..))
+            .filter(|s| s.state.lock().is_none())
+            .collect();
+        for s in &held {
             s.request.store(std::ptr::null_mut(), Ordering::Release);
-            s.complete(sys::UCS_ERR_CANCELED, 0);
         }
-        self.drains.clear();
+        held
+    }
+
+    /// Fails the ops [`Progress::release_worker`] found still held by UCX, as their callbacks
+    /// would have: counted, out of the in-flight table, and an `OpDone` for the owner (whose
+    /// receive buffers and region ranges wait for it).
+    fn finish_held(&self, held: Vec<Arc<OpSlot>>) {
+        for s in held {
+            self.finish_slot(&s, sys::UCS_ERR_CANCELED, 0);
+        }
     }
 
     /// Moves the agent to a new worker, with a fresh shared-memory receive queue, after the
@@ -914,7 +949,7 @@ impl Progress {
     /// same address, the probe aimed at the new queue, and a new worker address.
     fn renew_worker(&mut self) -> Result<()> {
         let fresh = new_worker(&self.ctx)?;
-        self.release_worker(STOP_PEER);
+        let held = self.release_worker(STOP_PEER);
         // SAFETY: the old worker's event fd leaves our epoll set before the worker goes.
         unsafe {
             libc::epoll_ctl(
@@ -925,22 +960,49 @@ impl Progress {
             );
         }
         self.worker_efd = -1;
-        // Dropping the old worker destroys it: nothing made from it is left.
+        // Dropping the old worker destroys it: nothing made from it is left. Only then are the
+        // ops it still held failed for their waiters, who may reuse their buffers at once.
         drop(std::mem::replace(&mut self.worker, fresh));
+        self.finish_held(held);
         // SAFETY: a fresh worker of ours, under the driver lock.
         unsafe { self.attach_worker() }?;
         if let Some(addr) = self.listen_at {
-            // The same address as before, so that peers dial it as they always did. Without it
-            // the new worker still serves the ranks it dials, and those that have its address.
-            // SAFETY: as above.
-            if let Err(e) = unsafe { self.listen(addr) } {
-                tracing::error!(
-                    "{}: the new worker could not listen on {addr} again: {e}",
-                    self.name
-                );
-            }
+            // The same address as before, so that peers dial it as they always did.
+            self.relisten = Some((addr, Instant::now(), 0));
+            self.retry_listen();
         }
         Ok(())
+    }
+
+    /// Listens again on the address the old worker listened on, after a move; retried once a
+    /// second while it fails (a socket may still hold the port for a while). Without it the
+    /// new worker still serves the ranks it dials, and those that have its worker address.
+    fn retry_listen(&mut self) {
+        let Some((addr, due, tries)) = self.relisten else {
+            return;
+        };
+        if Instant::now() < due {
+            return;
+        }
+        // SAFETY: our worker, under the driver lock.
+        match unsafe { self.listen(addr) } {
+            Ok(_) => {
+                self.relisten = None;
+                if tries > 0 {
+                    tracing::warn!("{}: listening on {addr} again", self.name);
+                }
+            }
+            Err(e) => {
+                if tries == 0 {
+                    tracing::error!(
+                        "{}: the new worker could not listen on {addr} again ({e}); retrying \
+                         every second",
+                        self.name
+                    );
+                }
+                self.relisten = Some((addr, Instant::now() + RELISTEN_EVERY, tries + 1));
+            }
+        }
     }
 
     fn handle_callbacks_discard(&mut self) {

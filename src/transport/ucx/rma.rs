@@ -44,6 +44,7 @@ impl Progress {
     }
 
     pub(super) fn destroy_rkey(&mut self, id: u64) {
+        self.lost_rkeys.remove(&id);
         drop(self.rkeys.remove(&id));
     }
 
@@ -59,6 +60,11 @@ impl Progress {
         slot: Arc<OpSlot>,
     ) {
         let Some((peer, key)) = self.rkeys.get(&rkey).map(|(p, k)| (*p, k.0)) else {
+            if self.lost_rkeys.contains(&rkey) {
+                // Its endpoint went with a worker the agent moved away from.
+                slot.stop_reason.store(STOP_PEER, Ordering::Release);
+                return self.finish_slot(&slot, sys::UCS_ERR_NOT_CONNECTED, 0);
+            }
             return self.finish_slot(&slot, sys::UCS_ERR_INVALID_PARAM, 0);
         };
         let ep = match self.ep_of(PeerId(peer)) {

@@ -173,6 +173,9 @@ pub(super) struct Shared {
     /// The worker's address, as peers connect to it without a listener. It changes when a
     /// stuck receive queue makes the agent move to a new worker.
     pub(super) worker_address: Mutex<Vec<u8>>,
+    /// Moves to a new worker begun (counted before the peers are failed; `worker_renewals`
+    /// counts those that succeeded).
+    pub(super) moves_begun: AtomicU64,
 }
 
 impl Shared {
