@@ -126,6 +126,29 @@ impl Drop for Hog {
     }
 }
 
+/// A process that floods the worker at `addr` over shared memory with no handshake (it writes
+/// into that worker's receive queue all the same), SIGKILLed after `sends` messages while this
+/// process keeps the CPU busy. Returns when it was killed.
+fn flood_and_kill(addr: &str, sends: usize) -> Instant {
+    let mut flood = sender(addr, "8000", "flood");
+    flood.expect("GO");
+    kill_mid_stream(&mut flood, sends)
+}
+
+/// SIGKILLs a flooding sender that said GO after `sends` more messages, while this process
+/// keeps the CPU busy (see [`Hog`]); returns when it was killed.
+fn kill_mid_stream(flood: &mut Proc, sends: usize) -> Instant {
+    let hog = Hog::start();
+    for _ in 0..sends {
+        flood.expect("SENT");
+    }
+    flood.signal(libc::SIGKILL);
+    let killed = Instant::now();
+    drop(hog);
+    let _ = flood.child.wait();
+    killed
+}
+
 /// How long a round watches for a false alarm once the evidence says the queue moves: the
 /// probe's whole cycle (a ping every 0.5 s, judged after 1.5 s) and then some.
 const WATCH_CLEAN: Duration = Duration::from_millis(2500);
@@ -215,14 +238,7 @@ fn round_on(agent: &Agent, sends: usize, fail: bool, tags: u64) -> Round {
     let (mut healthy_op, _healthy_buf) =
         serve(agent, Duration::from_secs(10), 4096, base + 1).expect("a hello");
     healthy.expect("GO");
-    let hog = Hog::start();
-    for _ in 0..sends {
-        flood.expect("SENT");
-    }
-    flood.signal(libc::SIGKILL);
-    let killed = Instant::now();
-    drop(hog);
-    let _ = flood.child.wait();
+    let killed = kill_mid_stream(&mut flood, sends);
     let _ = flood_op.wait(killed + Duration::from_secs(3), None);
     let healthy_got = healthy_op.wait(killed + Duration::from_secs(3), None);
     let healthy_after = killed.elapsed();
@@ -497,16 +513,7 @@ fn an_engine_reports_its_stuck_receive_queue_in_health_and_metrics() {
         cfg.fail_peers_when_stuck = false;
         let engine = Engine::new(cfg).unwrap();
         let addr = engine.address();
-        let mut flood = sender(&addr, "8000", "flood");
-        flood.expect("GO");
-        let hog = Hog::start();
-        for _ in 0..(i % 7 + 1) * 20 {
-            flood.expect("SENT");
-        }
-        flood.signal(libc::SIGKILL);
-        let killed = Instant::now();
-        drop(hog);
-        let _ = flood.child.wait();
+        let killed = flood_and_kill(&addr, (i % 7 + 1) * 20);
         // The evidence first: a new engine's handshake, whose hello goes into the same queue.
         let other =
             Engine::new(EngineConfig::new("other", 2, TransportKind::SharedMemory)).unwrap();
@@ -576,21 +583,11 @@ fn an_engine_moves_to_a_new_worker_and_is_reached_again() {
         // A fresh survivor each round (one that lived through floods before wedges far less
         // often here); the second move on one survivor is the agent-level test's.
         let engine = Engine::new(EngineConfig::new("survivor", 1, sm())).unwrap();
-        let rank = |k: u32| 2 + k;
         let before = engine.health().worker_renewals;
         let first = engine.address();
-        let mut flood = sender(&first, "8000", "flood");
-        flood.expect("GO");
-        let hog = Hog::start();
-        for _ in 0..(i % 7 + 1) * 20 {
-            flood.expect("SENT");
-        }
-        flood.signal(libc::SIGKILL);
-        let killed = Instant::now();
-        drop(hog);
-        let _ = flood.child.wait();
+        let killed = flood_and_kill(&first, (i % 7 + 1) * 20);
         // The evidence: a handshake to the address the survivor had at the kill.
-        let witness = Engine::new(EngineConfig::new("witness", rank(0), sm())).unwrap();
+        let witness = Engine::new(EngineConfig::new("witness", 2, sm())).unwrap();
         let evidence = witness.connect(&first, Instant::now() + Duration::from_secs(3));
         let watch = if evidence.is_ok() {
             WATCH_CLEAN
@@ -603,9 +600,9 @@ fn an_engine_moves_to_a_new_worker_and_is_reached_again() {
             health = engine.health();
         }
         let now = engine.address();
-        let newcomer = Engine::new(EngineConfig::new("newcomer", rank(1), sm())).unwrap();
+        let newcomer = Engine::new(EngineConfig::new("newcomer", 3, sm())).unwrap();
         let reached = newcomer.connect(&now, Instant::now() + Duration::from_secs(3));
-        let dialled_by_it = Engine::new(EngineConfig::new("dialled", rank(2), sm())).unwrap();
+        let dialled_by_it = Engine::new(EngineConfig::new("dialled", 4, sm())).unwrap();
         let dialled = engine.connect(
             &dialled_by_it.address(),
             Instant::now() + Duration::from_secs(3),
