@@ -197,9 +197,19 @@ pub(super) fn progress_thread(
     run(&shared);
     // Out of the driver lock first: no caller can drive a worker that is going away.
     let p = shared.driver.lock().take();
-    if let Some(mut p) = p {
+    if let Some(p) = p {
         callbacks::set_shared(&shared);
-        p.teardown();
+        (*p).teardown();
+    }
+}
+
+/// Fails the ops a destroyed worker still held (see `Progress::release_worker`) as their
+/// callbacks would have: counted, out of the in-flight table, and an `OpDone` for the owner
+/// (whose receive buffers and region ranges wait for it). Ops the destruction itself ended are
+/// left as they are.
+fn fail_held(shared: &Shared, held: Vec<Arc<OpSlot>>) {
+    for s in held.iter().filter(|s| s.state.lock().is_none()) {
+        callbacks::finish_slot(shared, s, sys::UCS_ERR_CANCELED, 0);
     }
 }
 
@@ -864,9 +874,10 @@ impl Progress {
         n
     }
 
-    pub(super) fn teardown(&mut self) {
+    pub(super) fn teardown(mut self) {
         // Close the queue (later submits fail at once) and end what never ran; then stop every
-        // op, then close every endpoint; the worker and context go when `self` drops.
+        // op, then close every endpoint; then the worker and context go, and only then are the
+        // ops UCX still held failed for their waiters.
         let leftovers: Vec<Cmd> = {
             let mut q = self.shared.cmds.lock();
             q.closed = true;
@@ -876,17 +887,17 @@ impl Progress {
             self.shared.fail_cmd(cmd);
         }
         let held = self.release_worker(STOP_SHUTDOWN);
-        // UCX is about to be destroyed (the worker goes with `self`).
-        self.finish_held(held);
         self.maps.clear();
+        let shared = self.shared.clone();
+        drop(self);
+        fail_held(&shared, held);
     }
 
     /// Ends everything made from the worker, short of the worker itself: the listener, the
     /// probe, every op (stopped for `reason`), every remote key and endpoint. Memory maps belong
     /// to the context and stay. Returns the ops UCX still holds after a bounded progress, each
     /// forgotten by UCX's side (nothing may cancel it on that worker later): the caller fails
-    /// them for their waiters with [`Progress::finish_held`], once no transfer of theirs can
-    /// move any more.
+    /// them for their waiters with `fail_held`, once no transfer of theirs can move any more.
     fn release_worker(&mut self, reason: u8) -> Vec<Arc<OpSlot>> {
         // Stop listening first: a peer that redials meanwhile must meet a closed port, not a
         // listener that is destroyed under a connection request UCX is still serving on its
@@ -933,15 +944,6 @@ impl Progress {
         held
     }
 
-    /// Fails the ops [`Progress::release_worker`] found still held by UCX, as their callbacks
-    /// would have: counted, out of the in-flight table, and an `OpDone` for the owner (whose
-    /// receive buffers and region ranges wait for it).
-    fn finish_held(&self, held: Vec<Arc<OpSlot>>) {
-        for s in held {
-            self.finish_slot(&s, sys::UCS_ERR_CANCELED, 0);
-        }
-    }
-
     /// Moves the agent to a new worker, with a fresh shared-memory receive queue, after the
     /// probe found the old one stuck (a writer killed mid-write). Every peer has been failed
     /// already. The old worker's ops end (`PeerLost` for their waiters), its endpoints close,
@@ -963,7 +965,7 @@ impl Progress {
         // Dropping the old worker destroys it: nothing made from it is left. Only then are the
         // ops it still held failed for their waiters, who may reuse their buffers at once.
         drop(std::mem::replace(&mut self.worker, fresh));
-        self.finish_held(held);
+        fail_held(&self.shared, held);
         // SAFETY: a fresh worker of ours, under the driver lock.
         unsafe { self.attach_worker() }?;
         if let Some(addr) = self.listen_at {
