@@ -91,8 +91,8 @@ pub struct EngineConfig {
     pub pool_slots: u32,
     /// When this process's shared-memory receive queue is found stuck
     /// ([`Health::receive_stuck`]): fail every peer at once and move to a new worker with a
-    /// fresh queue (true, the default; [`Health::worker_renewals`]), or only report it. `KVLINK_STUCK=report` in the environment makes
-    /// it false for every engine of the process.
+    /// fresh queue (true, the default; [`Health::worker_renewals`]), or only report it.
+    /// `KVLINK_STUCK=report` in the environment makes it false for every engine of the process.
     pub fail_peers_when_stuck: bool,
     /// Fault hooks for tests and the demo.
     pub faults: Faults,

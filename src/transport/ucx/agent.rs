@@ -67,7 +67,7 @@ impl Agent {
             worker_address: Mutex::new(Vec::new()),
             moves_begun: AtomicU64::new(0),
         });
-        let init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>> = Reply::new();
+        let init: Arc<Reply<Option<SocketAddr>>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-ucx-{}", opts.name))
@@ -75,7 +75,7 @@ impl Agent {
             .map_err(|e| Error::new(ErrorKind::Internal, format!("spawn: {e}")))?;
         let started = init.wait(Instant::now() + Duration::from_secs(30));
         match started {
-            Ok((listen_addr, _)) => Ok(Agent {
+            Ok(listen_addr) => Ok(Agent {
                 shared,
                 thread: Mutex::new(Some(thread)),
                 listen_addr,

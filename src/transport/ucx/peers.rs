@@ -101,7 +101,7 @@ impl Progress {
         if let Ok(peer) = &r {
             // The peer has no endpoint back to us yet: send it our address so it
             // connects back and can tell our messages (by uid) from others'.
-            let me = self.own_address.clone();
+            let me = self.shared.worker_address.lock().clone();
             self.send_internal(*peer, AM_BIND_ID, me);
         }
         r

@@ -72,14 +72,13 @@ pub(super) struct Progress {
     pub(super) next_peer: u64,
     pub(super) drains: Vec<Arc<OpSlot>>,
     pub(super) scratch: Box<[u8; 8]>,
-    pub(super) own_address: Vec<u8>,
     /// What a new worker is set up with when the agent moves to one (see
     /// [`Progress::renew_worker`]): the listener's bound address, whether to probe its
     /// shared-memory receive queue, the agent's name (for logs), and the worker's event fd as
     /// registered in the epoll set.
     pub(super) listen_at: Option<SocketAddr>,
-    /// A listen to retry after a move (the address, when next, tries so far).
-    pub(super) relisten: Option<(SocketAddr, Instant, u32)>,
+    /// A listen at `listen_at` to retry after a move: when next, and the tries so far.
+    pub(super) relisten: Option<(Instant, u32)>,
     /// Ids of remote keys dropped by a move (their endpoints went with the old worker).
     pub(super) lost_rkeys: std::collections::HashSet<u64>,
     pub(super) probe_wanted: bool,
@@ -181,13 +180,13 @@ fn mm_lanes(opts: &AgentOptions) -> bool {
 pub(super) fn progress_thread(
     opts: AgentOptions,
     shared: Arc<Shared>,
-    init: Arc<Reply<(Option<SocketAddr>, Vec<u8>)>>,
+    init: Arc<Reply<Option<SocketAddr>>>,
 ) {
     callbacks::set_shared(&shared);
     match Progress::start(&opts, shared.clone()) {
-        Ok((p, listen, addr)) => {
+        Ok((p, listen)) => {
             *shared.driver.lock() = Some(Box::new(p));
-            init.set(Ok((listen, addr)));
+            init.set(Ok(listen));
         }
         Err(e) => {
             init.set(Err(e));
@@ -364,10 +363,7 @@ fn wait_for_wake(shared: &Shared, nap: Duration) {
 }
 
 impl Progress {
-    fn start(
-        opts: &AgentOptions,
-        shared: Arc<Shared>,
-    ) -> Result<(Progress, Option<SocketAddr>, Vec<u8>)> {
+    fn start(opts: &AgentOptions, shared: Arc<Shared>) -> Result<(Progress, Option<SocketAddr>)> {
         // SAFETY: all calls below follow the UCX API contracts: parameter structs are zeroed
         // (Default) with field masks naming exactly the fields set; out-pointers are valid;
         // every created handle is owned by `Progress` and destroyed in `teardown`.
@@ -469,7 +465,6 @@ impl Progress {
                 next_peer: 1,
                 drains: Vec::new(),
                 scratch: Box::new([0; 8]),
-                own_address: Vec::new(),
                 listen_at: None,
                 relisten: None,
                 lost_rkeys: Default::default(),
@@ -482,7 +477,7 @@ impl Progress {
             };
             // From here on, `p.teardown()` releases what exists.
             match p.setup(opts) {
-                Ok((listen, addr)) => Ok((p, listen, addr)),
+                Ok(listen) => Ok((p, listen)),
                 Err(e) => {
                     p.teardown();
                     Err(e)
@@ -491,7 +486,7 @@ impl Progress {
         }
     }
 
-    unsafe fn setup(&mut self, opts: &AgentOptions) -> Result<(Option<SocketAddr>, Vec<u8>)> {
+    unsafe fn setup(&mut self, opts: &AgentOptions) -> Result<Option<SocketAddr>> {
         let epfd = libc::epoll_create1(libc::EPOLL_CLOEXEC);
         if epfd < 0 {
             return Err(Error::new(ErrorKind::Transport, "epoll_create1 failed"));
@@ -512,11 +507,10 @@ impl Progress {
             return Err(Error::new(ErrorKind::Transport, "epoll_ctl failed"));
         }
         self.attach_worker()?;
-        let bound = match opts.listen {
-            Some(addr) => Some(self.listen(addr)?),
-            None => None,
-        };
-        Ok((bound, self.own_address.clone()))
+        match opts.listen {
+            Some(addr) => self.listen(addr).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Sets up `self.worker`: its event fd in the epoll set, the active-message handlers, its
@@ -574,7 +568,6 @@ impl Progress {
         let address =
             std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
         sys::ucp_worker_release_address(self.worker.0, attr.address);
-        self.own_address = address.clone();
         *self.shared.worker_address.lock() = address.clone();
         if self.probe_wanted {
             // A new probe counts its pings from 1 again: what an earlier worker read must not
@@ -968,9 +961,9 @@ impl Progress {
         fail_held(&self.shared, held);
         // SAFETY: a fresh worker of ours, under the driver lock.
         unsafe { self.attach_worker() }?;
-        if let Some(addr) = self.listen_at {
+        if self.listen_at.is_some() {
             // The same address as before, so that peers dial it as they always did.
-            self.relisten = Some((addr, Instant::now(), 0));
+            self.relisten = Some((Instant::now(), 0));
             self.retry_listen();
         }
         Ok(())
@@ -980,7 +973,7 @@ impl Progress {
     /// second while it fails (a socket may still hold the port for a while). Without it the
     /// new worker still serves the ranks it dials, and those that have its worker address.
     fn retry_listen(&mut self) {
-        let Some((addr, due, tries)) = self.relisten else {
+        let (Some((due, tries)), Some(addr)) = (self.relisten, self.listen_at) else {
             return;
         };
         if Instant::now() < due {
@@ -1002,7 +995,7 @@ impl Progress {
                         self.name
                     );
                 }
-                self.relisten = Some((addr, Instant::now() + RELISTEN_EVERY, tries + 1));
+                self.relisten = Some((Instant::now() + RELISTEN_EVERY, tries + 1));
             }
         }
     }
