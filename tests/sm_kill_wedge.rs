@@ -572,9 +572,12 @@ fn an_engine_reports_its_stuck_receive_queue_in_health_and_metrics() {
 /// the address the survivor gives then completes its handshake, and so does the survivor's own
 /// dial to another new engine (the answer to its hello comes into its receive queue): the
 /// pattern of TensorRT-LLM, where the generation rank dials each context rank it is told of.
+/// A bystander that dialled the survivor by worker address before the kill knows nothing of a
+/// move: the survivor dials it back, and notifications must pass both ways afterwards.
 #[test]
 fn an_engine_moves_to_a_new_worker_and_is_reached_again() {
-    use kvlink::connection::{Engine, EngineConfig};
+    use kvlink::connection::{Engine, EngineConfig, PeerState};
+    use kvlink::proto::{RankId, RequestKey};
     let _one = serial();
     let n = rounds();
     let (mut renewed, mut clean) = (0, 0);
@@ -585,6 +588,10 @@ fn an_engine_moves_to_a_new_worker_and_is_reached_again() {
         let engine = Engine::new(EngineConfig::new("survivor", 1, sm())).unwrap();
         let before = engine.health().worker_renewals;
         let first = engine.address();
+        let bystander = Engine::new(EngineConfig::new("bystander", 5, sm())).unwrap();
+        let survivor_rank = bystander
+            .connect(&first, Instant::now() + Duration::from_secs(3))
+            .expect("the bystander's dial before the kill");
         let killed = flood_and_kill(&first, (i % 7 + 1) * 20);
         // The evidence: a handshake to the address the survivor had at the kill.
         let witness = Engine::new(EngineConfig::new("witness", 2, sm())).unwrap();
@@ -599,6 +606,7 @@ fn an_engine_moves_to_a_new_worker_and_is_reached_again() {
             std::thread::sleep(Duration::from_millis(20));
             health = engine.health();
         }
+        let watched = killed.elapsed();
         let now = engine.address();
         let newcomer = Engine::new(EngineConfig::new("newcomer", 3, sm())).unwrap();
         let reached = newcomer.connect(&now, Instant::now() + Duration::from_secs(3));
@@ -607,15 +615,59 @@ fn an_engine_moves_to_a_new_worker_and_is_reached_again() {
             &dialled_by_it.address(),
             Instant::now() + Duration::from_secs(3),
         );
+        // The bystander: bound again on the survivor's side (at once where nothing moved), then
+        // a notification each way.
+        let back_by = Instant::now() + Duration::from_secs(5);
+        while engine.peer_state(RankId(5)) != PeerState::Connected && Instant::now() < back_by {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let bystander_back = engine.peer_state(RankId(5));
+        let key = RequestKey::new(1000 + i as u64, 0);
+        let to_survivor = bystander
+            .notify(survivor_rank, key, b"from the bystander".to_vec())
+            .map(|()| {
+                engine.wait_for_notification(
+                    RankId(5),
+                    Instant::now() + Duration::from_secs(3),
+                    None,
+                )
+            });
+        let to_bystander = engine
+            .notify(RankId(5), key, b"from the survivor".to_vec())
+            .map(|()| {
+                bystander.wait_for_notification(
+                    survivor_rank,
+                    Instant::now() + Duration::from_secs(3),
+                    None,
+                )
+            });
         let metrics = engine.metrics_text().unwrap();
         println!(
             "round {i}: witness handshake after the kill {:?}; new workers {} ({:?} after the \
-             kill); a newcomer to the current address {:?}; the survivor's own dial {:?}",
+             kill); a newcomer to the current address {:?}; the survivor's own dial {:?}; the \
+             bystander {bystander_back:?}, notifications to the survivor {:?}, back {:?}",
             evidence.as_ref().map(|r| r.0).map_err(|e| e.kind),
             health.worker_renewals,
-            killed.elapsed(),
+            watched,
             reached.as_ref().map(|r| r.0),
             dialled.as_ref().map(|r| r.0),
+            to_survivor.as_ref().map(|n| n.is_some()),
+            to_bystander.as_ref().map(|n| n.is_some()),
+        );
+        assert_eq!(
+            bystander_back,
+            PeerState::Connected,
+            "the bystander that dialled the old address was not dialled back"
+        );
+        assert_eq!(
+            to_survivor.expect("the bystander's notify"),
+            Some((key, b"from the bystander".to_vec())),
+            "the bystander's notification did not reach the survivor"
+        );
+        assert_eq!(
+            to_bystander.expect("the survivor's notify"),
+            Some((key, b"from the survivor".to_vec())),
+            "the survivor's notification did not reach the bystander"
         );
         if evidence.is_err() {
             renewed += 1;

@@ -27,12 +27,18 @@ fn pair(kind: TransportKind) -> (Agent, Agent, PeerId, PeerId) {
         Outcome::Completed
     );
     let deadline = Instant::now() + Duration::from_secs(10);
+    let mut accepted = None;
     let ba = loop {
         match b.next_event(deadline, None).expect("hello must arrive") {
             Event::Control(p, _) => break p,
+            Event::Accepted(p, from) => accepted = Some((p, from)),
             _ => continue,
         }
     };
+    // How `a` can be reached again (an engine dials it back after a move to a new worker): the
+    // worker address it sent when it dialled by worker address; nothing through a listener.
+    let way_back = kind.by_worker_address().then(|| a.worker_address());
+    assert_eq!(accepted, Some((ba, way_back)), "{kind:?}");
     (a, b, ab, ba)
 }
 

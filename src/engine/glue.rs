@@ -363,7 +363,16 @@ impl Inner {
     pub fn on_event(&self, core: &mut Core, now: Instant, ev: Event) {
         match ev {
             // An endpoint that does not finish its handshake in time is closed.
-            Event::Accepted(peer) => core.peers.handshake_started(peer, now),
+            Event::Accepted(peer, from) => {
+                let from = from.map(|a| format!("ucx:{}", super::hex(&a)));
+                core.peers.accepted(peer, from, now)
+            }
+            Event::WorkerMoved => {
+                // Those that dialled our old worker address are dialled back from the new one
+                // (their redials start in this delivery: `Sink::deliver`).
+                let n = core.peers.moved(now);
+                tracing::warn!("moved to a new worker: dialling back {n} peers that dialled us");
+            }
             Event::Control(peer, bytes) => self.on_control(core, now, peer, &bytes),
             Event::PeerFailed(peer) => {
                 // Its refusal (if one was going out) is failed with it: polled, never dropped

@@ -13,6 +13,13 @@
 //! new `Hello`. A later use of a rank that gave up (`advertise`) starts a fresh round. Only the
 //! requests that were on the failed endpoint are lost, never the pair.
 //!
+//! One exception to "the dialled side waits": when this side moves to a new transport worker
+//! (its shared-memory receive queue was stuck, docs/RELIABILITY.md), peers that dialled it by
+//! its worker address cannot know: nothing fails on their side, and the address they hold is
+//! dead. So a peer that dialled by worker address is remembered with the worker address it gave
+//! (its dial-back address), and [`Peers::moved`] starts a reconnect round to it. Its side binds
+//! the redial as the same session coming back, and learns the new address from it.
+//!
 //! Sans-IO like the rest of the core: the table is generic over the transport's endpoint id
 //! (`P`), takes the time as an argument and only says what to do (endpoints to close, ranks to
 //! dial); the engine carries it out. The tests at the bottom drive it deterministically.
@@ -51,6 +58,11 @@ pub(crate) struct Rank<P> {
     pub state: PeerState,
     /// The address this side dialled it at, if it did.
     pub dial: Option<String>,
+    /// The worker address it gave when it dialled this side by worker address (see
+    /// [`Peers::moved`]).
+    pub dial_back: Option<String>,
+    /// The running reconnect round dials `dial_back` (this side moved), not `dial`.
+    by_dial_back: bool,
     /// The session of the pair (kept after a failure: a redial proves it holds it) and the
     /// keys of the tags between us, derived from it.
     pub session: Option<SessionKey>,
@@ -83,6 +95,9 @@ pub(crate) struct Peers<P> {
     rank_of: HashMap<P, RankId>,
     /// Endpoints dialled for a rank, waiting for its `Hello`.
     dialling: HashMap<P, RankId>,
+    /// Endpoints a peer made by dialling this side's worker address, with the worker address it
+    /// gave (its dial-back address), until their handshake binds or fails.
+    came_from: HashMap<P, String>,
     /// The handshake of every endpoint not yet failed (done ones included: a late handshake
     /// message on a bound endpoint is answered as out of order).
     pub handshakes: HashMap<P, Handshake>,
@@ -103,6 +118,7 @@ impl<P> Default for Peers<P> {
             ranks: HashMap::new(),
             rank_of: HashMap::new(),
             dialling: HashMap::new(),
+            came_from: HashMap::new(),
             handshakes: HashMap::new(),
             refused: HashMap::new(),
             closing: Vec::new(),
@@ -175,22 +191,43 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.pending.entry(peer).or_insert(now);
     }
 
+    /// A peer connected to this side on `peer`: through a listener (`from` None), or by this
+    /// side's worker address, giving its own (`from`, see [`Peers::moved`]).
+    pub fn accepted(&mut self, peer: P, from: Option<String>, now: Instant) {
+        self.handshake_started(peer, now);
+        if let Some(a) = from {
+            self.came_from.insert(peer, a);
+        }
+    }
+
     /// A finished handshake on `peer`: bind its rank with the session's tag keys. Returns the
     /// endpoints to close: the one it replaced, and other dials still running for the rank.
     pub fn bind(&mut self, info: PeerInfo, peer: P, me: RankId, session: SessionKey) -> Vec<P> {
         self.dialling.remove(&peer);
         self.pending.remove(&peer);
+        let from = self.came_from.remove(&peer);
         let rank = info.rank;
         let r = self.ranks.entry(rank).or_insert(Rank {
             peer: None,
             name: String::new(),
             state: PeerState::Unknown,
             dial: None,
+            dial_back: None,
+            by_dial_back: false,
             session: None,
             keys: None,
             tries: 0,
             next_try: None,
         });
+        if let Some(a) = from {
+            // A rank this side dials at a worker address that came back from another one (it
+            // moved): that is where it lives now.
+            if r.dial.as_deref().is_some_and(is_worker_address) {
+                r.dial = Some(a.clone());
+            }
+            r.dial_back = Some(a);
+        }
+        r.by_dial_back = false;
         let old = r.peer.filter(|p| *p != peer);
         r.peer = Some(peer);
         r.name = info.name;
@@ -242,6 +279,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.closing.push((peer, at));
         self.dialling.remove(&peer);
         self.pending.remove(&peer);
+        self.came_from.remove(&peer);
         let rank = self.rank_of.remove(&peer)?;
         let r = self.ranks.get_mut(&rank)?;
         if r.peer == Some(peer) {
@@ -266,16 +304,19 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         for p in stale {
             self.pending.remove(&p);
             self.dialling.remove(&p);
+            self.came_from.remove(&p);
             out.push(p);
         }
         out
     }
 
-    /// Remembers that this side dialled `rank` at `address` through `peer`.
+    /// Remembers that this side dialled `rank` at `address` through `peer`. A dial back after a
+    /// move (see [`Peers::moved`]) does not make this side the rank's dialler: when that
+    /// connection fails later, the rank dials again, as before.
     pub fn dialled(&mut self, rank: Option<RankId>, peer: P, address: &str) {
         if let Some(rank) = rank {
             self.dialling.insert(peer, rank);
-            if let Some(r) = self.ranks.get_mut(&rank) {
+            if let Some(r) = self.ranks.get_mut(&rank).filter(|r| !r.by_dial_back) {
                 r.dial = Some(address.to_string());
             }
         }
@@ -292,6 +333,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     pub fn on_failed(&mut self, peer: P, now: Instant) -> Option<RankId> {
         self.handshakes.remove(&peer);
         self.pending.remove(&peer);
+        self.came_from.remove(&peer);
         if self.refused.len() > 1024 {
             // Only `connect` reads these, right after the refusal: keep the table small.
             self.refused.clear();
@@ -317,6 +359,24 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             r.state = PeerState::Failed;
         }
         Some(rank)
+    }
+
+    /// This side moved to a new transport worker, and every endpoint it had failed with the old
+    /// one (those failures were reported first). Ranks that dialled this side by worker address
+    /// and that this side does not dial itself know nothing of it: a reconnect round to each
+    /// one's dial-back address starts now. Returns how many.
+    pub fn moved(&mut self, now: Instant) -> usize {
+        let mut n = 0;
+        for r in self.ranks.values_mut() {
+            if r.state == PeerState::Failed && r.dial.is_none() && r.dial_back.is_some() {
+                r.state = PeerState::Reconnecting;
+                r.by_dial_back = true;
+                r.tries = 0;
+                r.next_try = Some(now);
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Starts a fresh reconnect round for a `Failed` rank this side can dial. True if it did.
@@ -350,11 +410,17 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             if r.tries >= MAX_TRIES {
                 r.state = PeerState::Failed;
                 r.next_try = None;
+                r.by_dial_back = false;
                 continue;
             }
             r.tries += 1;
             r.next_try = Some(now + FIRST_BACKOFF * (1 << (r.tries - 1).min(8)));
-            if let Some(a) = &r.dial {
+            let address = if r.by_dial_back {
+                &r.dial_back
+            } else {
+                &r.dial
+            };
+            if let Some(a) = address {
                 out.push((*rank, a.clone()));
             }
         }
@@ -372,6 +438,12 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .chain(self.pending.values().map(|t| *t + HANDSHAKE_LIMIT))
             .min()
     }
+}
+
+/// Whether `address` names a transport worker (`ucx:<hex>`, which changes when that process
+/// moves to a new worker) rather than a listener (`ip:port`, which stays).
+pub fn is_worker_address(address: &str) -> bool {
+    address.starts_with("ucx:")
 }
 
 #[cfg(test)]
@@ -573,5 +645,93 @@ mod tests {
         p.handshake_started(41, t0);
         p.bind(info(R), 41, ME, session(1));
         assert!(p.due_closes(t0 + HANDSHAKE_LIMIT * 2).is_empty());
+    }
+
+    #[test]
+    fn a_peer_that_dialled_by_worker_address_is_dialled_back_after_a_move_only() {
+        let t0 = Instant::now();
+        let mut p: Peers<u64> = Peers::default();
+        p.accepted(5, Some("ucx:aa".into()), t0);
+        p.bind(info(R), 5, ME, session(1));
+        assert_eq!(p.ranks[&R].dial_back.as_deref(), Some("ucx:aa"));
+        // A plain failure: this side was dialled, so it waits (as before).
+        assert_eq!(p.on_failed(5, t0), Some(R));
+        assert_eq!(p.state(R), PeerState::Failed);
+        assert!(p.due(t0 + Duration::from_secs(60)).is_empty());
+        // This side moved: the peer cannot know, so it is dialled back, at once.
+        let t1 = t0 + Duration::from_secs(1);
+        assert_eq!(p.moved(t1), 1);
+        assert_eq!(p.state(R), PeerState::Reconnecting);
+        assert_eq!(p.due(t1), vec![(R, "ucx:aa".to_string())]);
+        // The dial back does not make this side the rank's dialler.
+        p.dialled(Some(R), 6, "ucx:aa");
+        assert_eq!(p.ranks[&R].dial, None);
+        assert!(p.bind(info(R), 6, ME, session(2)).is_empty());
+        assert_eq!(p.endpoint(R), Some(6));
+        assert_eq!(p.ranks[&R].dial_back.as_deref(), Some("ucx:aa"));
+        assert_eq!(p.on_failed(6, t1), Some(R));
+        assert_eq!(
+            p.state(R),
+            PeerState::Failed,
+            "waits again, as the dialled side"
+        );
+        // A second move dials it back again; a round that runs out of tries gives it up.
+        assert_eq!(p.moved(t1), 1);
+        let mut now = t1;
+        for _ in 0..MAX_TRIES {
+            assert_eq!(p.due(now), vec![(R, "ucx:aa".to_string())]);
+            now = p.next_due().unwrap();
+        }
+        assert!(p.due(now).is_empty());
+        assert_eq!(p.state(R), PeerState::Failed);
+        assert!(
+            !p.revive(R, now),
+            "a later use does not dial it: this side never did"
+        );
+    }
+
+    #[test]
+    fn peers_from_a_listener_and_ranks_this_side_dials_are_not_dialled_back() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        p.accepted(5, None, t0);
+        p.bind(info(RankId(8)), 5, ME, session(1));
+        p.on_failed(5, t0);
+        p.on_failed(10, t0);
+        // Rank 8 came through a listener, which keeps its port: it dials again by itself. R is
+        // this side's to dial, already reconnecting at its own address.
+        assert_eq!(p.moved(t0), 0);
+        assert_eq!(p.state(RankId(8)), PeerState::Failed);
+        assert_eq!(p.due(t0 + FIRST_BACKOFF), vec![(R, "addr".to_string())]);
+    }
+
+    #[test]
+    fn a_rank_dialled_at_a_worker_address_that_comes_back_from_another_is_dialled_there() {
+        let t0 = Instant::now();
+        let mut p: Peers<u64> = Peers::default();
+        p.handshake_started(10, t0);
+        p.bind(info(R), 10, ME, session(1));
+        p.set_dial(R, "ucx:old");
+        // R moved and dialled us back from its new worker: the same session, a new endpoint.
+        p.accepted(11, Some("ucx:new".into()), t0);
+        assert_eq!(p.bind(info(R), 11, ME, session(1)), vec![10]);
+        assert_eq!(p.on_failed(11, t0), Some(R));
+        assert_eq!(p.due(t0 + FIRST_BACKOFF), vec![(R, "ucx:new".to_string())]);
+        // A listener address is kept: it does not move.
+        let mut q: Peers<u64> = Peers::default();
+        q.handshake_started(10, t0);
+        q.bind(info(R), 10, ME, session(1));
+        q.set_dial(R, "10.0.0.1:5000");
+        q.accepted(11, Some("ucx:new".into()), t0);
+        q.bind(info(R), 11, ME, session(1));
+        q.on_failed(11, t0);
+        assert_eq!(
+            q.due(t0 + FIRST_BACKOFF),
+            vec![(R, "10.0.0.1:5000".to_string())]
+        );
+        // An endpoint that fails before its handshake leaves nothing behind.
+        q.accepted(12, Some("ucx:x".into()), t0);
+        q.on_failed(12, t0);
+        assert!(q.came_from.is_empty());
     }
 }

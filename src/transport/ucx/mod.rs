@@ -264,8 +264,15 @@ pub struct PeerId(pub u64);
 /// What the progress thread tells its owner.
 #[derive(Debug)]
 pub enum Event {
-    /// A peer connected to our listener.
-    Accepted(PeerId),
+    /// A peer connected: to our listener (None), or by our worker address, sending its own,
+    /// which we connected back to (Some: where it can be reached again, see
+    /// [`Event::WorkerMoved`]).
+    Accepted(PeerId, Option<Vec<u8>>),
+    /// This agent moved to a new worker (its shared-memory receive queue was stuck:
+    /// docs/RELIABILITY.md), after failing every peer (their `PeerFailed` came first). Peers
+    /// that connected by the old worker address know nothing of it: their owner can dial them
+    /// back at the worker address their `Accepted` gave.
+    WorkerMoved,
     /// A control message arrived from a peer.
     Control(PeerId, Vec<u8>),
     /// A peer's endpoint failed; every later operation on it fails with `PeerLost`.

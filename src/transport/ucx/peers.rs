@@ -119,7 +119,7 @@ impl Progress {
             return;
         }
         match self.connect(Target::Request(req)) {
-            Ok(peer) => self.shared.push_event(Event::Accepted(peer)),
+            Ok(peer) => self.shared.push_event(Event::Accepted(peer, None)),
             Err(e) => tracing::warn!("accepting a connection failed: {e}"),
         }
     }
@@ -130,7 +130,9 @@ impl Progress {
     /// the dialler's messages arrive on the endpoint made here and are told apart by it.
     pub(super) fn bind(&mut self, address: &[u8]) {
         match self.connect(Target::Worker(address)) {
-            Ok(peer) => self.shared.push_event(Event::Accepted(peer)),
+            Ok(peer) => self
+                .shared
+                .push_event(Event::Accepted(peer, Some(address.to_vec()))),
             Err(e) => tracing::warn!("connecting back to a peer failed: {e}"),
         }
     }

@@ -8,7 +8,8 @@ use super::peers::{close_on_exec_at, sockaddr_of, sockaddr_port, PeerEntry, Targ
 use super::probe::{am_probe_cb, Probe, Verdict};
 use super::shared::{Cmd, Reply, Shared};
 use super::{
-    resources, sys, ucx_err, AgentOptions, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID, AM_PROBE_ID,
+    resources, sys, ucx_err, AgentOptions, Event, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID,
+    AM_PROBE_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
 use std::collections::HashMap;
@@ -730,6 +731,7 @@ impl Progress {
                      worker address need the new one",
                     self.name
                 );
+                self.shared.push_event(Event::WorkerMoved);
             }
             Err(e) => tracing::error!(
                 "{}: the shared-memory receive queue of this agent is stuck, and moving to a \
