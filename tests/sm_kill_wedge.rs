@@ -705,3 +705,98 @@ fn an_engine_moves_to_a_new_worker_and_is_reached_again() {
         println!("no round wedged this time: the move to a new worker was not exercised");
     }
 }
+
+/// What follows a move, deterministically: the move is forced by a test fault, with no writer
+/// killed (the rounds above reach the same code through real kills, by chance). Ranks that
+/// dialled the survivor's worker address are dialled back from the new worker, twice in a row,
+/// and pass notifications both ways; a rank the survivor dialled itself is redialled at its own
+/// address; a rank that had failed before the move (a process killed earlier) is not dialled.
+#[test]
+fn a_move_dials_back_the_ranks_that_dialled_the_old_worker_address() {
+    use kvlink::connection::{Engine, EngineConfig, PeerState};
+    use kvlink::proto::{RankId, RequestKey};
+    let _one = serial();
+    let sm = || TransportKind::SharedMemory;
+    let within = |s: u64| Instant::now() + Duration::from_secs(s);
+    let until = |by: Instant, ok: &dyn Fn() -> bool| {
+        while !ok() && Instant::now() < by {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        ok()
+    };
+    const SURVIVOR: RankId = RankId(10);
+    let survivor = Engine::new(EngineConfig::new("survivor", SURVIVOR.0, sm())).unwrap();
+    let bystander = Engine::new(EngineConfig::new("bystander", 5, sm())).unwrap();
+    assert_eq!(
+        bystander.connect(&survivor.address(), within(3)).unwrap(),
+        SURVIVOR
+    );
+    let dialled = Engine::new(EngineConfig::new("dialled", 7, sm())).unwrap();
+    assert_eq!(
+        survivor.connect(&dialled.address(), within(3)).unwrap(),
+        RankId(7)
+    );
+    // Rank 1, another process: it dials the survivor by worker address, then is killed (in
+    // this process it would stay alive for UCX's keepalive, and never be found gone).
+    let mut gone = Proc::spawn({
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_kvlink-engine-peer"));
+        c.args(["gen", "--transport", "sm", "--to", &survivor.address()]);
+        c.args(["--sizes", "4K"]);
+        c
+    });
+    gone.expect("CONNECTED");
+    let state = |r: u32| survivor.peer_state(RankId(r));
+    assert!(until(within(3), &|| state(1) == PeerState::Connected
+        && state(5) == PeerState::Connected));
+    gone.signal(libc::SIGKILL);
+    let _ = gone.child.wait();
+    assert!(
+        until(within(5), &|| state(1) == PeerState::Failed),
+        "the survivor did not see rank 1 go"
+    );
+    for round in 1..=2u64 {
+        let before = survivor.address();
+        let t0 = Instant::now();
+        survivor.fault_stuck_receive_queue().unwrap();
+        assert!(until(within(3), &|| survivor.health().worker_renewals == round));
+        assert_ne!(
+            survivor.address(),
+            before,
+            "round {round}: the same address"
+        );
+        let back = until(within(5), &|| {
+            state(5) == PeerState::Connected && state(7) == PeerState::Connected
+        });
+        println!(
+            "round {round}: ranks 5 and 7 back {back} after {:?}; rank 1 {:?}",
+            t0.elapsed(),
+            state(1)
+        );
+        assert!(back, "round {round}: not all back: {:?}", survivor.health());
+        assert_eq!(
+            state(1),
+            PeerState::Failed,
+            "a rank gone before was dialled"
+        );
+        for (peer, rank) in [(&bystander, 5u32), (&dialled, 7)] {
+            let key = RequestKey::new(100 * round + rank as u64, 0);
+            peer.notify(SURVIVOR, key, b"up".to_vec()).unwrap();
+            assert_eq!(
+                survivor.wait_for_notification(RankId(rank), within(3), None),
+                Some((key, b"up".to_vec())),
+                "round {round}: rank {rank} -> the survivor"
+            );
+            survivor
+                .notify(RankId(rank), key, b"down".to_vec())
+                .unwrap();
+            assert_eq!(
+                peer.wait_for_notification(SURVIVOR, within(3), None),
+                Some((key, b"down".to_vec())),
+                "round {round}: the survivor -> rank {rank}"
+            );
+        }
+    }
+    // Still not dialled a while later: it had failed before the moves.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(state(1), PeerState::Failed);
+}

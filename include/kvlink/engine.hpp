@@ -74,7 +74,9 @@
 //   - A rank this engine `connect`ed to is dialled again by the engine when its endpoint fails
 //     (bounded tries with back-off), and `advertise` waits for a reconnect in progress (up to the
 //     request's deadline). A failure costs the requests on that endpoint, never the pair.
-//     `peer_state(rank)` says where it stands.
+//     `peer_state(rank)` says where it stands. A rank that dialled this engine is left to dial
+//     again, except after this engine moved to a new UCX worker (`Health::worker_renewals`):
+//     ranks that had dialled its old worker address are dialled back from the new one.
 #pragma once
 
 #include <atomic>
@@ -278,9 +280,9 @@ struct Health {
   /// or if that move failed (connects are then refused) (docs/RELIABILITY.md).
   bool receive_stuck = false;
   /// Moves to a new worker, each after a stuck receive queue. Each failed every peer (ranks this
-  /// engine dialled are redialled from the new worker) and changed the worker address: a process
-  /// that dials this engine by it later needs the new `address()` (a listening engine keeps its
-  /// `ip:port`).
+  /// engine dialled are redialled from the new worker, and ranks that had dialled its worker
+  /// address are dialled back) and changed the worker address: a process that dials this engine
+  /// later needs the new `address()` (a listening engine keeps its `ip:port`).
   std::uint64_t worker_renewals = 0;
   /// Bytes of regions fenced now: transfers of ended requests that UCX still holds (refused to
   /// new receives, `ErrorKind::Fenced`, until released); and transfers fenced that

@@ -328,8 +328,13 @@ impl Inner {
                 let dialled = super::dial(&inner.agent, &address);
                 let mut core = inner.core.lock();
                 match dialled {
+                    // Failed before we got here: its failure, already handled, found no dial
+                    // to end, and the round's next try is due anyway.
+                    Ok(peer) if inner.agent.peer_state(peer).is_err() => {
+                        tracing::debug!("reconnect to {rank} at {address}: failed at once");
+                    }
                     Ok(peer) => {
-                        core.peers.dialled(Some(rank), peer, &address);
+                        core.peers.dialled(rank, peer);
                         if let Err(e) = inner.say_hello(&mut core, peer) {
                             tracing::debug!("reconnect to {rank} at {address}: {e}");
                         }
@@ -367,11 +372,14 @@ impl Inner {
                 let from = from.map(|a| format!("ucx:{}", super::hex(&a)));
                 core.peers.accepted(peer, from, now)
             }
-            Event::WorkerMoved => {
+            Event::WorkerMoving => {
                 // Those that dialled our old worker address are dialled back from the new one
-                // (their redials start in this delivery: `Sink::deliver`).
-                let n = core.peers.moved(now);
-                tracing::warn!("moved to a new worker: dialling back {n} peers that dialled us");
+                // once their endpoints' failures (which follow) come in.
+                let n = core.peers.moving();
+                tracing::warn!(
+                    "moving to a new worker: {n} ranks that dialled this one by worker address \
+                     will be dialled back"
+                );
             }
             Event::Control(peer, bytes) => self.on_control(core, now, peer, &bytes),
             Event::PeerFailed(peer) => {
@@ -714,6 +722,10 @@ impl EventSink for Sink {
         }
         for (rank, address) in core.peers.due(now) {
             inner.redial(rank, address);
+        }
+        for rank in core.peers.take_given_up() {
+            // `advertise` waits for a reconnect round: it ended.
+            core.waiters.wake(WaitKey::Peer(rank));
         }
         for peer in core.peers.due_closes(now) {
             let _ = inner.agent.close_peer(peer);

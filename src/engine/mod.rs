@@ -223,9 +223,10 @@ pub struct Health {
     /// The state is `Wedged` meanwhile (`docs/RELIABILITY.md`).
     pub receive_stuck: bool,
     /// Moves to a new worker, each after a stuck receive queue. Each failed every peer (ranks
-    /// this engine dialled are redialled from the new one) and changed the worker address: a
-    /// process that dials this engine by it later needs the new [`Engine::address`] (a
-    /// listening engine keeps its `ip:port`).
+    /// this engine dialled are redialled from the new one, and ranks connected by having
+    /// dialled its worker address are dialled back) and changed the worker address: a process
+    /// that dials this engine later needs the new [`Engine::address`] (a listening engine keeps
+    /// its `ip:port`).
     pub worker_renewals: u64,
     /// Bytes of regions fenced now (transfers of ended requests that UCX still holds; refused
     /// to new receives until released), and transfers fenced that way so far.
@@ -1136,6 +1137,13 @@ impl Engine {
             let q = core.notes.get_mut(&from)?;
             core.waiters.take(WaitKey::Note(from), q)
         })
+    }
+
+    /// A fault for tests: the engine's agent acts as if its shared-memory receive queue were
+    /// found stuck (it moves to a new worker, unless report-only), with no writer killed.
+    #[doc(hidden)]
+    pub fn fault_stuck_receive_queue(&self) -> Result<()> {
+        self.inner.agent.fault_stuck_receive_queue()
     }
 
     /// The progress snapshot.

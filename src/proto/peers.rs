@@ -17,8 +17,9 @@
 //! (its shared-memory receive queue was stuck, docs/RELIABILITY.md), peers that dialled it by
 //! its worker address cannot know: nothing fails on their side, and the address they hold is
 //! dead. So a peer that dialled by worker address is remembered with the worker address it gave
-//! (its dial-back address), and [`Peers::moved`] starts a reconnect round to it. Its side binds
-//! the redial as the same session coming back, and learns the new address from it.
+//! (its dial-back address), and when the move fails its endpoint ([`Peers::moving`]), a
+//! reconnect round dials it there. Its side binds the dial as the same session coming back,
+//! and learns the new address from it.
 //!
 //! Sans-IO like the rest of the core: the table is generic over the transport's endpoint id
 //! (`P`), takes the time as an argument and only says what to do (endpoints to close, ranks to
@@ -58,11 +59,14 @@ pub(crate) struct Rank<P> {
     pub state: PeerState,
     /// The address this side dialled it at, if it did.
     pub dial: Option<String>,
-    /// The worker address it gave when it dialled this side by worker address (see
-    /// [`Peers::moved`]).
+    /// The worker address it gave when it last dialled this side, if it dialled by worker
+    /// address (see [`Peers::moving`]).
     pub dial_back: Option<String>,
-    /// The running reconnect round dials `dial_back` (this side moved), not `dial`.
+    /// Its endpoint is lost to this side's move (or was, and the reconnect round that follows
+    /// dials `dial_back`, not `dial`).
     by_dial_back: bool,
+    /// The process bound last (its `Hello`'s instance).
+    instance: Option<u64>,
     /// The session of the pair (kept after a failure: a redial proves it holds it) and the
     /// keys of the tags between us, derived from it.
     pub session: Option<SessionKey>,
@@ -95,9 +99,13 @@ pub(crate) struct Peers<P> {
     rank_of: HashMap<P, RankId>,
     /// Endpoints dialled for a rank, waiting for its `Hello`.
     dialling: HashMap<P, RankId>,
-    /// Endpoints a peer made by dialling this side's worker address, with the worker address it
-    /// gave (its dial-back address), until their handshake binds or fails.
-    came_from: HashMap<P, String>,
+    /// Endpoints peers made to this side (dialled here by worker address, with the worker
+    /// address the peer gave, or through a listener: None), until their handshake binds or
+    /// fails.
+    came_from: HashMap<P, Option<String>>,
+    /// Ranks whose reconnect round ran out of tries since [`Peers::take_given_up`] (their
+    /// waiters are told).
+    given_up: Vec<RankId>,
     /// The handshake of every endpoint not yet failed (done ones included: a late handshake
     /// message on a bound endpoint is answered as out of order).
     pub handshakes: HashMap<P, Handshake>,
@@ -119,6 +127,7 @@ impl<P> Default for Peers<P> {
             rank_of: HashMap::new(),
             dialling: HashMap::new(),
             came_from: HashMap::new(),
+            given_up: Vec::new(),
             handshakes: HashMap::new(),
             refused: HashMap::new(),
             closing: Vec::new(),
@@ -192,12 +201,10 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     }
 
     /// A peer connected to this side on `peer`: through a listener (`from` None), or by this
-    /// side's worker address, giving its own (`from`, see [`Peers::moved`]).
+    /// side's worker address, giving its own (`from`, see [`Peers::moving`]).
     pub fn accepted(&mut self, peer: P, from: Option<String>, now: Instant) {
         self.handshake_started(peer, now);
-        if let Some(a) = from {
-            self.came_from.insert(peer, a);
-        }
+        self.came_from.insert(peer, from);
     }
 
     /// A finished handshake on `peer`: bind its rank with the session's tag keys. Returns the
@@ -214,19 +221,24 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             dial: None,
             dial_back: None,
             by_dial_back: false,
+            instance: None,
             session: None,
             keys: None,
             tries: 0,
             next_try: None,
         });
-        if let Some(a) = from {
-            // A rank this side dials at a worker address that came back from another one (it
-            // moved): that is where it lives now.
-            if r.dial.as_deref().is_some_and(is_worker_address) {
-                r.dial = Some(a.clone());
+        if let Some(from) = from {
+            // The same process, which this side dials at a worker address, came back from
+            // another one (it moved): that is where it lives now.
+            let same = r.instance == Some(info.instance);
+            if let Some(a) = from.as_ref().filter(|_| same) {
+                if r.dial.as_deref().is_some_and(is_worker_address) {
+                    r.dial = Some(a.clone());
+                }
             }
-            r.dial_back = Some(a);
+            r.dial_back = from;
         }
+        r.instance = Some(info.instance);
         r.by_dial_back = false;
         let old = r.peer.filter(|p| *p != peer);
         r.peer = Some(peer);
@@ -310,16 +322,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         out
     }
 
-    /// Remembers that this side dialled `rank` at `address` through `peer`. A dial back after a
-    /// move (see [`Peers::moved`]) does not make this side the rank's dialler: when that
-    /// connection fails later, the rank dials again, as before.
-    pub fn dialled(&mut self, rank: Option<RankId>, peer: P, address: &str) {
-        if let Some(rank) = rank {
-            self.dialling.insert(peer, rank);
-            if let Some(r) = self.ranks.get_mut(&rank).filter(|r| !r.by_dial_back) {
-                r.dial = Some(address.to_string());
-            }
-        }
+    /// Remembers that a reconnect round dialled `rank` through `peer` (at the address
+    /// [`Peers::due`] gave; the rank's own addresses are not changed here: a bind may have
+    /// updated them meanwhile).
+    pub fn dialled(&mut self, rank: RankId, peer: P) {
+        self.dialling.insert(peer, rank);
     }
 
     /// After `connect` learned the rank behind an address.
@@ -349,7 +356,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         r.peer = None;
         self.failures += 1;
-        if r.dial.is_some() {
+        if r.dial.is_some() || r.by_dial_back {
             // Not at once: a peer that is shutting down (the common case of a failure seen on
             // a healthy machine) has a moment to close its listener first.
             r.state = PeerState::Reconnecting;
@@ -361,22 +368,25 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         Some(rank)
     }
 
-    /// This side moved to a new transport worker, and every endpoint it had failed with the old
-    /// one (those failures were reported first). Ranks that dialled this side by worker address
-    /// and that this side does not dial itself know nothing of it: a reconnect round to each
-    /// one's dial-back address starts now. Returns how many.
-    pub fn moved(&mut self, now: Instant) -> usize {
+    /// This side moves to a new transport worker: every endpoint fails next (reported after
+    /// this), and the worker address changes. Connected ranks that dialled this side by worker
+    /// address, and that this side does not dial itself, know nothing of it: when their
+    /// endpoint's failure comes, a reconnect round dials each at its dial-back address (not
+    /// ranks that had failed before: they were not cut off by the move). Returns how many.
+    pub fn moving(&mut self) -> usize {
         let mut n = 0;
         for r in self.ranks.values_mut() {
-            if r.state == PeerState::Failed && r.dial.is_none() && r.dial_back.is_some() {
-                r.state = PeerState::Reconnecting;
+            if r.state == PeerState::Connected && r.dial.is_none() && r.dial_back.is_some() {
                 r.by_dial_back = true;
-                r.tries = 0;
-                r.next_try = Some(now);
                 n += 1;
             }
         }
         n
+    }
+
+    /// Ranks whose reconnect round ran out of tries since the last call (`Failed` now).
+    pub fn take_given_up(&mut self) -> Vec<RankId> {
+        std::mem::take(&mut self.given_up)
     }
 
     /// Starts a fresh reconnect round for a `Failed` rank this side can dial. True if it did.
@@ -411,6 +421,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 r.state = PeerState::Failed;
                 r.next_try = None;
                 r.by_dial_back = false;
+                self.given_up.push(*rank);
                 continue;
             }
             r.tries += 1;
@@ -516,7 +527,7 @@ mod tests {
             // Each attempt's endpoint fails before its handshake ends: that is not a new
             // failure of the rank, and the next try is already scheduled.
             let ep = 100 + try_no as u64;
-            p.dialled(Some(R), ep, "addr");
+            p.dialled(R, ep);
             assert_eq!(p.on_failed(ep, now), None);
             let next = p.next_due().expect("next try");
             gaps.push(next - now);
@@ -543,7 +554,7 @@ mod tests {
         p.on_failed(10, t0);
         let t1 = t0 + FIRST_BACKOFF;
         assert_eq!(p.due(t1).len(), 1);
-        p.dialled(Some(R), 11, "addr");
+        p.dialled(R, 11);
         // The next try comes due while endpoint 11 still dials: it is put off, not doubled up.
         let t2 = p.next_due().unwrap();
         assert!(p.due(t2).is_empty());
@@ -595,8 +606,8 @@ mod tests {
         let t0 = Instant::now();
         let mut p = dialled_and_bound(t0);
         // Two dials for R are running (say a connect and a background redial).
-        p.dialled(Some(R), 20, "addr");
-        p.dialled(Some(R), 21, "addr");
+        p.dialled(R, 20);
+        p.dialled(R, 21);
         let mut closed = p.bind(info(R), 20, ME, session(4));
         closed.sort_unstable();
         assert_eq!(closed, vec![10, 21]);
@@ -658,36 +669,58 @@ mod tests {
         assert_eq!(p.on_failed(5, t0), Some(R));
         assert_eq!(p.state(R), PeerState::Failed);
         assert!(p.due(t0 + Duration::from_secs(60)).is_empty());
-        // This side moved: the peer cannot know, so it is dialled back, at once.
-        let t1 = t0 + Duration::from_secs(1);
-        assert_eq!(p.moved(t1), 1);
+        // A rank that failed before a move was not cut off by it: not dialled.
+        assert_eq!(p.moving(), 0);
+        assert_eq!(p.state(R), PeerState::Failed);
+        // It comes back; then this side moves, and its endpoint fails with the move.
+        p.accepted(6, Some("ucx:bb".into()), t0);
+        p.bind(info(R), 6, ME, session(2));
+        assert_eq!(p.moving(), 1);
+        assert_eq!(p.on_failed(6, t0), Some(R));
         assert_eq!(p.state(R), PeerState::Reconnecting);
-        assert_eq!(p.due(t1), vec![(R, "ucx:aa".to_string())]);
+        let t1 = t0 + FIRST_BACKOFF;
+        assert_eq!(p.due(t1), vec![(R, "ucx:bb".to_string())]);
         // The dial back does not make this side the rank's dialler.
-        p.dialled(Some(R), 6, "ucx:aa");
+        p.dialled(R, 7);
+        assert!(p.bind(info(R), 7, ME, session(2)).is_empty());
+        assert_eq!(p.endpoint(R), Some(7));
         assert_eq!(p.ranks[&R].dial, None);
-        assert!(p.bind(info(R), 6, ME, session(2)).is_empty());
-        assert_eq!(p.endpoint(R), Some(6));
-        assert_eq!(p.ranks[&R].dial_back.as_deref(), Some("ucx:aa"));
-        assert_eq!(p.on_failed(6, t1), Some(R));
+        assert_eq!(p.ranks[&R].dial_back.as_deref(), Some("ucx:bb"));
+        assert_eq!(p.on_failed(7, t1), Some(R));
         assert_eq!(
             p.state(R),
             PeerState::Failed,
             "waits again, as the dialled side"
         );
-        // A second move dials it back again; a round that runs out of tries gives it up.
-        assert_eq!(p.moved(t1), 1);
-        let mut now = t1;
-        for _ in 0..MAX_TRIES {
-            assert_eq!(p.due(now), vec![(R, "ucx:aa".to_string())]);
-            now = p.next_due().unwrap();
-        }
-        assert!(p.due(now).is_empty());
-        assert_eq!(p.state(R), PeerState::Failed);
         assert!(
-            !p.revive(R, now),
+            !p.revive(R, t1),
             "a later use does not dial it: this side never did"
         );
+    }
+
+    #[test]
+    fn a_dial_back_round_that_runs_out_of_tries_gives_the_rank_up_and_says_so() {
+        let t0 = Instant::now();
+        let mut p: Peers<u64> = Peers::default();
+        p.accepted(5, Some("ucx:aa".into()), t0);
+        p.bind(info(R), 5, ME, session(1));
+        assert_eq!(p.moving(), 1);
+        p.on_failed(5, t0);
+        let mut now = t0 + FIRST_BACKOFF;
+        for try_no in 0..MAX_TRIES {
+            assert_eq!(p.due(now), vec![(R, "ucx:aa".to_string())]);
+            // Each attempt's endpoint fails before its handshake ends.
+            p.dialled(R, 10 + try_no as u64);
+            assert_eq!(p.on_failed(10 + try_no as u64, now), None);
+            now = p.next_due().unwrap();
+        }
+        assert!(p.take_given_up().is_empty(), "not yet");
+        assert!(p.due(now).is_empty());
+        assert_eq!(p.state(R), PeerState::Failed);
+        assert_eq!(p.take_given_up(), vec![R]);
+        assert!(p.take_given_up().is_empty());
+        // The next move does not dial it: it had failed already.
+        assert_eq!(p.moving(), 0);
     }
 
     #[test]
@@ -696,13 +729,23 @@ mod tests {
         let mut p = dialled_and_bound(t0);
         p.accepted(5, None, t0);
         p.bind(info(RankId(8)), 5, ME, session(1));
+        // Rank 8 came through a listener, which keeps its port: it dials again by itself. R is
+        // this side's to dial, reconnecting at its own address.
+        assert_eq!(p.moving(), 0);
         p.on_failed(5, t0);
         p.on_failed(10, t0);
-        // Rank 8 came through a listener, which keeps its port: it dials again by itself. R is
-        // this side's to dial, already reconnecting at its own address.
-        assert_eq!(p.moved(t0), 0);
         assert_eq!(p.state(RankId(8)), PeerState::Failed);
         assert_eq!(p.due(t0 + FIRST_BACKOFF), vec![(R, "addr".to_string())]);
+        // A rank that dialled by worker address once and through a listener since has no
+        // dial-back address any more.
+        let mut q: Peers<u64> = Peers::default();
+        q.accepted(5, Some("ucx:aa".into()), t0);
+        q.bind(info(R), 5, ME, session(1));
+        q.on_failed(5, t0);
+        q.accepted(6, None, t0);
+        q.bind(info(R), 6, ME, session(1));
+        assert_eq!(q.ranks[&R].dial_back, None);
+        assert_eq!(q.moving(), 0);
     }
 
     #[test]
@@ -712,9 +755,13 @@ mod tests {
         p.handshake_started(10, t0);
         p.bind(info(R), 10, ME, session(1));
         p.set_dial(R, "ucx:old");
-        // R moved and dialled us back from its new worker: the same session, a new endpoint.
+        // A redial of ours is under way when R (the same process) dials us back from its new
+        // worker: the same session, a new endpoint.
+        p.dialled(R, 12);
         p.accepted(11, Some("ucx:new".into()), t0);
-        assert_eq!(p.bind(info(R), 11, ME, session(1)), vec![10]);
+        let mut closed = p.bind(info(R), 11, ME, session(1));
+        closed.sort_unstable();
+        assert_eq!(closed, vec![10, 12]);
         assert_eq!(p.on_failed(11, t0), Some(R));
         assert_eq!(p.due(t0 + FIRST_BACKOFF), vec![(R, "ucx:new".to_string())]);
         // A listener address is kept: it does not move.
@@ -729,6 +776,20 @@ mod tests {
             q.due(t0 + FIRST_BACKOFF),
             vec![(R, "10.0.0.1:5000".to_string())]
         );
+        // Another process with the rank (a new instance) does not redirect this side's dials.
+        let mut o: Peers<u64> = Peers::default();
+        o.handshake_started(10, t0);
+        o.bind(info(R), 10, ME, session(1));
+        o.set_dial(R, "ucx:old");
+        o.on_failed(10, t0);
+        o.accepted(11, Some("ucx:other".into()), t0);
+        let other = PeerInfo {
+            instance: 43,
+            ..info(R)
+        };
+        o.bind(other, 11, ME, session(5));
+        o.on_failed(11, t0);
+        assert_eq!(o.due(t0 + FIRST_BACKOFF), vec![(R, "ucx:old".to_string())]);
         // An endpoint that fails before its handshake leaves nothing behind.
         q.accepted(12, Some("ucx:x".into()), t0);
         q.on_failed(12, t0);

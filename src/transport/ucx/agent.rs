@@ -142,6 +142,14 @@ impl Agent {
         self.shared.moves_begun.load(Ordering::Acquire)
     }
 
+    /// A fault for tests: the progress thread acts as if its probe had found the
+    /// shared-memory receive queue stuck (a move to a new worker, unless report-only), without
+    /// a killed writer, so that what follows a move can be tested deterministically.
+    #[doc(hidden)]
+    pub fn fault_stuck_receive_queue(&self) -> Result<()> {
+        self.shared.submit(Cmd::FaultStuck)
+    }
+
     /// The bound listen address (with the real port when 0 was asked for).
     pub fn listen_address(&self) -> Option<SocketAddr> {
         self.listen_addr

@@ -261,18 +261,21 @@ impl AgentOptions {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PeerId(pub u64);
 
-/// What the progress thread tells its owner.
+/// What the progress thread tells its owner. More kinds may come: match with a wildcard arm.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Event {
     /// A peer connected: to our listener (None), or by our worker address, sending its own,
     /// which we connected back to (Some: where it can be reached again, see
-    /// [`Event::WorkerMoved`]).
+    /// [`Event::WorkerMoving`]).
     Accepted(PeerId, Option<Vec<u8>>),
-    /// This agent moved to a new worker (its shared-memory receive queue was stuck:
-    /// docs/RELIABILITY.md), after failing every peer (their `PeerFailed` came first). Peers
-    /// that connected by the old worker address know nothing of it: their owner can dial them
-    /// back at the worker address their `Accepted` gave.
-    WorkerMoved,
+    /// This agent's shared-memory receive queue is stuck (docs/RELIABILITY.md) and it moves to
+    /// a new worker: every peer fails next (their `PeerFailed` follow this event), then the
+    /// worker address changes ([`Agent::worker_address`]; if the move fails, the agent keeps
+    /// reporting the queue stuck instead). Peers that connected by the old worker address
+    /// know nothing of it: their owner can dial them back at the worker address their
+    /// `Accepted` gave.
+    WorkerMoving,
     /// A control message arrived from a peer.
     Control(PeerId, Vec<u8>),
     /// A peer's endpoint failed; every later operation on it fails with `PeerLost`.

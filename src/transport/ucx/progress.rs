@@ -711,6 +711,7 @@ impl Progress {
         // Before any peer is failed: a caller that sees its dial fail from here on knows a move
         // is under way, and that its next dial is served by the new worker.
         self.shared.moves_begun.fetch_add(1, Ordering::AcqRel);
+        self.shared.push_event(Event::WorkerMoving);
         let peers: Vec<u64> = self.peers.keys().copied().collect();
         for peer in peers {
             self.fail_peer(peer, sys::UCS_ERR_CONNECTION_RESET, true);
@@ -731,7 +732,6 @@ impl Progress {
                      worker address need the new one",
                     self.name
                 );
-                self.shared.push_event(Event::WorkerMoved);
             }
             Err(e) => tracing::error!(
                 "{}: the shared-memory receive queue of this agent is stuck, and moving to a \
@@ -814,6 +814,7 @@ impl Progress {
             did = true;
             match cmd {
                 Cmd::Shutdown => self.shutdown = true,
+                Cmd::FaultStuck => self.receive_stuck(),
                 Cmd::PeerTransports(peer, reply) => reply.set(self.peer_transports(peer)),
                 Cmd::Connect(addr, reply) => reply.set(self.connect(Target::Sock(addr))),
                 Cmd::ConnectWorker(addr, reply) => reply.set(self.connect_worker(&addr)),

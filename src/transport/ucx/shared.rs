@@ -62,6 +62,8 @@ pub(super) enum Cmd {
     ForceClose(PeerId, Option<Arc<Reply<()>>>),
     /// The transports and devices a peer's endpoint uses (None: this UCX cannot say).
     PeerTransports(PeerId, Arc<Reply<Option<Vec<String>>>>),
+    /// A fault for tests: act as if the probe had found the receive queue stuck.
+    FaultStuck,
     Shutdown,
 }
 
@@ -248,6 +250,7 @@ impl Shared {
             | Cmd::CancelOp(_)
             | Cmd::Unmap(_)
             | Cmd::DestroyRkey(_)
+            | Cmd::FaultStuck
             | Cmd::Shutdown => {}
         }
     }
