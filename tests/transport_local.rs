@@ -190,6 +190,87 @@ fn progress_counters_move_with_work() {
     assert!(after.since_last_completion.is_some());
 }
 
+/// One large send, its receive posted first; true if its waiting caller drove progress itself.
+fn lone_send_driven_by_caller(a: &Agent, b: &Agent, ab: PeerId, ba: PeerId, tag: u64) -> bool {
+    let size = 1 << 20;
+    let dl = Instant::now() + Duration::from_secs(10);
+    let mut dst = vec![0u8; size];
+    let src = vec![tag as u8; size];
+    let mut r = unsafe { b.post_recv(ba, tag, dst.as_mut_ptr(), size) }.unwrap();
+    let before = a.stats().caller_passes;
+    let mut s = unsafe { a.post_send(ab, tag, src.as_ptr(), size) }.unwrap();
+    assert_eq!(s.wait(dl, None).unwrap(), Outcome::Completed);
+    let drove = a.stats().caller_passes > before;
+    assert_eq!(r.wait(dl, None).unwrap(), Outcome::Completed);
+    assert!(dst == src, "tag {tag}: wrong bytes");
+    drove
+}
+
+/// A caller waiting for a large send drives progress itself only while no other large send is
+/// in flight. The count of large sends in flight must come back down however they end: after
+/// several at once from several threads, and after one that timed out, a lone large send is
+/// driven by its caller again (were the count stuck, none would be).
+#[test]
+fn a_lone_large_send_is_driven_by_its_caller_again_after_a_crowd_and_a_timeout() {
+    for kind in KINDS {
+        let (a, b, ab, ba) = pair(kind.clone());
+        // Its first try at the driver lock may meet the progress thread's pass: a few tries.
+        let driven =
+            |first: u64| (first..first + 20).any(|t| lone_send_driven_by_caller(&a, &b, ab, ba, t));
+        assert!(
+            driven(100),
+            "{kind:?}: a lone send was never driven by its caller"
+        );
+
+        // Six large sends at once, from three threads, every byte checked.
+        std::thread::scope(|sc| {
+            for t in 0..3u64 {
+                let (a, b) = (&a, &b);
+                sc.spawn(move || {
+                    let size = 1 << 20;
+                    let dl = Instant::now() + Duration::from_secs(10);
+                    let tags = [200 + 2 * t, 201 + 2 * t];
+                    let mut dst = [vec![0u8; size], vec![0u8; size]];
+                    let src: Vec<Vec<u8>> = tags.iter().map(|&g| vec![g as u8; size]).collect();
+                    let mut recvs: Vec<_> = dst
+                        .iter_mut()
+                        .zip(tags)
+                        .map(|(d, g)| unsafe { b.post_recv(ba, g, d.as_mut_ptr(), size) }.unwrap())
+                        .collect();
+                    let mut sends: Vec<_> = src
+                        .iter()
+                        .zip(tags)
+                        .map(|(d, g)| unsafe { a.post_send(ab, g, d.as_ptr(), size) }.unwrap())
+                        .collect();
+                    for op in sends.iter_mut().chain(recvs.iter_mut()) {
+                        assert_eq!(op.wait(dl, None).unwrap(), Outcome::Completed);
+                    }
+                    assert!(dst.iter().zip(&src).all(|(d, s)| d == s));
+                });
+            }
+        });
+
+        // A large send nobody receives: it times out (and is drained or reaped).
+        let data = vec![9u8; 8 << 20];
+        let mut op = unsafe { a.post_send(ab, 999, data.as_ptr(), data.len()) }.unwrap();
+        let out = op
+            .wait(Instant::now() + Duration::from_millis(200), None)
+            .unwrap();
+        assert_eq!(out, Outcome::TimedOut);
+        assert!(
+            op.is_quiesced(),
+            "{kind:?}: the timed-out send was not reaped"
+        );
+        drop(op);
+
+        assert!(
+            driven(300),
+            "{kind:?}: after a crowd and a timeout, no lone send was driven by its caller"
+        );
+        assert_eq!(a.stats().in_flight, 0);
+    }
+}
+
 #[test]
 fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
     for kind in KINDS {

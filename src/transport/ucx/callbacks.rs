@@ -70,7 +70,9 @@ pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_statu
     } else {
         shared.stats.ops_failed.fetch_add(1, Ordering::Relaxed);
     }
-    shared.in_flight.lock().remove(&slot.id);
+    if shared.in_flight.lock().remove(&slot.id).is_some() && slot.is_large_send() {
+        shared.large_sends.fetch_sub(1, Ordering::AcqRel);
+    }
     slot.complete(status, len);
     if slot.notify {
         shared.push_event(Event::OpDone(slot.id));

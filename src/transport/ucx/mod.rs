@@ -13,6 +13,8 @@
 //!   progress (`KVLINK_POLL_US`, 100 µs): the completion it waits for is then handled on its own
 //!   thread, with no wake-up between threads (one costs about 25 µs on this machine). When it
 //!   stops, it wakes a sleeping progress thread, which arms the worker over what the caller left.
+//!   A caller waiting for a large send drives only while no other large send is in flight:
+//!   several sending threads driving side by side only slow each other down.
 //!
 //! Nothing spins without bound: polling only follows progress, for one window; after many
 //! wake-ups in a row that make no progress, the loop backs off (the tcp spin trap described in
@@ -303,6 +305,9 @@ pub struct Stats {
     pub unreaped: u64,
     pub wakeups: u64,
     pub empty_wakeups: u64,
+    /// Progress passes run by waiting callers rather than the progress thread (see
+    /// "Threading" above).
+    pub caller_passes: u64,
     pub backoffs: u64,
     pub stale_control_dropped: u64,
     /// Tagged messages discarded because no receive was posted for them.
