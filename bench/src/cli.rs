@@ -12,12 +12,13 @@ use std::time::Duration;
     long_about = "kvlink between two processes on loopback, next to ucx_perftest on the same transport.\n\n\
 For each transport it runs, size by size: ucx_perftest tag_bw -O 1 and tag_lat (the raw UCX \
 baseline), the kvlink transport row (the agent's tagged send/recv, one transfer at a time), \
-whole kvlink requests one at a time, and the in-flight rows (N requests advertised at once, \
-then waited). Each kvlink row starts two fresh processes (this binary, re-executed as the \
+whole kvlink requests one at a time, and the in-flight rows (N requests in flight at all \
+times: as the oldest ends, its bytes are checked and its buffer is advertised again). Each kvlink row starts two fresh processes (this binary, re-executed as the \
 generation and the context side); a row that does not finish within --row-timeout is reported \
 with its failure count and the run goes on.\n\n\
 Figures: GB/s = 1e9 bytes/s; us/req = wall time of a round divided by its requests (p50, p99 \
-over rounds; for one in flight that is one request end to end; for the transport row, one \
+over rounds; for one in flight that is one request end to end; for an in-flight row, a round \
+is N consecutive ends, timed from the previous round's last end; for the transport row, one \
 transfer from post to completion on the sender); x tag_bw = kvlink GB/s over \
 tag_bw GB/s at the same size; x tag_lat = kvlink us/req p50 over tag_lat one-way p50. The \
 machine is shared and noisy: compare rows of one run, not runs.",
@@ -48,8 +49,11 @@ pub struct RunArgs {
           default_value = "4KiB,1MiB,16MiB,64MiB")]
     pub sizes: Vec<u64>,
 
-    /// In-flight rows, SIZE:N comma-separated: N requests of SIZE advertised at once, then
-    /// all waited, repeated for --rounds rounds.
+    /// In-flight rows, SIZE:N comma-separated: N requests of SIZE in flight at all times, as
+    /// `ucx_perftest -O N` keeps N operations outstanding. The generation side waits for the
+    /// oldest, checks its bytes and advertises its buffer again as a new request; every N ends
+    /// make a round, for --rounds rounds. The checks are timed (they overlap the other
+    /// requests' transfers).
     #[arg(long, value_delimiter = ',', value_parser = parse_batch,
           default_value = "4KiB:64,4KiB:1024,4KiB:4096,1MiB:8")]
     pub inflight: Vec<(u64, u64)>,
@@ -63,8 +67,9 @@ pub struct RunArgs {
     #[arg(long)]
     pub warmup: Option<u64>,
 
-    /// Measured rounds per in-flight row [default: 5, --quick: 2]. One warm-up round comes
-    /// first.
+    /// Measured rounds (of N requests) per in-flight row [default: 5, --quick: 2]. One warm-up
+    /// round comes first, and one unmeasured round after them keeps the window full to the
+    /// end of the last measured one.
     #[arg(long)]
     pub rounds: Option<u64>,
 
@@ -72,8 +77,9 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 4)]
     pub senders: u64,
 
-    /// Idle pause, in microseconds, between the rounds of the whole-request rows (not timed):
-    /// requests that arrive apart, as in serving, instead of back to back. Every thread of both
+    /// Idle pause, in microseconds, between the requests of the one-in-flight rows (not
+    /// timed; the in-flight rows keep N in flight and ignore it): requests that arrive apart,
+    /// as in serving, instead of back to back. Every thread of both
     /// sides is then asleep when a request starts, so its figure includes the wake-ups that
     /// back-to-back rows hide behind polling.
     #[arg(long, default_value_t = 0, value_name = "US")]
@@ -242,8 +248,17 @@ pub struct PeerArgs {
 }
 
 impl PeerArgs {
+    /// Requests the generation side advertises: for an in-flight row, one round more than
+    /// warm-up and measured rounds (see [`PeerArgs::trailing_rounds`]).
     pub fn planned(&self) -> u64 {
-        (self.rounds + self.warmup) * self.inflight
+        (self.rounds + self.warmup + self.trailing_rounds()) * self.inflight
+    }
+
+    /// An in-flight row advertises one round past its measured ones, so that the window stays
+    /// full until the last measured request has ended (an emptying window would time only the
+    /// checks of requests that had landed during the round before). Not measured.
+    pub fn trailing_rounds(&self) -> u64 {
+        u64::from(self.inflight > 1)
     }
 }
 

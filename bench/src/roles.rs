@@ -1,9 +1,10 @@
 //! The two sides of a measurement, each run in a process of its own (`kvlink-bench peer ...`).
 //!
 //! Whole requests: the context side (`ctx`) listens and prints its address; the generation
-//! side (`gen`) connects, then for each round advertises N requests (one buffer each), waits on
-//! all of them, and checks every byte. The context side accepts and sends each advertised
-//! request from a few threads and waits on its sender outcome from another.
+//! side (`gen`) connects, then advertises requests (one buffer each), waits on them and checks
+//! every byte: one at a time, or with N in flight at all times (a window: as the oldest ends,
+//! its buffer is checked and advertised again). The context side accepts and sends each
+//! advertised request from a few threads and waits on its sender outcome from another.
 //!
 //! Transport row: `tr-recv` listens and receives one tagged transfer at a time; `tr-send`
 //! sends one at a time and times from the first measured send to the receiver's "done".
@@ -18,7 +19,7 @@ use kvlink::connection::{BufferSpec, Engine, EngineConfig};
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
 use kvlink::transport::{Agent, AgentOptions, Event, PeerId};
 use kvlink::Outcome;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Display;
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -210,115 +211,30 @@ fn gen(a: &PeerArgs) -> i32 {
         }
     };
 
-    let planned = a.planned();
-    let mut per_request_us = Vec::new();
-    let mut latency_us = Vec::new();
-    let (mut bytes, mut secs) = (0u64, 0f64);
-    let mut next_id = 1u64;
-    let mut done = 0u64;
-    let mut last_progress = Instant::now();
-    for round in 0..a.warmup + a.rounds {
-        if Instant::now() >= deadline {
-            break;
-        }
-        let measured = round >= a.warmup;
-        let seed_ix = (round % 2) as usize;
-        let t0 = Instant::now();
-        st.lock().current = Some((
-            Round {
-                requests: n as u64,
-                ..Round::default()
-            },
-            t0,
-        ));
-        let mut keys: Vec<Option<(RequestKey, Instant)>> = Vec::with_capacity(n);
-        for b in bufs.iter_mut() {
-            let key = RequestKey::new(next_id, 0);
-            next_id += 1;
-            let spec = BufferSpec {
-                kind: BufferKind::Kv,
-                segment: 0,
-                addr: b.as_mut_ptr() as u64,
-                len: size as u64,
-                device_id: -1,
-            };
-            let at = Instant::now();
-            // SAFETY: `b` is host memory that nothing else touches until `wait` below has
-            // returned for `key` (every advertised key is waited before the round's bytes are
-            // read, and the buffers outlive the engine).
-            let r = unsafe {
-                engine.advertise(
-                    key,
-                    vec![RankId(GEN_RANK)],
-                    vec![(ctx, vec![spec])],
-                    vec![SEEDS[seed_ix]],
-                )
-            };
-            let mut s = st.lock();
-            s.started += 1;
-            match r {
-                Ok(()) => keys.push(Some((key, at))),
-                Err(e) => {
-                    s.fail(format!("advertise {}", kind_name(&e)));
-                    s.error(format!("advertise {key}: {e}"));
-                    keys.push(None);
-                }
-            }
-        }
-        let mut landed = vec![false; n];
-        let mut completed = 0u64;
-        for (i, k) in keys.iter().enumerate() {
-            if let Some((key, at)) = k {
-                let o = engine.wait(*key, Role::Receiver, deadline, None);
-                let now = Instant::now();
-                let mut s = st.lock();
-                if let Err(e) = &o {
-                    s.error(format!("wait {key}: {e}"));
-                }
-                if matches!(o, Ok(Outcome::Completed)) {
-                    landed[i] = true;
-                    completed += 1;
-                    s.completed += 1;
-                    if let Some((r, _)) = s.current.as_mut() {
-                        r.completed += 1;
-                    }
-                    if measured {
-                        latency_us.push(now.duration_since(*at).as_secs_f64() * 1e6);
-                    }
-                } else {
-                    s.fail(not_completed(&o));
-                }
-            }
-            done += 1;
-            if last_progress.elapsed() >= PROGRESS_EVERY {
-                last_progress = Instant::now();
-                say(format!("P {done} {planned}"));
-            }
-        }
-        let dt = t0.elapsed().as_secs_f64();
-        let corrupt = bufs
-            .iter()
-            .zip(&landed)
-            .filter(|(b, &ok)| ok && **b != patterns[seed_ix])
-            .count() as u64;
-        let mut s = st.lock();
-        s.corrupt += corrupt;
-        s.current = None;
-        s.rounds.push(Round {
-            requests: n as u64,
-            completed,
-            us_per_request: dt * 1e6 / n as f64,
-        });
-        if measured && completed == n as u64 && corrupt == 0 {
-            per_request_us.push(dt * 1e6 / n as f64);
-            bytes += (n * size) as u64;
-            secs += dt;
-        }
-        drop(s);
-        if a.gap_us > 0 {
-            std::thread::sleep(Duration::from_micros(a.gap_us));
-        }
+    let mut t = Tally {
+        planned: a.planned(),
+        ..Tally::default()
+    };
+    let row = Row {
+        engine: &engine,
+        st: &st,
+        ctx,
+        deadline,
+    };
+    if n == 1 {
+        row.rounds(a, &mut bufs, &patterns, &mut t);
+    } else {
+        row.window(a, &mut bufs, &patterns, &mut t);
     }
+    let Tally {
+        planned,
+        done,
+        per_request_us,
+        latency_us,
+        bytes,
+        secs,
+        ..
+    } = t;
     say(format!("P {done} {planned}"));
     {
         let mut s = st.lock();
@@ -333,6 +249,240 @@ fn gen(a: &PeerArgs) -> i32 {
     linger();
     drop(engine);
     0
+}
+
+/// What the generation side measured.
+#[derive(Default)]
+struct Tally {
+    planned: u64,
+    done: u64,
+    last_progress: Option<Instant>,
+    /// Wall time per request of each measured round that completed whole and correct.
+    per_request_us: Vec<f64>,
+    /// Advertise to the end of the wait, each measured request that completed.
+    latency_us: Vec<f64>,
+    bytes: u64,
+    secs: f64,
+}
+
+impl Tally {
+    /// One more request waited for: reports progress now and then.
+    fn ended(&mut self) {
+        self.done += 1;
+        let now = Instant::now();
+        if self.last_progress.is_none_or(|t| now - t >= PROGRESS_EVERY) {
+            self.last_progress = Some(now);
+            say(format!("P {} {}", self.done, self.planned));
+        }
+    }
+}
+
+/// A buffer's request in flight: the buffer, the request's key and advertise time (None if
+/// the advertise failed), and the index of its pattern.
+type InFlight = (usize, Option<(RequestKey, Instant)>, usize);
+
+/// The generation side of one row: its engine, the context rank, and the row's deadline.
+struct Row<'a> {
+    engine: &'a Engine,
+    st: &'a Shared,
+    ctx: RankId,
+    deadline: Instant,
+}
+
+impl Row<'_> {
+    /// Advertises `b` as request `key` (one segment from the context rank, which fills it with
+    /// the pattern of `seed`); counts it. Returns when it was advertised, None if it failed.
+    ///
+    /// # Safety
+    /// Nothing may touch `b` until `wait` for `key` has returned, and `b` must outlive the
+    /// engine.
+    unsafe fn advertise(&self, key: RequestKey, b: &mut [u8], seed: u8) -> Option<Instant> {
+        let spec = BufferSpec {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: b.as_mut_ptr() as u64,
+            len: b.len() as u64,
+            device_id: -1,
+        };
+        let at = Instant::now();
+        // SAFETY: as this function's contract.
+        let r = unsafe {
+            self.engine.advertise(
+                key,
+                vec![RankId(GEN_RANK)],
+                vec![(self.ctx, vec![spec])],
+                vec![seed],
+            )
+        };
+        let mut s = self.st.lock();
+        s.started += 1;
+        match r {
+            Ok(()) => Some(at),
+            Err(e) => {
+                s.fail(format!("advertise {}", kind_name(&e)));
+                s.error(format!("advertise {key}: {e}"));
+                None
+            }
+        }
+    }
+
+    /// Waits for `key` (advertised at `at`; None if its advertise failed); true if it
+    /// completed. Counts it, and its latency when `measured`.
+    fn wait(&self, sent: Option<(RequestKey, Instant)>, measured: bool, t: &mut Tally) -> bool {
+        let Some((key, at)) = sent else {
+            t.ended();
+            return false;
+        };
+        let o = self.engine.wait(key, Role::Receiver, self.deadline, None);
+        let now = Instant::now();
+        let mut s = self.st.lock();
+        if let Err(e) = &o {
+            s.error(format!("wait {key}: {e}"));
+        }
+        let ok = matches!(o, Ok(Outcome::Completed));
+        if ok {
+            s.completed += 1;
+            if let Some((r, _)) = s.current.as_mut() {
+                r.completed += 1;
+            }
+            if measured {
+                t.latency_us
+                    .push(now.duration_since(at).as_secs_f64() * 1e6);
+            }
+        } else {
+            s.fail(not_completed(&o));
+        }
+        drop(s);
+        t.ended();
+        ok
+    }
+
+    /// Starts a round's record (for the watchdog's report of a row cut short).
+    fn begin_round(&self, n: usize, t0: Instant) {
+        self.st.lock().current = Some((
+            Round {
+                requests: n as u64,
+                ..Round::default()
+            },
+            t0,
+        ));
+    }
+
+    /// Ends a round of `n` requests, `completed` of them whole and correct, taking `dt`.
+    fn end_round(
+        &self,
+        n: usize,
+        size: usize,
+        completed: u64,
+        dt: f64,
+        measured: bool,
+        t: &mut Tally,
+    ) {
+        let mut s = self.st.lock();
+        s.current = None;
+        s.rounds.push(Round {
+            requests: n as u64,
+            completed,
+            us_per_request: dt * 1e6 / n as f64,
+        });
+        if measured && completed == n as u64 {
+            t.per_request_us.push(dt * 1e6 / n as f64);
+            t.bytes += (n * size) as u64;
+            t.secs += dt;
+        }
+    }
+
+    /// One request at a time: advertise, wait, then check the bytes (not timed).
+    fn rounds(&self, a: &PeerArgs, bufs: &mut [Vec<u8>], patterns: &[Vec<u8>; 2], t: &mut Tally) {
+        let mut next_id = 1u64;
+        for round in 0..a.warmup + a.rounds {
+            if Instant::now() >= self.deadline {
+                break;
+            }
+            let measured = round >= a.warmup;
+            let seed_ix = (round % 2) as usize;
+            let t0 = Instant::now();
+            self.begin_round(bufs.len(), t0);
+            let mut keys = Vec::with_capacity(bufs.len());
+            for b in bufs.iter_mut() {
+                let key = RequestKey::new(next_id, 0);
+                next_id += 1;
+                // SAFETY: every advertised key is waited for below before the round's bytes
+                // are read, and the buffers outlive the engine.
+                keys.push(unsafe { self.advertise(key, b, SEEDS[seed_ix]) }.map(|at| (key, at)));
+            }
+            let landed: Vec<bool> = keys.iter().map(|&k| self.wait(k, measured, t)).collect();
+            let dt = t0.elapsed().as_secs_f64();
+            let corrupt = bufs
+                .iter()
+                .zip(&landed)
+                .filter(|(b, &ok)| ok && **b != patterns[seed_ix])
+                .count() as u64;
+            self.st.lock().corrupt += corrupt;
+            let completed = landed.iter().filter(|&&ok| ok).count() as u64 - corrupt;
+            self.end_round(bufs.len(), patterns[0].len(), completed, dt, measured, t);
+            if a.gap_us > 0 {
+                std::thread::sleep(Duration::from_micros(a.gap_us));
+            }
+        }
+    }
+
+    /// N requests in flight at all times, as `ucx_perftest -O N` keeps N operations
+    /// outstanding: when the oldest ends, its bytes are checked and its buffer goes out again
+    /// as a new request with the other pattern. Every N ends make a round, timed from the
+    /// previous round's last end to its own, so a round's time includes the checks (done while
+    /// the other requests move) and no start from idle. Warm-up rounds come first, and a
+    /// trailing round keeps the window full to the end of the measured ones.
+    fn window(&self, a: &PeerArgs, bufs: &mut [Vec<u8>], patterns: &[Vec<u8>; 2], t: &mut Tally) {
+        let n = bufs.len();
+        let total = a.planned();
+        let mut next_id = 1u64;
+        let mut queue: VecDeque<InFlight> = VecDeque::with_capacity(n);
+        let mut uses = vec![0usize; n];
+        let mut issue = |i: usize, b: &mut Vec<u8>, queue: &mut VecDeque<_>| {
+            let key = RequestKey::new(next_id, 0);
+            next_id += 1;
+            let seed_ix = uses[i] % 2;
+            uses[i] += 1;
+            // SAFETY: the buffer is read (checked) or advertised again only after its wait has
+            // returned (the queue holds one request per buffer), and the buffers outlive the
+            // engine.
+            let sent = unsafe { self.advertise(key, b, SEEDS[seed_ix]) }.map(|at| (key, at));
+            queue.push_back((i, sent, seed_ix));
+        };
+        for (i, b) in bufs.iter_mut().enumerate() {
+            issue(i, b, &mut queue);
+        }
+        let mut issued = n as u64;
+        let mut ended = 0u64;
+        let mut mark = Instant::now();
+        let mut completed = 0u64;
+        self.begin_round(n, mark);
+        while let Some((i, sent, seed_ix)) = queue.pop_front() {
+            let round = ended / n as u64;
+            let measured = round >= a.warmup && round < a.warmup + a.rounds;
+            let mut ok = self.wait(sent, measured, t);
+            if ok && bufs[i] != patterns[seed_ix] {
+                self.st.lock().corrupt += 1;
+                ok = false;
+            }
+            completed += u64::from(ok);
+            ended += 1;
+            if ended.is_multiple_of(n as u64) {
+                let now = Instant::now();
+                let dt = now.duration_since(mark).as_secs_f64();
+                self.end_round(n, patterns[0].len(), completed, dt, measured, t);
+                (mark, completed) = (now, 0);
+                if ended < total {
+                    self.begin_round(n, mark);
+                }
+            }
+            if issued < total && Instant::now() < self.deadline {
+                issued += 1;
+                issue(i, &mut bufs[i], &mut queue);
+            }
+        }
+    }
 }
 
 /// Context side: accept and send every advertised request (several threads), wait on each
