@@ -47,6 +47,7 @@ impl Agent {
             failed: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(HashMap::new()),
             large_sends: AtomicUsize::new(0),
+            crowd_yields: !opts.transport.may_use_mm(),
             next_op: AtomicU64::new(1),
             stats: AtomicStats::default(),
             epoch: Instant::now(),

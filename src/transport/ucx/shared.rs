@@ -138,6 +138,9 @@ pub(super) struct Shared {
     pub(super) in_flight: Mutex<HashMap<u64, Weak<OpSlot>>>,
     /// How many of `in_flight` are large sends (see [`Driving::for_large_send`]).
     pub(super) large_sends: AtomicUsize,
+    /// Whether a caller waiting for a large send stops driving while others are in flight:
+    /// only where no shared-memory transport may be chosen (see [`Driving::for_large_send`]).
+    pub(super) crowd_yields: bool,
     pub(super) next_op: AtomicU64,
     pub(super) stats: AtomicStats,
     pub(super) epoch: Instant,
@@ -382,17 +385,20 @@ impl<'a> Driving<'a> {
         }
     }
 
-    /// The turn of a caller waiting for a large send ([`OpSlot::is_large_send`]). It drives only
-    /// while its send is the only large one in flight. One send's waiter driving it saves the
-    /// wake-ups between threads; with several in flight (several sending threads), their
-    /// waiters driving side by side take the cores, and the driver lock, from each other and
-    /// from the progress thread, which serves them all (on tcp the sender's progress copies the
-    /// data into the socket). Measured, two processes on tcp, 1 MiB requests with 8 in flight
-    /// and four sending threads: 332 -> 263 us per request (medians of 8 runs); on shared
-    /// memory, 128 -> 120 (within noise); one at a time is unchanged.
+    /// The turn of a caller waiting for a large send ([`OpSlot::is_large_send`]). Over a network
+    /// transport it drives only while its send is the only large one in flight. One send's
+    /// waiter driving it saves the wake-ups between threads; with several in flight (several
+    /// sending threads), their waiters driving side by side take the cores, and the driver
+    /// lock, from each other and from the progress thread, which serves them all (on tcp the
+    /// sender's progress copies the data into the socket). Measured, two processes on tcp,
+    /// 1 MiB requests with 8 in flight and four sending threads: 332 -> 263 us per request
+    /// (medians of 8 runs, two builds). Where shared memory may be used it does not apply: the
+    /// same binary with the rule switched on and off, 16 alternated pairs of that row, gave
+    /// 429 us with it and 280 without on shared memory (13 of 16 pairs worse), and no clear
+    /// difference on tcp (428 / 399, 10 of 16).
     pub(super) fn for_large_send(shared: &'a Arc<Shared>) -> Self {
         Driving {
-            large_send: true,
+            large_send: shared.crowd_yields,
             ..Driving::new(shared)
         }
     }
