@@ -53,7 +53,9 @@ pub struct RunArgs {
     /// `ucx_perftest -O N` keeps N operations outstanding. The generation side waits for the
     /// oldest, checks its bytes and advertises its buffer again as a new request; every N ends
     /// make a round, for --rounds rounds. The checks are timed (they overlap the other
-    /// requests' transfers).
+    /// requests' transfers): in measured rounds one 8-byte word per 4 KiB and the last 8
+    /// bytes (the two patterns differ in every byte), every byte in the warm-up and trailing
+    /// rounds. One-at-a-time rows check every byte, untimed.
     #[arg(long, value_delimiter = ',', value_parser = parse_batch,
           default_value = "4KiB:64,4KiB:1024,4KiB:4096,1MiB:8")]
     pub inflight: Vec<(u64, u64)>,
