@@ -55,7 +55,7 @@ pub struct RunArgs {
     /// make a round, for --rounds rounds. The checks are timed (they overlap the other
     /// requests' transfers): in measured rounds one 8-byte word per 4 KiB and the last 8
     /// bytes (the two patterns differ in every byte), every byte in the warm-up and trailing
-    /// rounds. One-at-a-time rows check every byte, untimed.
+    /// rounds. One-at-a-time rows check the same way, untimed.
     #[arg(long, value_delimiter = ',', value_parser = parse_batch,
           default_value = "4KiB:64,4KiB:1024,4KiB:4096,1MiB:8")]
     pub inflight: Vec<(u64, u64)>,
