@@ -438,3 +438,57 @@ fn timers_of_finished_requests_do_not_pile_up() {
         "timer heap grew with every request ever started: {most}"
     );
 }
+
+/// An advertisement that its sender has queued but not yet answered (a busy prefill) goes out
+/// again backed off, 1, 2, 4 ... up to 32 retransmit intervals apart, not once an interval: a
+/// sender holding 4096 of them would otherwise be sent each again five times a second (at the
+/// engine's 200 ms) while it works. It is still sent again, so a lost one is recovered.
+#[test]
+fn an_unanswered_advertisement_is_sent_again_backed_off() {
+    use kvlink::proto::*;
+    let t0 = std::time::Instant::now();
+    let (g, c) = (RankId(1), RankId(2));
+    let cfg = config();
+    let mut gen = Endpoint::new(g, cfg);
+    let mut ctx = Endpoint::new(c, cfg);
+    let mut pool = BufferPool::new(4);
+    let mut tokens = TokenAllocator::default();
+    let key = RequestKey::new(1, 0);
+    let (lease, desc) = (
+        pool.lease(key).unwrap(),
+        kv_desc(tokens.allocate().unwrap()),
+    );
+    gen.start_receive(t0, one_buffer(key, g, c, lease, desc, Some(ms(60_000))))
+        .unwrap();
+    let mut sent_at = Vec::new();
+    for step in 0..=1000u64 {
+        let now = t0 + ms(10 * step);
+        gen.handle_timeout(now);
+        while let Some(tx) = gen.poll_transmit() {
+            if matches!(tx.message, kvlink::proto::wire::Message::Advertise { .. }) {
+                sent_at.push(now - t0);
+            }
+            // The sender takes it (queued for `next_advertisement`) and never answers.
+            ctx.handle_message(now, g, tx.message).unwrap();
+        }
+        while ctx.poll_event().is_some() {}
+    }
+    let gaps: Vec<u128> = sent_at
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_millis())
+        .collect();
+    println!("advertisement sent at {sent_at:?}");
+    assert!(
+        (4..=15).contains(&sent_at.len()),
+        "{} advertisements in 10 s at a {:?} interval (without back-off: 200)",
+        sent_at.len(),
+        cfg.retransmit
+    );
+    assert!(gaps.windows(2).all(|w| w[0] <= w[1]), "gaps grow: {gaps:?}");
+    let most = 32 * cfg.retransmit.as_millis();
+    assert!(gaps.iter().all(|&g| g <= most + 10), "capped: {gaps:?}");
+    assert!(
+        gaps.last().is_some_and(|&g| g + 10 >= most),
+        "reaches the cap: {gaps:?}"
+    );
+}

@@ -9,6 +9,9 @@ use crate::proto::id::{RankId, RequestKey};
 use crate::proto::pool::Lease;
 use crate::proto::wire::{BufferDesc, Message};
 
+/// An unanswered advertisement goes out again at most `2^this` retransmit intervals apart.
+const ADVERT_BACKOFF_MAX: u32 = 5;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SegState {
     Posted,
@@ -51,6 +54,8 @@ pub(crate) struct RecvRequest {
     linger: Duration,
     retransmit: Duration,
     next_retx: Instant,
+    /// How many times the advertisement went out again unanswered (its back-off).
+    advert_resends: u32,
     request_info: Vec<u8>,
     flows: BTreeMap<RankId, InFlow>,
     local_vote: Option<Outcome>,
@@ -124,6 +129,7 @@ impl RecvRequest {
             linger: cfg.linger,
             retransmit: cfg.retransmit,
             next_retx: now + cfg.retransmit,
+            advert_resends: 0,
             request_info,
             flows,
             local_vote: None,
@@ -518,8 +524,17 @@ impl RecvRequest {
 
     fn retransmit(&mut self, now: Instant, out: &mut Out) {
         let before = out.transmits.len();
+        let mut every = self.retransmit;
         match (self.verdict, self.local_vote) {
-            (None, None) => self.advertise(now, out, true),
+            (None, None) => {
+                self.advertise(now, out, true);
+                // Backed off: 1, 2, 4 ... up to 32 intervals apart. An advertisement is lost only
+                // with its endpoint (control messages are reliable on a live one), and a sender
+                // with a long queue of them (a busy prefill, 4096 requests in flight) would
+                // otherwise be sent every one again five times a second while it works.
+                self.advert_resends = self.advert_resends.saturating_add(1);
+                every = every.saturating_mul(1 << self.advert_resends.min(ADVERT_BACKOFF_MAX));
+            }
             (None, Some(v)) if !self.external && !self.is_coordinator() => out.send(
                 self.coordinator,
                 Message::Vote {
@@ -543,7 +558,7 @@ impl RecvRequest {
             _ => {}
         }
         out.stats.retransmits += (out.transmits.len() - before) as u64;
-        self.next_retx = now + self.retransmit;
+        self.next_retx = now + every;
     }
 
     fn wants_retransmit(&self) -> bool {
