@@ -206,11 +206,9 @@ fn lone_send_driven_by_caller(a: &Agent, b: &Agent, ab: PeerId, ba: PeerId, tag:
     drove
 }
 
-/// Over tcp, a caller waiting for a large send drives progress itself only while no other large
-/// send is in flight (on shared memory it always may). The count of large sends in flight must
-/// come back down however they end: after several at once from several threads, and after one
-/// that timed out, a lone large send is driven by its caller again (were the count stuck, none
-/// would be on tcp).
+/// A caller waiting for a large send drives progress itself, and still does after several
+/// large sends at once from several threads (every byte checked) and after one that timed out
+/// and was reaped: nothing those leave behind keeps the caller from the driver lock.
 #[test]
 fn a_lone_large_send_is_driven_by_its_caller_again_after_a_crowd_and_a_timeout() {
     for kind in KINDS {

@@ -9,13 +9,13 @@ use crate::error::{Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// The largest transfer its caller starts itself (see `Agent::post_tag`).
-pub(super) const DIRECT_POST_MAX: usize = 64 << 10;
+const DIRECT_POST_MAX: usize = 64 << 10;
 
 /// A UCX agent: one context, one worker, one progress thread. Not `Clone`; dropping it shuts the
 /// progress thread down, cancels every op and closes every endpoint.
@@ -46,8 +46,6 @@ impl Agent {
             events_cv: Condvar::new(),
             failed: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(HashMap::new()),
-            large_sends: AtomicUsize::new(0),
-            crowd_yields: !opts.transport.may_use_mm(),
             next_op: AtomicU64::new(1),
             stats: AtomicStats::default(),
             epoch: Instant::now(),
@@ -253,9 +251,6 @@ impl Agent {
             .in_flight
             .lock()
             .insert(id, Arc::downgrade(&slot));
-        if slot.is_large_send() {
-            self.shared.large_sends.fetch_add(1, Ordering::AcqRel);
-        }
         self.shared
             .stats
             .ops_started

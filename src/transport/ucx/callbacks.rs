@@ -70,9 +70,7 @@ pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_statu
     } else {
         shared.stats.ops_failed.fetch_add(1, Ordering::Relaxed);
     }
-    if shared.in_flight.lock().remove(&slot.id).is_some() && slot.is_large_send() {
-        shared.large_sends.fetch_sub(1, Ordering::AcqRel);
-    }
+    shared.in_flight.lock().remove(&slot.id);
     slot.complete(status, len);
     if slot.notify {
         shared.push_event(Event::OpDone(slot.id));

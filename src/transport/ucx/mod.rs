@@ -13,9 +13,6 @@
 //!   progress (`KVLINK_POLL_US`, 100 µs): the completion it waits for is then handled on its own
 //!   thread, with no wake-up between threads (one costs about 25 µs on this machine). When it
 //!   stops, it wakes a sleeping progress thread, which arms the worker over what the caller left.
-//!   Over a network transport, a caller waiting for a large send drives only while no other
-//!   large send is in flight: several sending threads driving side by side slow each other down
-//!   there (on shared memory they do not, and it drives as any caller).
 //!
 //! Nothing spins without bound: polling only follows progress, for one window; after many
 //! wake-ups in a row that make no progress, the loop backs off (the tcp spin trap described in

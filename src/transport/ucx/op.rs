@@ -51,11 +51,6 @@ pub(super) struct OpSlot {
 }
 
 impl OpSlot {
-    /// A data send too large for its caller to start itself (`Agent::post_tag`).
-    pub(super) fn is_large_send(&self) -> bool {
-        self.send && !self.control && self.expected_len > super::agent::DIRECT_POST_MAX
-    }
-
     pub(super) fn complete(&self, status: sys::ucs_status_t, len: usize) {
         let mut st = self.state.lock();
         if st.is_none() {
@@ -122,11 +117,7 @@ impl Op {
     ) -> Result<Outcome> {
         const CANCEL_POLL: Duration = Duration::from_millis(5);
         let shared = self.shared.clone();
-        let mut driving = if self.slot.is_large_send() {
-            Driving::for_large_send(&shared)
-        } else {
-            Driving::new(&shared)
-        };
+        let mut driving = Driving::new(&shared);
         let mut polling = true;
         let mut next_cancel_check = Instant::now();
         let mut st = self.slot.state.lock();

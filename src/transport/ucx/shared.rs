@@ -10,7 +10,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -136,11 +136,6 @@ pub(super) struct Shared {
     pub(super) events_cv: Condvar,
     pub(super) failed: Mutex<HashMap<PeerId, bool>>,
     pub(super) in_flight: Mutex<HashMap<u64, Weak<OpSlot>>>,
-    /// How many of `in_flight` are large sends (see [`Driving::for_large_send`]).
-    pub(super) large_sends: AtomicUsize,
-    /// Whether a caller waiting for a large send stops driving while others are in flight:
-    /// only where no shared-memory transport may be chosen (see [`Driving::for_large_send`]).
-    pub(super) crowd_yields: bool,
     pub(super) next_op: AtomicU64,
     pub(super) stats: AtomicStats,
     pub(super) epoch: Instant,
@@ -371,8 +366,6 @@ pub struct Driving<'a> {
     shared: &'a Arc<Shared>,
     began: Instant,
     drove: bool,
-    /// Waits for a large send: drives only while no other large send is in flight.
-    large_send: bool,
 }
 
 impl<'a> Driving<'a> {
@@ -381,33 +374,13 @@ impl<'a> Driving<'a> {
             shared,
             began: Instant::now(),
             drove: false,
-            large_send: false,
-        }
-    }
-
-    /// The turn of a caller waiting for a large send ([`OpSlot::is_large_send`]). Over a network
-    /// transport it drives only while its send is the only large one in flight. One send's
-    /// waiter driving it saves the wake-ups between threads; with several in flight (several
-    /// sending threads), their waiters driving side by side take the cores, and the driver
-    /// lock, from each other and from the progress thread, which serves them all (on tcp the
-    /// sender's progress copies the data into the socket). Measured, two processes on tcp,
-    /// 1 MiB requests with 8 in flight and four sending threads: 332 -> 263 us per request
-    /// (medians of 8 runs, two builds). Where shared memory may be used it does not apply: the
-    /// same binary with the rule switched on and off, 16 alternated pairs of that row, gave
-    /// 429 us with it and 280 without on shared memory (13 of 16 pairs worse), and no clear
-    /// difference on tcp (428 / 399, 10 of 16).
-    pub(super) fn for_large_send(shared: &'a Arc<Shared>) -> Self {
-        Driving {
-            large_send: shared.crowd_yields,
-            ..Driving::new(shared)
         }
     }
 
     /// Runs one pass here if the wait is within the poll window and no other thread drives;
     /// true if it ran (look at what you wait for again). False means: sleep, and be woken.
     pub fn step(&mut self) -> bool {
-        let crowded = self.large_send && self.shared.large_sends.load(Ordering::Acquire) > 1;
-        if !crowded && self.shared.may_poll(self.began) && self.shared.try_drive() {
+        if self.shared.may_poll(self.began) && self.shared.try_drive() {
             self.drove = true;
             return true;
         }
