@@ -45,7 +45,11 @@ pub struct Config {
     /// a rank ends with its own failure, or `TimedOut` (`PeerLost` when the transport reported
     /// the peer lost). Keep it well under the 100 ms a caller may wait past its deadline.
     pub agreement_bound: Duration,
-    /// Interval between retransmissions of an unanswered control message.
+    /// Interval between retransmissions of an unanswered control message. An advertisement,
+    /// which a busy sender may leave unanswered for long, backs off: 1, 2, 4 ... up to 32
+    /// intervals apart ([`backed_off`]). Votes, verdicts and a sender's pull of the verdict do
+    /// not: they must get through within the agreement bound (with back-off, the fault
+    /// proptest finds a sender that misses a lost verdict until its bound).
     pub retransmit: Duration,
     /// How long a finished request is remembered past its agreement bound, to answer late
     /// duplicates and to recognise stale messages.
@@ -61,6 +65,14 @@ impl Default for Config {
             linger: Duration::from_secs(5),
         }
     }
+}
+
+/// The wait before the next resend of a message already sent `resends` times again: `every`
+/// doubled per resend, at most 32 times `every`. Control messages are reliable on a live
+/// endpoint, so a resend only covers one lost with its endpoint; a peer with thousands of
+/// requests queued (a busy prefill) must not be sent each of them again every interval.
+pub(crate) fn backed_off(every: Duration, resends: u32) -> Duration {
+    every.saturating_mul(1 << resends.min(5))
 }
 
 /// A control message for the driver to send.

@@ -9,9 +9,6 @@ use crate::proto::id::{RankId, RequestKey};
 use crate::proto::pool::Lease;
 use crate::proto::wire::{BufferDesc, Message};
 
-/// An unanswered advertisement goes out again at most `2^this` retransmit intervals apart.
-const ADVERT_BACKOFF_MAX: u32 = 5;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SegState {
     Posted,
@@ -527,13 +524,11 @@ impl RecvRequest {
         let mut every = self.retransmit;
         match (self.verdict, self.local_vote) {
             (None, None) => {
+                // Backed off: a sender with a long queue of advertisements (4096 requests in
+                // flight to a busy prefill) would otherwise get each again every interval.
                 self.advertise(now, out, true);
-                // Backed off: 1, 2, 4 ... up to 32 intervals apart. An advertisement is lost only
-                // with its endpoint (control messages are reliable on a live one), and a sender
-                // with a long queue of them (a busy prefill, 4096 requests in flight) would
-                // otherwise be sent every one again five times a second while it works.
                 self.advert_resends = self.advert_resends.saturating_add(1);
-                every = every.saturating_mul(1 << self.advert_resends.min(ADVERT_BACKOFF_MAX));
+                every = super::backed_off(every, self.advert_resends);
             }
             (None, Some(v)) if !self.external && !self.is_coordinator() => out.send(
                 self.coordinator,
