@@ -162,7 +162,10 @@ const SAMPLE_STRIDE: usize = 4096;
 /// [`SAMPLE_STRIDE`] and the last 8 bytes. The two patterns differ in every byte, so a sample still
 /// catches a request that completed without its data landing, or with a page of it missing.
 fn holds(buf: &[u8], want: &[u8], full: bool) -> bool {
-    if full || buf.len() != want.len() {
+    if buf.len() != want.len() {
+        return false;
+    }
+    if full {
         return buf == want;
     }
     let word = |at: usize| {
