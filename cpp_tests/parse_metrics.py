@@ -29,6 +29,9 @@ EXPECTED = {
     "kvlink_health_state": "gauge",
     "kvlink_stale_frames_total": "counter",
     "kvlink_bad_frames_total": "counter",
+    "kvlink_unknown_frames_total": "counter",
+    "kvlink_duplicate_frames_total": "counter",
+    "kvlink_control_resends_total": "counter",
     "kvlink_peer_failures_total": "counter",
     "kvlink_reconnects_total": "counter",
 }

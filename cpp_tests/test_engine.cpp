@@ -85,6 +85,41 @@ TEST_P(EngineTest, FullRoundTripThroughTheFacade) {
   EXPECT_FALSE(ctx_->health().receive_stuck);
 }
 
+// A context rank that is alive but slow to take an advertisement: the generation rank resends
+// it (backed off) and the context rank drops the repeats; both counts reach health() across the
+// bridge, each in its own field, and the metrics text. The request completes once taken.
+TEST_P(EngineTest, UnansweredAdvertisementIsResentAndCounted) {
+  const RequestKey key{77, 0};
+  std::vector<std::uint8_t> buf(16 << 10, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  advertise(key, buf);
+  std::this_thread::sleep_for(800ms);  // resends are due at 200, 600, 1400, 3000 ms...
+  const kvlink::Health g = gen_->health();
+  const kvlink::Health c = ctx_->health();
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::steady_clock::now() - t0).count();
+  std::uint64_t due = 0;  // without the back-off one would be due every 200 ms
+  while (due < 16 && 200 * ((1ll << (due + 1)) - 1) <= waited + 50) ++due;
+  EXPECT_GE(g.resends, 2u);
+  EXPECT_LE(g.resends, due) << "resends back off; waited " << waited << " ms";
+  EXPECT_EQ(g.duplicates, 0u);
+  EXPECT_GE(c.duplicates, 2u);
+  EXPECT_EQ(c.resends, 0u);
+  EXPECT_EQ(g.unknown_dropped, 0u);
+  EXPECT_EQ(c.unknown_dropped, 0u);
+  EXPECT_NE(gen_->metrics_text().find("kvlink_control_resends_total"), std::string::npos);
+  auto adv = ctx_->next_advertisement(kvlink::after(5s));
+  ASSERT_TRUE(adv);
+  EXPECT_EQ(adv->key, key);
+  EXPECT_FALSE(ctx_->next_advertisement(kvlink::after(200ms))) << "a repeat was offered again";
+  ctx_->accept(key, kGen, true);
+  const auto src = pattern(buf.size(), 5);
+  EXPECT_EQ(ctx_->send(key, kGen, 0, src.data(), src.size(), kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
+  EXPECT_EQ(buf, src);
+}
+
 // Regions: registered once, received into by range and sent from, checked with typed errors,
 // and taken back only when no transfer uses them.
 TEST_P(EngineTest, RequestsMoveBetweenRegisteredRegions) {

@@ -478,6 +478,9 @@ impl EngineHandle {
             worker_renewals: h.worker_renewals,
             region_fenced_bytes: h.region_fenced_bytes,
             region_fences: h.region_fences,
+            resends: h.resends,
+            duplicates: h.duplicates,
+            unknown_dropped: h.unknown_dropped,
         }
     }
 

@@ -115,6 +115,10 @@ pub mod ffi {
         /// Region bytes fenced now, and transfers fenced that way so far.
         region_fenced_bytes: u64,
         region_fences: u64,
+        /// Control messages resent, repeats dropped, messages for unknown requests dropped.
+        resends: u64,
+        duplicates: u64,
+        unknown_dropped: u64,
     }
 
     extern "Rust" {

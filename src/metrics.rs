@@ -63,6 +63,9 @@ pub(crate) struct Metrics {
     bytes: Counter,
     stale: Counter,
     bad: Counter,
+    resends: Counter,
+    duplicates: Counter,
+    unknown: Counter,
     peer_failures: Counter,
     reconnects: Counter,
     foreign: Counter,
@@ -114,6 +117,9 @@ impl Metrics {
             bytes: Counter::default(),
             stale: Counter::default(),
             bad: Counter::default(),
+            resends: Counter::default(),
+            duplicates: Counter::default(),
+            unknown: Counter::default(),
             peer_failures: Counter::default(),
             reconnects: Counter::default(),
             foreign: Counter::default(),
@@ -180,8 +186,23 @@ impl Metrics {
         );
         registry.register(
             "stale_frames",
-            "Messages from an older generation or a finished request, dropped",
+            "Messages from an older generation of a request still known, and replayed messages, dropped",
             m.stale.clone(),
+        );
+        registry.register(
+            "unknown_frames",
+            "Messages for a request this rank does not know (forgotten after its linger, or never started here), dropped",
+            m.unknown.clone(),
+        );
+        registry.register(
+            "duplicate_frames",
+            "Messages and landings that repeated one already handled (a resend that crossed its answer), dropped",
+            m.duplicates.clone(),
+        );
+        registry.register(
+            "control_resends",
+            "Control messages sent again because their answer had not come (advertisements backed off; votes, failure verdicts, verdict pulls)",
+            m.resends.clone(),
         );
         registry.register(
             "bad_frames",
@@ -261,6 +282,9 @@ impl Metrics {
         catch_up(&self.bytes, h.bytes_completed);
         catch_up(&self.stale, h.stale_dropped);
         catch_up(&self.bad, h.bad_frames);
+        catch_up(&self.resends, h.resends);
+        catch_up(&self.duplicates, h.duplicates);
+        catch_up(&self.unknown, h.unknown_dropped);
         catch_up(&self.peer_failures, h.peers_failed);
         catch_up(&self.reconnects, h.reconnects);
         catch_up(&self.foreign, h.foreign_data);
@@ -330,6 +354,9 @@ mod tests {
             reconnects: 5,
             foreign_data: 6,
             refused_rank_in_use: 7,
+            resends: 11,
+            duplicates: 12,
+            unknown_dropped: 13,
             ..Health::default()
         };
         let t = m.text(&h).unwrap();
@@ -367,6 +394,9 @@ mod tests {
         assert_eq!(v("kvlink_region_fenced_bytes"), 0.0);
         assert_eq!(v("kvlink_stale_frames_total"), 2.0);
         assert_eq!(v("kvlink_bad_frames_total"), 3.0);
+        assert_eq!(v("kvlink_control_resends_total"), 11.0);
+        assert_eq!(v("kvlink_duplicate_frames_total"), 12.0);
+        assert_eq!(v("kvlink_unknown_frames_total"), 13.0);
         assert_eq!(v("kvlink_peer_failures_total"), 1.0);
         assert_eq!(v("kvlink_reconnects_total"), 5.0);
         assert_eq!(v("kvlink_foreign_data_total"), 6.0);

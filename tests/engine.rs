@@ -159,6 +159,74 @@ fn request_lifecycle_over_tcp_and_shared_memory() {
     }
 }
 
+/// A context rank that is alive but slow to take an advertisement: the generation rank resends
+/// it backed off (200 ms, then 400, 800, ...), the context rank drops the repeats, and both
+/// counts reach `health()` and the metrics text, where an operator can see a peer that is alive
+/// but not answering. The request still completes once taken, and is offered to the taker once.
+#[test]
+fn resends_and_repeats_are_counted_where_an_operator_sees_them() {
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(10), None);
+        let key = RequestKey::new(7, 0);
+        let mut buf = vec![0u8; 64 << 10];
+        let t0 = Instant::now();
+        advertise_one(&gen, key, &mut buf);
+        std::thread::sleep(Duration::from_millis(1500));
+        let waited = t0.elapsed();
+        let (g, c) = (gen.health(), ctx.health());
+        println!(
+            "{kind:?} after {waited:?} unanswered: gen resends {} | ctx duplicates {} unknown {}",
+            g.resends, c.duplicates, c.unknown_dropped
+        );
+        // Resends are due at 200, 600, 1400, 3000 ms...; at the interval without back-off
+        // there would be one every 200 ms.
+        let due = (1..16u32)
+            .take_while(|k| 200 * ((1u128 << k) - 1) <= waited.as_millis() + 50)
+            .count() as u64;
+        assert!(g.resends >= 2, "the advertisement was sent again: {g:?}");
+        assert!(g.resends <= due, "backed off: {} > {due}", g.resends);
+        assert!(c.duplicates >= 2, "the repeats were dropped as such: {c:?}");
+        let counter = |e: &Engine, name: &str| -> u64 {
+            let text = e.metrics_text().unwrap();
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+                .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
+        };
+        assert!(counter(&gen, "kvlink_control_resends_total") >= g.resends);
+        assert!(counter(&ctx, "kvlink_duplicate_frames_total") >= c.duplicates);
+
+        let dl = Instant::now() + Duration::from_secs(5);
+        let adv = ctx.next_advertisement(dl, None).expect("advertisement");
+        assert_eq!(adv.key, key);
+        let soon = Instant::now() + Duration::from_millis(300);
+        assert!(
+            ctx.next_advertisement(soon, None).is_none(),
+            "the repeats were not offered again"
+        );
+        ctx.accept(key, adv.from, true).unwrap();
+        let src = fill(9, buf.len());
+        let o = ctx.send(key, adv.from, 0, &src, dl, None).unwrap();
+        assert_eq!(o, Outcome::Completed);
+        assert_eq!(
+            gen.wait(key, Role::Receiver, dl, None).unwrap(),
+            Outcome::Completed
+        );
+        let sender = Role::Sender {
+            receiver: RankId(GEN),
+        };
+        assert_eq!(ctx.wait(key, sender, dl, None).unwrap(), Outcome::Completed);
+        assert_eq!(buf, src);
+        let after = gen.health().resends;
+        std::thread::sleep(Duration::from_millis(700));
+        assert_eq!(
+            gen.health().resends,
+            after,
+            "an answered request is not resent"
+        );
+        assert_eq!(gen.health().buffers_leased, 0);
+    }
+}
+
 #[test]
 fn suppressed_completion_times_out_then_next_request_is_served() {
     let timeout = Duration::from_millis(1500);

@@ -1104,6 +1104,10 @@ struct HealthInfo final {
   // Region bytes fenced now, and transfers fenced that way so far.
   ::std::uint64_t region_fenced_bytes CXX_DEFAULT_VALUE(0);
   ::std::uint64_t region_fences CXX_DEFAULT_VALUE(0);
+  // Control messages resent, repeats dropped, messages for unknown requests dropped.
+  ::std::uint64_t resends CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t duplicates CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t unknown_dropped CXX_DEFAULT_VALUE(0);
 
   using IsRelocatable = ::std::true_type;
 };

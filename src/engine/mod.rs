@@ -232,6 +232,18 @@ pub struct Health {
     /// to new receives until released), and transfers fenced that way so far.
     pub region_fenced_bytes: u64,
     pub region_fences: u64,
+    /// Control messages sent again because their answer had not come: unanswered
+    /// advertisements (backed off, 200 ms doubling to 6.4 s), votes, failure verdicts not yet
+    /// confirmed, and verdict pulls (at the retransmit interval). A few per fault are normal;
+    /// a rate that keeps climbing means a peer that is alive but not answering.
+    pub resends: u64,
+    /// Messages and landings that repeated one already handled (a resend that crossed its
+    /// answer): dropped, changing nothing.
+    pub duplicates: u64,
+    /// Messages for a request this rank does not know (finished and forgotten after its
+    /// linger, or never started here): dropped. Older generations of a request still known
+    /// count in `stale_dropped` instead.
+    pub unknown_dropped: u64,
 }
 
 const POOL_SLOTS: u32 = 1 << 16;
@@ -1202,6 +1214,9 @@ impl Engine {
             worker_renewals: s.worker_renewals,
             region_fenced_bytes: core.regions.fenced_bytes(),
             region_fences: core.regions.fences(),
+            resends: ps.retransmits,
+            duplicates: ps.duplicates,
+            unknown_dropped: ps.unknown_dropped,
         }
     }
 
