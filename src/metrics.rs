@@ -201,7 +201,7 @@ impl Metrics {
         );
         registry.register(
             "control_resends",
-            "Control messages sent again because their answer had not come (advertisements backed off; votes, failure verdicts, verdict pulls)",
+            "Control messages sent again because their answer had not come (advertisements and failure verdicts, backed off; votes, verdict pulls)",
             m.resends.clone(),
         );
         registry.register(

@@ -142,6 +142,15 @@ fn a_cancel_storm_from_both_sides_is_agreed_on_every_request_and_leaks_nothing()
             t0.elapsed().as_millis(),
             worst_wait.as_secs_f64() * 1e3
         );
+        println!(
+            "  control resends gen={} ctx={}, repeats dropped gen={} ctx={}, unknown gen={} ctx={}",
+            hg.resends,
+            hc.resends,
+            hg.duplicates,
+            hc.duplicates,
+            hg.unknown_dropped,
+            hc.unknown_dropped
+        );
         assert_eq!(wrong, 0, "a completed request's bytes did not check out");
         assert!(cancelled >= N / 3, "only {cancelled} cancelled");
         assert_eq!(hg.buffers_leased, 0);

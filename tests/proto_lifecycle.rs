@@ -492,3 +492,71 @@ fn an_unanswered_advertisement_is_sent_again_backed_off() {
         "reaches the cap: {gaps:?}"
     );
 }
+
+/// A failure verdict the sender does not confirm (alive but slow, or its `Quiesced` lost) is
+/// pushed again backed off like an advertisement: after a mass failure, thousands of requests
+/// towards one busy sender would otherwise each go out five times a second until their linger.
+/// It is still pushed again, so a lost verdict is recovered; the fault proptest checks that the
+/// outcomes still agree (a sender also pulls the verdict, and its vote is answered with it).
+#[test]
+fn an_unconfirmed_failure_verdict_is_pushed_again_backed_off() {
+    use kvlink::proto::wire::Message;
+    use kvlink::proto::*;
+    let t0 = std::time::Instant::now();
+    let (g, c) = (RankId(1), RankId(2));
+    let cfg = config();
+    let mut gen = Endpoint::new(g, cfg);
+    let mut ctx = Endpoint::new(c, cfg);
+    let mut pool = BufferPool::new(4);
+    let mut tokens = TokenAllocator::default();
+    let key = RequestKey::new(1, 0);
+    let (lease, desc) = (
+        pool.lease(key).unwrap(),
+        kv_desc(tokens.allocate().unwrap()),
+    );
+    gen.start_receive(t0, one_buffer(key, g, c, lease, desc, Some(ms(60_000))))
+        .unwrap();
+    let mut verdicts_at = Vec::new();
+    let mut confirmations = 0;
+    for step in 0..=1000u64 {
+        let now = t0 + ms(10 * step);
+        if step == 5 {
+            // The generation side gives up on the request: the verdict is decided and pushed.
+            gen.cancel(now, key).unwrap();
+        }
+        gen.handle_timeout(now);
+        while let Some(tx) = gen.poll_transmit() {
+            if let Message::Verdict { outcome, .. } = tx.message {
+                assert_eq!(outcome, Outcome::Cancelled);
+                verdicts_at.push((now - t0).as_millis());
+            }
+            ctx.handle_message(now, g, tx.message).unwrap();
+        }
+        // The sender answers every verdict with `Quiesced`; none of them arrives.
+        while let Some(tx) = ctx.poll_transmit() {
+            confirmations += usize::from(matches!(tx.message, Message::Quiesced { .. }));
+        }
+        while gen.poll_action().is_some() {}
+        while ctx.poll_event().is_some() {}
+        while gen.poll_event().is_some() {}
+    }
+    let gaps: Vec<u128> = verdicts_at.windows(2).map(|w| w[1] - w[0]).collect();
+    println!("verdict pushed at {verdicts_at:?} ms, {confirmations} confirmations lost");
+    assert!(
+        confirmations >= verdicts_at.len() - 1,
+        "the sender answered each"
+    );
+    assert!(
+        verdicts_at.len() >= 3,
+        "pushed again while unconfirmed: {verdicts_at:?}"
+    );
+    assert!(
+        verdicts_at.len() <= 12,
+        "{} pushes before the request was forgotten, at a {:?} interval (without back-off: one per interval)",
+        verdicts_at.len(),
+        cfg.retransmit
+    );
+    assert!(gaps.windows(2).all(|w| w[0] <= w[1]), "gaps grow: {gaps:?}");
+    let most = 32 * cfg.retransmit.as_millis();
+    assert!(gaps.iter().all(|&g| g <= most + 10), "capped: {gaps:?}");
+}

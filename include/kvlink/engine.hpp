@@ -289,8 +289,8 @@ struct Health {
   /// way so far. Each cost its range for a while, never the pair.
   std::uint64_t region_fenced_bytes = 0;
   std::uint64_t region_fences = 0;
-  /// Control messages sent again because their answer had not come (unanswered advertisements,
-  /// backed off from 200 ms to 6.4 s; votes, unconfirmed failure verdicts, verdict pulls). A
+  /// Control messages sent again because their answer had not come (unanswered advertisements
+  /// and unconfirmed failure verdicts, backed off from 200 ms to 6.4 s; votes, verdict pulls). A
   /// rate that keeps climbing means a peer that is alive but not answering.
   std::uint64_t resends = 0;
   /// Messages that repeated one already handled (a resend that crossed its answer), dropped.

@@ -233,8 +233,8 @@ pub struct Health {
     pub region_fenced_bytes: u64,
     pub region_fences: u64,
     /// Control messages sent again because their answer had not come: unanswered
-    /// advertisements (backed off, 200 ms doubling to 6.4 s), votes, failure verdicts not yet
-    /// confirmed, and verdict pulls (at the retransmit interval). A few per fault are normal;
+    /// advertisements and failure verdicts not yet confirmed (both backed off, 200 ms doubling
+    /// to 6.4 s), votes and verdict pulls (at the retransmit interval). A few per fault are normal;
     /// a rate that keeps climbing means a peer that is alive but not answering.
     pub resends: u64,
     /// Messages and landings that repeated one already handled (a resend that crossed its

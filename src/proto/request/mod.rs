@@ -3,8 +3,8 @@
 //!
 //! Receiver: `Active` (advertised; segments landing) -> local vote -> verdict -> `Settling`
 //! (unlanded receives cancelled, waiting for each to be reaped) -> terminal, buffers released ->
-//! lingering (answers late votes, retransmits a failure verdict to senders that have not
-//! confirmed) -> forgotten at terminal + linger, leaving a tombstone. Deadlines: the request
+//! lingering (answers late votes, retransmits a failure verdict, backed off, to senders that
+//! have not confirmed) -> forgotten at terminal + linger, leaving a tombstone. Deadlines: the request
 //! deadline (vote `TimedOut`, the coordinator decides), the agreement bound (`deadline +
 //! agreement_bound`, pulled in when a caller gives up: terminal no matter what, unsafe buffers
 //! fenced), the retransmit timer, and the forget time.
@@ -46,10 +46,12 @@ pub struct Config {
     /// the peer lost). Keep it well under the 100 ms a caller may wait past its deadline.
     pub agreement_bound: Duration,
     /// Interval between retransmissions of an unanswered control message. An advertisement,
-    /// which a busy sender may leave unanswered for long, backs off: 1, 2, 4 ... up to 32
-    /// intervals apart ([`backed_off`]). Votes, verdicts and a sender's pull of the verdict do
-    /// not: they must get through within the agreement bound (with back-off, the fault
-    /// proptest finds a sender that misses a lost verdict until its bound).
+    /// which a busy sender may leave unanswered for long, and a failure verdict pushed to a
+    /// sender that has not confirmed it, back off: 1, 2, 4 ... up to 32 intervals apart
+    /// ([`backed_off`]); a sender does not depend on that push alone (it pulls the verdict when
+    /// its sends are done, and its vote is answered with it). Votes and a sender's pull of the
+    /// verdict do not back off: they must get through within the agreement bound (with
+    /// back-off, the fault proptest finds a sender that misses a lost verdict until its bound).
     pub retransmit: Duration,
     /// How long a finished request is remembered past its agreement bound, to answer late
     /// duplicates and to recognise stale messages.

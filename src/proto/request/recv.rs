@@ -51,8 +51,10 @@ pub(crate) struct RecvRequest {
     linger: Duration,
     retransmit: Duration,
     next_retx: Instant,
-    /// How many times the advertisement went out again unanswered (its back-off).
+    /// How many times the advertisement went out again unanswered, and a failure verdict
+    /// unconfirmed (their back-offs).
     advert_resends: u32,
+    verdict_resends: u32,
     request_info: Vec<u8>,
     flows: BTreeMap<RankId, InFlow>,
     local_vote: Option<Outcome>,
@@ -127,6 +129,7 @@ impl RecvRequest {
             retransmit: cfg.retransmit,
             next_retx: now + cfg.retransmit,
             advert_resends: 0,
+            verdict_resends: 0,
             request_info,
             flows,
             local_vote: None,
@@ -538,6 +541,13 @@ impl RecvRequest {
                 },
             ),
             (Some(v), _) if !v.is_completed() => {
+                // Backed off too: after a mass failure (thousands of requests cancelled at once
+                // towards a sender that is alive but slow) each unconfirmed verdict would
+                // otherwise go out again every interval until linger. A sender that missed it
+                // does not depend on this push alone: it pulls the verdict once its sends are
+                // done, and its own vote at its deadline is answered with it.
+                self.verdict_resends = self.verdict_resends.saturating_add(1);
+                every = super::backed_off(every, self.verdict_resends);
                 for (sender, flow) in &self.flows {
                     if !flow.quiesced && !flow.lost {
                         out.send(
