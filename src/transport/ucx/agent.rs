@@ -482,7 +482,12 @@ impl Agent {
         self.check_peer(peer)?;
         let slot = self.new_slot(peer, bytes.len(), 0, SlotKind::Control, false);
         let op = self.op(slot.clone());
-        self.shared.submit(Cmd::Control { peer, bytes, slot })?;
+        let cmd = Cmd::Control {
+            peer,
+            bytes,
+            slot: slot.clone(),
+        };
+        self.shared.submit_detached(cmd, &slot)?;
         Ok(op)
     }
 

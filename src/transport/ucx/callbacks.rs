@@ -6,7 +6,7 @@
 use super::op::OpSlot;
 use super::shared::Shared;
 use super::{sys, Event, MAX_CONTROL};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -86,6 +86,22 @@ pub(super) struct ControlSend {
 thread_local! {
     /// The shared state of the agent this thread drives, for callbacks that complete slots.
     static SHARED: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
+    /// The agent whose sink this thread is running, if any (compared by address only).
+    static IN_SINK: Cell<*const Shared> = const { Cell::new(std::ptr::null()) };
+}
+
+/// Runs `f` (the owner's sink) marked as inside `shared`'s sink on this thread.
+pub(super) fn in_sink<R>(shared: &Shared, f: impl FnOnce() -> R) -> R {
+    let prev = IN_SINK.with(|c| c.replace(shared as *const Shared));
+    let r = f();
+    IN_SINK.with(|c| c.set(prev));
+    r
+}
+
+/// Whether this thread is running `shared`'s sink now: the pass that called it drains the
+/// command queue as soon as it returns.
+pub(super) fn in_sink_of(shared: &Shared) -> bool {
+    IN_SINK.with(|c| std::ptr::eq(c.get(), shared))
 }
 
 /// Makes `shared` the calling thread's, for the callbacks that run in its next progress call:

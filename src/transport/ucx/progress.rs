@@ -774,8 +774,10 @@ impl Progress {
         self.shared.sink_due_ns.store(u64::MAX, Ordering::Release);
         // A panic in the owner's logic must not unwind into whichever thread runs the pass (a
         // caller's wait, or the progress thread) and leave the timer at "delivering".
-        let delivered =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink.deliver(&mut evs, now)));
+        let shared = &*self.shared;
+        let delivered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            callbacks::in_sink(shared, || sink.deliver(&mut evs, now))
+        }));
         let next = match delivered {
             Ok(t) => t.map_or(now + SINK_IDLE, |t| t.min(now + SINK_IDLE)),
             Err(_) => {

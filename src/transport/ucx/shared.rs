@@ -194,22 +194,46 @@ impl Shared {
     /// callers do not drive (`KVLINK_POLL_US=0`), the progress thread is woken as by `submit`.
     /// The caller may hold its own locks: no sink runs here, and no other thread's command.
     pub(super) fn submit_now(self: &Arc<Self>, cmd: Cmd) -> Result<()> {
-        let alone = self.enqueue(cmd)?;
-        if alone && !self.poll_window.is_zero() {
-            if let Some(mut guard) = self.driver.try_lock() {
-                if let Some(p) = guard.as_mut() {
-                    callbacks::entered(self, || p.drain_commands());
-                    // Whatever the commands left for a pass (callback reports) or ended (a
-                    // shutdown) is the progress thread's to handle.
-                    let more = p.shutdown || !self.cb_events.lock().is_empty();
-                    drop(guard);
-                    if !more {
-                        return Ok(());
-                    }
-                }
-            }
+        if !self.start_here(cmd)? {
+            self.wake();
         }
-        self.wake();
+        Ok(())
+    }
+
+    /// Queues `cmd` and, when the queue held nothing else and no other thread drives, runs the
+    /// queue here. True if it ran and left nothing for the progress thread to handle.
+    fn start_here(self: &Arc<Self>, cmd: Cmd) -> Result<bool> {
+        let alone = self.enqueue(cmd)?;
+        if !alone || self.poll_window.is_zero() {
+            return Ok(false);
+        }
+        let Some(mut guard) = self.driver.try_lock() else {
+            return Ok(false);
+        };
+        let Some(p) = guard.as_mut() else {
+            return Ok(false);
+        };
+        callbacks::entered(self, || p.drain_commands());
+        // Whatever the commands left for a pass (callback reports) or ended (a shutdown) is
+        // the progress thread's to handle.
+        let more = p.shutdown || !self.cb_events.lock().is_empty();
+        Ok(!more)
+    }
+
+    /// [`Shared::submit`] for a command nobody will wait on (a control message): from inside
+    /// this agent's sink, only queued, since the pass drains the queue as soon as the sink
+    /// returns; from any other thread, started right here when [`Shared::submit_now`] may, and
+    /// the progress thread woken only if `slot` did not end at once (a send that UCX queued
+    /// needs progress that no caller may give). Saves a caller an eventfd write and a wake-up
+    /// of the progress thread per control message.
+    pub(super) fn submit_detached(self: &Arc<Self>, cmd: Cmd, slot: &OpSlot) -> Result<()> {
+        if callbacks::in_sink_of(self) {
+            self.enqueue(cmd)?;
+            return Ok(());
+        }
+        if !self.start_here(cmd)? || slot.state.lock().is_none() {
+            self.wake();
+        }
         Ok(())
     }
 
