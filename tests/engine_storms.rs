@@ -2,6 +2,9 @@
 //! storm from both sides at once, and an exhausted receive pool. For each: both sides agree on
 //! every request's outcome, every completed request's bytes check out, nothing stays leased, and
 //! the figures are printed (docs/RELIABILITY.md quotes them; `bash scripts/reliability.sh`).
+mod common;
+
+use common::Proc;
 use kvlink::connection::{BufferSpec, Engine, EngineConfig};
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
 use kvlink::transport::TransportKind;
@@ -212,4 +215,128 @@ fn an_exhausted_receive_pool_is_queue_full_at_once_and_loses_nothing() {
         assert_eq!(wrong, 0);
         assert_eq!(gen.health().buffers_leased, 0);
     }
+}
+
+const ENGINE_PEER: &str = env!("CARGO_BIN_EXE_kvlink-engine-peer");
+
+/// The bytes `kvlink-engine-peer ctx` sends for (request, segment 0), as it makes them.
+fn peer_bytes(request: u64, len: usize) -> Vec<u8> {
+    (0..len.div_ceil(8))
+        .flat_map(|i| {
+            let mut x = request.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x ^= x >> 31;
+            x.to_le_bytes()
+        })
+        .take(len)
+        .collect()
+}
+
+/// A mass failure towards a sender that is alive but not answering: the context side is a
+/// separate process, frozen (SIGSTOP) before 256 requests are advertised to it; they all time
+/// out, and each failure verdict waits for a confirmation that cannot come until the process
+/// runs again. Every wait still ends by its deadline + 100 ms; the receiver's resends back off
+/// (an advertisement and a failure verdict each go out again 200 ms later, then 400, 800 ...),
+/// so the frozen peer finds a bounded backlog when it thaws (without the back-off: one more
+/// message per request every 200 ms until each is forgotten, 5 s after its end); and the pair
+/// then serves a new request, every byte checked. On tcp: the back-off is the core's, the same
+/// on every transport, and a frozen process on shared memory would also trip the receive-queue
+/// probe, which `tests/sm_kill_wedge.rs` covers.
+#[test]
+fn a_mass_failure_towards_a_frozen_sender_is_resent_backed_off_and_the_pair_goes_on() {
+    const N: u64 = 256;
+    const LEN: usize = 16 << 10;
+    let timeout = Duration::from_millis(1000);
+    let mut ctx = Proc::spawn({
+        let mut c = std::process::Command::new(ENGINE_PEER);
+        c.args(["ctx", "--transport", "tcp", "--timeout-ms", "1000"]);
+        c
+    });
+    let addr = ctx
+        .expect("ADDR")
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .to_string();
+    let mut g = EngineConfig::new("gen", GEN, TransportKind::Tcp);
+    g.timeout = timeout;
+    let gen = Engine::new(g).unwrap();
+    let ctx_rank = gen
+        .connect(&addr, Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(ctx_rank, RankId(CTX));
+
+    ctx.signal(libc::SIGSTOP);
+    let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
+    let t0 = Instant::now();
+    for (i, b) in bufs.iter_mut().enumerate() {
+        // SAFETY: every request is waited for below before `bufs` is read or dropped.
+        unsafe { advertise(&gen, RequestKey::new(100 + i as u64, 0), b) }.unwrap();
+    }
+    let mut worst_late = Duration::ZERO;
+    for i in 0..N {
+        let key = RequestKey::new(100 + i, 0);
+        let o = gen
+            .wait(key, Role::Receiver, t0 + Duration::from_secs(30), None)
+            .unwrap();
+        assert_ne!(
+            o,
+            Outcome::Completed,
+            "request {i} completed with its sender frozen"
+        );
+        worst_late = worst_late.max(Instant::now().saturating_duration_since(t0 + timeout));
+    }
+    // The failure verdicts stay unconfirmed while the sender is frozen.
+    std::thread::sleep(Duration::from_millis(3500));
+    let frozen_for = t0.elapsed();
+    let h = gen.health();
+    let per_request = h.resends as f64 / N as f64;
+    println!(
+        "== tcp: {N} requests failed towards a frozen sender\n  \
+         FROZEN_STORM worst_late_ms={:.1} resends={} per_request={per_request:.1} \
+         frozen_ms={} leased={} failed={}",
+        worst_late.as_secs_f64() * 1e3,
+        h.resends,
+        frozen_for.as_millis(),
+        h.buffers_leased,
+        h.failed
+    );
+    assert!(
+        worst_late <= Duration::from_millis(100),
+        "a wait ended {worst_late:?} past its deadline"
+    );
+    assert_eq!(h.buffers_leased, 0);
+    // Backed off, each request has had 2 advertisement resends (200, 600 ms) before its
+    // deadline and 4 verdict resends (200, 600, 1400, 3000 ms after it) by now; at the plain
+    // 200 ms interval the verdict alone would have gone out about 17 more times.
+    assert!(
+        per_request >= 3.0,
+        "resends while unconfirmed: {per_request:.1} per request"
+    );
+    assert!(
+        per_request <= 9.0,
+        "not backed off: {per_request:.1} per request"
+    );
+
+    ctx.signal(libc::SIGCONT);
+    let key = RequestKey::new(1000, 0);
+    let mut buf = vec![0u8; LEN];
+    // SAFETY: waited for below before `buf` is read or dropped.
+    unsafe { advertise(&gen, key, &mut buf) }.unwrap();
+    let o = gen
+        .wait(
+            key,
+            Role::Receiver,
+            Instant::now() + Duration::from_secs(20),
+            None,
+        )
+        .unwrap();
+    assert_eq!(
+        o,
+        Outcome::Completed,
+        "the pair serves again once the sender runs"
+    );
+    assert!(buf == peer_bytes(1000, LEN), "every byte checked");
+    assert_eq!(gen.health().buffers_leased, 0);
+    drop(bufs);
 }
