@@ -662,7 +662,11 @@ fn tr_recv(a: &PeerArgs) -> i32 {
     };
     match agent.listen_address() {
         Some(addr) => say(format!("ADDR {addr}")),
-        None => say(format!("ADDR ucx:{}", hex::encode(agent.worker_address()))),
+        None => say(format!(
+            "ADDR {}{}",
+            kvlink::proto::peers::WORKER_ADDRESS_PREFIX,
+            hex::encode(agent.worker_address())
+        )),
     }
     // The sender's first control message tells which peer it is.
     let peer: PeerId = loop {
@@ -742,7 +746,7 @@ fn tr_send(a: &PeerArgs) -> i32 {
             return finish(1);
         }
     };
-    let peer = match addr.strip_prefix("ucx:") {
+    let peer = match addr.strip_prefix(kvlink::proto::peers::WORKER_ADDRESS_PREFIX) {
         Some(h) => match hex::decode(h) {
             Ok(bytes) => agent.connect_worker(&bytes),
             Err(e) => {

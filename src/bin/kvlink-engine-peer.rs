@@ -572,7 +572,7 @@ fn unhex(s: &str) -> Vec<u8> {
 
 fn intruder(transport: TransportKind, to: &str, tags: &str, lens: &str) {
     let agent = Agent::new(AgentOptions::new("intruder", transport)).expect("agent");
-    let peer = match to.strip_prefix("ucx:") {
+    let peer = match to.strip_prefix(kvlink::proto::peers::WORKER_ADDRESS_PREFIX) {
         Some(h) => agent.connect_worker(&unhex(h)),
         None => agent.connect(to.parse().expect("--to ip:port")),
     }

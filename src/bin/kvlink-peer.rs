@@ -188,7 +188,9 @@ fn send((transport, devices): Setting, to: &str, sizes: &[usize], mode: &str, ta
     let peer = match to.parse() {
         Ok(addr) => agent.connect(addr).expect("connect"),
         Err(_) => agent
-            .connect_worker(&unhex(to.trim_start_matches("ucx:")))
+            .connect_worker(&unhex(
+                to.trim_start_matches(kvlink::proto::peers::WORKER_ADDRESS_PREFIX),
+            ))
             .expect("connect"),
     };
     if mode == "flood" {

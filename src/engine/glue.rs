@@ -369,7 +369,7 @@ impl Inner {
         match ev {
             // An endpoint that does not finish its handshake in time is closed.
             Event::Accepted(peer, from) => {
-                let from = from.map(|a| format!("ucx:{}", super::hex(&a)));
+                let from = from.map(|a| super::worker_address_text(&a));
                 core.peers.accepted(peer, from, now)
             }
             Event::WorkerMoving => {

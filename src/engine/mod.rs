@@ -44,6 +44,7 @@ pub(crate) mod glue;
 mod waiters;
 
 pub use crate::proto::peers::PeerState;
+use crate::proto::peers::WORKER_ADDRESS_PREFIX;
 pub use crate::proto::regions::{RegionId, RegionInfo};
 
 use crate::error::{Error, ErrorKind, Outcome, Result};
@@ -272,7 +273,7 @@ fn key_err(kind: ErrorKind, key: RequestKey, what: &str) -> Error {
 
 /// Dials `address` (`ip:port` or `ucx:<hex worker address>`).
 pub(crate) fn dial(agent: &Agent, address: &str) -> Result<PeerId> {
-    match address.strip_prefix("ucx:") {
+    match address.strip_prefix(WORKER_ADDRESS_PREFIX) {
         Some(h) => agent.connect_worker(&unhex(h)?),
         None => agent.connect(crate::config::parse_listen_address(address)?),
     }
@@ -362,7 +363,7 @@ impl Engine {
     pub fn address(&self) -> String {
         match self.inner.agent.listen_address() {
             Some(a) => a.to_string(),
-            None => format!("ucx:{}", hex(&self.inner.agent.worker_address())),
+            None => worker_address_text(&self.inner.agent.worker_address()),
         }
     }
 
@@ -1306,8 +1307,10 @@ impl Drop for Engine {
     }
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+/// A worker address as a rank's address text: `ucx:<hex>` ([`dial`] reads it back).
+fn worker_address_text(address: &[u8]) -> String {
+    let hex: String = address.iter().map(|x| format!("{x:02x}")).collect();
+    format!("{WORKER_ADDRESS_PREFIX}{hex}")
 }
 
 /// Hex digits to bytes; any other character (non-ASCII included) is an `InvalidArgument`.
@@ -1331,7 +1334,10 @@ mod tests {
     #[test]
     fn unhex_refuses_odd_non_hex_and_non_ascii_without_panicking() {
         assert_eq!(unhex("00ff7a").unwrap(), vec![0, 255, 0x7a]);
-        assert_eq!(unhex(&hex(&[1, 2, 254])).unwrap(), vec![1, 2, 254]);
+        let text = worker_address_text(&[1, 2, 254]);
+        assert!(crate::proto::peers::is_worker_address(&text), "{text}");
+        let h = text.strip_prefix(WORKER_ADDRESS_PREFIX).unwrap();
+        assert_eq!(unhex(h).unwrap(), vec![1, 2, 254]);
         for bad in ["", "0", "0g", "é1", "1é", "ééé"] {
             assert_eq!(
                 unhex(bad).unwrap_err().kind,

@@ -451,10 +451,13 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     }
 }
 
+/// How a rank's address names a transport worker: this prefix, then the worker address in hex.
+pub const WORKER_ADDRESS_PREFIX: &str = "ucx:";
+
 /// Whether `address` names a transport worker (`ucx:<hex>`, which changes when that process
 /// moves to a new worker) rather than a listener (`ip:port`, which stays).
 pub fn is_worker_address(address: &str) -> bool {
-    address.starts_with("ucx:")
+    address.starts_with(WORKER_ADDRESS_PREFIX)
 }
 
 #[cfg(test)]
