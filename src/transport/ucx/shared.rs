@@ -237,6 +237,18 @@ impl Shared {
         Ok(())
     }
 
+    /// [`Shared::submit`] for a receive whose end is reported as an event: posted right here
+    /// when [`Shared::submit_now`] may, and then the progress thread is left asleep: a posted
+    /// receive needs no progress until its data arrives, and the arrival is an event on the
+    /// worker that wakes it. Woken only if the receive could not be posted here, or ended at
+    /// once (its end is an event for a pass to hand to the sink).
+    pub(super) fn submit_receive(self: &Arc<Self>, cmd: Cmd, slot: &OpSlot) -> Result<()> {
+        if !self.start_here(cmd)? || slot.state.lock().is_some() {
+            self.wake();
+        }
+        Ok(())
+    }
+
     /// Queues `cmd`; true if the queue held nothing else.
     fn enqueue(&self, cmd: Cmd) -> Result<bool> {
         let mut q = self.cmds.lock();
