@@ -65,7 +65,13 @@ pub struct RunArgs {
     #[arg(long)]
     pub iters: Option<u64>,
 
-    /// Warm-up requests before each one-in-flight and transport row [default: 3, --quick: 1].
+    /// Warm-up requests before each one-in-flight row [default: as many as ucx_perftest
+    /// warms up at that size, a tenth of its iterations and at least 3 (1000 at 4 KiB, 25 at
+    /// 1 MiB); --quick: 1], and transfers before each transport row [default: 3]. A fresh
+    /// pair's first few hundred small requests are slower than the rest, as are
+    /// ucx_perftest's first iterations, which it does not time. The transport row's sender is
+    /// not paced by its receiver: after a long warm-up of small (eager) sends it is hundreds
+    /// ahead, and its measured sends wait for the socket to drain.
     #[arg(long)]
     pub warmup: Option<u64>,
 
@@ -136,8 +142,27 @@ impl RunArgs {
             .unwrap_or(if self.quick { 10 } else { 100 })
             .max(1)
     }
-    pub fn warmup(&self) -> u64 {
+    /// Warm-up transfers before a transport row (see `warmup`).
+    pub fn transport_warmup(&self) -> u64 {
         self.warmup.unwrap_or(if self.quick { 1 } else { 3 })
+    }
+
+    /// Warm-up requests before a one-in-flight row of `size` bytes: the same
+    /// count as ucx_perftest's warm-up at that size (`perftest::run` passes `-w` a tenth of
+    /// its iterations), so kvlink and its baseline start measuring equally warm.
+    pub fn warmup_for(&self, size: u64) -> u64 {
+        self.warmup.unwrap_or_else(|| {
+            if self.quick {
+                1
+            } else {
+                crate::perftest::warmup_of(crate::perftest::iterations(
+                    size,
+                    self.perftest_budget(),
+                    self.perftest_min(),
+                    self.perftest_max(),
+                ))
+            }
+        })
     }
     pub fn rounds(&self) -> u64 {
         self.rounds.unwrap_or(if self.quick { 2 } else { 5 }).max(1)

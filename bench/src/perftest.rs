@@ -58,6 +58,11 @@ pub fn iterations(size: u64, budget: u64, min_iters: u64, max_iters: u64) -> u64
     (budget / size.max(1)).clamp(lo, max_iters.max(lo))
 }
 
+/// The untimed warm-up iterations ucx_perftest is given before `iters` timed ones.
+pub fn warmup_of(iters: u64) -> u64 {
+    (iters / 10).max(3)
+}
+
 /// Runs one ucx_perftest pair; gives up (killing both) at `limit`.
 pub fn run(
     test: Test,
@@ -79,7 +84,7 @@ pub fn run(
         "-n".into(),
         iters.to_string(),
         "-w".into(),
-        (iters / 10).max(3).to_string(),
+        warmup_of(iters).to_string(),
         "-f".into(),
     ];
     if test == Test::TagBw {

@@ -207,7 +207,7 @@ impl Runner {
                     size,
                     1,
                     a.iters(),
-                    a.warmup(),
+                    a.transport_warmup(),
                 );
                 to_row(
                     Row::new(t.name(), Kind::KvlinkTransport, size, 1),
@@ -217,7 +217,7 @@ impl Runner {
             }
             Step::Requests { size, in_flight } => {
                 let (rounds, warmup) = if in_flight == 1 {
-                    (a.iters(), a.warmup())
+                    (a.iters(), a.warmup_for(size))
                 } else {
                     (a.rounds(), 1)
                 };
