@@ -35,6 +35,17 @@ class EngineTest : public testing::TestWithParam<std::string> {
     gen_->advertise(key, {}, kCtx, {{kvlink::BufferKind::Kv, 0, buf.data(), buf.size()}}, {1, 2, 3});
   }
 
+  /// The context rank accepts `key` and sends `buf.size()` bytes of pattern `seed` into it;
+  /// both ranks must end `Completed` and every byte must have landed.
+  void serve_and_check(RequestKey key, const std::vector<std::uint8_t>& buf, std::uint8_t seed) {
+    ctx_->accept(key, kGen, true);
+    const auto src = pattern(buf.size(), seed);
+    EXPECT_EQ(ctx_->send(key, kGen, 0, src.data(), src.size(), kvlink::after(5s)), Outcome::Completed);
+    EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Completed);
+    EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
+    EXPECT_EQ(buf, src);
+  }
+
   /// Memory a test lends to an engine as a region: declared before the engines, so that it
   /// outlives them even when an assertion ends the test early.
   std::vector<std::uint8_t> region_mem_, send_region_mem_;
@@ -112,12 +123,7 @@ TEST_P(EngineTest, UnansweredAdvertisementIsResentAndCounted) {
   ASSERT_TRUE(adv);
   EXPECT_EQ(adv->key, key);
   EXPECT_FALSE(ctx_->next_advertisement(kvlink::after(200ms))) << "a repeat was offered again";
-  ctx_->accept(key, kGen, true);
-  const auto src = pattern(buf.size(), 5);
-  EXPECT_EQ(ctx_->send(key, kGen, 0, src.data(), src.size(), kvlink::after(5s)), Outcome::Completed);
-  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Completed);
-  EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
-  EXPECT_EQ(buf, src);
+  serve_and_check(key, buf, 5);
 }
 
 // Regions: registered once, received into by range and sent from, checked with typed errors,
@@ -500,12 +506,7 @@ TEST_P(AnyTransportTest, RoundTripMovesEveryByte) {
   advertise(key, buf);
   auto adv = ctx_->next_advertisement(kvlink::after(5s));
   ASSERT_TRUE(adv);
-  ctx_->accept(key, kGen, true);
-  const auto src = pattern(buf.size(), 5);
-  EXPECT_EQ(ctx_->send(key, kGen, 0, src.data(), src.size(), kvlink::after(5s)), Outcome::Completed);
-  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Completed);
-  EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
-  EXPECT_EQ(buf, src);
+  serve_and_check(key, buf, 5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ucx, AnyTransportTest, testing::Values("auto", "tcp,self", "posix,sysv,self", "tcp@lo"),

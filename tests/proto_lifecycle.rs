@@ -439,18 +439,20 @@ fn timers_of_finished_requests_do_not_pile_up() {
     );
 }
 
-/// An advertisement that its sender has queued but not yet answered (a busy prefill) goes out
-/// again backed off, 1, 2, 4 ... up to 32 retransmit intervals apart, not once an interval: a
-/// sender holding 4096 of them would otherwise be sent each again five times a second (at the
-/// engine's 200 ms) while it works. It is still sent again, so a lost one is recovered.
-#[test]
-fn an_unanswered_advertisement_is_sent_again_backed_off() {
+/// A generation rank (1) and a context rank (2) at `t0`, the generation rank having started
+/// request 1 (one 64-byte buffer from rank 2, deadline 60 s): its `Advertise` is the first
+/// transmit. Returns both endpoints and the generation rank's id.
+fn one_request_advertised(
+    t0: std::time::Instant,
+) -> (
+    kvlink::proto::Endpoint,
+    kvlink::proto::Endpoint,
+    kvlink::proto::RankId,
+) {
     use kvlink::proto::*;
-    let t0 = std::time::Instant::now();
     let (g, c) = (RankId(1), RankId(2));
-    let cfg = config();
-    let mut gen = Endpoint::new(g, cfg);
-    let mut ctx = Endpoint::new(c, cfg);
+    let mut gen = Endpoint::new(g, config());
+    let ctx = Endpoint::new(c, config());
     let mut pool = BufferPool::new(4);
     let mut tokens = TokenAllocator::default();
     let key = RequestKey::new(1, 0);
@@ -460,6 +462,18 @@ fn an_unanswered_advertisement_is_sent_again_backed_off() {
     );
     gen.start_receive(t0, one_buffer(key, g, c, lease, desc, Some(ms(60_000))))
         .unwrap();
+    (gen, ctx, g)
+}
+
+/// An advertisement that its sender has queued but not yet answered (a busy prefill) goes out
+/// again backed off, 1, 2, 4 ... up to 32 retransmit intervals apart, not once an interval: a
+/// sender holding 4096 of them would otherwise be sent each again five times a second (at the
+/// engine's 200 ms) while it works. It is still sent again, so a lost one is recovered.
+#[test]
+fn an_unanswered_advertisement_is_sent_again_backed_off() {
+    let t0 = std::time::Instant::now();
+    let cfg = config();
+    let (mut gen, mut ctx, g) = one_request_advertised(t0);
     let mut sent_at = Vec::new();
     for step in 0..=1000u64 {
         let now = t0 + ms(10 * step);
@@ -501,21 +515,10 @@ fn an_unanswered_advertisement_is_sent_again_backed_off() {
 #[test]
 fn an_unconfirmed_failure_verdict_is_pushed_again_backed_off() {
     use kvlink::proto::wire::Message;
-    use kvlink::proto::*;
     let t0 = std::time::Instant::now();
-    let (g, c) = (RankId(1), RankId(2));
     let cfg = config();
-    let mut gen = Endpoint::new(g, cfg);
-    let mut ctx = Endpoint::new(c, cfg);
-    let mut pool = BufferPool::new(4);
-    let mut tokens = TokenAllocator::default();
+    let (mut gen, mut ctx, g) = one_request_advertised(t0);
     let key = RequestKey::new(1, 0);
-    let (lease, desc) = (
-        pool.lease(key).unwrap(),
-        kv_desc(tokens.allocate().unwrap()),
-    );
-    gen.start_receive(t0, one_buffer(key, g, c, lease, desc, Some(ms(60_000))))
-        .unwrap();
     let mut verdicts_at = Vec::new();
     let mut confirmations = 0;
     for step in 0..=1000u64 {
