@@ -64,12 +64,7 @@ fn start_ctx_with(
         cmd.args(["--listen", l]);
     }
     let mut ctx = Proc::spawn(cmd);
-    let addr = ctx
-        .expect("ADDR")
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .to_string();
+    let addr = ctx.expect_addr();
     (ctx, addr)
 }
 
@@ -291,12 +286,7 @@ fn waiting_ten_seconds_for_data_that_never_comes_costs_under_two_percent_of_a_co
                     "5",
                 ]);
                 let mut ctx = Proc::spawn(cmd);
-                let addr = ctx
-                    .expect("ADDR")
-                    .split_whitespace()
-                    .nth(1)
-                    .unwrap()
-                    .to_string();
+                let addr = ctx.expect_addr();
                 let mut cmd = peer_cmd(None);
                 cmd.args(["gen", "--transport", tl, "--to", &addr, "--sizes", "1M"])
                     .args(["--timeout-ms", "10000"]);

@@ -252,12 +252,7 @@ fn a_mass_failure_towards_a_frozen_sender_is_resent_backed_off_and_the_pair_goes
         c.args(["ctx", "--transport", "tcp", "--timeout-ms", "1000"]);
         c
     });
-    let addr = ctx
-        .expect("ADDR")
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .to_string();
+    let addr = ctx.expect_addr();
     let mut g = EngineConfig::new("gen", GEN, TransportKind::Tcp);
     g.timeout = timeout;
     let gen = Engine::new(g).unwrap();

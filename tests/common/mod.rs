@@ -76,6 +76,15 @@ impl Proc {
         }
     }
 
+    /// The address a `kvlink-engine-peer` prints first (`ADDR <address>`).
+    pub fn expect_addr(&mut self) -> String {
+        let line = self.expect("ADDR");
+        line.split_whitespace()
+            .nth(1)
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_string()
+    }
+
     /// Next stdout line that starts with one of `prefixes` (other lines are skipped); returns
     /// the matched line trimmed to that prefix when the prefix is a whole word sequence.
     pub fn expect_one_of(&mut self, prefixes: &[&str]) -> String {

@@ -357,7 +357,7 @@ impl Agent {
         if len > DIRECT_POST_MAX {
             self.shared.submit(cmd)?;
         } else if !send && notify {
-            self.shared.submit_receive(cmd, &slot)?;
+            self.shared.submit_unwaited(cmd, &slot)?;
         } else if !notify {
             self.shared.submit_now(cmd)?;
         } else {
@@ -494,7 +494,7 @@ impl Agent {
             bytes,
             slot: slot.clone(),
         };
-        self.shared.submit_detached(cmd, &slot)?;
+        self.shared.submit_unwaited(cmd, &slot)?;
         Ok(op)
     }
 

@@ -220,30 +220,23 @@ impl Shared {
         Ok(!more)
     }
 
-    /// [`Shared::submit`] for a command nobody will wait on (a control message): from inside
-    /// this agent's sink, only queued, since the pass drains the queue as soon as the sink
-    /// returns; from any other thread, started right here when [`Shared::submit_now`] may, and
-    /// the progress thread woken only if `slot` did not end at once (a send that UCX queued
-    /// needs progress that no caller may give). Saves a caller an eventfd write and a wake-up
-    /// of the progress thread per control message.
-    pub(super) fn submit_detached(self: &Arc<Self>, cmd: Cmd, slot: &OpSlot) -> Result<()> {
+    /// [`Shared::submit`] for an op nobody waits on (a control message, a receive whose end is
+    /// an event): from inside this agent's sink, only queued, since the pass drains the queue
+    /// as soon as the sink returns; from any other thread, started right here when
+    /// [`Shared::submit_now`] may. The progress thread is woken only if the op still needs a
+    /// pass: it could not start here, or it ended at once and its end is an event for the sink,
+    /// or it is a send that UCX queued (it needs progress no caller gives). A posted receive
+    /// needs none until its data arrives, which is an event on the worker that wakes the
+    /// thread. Saves a caller an eventfd write and a wake-up per control message and receive.
+    pub(super) fn submit_unwaited(self: &Arc<Self>, cmd: Cmd, slot: &OpSlot) -> Result<()> {
         if callbacks::in_sink_of(self) {
             self.enqueue(cmd)?;
             return Ok(());
         }
-        if !self.start_here(cmd)? || slot.state.lock().is_none() {
-            self.wake();
-        }
-        Ok(())
-    }
-
-    /// [`Shared::submit`] for a receive whose end is reported as an event: posted right here
-    /// when [`Shared::submit_now`] may, and then the progress thread is left asleep: a posted
-    /// receive needs no progress until its data arrives, and the arrival is an event on the
-    /// worker that wakes it. Woken only if the receive could not be posted here, or ended at
-    /// once (its end is an event for a pass to hand to the sink).
-    pub(super) fn submit_receive(self: &Arc<Self>, cmd: Cmd, slot: &OpSlot) -> Result<()> {
-        if !self.start_here(cmd)? || slot.state.lock().is_some() {
+        let started = self.start_here(cmd)?;
+        let ended = slot.state.lock().is_some();
+        let receive = !slot.send && !slot.control;
+        if !started || (ended && slot.notify) || (!ended && !receive) {
             self.wake();
         }
         Ok(())
