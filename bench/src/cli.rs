@@ -36,6 +36,27 @@ pub enum PeerCmd {
     /// One side of a measurement (started by the bench itself).
     #[command(hide = true)]
     Peer(PeerArgs),
+    /// The protocol core's own CPU cost per request, in this one process, no transport: two
+    /// endpoints with the engine's defaults pass a whole request's messages (encoded and
+    /// decoded), events and actions. Compare before and after a change to `src/proto/`.
+    Core(CoreArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct CoreArgs {
+    /// Requests per round, each completed before the next starts.
+    #[arg(long, default_value_t = 50_000)]
+    pub requests: u64,
+    /// Buffers (segments) per request.
+    #[arg(long, default_value_t = 1)]
+    pub segments: u32,
+    /// Simulated time between requests, microseconds. A finished request is remembered 5 s: at
+    /// 1000 (1000 requests/s) each endpoint knows about 5000; 10 keeps every request of a round.
+    #[arg(long, default_value_t = 1000)]
+    pub spacing_us: u64,
+    /// Rounds, each with fresh endpoints; the best and the median are printed.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: u32,
 }
 
 #[derive(Args, Debug, Clone)]

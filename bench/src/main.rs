@@ -8,6 +8,7 @@
 //! so a row whose requests fail or hang is reported with its failure count and the run goes on.
 //! `kvlink-bench --help` explains every flag.
 mod cli;
+mod core_cost;
 mod perftest;
 mod plot;
 mod procs;
@@ -23,6 +24,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(PeerCmd::Peer(p)) = &cli.peer {
         return ExitCode::from(roles::run(p).clamp(0, 255) as u8);
+    }
+    if let Some(PeerCmd::Core(c)) = &cli.peer {
+        return ExitCode::from(core_cost::run(c).clamp(0, 255) as u8);
     }
     let args = cli.run;
     let settings = serde_json::json!({
