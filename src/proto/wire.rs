@@ -212,7 +212,27 @@ impl Message {
     /// Encodes one frame onto `out`. Fails (and leaves `out` unchanged) when a field breaks a
     /// limit the decoder enforces.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), WireError> {
-        let mut body = Vec::new();
+        let start = out.len();
+        // The header, its length field filled in once the body is written after it: one
+        // buffer, grown at most once for all but the largest messages.
+        out.reserve(HEADER_LEN + 64);
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.push(self.type_code());
+        out.push(0);
+        out.extend_from_slice(&[0; 4]);
+        let body_start = out.len();
+        if let Err(e) = self.encode_body(out) {
+            out.truncate(start);
+            return Err(e);
+        }
+        let len = (out.len() - body_start) as u32;
+        out[body_start - 4..body_start].copy_from_slice(&len.to_le_bytes());
+        Ok(())
+    }
+
+    /// The body of the frame, after the header (see [`Message::encode`]).
+    fn encode_body(&self, body: &mut Vec<u8>) -> Result<(), WireError> {
         let bad = |reason| WireError { reason, offset: 0 };
         match self {
             Message::Hello {
@@ -228,7 +248,7 @@ impl Message {
                 body.extend_from_slice(&rank.0.to_le_bytes());
                 body.extend_from_slice(&instance.to_le_bytes());
                 body.extend_from_slice(&challenge.to_le_bytes());
-                put_opt_proof(&mut body, proof);
+                put_opt_proof(body, proof);
                 body.extend_from_slice(&(agent_name.len() as u16).to_le_bytes());
                 body.extend_from_slice(agent_name.as_bytes());
             }
@@ -249,7 +269,8 @@ impl Message {
                     return Err(bad(WireReason::NoBuffers));
                 }
                 check_descs(buffers).map_err(bad)?;
-                put_key(&mut body, key);
+                body.reserve(30 + request_info.len() + buffers.len() * 33);
+                put_key(body, key);
                 body.extend_from_slice(&src_rank.0.to_le_bytes());
                 body.extend_from_slice(&timeout_ms.to_le_bytes());
                 body.extend_from_slice(&(request_info.len() as u32).to_le_bytes());
@@ -265,36 +286,29 @@ impl Message {
                 }
             }
             Message::Ready { key, ready } => {
-                put_key(&mut body, key);
+                put_key(body, key);
                 body.push(*ready as u8);
             }
             Message::Notify { key, payload } => {
                 if payload.len() > MAX_PAYLOAD {
                     return Err(bad(WireReason::TooLarge));
                 }
-                put_key(&mut body, key);
+                put_key(body, key);
                 body.extend_from_slice(&(payload.len() as u32).to_le_bytes());
                 body.extend_from_slice(payload);
             }
             Message::Vote { key, outcome } | Message::Verdict { key, outcome } => {
-                put_key(&mut body, key);
+                put_key(body, key);
                 body.push(*outcome as u8);
             }
-            Message::Quiesced { key } => put_key(&mut body, key),
+            Message::Quiesced { key } => put_key(body, key),
             Message::Proof { proof, resume } => {
                 body.extend_from_slice(proof);
-                put_opt_proof(&mut body, resume);
+                put_opt_proof(body, resume);
             }
             Message::Welcome => {}
             Message::Refuse { reason } => body.push(*reason as u8),
         }
-        out.reserve(HEADER_LEN + body.len());
-        out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.push(self.type_code());
-        out.push(0);
-        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        out.extend_from_slice(&body);
         Ok(())
     }
 
@@ -485,16 +499,27 @@ pub fn frame_len(prefix: &[u8]) -> Result<Option<usize>, WireError> {
 }
 
 fn check_descs(buffers: &[BufferDesc]) -> Result<(), WireReason> {
-    for (i, d) in buffers.iter().enumerate() {
+    for d in buffers {
         d.validate()?;
-        if buffers[..i].iter().any(|e| e.segment == d.segment) {
-            return Err(WireReason::DuplicateSegment);
-        }
-        if buffers[..i].iter().any(|e| e.token == d.token) {
-            return Err(WireReason::DuplicateToken);
-        }
+    }
+    if any_repeated(buffers.len(), |i| buffers[i].segment) {
+        return Err(WireReason::DuplicateSegment);
+    }
+    if any_repeated(buffers.len(), |i| buffers[i].token) {
+        return Err(WireReason::DuplicateToken);
     }
     Ok(())
+}
+
+/// Whether two of the `n` values `at(0..n)` are equal: pairwise for a few, sorted beyond, so a
+/// list of [`MAX_BUFFERS`] descriptors costs n log n to check, not n².
+pub(crate) fn any_repeated<T: Ord>(n: usize, at: impl Fn(usize) -> T) -> bool {
+    if n <= 16 {
+        return (1..n).any(|i| (0..i).any(|j| at(j) == at(i)));
+    }
+    let mut v: Vec<T> = (0..n).map(at).collect();
+    v.sort_unstable();
+    v.windows(2).any(|w| w[0] == w[1])
 }
 
 /// A flag byte (0 | 1), then the proof if there is one.
