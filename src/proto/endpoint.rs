@@ -16,6 +16,7 @@ use super::pool::Lease;
 use super::request::{
     Action, Config, Event, Out, RecvRequest, Role, SendFlow, SendRefusal, Stats, Transmit,
 };
+use super::timers::{Timed, TimerId, TimerTable, COMPACT_SLACK};
 use super::wire::{self, BufferDesc, Message};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 
@@ -40,29 +41,14 @@ pub struct ReceiveSpec {
     pub timeout: Option<Duration>,
 }
 
-/// Which state machine a timer belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum TimerId {
-    Recv(RequestKey),
-    Send(RequestKey, RankId),
-}
-
-/// Superseded timer entries tolerated beyond the live ones before the heap is rebuilt.
-const COMPACT_SLACK: usize = 64;
-
 /// The protocol core of one rank. See the module docs for the call order.
 pub struct Endpoint {
     me: RankId,
     config: Config,
-    recvs: BTreeMap<RequestKey, RecvRequest>,
-    sends: BTreeMap<(RequestKey, RankId), SendFlow>,
-    /// Every state machine's next deadline, earliest first (quinn-proto's timer table, as a
-    /// heap). An entry is live only while it equals `scheduled[id]`; others are skipped when
-    /// popped, so an event costs O(log n) and no call scans every request.
-    timers: BinaryHeap<Reverse<(Instant, TimerId)>>,
-    scheduled: BTreeMap<TimerId, Instant>,
-    /// State machines touched by the current input, rescheduled before it returns.
-    dirty: Vec<TimerId>,
+    recvs: BTreeMap<RequestKey, Box<Timed<RecvRequest>>>,
+    sends: BTreeMap<(RequestKey, RankId), Box<Timed<SendFlow>>>,
+    /// Every state machine's next deadline (see [`TimerTable`]).
+    timers: TimerTable,
     /// Requests forgotten at terminal + linger leave a tombstone (key, expiry and outcome, no
     /// other state) for as long as a peer may still ask about them (its own deadline plus the
     /// agreement bound): a late vote is answered with the verdict, a late verdict confirmed,
@@ -96,9 +82,7 @@ impl Endpoint {
             config,
             recvs: BTreeMap::new(),
             sends: BTreeMap::new(),
-            timers: BinaryHeap::new(),
-            scheduled: BTreeMap::new(),
-            dirty: Vec::new(),
+            timers: TimerTable::default(),
             tombs: BTreeMap::new(),
             tomb_expiry: BinaryHeap::new(),
             collective: None,
@@ -217,16 +201,18 @@ impl Endpoint {
             for (lease, d) in &f.buffers {
                 d.validate()
                     .map_err(|r| invalid(format!("{key}: segment {}: {r:?}", d.segment)))?;
-                if segments.contains(&d.segment) || tokens.contains(&d.token) {
-                    return Err(invalid(format!("{key}: segment or token repeated")));
-                }
-                if leases.contains(lease) {
-                    return Err(invalid(format!("{key}: lease repeated")));
-                }
                 segments.push(d.segment);
                 tokens.push(d.token);
                 leases.push(*lease);
             }
+        }
+        if wire::any_repeated(segments.len(), |i| segments[i])
+            || wire::any_repeated(tokens.len(), |i| tokens[i])
+        {
+            return Err(invalid(format!("{key}: segment or token repeated")));
+        }
+        if wire::any_repeated(leases.len(), |i| leases[i]) {
+            return Err(invalid(format!("{key}: lease repeated")));
         }
         let external = self.collective.is_some();
         let flows = flows.into_iter().map(|f| (f.sender, f.buffers)).collect();
@@ -242,9 +228,10 @@ impl Endpoint {
             external,
             &mut self.out,
         );
+        let mut r = Timed::boxed(r);
+        self.timers.arm(TimerId::Recv(key), &mut r, now);
         self.recvs.insert(key, r);
-        self.dirty.push(TimerId::Recv(key));
-        self.reschedule(now);
+        self.compact_timers();
         Ok(())
     }
 
@@ -262,7 +249,7 @@ impl Endpoint {
             .get_mut(&(key, from))
             .ok_or_else(|| invalid(format!("{key} from {from}: no such advertisement")))?;
         let ok = flow.accept(now, ready, &mut self.out);
-        self.dirty.push(TimerId::Send(key, from));
+        self.timers.arm(TimerId::Send(key, from), flow, now);
         self.drive(now);
         if ok {
             Ok(())
@@ -292,7 +279,7 @@ impl Endpoint {
         let mut found = false;
         if let Some(r) = self.recvs.get_mut(&key) {
             r.give_up(now, why, &mut self.out);
-            self.dirty.push(TimerId::Recv(key));
+            self.timers.arm(TimerId::Recv(key), r, now);
             found = true;
         }
         for ((_, to), f) in self
@@ -300,7 +287,7 @@ impl Endpoint {
             .range_mut((key, RankId(0))..=(key, RankId(u32::MAX)))
         {
             f.give_up(now, why, &mut self.out);
-            self.dirty.push(TimerId::Send(key, *to));
+            self.timers.arm(TimerId::Send(key, *to), f, now);
             found = true;
         }
         self.drive(now);
@@ -379,31 +366,32 @@ impl Endpoint {
                         buffers,
                         out,
                     );
+                    let mut f = Timed::boxed(f);
+                    self.timers.arm(TimerId::Send(key, from), &mut f, now);
                     self.sends.insert((key, from), f);
-                    self.dirty.push(TimerId::Send(key, from));
                 }
             }
             Message::Ready { key, ready } => match self.recvs.get_mut(&key) {
                 Some(r) => {
                     r.on_ready(now, from, ready, &mut self.out);
-                    self.dirty.push(TimerId::Recv(key));
+                    self.timers.arm(TimerId::Recv(key), r, now);
                 }
                 None => self.answer_from_tomb(key, from),
             },
             Message::Vote { key, outcome } => match self.recvs.get_mut(&key) {
                 Some(r) => {
                     r.on_vote(now, from, outcome, &mut self.out);
-                    self.dirty.push(TimerId::Recv(key));
+                    self.timers.arm(TimerId::Recv(key), r, now);
                 }
                 None => self.answer_from_tomb(key, from),
             },
             Message::Verdict { key, outcome } => {
                 if let Some(f) = self.sends.get_mut(&(key, from)) {
                     f.on_verdict(outcome, &mut self.out);
-                    self.dirty.push(TimerId::Send(key, from));
+                    self.timers.arm(TimerId::Send(key, from), f, now);
                 } else if let Some(r) = self.recvs.get_mut(&key) {
                     r.on_verdict(now, from, outcome, &mut self.out);
-                    self.dirty.push(TimerId::Recv(key));
+                    self.timers.arm(TimerId::Recv(key), r, now);
                 } else if self.tombs.contains_key(&TimerId::Send(key, from)) {
                     // Our confirmation was lost before we forgot the flow: confirm again.
                     self.out.stats.duplicates += 1;
@@ -418,7 +406,7 @@ impl Endpoint {
             Message::Quiesced { key } => match self.recvs.get_mut(&key) {
                 Some(r) => {
                     r.on_quiesced(from, &mut self.out);
-                    self.dirty.push(TimerId::Recv(key));
+                    self.timers.arm(TimerId::Recv(key), r, now);
                 }
                 None => self.drop_unknown(key, Some(from)),
             },
@@ -471,8 +459,9 @@ impl Endpoint {
     ) -> Result<()> {
         match self.recvs.get_mut(&key) {
             Some(r) => {
-                self.dirty.push(TimerId::Recv(key));
-                if !event(r, now, segment, &mut self.out) {
+                let known = event(r, now, segment, &mut self.out);
+                self.timers.arm(TimerId::Recv(key), r, now);
+                if !known {
                     return Err(invalid(format!("{key}: no segment {segment}")));
                 }
             }
@@ -493,8 +482,9 @@ impl Endpoint {
     ) -> Result<()> {
         match self.sends.get_mut(&(key, to)) {
             Some(f) => {
-                self.dirty.push(TimerId::Send(key, to));
-                if !f.on_send_done(now, segment, ok, &mut self.out) {
+                let known = f.on_send_done(now, segment, ok, &mut self.out);
+                self.timers.arm(TimerId::Send(key, to), f, now);
+                if !known {
                     return Err(invalid(format!(
                         "{key} to {to}: no send of segment {segment}"
                     )));
@@ -510,12 +500,12 @@ impl Endpoint {
     pub fn handle_peer_lost(&mut self, now: Instant, rank: RankId) {
         for (key, r) in self.recvs.iter_mut() {
             r.on_peer_lost(now, rank, &mut self.out);
-            self.dirty.push(TimerId::Recv(*key));
+            self.timers.arm(TimerId::Recv(*key), r, now);
         }
         for ((key, to), f) in self.sends.iter_mut() {
             if *to == rank {
                 f.on_peer_lost(now, &mut self.out);
-                self.dirty.push(TimerId::Send(*key, *to));
+                self.timers.arm(TimerId::Send(*key, *to), f, now);
             }
         }
         self.drive(now);
@@ -527,20 +517,19 @@ impl Endpoint {
     pub fn handle_timeout(&mut self, now: Instant) {
         // A verdict that is already there beats the bound.
         self.drive(now);
-        while let Some(Reverse((at, id))) = self.timers.peek().copied() {
+        while let Some(Reverse((at, id))) = self.timers.heap.peek().copied() {
             if at > now {
                 break;
             }
-            self.timers.pop();
-            if self.scheduled.get(&id) != Some(&at) {
-                continue; // superseded by a later reschedule
-            }
-            self.scheduled.remove(&id);
+            self.timers.heap.pop();
             match id {
                 TimerId::Recv(key) => {
                     let Some(r) = self.recvs.get_mut(&key) else {
-                        continue;
+                        continue; // forgotten
                     };
+                    if !self.timers.fired(r, at) {
+                        continue;
+                    }
                     r.on_timeout(now, &mut self.out);
                     r.settle(now);
                     if r.is_finished(now) {
@@ -550,24 +539,28 @@ impl Endpoint {
                         if let Some(c) = self.collective.as_mut() {
                             c.forget(key);
                         }
-                        continue;
+                    } else {
+                        self.timers.arm(id, r, now);
                     }
                 }
                 TimerId::Send(key, to) => {
                     let Some(f) = self.sends.get_mut(&(key, to)) else {
                         continue;
                     };
+                    if !self.timers.fired(f, at) {
+                        continue;
+                    }
                     f.on_timeout(now, &mut self.out);
                     f.settle(now);
                     if f.is_finished(now) {
                         let tomb = (f.tomb_until, f.terminal().unwrap_or(Outcome::PeerLost));
                         self.sends.remove(&(key, to));
                         self.bury(id, tomb);
-                        continue;
+                    } else {
+                        self.timers.arm(id, f, now);
                     }
                 }
             }
-            self.dirty.push(id);
         }
         while let Some(Reverse((at, id))) = self.tomb_expiry.peek().copied() {
             if at > now {
@@ -601,41 +594,27 @@ impl Endpoint {
         }
     }
 
-    /// Puts every state machine touched since the last call back in the timer heap at its
-    /// next deadline (and starts its linger if it has just ended).
-    fn reschedule(&mut self, now: Instant) {
-        while let Some(id) = self.dirty.pop() {
-            let next = match id {
-                TimerId::Recv(key) => self.recvs.get_mut(&key).map(|r| {
-                    r.settle(now);
-                    r.next_timeout()
-                }),
-                TimerId::Send(key, to) => self.sends.get_mut(&(key, to)).map(|f| {
-                    f.settle(now);
-                    f.next_timeout()
-                }),
-            };
-            let Some(at) = next else { continue };
-            if self.scheduled.insert(id, at) != Some(at) {
-                self.timers.push(Reverse((at, id)));
-            }
-        }
-        // A request that ends early leaves its deadline's entry behind until that deadline
-        // (a minute at defaults): at thousands of requests a second the heap would hold far
-        // more dead entries than live ones. Rebuilt from the live timers once it holds twice
-        // as many as there are, so its size follows the requests alive, at O(1) amortised.
-        if self.timers.len() > 2 * self.scheduled.len() + COMPACT_SLACK {
-            self.timers = self
-                .scheduled
+    /// A request that ends early leaves its deadline's entry behind until that deadline (a
+    /// minute at defaults): at thousands of requests a second the heap would hold far more dead
+    /// entries than live ones. Rebuilt from the live timers once it holds twice as many as there
+    /// are, so its size follows the requests alive, at O(1) amortised.
+    fn compact_timers(&mut self) {
+        if self.timers.heap.len() > 2 * self.timers.live + COMPACT_SLACK {
+            let recvs = self
+                .recvs
                 .iter()
-                .map(|(&id, &at)| Reverse((at, id)))
-                .collect();
+                .filter_map(|(&key, r)| r.at.map(|at| Reverse((at, TimerId::Recv(key)))));
+            let sends = self
+                .sends
+                .iter()
+                .filter_map(|(&(key, to), f)| f.at.map(|at| Reverse((at, TimerId::Send(key, to)))));
+            self.timers.heap = recvs.chain(sends).collect();
         }
     }
 
     /// Entries in the timer heap, live and superseded (kept within twice the live timers).
     pub fn timer_entries(&self) -> usize {
-        self.timers.len()
+        self.timers.heap.len()
     }
 
     /// The external collective has news: pick up its verdicts now rather than at the next
@@ -654,19 +633,19 @@ impl Endpoint {
                 if r.is_external_waiting() {
                     if let Some(v) = c.poll_verdict(*key) {
                         r.set_verdict(now, v, &mut self.out);
-                        self.dirty.push(TimerId::Recv(*key));
+                        self.timers.arm(TimerId::Recv(*key), r, now);
                     }
                 }
             }
         }
-        self.reschedule(now);
+        self.compact_timers();
     }
 
     /// When `handle_timeout` must next be called, if anything is pending.
     pub fn poll_timeout(&self) -> Option<Instant> {
         // The heap's top may be a superseded entry: then the caller wakes early, once, for
         // nothing; `handle_timeout` pops it.
-        self.timers.peek().map(|Reverse((at, _))| *at)
+        self.timers.heap.peek().map(|Reverse((at, _))| *at)
     }
 
     /// May the application start the tracked send of `segment` of `key` to `to`, with `len`

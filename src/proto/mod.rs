@@ -44,6 +44,7 @@ pub mod peers;
 pub mod pool;
 pub mod regions;
 pub mod request;
+mod timers;
 pub mod wire;
 
 pub use agreement::{reduce, Collective};
