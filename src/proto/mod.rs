@@ -45,6 +45,7 @@ pub mod pool;
 pub mod regions;
 pub mod request;
 mod timers;
+mod vecmap;
 pub mod wire;
 
 pub use agreement::{reduce, Collective};

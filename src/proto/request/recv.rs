@@ -1,5 +1,5 @@
 //! The receiver's state machine: one request on a generation (receiving) rank.
-use std::collections::BTreeMap;
+use crate::proto::vecmap::VecMap;
 use std::time::{Duration, Instant};
 
 use super::{unagreed, Action, Config, Out, Role};
@@ -26,7 +26,7 @@ struct Seg {
 
 #[derive(Debug)]
 struct InFlow {
-    segs: BTreeMap<u32, Seg>,
+    segs: VecMap<u32, Seg>,
     /// The sender has said something (Ready, Vote) or data from it landed: stop advertising.
     answered: bool,
     quiesced: bool,
@@ -56,12 +56,12 @@ pub(crate) struct RecvRequest {
     advert_resends: u32,
     verdict_resends: u32,
     request_info: Vec<u8>,
-    flows: BTreeMap<RankId, InFlow>,
+    flows: VecMap<RankId, InFlow>,
     local_vote: Option<Outcome>,
     /// External agreement: the vote waiting to be handed to the collective.
     pub(crate) pending_contribution: Option<Outcome>,
     /// Coordinator only (message agreement): every receiver's vote so far.
-    votes: BTreeMap<RankId, Outcome>,
+    votes: VecMap<RankId, Outcome>,
     verdict: Option<Outcome>,
     terminal: Option<Outcome>,
     deadline_fired: bool,
@@ -134,7 +134,7 @@ impl RecvRequest {
             flows,
             local_vote: None,
             pending_contribution: None,
-            votes: BTreeMap::new(),
+            votes: VecMap::new(),
             verdict: None,
             terminal: None,
             deadline_fired: false,

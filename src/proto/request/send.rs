@@ -1,5 +1,5 @@
 //! The sender's state machine: one (request, receiver) pair on a context (sending) rank.
-use std::collections::BTreeMap;
+use crate::proto::vecmap::VecMap;
 use std::time::{Duration, Instant};
 
 use super::{unagreed, Action, Config, Event, Out, Role};
@@ -47,7 +47,7 @@ pub(crate) struct SendFlow {
     next_retx: Instant,
     buffers: Vec<BufferDesc>,
     accepted: Option<bool>,
-    sends: BTreeMap<u32, SendState>,
+    sends: VecMap<u32, SendState>,
     local_vote: Option<Outcome>,
     verdict: Option<Outcome>,
     receiver_lost: bool,
@@ -89,7 +89,7 @@ impl SendFlow {
             next_retx: now + cfg.retransmit,
             buffers,
             accepted: None,
-            sends: BTreeMap::new(),
+            sends: VecMap::new(),
             local_vote: None,
             verdict: None,
             receiver_lost: false,
