@@ -6,7 +6,8 @@
 //! one caller each fact concerns. The only state kept here is what the transport needs next to
 //! the core: the posted receive ops and their buffers, outcomes waiting for their caller, and the
 //! bounded queues of advertisements and notifications.
-use std::collections::{HashMap, HashSet, VecDeque};
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -4,8 +4,9 @@
 //! `connect`, an advertise waiting for a reconnect) registers a condition variable under the one
 //! fact it waits for. The engine's glue wakes a key when that fact changes, so an event for one
 //! request wakes the callers of that request only, never every blocked thread.
+use foldhash::HashMap;
 use parking_lot::{Condvar, MutexGuard};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -24,7 +24,7 @@
 //! Sans-IO like the rest of the core: the table is generic over the transport's endpoint id
 //! (`P`), takes the time as an argument and only says what to do (endpoints to close, ranks to
 //! dial); the engine carries it out. The tests at the bottom drive it deterministically.
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 

@@ -19,7 +19,8 @@
 //! fenced, and otherwise linear in its transfers (bounded by the receive pool and the sends in
 //! flight).
 use crate::error::{Error, ErrorKind, Result};
-use std::collections::{BTreeMap, HashMap};
+use foldhash::{HashMap, HashMapExt};
+use std::collections::BTreeMap;
 
 /// A registered region (never reused within one table).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -12,7 +12,7 @@ use super::{
     AM_PROBE_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::ffi::CString;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
