@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check kvlink has, in one go, and prints a summary. Exits non-zero if any fails.
-#   install-deps, cargo fmt --check, cargo clippy (all targets, -D warnings), cargo test,
+#   install-deps, cargo fmt --check, cargo clippy (workspace: library and bench, all targets,
+#   -D warnings), cargo test (workspace),
 #   CMake configure + build (Ninja) + ctest, the package check (Release line, all-off install,
 #   installed consumer), header drift check, AddressSanitizer run, bounded fuzz run, and the
 #   same crate against a second UCX generation (ucx122: the PyPI wheel's UCX 1.22).
@@ -26,8 +27,8 @@ export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 source "$root/scripts/steps.sh"
 
 step fmt -- cargo fmt --all -- --check
-step clippy -- cargo clippy --locked --all-targets -- -D warnings
-step cargo-test -- cargo test --locked --no-fail-fast
+step clippy -- cargo clippy --locked --workspace --all-targets -- -D warnings
+step cargo-test -- cargo test --locked --workspace --no-fail-fast
 step cmake-configure -- cmake -S "$root" -B "$build_dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
     -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="${KVLINK_UCX_ROOT:-}"

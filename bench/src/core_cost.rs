@@ -153,3 +153,32 @@ fn pump(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every request of a round completes on both endpoints (`round` fails otherwise), and a
+    /// finished request is remembered for the core's linger: at 1000 requests/s simulated, all
+    /// of a 2000-request round (2 s) are still known, one receive and one send each; 10 ms
+    /// apart (20 s) only the last 5 s of them are.
+    #[test]
+    fn a_round_completes_every_request_and_keeps_the_lingering_ones() {
+        for segments in [1, 8] {
+            let a = |spacing_us| CoreArgs {
+                requests: 2000,
+                segments,
+                spacing_us,
+                rounds: 1,
+            };
+            let (ns, known) = round(&a(1000)).unwrap();
+            assert!(ns > 0.0);
+            assert_eq!(known, 4000, "{segments} segments");
+            let (_, known) = round(&a(10_000)).unwrap();
+            assert!(
+                (900..=1100).contains(&known),
+                "{segments} segments, 10 ms apart: {known} known"
+            );
+        }
+    }
+}
