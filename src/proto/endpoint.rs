@@ -114,21 +114,24 @@ impl Endpoint {
 
     /// Is a newer generation of `key.request` known here (as a receive, or a send to `peer`)?
     fn newer_known(&self, key: RequestKey, peer: Option<RankId>) -> bool {
-        let lo = RequestKey {
-            generation: key.generation,
+        // The first key after `key` in each map: one descent, not a range's two.
+        let Some(next) = key.generation.0.checked_add(1) else {
+            return false;
+        };
+        let after = RequestKey {
+            generation: super::id::Generation(next),
             ..key
         };
-        let hi = RequestKey {
-            generation: super::id::Generation(u32::MAX),
-            ..key
-        };
+        let same = |k: &RequestKey| k.request == key.request;
         self.recvs
-            .range(lo..=hi)
-            .any(|(k, _)| k.generation > key.generation)
+            .range(after..)
+            .next()
+            .is_some_and(|(k, _)| same(k))
             || self
                 .sends
-                .range((lo, RankId(0))..=(hi, RankId(u32::MAX)))
-                .any(|((k, r), _)| k.generation > key.generation && peer.is_none_or(|p| p == *r))
+                .range((after, RankId(0))..)
+                .take_while(|((k, _), _)| same(k))
+                .any(|((_, r), _)| peer.is_none_or(|p| p == *r))
     }
 
     fn drop_unknown(&mut self, key: RequestKey, peer: Option<RankId>) {
