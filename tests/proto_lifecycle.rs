@@ -563,3 +563,71 @@ fn an_unconfirmed_failure_verdict_is_pushed_again_backed_off() {
     let most = 32 * cfg.retransmit.as_millis();
     assert!(gaps.iter().all(|&g| g <= most + 10), "capped: {gaps:?}");
 }
+
+/// `start_receive` refuses a spec whose buffers repeat a segment, a token or a lease (within a
+/// flow or across two), or whose senders repeat or include a receiver, with a typed error that
+/// starts nothing and sends nothing; the same request, repaired, then starts.
+#[test]
+fn start_receive_refuses_repeats_and_starts_nothing() {
+    use kvlink::error::ErrorKind;
+    use kvlink::proto::*;
+    let t = std::time::Instant::now();
+    let (g, c1, c2) = (RankId(1), RankId(2), RankId(3));
+    let mut ep = Endpoint::new(g, config());
+    let mut pool = BufferPool::new(8);
+    let mut tokens = TokenAllocator::default();
+    let key = RequestKey::new(7, 0);
+    let mut buf = |segment: u32| {
+        let mut d = kv_desc(tokens.allocate().unwrap());
+        d.segment = segment;
+        (pool.lease(key).unwrap(), d)
+    };
+    let (a, b, x, y) = (buf(0), buf(1), buf(2), buf(3));
+    let spec = |flows: Vec<(RankId, Vec<(Lease, BufferDesc)>)>| ReceiveSpec {
+        key,
+        receivers: vec![g],
+        flows: flows
+            .into_iter()
+            .map(|(sender, buffers)| ReceiveFlow { sender, buffers })
+            .collect(),
+        request_info: vec![],
+        timeout: None,
+    };
+    let with = |(l, d): (Lease, BufferDesc), f: &dyn Fn(&mut Lease, &mut BufferDesc)| {
+        let (mut l, mut d) = (l, d);
+        f(&mut l, &mut d);
+        (l, d)
+    };
+    let bad = [
+        (
+            "segment in a flow",
+            spec(vec![(c1, vec![a, with(b, &|_, d| d.segment = 0)])]),
+        ),
+        (
+            "token across flows",
+            spec(vec![
+                (c1, vec![a]),
+                (c2, vec![with(b, &|_, d| d.token = a.1.token)]),
+            ]),
+        ),
+        (
+            "lease across flows",
+            spec(vec![(c1, vec![a]), (c2, vec![with(b, &|l, _| *l = a.0)])]),
+        ),
+        ("sender twice", spec(vec![(c1, vec![a]), (c1, vec![b])])),
+        ("sender is a receiver", spec(vec![(g, vec![a])])),
+    ];
+    for (what, s) in bad {
+        let e = ep.start_receive(t, s).expect_err(what);
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{what}: {e}");
+        assert_eq!(ep.known(), 0, "{what}: nothing started");
+        assert!(ep.poll_transmit().is_none(), "{what}: nothing sent");
+    }
+    ep.start_receive(t, spec(vec![(c1, vec![a, b]), (c2, vec![x, y])]))
+        .unwrap();
+    assert_eq!(ep.known(), 1);
+    let sent: Vec<RankId> = std::iter::from_fn(|| ep.poll_transmit())
+        .map(|t| t.to)
+        .collect();
+    assert_eq!(sent, [c1, c2], "one advertisement per sender");
+}

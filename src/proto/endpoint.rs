@@ -41,6 +41,17 @@ pub struct ReceiveSpec {
     pub timeout: Option<Duration>,
 }
 
+/// Whether two buffers of a request, over all its flows, share the value `of` gives.
+fn buffers_repeat<T: Ord>(flows: &[ReceiveFlow], of: impl Fn(&(Lease, BufferDesc)) -> T) -> bool {
+    match flows {
+        [one] => wire::any_repeated(one.buffers.len(), |i| of(&one.buffers[i])),
+        _ => {
+            let all: Vec<&(Lease, BufferDesc)> = flows.iter().flat_map(|f| &f.buffers).collect();
+            wire::any_repeated(all.len(), |i| of(all[i]))
+        }
+    }
+}
+
 /// The protocol core of one rank. See the module docs for the call order.
 pub struct Endpoint {
     me: RankId,
@@ -182,11 +193,7 @@ impl Endpoint {
         if flows.is_empty() {
             return Err(invalid(format!("{key}: no senders")));
         }
-        let mut segments = Vec::new();
-        let mut tokens = Vec::new();
-        let mut senders = Vec::new();
-        let mut leases = Vec::new();
-        for f in &flows {
+        for (i, f) in flows.iter().enumerate() {
             if f.buffers.is_empty() || f.buffers.len() > wire::MAX_BUFFERS {
                 return Err(invalid(format!(
                     "{key}: {} buffers for {}",
@@ -194,27 +201,25 @@ impl Endpoint {
                     f.sender
                 )));
             }
-            if f.sender == self.me || receivers.contains(&f.sender) || senders.contains(&f.sender) {
+            // A request has one sender per context rank: a few.
+            if f.sender == self.me
+                || receivers.binary_search(&f.sender).is_ok()
+                || flows[..i].iter().any(|g| g.sender == f.sender)
+            {
                 return Err(invalid(format!(
                     "{key}: bad or repeated sender {}",
                     f.sender
                 )));
             }
-            senders.push(f.sender);
-            for (lease, d) in &f.buffers {
+            for (_, d) in &f.buffers {
                 d.validate()
                     .map_err(|r| invalid(format!("{key}: segment {}: {r:?}", d.segment)))?;
-                segments.push(d.segment);
-                tokens.push(d.token);
-                leases.push(*lease);
             }
         }
-        if wire::any_repeated(segments.len(), |i| segments[i])
-            || wire::any_repeated(tokens.len(), |i| tokens[i])
-        {
+        if buffers_repeat(&flows, |(_, d)| d.segment) || buffers_repeat(&flows, |(_, d)| d.token) {
             return Err(invalid(format!("{key}: segment or token repeated")));
         }
-        if wire::any_repeated(leases.len(), |i| leases[i]) {
+        if buffers_repeat(&flows, |(l, _)| *l) {
             return Err(invalid(format!("{key}: lease repeated")));
         }
         let external = self.collective.is_some();
