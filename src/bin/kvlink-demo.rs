@@ -137,6 +137,11 @@ fn context((transport, devices): Setting, timeout: Duration) -> bool {
 /// The transport and network devices (`--transport tcp@lo`).
 type Setting = (TransportKind, Option<String>);
 
+/// The generation side's receive pool, never freed (see `generation`): its address is kept in
+/// a static so that a leak checker sees it reachable at exit. Copies of it inside the engine are
+/// not promised to last that long (LeakSanitizer reported the pool once they did not).
+static POOL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> bool {
     // Bound before anything starts, so a bad address fails at once.
     let metrics = args.metrics_listen.as_ref().map(|a| {
@@ -194,6 +199,10 @@ fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> 
     // the engine (shared with the metrics thread) may outlive this function, and a fenced
     // range may be written until it is gone.
     let pool: &'static mut [u8] = Box::leak(vec![0u8; total].into_boxed_slice());
+    POOL.store(
+        pool.as_mut_ptr() as usize,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     // SAFETY: the pool is never freed.
     let region = unsafe { engine.register_region(pool.as_mut_ptr() as u64, total as u64) }
         .expect("register_region");
