@@ -94,11 +94,17 @@ fn completes(ctx: &mut Proc, gen: &mut Proc, id: u64) {
 }
 
 /// Starts request `id` and returns once the sender has begun sending it.
-fn start_request(ctx: &mut Proc, gen: &mut Proc, id: u64) {
+fn start_request(tl: &str, ctx: &mut Proc, gen: &mut Proc, id: u64) {
     gen.send(&format!("REQ {id}"));
     gen.expect(&format!("ADV {id}"));
     ctx.expect(&format!("SENDING {id}"));
-    std::thread::sleep(Duration::from_millis(2));
+    // The sender says SENDING just before it posts: give it time to post and its first message
+    // time to be matched (the tests that freeze it then count on a transfer under way), but
+    // less than the 64 MiB take. On tcp that is at least 10 ms here; 2 ms was once too short on
+    // a CI machine running the suite's tests side by side (the sender, not yet scheduled, was
+    // frozen before its data was matched). Shared memory moves 64 MiB in as little as 6 ms.
+    let settle = if tl == "tcp" { 5 } else { 2 };
+    std::thread::sleep(Duration::from_millis(settle));
 }
 
 /// A pair on `tl` that has completed request 1 and is in the middle of sending request 2;
@@ -107,7 +113,7 @@ fn pair_mid_request(tl: &str, gen_extra: &[&str], ctx_extra: &[&str]) -> (Proc, 
     let (mut ctx, addr) = start_ctx_with(tl, None, None, ctx_extra);
     let mut gen = start_gen_with(tl, None, &addr, gen_extra);
     completes(&mut ctx, &mut gen, 1);
-    start_request(&mut ctx, &mut gen, 2);
+    start_request(tl, &mut ctx, &mut gen, 2);
     (ctx, gen, addr)
 }
 
@@ -194,7 +200,7 @@ fn partition_mid_transfer_ends_both_sides_by_the_deadline_and_the_pair_heals() {
         let (mut ctx, addr) = start_ctx_with("tcp", Some(&net.b), Some(&listen), ctx_extra);
         let mut gen = start_gen_with("tcp", Some(&net.a), &addr, gen_extra);
         completes(&mut ctx, &mut gen, 1);
-        start_request(&mut ctx, &mut gen, 2);
+        start_request("tcp", &mut ctx, &mut gen, 2);
         assert!(
             net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
                 && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
@@ -240,7 +246,7 @@ fn health_state_is_wedged_while_a_peer_is_frozen_and_recovers() {
     let mut gen = start_gen_with("tcp", None, &addr, &extra);
     completes(&mut ctx, &mut gen, 1);
     assert_eq!(gen.expect("STATE "), "STATE Healthy");
-    start_request(&mut ctx, &mut gen, 2);
+    start_request("tcp", &mut ctx, &mut gen, 2);
     ctx.signal(libc::SIGSTOP);
     // Before the request's deadline (4 s) the receiver must be seen Wedged.
     let seen = gen.expect_one_of(&["STATE Wedged", "GEN 2 "]);
@@ -424,7 +430,7 @@ fn frozen_sender_into_a_region_fences_only_its_range_and_the_pair_goes_on() {
         assert_eq!(field(&h, "failed"), "0", "an endpoint was closed: {h}");
         assert_eq!(field(&h, "reconnects"), "0", "{h}");
         // A fence that nothing lifts: the sender frozen again mid-transfer (request 7, half 1).
-        start_request(&mut ctx, &mut gen, 7);
+        start_request(tl, &mut ctx, &mut gen, 7);
         ctx.signal(libc::SIGSTOP);
         let g = gen.expect("GEN 7 ");
         check_bounded("receiver", &g);
