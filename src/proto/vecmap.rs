@@ -87,14 +87,15 @@ impl<K: Ord, V> FromIterator<(K, V)> for VecMap<K, V> {
         let mut entries: Vec<(K, V)> = iter.into_iter().collect();
         // Stable: among equal keys the input order stays, so the last is the one kept below.
         entries.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut out: Vec<(K, V)> = Vec::with_capacity(entries.len());
-        for e in entries {
-            match out.last_mut() {
-                Some(last) if last.0 == e.0 => *last = e,
-                _ => out.push(e),
+        // In place: a repeat's value moves into the entry kept before the repeat goes.
+        entries.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                std::mem::swap(later, kept);
             }
-        }
-        VecMap { entries: out }
+            same
+        });
+        VecMap { entries }
     }
 }
 
