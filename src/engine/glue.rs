@@ -536,14 +536,14 @@ impl Inner {
                 let Some(peer) = core.peers.endpoint(t.to) else {
                     continue;
                 };
-                match t
+                // Nobody waits on it: the core resends what matters until it is answered.
+                if let Err(e) = t
                     .message
                     .to_bytes()
                     .map_err(crate::Error::from)
-                    .and_then(|b| self.agent.send_control(peer, b))
+                    .and_then(|b| self.agent.post_control(peer, b))
                 {
-                    Ok(op) => core.control_ops.push_back(op),
-                    Err(e) => tracing::debug!("control to {}: {e}", t.to),
+                    tracing::debug!("control to {}: {e}", t.to);
                 }
             }
             while let Some(a) = core.ep.poll_action() {

@@ -10,7 +10,7 @@ use foldhash::{HashMap, HashMapExt};
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -67,6 +67,7 @@ impl Agent {
             receive_stuck: AtomicBool::new(false),
             worker_address: Mutex::new(Vec::new()),
             moves_begun: AtomicU64::new(0),
+            internal_queued: AtomicUsize::new(0),
         });
         let init: Arc<Reply<Option<SocketAddr>>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
@@ -497,6 +498,20 @@ impl Agent {
         };
         self.shared.submit_unwaited(cmd, &slot)?;
         Ok(op)
+    }
+
+    /// Sends a small control message that nobody waits on: no op, nothing to reap. Errors only
+    /// on bad input, an unknown peer or a shut-down agent; a send that fails later (the peer
+    /// went) is dropped, as the loss of any message on a failed endpoint. For a caller that
+    /// must know the message left, [`Agent::send_control`].
+    pub fn post_control(&self, peer: PeerId, bytes: Vec<u8>) -> Result<()> {
+        if bytes.is_empty() || bytes.len() > MAX_CONTROL {
+            return Err(Error::invalid(format!(
+                "control message must be 1..={MAX_CONTROL} bytes"
+            )));
+        }
+        self.check_peer(peer)?;
+        self.shared.submit_post(Cmd::Post { peer, bytes })
     }
 
     /// Takes the next event, waiting until `deadline` (or until `cancel()` turns true, checked

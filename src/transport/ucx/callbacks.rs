@@ -40,9 +40,12 @@ fn push_cb(ev: CbEvent) {
     }
 }
 
-/// Takes what the callbacks reported since the last call (under the driver lock).
-pub(super) fn take_events(shared: &Shared) -> Vec<CbEvent> {
-    std::mem::take(&mut *shared.cb_events.lock())
+/// Takes what the callbacks reported since the last call (under the driver lock), leaving
+/// `spare` (empty) as the queue.
+pub(super) fn take_events(shared: &Shared, mut spare: Vec<CbEvent>) -> Vec<CbEvent> {
+    debug_assert!(spare.is_empty());
+    std::mem::swap(&mut spare, &mut *shared.cb_events.lock());
+    spare
 }
 
 /// Ends an op once: counts it, takes it out of the ops in flight, wakes its waiter and, when it
@@ -172,13 +175,18 @@ pub(super) unsafe extern "C" fn control_send_cb(
     with_shared(|sh| finish_slot(sh, &ctx.slot, status, len));
 }
 
-pub(super) unsafe extern "C" fn drain_sent_cb(
+/// The end of a send nobody waits on (`Progress::send_internal`): its payload goes, and UCX
+/// holds one queued send fewer.
+pub(super) unsafe extern "C" fn internal_sent_cb(
     request: *mut c_void,
     _status: sys::ucs_status_t,
     user_data: *mut c_void,
 ) {
     drop(Box::from_raw(user_data as *mut Vec<u8>));
     sys::ucp_request_free(request);
+    with_shared(|sh| {
+        sh.internal_queued.fetch_sub(1, Ordering::AcqRel);
+    });
 }
 
 pub(super) unsafe extern "C" fn am_drain_cb(

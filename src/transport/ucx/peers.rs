@@ -2,7 +2,7 @@
 //! address), looked up, and failed (the error callback or a forced close: the peer is marked
 //! failed, its posted requests cancelled, its endpoint closed); a peer that gave up on a send
 //! asks us to drain it. Messages are told apart by the sender's uid, learned per endpoint.
-use super::callbacks::{drain_sent_cb, ep_err_cb, recv_cb};
+use super::callbacks::{ep_err_cb, internal_sent_cb, recv_cb};
 use super::handles::Endpoint;
 use super::op::{OpSlot, STOP_NONE, STOP_PEER, STOP_REMOTE_CANCEL};
 use super::progress::Progress;
@@ -214,9 +214,14 @@ impl Progress {
         self.send_internal(peer, AM_DRAIN_ID, tag.to_le_bytes().to_vec());
     }
 
-    /// Sends an internal active message (drain, bind); fire and forget.
+    /// Sends an active message nobody waits on (a drain, a bind, a posted control message);
+    /// fire and forget. One that UCX queues is counted in `Shared::internal_queued` until it
+    /// ends: it needs progress.
     pub(super) fn send_internal(&mut self, peer: PeerId, id: u32, bytes: Vec<u8>) {
-        let Ok(ep) = self.ep_of(peer) else { return };
+        let Ok(ep) = self.ep_of(peer) else {
+            tracing::debug!("message for peer {}, which is gone: dropped", peer.0);
+            return;
+        };
         let msg = Box::new(bytes);
         let header = self.shared.uid_le.as_ptr() as *const c_void;
         let mut param = sys::ucp_request_param_t {
@@ -226,13 +231,23 @@ impl Progress {
             flags: sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY,
             ..Default::default()
         };
-        param.cb.send = Some(drain_sent_cb);
+        param.cb.send = Some(internal_sent_cb);
         let (data, len) = (msg.as_ptr() as *const c_void, msg.len());
         param.user_data = Box::into_raw(msg) as *mut c_void;
-        // SAFETY: the message lives in the box until drain_sent_cb (or the code below) frees
+        // Counted before UCX can call back (it may, inside the call, from this thread).
+        self.shared.internal_queued.fetch_add(1, Ordering::AcqRel);
+        // SAFETY: the message lives in the box until internal_sent_cb (or the code below) frees
         // it; the header lives in `shared`.
         let ptr = unsafe { sys::ucp_am_send_nbx(ep, id, header, 8, data, len, &param) };
         if !sys::ptr_is_ptr(ptr) {
+            self.shared.internal_queued.fetch_sub(1, Ordering::AcqRel);
+            if sys::ptr_is_err(ptr) {
+                tracing::debug!(
+                    "message to peer {}: {}",
+                    peer.0,
+                    super::map_status(sys::ptr_status(ptr), "send")
+                );
+            }
             // SAFETY: the callback will not run; reclaim the box.
             drop(unsafe { Box::from_raw(param.user_data as *mut Vec<u8>) });
         }

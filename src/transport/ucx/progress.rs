@@ -13,6 +13,7 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use foldhash::{HashMap, HashMapExt};
+use std::collections::VecDeque;
 use std::ffi::CString;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -90,6 +91,10 @@ pub(super) struct Progress {
     pub(super) shared: Arc<Shared>,
     /// A `Shutdown` command was taken: the progress thread tears down next.
     pub(super) shutdown: bool,
+    /// Emptied buffers of the two report queues, swapped in when a pass takes their contents:
+    /// a queue keeps its capacity, so no report allocates once the pair is warm.
+    pub(super) cb_spare: Vec<CbEvent>,
+    pub(super) ev_spare: VecDeque<Event>,
 }
 
 // SAFETY: the UCX handles in `Progress` are raw pointers into a worker created with
@@ -475,6 +480,8 @@ impl Progress {
                 discard_unexpected: opts.discard_unexpected,
                 shared,
                 shutdown: false,
+                cb_spare: Vec::new(),
+                ev_spare: VecDeque::new(),
             };
             // From here on, `p.teardown()` releases what exists.
             match p.setup(opts) {
@@ -765,8 +772,10 @@ impl Progress {
         };
         let now = Instant::now();
         let now_ns = now.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
-        let mut evs = std::mem::take(&mut *self.shared.events.lock());
+        let mut evs = std::mem::take(&mut self.ev_spare);
+        std::mem::swap(&mut evs, &mut *self.shared.events.lock());
         if evs.is_empty() && now_ns < self.shared.sink_due_ns.load(Ordering::Acquire) {
+            self.ev_spare = evs;
             return false;
         }
         // While the sink runs, any `wake_by` (from another thread) lands below MAX and wakes
@@ -787,6 +796,9 @@ impl Progress {
         };
         let next_ns = next.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
         self.shared.sink_due_ns.fetch_min(next_ns, Ordering::AcqRel);
+        // The sink drains what it is given; what a panic left is dropped, as said above.
+        evs.clear();
+        self.ev_spare = evs;
         true
     }
 
@@ -829,6 +841,7 @@ impl Progress {
                     slot,
                 } => self.start_tag(peer, tag, addr, len, slot, send),
                 Cmd::Control { peer, bytes, slot } => self.start_control(peer, bytes, slot),
+                Cmd::Post { peer, bytes } => self.send_internal(peer, AM_CONTROL_ID, bytes),
                 Cmd::CancelOp(id) => self.cancel_op(id),
                 Cmd::Map { addr, len, reply } => reply.set(self.map(addr, len)),
                 Cmd::Unmap(id) => self.unmap(id),
@@ -858,9 +871,9 @@ impl Progress {
 
     /// Handles what the UCX callbacks reported during the last progress call.
     pub(super) fn handle_callbacks(&mut self) -> usize {
-        let evs = callbacks::take_events(&self.shared);
+        let mut evs = callbacks::take_events(&self.shared, std::mem::take(&mut self.cb_spare));
         let n = evs.len();
-        for ev in evs {
+        for ev in evs.drain(..) {
             match ev {
                 CbEvent::ConnRequest(req) => self.accept(req),
                 CbEvent::EpError(peer, status) => self.fail_peer(peer, status, false),
@@ -869,6 +882,7 @@ impl Progress {
                 CbEvent::Control(ep, uid, bytes) => self.control_from(ep, uid, bytes),
             }
         }
+        self.cb_spare = evs;
         n
     }
 
@@ -1006,7 +1020,7 @@ impl Progress {
     }
 
     fn handle_callbacks_discard(&mut self) {
-        let evs = callbacks::take_events(&self.shared);
+        let evs = callbacks::take_events(&self.shared, Vec::new());
         for ev in evs {
             if let CbEvent::ConnRequest(req) = ev {
                 // SAFETY: an unanswered connection request of our listener.

@@ -11,7 +11,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,11 @@ pub(super) enum Cmd {
         peer: PeerId,
         bytes: Vec<u8>,
         slot: Arc<OpSlot>,
+    },
+    /// A control message nobody waits on ([`Agent::post_control`](super::Agent::post_control)).
+    Post {
+        peer: PeerId,
+        bytes: Vec<u8>,
     },
     CancelOp(u64),
     Map {
@@ -179,6 +184,9 @@ pub(super) struct Shared {
     /// Moves to a new worker begun (counted before the peers are failed; `worker_renewals`
     /// counts those that succeeded).
     pub(super) moves_begun: AtomicU64,
+    /// Sends nobody waits on (`Progress::send_internal`) that UCX holds queued: while any is,
+    /// the worker needs progress that no waiting caller gives.
+    pub(super) internal_queued: AtomicUsize,
 }
 
 impl Shared {
@@ -243,6 +251,21 @@ impl Shared {
         Ok(())
     }
 
+    /// [`Shared::submit_unwaited`] for a [`Cmd::Post`]: there is no op to look at, so the
+    /// progress thread is woken when the message could not start here or UCX holds a send
+    /// queued (this one or an earlier one).
+    pub(super) fn submit_post(self: &Arc<Self>, cmd: Cmd) -> Result<()> {
+        if callbacks::in_sink_of(self) {
+            self.enqueue(cmd)?;
+            return Ok(());
+        }
+        let started = self.start_here(cmd)?;
+        if !started || self.internal_queued.load(Ordering::Acquire) != 0 {
+            self.wake();
+        }
+        Ok(())
+    }
+
     /// Queues `cmd`; true if the queue held nothing else.
     fn enqueue(&self, cmd: Cmd) -> Result<bool> {
         let mut q = self.cmds.lock();
@@ -277,6 +300,7 @@ impl Shared {
             Cmd::PeerTransports(_, r) => r.set(Err(shutdown())),
             Cmd::ForceClose(_, Some(r)) => r.set(Ok(())),
             Cmd::ForceClose(_, None)
+            | Cmd::Post { .. }
             | Cmd::CancelOp(_)
             | Cmd::Unmap(_)
             | Cmd::DestroyRkey(_)
