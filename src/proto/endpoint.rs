@@ -16,7 +16,7 @@ use super::pool::Lease;
 use super::request::{
     Action, Config, Event, Out, RecvRequest, Role, SendFlow, SendRefusal, Stats, Transmit,
 };
-use super::timers::{Timed, TimerId, TimerTable, COMPACT_SLACK};
+use super::timers::{Machine, Timed, TimerId, TimerTable};
 use super::wire::{self, BufferDesc, Message};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 
@@ -525,11 +525,7 @@ impl Endpoint {
     pub fn handle_timeout(&mut self, now: Instant) {
         // A verdict that is already there beats the bound.
         self.drive(now);
-        while let Some(Reverse((at, id))) = self.timers.heap.peek().copied() {
-            if at > now {
-                break;
-            }
-            self.timers.heap.pop();
+        while let Some((at, id)) = self.timers.pop_due(now) {
             match id {
                 TimerId::Recv(key) => {
                     let Some(r) = self.recvs.get_mut(&key) else {
@@ -607,22 +603,22 @@ impl Endpoint {
     /// entries than live ones. Rebuilt from the live timers once it holds twice as many as there
     /// are, so its size follows the requests alive, at O(1) amortised.
     fn compact_timers(&mut self) {
-        if self.timers.heap.len() > 2 * self.timers.live + COMPACT_SLACK {
+        if self.timers.wants_rebuild() {
             let recvs = self
                 .recvs
                 .iter()
-                .filter_map(|(&key, r)| r.at.map(|at| Reverse((at, TimerId::Recv(key)))));
+                .filter_map(|(&key, r)| r.at.map(|at| (at, TimerId::Recv(key))));
             let sends = self
                 .sends
                 .iter()
-                .filter_map(|(&(key, to), f)| f.at.map(|at| Reverse((at, TimerId::Send(key, to)))));
-            self.timers.heap = recvs.chain(sends).collect();
+                .filter_map(|(&(key, to), f)| f.at.map(|at| (at, TimerId::Send(key, to))));
+            self.timers.rebuild(recvs.chain(sends));
         }
     }
 
     /// Entries in the timer heap, live and superseded (kept within twice the live timers).
     pub fn timer_entries(&self) -> usize {
-        self.timers.heap.len()
+        self.timers.entries()
     }
 
     /// The external collective has news: pick up its verdicts now rather than at the next
@@ -651,9 +647,9 @@ impl Endpoint {
 
     /// When `handle_timeout` must next be called, if anything is pending.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        // The heap's top may be a superseded entry: then the caller wakes early, once, for
+        // The earliest entry may be a superseded one: then the caller wakes early, once, for
         // nothing; `handle_timeout` pops it.
-        self.timers.heap.peek().map(|Reverse((at, _))| *at)
+        self.timers.next_due()
     }
 
     /// May the application start the tracked send of `segment` of `key` to `to`, with `len`

@@ -9,7 +9,6 @@ use std::collections::BinaryHeap;
 use std::time::Instant;
 
 use super::id::{RankId, RequestKey};
-use super::request::{RecvRequest, SendFlow};
 
 /// Which state machine a timer belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -19,7 +18,7 @@ pub(crate) enum TimerId {
 }
 
 /// Superseded timer entries tolerated beyond the live ones before the heap is rebuilt.
-pub(crate) const COMPACT_SLACK: usize = 64;
+const COMPACT_SLACK: usize = 64;
 
 /// A state machine with the instant of its live entry in the timer heap (the one entry not
 /// superseded), kept beside it so that scheduling looks the machine up once. Boxed in the maps:
@@ -50,29 +49,14 @@ impl<T> std::ops::DerefMut for Timed<T> {
     }
 }
 
-/// What the timer table needs of a state machine.
+/// What the timer table needs of a state machine (implemented beside each machine:
+/// `RecvRequest`, `SendFlow`).
 pub(crate) trait Machine {
-    /// Starts the linger of a machine that has just ended.
+    /// Once terminal, the machine is remembered for its linger more (to answer late duplicates
+    /// and recognise stale messages), counted from the terminal state, not from its start.
     fn settle(&mut self, now: Instant);
+    /// When the machine next needs `on_timeout`: a deadline, a bound, a resend, or its forget.
     fn next_timeout(&self) -> Instant;
-}
-
-impl Machine for RecvRequest {
-    fn settle(&mut self, now: Instant) {
-        RecvRequest::settle(self, now)
-    }
-    fn next_timeout(&self) -> Instant {
-        RecvRequest::next_timeout(self)
-    }
-}
-
-impl Machine for SendFlow {
-    fn settle(&mut self, now: Instant) {
-        SendFlow::settle(self, now)
-    }
-    fn next_timeout(&self) -> Instant {
-        SendFlow::next_timeout(self)
-    }
 }
 
 /// Every state machine's next deadline, earliest first (quinn-proto's timer table, as a heap).
@@ -80,9 +64,9 @@ impl Machine for SendFlow {
 /// popped, so an event costs O(log n) and no call scans every request.
 #[derive(Debug, Default)]
 pub(crate) struct TimerTable {
-    pub(crate) heap: BinaryHeap<Reverse<(Instant, TimerId)>>,
+    heap: BinaryHeap<Reverse<(Instant, TimerId)>>,
     /// Machines with a live entry in `heap`.
-    pub(crate) live: usize,
+    live: usize,
 }
 
 impl TimerTable {
@@ -97,6 +81,39 @@ impl TimerTable {
             }
             self.heap.push(Reverse((at, id)));
         }
+    }
+
+    /// The earliest entry's instant (it may be a superseded one: then whoever waits for it
+    /// wakes early, once, for nothing).
+    pub(crate) fn next_due(&self) -> Option<Instant> {
+        self.heap.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Takes the earliest entry if it is due at `now`; check it with [`TimerTable::fired`].
+    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, TimerId)> {
+        let Reverse((at, id)) = *self.heap.peek()?;
+        if at > now {
+            return None;
+        }
+        self.heap.pop();
+        Some((at, id))
+    }
+
+    /// Entries in the heap, live and superseded.
+    pub(crate) fn entries(&self) -> usize {
+        self.heap.len()
+    }
+
+    /// Whether superseded entries outnumber the live ones (beyond [`COMPACT_SLACK`]): then
+    /// [`TimerTable::rebuild`] from the live ones, so the heap's size follows the machines alive.
+    pub(crate) fn wants_rebuild(&self) -> bool {
+        self.heap.len() > 2 * self.live + COMPACT_SLACK
+    }
+
+    /// Remakes the heap from the machines' live entries (each machine's `Timed::at`).
+    pub(crate) fn rebuild(&mut self, live: impl Iterator<Item = (Instant, TimerId)>) {
+        self.heap = live.map(Reverse).collect();
+        debug_assert_eq!(self.heap.len(), self.live);
     }
 
     /// The heap's entry for `m` at `at` was popped: is it the live one? (Then `m` has none.)

@@ -7,6 +7,7 @@ use crate::error::Outcome;
 use crate::proto::agreement::reduce;
 use crate::proto::id::{RankId, RequestKey};
 use crate::proto::pool::Lease;
+use crate::proto::timers::Machine;
 use crate::proto::wire::{BufferDesc, Message};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,14 +142,6 @@ impl RecvRequest {
         };
         r.advertise(now, out, false);
         r
-    }
-
-    /// Once terminal, the request is remembered for `linger` more (to answer late duplicates
-    /// and recognise stale messages), counted from the terminal state, not from its start.
-    pub(crate) fn settle(&mut self, now: Instant) {
-        if self.terminal.is_some() && self.forget_at > now + self.linger {
-            self.forget_at = now + self.linger;
-        }
     }
 
     fn is_coordinator(&self) -> bool {
@@ -578,8 +571,16 @@ impl RecvRequest {
             }
         }
     }
+}
 
-    pub(crate) fn next_timeout(&self) -> Instant {
+impl Machine for RecvRequest {
+    fn settle(&mut self, now: Instant) {
+        if self.terminal.is_some() && self.forget_at > now + self.linger {
+            self.forget_at = now + self.linger;
+        }
+    }
+
+    fn next_timeout(&self) -> Instant {
         let mut t = self.forget_at;
         if self.terminal.is_none() {
             t = t.min(self.bound);

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use super::{unagreed, Action, Config, Event, Out, Role};
 use crate::error::Outcome;
 use crate::proto::id::{RankId, RequestKey};
+use crate::proto::timers::Machine;
 use crate::proto::wire::{BufferDesc, Message};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,13 +101,6 @@ impl SendFlow {
 
     pub(crate) fn is_finished(&self, now: Instant) -> bool {
         self.terminal.is_some() && now >= self.forget_at
-    }
-
-    /// See [`RecvRequest::settle`].
-    pub(crate) fn settle(&mut self, now: Instant) {
-        if self.terminal.is_some() && self.forget_at > now + self.linger {
-            self.forget_at = now + self.linger;
-        }
     }
 
     pub(crate) fn is_terminal(&self) -> bool {
@@ -425,7 +419,21 @@ impl SendFlow {
         }
     }
 
-    pub(crate) fn next_timeout(&self) -> Instant {
+    /// Every send done and accepted, no verdict yet: this rank asks for the verdict (a `Vote`
+    /// of `Completed`, which the receiver answers with its verdict) at the retransmit interval.
+    fn pulls(&self) -> bool {
+        self.accepted == Some(true) && self.local_vote.is_none() && self.quiesced()
+    }
+}
+
+impl Machine for SendFlow {
+    fn settle(&mut self, now: Instant) {
+        if self.terminal.is_some() && self.forget_at > now + self.linger {
+            self.forget_at = now + self.linger;
+        }
+    }
+
+    fn next_timeout(&self) -> Instant {
         if self.terminal.is_some() {
             return self.forget_at;
         }
@@ -440,11 +448,5 @@ impl SendFlow {
             t = t.min(self.next_retx);
         }
         t
-    }
-
-    /// Every send done and accepted, no verdict yet: this rank asks for the verdict (a `Vote`
-    /// of `Completed`, which the receiver answers with its verdict) at the retransmit interval.
-    fn pulls(&self) -> bool {
-        self.accepted == Some(true) && self.local_vote.is_none() && self.quiesced()
     }
 }
