@@ -25,6 +25,7 @@ use crate::proto::{
     RequestKey, Role, SessionKey, Step, Token, TokenAllocator,
 };
 use crate::transport::cuda::Staging;
+use crate::transport::ucx::Held;
 use crate::transport::{Agent, Event, EventSink, Op, PeerId};
 
 /// How long an outcome nobody came for is kept, and a finished key is refused as a replay.
@@ -528,6 +529,12 @@ impl Inner {
     /// Drains the core's outputs: control messages out, actions applied, events recorded and
     /// their callers woken.
     pub fn flush(&self, core: &mut Core) {
+        self.flush_via(core, None);
+    }
+
+    /// [`Inner::flush`], with the control messages posted through `held` (started when the
+    /// caller releases it) when given.
+    pub fn flush_via(&self, core: &mut Core, mut held: Option<&mut Held<'_>>) {
         let now = Instant::now();
         loop {
             let mut progressed = false;
@@ -541,7 +548,10 @@ impl Inner {
                     .message
                     .to_bytes()
                     .map_err(crate::Error::from)
-                    .and_then(|b| self.agent.post_control(peer, b))
+                    .and_then(|b| match held.as_deref_mut() {
+                        Some(h) => h.post_control(peer, b),
+                        None => self.agent.post_control(peer, b),
+                    })
                 {
                     tracing::debug!("control to {}: {e}", t.to);
                 }

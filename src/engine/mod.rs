@@ -53,6 +53,7 @@ use crate::proto::{
     RequestKey, Role, Secret,
 };
 use crate::transport::cuda::Staging;
+use crate::transport::ucx::Held;
 use crate::transport::{Agent, AgentOptions, PeerId, TransportKind};
 use glue::{Core, Inner, OnReap, RecvOp};
 use parking_lot::{Mutex, MutexGuard};
@@ -292,8 +293,9 @@ impl Engine {
         opts.listen = cfg.listen;
         opts.net_devices = cfg.net_devices;
         opts.reap_grace = REAP_GRACE;
-        // Every receive is posted before its sender can know the tag: anything unmatched is
-        // from someone the buffer was not offered to (or too late), and is discarded.
+        // Every receive is posted before data under its tag can be taken in (it goes out right
+        // after its advertisement, before any progress pass: `Agent::hold`): anything unmatched
+        // is from someone the buffer was not offered to (or too late), and is discarded.
         opts.discard_unexpected = true;
         // `KVLINK_STUCK=report` turns the action off where the config cannot be reached (the
         // TensorRT-LLM wrapper builds its own).
@@ -529,21 +531,29 @@ impl Engine {
                 ),
             ));
         }
-        let mut posted: Vec<u64> = Vec::new();
+        let mut posted: Vec<u64> = Vec::with_capacity(total);
+        // The receives are held back and the advertisement goes out before them (Held): it
+        // does not wait for their posts, and nothing can overtake them.
+        let mut held = self.inner.agent.hold();
         // SAFETY: forwarded caller promise (the buffers stay valid until the request ends).
-        let result = unsafe { self.post_flows(&mut core, key, &flows, &peers, &mut posted) }
-            .and_then(|spec_flows| {
-                core.ep.start_receive(
-                    Instant::now(),
-                    ReceiveSpec {
-                        key,
-                        receivers,
-                        flows: spec_flows,
-                        request_info,
-                        timeout: Some(deadline.saturating_duration_since(Instant::now())),
-                    },
-                )
-            });
+        let result =
+            unsafe { self.post_flows(&mut core, key, &flows, &peers, &mut held, &mut posted) }
+                .and_then(|spec_flows| {
+                    core.ep.start_receive(
+                        Instant::now(),
+                        ReceiveSpec {
+                            key,
+                            receivers,
+                            flows: spec_flows,
+                            request_info,
+                            timeout: Some(deadline.saturating_duration_since(Instant::now())),
+                        },
+                    )
+                });
+        self.inner.flush_via(&mut core, Some(&mut held));
+        // Started before anything below can cancel one of them (a cancel queued first would
+        // find nothing to cancel).
+        let released = held.release();
         for id in posted {
             if result.is_ok() {
                 // Started: from here the core owns the lease.
@@ -557,8 +567,9 @@ impl Engine {
         if result.is_ok() {
             core.starts.insert((key, Role::Receiver), started);
         }
+        // Anything the bookkeeping above queued (nothing, usually).
         self.inner.flush(&mut core);
-        result
+        result.and(released)
     }
 
     /// The endpoint of every sender of a request, waiting (until `deadline`) for those being
@@ -605,9 +616,10 @@ impl Engine {
         }
     }
 
-    /// Posts one receive per buffer of every flow and leases its pool slot; returns the flows
-    /// as the core takes them. Every posted receive is in `posted` with its lease in `on_reap`
-    /// (to go back when UCX releases it) until the caller knows the request started.
+    /// Posts one receive per buffer of every flow (held: started when `held` is released) and
+    /// leases its pool slot; returns the flows as the core takes them. Every posted receive is
+    /// in `posted` with its lease in `on_reap` (to go back when UCX releases it) until the
+    /// caller knows the request started.
     ///
     /// # Safety
     /// As for [`Engine::advertise_with`].
@@ -617,6 +629,7 @@ impl Engine {
         key: RequestKey,
         flows: &[(RankId, Vec<BufferSpec>)],
         peers: &[PeerId],
+        held: &mut Held<'_>,
         posted: &mut Vec<u64>,
     ) -> Result<Vec<ReceiveFlow>> {
         let mut spec_flows = Vec::with_capacity(flows.len());
@@ -661,11 +674,7 @@ impl Engine {
                 // SAFETY: the caller's promise covers the buffer until the request ends (a
                 // staging buffer lives in the RecvOp); its lease goes back only after this
                 // receive is reaped.
-                let op = unsafe {
-                    self.inner
-                        .agent
-                        .post_recv_with(peer, tag, target, len, true)
-                }?;
+                let op = unsafe { held.post_recv_with(peer, tag, target, len, true) }?;
                 // Leased only once the receive is posted, so a failed post leaks nothing; the
                 // pool has room (checked under the same lock).
                 let lease = core

@@ -1,6 +1,7 @@
 //! The agent's public face: [`Agent`] and the handles it gives out ([`MemHandle`],
 //! [`RemoteKey`]). Every call checks what it can here, then hands a command to the progress
 //! thread; nothing here touches UCX.
+use super::held::Held;
 use super::op::{Op, OpSlot, SlotKind, STOP_NONE};
 use super::progress::progress_thread;
 use super::shared::{AtomicStats, Cmd, CmdQueue, Driving, EventSink, Reply, Shared};
@@ -16,12 +17,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// The largest transfer its caller starts itself (see `Agent::post_tag`).
-const DIRECT_POST_MAX: usize = 64 << 10;
+pub(super) const DIRECT_POST_MAX: usize = 64 << 10;
 
 /// A UCX agent: one context, one worker, one progress thread. Not `Clone`; dropping it shuts the
 /// progress thread down, cancels every op and closes every endpoint.
 pub struct Agent {
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
     listen_addr: Option<SocketAddr>,
     name: String,
@@ -334,19 +335,8 @@ impl Agent {
         len: usize,
         notify: bool,
     ) -> Result<Op> {
-        check_buffer(addr, len)?;
-        self.check_peer(peer)?;
-        let slot = self.new_slot(peer, len, tag, kind, notify);
-        let op = self.op(slot.clone());
+        let (op, cmd, slot) = self.prepare_tag(kind, peer, tag, addr, len, notify)?;
         let send = kind == SlotKind::Send;
-        let cmd = Cmd::Tag {
-            send,
-            peer,
-            tag,
-            addr,
-            len,
-            slot: slot.clone(),
-        };
         // A small transfer reported only through its `Op` is waited on by its caller right away,
         // and that wait drives it: start it here, without waking the progress thread
         // (measured: a 4 KiB transport-row transfer 8.8 -> 2.5 us p50 on tcp). A small receive
@@ -366,6 +356,31 @@ impl Agent {
             self.shared.submit(cmd)?;
         }
         Ok(op)
+    }
+
+    /// A tagged transfer's op and the command that starts it (checked, not yet queued).
+    pub(super) fn prepare_tag(
+        &self,
+        kind: SlotKind,
+        peer: PeerId,
+        tag: u64,
+        addr: usize,
+        len: usize,
+        notify: bool,
+    ) -> Result<(Op, Cmd, Arc<OpSlot>)> {
+        check_buffer(addr, len)?;
+        self.check_peer(peer)?;
+        let slot = self.new_slot(peer, len, tag, kind, notify);
+        let op = self.op(slot.clone());
+        let cmd = Cmd::Tag {
+            send: kind == SlotKind::Send,
+            peer,
+            tag,
+            addr,
+            len,
+            slot: slot.clone(),
+        };
+        Ok((op, cmd, slot))
     }
 
     /// Registers `[addr, addr+len)` with UCX for one-sided access by peers. The handle's packed
@@ -505,13 +520,25 @@ impl Agent {
     /// went) is dropped, as the loss of any message on a failed endpoint. For a caller that
     /// must know the message left, [`Agent::send_control`].
     pub fn post_control(&self, peer: PeerId, bytes: Vec<u8>) -> Result<()> {
+        let cmd = self.prepare_post(peer, bytes)?;
+        self.shared.submit_post(cmd)
+    }
+
+    /// The command of [`Agent::post_control`] (checked, not yet queued).
+    pub(super) fn prepare_post(&self, peer: PeerId, bytes: Vec<u8>) -> Result<Cmd> {
         if bytes.is_empty() || bytes.len() > MAX_CONTROL {
             return Err(Error::invalid(format!(
                 "control message must be 1..={MAX_CONTROL} bytes"
             )));
         }
         self.check_peer(peer)?;
-        self.shared.submit_post(Cmd::Post { peer, bytes })
+        Ok(Cmd::Post { peer, bytes })
+    }
+
+    /// Holds back what is posted through the returned [`Held`] and starts it all together when
+    /// it is released: its control messages first, then its transfers (see [`Held`]).
+    pub fn hold(&self) -> Held<'_> {
+        Held::new(self)
     }
 
     /// Takes the next event, waiting until `deadline` (or until `cancel()` turns true, checked

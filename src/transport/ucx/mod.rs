@@ -55,6 +55,7 @@
 mod agent;
 mod callbacks;
 mod handles;
+mod held;
 mod op;
 mod peers;
 mod probe;
@@ -66,6 +67,7 @@ mod sys;
 mod tag;
 
 pub use agent::{Agent, MemHandle, RemoteKey};
+pub use held::Held;
 pub use op::Op;
 pub use resources::{memory_type_names, DevicePath};
 pub use shared::{Driving, EventSink};

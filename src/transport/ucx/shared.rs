@@ -213,6 +213,22 @@ impl Shared {
     /// queue here. True if it ran and left nothing for the progress thread to handle.
     fn start_here(self: &Arc<Self>, cmd: Cmd) -> Result<bool> {
         let alone = self.enqueue(cmd)?;
+        self.run_here(alone)
+    }
+
+    /// [`Shared::start_here`] for several commands, queued together (no pass can run between
+    /// them) in their order.
+    pub(super) fn start_all_here(
+        self: &Arc<Self>,
+        cmds: impl IntoIterator<Item = Cmd>,
+    ) -> Result<bool> {
+        let alone = self.enqueue_all(cmds)?;
+        self.run_here(alone)
+    }
+
+    /// Runs the queue here when it held nothing but what this caller just queued (`alone`) and
+    /// no other thread drives. True if it ran and left nothing for the progress thread.
+    fn run_here(self: &Arc<Self>, alone: bool) -> Result<bool> {
         if !alone || self.poll_window.is_zero() {
             return Ok(false);
         }
@@ -268,17 +284,32 @@ impl Shared {
 
     /// Queues `cmd`; true if the queue held nothing else.
     fn enqueue(&self, cmd: Cmd) -> Result<bool> {
+        self.enqueue_all(std::iter::once(cmd))
+    }
+
+    /// Queues `cmds` in their order under one lock (no pass takes the queue between them); true
+    /// if the queue held nothing else.
+    pub(super) fn enqueue_all(&self, cmds: impl IntoIterator<Item = Cmd>) -> Result<bool> {
         let mut q = self.cmds.lock();
-        let refused =
-            q.closed || (self.stopping.load(Ordering::Acquire) && !matches!(cmd, Cmd::Shutdown));
-        if refused {
-            drop(q);
-            // Whatever waits on this command learns now: no slot or reply is left pending.
-            self.fail_cmd(cmd);
-            return Err(Error::new(ErrorKind::Shutdown, "agent is shut down"));
+        let alone = q.items.is_empty();
+        let stopping = self.stopping.load(Ordering::Acquire);
+        let mut refused = Vec::new();
+        for cmd in cmds {
+            if q.closed || (stopping && !matches!(cmd, Cmd::Shutdown)) {
+                refused.push(cmd);
+            } else {
+                q.items.push_back(cmd);
+            }
         }
-        q.items.push_back(cmd);
-        Ok(q.items.len() == 1)
+        drop(q);
+        if refused.is_empty() {
+            return Ok(alone);
+        }
+        // Whatever waits on these commands learns now: no slot or reply is left pending.
+        for cmd in refused {
+            self.fail_cmd(cmd);
+        }
+        Err(Error::new(ErrorKind::Shutdown, "agent is shut down"))
     }
 
     /// Ends a command that will never run, so nobody waits on it.

@@ -1,0 +1,106 @@
+//! Commands held back by their caller and started together, control messages first.
+//!
+//! A receiver that posts its receives and then sends the advertisement naming them makes the
+//! advertisement wait for every post. Held, the advertisement goes first and the receives right
+//! after it, in one go: they reach the command queue under one lock and run in their order
+//! before any progress pass, so the data they await (which only a pass can take in, at least a
+//! round trip later) cannot arrive to find its receive missing and be discarded as a stray.
+use super::agent::{Agent, DIRECT_POST_MAX};
+use super::callbacks;
+use super::op::{Op, OpSlot, SlotKind};
+use super::shared::Cmd;
+use super::PeerId;
+use crate::error::Result;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// What a caller posted through [`Agent::hold`], not yet started. Released by
+/// [`Held::release`], or when dropped.
+pub struct Held<'a> {
+    agent: &'a Agent,
+    posts: Vec<Cmd>,
+    transfers: Vec<Cmd>,
+    /// The held receives reported as events: one that ends at once needs a pass to say so.
+    slots: Vec<Arc<OpSlot>>,
+    /// A transfer too large to start on the caller's thread (see `Agent::post_tag`).
+    large: bool,
+}
+
+impl<'a> Held<'a> {
+    pub(super) fn new(agent: &'a Agent) -> Self {
+        Held {
+            agent,
+            posts: Vec::new(),
+            transfers: Vec::new(),
+            slots: Vec::new(),
+            large: false,
+        }
+    }
+
+    /// [`Agent::post_recv_with`], started at the release, after the held control messages.
+    ///
+    /// # Safety
+    /// As for [`Agent::post_recv_with`].
+    pub unsafe fn post_recv_with(
+        &mut self,
+        peer: PeerId,
+        tag: u64,
+        addr: *mut u8,
+        len: usize,
+        notify: bool,
+    ) -> Result<Op> {
+        let (op, cmd, slot) =
+            self.agent
+                .prepare_tag(SlotKind::Recv, peer, tag, addr as usize, len, notify)?;
+        self.large |= len > DIRECT_POST_MAX;
+        self.transfers.push(cmd);
+        if notify {
+            self.slots.push(slot);
+        }
+        Ok(op)
+    }
+
+    /// [`Agent::post_control`], started at the release, before the held transfers.
+    pub fn post_control(&mut self, peer: PeerId, bytes: Vec<u8>) -> Result<()> {
+        self.posts.push(self.agent.prepare_post(peer, bytes)?);
+        Ok(())
+    }
+
+    /// Starts what is held: on this thread when nothing else is queued and no other thread
+    /// drives, otherwise by the progress thread, which is then woken. Errors only when the
+    /// agent is shut down (every held op is then ended as such).
+    pub fn release(mut self) -> Result<()> {
+        self.start()
+    }
+
+    fn start(&mut self) -> Result<()> {
+        if self.posts.is_empty() && self.transfers.is_empty() {
+            return Ok(());
+        }
+        let shared = &self.agent.shared;
+        let cmds = self.posts.drain(..).chain(self.transfers.drain(..));
+        if callbacks::in_sink_of(shared) {
+            // The pass that runs the sink drains the queue as soon as it returns.
+            shared.enqueue_all(cmds)?;
+            return Ok(());
+        }
+        if self.large {
+            shared.enqueue_all(cmds)?;
+            shared.wake();
+            return Ok(());
+        }
+        let started = shared.start_all_here(cmds)?;
+        let ended = self.slots.iter().any(|s| s.state.lock().is_some());
+        if !started || ended || shared.internal_queued.load(Ordering::Acquire) != 0 {
+            shared.wake();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        // Nothing held may be left unstarted: its ops would wait for a start that never comes.
+        let _ = self.start();
+    }
+}
