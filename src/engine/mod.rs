@@ -1302,7 +1302,7 @@ impl Drop for Engine {
                 let mut core = self.inner.core.lock();
                 core.control_ops.retain_mut(|op| op.poll().is_none());
                 !core.control_ops.is_empty()
-            };
+            } || self.inner.agent.sends_pending();
             if !pending || Instant::now() >= until {
                 break;
             }

@@ -145,6 +145,13 @@ impl Agent {
         self.shared.moves_begun.load(Ordering::Acquire)
     }
 
+    /// Whether something asked of this agent has not left yet: a command still queued, or a
+    /// message nobody waits on ([`Agent::post_control`]) that UCX holds queued. An owner about
+    /// to shut the agent down waits on it (bounded) so that its last messages go out.
+    pub fn sends_pending(&self) -> bool {
+        self.shared.cmds_pending() || self.shared.internal_queued.load(Ordering::Acquire) != 0
+    }
+
     /// A fault for tests: the progress thread acts as if its probe had found the
     /// shared-memory receive queue stuck (a move to a new worker, unless report-only), without
     /// a killed writer, so that what follows a move can be tested deterministically.
