@@ -524,3 +524,58 @@ fn a_held_receive_posted_after_its_announcement_catches_the_data() {
         drop(a);
     }
 }
+
+/// What is held and never started stays unposted: a `Held` dropped without its release ends its
+/// receive `Cancelled` at once (and data then sent under that tag is discarded, since nothing was
+/// posted for it), and a held receive cancelled before the release ends `Cancelled` instead of
+/// being posted by the release with its cancel already spent.
+#[test]
+fn a_held_receive_that_is_dropped_or_cancelled_before_its_release_is_never_posted() {
+    for kind in KINDS {
+        let (a, b, ab, ba) = pair_with(kind.clone(), true);
+        let mut buf = vec![0u8; 4096];
+        let soon = || Instant::now() + Duration::from_secs(2);
+
+        let mut held = b.hold();
+        let mut dropped =
+            unsafe { held.post_recv_with(ba, 7, buf.as_mut_ptr(), 4096, false) }.unwrap();
+        drop(held);
+        let t0 = Instant::now();
+        assert_eq!(
+            dropped.wait(soon(), None).unwrap(),
+            Outcome::Cancelled,
+            "{kind:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_millis(500), "{kind:?}");
+        let data = vec![9u8; 4096];
+        let mut send = unsafe { a.post_send(ab, 7, data.as_ptr(), 4096) }.unwrap();
+        assert_eq!(
+            send.wait(soon(), None).unwrap(),
+            Outcome::Completed,
+            "{kind:?}"
+        );
+        let until = soon();
+        while b.stats().stray_discarded == 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            b.stats().stray_discarded,
+            1,
+            "{kind:?}: the data found no receive"
+        );
+        assert!(buf.iter().all(|&x| x == 0), "{kind:?}: nothing landed");
+
+        let mut held = b.hold();
+        let mut cancelled =
+            unsafe { held.post_recv_with(ba, 8, buf.as_mut_ptr(), 4096, false) }.unwrap();
+        cancelled.request_cancel();
+        held.release().unwrap();
+        let t0 = Instant::now();
+        assert_eq!(
+            cancelled.wait(soon(), None).unwrap(),
+            Outcome::Cancelled,
+            "{kind:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_millis(500), "{kind:?}");
+    }
+}

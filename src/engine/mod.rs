@@ -671,16 +671,22 @@ impl Engine {
                     .ok_or_else(|| Error::new(ErrorKind::Internal, "tokens exhausted"))?;
                 // Only `sender` can name this tag: the token keyed for the pair.
                 let tag = keys.inbound.tag(token);
-                // SAFETY: the caller's promise covers the buffer until the request ends (a
-                // staging buffer lives in the RecvOp); its lease goes back only after this
-                // receive is reaped.
-                let op = unsafe { held.post_recv_with(peer, tag, target, len, true) }?;
-                // Leased only once the receive is posted, so a failed post leaks nothing; the
-                // pool has room (checked under the same lock).
+                // Leased before the post (the pool has room: checked under this same lock), so
+                // that no held op is ever dropped unstarted; a post that fails gives it back.
                 let lease = core
                     .pool
                     .lease(key)
                     .ok_or_else(|| Error::new(ErrorKind::Internal, "pool emptied under lock"))?;
+                // SAFETY: the caller's promise covers the buffer until the request ends (a
+                // staging buffer lives in the RecvOp); its lease goes back only after this
+                // receive is reaped.
+                let op = match unsafe { held.post_recv_with(peer, tag, target, len, true) } {
+                    Ok(op) => op,
+                    Err(e) => {
+                        drop(core.pool.release(lease));
+                        return Err(e);
+                    }
+                };
                 let id = op.id();
                 posted.push(id);
                 if let Some(r) = region {
@@ -1302,7 +1308,7 @@ impl Drop for Engine {
                 let mut core = self.inner.core.lock();
                 core.control_ops.retain_mut(|op| op.poll().is_none());
                 !core.control_ops.is_empty()
-            } || self.inner.agent.sends_pending();
+            } || self.inner.agent.push_pending();
             if !pending || Instant::now() >= until {
                 break;
             }

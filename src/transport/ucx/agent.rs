@@ -146,10 +146,16 @@ impl Agent {
     }
 
     /// Whether something asked of this agent has not left yet: a command still queued, or a
-    /// message nobody waits on ([`Agent::post_control`]) that UCX holds queued. An owner about
-    /// to shut the agent down waits on it (bounded) so that its last messages go out.
-    pub fn sends_pending(&self) -> bool {
-        self.shared.cmds_pending() || self.shared.internal_queued.load(Ordering::Acquire) != 0
+    /// message nobody waits on ([`Agent::post_control`]) that UCX holds queued. If so, the
+    /// progress thread is woken to move it (it may be asleep for up to 100 ms). An owner about
+    /// to shut the agent down asks this in a bounded loop so that its last messages go out.
+    pub fn push_pending(&self) -> bool {
+        let pending =
+            self.shared.cmds_pending() || self.shared.internal_queued.load(Ordering::Acquire) != 0;
+        if pending {
+            self.shared.wake();
+        }
+        pending
     }
 
     /// A fault for tests: the progress thread acts as if its probe had found the

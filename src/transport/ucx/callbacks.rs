@@ -184,9 +184,7 @@ pub(super) unsafe extern "C" fn internal_sent_cb(
 ) {
     drop(Box::from_raw(user_data as *mut Vec<u8>));
     sys::ucp_request_free(request);
-    with_shared(|sh| {
-        sh.internal_queued.fetch_sub(1, Ordering::AcqRel);
-    });
+    with_shared(|sh| sh.internal_sent());
 }
 
 pub(super) unsafe extern "C" fn am_drain_cb(

@@ -3,19 +3,20 @@
 //! A receiver that posts its receives and then sends the advertisement naming them makes the
 //! advertisement wait for every post. Held, the advertisement goes first and the receives right
 //! after it, in one go: they reach the command queue under one lock and run in their order
-//! before any progress pass, so the data they await (which only a pass can take in, at least a
-//! round trip later) cannot arrive to find its receive missing and be discarded as a stray.
+//! before any progress pass, and unmatched data is only discarded as a stray in a pass (with
+//! `discard_unexpected`), so the data they await, a round trip later at the earliest, cannot
+//! be discarded for want of its receive.
 use super::agent::{Agent, DIRECT_POST_MAX};
 use super::callbacks;
-use super::op::{Op, OpSlot, SlotKind};
+use super::op::{Op, OpSlot, SlotKind, STOP_CANCEL, STOP_NONE};
 use super::shared::Cmd;
-use super::PeerId;
+use super::{sys, PeerId};
 use crate::error::Result;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// What a caller posted through [`Agent::hold`], not yet started. Released by
-/// [`Held::release`], or when dropped.
+/// What a caller posted through [`Agent::hold`], not yet started: [`Held::release`] starts it;
+/// dropping it unreleased cancels it.
 pub struct Held<'a> {
     agent: &'a Agent,
     posts: Vec<Cmd>,
@@ -99,8 +100,20 @@ impl<'a> Held<'a> {
 }
 
 impl Drop for Held<'_> {
+    /// Dropped without [`Held::release`] (its owner's code returned early, or unwound): nothing
+    /// held starts, so no receive is left posted into memory that nobody will cancel; each
+    /// held op ends `Cancelled` at once and its payloads go.
     fn drop(&mut self) {
-        // Nothing held may be left unstarted: its ops would wait for a start that never comes.
-        let _ = self.start();
+        for cmd in self.posts.drain(..).chain(self.transfers.drain(..)) {
+            if let Cmd::Tag { slot, .. } = &cmd {
+                let _ = slot.stop_reason.compare_exchange(
+                    STOP_NONE,
+                    STOP_CANCEL,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                callbacks::finish_slot(&self.agent.shared, slot, sys::UCS_ERR_CANCELED, 0);
+            }
+        }
     }
 }

@@ -232,10 +232,11 @@ pub struct AgentOptions {
     /// How long a wait that gave up may spend getting UCX to release its request.
     pub reap_grace: Duration,
     /// Discard tagged data that matches no posted receive (reported as
-    /// [`Event::StrayData`]) instead of keeping it for a receive posted later. For owners that
-    /// always post a receive before its sender can know the tag (the engine): then such data
-    /// is from someone the buffer was not offered to, or too late, and it must neither land
-    /// nor pile up in UCX's unexpected queue.
+    /// [`Event::StrayData`]) instead of keeping it for a receive posted later; the discard runs
+    /// in a progress pass. For owners whose receive is always posted before a pass can see data
+    /// under its tag (the engine: posted right after the advertisement naming it, in one batch
+    /// with it, [`Agent::hold`]): then such data is from someone the buffer was not offered to,
+    /// or too late, and it must neither land nor pile up in UCX's unexpected queue.
     pub discard_unexpected: bool,
     /// When the probe finds this agent's shared-memory receive queue stuck
     /// ([`Stats::receive_stuck`]): fail every peer at once and move to a new worker with a

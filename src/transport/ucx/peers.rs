@@ -240,7 +240,7 @@ impl Progress {
         // it; the header lives in `shared`.
         let ptr = unsafe { sys::ucp_am_send_nbx(ep, id, header, 8, data, len, &param) };
         if !sys::ptr_is_ptr(ptr) {
-            self.shared.internal_queued.fetch_sub(1, Ordering::AcqRel);
+            self.shared.internal_sent();
             if sys::ptr_is_err(ptr) {
                 tracing::debug!(
                     "message to peer {}: {}",

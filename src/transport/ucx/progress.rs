@@ -977,6 +977,8 @@ impl Progress {
         // Dropping the old worker destroys it: nothing made from it is left. Only then are the
         // ops it still held failed for their waiters, who may reuse their buffers at once.
         drop(std::mem::replace(&mut self.worker, fresh));
+        // Whatever the old worker still held queued went with it.
+        self.shared.internal_queued.store(0, Ordering::Release);
         fail_held(&self.shared, held);
         // SAFETY: a fresh worker of ours, under the driver lock.
         unsafe { self.attach_worker() }?;

@@ -282,6 +282,15 @@ impl Shared {
         Ok(())
     }
 
+    /// One send counted in `internal_queued` has ended. Never below zero: a stray decrement
+    /// must not wrap the count into "always pending" (this runs in UCX callbacks, where nothing
+    /// may panic, so it saturates rather than asserts).
+    pub(super) fn internal_sent(&self) {
+        let _ = self
+            .internal_queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+
     /// Queues `cmd`; true if the queue held nothing else.
     fn enqueue(&self, cmd: Cmd) -> Result<bool> {
         self.enqueue_all(std::iter::once(cmd))

@@ -94,6 +94,15 @@ impl Progress {
         slot: Arc<OpSlot>,
         send: bool,
     ) {
+        // Between its queueing and its start (held by `Agent::hold`, or behind other commands)
+        // an op may have been ended (failed with its worker) or asked to stop: the first is not
+        // posted again, the second ends stopped, not posted (its cancel found nothing to cancel).
+        if slot.state.lock().is_some() {
+            return;
+        }
+        if slot.stop_reason.load(Ordering::Acquire) != STOP_NONE {
+            return self.finish_slot(&slot, sys::UCS_ERR_CANCELED, 0);
+        }
         let ep = match self.ep_of(peer) {
             Ok(ep) => ep,
             Err(e) => {
