@@ -150,8 +150,7 @@ impl Agent {
     /// progress thread is woken to move it (it may be asleep for up to 100 ms). An owner about
     /// to shut the agent down asks this in a bounded loop so that its last messages go out.
     pub fn push_pending(&self) -> bool {
-        let pending =
-            self.shared.cmds_pending() || self.shared.internal_queued.load(Ordering::Acquire) != 0;
+        let pending = self.shared.cmds_pending() || self.shared.internal_queued_any();
         if pending {
             self.shared.wake();
         }

@@ -80,22 +80,13 @@ impl<'a> Held<'a> {
         }
         let shared = &self.agent.shared;
         let cmds = self.posts.drain(..).chain(self.transfers.drain(..));
-        if callbacks::in_sink_of(shared) {
-            // The pass that runs the sink drains the queue as soon as it returns.
-            shared.enqueue_all(cmds)?;
-            return Ok(());
-        }
         if self.large {
-            shared.enqueue_all(cmds)?;
-            shared.wake();
-            return Ok(());
+            return shared.submit_all(cmds);
         }
-        let started = shared.start_all_here(cmds)?;
-        let ended = self.slots.iter().any(|s| s.state.lock().is_some());
-        if !started || ended || shared.internal_queued.load(Ordering::Acquire) != 0 {
-            shared.wake();
-        }
-        Ok(())
+        let slots = &self.slots;
+        shared.submit_unwaited_all(cmds, || {
+            slots.iter().any(|s| s.state.lock().is_some()) || shared.internal_queued_any()
+        })
     }
 }
 

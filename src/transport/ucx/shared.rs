@@ -191,7 +191,12 @@ pub(super) struct Shared {
 
 impl Shared {
     pub(super) fn submit(&self, cmd: Cmd) -> Result<()> {
-        self.enqueue(cmd)?;
+        self.submit_all(std::iter::once(cmd))
+    }
+
+    /// Queues `cmds` together in their order and wakes the progress thread to run them.
+    pub(super) fn submit_all(&self, cmds: impl IntoIterator<Item = Cmd>) -> Result<()> {
+        self.enqueue_all(cmds)?;
         self.wake();
         Ok(())
     }
@@ -213,16 +218,6 @@ impl Shared {
     /// queue here. True if it ran and left nothing for the progress thread to handle.
     fn start_here(self: &Arc<Self>, cmd: Cmd) -> Result<bool> {
         let alone = self.enqueue(cmd)?;
-        self.run_here(alone)
-    }
-
-    /// [`Shared::start_here`] for several commands, queued together (no pass can run between
-    /// them) in their order.
-    pub(super) fn start_all_here(
-        self: &Arc<Self>,
-        cmds: impl IntoIterator<Item = Cmd>,
-    ) -> Result<bool> {
-        let alone = self.enqueue_all(cmds)?;
         self.run_here(alone)
     }
 
@@ -254,32 +249,41 @@ impl Shared {
     /// needs none until its data arrives, which is an event on the worker that wakes the
     /// thread. Saves a caller an eventfd write and a wake-up per control message and receive.
     pub(super) fn submit_unwaited(self: &Arc<Self>, cmd: Cmd, slot: &OpSlot) -> Result<()> {
-        if callbacks::in_sink_of(self) {
-            self.enqueue(cmd)?;
-            return Ok(());
-        }
-        let started = self.start_here(cmd)?;
-        let ended = slot.state.lock().is_some();
-        let receive = !slot.send && !slot.control;
-        if !started || (ended && slot.notify) || (!ended && !receive) {
-            self.wake();
-        }
-        Ok(())
+        self.submit_unwaited_all(std::iter::once(cmd), || {
+            let ended = slot.state.lock().is_some();
+            let receive = !slot.send && !slot.control;
+            (ended && slot.notify) || (!ended && !receive)
+        })
     }
 
     /// [`Shared::submit_unwaited`] for a [`Cmd::Post`]: there is no op to look at, so the
     /// progress thread is woken when the message could not start here or UCX holds a send
     /// queued (this one or an earlier one).
     pub(super) fn submit_post(self: &Arc<Self>, cmd: Cmd) -> Result<()> {
+        self.submit_unwaited_all(std::iter::once(cmd), || self.internal_queued_any())
+    }
+
+    /// What [`Shared::submit_unwaited`] does, for commands queued together in their order (no
+    /// pass runs between them): `needs_pass`, asked once they ran here, says whether what they
+    /// started still needs a pass of the progress thread.
+    pub(super) fn submit_unwaited_all(
+        self: &Arc<Self>,
+        cmds: impl IntoIterator<Item = Cmd>,
+        needs_pass: impl FnOnce() -> bool,
+    ) -> Result<()> {
+        let alone = self.enqueue_all(cmds)?;
         if callbacks::in_sink_of(self) {
-            self.enqueue(cmd)?;
             return Ok(());
         }
-        let started = self.start_here(cmd)?;
-        if !started || self.internal_queued.load(Ordering::Acquire) != 0 {
+        if !self.run_here(alone)? || needs_pass() {
             self.wake();
         }
         Ok(())
+    }
+
+    /// Whether UCX holds a send nobody waits on queued (see `internal_queued`).
+    pub(super) fn internal_queued_any(&self) -> bool {
+        self.internal_queued.load(Ordering::Acquire) != 0
     }
 
     /// One send counted in `internal_queued` has ended. Never below zero: a stray decrement
