@@ -81,8 +81,12 @@ pub struct RunArgs {
           default_value = "4KiB:64,4KiB:1024,4KiB:4096,1MiB:8")]
     pub inflight: Vec<(u64, u64)>,
 
-    /// Measured requests per one-in-flight row, and transfers per transport row
-    /// [default: 100, --quick: 10].
+    /// Measured requests per one-in-flight row, and transfers per transport row [default: as
+    /// many as ucx_perftest times at that size (its byte budget over the size, 100 to 10000:
+    /// 10000 at 4 KiB, 256 at 1 MiB, 100 at 16 and 64 MiB); --quick: 10]. Given, it is also the
+    /// fewest ucx_perftest iterations per size. A kvlink row measured over a few milliseconds
+    /// (50 requests of 1 MiB) is at the mercy of one descheduling on a shared machine; its
+    /// baseline, measured over the same number of messages, is not.
     #[arg(long)]
     pub iters: Option<u64>,
 
@@ -96,9 +100,10 @@ pub struct RunArgs {
     #[arg(long)]
     pub warmup: Option<u64>,
 
-    /// Measured rounds (of N requests) per in-flight row [default: 5, --quick: 2]. One warm-up
-    /// round comes first, and one unmeasured round after them keeps the window full to the
-    /// end of the last measured one.
+    /// Measured rounds (of N requests) per in-flight row [default: enough for as many requests
+    /// as ucx_perftest times at that size, and at least 5 (157 rounds of 64 at 4 KiB, 32 of 8
+    /// at 1 MiB); --quick: 2]. One warm-up round comes first, and one unmeasured round after
+    /// them keeps the window full to the end of the last measured one.
     #[arg(long)]
     pub rounds: Option<u64>,
 
@@ -158,10 +163,51 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// `--iters`, or its default floor (100; --quick: 10): the fewest ucx_perftest iterations.
     pub fn iters(&self) -> u64 {
         self.iters
             .unwrap_or(if self.quick { 10 } else { 100 })
             .max(1)
+    }
+
+    /// Requests per one-in-flight row when every such row has the same count: `--iters`, or
+    /// --quick's 10. None: as many as ucx_perftest at each size ([`RunArgs::iters_for`]).
+    pub fn fixed_iters(&self) -> Option<u64> {
+        (self.iters.is_some() || self.quick).then(|| self.iters())
+    }
+
+    /// Rounds per in-flight row when every such row has the same count: `--rounds`, or
+    /// --quick's 2. None: as ucx_perftest's requests at each size ([`RunArgs::rounds_for`]).
+    pub fn fixed_rounds(&self) -> Option<u64> {
+        (self.rounds.is_some() || self.quick).then(|| self.rounds())
+    }
+
+    /// Measured requests (transfers) of a one-in-flight (transport) row of `size` bytes: `--iters`
+    /// when given, else as many as ucx_perftest times at that size.
+    pub fn iters_for(&self, size: u64) -> u64 {
+        self.fixed_iters()
+            .unwrap_or_else(|| self.perftest_iters(size))
+    }
+
+    /// Measured rounds of an in-flight row of `n` requests of `size` bytes: `--rounds` when
+    /// given, else enough rounds for as many requests as ucx_perftest times at that size, and
+    /// at least the default 5.
+    pub fn rounds_for(&self, size: u64, n: u64) -> u64 {
+        self.fixed_rounds().unwrap_or_else(|| {
+            self.perftest_iters(size)
+                .div_ceil(n.max(1))
+                .max(self.rounds())
+        })
+    }
+
+    /// ucx_perftest's timed iterations at `size`.
+    pub fn perftest_iters(&self, size: u64) -> u64 {
+        crate::perftest::iterations(
+            size,
+            self.perftest_budget(),
+            self.perftest_min(),
+            self.perftest_max(),
+        )
     }
     /// Warm-up transfers before a transport row (see `warmup`).
     pub fn transport_warmup(&self) -> u64 {
@@ -176,12 +222,7 @@ impl RunArgs {
             if self.quick {
                 1
             } else {
-                crate::perftest::warmup_of(crate::perftest::iterations(
-                    size,
-                    self.perftest_budget(),
-                    self.perftest_min(),
-                    self.perftest_max(),
-                ))
+                crate::perftest::warmup_of(self.perftest_iters(size))
             }
         })
     }
@@ -372,6 +413,26 @@ mod tests {
         assert_eq!(parse_batch("4KiB:1024"), Ok((4096, 1024)));
         assert!(parse_batch("4KiB").is_err());
         assert!(parse_batch("4KiB:0").is_err());
+    }
+
+    #[test]
+    fn rows_measure_as_many_requests_as_ucx_perftest_unless_told() {
+        let c = Cli::parse_from(["kvlink-bench"]);
+        assert_eq!(c.run.iters_for(4096), 10_000);
+        assert_eq!(c.run.iters_for(1 << 20), 256);
+        assert_eq!(c.run.iters_for(64 << 20), 100);
+        assert_eq!(c.run.iters_for(1 << 20), c.run.perftest_iters(1 << 20));
+        assert_eq!(c.run.rounds_for(4096, 64), 157);
+        assert_eq!(c.run.rounds_for(1 << 20, 8), 32);
+        assert_eq!(c.run.rounds_for(4096, 4096), 5);
+        let c = Cli::parse_from(["kvlink-bench", "--iters", "50", "--rounds", "3"]);
+        assert_eq!(c.run.iters_for(4096), 50);
+        assert_eq!(c.run.iters_for(64 << 20), 50);
+        assert_eq!(c.run.rounds_for(4096, 64), 3);
+        assert_eq!(c.run.perftest_iters(64 << 20), 50);
+        let c = Cli::parse_from(["kvlink-bench", "--quick"]);
+        assert_eq!(c.run.iters_for(4096), 10);
+        assert_eq!(c.run.rounds_for(4096, 64), 2);
     }
 
     #[test]

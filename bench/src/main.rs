@@ -33,12 +33,18 @@ fn main() -> ExitCode {
         "transports": args.transports.iter().map(|t| t.name()).collect::<Vec<_>>(),
         "sizes": args.sizes,
         "inflight": args.inflight.iter().map(|&(s, n)| serde_json::json!({"size": s, "requests": n})).collect::<Vec<_>>(),
-        "iters": args.iters(),
+        "iters": args.fixed_iters().map_or_else(
+            || serde_json::json!("as ucx_perftest at each size"),
+            |i| serde_json::json!(i),
+        ),
         "warmup": args.warmup.map_or_else(
             || serde_json::json!("requests: as ucx_perftest (a tenth of its iterations at each size); transport rows: 3"),
             |w| serde_json::json!(w),
         ),
-        "rounds": args.rounds(),
+        "rounds": args.fixed_rounds().map_or_else(
+            || serde_json::json!("as ucx_perftest at each size, at least 5"),
+            |r| serde_json::json!(r),
+        ),
         "warmup_rounds": 1,
         "senders": args.senders,
         "gap_us": args.gap_us,

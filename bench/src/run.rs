@@ -100,12 +100,22 @@ impl Runner {
         let plan = self.plan();
         self.pb
             .set_length((plan.len() * a.transports.len().max(1)) as u64);
+        let per_row = match (a.fixed_iters(), a.fixed_rounds()) {
+            (Some(i), Some(r)) => {
+                format!("{i} requests per one-in-flight row, {r} rounds per in-flight row")
+            }
+            (Some(i), None) => format!(
+                "{i} requests per one-in-flight row, in-flight rows as many as ucx_perftest"
+            ),
+            (None, Some(r)) => format!(
+                "one-in-flight rows as many requests as ucx_perftest, {r} rounds per in-flight row"
+            ),
+            (None, None) => "every row as many requests as ucx_perftest at its size".into(),
+        };
         self.print(&format!(
-            "kvlink-bench: two processes on loopback per row; {} requests per one-in-flight row, \
-             {} rounds per in-flight row, row limit {} s. GB/s = 1e9 bytes/s; \
-             x tag_bw = GB/s / tag_bw; x tag_lat = us/req p50 / tag_lat one-way p50.",
-            a.iters(),
-            a.rounds(),
+            "kvlink-bench: two processes on loopback per row; {per_row}, row limit {} s. \
+             GB/s = 1e9 bytes/s; x tag_bw = GB/s / tag_bw; x tag_lat = us/req p50 / tag_lat \
+             one-way p50.",
             a.row_timeout().as_secs()
         ));
         if a.gap_us > 0 {
@@ -168,12 +178,7 @@ impl Runner {
                     kind.label(),
                     size_label(size)
                 ));
-                let iters = perftest::iterations(
-                    size,
-                    a.perftest_budget(),
-                    a.perftest_min(),
-                    a.perftest_max(),
-                );
+                let iters = a.perftest_iters(size);
                 let mut row = Row::new(t.name(), kind, size, 1);
                 match perftest::run(test, t, size, iters, a.row_timeout()) {
                     Ok(f) => {
@@ -206,20 +211,20 @@ impl Runner {
                     PeerRole::TrSend,
                     size,
                     1,
-                    a.iters(),
+                    a.iters_for(size),
                     a.transport_warmup(),
                 );
                 to_row(
                     Row::new(t.name(), Kind::KvlinkTransport, size, 1),
                     out,
-                    a.iters(),
+                    a.iters_for(size),
                 )
             }
             Step::Requests { size, in_flight } => {
                 let (rounds, warmup) = if in_flight == 1 {
-                    (a.iters(), a.warmup_for(size))
+                    (a.iters_for(size), a.warmup_for(size))
                 } else {
-                    (a.rounds(), 1)
+                    (a.rounds_for(size, in_flight), 1)
                 };
                 self.pb.set_message(format!(
                     "{} kvlink requests {} x{in_flight}",
