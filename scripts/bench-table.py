@@ -81,5 +81,67 @@ def main(paths):
                 )
 
 
+    targets(runs)
+
+
+def quartiles(vals):
+    """Median and the middle half (25th-75th percentile) of `vals`."""
+    if len(vals) < 4:
+        return statistics.median(vals), min(vals), max(vals)
+    q = statistics.quantiles(vals, n=4)
+    return q[1], q[0], q[2]
+
+
+def targets(runs):
+    """Issue 8's speed targets, each as the median over the runs of its per-run figure, with the
+    middle half of the runs beside it (one run's cell swings far more than the median)."""
+
+    def per_run(tl, kind, size, n, field):
+        out = []
+        for run in runs:
+            for r in run["rows"]:
+                if (r["transport"], r["kind"], r["size"], r["in_flight"]) == (tl, kind, size, n):
+                    if r.get(field) is not None:
+                        out.append(r[field])
+        return out
+
+    def scale_ratio(tl):
+        # us per request with 4096 in flight over that with 64, within each run.
+        out = []
+        for run in runs:
+            us = {
+                r["in_flight"]: r["us_p50"]
+                for r in run["rows"]
+                if (r["transport"], r["kind"], r["size"]) == (tl, "kvlink_request", K)
+                and r.get("us_p50")
+            }
+            if 64 in us and 4096 in us:
+                out.append(us[4096] / us[64])
+        return out
+
+    checks = []
+    for tl in ["tcp", "sm"]:
+        for size, label in SIZES[1:]:
+            checks.append((f"{tl} transport {label} x tag_bw", ">=", 0.95,
+                           per_run(tl, "kvlink_transport", size, 1, "x_tag_bw")))
+        for size, label in SIZES[1:]:
+            want = 0.8 if size == M else 0.9
+            checks.append((f"{tl} request {label} x tag_bw", ">=", want,
+                           per_run(tl, "kvlink_request", size, 1, "x_tag_bw")))
+        checks.append((f"{tl} request 1 MiB x 8 x tag_bw", ">=", 0.95,
+                       per_run(tl, "kvlink_request", M, 8, "x_tag_bw")))
+        checks.append((f"{tl} request 4 KiB x tag_lat", "<=", 6.0,
+                       per_run(tl, "kvlink_request", K, 1, "x_tag_lat")))
+        checks.append((f"{tl} 4 KiB us/request 4096 over 64 in flight", "<=", 1.5,
+                       scale_ratio(tl)))
+    print(f"\nIssue 8 targets: median of {len(runs)} runs (middle half of the runs in brackets)\n")
+    for name, op, want, vals in checks:
+        if not vals:
+            continue
+        med, lo, hi = quartiles(vals)
+        met = med >= want if op == ">=" else med <= want
+        print(f"- {name} {op} {want}: {med:.2f} ({lo:.2f}-{hi:.2f}) {'met' if met else 'not met'}")
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])
