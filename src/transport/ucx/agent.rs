@@ -4,14 +4,12 @@
 use super::held::Held;
 use super::op::{Op, OpSlot, SlotKind, STOP_NONE};
 use super::progress::progress_thread;
-use super::shared::{AtomicStats, Cmd, CmdQueue, Driving, EventSink, Reply, Shared};
+use super::shared::{Cmd, Driving, EventSink, Reply, Shared};
 use super::{AgentOptions, Event, PeerId, Stats, MAX_CONTROL};
 use crate::error::{Error, ErrorKind, Result};
-use foldhash::{HashMap, HashMapExt};
 use parking_lot::{Condvar, Mutex};
-use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -31,45 +29,7 @@ pub struct Agent {
 impl Agent {
     /// Creates the agent and starts its progress thread.
     pub fn new(opts: AgentOptions) -> Result<Agent> {
-        // SAFETY: eventfd with valid flags; the fd is closed in Drop for Agent.
-        let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if wake_fd < 0 {
-            return Err(Error::new(ErrorKind::Transport, "eventfd failed"));
-        }
-        // SAFETY: a fresh descriptor that nothing else owns; `Shared` closes it when it goes.
-        let wake_fd =
-            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(wake_fd) };
-        let uid = fresh_uid();
-        let shared = Arc::new(Shared {
-            cmds: Mutex::new(CmdQueue::default()),
-            wake_fd,
-            stopping: AtomicBool::new(false),
-            events: Mutex::new(VecDeque::new()),
-            events_cv: Condvar::new(),
-            failed: Mutex::new(HashMap::new()),
-            in_flight: Mutex::new(HashMap::new()),
-            next_op: AtomicU64::new(1),
-            stats: AtomicStats::default(),
-            epoch: Instant::now(),
-            reap_grace: opts.reap_grace,
-            uid,
-            uid_le: uid.to_le_bytes(),
-            sink: std::sync::OnceLock::new(),
-            sink_due_ns: AtomicU64::new(0),
-            memory_types: AtomicU64::new(0),
-            driver: Mutex::new(None),
-            cb_events: Mutex::new(Vec::new()),
-            caller_passes: AtomicU64::new(0),
-            last_progress_ns: AtomicU64::new(0),
-            sleeping_until_ns: AtomicU64::new(0),
-            poll_window: super::progress::poll_window(),
-            probe_seen: AtomicU64::new(0),
-            probe_nonce: crate::random::u64(),
-            receive_stuck: AtomicBool::new(false),
-            worker_address: Mutex::new(Vec::new()),
-            moves_begun: AtomicU64::new(0),
-            internal_queued: AtomicUsize::new(0),
-        });
+        let shared = Shared::new(&opts, fresh_uid())?;
         let init: Arc<Reply<Option<SocketAddr>>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
         let thread = std::thread::Builder::new()

@@ -8,6 +8,9 @@
 //!   `ucp_worker_progress`, what the callbacks reported, the owner's sink). When there is nothing
 //!   to do it arms the worker (`ucp_worker_arm`), lets go of the lock and sleeps in `epoll_wait`
 //!   on the worker's event fd and the eventfd, with a bounded timeout so UCX keepalive still runs.
+//!   A caller that queues work writes the eventfd only while the thread says it sleeps; the
+//!   thread says so first and then looks at the queues once more (`Shared::nudge`,
+//!   `Shared::about_to_sleep`), so a busy thread is not signalled for every command.
 //! - A caller that waits (an [`Op::wait`], the engine's blocking calls) may take the lock with
 //!   `try_lock` and run passes itself ([`Agent::driving`]) for a short window after the last
 //!   progress (`KVLINK_POLL_US`, 100 µs): the completion it waits for is then handled on its own

@@ -291,9 +291,13 @@ fn run(shared: &Shared) {
             let nap = (busy_for / 8)
                 .min(BUSY_SLEEP_MAX)
                 .min(Duration::from_millis(p.sleep_ms().max(1) as u64));
+            let asleep = shared.about_to_sleep(shared.now_ns() + nap.as_nanos() as u64);
             drop(guard);
-            shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
-            wait_for_wake(shared, nap);
+            if asleep {
+                shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
+                wait_for_wake(shared, nap);
+                shared.sleeping_until_ns.store(0, Ordering::Release);
+            }
             continue;
         }
         busy_since = None;
@@ -305,9 +309,9 @@ fn run(shared: &Shared) {
         // What we sleep against: a caller's pass that moves the sink's timer before it wakes us.
         let cap = shared.now_ns().saturating_add(sleep_ms as u64 * 1_000_000);
         let due = shared.sink_due_ns.load(Ordering::Acquire);
-        shared
-            .sleeping_until_ns
-            .store(due.min(cap).max(1), Ordering::Release);
+        if !shared.about_to_sleep(due.min(cap)) {
+            continue;
+        }
         drop(guard);
         let mut evs: [libc::epoll_event; 4] = unsafe { std::mem::zeroed() };
         // SAFETY: epfd is the driver's (it lives as long as `Shared::driver` holds it, and only
@@ -343,11 +347,12 @@ fn run(shared: &Shared) {
         } else if shared.caller_passes.load(Ordering::Acquire) == caller_passes {
             empty_streak += 1;
             shared.stats.empty_wakeups.fetch_add(1, Ordering::Relaxed);
-            if empty_streak >= 64 {
+            if empty_streak >= 64 && shared.about_to_sleep(shared.now_ns() + 1_000_000) {
                 // A readable fd that yields nothing: back off 1 ms, but on the wake eventfd,
                 // so that a command queued meanwhile still starts at once.
                 shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
                 wait_for_wake(shared, Duration::from_millis(1));
+                shared.sleeping_until_ns.store(0, Ordering::Release);
             }
         }
     }

@@ -4,9 +4,9 @@
 use super::callbacks::{self, finish_slot, CbEvent};
 use super::op::{OpSlot, STOP_NONE, STOP_SHUTDOWN};
 use super::progress::Progress;
-use super::{sys, Event, PeerId};
+use super::{sys, AgentOptions, Event, PeerId};
 use crate::error::{Error, ErrorKind, Result};
-use foldhash::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -190,6 +190,49 @@ pub(super) struct Shared {
 }
 
 impl Shared {
+    /// The state an agent shares between its progress thread and its callers (no thread
+    /// started here), with its wake eventfd.
+    pub(super) fn new(opts: &AgentOptions, uid: u64) -> Result<Arc<Shared>> {
+        // SAFETY: eventfd with valid flags; `Shared` owns (and closes) it.
+        let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if wake_fd < 0 {
+            return Err(Error::new(ErrorKind::Transport, "eventfd failed"));
+        }
+        // SAFETY: a fresh descriptor that nothing else owns; `Shared` closes it when it goes.
+        let wake_fd =
+            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(wake_fd) };
+        Ok(Arc::new(Shared {
+            cmds: Mutex::new(CmdQueue::default()),
+            wake_fd,
+            stopping: AtomicBool::new(false),
+            events: Mutex::new(VecDeque::new()),
+            events_cv: Condvar::new(),
+            failed: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(HashMap::new()),
+            next_op: AtomicU64::new(1),
+            stats: AtomicStats::default(),
+            epoch: Instant::now(),
+            reap_grace: opts.reap_grace,
+            uid,
+            uid_le: uid.to_le_bytes(),
+            sink: std::sync::OnceLock::new(),
+            sink_due_ns: AtomicU64::new(0),
+            memory_types: AtomicU64::new(0),
+            driver: Mutex::new(None),
+            cb_events: Mutex::new(Vec::new()),
+            caller_passes: AtomicU64::new(0),
+            last_progress_ns: AtomicU64::new(0),
+            sleeping_until_ns: AtomicU64::new(0),
+            poll_window: super::progress::poll_window(),
+            probe_seen: AtomicU64::new(0),
+            probe_nonce: crate::random::u64(),
+            receive_stuck: AtomicBool::new(false),
+            worker_address: Mutex::new(Vec::new()),
+            moves_begun: AtomicU64::new(0),
+            internal_queued: AtomicUsize::new(0),
+        }))
+    }
+
     pub(super) fn submit(&self, cmd: Cmd) -> Result<()> {
         self.submit_all(std::iter::once(cmd))
     }
@@ -197,7 +240,7 @@ impl Shared {
     /// Queues `cmds` together in their order and wakes the progress thread to run them.
     pub(super) fn submit_all(&self, cmds: impl IntoIterator<Item = Cmd>) -> Result<()> {
         self.enqueue_all(cmds)?;
-        self.wake();
+        self.nudge();
         Ok(())
     }
 
@@ -209,7 +252,7 @@ impl Shared {
     /// The caller may hold its own locks: no sink runs here, and no other thread's command.
     pub(super) fn submit_now(self: &Arc<Self>, cmd: Cmd) -> Result<()> {
         if !self.start_here(cmd)? {
-            self.wake();
+            self.nudge();
         }
         Ok(())
     }
@@ -275,7 +318,11 @@ impl Shared {
         if callbacks::in_sink_of(self) {
             return Ok(());
         }
-        if !self.run_here(alone)? || needs_pass() {
+        if !self.run_here(alone)? {
+            self.nudge();
+        } else if needs_pass() {
+            // Not only queued work: a send UCX holds, or an end the sink must see, which the
+            // thread does not look for before it sleeps.
             self.wake();
         }
         Ok(())
@@ -351,6 +398,35 @@ impl Shared {
             | Cmd::FaultStuck
             | Cmd::Shutdown => {}
         }
+    }
+
+    /// Wakes the progress thread for work queued for it (commands, callback reports) only if it
+    /// may be asleep. An awake thread looks at those queues again after it says it sleeps
+    /// ([`Shared::about_to_sleep`]), so nothing is left behind; a busy thread (under load it
+    /// runs pass after pass) is spared an eventfd write, and the spurious return of its next
+    /// sleep and the read after it, per command.
+    pub(super) fn nudge(&self) {
+        // Against the thread's store and look in `about_to_sleep`: either it sees our queued
+        // work, or we see that it sleeps (and the eventfd keeps the wake-up until it does).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleeping_until_ns.load(Ordering::Relaxed) != 0 {
+            self.wake();
+        }
+    }
+
+    /// The progress thread is about to sleep until `until_ns` (ns since `epoch`): says so, then
+    /// looks once more at what [`Shared::nudge`] leaves to it. True to sleep; false (and
+    /// awake again) if work came. Called under the driver lock, so a command that a caller runs
+    /// itself (a shutdown included) either came before the thread's last pass or sees it asleep.
+    pub(super) fn about_to_sleep(&self, until_ns: u64) -> bool {
+        self.sleeping_until_ns
+            .store(until_ns.max(1), Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.cmds_pending() || !self.cb_events.lock().is_empty() {
+            self.sleeping_until_ns.store(0, Ordering::Release);
+            return false;
+        }
+        true
     }
 
     /// Consumes the wake-ups the eventfd holds (after a sleep on it ended because it fired).
@@ -497,5 +573,109 @@ impl<'a> Driving<'a> {
 impl Drop for Driving<'_> {
     fn drop(&mut self) {
         self.pause();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::ucx::TransportKind;
+    use std::os::fd::AsRawFd;
+
+    /// The shared state alone: no progress thread, so the tests play it.
+    fn shared() -> Arc<Shared> {
+        Shared::new(&AgentOptions::new("wake-test", TransportKind::Tcp), 1).unwrap()
+    }
+
+    /// Waits up to `ms` for a wake-up on the eventfd, and takes it.
+    fn woken(sh: &Shared, ms: i32) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: sh.wake_fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, ours; the eventfd lives as long as `sh`.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n > 0 {
+            sh.take_wake();
+        }
+        n > 0
+    }
+
+    #[test]
+    fn a_nudge_wakes_only_a_thread_that_said_it_sleeps() {
+        let sh = shared();
+        let later = || sh.now_ns() + 1_000_000;
+        sh.nudge();
+        assert!(!woken(&sh, 0), "an awake thread is not written to");
+        assert!(sh.about_to_sleep(later()));
+        sh.nudge();
+        assert!(woken(&sh, 0), "a sleeping thread is woken");
+        sh.sleeping_until_ns.store(0, Ordering::Release);
+        // Work queued before the thread says it sleeps keeps it awake: commands, and the
+        // reports of callbacks that ran on a caller's thread.
+        sh.enqueue(Cmd::CancelOp(7)).unwrap();
+        assert!(!sh.about_to_sleep(later()));
+        assert_eq!(sh.sleeping_until_ns.load(Ordering::Acquire), 0);
+        sh.cmds.lock().items.clear();
+        sh.cb_events
+            .lock()
+            .push(CbEvent::EpError(1, sys::UCS_ERR_CANCELED));
+        assert!(!sh.about_to_sleep(later()));
+        sh.cb_events.lock().clear();
+        assert!(sh.about_to_sleep(later()));
+    }
+
+    /// The lost wake-up a nudge could cause, raced many times: a stand-in progress thread that
+    /// takes the queue, works a little, and, whenever `about_to_sleep` lets it, sleeps on the
+    /// eventfd alone; and a caller that queues a command and nudges as soon as the last one was
+    /// taken, round after round. A wake-up lost leaves a command queued under a sleeper that
+    /// nobody wakes: its sleep runs to the limit. Without the second look in `about_to_sleep`
+    /// this fails within a few rounds.
+    #[test]
+    fn no_queued_command_is_left_to_a_sleeping_thread() {
+        const ROUNDS: u64 = 20_000;
+        const LIMIT_MS: i32 = 2_000;
+        let sh = shared();
+        let taken = Arc::new(AtomicU64::new(0));
+        let sleeper = {
+            let (sh, taken) = (sh.clone(), taken.clone());
+            std::thread::spawn(move || {
+                while taken.load(Ordering::Acquire) < ROUNDS {
+                    let n = std::mem::take(&mut sh.cmds.lock().items).len();
+                    if n > 0 {
+                        taken.fetch_add(n as u64, Ordering::AcqRel);
+                        continue;
+                    }
+                    // The real thread arms the worker here: a window in which a caller
+                    // queues and nudges, seeing it awake (`taken` just moved, so it does).
+                    let t = Instant::now();
+                    while t.elapsed() < Duration::from_micros(3) {
+                        std::hint::spin_loop();
+                    }
+                    if sh.about_to_sleep(u64::MAX) {
+                        let ok = woken(&sh, LIMIT_MS);
+                        sh.sleeping_until_ns.store(0, Ordering::Release);
+                        if !ok {
+                            return Err(taken.load(Ordering::Acquire));
+                        }
+                    }
+                }
+                Ok(())
+            })
+        };
+        for i in 0..ROUNDS {
+            sh.enqueue(Cmd::CancelOp(i)).unwrap();
+            sh.nudge();
+            let until = Instant::now() + Duration::from_millis(2 * LIMIT_MS as u64);
+            while taken.load(Ordering::Acquire) <= i && Instant::now() < until {
+                std::thread::yield_now();
+            }
+            if taken.load(Ordering::Acquire) <= i {
+                break;
+            }
+        }
+        let r = sleeper.join().unwrap();
+        assert_eq!(r, Ok(()), "a command sat queued under a sleeping thread");
     }
 }
