@@ -294,9 +294,7 @@ fn run(shared: &Shared) {
             let asleep = shared.about_to_sleep(shared.now_ns() + nap.as_nanos() as u64);
             drop(guard);
             if asleep {
-                shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
-                wait_for_wake(shared, nap);
-                shared.sleeping_until_ns.store(0, Ordering::Release);
+                back_off(shared, nap);
             }
             continue;
         }
@@ -350,16 +348,16 @@ fn run(shared: &Shared) {
             if empty_streak >= 64 && shared.about_to_sleep(shared.now_ns() + 1_000_000) {
                 // A readable fd that yields nothing: back off 1 ms, but on the wake eventfd,
                 // so that a command queued meanwhile still starts at once.
-                shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
-                wait_for_wake(shared, Duration::from_millis(1));
-                shared.sleeping_until_ns.store(0, Ordering::Release);
+                back_off(shared, Duration::from_millis(1));
             }
         }
     }
 }
 
-/// Sleeps until the wake eventfd fires (a command was queued) or `nap` passes.
-fn wait_for_wake(shared: &Shared, nap: Duration) {
+/// A counted back-off, after [`Shared::about_to_sleep`] allowed it: sleeps until the wake
+/// eventfd fires (a command was queued) or `nap` passes, then says the thread is awake again.
+fn back_off(shared: &Shared, nap: Duration) {
+    shared.stats.backoffs.fetch_add(1, Ordering::Relaxed);
     let fd = shared.wake_fd.as_raw_fd();
     let mut pfd = libc::pollfd {
         fd,
@@ -371,6 +369,7 @@ fn wait_for_wake(shared: &Shared, nap: Duration) {
     if n > 0 && pfd.revents & libc::POLLIN != 0 {
         shared.take_wake();
     }
+    shared.sleeping_until_ns.store(0, Ordering::Release);
 }
 
 impl Progress {
