@@ -2,9 +2,7 @@
 """The README's speed table from kvlink-bench JSON runs (`--json runN.json`).
 
 One run on a small shared machine swings by 2-5x in single cells, so each cell is the median of
-that cell over the runs given. Rows a run did not measure are left out. Ratios are given against
-both bandwidth baselines: `tag_bw -O 1` (the issue's) and `tag_bw -O 1 -e` (endpoints with peer
-error handling, the mode kvlink's endpoints run in), as "x tag_bw / x -e".
+that cell over the runs given. Rows a run did not measure are left out.
 
     python3 scripts/bench-table.py run1.json run2.json run3.json
 """
@@ -51,14 +49,8 @@ def main(paths):
     gap = gaps.pop()
     if gap:
         print(f"Whole-request rows {gap} us apart (--gap-us {gap}), median of {len(runs)} runs.\n")
-    def both(tl, kind, size, n):
-        a = cell(tl, kind, size, n, "x_tag_bw")
-        e = cell(tl, kind, size, n, "x_tag_bw_e")
-        return ratio(a) if e is None else f"{ratio(a)} / {ratio(e)}"
-
-    print("| tl | size | in flight | tag_bw GB/s | tag_bw -e GB/s | transport | request "
-          "| µs/request p50 | x tag_lat |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tl | size | in flight | tag_bw GB/s | transport | request | µs/request p50 | x tag_lat |")
+    print("|---|---|---|---|---|---|---|---|")
     for tl in ["tcp", "sm"]:
         for size, label in SIZES:
             us = cell(tl, "kvlink_request", size, 1, "us_p50")
@@ -66,27 +58,25 @@ def main(paths):
             if us is None and tr is None:
                 continue
             bw = cell(tl, "ucx_tag_bw", size, 1, "gbps")
-            bw_e = cell(tl, "ucx_tag_bw_peer", size, 1, "gbps")
-            tr = both(tl, "kvlink_transport", size, 1)
-            rq = both(tl, "kvlink_request", size, 1)
+            rq = cell(tl, "kvlink_request", size, 1, "x_tag_bw")
             xl = cell(tl, "kvlink_request", size, 1, "x_tag_lat")
             print(
-                f"| {tl} | {label} | 1 | {g3(bw)} | {g3(bw_e)} | {tr} | {rq} | {g3(us)} "
+                f"| {tl} | {label} | 1 | {g3(bw)} | {ratio(tr)} | {ratio(rq)} | {g3(us)} "
                 f"| {ratio(xl, digits=1)} |"
             )
             if size == K:
                 ns = [n for n in (64, 1024, 4096) if cell(tl, "kvlink_request", K, n, "us_p50")]
                 if ns:
-                    req = ", ".join(both(tl, "kvlink_request", K, n) for n in ns)
+                    req = " / ".join(ratio(cell(tl, "kvlink_request", K, n, "x_tag_bw")) for n in ns)
                     us = " / ".join(g3(cell(tl, "kvlink_request", K, n, "us_p50")) for n in ns)
                     xl = " / ".join(
                         ratio(cell(tl, "kvlink_request", K, n, "x_tag_lat"), digits=1) for n in ns
                     )
                     label_n = " / ".join(str(n) for n in ns)
-                    print(f"| {tl} | 4 KiB | {label_n} | | | | {req} | {us} | {xl} |")
+                    print(f"| {tl} | 4 KiB | {label_n} | | | {req} | {us} | {xl} |")
             if size == M and cell(tl, "kvlink_request", M, 8, "us_p50") is not None:
                 print(
-                    f"| {tl} | 1 MiB | 8 | | | | {both(tl, 'kvlink_request', M, 8)} "
+                    f"| {tl} | 1 MiB | 8 | | | {ratio(cell(tl, 'kvlink_request', M, 8, 'x_tag_bw'))} "
                     f"| {g3(cell(tl, 'kvlink_request', M, 8, 'us_p50'))} | |"
                 )
 
@@ -129,39 +119,28 @@ def targets(runs):
                 out.append(us[4096] / us[64])
         return out
 
-    # (name, op, target, per-run values, per-run values against the -e baseline or None)
     checks = []
     for tl in ["tcp", "sm"]:
-        def bw(kind, size, n):
-            return (per_run(tl, kind, size, n, "x_tag_bw"), per_run(tl, kind, size, n, "x_tag_bw_e"))
         for size, label in SIZES[1:]:
             checks.append((f"{tl} transport {label} x tag_bw", ">=", 0.95,
-                           *bw("kvlink_transport", size, 1)))
+                           per_run(tl, "kvlink_transport", size, 1, "x_tag_bw")))
         for size, label in SIZES[1:]:
             want = 0.8 if size == M else 0.9
             checks.append((f"{tl} request {label} x tag_bw", ">=", want,
-                           *bw("kvlink_request", size, 1)))
+                           per_run(tl, "kvlink_request", size, 1, "x_tag_bw")))
         checks.append((f"{tl} request 1 MiB x 8 x tag_bw", ">=", 0.95,
-                       *bw("kvlink_request", M, 8)))
+                       per_run(tl, "kvlink_request", M, 8, "x_tag_bw")))
         checks.append((f"{tl} request 4 KiB x tag_lat", "<=", 6.0,
-                       per_run(tl, "kvlink_request", K, 1, "x_tag_lat"), None))
+                       per_run(tl, "kvlink_request", K, 1, "x_tag_lat")))
         checks.append((f"{tl} 4 KiB us/request 4096 over 64 in flight", "<=", 1.5,
-                       scale_ratio(tl), None))
-    print(f"\nIssue 8 targets: median of {len(runs)} runs (middle half of the runs in brackets);"
-          " for bandwidth, also against tag_bw -e\n")
-
-    def verdict(vals, op, want):
-        med, lo, hi = quartiles(vals)
-        met = med >= want if op == ">=" else med <= want
-        return f"{med:.2f} ({lo:.2f}-{hi:.2f}) {'met' if met else 'not met'}"
-
-    for name, op, want, vals, vals_e in checks:
+                       scale_ratio(tl)))
+    print(f"\nIssue 8 targets: median of {len(runs)} runs (middle half of the runs in brackets)\n")
+    for name, op, want, vals in checks:
         if not vals:
             continue
-        line = f"- {name} {op} {want}: {verdict(vals, op, want)}"
-        if vals_e:
-            line += f"; x tag_bw -e: {verdict(vals_e, op, want)}"
-        print(line)
+        med, lo, hi = quartiles(vals)
+        met = med >= want if op == ">=" else med <= want
+        print(f"- {name} {op} {want}: {med:.2f} ({lo:.2f}-{hi:.2f}) {'met' if met else 'not met'}")
 
 
 if __name__ == "__main__":

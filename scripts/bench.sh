@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvlink between two processes on loopback next to raw `ucx_perftest` (tag_bw -O 1, tag_bw -O 1 -e and tag_lat)
+# kvlink between two processes on loopback next to raw `ucx_perftest` (tag_bw -O 1 and tag_lat)
 # on the same transport, as ratios: the transport row, whole requests one at a time, and the
 # in-flight sweep. Noisy on a 2-core machine: use the default counts (or more) and compare rows
 # of the same run, not runs. Arguments go to kvlink-bench (bench/, `--help` explains each), e.g.

@@ -10,9 +10,8 @@ use std::time::Duration;
     version,
     about = "kvlink between two processes on loopback, next to ucx_perftest on the same transport",
     long_about = "kvlink between two processes on loopback, next to ucx_perftest on the same transport.\n\n\
-For each transport it runs, size by size: ucx_perftest tag_bw -O 1, tag_bw -O 1 -e (endpoints \
-with peer error handling, the mode kvlink's endpoints run in) and tag_lat (the raw UCX \
-baselines), the kvlink transport row (the agent's tagged send/recv, one transfer at a time), \
+For each transport it runs, size by size: ucx_perftest tag_bw -O 1 and tag_lat (the raw UCX \
+baseline), the kvlink transport row (the agent's tagged send/recv, one transfer at a time), \
 whole kvlink requests one at a time, and the in-flight rows (N requests in flight at all \
 times: as the oldest ends, its bytes are checked and its buffer is advertised again). Each kvlink row starts two fresh processes (this binary, re-executed as the \
 generation and the context side); a row that does not finish within --row-timeout is reported \
@@ -21,7 +20,7 @@ Figures: GB/s = 1e9 bytes/s; us/req = wall time of a round divided by its reques
 over rounds; for one in flight that is one request end to end; for an in-flight row, a round \
 is N consecutive ends, timed from the previous round's last end; for the transport row, one \
 transfer from post to completion on the sender); x tag_bw = kvlink GB/s over \
-tag_bw GB/s at the same size; x bw -e = the same over tag_bw -e; x tag_lat = kvlink us/req p50 over tag_lat one-way p50. The \
+tag_bw GB/s at the same size; x tag_lat = kvlink us/req p50 over tag_lat one-way p50. The \
 machine is shared and noisy: compare rows of one run, not runs.",
     args_conflicts_with_subcommands = true
 )]

@@ -9,12 +9,6 @@ use std::time::{Duration, Instant};
 pub enum Test {
     /// `-t tag_bw -O 1`: one send outstanding, what one transfer in flight can do.
     TagBw,
-    /// `-t tag_bw -O 1 -e`: the same with endpoints created with peer error handling, the mode
-    /// every kvlink endpoint runs in (a failed peer must end its requests, not hang them); on
-    /// shared memory with `UCX_MM_ERROR_HANDLING=y`, as kvlink sets it. With UCX 1.13 on tcp
-    /// this mode has no put-zcopy (`rma_bw`) lanes: a rendezvous goes as active-message
-    /// fragments over one lane instead of zero-copy puts over two (`ucx_info -e -u te`).
-    ErrHandlingTagBw,
     /// `-t tag_lat`: ping-pong; ucx_perftest prints the one-way latency (half the round trip).
     TagLat,
 }
@@ -69,17 +63,19 @@ pub fn warmup_of(iters: u64) -> u64 {
     (iters / 10).max(3)
 }
 
-/// The arguments (port aside) and the environment of both sides of one ucx_perftest pair.
-pub fn command_line(
+/// Runs one ucx_perftest pair; gives up (killing both) at `limit`.
+pub fn run(
     test: Test,
     t: Transport,
     size: u64,
     iters: u64,
-) -> (Vec<String>, Vec<(&'static str, &'static str)>) {
+    limit: Duration,
+) -> Result<Figures, String> {
+    let deadline = Instant::now() + limit;
     let mut args: Vec<String> = vec![
         "-t".into(),
         match test {
-            Test::TagBw | Test::ErrHandlingTagBw => "tag_bw",
+            Test::TagBw => "tag_bw",
             Test::TagLat => "tag_lat",
         }
         .into(),
@@ -91,30 +87,9 @@ pub fn command_line(
         warmup_of(iters).to_string(),
         "-f".into(),
     ];
-    if matches!(test, Test::TagBw | Test::ErrHandlingTagBw) {
+    if test == Test::TagBw {
         args.extend(["-O".into(), "1".into()]);
     }
-    let mut env = vec![("UCX_TLS", t.ucx_tls())];
-    if test == Test::ErrHandlingTagBw {
-        args.push("-e".into());
-        if t == Transport::Sm {
-            // UCX refuses shared-memory lanes under peer error handling without it.
-            env.push(("UCX_MM_ERROR_HANDLING", "y"));
-        }
-    }
-    (args, env)
-}
-
-/// Runs one ucx_perftest pair; gives up (killing both) at `limit`.
-pub fn run(
-    test: Test,
-    t: Transport,
-    size: u64,
-    iters: u64,
-    limit: Duration,
-) -> Result<Figures, String> {
-    let deadline = Instant::now() + limit;
-    let (args, env) = command_line(test, t, size, iters);
     let mut last_err = String::new();
     // The server may not listen yet when the client starts: try a few times.
     for _ in 0..4 {
@@ -123,7 +98,7 @@ pub fn run(
         both.extend(["-p".into(), port.to_string()]);
         let server = tool("ucx_perftest")
             .args(&both)
-            .envs(env.iter().copied())
+            .env("UCX_TLS", t.ucx_tls())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -137,7 +112,7 @@ pub fn run(
         let client = tool("ucx_perftest")
             .arg("127.0.0.1")
             .args(&both)
-            .envs(env.iter().copied())
+            .env("UCX_TLS", t.ucx_tls())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -283,26 +258,6 @@ mod tests {
         assert_eq!(f.us_overall, 97.593);
         assert!((f.gbps - 40.03 * 1048576.0 / 1e9).abs() < 1e-9);
         assert_eq!(parse("no numbers here\n"), None);
-    }
-
-    #[test]
-    fn the_error_handling_baseline_differs_from_tag_bw_only_by_its_endpoints() {
-        for t in [Transport::Tcp, Transport::Sm] {
-            let (bw, bw_env) = command_line(Test::TagBw, t, 1 << 20, 256);
-            let (e, e_env) = command_line(Test::ErrHandlingTagBw, t, 1 << 20, 256);
-            assert!(!bw.contains(&"-e".to_string()));
-            assert_eq!(e[..e.len() - 1], bw[..], "{t:?}: tag_bw -O 1 plus -e");
-            assert_eq!(e.last().map(String::as_str), Some("-e"));
-            assert_eq!(bw_env, vec![("UCX_TLS", t.ucx_tls())]);
-            let mm = e_env.contains(&("UCX_MM_ERROR_HANDLING", "y"));
-            assert_eq!(
-                mm,
-                t == Transport::Sm,
-                "{t:?}: shared memory needs MM_ERROR_HANDLING"
-            );
-        }
-        let (lat, _) = command_line(Test::TagLat, Transport::Tcp, 4096, 10_000);
-        assert!(!lat.contains(&"-O".to_string()) && !lat.contains(&"-e".to_string()));
     }
 
     #[test]

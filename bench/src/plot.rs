@@ -14,7 +14,7 @@ struct Series {
     color: RGBColor,
 }
 
-const GBPS: [Series; 4] = [
+const GBPS: [Series; 3] = [
     Series {
         kind: Kind::KvlinkRequest,
         color: RGBColor(31, 119, 180),
@@ -26,10 +26,6 @@ const GBPS: [Series; 4] = [
     Series {
         kind: Kind::UcxTagBw,
         color: RGBColor(214, 39, 40),
-    },
-    Series {
-        kind: Kind::UcxTagBwPeer,
-        color: RGBColor(148, 103, 189),
     },
 ];
 
@@ -92,8 +88,6 @@ fn label(kind: Kind, micros: bool) -> &'static str {
         (Kind::KvlinkTransport, true) => "kvlink transport, per transfer (p50)",
         (Kind::UcxTagBw, false) => "ucx_perftest tag_bw -O 1",
         (Kind::UcxTagBw, true) => "ucx_perftest tag_bw -O 1, per message",
-        (Kind::UcxTagBwPeer, false) => "ucx_perftest tag_bw -O 1 -e (peer error handling)",
-        (Kind::UcxTagBwPeer, true) => "ucx_perftest tag_bw -O 1 -e, per message",
         (Kind::UcxTagLat, _) => "ucx_perftest tag_lat, one-way",
     }
 }
@@ -259,7 +253,6 @@ mod tests {
         for (i, size) in [4096u64, 1 << 20, 16 << 20].into_iter().enumerate() {
             for kind in [
                 Kind::UcxTagBw,
-                Kind::UcxTagBwPeer,
                 Kind::UcxTagLat,
                 Kind::KvlinkTransport,
                 Kind::KvlinkRequest,

@@ -69,9 +69,6 @@ impl PeerResult {
 pub enum Kind {
     /// `ucx_perftest -t tag_bw -O 1`: raw UCX, one send outstanding.
     UcxTagBw,
-    /// `ucx_perftest -t tag_bw -O 1 -e`: the same, endpoints with peer error handling (the
-    /// mode kvlink's endpoints run in).
-    UcxTagBwPeer,
     /// `ucx_perftest -t tag_lat`: raw UCX ping-pong, one-way latency.
     UcxTagLat,
     /// kvlink's UCX agent alone: tagged send/recv, one at a time.
@@ -84,7 +81,6 @@ impl Kind {
     pub fn label(self) -> &'static str {
         match self {
             Kind::UcxTagBw => "ucx tag_bw -O 1",
-            Kind::UcxTagBwPeer => "ucx tag_bw -e",
             Kind::UcxTagLat => "ucx tag_lat",
             Kind::KvlinkTransport => "kvlink transport",
             Kind::KvlinkRequest => "kvlink request",
@@ -114,8 +110,6 @@ pub struct Row {
     pub gbps: Option<f64>,
     /// GB/s over `ucx_perftest tag_bw -O 1` at the same size, same transport, same run.
     pub x_tag_bw: Option<f64>,
-    /// GB/s over `ucx_perftest tag_bw -O 1 -e` (peer error handling, as kvlink's endpoints).
-    pub x_tag_bw_e: Option<f64>,
     /// µs per request (p50) over `ucx_perftest tag_lat` one-way (p50), same size.
     pub x_tag_lat: Option<f64>,
     /// `ok`, `failed` (some requests did not complete), `error` (no figures) or `skipped`.
@@ -145,7 +139,6 @@ impl Row {
             lat_p99: None,
             gbps: None,
             x_tag_bw: None,
-            x_tag_bw_e: None,
             x_tag_lat: None,
             status: "ok".into(),
             note: String::new(),
@@ -232,7 +225,7 @@ pub fn percentile(samples: &[f64], p: f64) -> Option<f64> {
     Some(s[rank.clamp(1, s.len()) - 1])
 }
 
-pub const HEADER: [&str; 13] = [
+pub const HEADER: [&str; 12] = [
     "tl",
     "what",
     "size",
@@ -243,11 +236,10 @@ pub const HEADER: [&str; 13] = [
     "us/req p99",
     "GB/s",
     "x tag_bw",
-    "x bw -e",
     "x tag_lat",
     "status",
 ];
-const WIDTHS: [usize; 13] = [3, 16, 7, 9, 8, 6, 10, 10, 6, 8, 7, 9, 0];
+const WIDTHS: [usize; 12] = [3, 16, 7, 9, 8, 6, 10, 10, 6, 8, 9, 0];
 
 fn line(cells: &[String]) -> String {
     let mut s = String::new();
@@ -269,10 +261,7 @@ pub fn header() -> String {
 }
 
 pub fn table_line(r: &Row) -> String {
-    let ucx = matches!(
-        r.kind,
-        Kind::UcxTagBw | Kind::UcxTagBwPeer | Kind::UcxTagLat
-    );
+    let ucx = matches!(r.kind, Kind::UcxTagBw | Kind::UcxTagLat);
     let mut status = r.status.clone();
     if !r.note.is_empty() {
         status.push_str(": ");
@@ -293,7 +282,6 @@ pub fn table_line(r: &Row) -> String {
         opt(r.us_p99),
         opt(r.gbps),
         ratio(r.x_tag_bw),
-        ratio(r.x_tag_bw_e),
         ratio(r.x_tag_lat),
         status,
     ])
@@ -325,7 +313,6 @@ struct CsvRecord<'a> {
     latency_us_p99: Option<f64>,
     gbps: Option<f64>,
     x_tag_bw: Option<f64>,
-    x_tag_bw_e: Option<f64>,
     x_tag_lat: Option<f64>,
     status: &'a str,
     failures: String,
@@ -350,7 +337,6 @@ pub fn write_csv(path: &Path, rows: &[Row]) -> Result<(), Box<dyn std::error::Er
             latency_us_p99: r.lat_p99,
             gbps: r.gbps,
             x_tag_bw: r.x_tag_bw,
-            x_tag_bw_e: r.x_tag_bw_e,
             x_tag_lat: r.x_tag_lat,
             status: &r.status,
             failures: r

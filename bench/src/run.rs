@@ -68,7 +68,6 @@ impl Runner {
         for &size in &sizes {
             if !a.no_perftest {
                 steps.push(Step::Perftest(Test::TagBw, size));
-                steps.push(Step::Perftest(Test::ErrHandlingTagBw, size));
                 steps.push(Step::Perftest(Test::TagLat, size));
             }
             if a.sizes.contains(&size) {
@@ -115,8 +114,8 @@ impl Runner {
         };
         self.print(&format!(
             "kvlink-bench: two processes on loopback per row; {per_row}, row limit {} s. \
-             GB/s = 1e9 bytes/s; x tag_bw = GB/s / tag_bw; x bw -e = GB/s / tag_bw -e (endpoints \
-             with peer error handling, as kvlink's); x tag_lat = us/req p50 / tag_lat one-way p50.",
+             GB/s = 1e9 bytes/s; x tag_bw = GB/s / tag_bw; x tag_lat = us/req p50 / tag_lat \
+             one-way p50.",
             a.row_timeout().as_secs()
         ));
         if a.gap_us > 0 {
@@ -171,7 +170,6 @@ impl Runner {
             Step::Perftest(test, size) => {
                 let kind = match test {
                     Test::TagBw => Kind::UcxTagBw,
-                    Test::ErrHandlingTagBw => Kind::UcxTagBwPeer,
                     Test::TagLat => Kind::UcxTagLat,
                 };
                 self.pb.set_message(format!(
@@ -526,56 +524,15 @@ fn fill_ratios(rows: &mut [Row]) {
         }
         let size = rows[i].size;
         let bw = base(rows, Kind::UcxTagBw, size).and_then(|b| b.0);
-        let bw_e = base(rows, Kind::UcxTagBwPeer, size).and_then(|b| b.0);
         let lat = base(rows, Kind::UcxTagLat, size).and_then(|b| b.1);
         let r = &mut rows[i];
-        let over = |b: Option<f64>| match (r.gbps, b) {
+        r.x_tag_bw = match (r.gbps, bw) {
             (Some(x), Some(b)) if b > 0.0 => Some(x / b),
             _ => None,
         };
-        r.x_tag_bw = over(bw);
-        r.x_tag_bw_e = over(bw_e);
         r.x_tag_lat = match (r.us_p50, lat) {
             (Some(x), Some(b)) if b > 0.0 => Some(x / b),
             _ => None,
         };
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn row(kind: Kind, gbps: f64, us: f64) -> Row {
-        let mut r = Row::new("tcp", kind, 1 << 20, 1);
-        r.gbps = Some(gbps);
-        r.us_p50 = Some(us);
-        r
-    }
-
-    #[test]
-    fn kvlink_rows_are_set_against_both_bandwidth_baselines_and_tag_lat() {
-        let mut rows = vec![
-            row(Kind::UcxTagBw, 4.0, 250.0),
-            row(Kind::UcxTagBwPeer, 2.0, 500.0),
-            row(Kind::UcxTagLat, 3.0, 100.0),
-            row(Kind::KvlinkTransport, 3.0, 300.0),
-            row(Kind::KvlinkRequest, 1.0, 1000.0),
-        ];
-        fill_ratios(&mut rows);
-        assert_eq!(rows[3].x_tag_bw, Some(0.75));
-        assert_eq!(rows[3].x_tag_bw_e, Some(1.5));
-        assert_eq!(rows[3].x_tag_lat, Some(3.0));
-        assert_eq!(rows[4].x_tag_bw, Some(0.25));
-        assert_eq!(rows[4].x_tag_bw_e, Some(0.5));
-        assert!(rows[..3]
-            .iter()
-            .all(|r| r.x_tag_bw.is_none() && r.x_tag_bw_e.is_none()));
-        // A baseline that failed gives no ratio, and does not stop the other.
-        rows[1].status = "error".into();
-        rows[3].x_tag_bw_e = None;
-        fill_ratios(&mut rows);
-        assert_eq!(rows[3].x_tag_bw, Some(0.75));
-        assert_eq!(rows[3].x_tag_bw_e, None);
     }
 }
