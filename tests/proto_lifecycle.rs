@@ -631,3 +631,46 @@ fn start_receive_refuses_repeats_and_starts_nothing() {
         .collect();
     assert_eq!(sent, [c1, c2], "one advertisement per sender");
 }
+
+#[test]
+fn a_receive_reports_its_largest_buffer_over_every_sender() {
+    use kvlink::proto::*;
+    let t = std::time::Instant::now();
+    let (g, c1, c2) = (RankId(1), RankId(2), RankId(3));
+    let mut ep = Endpoint::new(g, config());
+    let mut pool = BufferPool::new(8);
+    let mut tokens = TokenAllocator::default();
+    let key = RequestKey::new(9, 0);
+    assert_eq!(
+        ep.largest_receive_segment(key),
+        None,
+        "unknown before it starts"
+    );
+    let mut buf = |segment: u32, len: u64| {
+        let mut d = kv_desc(tokens.allocate().unwrap());
+        d.segment = segment;
+        d.len = len;
+        d.addr = 0x1000 + u64::from(segment) * (64 << 20);
+        (pool.lease(key).unwrap(), d)
+    };
+    let flows = vec![
+        ReceiveFlow {
+            sender: c1,
+            buffers: vec![buf(0, 4096), buf(1, 1 << 20)],
+        },
+        ReceiveFlow {
+            sender: c2,
+            buffers: vec![buf(2, 32 << 20), buf(3, 64)],
+        },
+    ];
+    let spec = ReceiveSpec {
+        key,
+        receivers: vec![g],
+        flows,
+        request_info: vec![],
+        timeout: None,
+    };
+    ep.start_receive(t, spec).unwrap();
+    assert_eq!(ep.largest_receive_segment(key), Some(32 << 20));
+    assert_eq!(ep.largest_receive_segment(RequestKey::new(9, 1)), None);
+}

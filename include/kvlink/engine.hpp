@@ -31,7 +31,9 @@
 //   - A blocked call first drives the engine's progress itself for a short window after the last
 //     progress (100 us, `KVLINK_POLL_US`; 0 turns it off), so the completion it waits for is
 //     handled on the calling thread with no wake-up between threads; then it sleeps until woken
-//     for its own key. One thread drives at a time; an idle engine never polls.
+//     for its own key. One thread drives at a time; an idle engine never polls. A wait for a
+//     bulk transfer (a receive whose largest buffer is 4 MiB or more, a send of such a buffer)
+//     does not drive: it sleeps and the progress thread wakes it.
 //
 // Blocking and deadlines (the deadline rule)
 //   - Functions that take a `Deadline` block until it (or the cancel flag, or the awaited event),

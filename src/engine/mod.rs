@@ -1092,6 +1092,8 @@ impl Engine {
             }
             o
         };
+        // The largest buffer a receive waits for: a bulk one is not polled for.
+        let mut largest = 0;
         {
             let mut core = self.inner.core.lock();
             if let Some(o) = take(&mut core) {
@@ -1106,8 +1108,12 @@ impl Engine {
                     "not running here in that role (never started, or already waited for)",
                 ));
             }
+            if role == Role::Receiver {
+                largest = core.ep.largest_receive_segment(key).unwrap_or(0);
+            }
         }
-        if let Some(o) = self.block(WaitKey::Terminal(key, role), deadline, cancel, take) {
+        let terminal = WaitKey::Terminal(key, role);
+        if let Some(o) = self.block_for(largest, terminal, deadline, cancel, take) {
             return Ok(o);
         }
         let why = if cancel.is_some_and(|c| c()) {
@@ -1250,9 +1256,23 @@ impl Engine {
         key: WaitKey,
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
+        f: impl FnMut(&mut Core) -> Option<T>,
+    ) -> Option<T> {
+        self.block_for(0, key, deadline, cancel, f)
+    }
+
+    /// [`Engine::block`] for a wait whose largest single transfer is `transfer` bytes (a bulk
+    /// one is left to the progress thread: `Agent::driving_for`).
+    fn block_for<T>(
+        &self,
+        transfer: u64,
+        key: WaitKey,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
         mut f: impl FnMut(&mut Core) -> Option<T>,
     ) -> Option<T> {
-        let mut driving = self.inner.agent.driving();
+        let transfer = usize::try_from(transfer).unwrap_or(usize::MAX);
+        let mut driving = self.inner.agent.driving_for(transfer);
         let mut polling = true;
         let mut next_cancel_check = Instant::now();
         let mut core = self.inner.core.lock();

@@ -710,6 +710,11 @@ impl Endpoint {
         }
     }
 
+    /// The length of the largest buffer of the receive `key` (None if it is not known here).
+    pub fn largest_receive_segment(&self, key: RequestKey) -> Option<u64> {
+        self.recvs.get(&key).map(|r| r.largest_segment())
+    }
+
     /// Is a receive for `key` known here (running, or lingering after its end)?
     pub fn knows_receive(&self, key: RequestKey) -> bool {
         self.recvs.contains_key(&key)

@@ -72,6 +72,16 @@ pub(crate) struct RecvRequest {
 pub(crate) type FlowSpec = (RankId, Vec<(Lease, BufferDesc)>);
 
 impl RecvRequest {
+    /// The length of the request's largest buffer, over all its senders.
+    pub(crate) fn largest_segment(&self) -> u64 {
+        self.flows
+            .values()
+            .flat_map(|f| f.segs.values())
+            .map(|s| s.desc.len)
+            .max()
+            .unwrap_or(0)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         now: Instant,

@@ -97,6 +97,12 @@ impl Agent {
         Driving::new(&self.shared)
     }
 
+    /// [`Agent::driving`] for a wait whose largest single transfer is `len` bytes: from
+    /// 4 MiB up it never drives (see `Driving::for_transfer`).
+    pub fn driving_for(&self, len: usize) -> Driving<'_> {
+        Driving::for_transfer(&self.shared, len)
+    }
+
     /// How many moves to a new worker this agent has begun ([`Stats::worker_renewals`] counts
     /// those that succeeded). It changes before the peers are failed for a move: a connect
     /// whose endpoint failed while it changed can dial again, and is served by the new worker

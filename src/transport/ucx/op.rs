@@ -117,7 +117,7 @@ impl Op {
     ) -> Result<Outcome> {
         const CANCEL_POLL: Duration = Duration::from_millis(5);
         let shared = self.shared.clone();
-        let mut driving = Driving::new(&shared);
+        let mut driving = Driving::for_transfer(&shared, self.slot.expected_len);
         let mut polling = true;
         let mut next_cancel_check = Instant::now();
         let mut st = self.slot.state.lock();
