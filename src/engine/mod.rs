@@ -1262,7 +1262,7 @@ impl Engine {
     }
 
     /// [`Engine::block`] for a wait whose largest single transfer is `transfer` bytes (a bulk
-    /// one is left to the progress thread: `Agent::driving_for`).
+    /// one is left to the progress thread: [`Agent::driving`](crate::transport::Agent::driving)).
     fn block_for<T>(
         &self,
         transfer: u64,
@@ -1272,7 +1272,7 @@ impl Engine {
         mut f: impl FnMut(&mut Core) -> Option<T>,
     ) -> Option<T> {
         let transfer = usize::try_from(transfer).unwrap_or(usize::MAX);
-        let mut driving = self.inner.agent.driving_for(transfer);
+        let mut driving = self.inner.agent.driving(transfer);
         let mut polling = true;
         let mut next_cancel_check = Instant::now();
         let mut core = self.inner.core.lock();

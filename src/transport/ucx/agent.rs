@@ -91,16 +91,12 @@ impl Agent {
     /// and being woken. [`Driving::step`] runs one pass (commands, UCX progress, callbacks, the
     /// sink) while the wait is within the poll window (`KVLINK_POLL_US`, 100 µs by default; 0
     /// turns it off) of the later of its start and the agent's last progress, and no other
-    /// thread drives; so an idle wait polls for one window, then sleeps. Never step holding a
-    /// lock the sink takes (the sink runs in the pass).
-    pub fn driving(&self) -> Driving<'_> {
-        Driving::new(&self.shared)
-    }
-
-    /// [`Agent::driving`] for a wait whose largest single transfer is `len` bytes: from
-    /// 4 MiB up it never drives (see `Driving::for_transfer`).
-    pub fn driving_for(&self, len: usize) -> Driving<'_> {
-        Driving::for_transfer(&self.shared, len)
+    /// thread drives; so an idle wait polls for one window, then sleeps. `transfer` is the
+    /// largest single transfer the wait is for (0 if none): from 4 MiB up it never drives and
+    /// leaves progress to the progress thread (see `Driving::for_transfer`). Never step holding
+    /// a lock the sink takes (the sink runs in the pass).
+    pub fn driving(&self, transfer: usize) -> Driving<'_> {
+        Driving::for_transfer(&self.shared, transfer)
     }
 
     /// How many moves to a new worker this agent has begun ([`Stats::worker_renewals`] counts
