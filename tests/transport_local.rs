@@ -185,6 +185,7 @@ fn progress_counters_move_with_work() {
     let src: Vec<u8> = (0..1 << 16).map(|i| i as u8).collect();
     let mut r = unsafe { b.post_recv(ba, 9, dst.as_mut_ptr(), dst.len()) }.unwrap();
     assert_eq!(b.stats().in_flight, 1);
+    assert_eq!(b.stats().bytes_in_flight, 1 << 16);
     let mut s = unsafe { a.post_send(ab, 9, src.as_ptr(), src.len()) }.unwrap();
     let dl = Instant::now() + Duration::from_secs(5);
     assert_eq!(r.wait(dl, None).unwrap(), Outcome::Completed);
@@ -192,6 +193,7 @@ fn progress_counters_move_with_work() {
     assert_eq!(dst, src);
     let after = b.stats();
     assert_eq!(after.in_flight, 0);
+    assert_eq!(after.bytes_in_flight, 0);
     assert_eq!(after.ops_completed, before.ops_completed + 1);
     assert_eq!(after.bytes_completed, before.bytes_completed + (1 << 16));
     assert!(after.since_last_completion.is_some());
@@ -274,6 +276,63 @@ fn a_lone_large_send_is_driven_by_its_caller_again_after_a_crowd_and_a_timeout()
             "{kind:?}: after a crowd and a timeout, no lone send was driven by its caller"
         );
         assert_eq!(a.stats().in_flight, 0);
+        assert_eq!(a.stats().bytes_in_flight, 0);
+    }
+}
+
+/// Over tcp, among 4 MiB of transfers in flight, a waiting caller leaves progress to the
+/// progress thread (it would only compete with it and the kernel's copies for the cores) and
+/// its transfer still ends at once; when they end, it drives again. Over shared memory it
+/// drives throughout (there the copies run in the passes of whoever drives).
+#[test]
+fn a_send_among_bulk_transfers_in_flight_is_left_to_the_progress_thread_over_tcp() {
+    for kind in KINDS {
+        let tcp = kind == TransportKind::Tcp;
+        let (a, b, ab, ba) = pair(kind.clone());
+        let size = 1 << 20;
+        let mut dst: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; size]).collect();
+        let mut pending: Vec<Op> = dst
+            .iter_mut()
+            .zip(600u64..)
+            .map(|(d, t)| unsafe { a.post_recv(ab, t, d.as_mut_ptr(), size) }.unwrap())
+            .collect();
+        assert_eq!(a.stats().bytes_in_flight, 4 << 20, "{kind:?}");
+        let t0 = Instant::now();
+        let driven: Vec<bool> = (700..710)
+            .map(|tag| lone_send_driven_by_caller(&a, &b, ab, ba, tag))
+            .collect();
+        println!(
+            "{kind:?}: 10 sends of 1 MiB among 4 MiB in flight in {:?}, driven by their caller: {driven:?}",
+            t0.elapsed()
+        );
+        if tcp {
+            assert!(
+                driven.iter().all(|d| !d),
+                "{kind:?}: a send among bulk transfers was driven by its caller"
+            );
+        } else {
+            assert!(
+                driven.iter().any(|&d| d),
+                "{kind:?}: no send among bulk transfers was driven by its caller"
+            );
+        }
+        // The receives in flight get their data, every byte checked; then a lone send is
+        // driven by its caller again.
+        let src: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i ^ 0x5a; size]).collect();
+        let dl = Instant::now() + Duration::from_secs(10);
+        for (s, t) in src.iter().zip(600u64..) {
+            let mut op = unsafe { b.post_send(ba, t, s.as_ptr(), size) }.unwrap();
+            assert_eq!(op.wait(dl, None).unwrap(), Outcome::Completed);
+        }
+        for op in &mut pending {
+            assert_eq!(op.wait(dl, None).unwrap(), Outcome::Completed);
+        }
+        assert!(dst == src, "{kind:?}: wrong bytes");
+        assert_eq!(a.stats().bytes_in_flight, 0, "{kind:?}");
+        assert!(
+            (800..820).any(|t| lone_send_driven_by_caller(&a, &b, ab, ba, t)),
+            "{kind:?}: once the bulk transfers ended, no lone send was driven by its caller"
+        );
     }
 }
 

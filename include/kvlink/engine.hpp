@@ -33,7 +33,8 @@
 //     handled on the calling thread with no wake-up between threads; then it sleeps until woken
 //     for its own key. One thread drives at a time; an idle engine never polls. A wait for a
 //     bulk transfer (a receive whose largest buffer is 4 MiB or more, a send of such a buffer)
-//     does not drive: it sleeps and the progress thread wakes it.
+//     does not drive: it sleeps and the progress thread wakes it. Over tcp neither does a wait
+//     among 4 MiB or more of transfers in flight on the engine.
 //
 // Blocking and deadlines (the deadline rule)
 //   - Functions that take a `Deadline` block until it (or the cancel flag, or the awaited event),

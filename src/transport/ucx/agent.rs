@@ -228,6 +228,11 @@ impl Agent {
             .in_flight
             .lock()
             .insert(id, Arc::downgrade(&slot));
+        if !control {
+            self.shared
+                .in_flight_bytes
+                .fetch_add(expected_len, Ordering::Relaxed);
+        }
         self.shared
             .stats
             .ops_started
@@ -572,6 +577,7 @@ impl Agent {
             ops_completed: s.ops_completed.load(Ordering::Relaxed),
             ops_failed: s.ops_failed.load(Ordering::Relaxed),
             in_flight,
+            bytes_in_flight: self.shared.in_flight_bytes.load(Ordering::Relaxed) as u64,
             bytes_completed: s.bytes_completed.load(Ordering::Relaxed),
             since_last_completion: (last > 0).then(|| {
                 now.saturating_duration_since(self.shared.epoch + Duration::from_nanos(last))

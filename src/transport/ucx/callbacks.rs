@@ -73,7 +73,11 @@ pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_statu
     } else {
         shared.stats.ops_failed.fetch_add(1, Ordering::Relaxed);
     }
-    shared.in_flight.lock().remove(&slot.id);
+    if shared.in_flight.lock().remove(&slot.id).is_some() {
+        shared
+            .in_flight_bytes
+            .fetch_sub(slot.expected_len, Ordering::Relaxed);
+    }
     slot.complete(status, len);
     if slot.notify {
         shared.push_event(Event::OpDone(slot.id));

@@ -300,6 +300,9 @@ pub struct Stats {
     pub ops_completed: u64,
     pub ops_failed: u64,
     pub in_flight: u64,
+    /// The bytes of the transfers in flight (posted receives included). From 4 MiB up, a
+    /// caller that waits leaves progress to the progress thread instead of polling beside it.
+    pub bytes_in_flight: u64,
     pub bytes_completed: u64,
     /// Time since the last completed op, if any op has completed.
     pub since_last_completion: Option<Duration>,
