@@ -441,8 +441,8 @@ TEST_P(EngineTest, CancelFlagMidTransferEndsBothSidesWithin50ms) {
 
 // One 512 MiB segment: bytes already on the wire cannot be recalled (UCX cannot cancel a
 // rendezvous transfer once it is matched), and the sender's vote queues behind them on the same
-// stream. The sender does not wait for them: it cuts the endpoint (the pair reconnects), so the
-// flag ends its wait at once. The receiver sees its peer's endpoint close: it ends PeerLost, or
+// stream. The sender does not wait for them: after the drain grace (50 ms) it cuts the
+// endpoint (the pair reconnects), so the flag ends its wait within about that. The receiver sees its peer's endpoint close: it ends PeerLost, or
 // Cancelled when the vote got through first. Neither may end Completed, both are bounded.
 TEST_P(EngineTest, CancelFlagMidOneHugeSegmentEndsBothSidesBounded) {
   const auto run = cancel_mid_transfer(*ctx_, *gen_, {601, 0}, 1, 512u << 20, 0);

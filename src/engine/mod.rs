@@ -255,8 +255,17 @@ const CANCEL_POLL: Duration = Duration::from_millis(5);
 /// force-closed endpoint's receives are released by UCX within a few milliseconds).
 const SETTLE_SLACK: Duration = Duration::from_millis(30);
 /// How long a stopped send waits for its receiver to drain it before the endpoint is
-/// force-closed (a live receiver drains in about 2 ms on loopback).
-const REAP_GRACE: Duration = Duration::from_millis(20);
+/// force-closed, at most (never longer than the agreement bound: [`reap_grace`]). A live
+/// receiver drains in about 2 ms on loopback, but more than 20 ms on two busy cores: with 20
+/// here, a cancel storm run twice at once (`tests/engine_storms.rs`) force-closed the pair's
+/// endpoint in most runs, failing every request on it; with 50, in none of sixteen.
+const REAP_GRACE: Duration = Duration::from_millis(50);
+
+/// [`REAP_GRACE`], within the agreement bound: a send stopped at its deadline then returns by
+/// the deadline plus the bound plus the force-close, as the deadline rule says.
+fn reap_grace(agreement_bound: Duration) -> Duration {
+    REAP_GRACE.min(agreement_bound)
+}
 
 /// How long `connect` lets its own `Refuse` go out before it returns the refusal.
 const REFUSE_FLUSH: Duration = Duration::from_millis(100);
@@ -292,7 +301,7 @@ impl Engine {
         let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
         opts.listen = cfg.listen;
         opts.net_devices = cfg.net_devices;
-        opts.reap_grace = REAP_GRACE;
+        opts.reap_grace = reap_grace(cfg.agreement_bound);
         // Every receive is posted before data under its tag can be taken in (it goes out right
         // after its advertisement, before any progress pass: `Agent::hold`): anything unmatched
         // is from someone the buffer was not offered to (or too late), and is discarded.
@@ -981,8 +990,8 @@ impl Engine {
         let mut results = Vec::with_capacity(ops.len());
         let told = std::cell::Cell::new(false);
         // Once one region send is given up, the rest of the request's region sends are asked to
-        // stop at once and share one more grace, instead of waiting a grace each in turn (a
-        // request may have many).
+        // stop at once and share its grace, instead of waiting a grace each in turn (a request
+        // may have many).
         let mut rest: VecDeque<_> = ops.into();
         let mut shared_grace = false;
         while let Some((segment, mut op, flag)) = rest.pop_front() {
@@ -1000,15 +1009,22 @@ impl Engine {
                 }
                 true
             };
-            let r = op.wait(until, Some(&stop));
-            if op.detaches_on_stop() && !op.is_quiesced() && !shared_grace {
-                shared_grace = true;
-                let grace = Instant::now() + REAP_GRACE;
-                for (_, other, _) in rest.iter_mut().filter(|o| o.1.detaches_on_stop()) {
-                    other.request_cancel();
-                    other.limit_grace(grace);
+            let detaches = op.detaches_on_stop();
+            let r = op.wait_telling(until, Some(&stop), |why| {
+                // At the deadline the vote goes out before the send is stopped, for the same
+                // reason, and so that the agreement runs while the stop takes its grace.
+                if !flag.load(Ordering::Acquire) && !told.replace(true) {
+                    self.give_up(key, why);
                 }
-            }
+                if detaches && !shared_grace {
+                    shared_grace = true;
+                    let grace = Instant::now() + reap_grace(inner.agreement_bound);
+                    for (_, other, _) in rest.iter_mut().filter(|o| o.1.detaches_on_stop()) {
+                        other.request_cancel();
+                        other.limit_grace(grace);
+                    }
+                }
+            });
             results.push((segment, r, op.id(), op.is_quiesced()));
         }
         let mut core = inner.core.lock();

@@ -115,6 +115,18 @@ impl Op {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
+        self.wait_telling(deadline, cancel, |_| {})
+    }
+
+    /// [`Op::wait`], telling `before_stop` why it gives up (`TimedOut` or `Cancelled`) before it
+    /// stops the op, which may take the stop's grace: an owner that must announce its giving
+    /// up (a vote to its peer) does so at the deadline, not a grace later.
+    pub fn wait_telling(
+        &mut self,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+        before_stop: impl FnOnce(Outcome),
+    ) -> Result<Outcome> {
         const CANCEL_POLL: Duration = Duration::from_millis(5);
         let shared = self.shared.clone();
         let mut driving = Driving::for_transfer(&shared, self.slot.expected_len);
@@ -156,6 +168,10 @@ impl Op {
         };
         drop(st);
         drop(driving);
+        before_stop(match stop {
+            STOP_CANCEL => Outcome::Cancelled,
+            _ => Outcome::TimedOut,
+        });
         self.stop(stop);
         let (status, len) = self.slot.state.lock().unwrap_or((sys::UCS_ERR_CANCELED, 0));
         // A receive that completed in the race with the stop has all its data: it counts. A send
