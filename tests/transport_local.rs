@@ -298,11 +298,11 @@ fn a_send_among_bulk_transfers_in_flight_is_left_to_the_progress_thread_over_tcp
             .collect();
         assert_eq!(a.stats().bytes_in_flight, 4 << 20, "{kind:?}");
         let t0 = Instant::now();
-        let driven: Vec<bool> = (700..710)
+        let driven: Vec<bool> = (700..720)
             .map(|tag| lone_send_driven_by_caller(&a, &b, ab, ba, tag))
             .collect();
         println!(
-            "{kind:?}: 10 sends of 1 MiB among 4 MiB in flight in {:?}, driven by their caller: {driven:?}",
+            "{kind:?}: 20 sends of 1 MiB among 4 MiB in flight in {:?}, driven by their caller: {driven:?}",
             t0.elapsed()
         );
         if tcp {
