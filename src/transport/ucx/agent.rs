@@ -93,7 +93,8 @@ impl Agent {
     /// turns it off) of the later of its start and the agent's last progress, and no other
     /// thread drives; so an idle wait polls for one window, then sleeps. `transfer` is the
     /// largest single transfer the wait is for (0 if none): from 4 MiB up it never drives and
-    /// leaves progress to the progress thread (see `Driving::for_transfer`). Never step holding
+    /// leaves progress to the progress thread, nor, on a tcp agent, while 4 MiB or more are in
+    /// flight in all (see `Driving::for_transfer`). Never step holding
     /// a lock the sink takes (the sink runs in the pass).
     pub fn driving(&self, transfer: usize) -> Driving<'_> {
         Driving::for_transfer(&self.shared, transfer)
@@ -224,15 +225,17 @@ impl Agent {
             request: AtomicPtr::new(std::ptr::null_mut()),
             stop_reason: AtomicU8::new(STOP_NONE),
         });
-        self.shared
-            .in_flight
-            .lock()
-            .insert(id, Arc::downgrade(&slot));
+        // Counted before it is in `in_flight`, from where a teardown may finish (and uncount)
+        // it at once.
         if !control {
             self.shared
                 .in_flight_bytes
                 .fetch_add(expected_len, Ordering::Relaxed);
         }
+        self.shared
+            .in_flight
+            .lock()
+            .insert(id, Arc::downgrade(&slot));
         self.shared
             .stats
             .ops_started

@@ -300,8 +300,10 @@ pub struct Stats {
     pub ops_completed: u64,
     pub ops_failed: u64,
     pub in_flight: u64,
-    /// The bytes of the transfers in flight (posted receives included). From 4 MiB up, a
-    /// caller that waits leaves progress to the progress thread instead of polling beside it.
+    /// The bytes of the transfers in flight (posted receives included, whether or not their
+    /// data is moving yet). From 4 MiB up, on an agent whose transport is
+    /// [`TransportKind::Tcp`], a caller that waits leaves progress to the progress thread
+    /// instead of polling beside it.
     pub bytes_in_flight: u64,
     pub bytes_completed: u64,
     /// Time since the last completed op, if any op has completed.
