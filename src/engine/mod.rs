@@ -989,9 +989,9 @@ impl Engine {
         drop(core);
         let mut results = Vec::with_capacity(ops.len());
         let told = std::cell::Cell::new(false);
-        // Once one region send is given up, the rest of the request's region sends are asked to
-        // stop at once and share its grace, instead of waiting a grace each in turn (a request
-        // may have many).
+        // Once one send is given up, the rest of the request's sends are asked to stop at once
+        // and share its grace (their receiver drains them meanwhile), instead of waiting a grace
+        // each in turn: a request may have many.
         let mut rest: VecDeque<_> = ops.into();
         let mut shared_grace = false;
         while let Some((segment, mut op, flag)) = rest.pop_front() {
@@ -1009,17 +1009,16 @@ impl Engine {
                 }
                 true
             };
-            let detaches = op.detaches_on_stop();
             let r = op.wait_telling(until, Some(&stop), |why| {
                 // At the deadline the vote goes out before the send is stopped, for the same
                 // reason, and so that the agreement runs while the stop takes its grace.
                 if !flag.load(Ordering::Acquire) && !told.replace(true) {
                     self.give_up(key, why);
                 }
-                if detaches && !shared_grace {
+                if !shared_grace {
                     shared_grace = true;
                     let grace = Instant::now() + reap_grace(inner.agreement_bound);
-                    for (_, other, _) in rest.iter_mut().filter(|o| o.1.detaches_on_stop()) {
+                    for (_, other, _) in rest.iter_mut() {
                         other.request_cancel();
                         other.limit_grace(grace);
                     }

@@ -85,8 +85,9 @@ impl Op {
         }
     }
 
-    /// For an op that [`Op::detach_on_stop`]: a stop waits for the cancel no later than
-    /// `until` (several ops given up together share one grace instead of one each).
+    /// A stop waits for the cancel no later than `until` (several ops given up together share
+    /// one grace instead of one each); then the op is left to UCX ([`Op::detach_on_stop`]) or
+    /// its endpoint is force-closed.
     pub fn limit_grace(&mut self, until: Instant) {
         self.grace_until = Some(until);
     }
@@ -194,20 +195,7 @@ impl Op {
     /// The result if the op has ended, without waiting.
     pub fn poll(&mut self) -> Option<Result<Outcome>> {
         let done = *self.slot.state.lock();
-        done.map(|(status, len)| {
-            let stopped = self.slot.stop_reason.load(Ordering::Acquire);
-            if self.slot.send && status == sys::UCS_OK && stopped != STOP_NONE {
-                // Completed only because the receiver drained it: not delivered.
-                self.finished = true;
-                self.quiesced = true;
-                return Ok(if stopped == STOP_TIMEOUT {
-                    Outcome::TimedOut
-                } else {
-                    Outcome::Cancelled
-                });
-            }
-            self.finish(status, len)
-        })
+        done.map(|(status, len)| self.finish(status, len))
     }
 
     /// Asks for the op to be cancelled without waiting; its end is reported as usual (by
@@ -252,11 +240,14 @@ impl Op {
                 // Left to UCX (see `detach_on_stop`): not quiesced, not counted as unreaped.
                 return;
             }
+            let cancel = matches!(cmd, Cmd::CancelOp(_));
             if self.shared.submit(cmd).is_err() {
                 break;
             }
             let mut until = Instant::now() + grace;
-            if let Some(limit) = self.grace_until.filter(|_| self.detach) {
+            if let Some(limit) = self.grace_until.filter(|_| cancel) {
+                // Only the wait for the cancel is shared: after a force-close the wait is for
+                // UCX to let go of the memory, which the op cannot cut short.
                 until = until.min(limit);
             }
             self.wait_done(until);
@@ -286,6 +277,16 @@ impl Op {
     fn finish(&mut self, status: sys::ucs_status_t, len: usize) -> Result<Outcome> {
         self.finished = true;
         self.quiesced = true;
+        let stopped = self.slot.stop_reason.load(Ordering::Acquire);
+        if self.slot.send && status == sys::UCS_OK && stopped != STOP_NONE {
+            // Asked to stop (`request_cancel`, or a stop), then completed: the receiver may have
+            // drained it, so it is not known delivered.
+            return Ok(if stopped == STOP_TIMEOUT {
+                Outcome::TimedOut
+            } else {
+                Outcome::Cancelled
+            });
+        }
         if status == sys::UCS_OK {
             if len != self.slot.expected_len {
                 return Err(Error::new(
