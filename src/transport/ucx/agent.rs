@@ -94,8 +94,8 @@ impl Agent {
     /// thread drives; so an idle wait polls for one window, then sleeps. `transfer` is the
     /// largest single transfer the wait is for (0 if none): from 4 MiB up it never drives and
     /// leaves progress to the progress thread, nor, on a tcp agent, while 4 MiB or more are in
-    /// flight in all (see `Driving::for_transfer`). Never step holding
-    /// a lock the sink takes (the sink runs in the pass).
+    /// flight in all (see `Driving::for_transfer`). Never step holding a lock the sink takes
+    /// (the sink runs in the pass).
     pub fn driving(&self, transfer: usize) -> Driving<'_> {
         Driving::for_transfer(&self.shared, transfer)
     }
@@ -225,17 +225,7 @@ impl Agent {
             request: AtomicPtr::new(std::ptr::null_mut()),
             stop_reason: AtomicU8::new(STOP_NONE),
         });
-        // Counted before it is in `in_flight`, from where a teardown may finish (and uncount)
-        // it at once.
-        if !control {
-            self.shared
-                .in_flight_bytes
-                .fetch_add(expected_len, Ordering::Relaxed);
-        }
-        self.shared
-            .in_flight
-            .lock()
-            .insert(id, Arc::downgrade(&slot));
+        self.shared.track_op(&slot);
         self.shared
             .stats
             .ops_started

@@ -56,7 +56,7 @@ pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_statu
         return slot.complete(status, len);
     }
     if slot.control {
-        shared.in_flight.lock().remove(&slot.id);
+        shared.untrack_op(slot);
         return slot.complete(status, len);
     }
     if status == sys::UCS_OK {
@@ -73,11 +73,7 @@ pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_statu
     } else {
         shared.stats.ops_failed.fetch_add(1, Ordering::Relaxed);
     }
-    if shared.in_flight.lock().remove(&slot.id).is_some() {
-        shared
-            .in_flight_bytes
-            .fetch_sub(slot.expected_len, Ordering::Relaxed);
-    }
+    shared.untrack_op(slot);
     slot.complete(status, len);
     if slot.notify {
         shared.push_event(Event::OpDone(slot.id));

@@ -143,8 +143,8 @@ pub(super) struct Shared {
     pub(super) events_cv: Condvar,
     pub(super) failed: Mutex<HashMap<PeerId, bool>>,
     pub(super) in_flight: Mutex<HashMap<u64, Weak<OpSlot>>>,
-    /// The bytes of the data transfers in `in_flight` (not control messages): added when an
-    /// op is made, taken off when it leaves `in_flight` ([`finish_slot`]).
+    /// The bytes of the data transfers in `in_flight` (not control messages): kept by
+    /// [`Shared::track_op`] and [`Shared::untrack_op`] alone.
     pub(super) in_flight_bytes: AtomicUsize,
     pub(super) next_op: AtomicU64,
     pub(super) stats: AtomicStats,
@@ -539,6 +539,25 @@ impl Shared {
         }
     }
 
+    /// Puts a new op in `in_flight` and counts its bytes (a data transfer's). Counted first: a
+    /// teardown may finish (and uncount) it as soon as it is in the map.
+    pub(super) fn track_op(&self, slot: &Arc<OpSlot>) {
+        if !slot.control {
+            self.in_flight_bytes
+                .fetch_add(slot.expected_len, Ordering::Relaxed);
+        }
+        self.in_flight.lock().insert(slot.id, Arc::downgrade(slot));
+    }
+
+    /// Takes an ending op out of `in_flight`, and its bytes off the count if it was still there
+    /// (so an op ended twice is uncounted once).
+    pub(super) fn untrack_op(&self, slot: &OpSlot) {
+        if self.in_flight.lock().remove(&slot.id).is_some() && !slot.control {
+            self.in_flight_bytes
+                .fetch_sub(slot.expected_len, Ordering::Relaxed);
+        }
+    }
+
     pub(super) fn cmds_pending(&self) -> bool {
         !self.cmds.lock().items.is_empty()
     }
@@ -576,9 +595,9 @@ impl<'a> Driving<'a> {
     /// For a wait on one transfer of `len` bytes. The caller does not drive when that transfer
     /// comes to [`BULK_WAIT_BYTES`] or more, nor, over tcp, when everything in flight on this
     /// agent (the transfer included; posted receives count even before their data moves)
-    /// does: such transfers keep the progress thread busy for milliseconds, the end of ours is reported a wake-up later (tens of µs), and a caller
-    /// polling beside that thread competes with it, and with the kernel's copies, for the
-    /// cores. Measured on two cores: tcp, one 64 MiB transfer at a time, 1.71 GB/s polling,
+    /// does: such transfers keep the progress thread busy for milliseconds, the end of ours is
+    /// reported a wake-up later (tens of µs), and a caller polling beside that thread competes
+    /// with it, and with the kernel's copies, for the cores. Measured on two cores: tcp, one 64 MiB transfer at a time, 1.71 GB/s polling,
     /// 1.92 not (eight alternated pairs, seven better); tcp, whole 1 MiB requests eight in
     /// flight, 1.79 -> 2.06 GB/s (ten pairs, seven better). Over shared memory the copies of
     /// transfers in flight run in the passes of whoever drives, and a waiting caller that
