@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Test {
-    /// `-t tag_bw -O 1`: one send outstanding, what one transfer in flight can do.
-    TagBw,
+    /// `-t tag_bw -O n`: n sends outstanding. With 1, what one transfer in flight can do (the
+    /// baseline of every kvlink row); with n, the baseline of the rows that keep n in flight.
+    TagBw(u64),
     /// `-t tag_lat`: ping-pong; ucx_perftest prints the one-way latency (half the round trip).
     TagLat,
 }
@@ -75,7 +76,7 @@ pub fn run(
     let mut args: Vec<String> = vec![
         "-t".into(),
         match test {
-            Test::TagBw => "tag_bw",
+            Test::TagBw(_) => "tag_bw",
             Test::TagLat => "tag_lat",
         }
         .into(),
@@ -87,8 +88,8 @@ pub fn run(
         warmup_of(iters).to_string(),
         "-f".into(),
     ];
-    if test == Test::TagBw {
-        args.extend(["-O".into(), "1".into()]);
+    if let Test::TagBw(n) = test {
+        args.extend(["-O".into(), n.max(1).to_string()]);
     }
     let mut last_err = String::new();
     // The server may not listen yet when the client starts: try a few times.

@@ -67,7 +67,8 @@ impl PeerResult {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Kind {
-    /// `ucx_perftest -t tag_bw -O 1`: raw UCX, one send outstanding.
+    /// `ucx_perftest -t tag_bw -O N`: raw UCX, N sends outstanding (the row's in-flight
+    /// count; 1 is the baseline of every kvlink row).
     UcxTagBw,
     /// `ucx_perftest -t tag_lat`: raw UCX ping-pong, one-way latency.
     UcxTagLat,
@@ -85,6 +86,14 @@ impl Kind {
             Kind::KvlinkTransport => "kvlink transport",
             Kind::KvlinkRequest => "kvlink request",
         }
+    }
+}
+
+/// A row's "what": the kind's label, with a `tag_bw` baseline's outstanding count.
+pub fn kind_label(kind: Kind, in_flight: u64) -> String {
+    match kind {
+        Kind::UcxTagBw => format!("ucx tag_bw -O {in_flight}"),
+        _ => kind.label().to_string(),
     }
 }
 
@@ -112,6 +121,9 @@ pub struct Row {
     pub x_tag_bw: Option<f64>,
     /// µs per request (p50) over `ucx_perftest tag_lat` one-way (p50), same size.
     pub x_tag_lat: Option<f64>,
+    /// For a row with N > 1 in flight: GB/s over `ucx_perftest tag_bw -O N`, same size, same
+    /// transport, same run.
+    pub x_tag_bw_n: Option<f64>,
     /// `ok`, `failed` (some requests did not complete), `error` (no figures) or `skipped`.
     pub status: String,
     pub note: String,
@@ -140,6 +152,7 @@ impl Row {
             gbps: None,
             x_tag_bw: None,
             x_tag_lat: None,
+            x_tag_bw_n: None,
             status: "ok".into(),
             note: String::new(),
             failures: BTreeMap::new(),
@@ -225,7 +238,7 @@ pub fn percentile(samples: &[f64], p: f64) -> Option<f64> {
     Some(s[rank.clamp(1, s.len()) - 1])
 }
 
-pub const HEADER: [&str; 12] = [
+pub const HEADER: [&str; 13] = [
     "tl",
     "what",
     "size",
@@ -237,9 +250,10 @@ pub const HEADER: [&str; 12] = [
     "GB/s",
     "x tag_bw",
     "x tag_lat",
+    "x -O N",
     "status",
 ];
-const WIDTHS: [usize; 12] = [3, 16, 7, 9, 8, 6, 10, 10, 6, 8, 9, 0];
+const WIDTHS: [usize; 13] = [3, 16, 7, 9, 8, 6, 10, 10, 6, 8, 9, 6, 0];
 
 fn line(cells: &[String]) -> String {
     let mut s = String::new();
@@ -269,7 +283,7 @@ pub fn table_line(r: &Row) -> String {
     }
     line(&[
         r.transport.clone(),
-        r.kind.label().to_string(),
+        kind_label(r.kind, r.in_flight),
         size_label(r.size),
         r.in_flight.to_string(),
         r.measured.to_string(),
@@ -283,6 +297,7 @@ pub fn table_line(r: &Row) -> String {
         opt(r.gbps),
         ratio(r.x_tag_bw),
         ratio(r.x_tag_lat),
+        ratio(r.x_tag_bw_n),
         status,
     ])
 }
@@ -314,6 +329,7 @@ struct CsvRecord<'a> {
     gbps: Option<f64>,
     x_tag_bw: Option<f64>,
     x_tag_lat: Option<f64>,
+    x_tag_bw_n: Option<f64>,
     status: &'a str,
     failures: String,
     secs: f64,
@@ -338,6 +354,7 @@ pub fn write_csv(path: &Path, rows: &[Row]) -> Result<(), Box<dyn std::error::Er
             gbps: r.gbps,
             x_tag_bw: r.x_tag_bw,
             x_tag_lat: r.x_tag_lat,
+            x_tag_bw_n: r.x_tag_bw_n,
             status: &r.status,
             failures: r
                 .failures

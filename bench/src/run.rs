@@ -18,6 +18,10 @@ const LISTENER_LIMIT_SLACK: Duration = Duration::from_secs(5);
 /// How long a peer may take to exit once the row is over.
 const EXIT_GRACE: Duration = Duration::from_secs(3);
 
+/// In-flight rows of this size and up (bandwidth rows, not the small-request rate rows) get
+/// a second baseline, `tag_bw -O N` with as many sends outstanding.
+const OUTSTANDING_BASELINE_FROM: u64 = 64 << 10;
+
 /// One row to measure.
 #[derive(Clone, Copy, Debug)]
 enum Step {
@@ -67,8 +71,14 @@ impl Runner {
         let mut steps = Vec::new();
         for &size in &sizes {
             if !a.no_perftest {
-                steps.push(Step::Perftest(Test::TagBw, size));
+                steps.push(Step::Perftest(Test::TagBw(1), size));
                 steps.push(Step::Perftest(Test::TagLat, size));
+                // The bandwidth rows with several in flight: raw UCX with as many outstanding.
+                for &(s, n) in &a.inflight {
+                    if s == size && n > 1 && size >= OUTSTANDING_BASELINE_FROM {
+                        steps.push(Step::Perftest(Test::TagBw(n), size));
+                    }
+                }
             }
             if a.sizes.contains(&size) {
                 if !a.no_transport {
@@ -115,7 +125,7 @@ impl Runner {
         self.print(&format!(
             "kvlink-bench: two processes on loopback per row; {per_row}, row limit {} s. \
              GB/s = 1e9 bytes/s; x tag_bw = GB/s / tag_bw; x tag_lat = us/req p50 / tag_lat \
-             one-way p50.",
+             one-way p50; x -O N = GB/s / tag_bw -O N, N the row's in-flight count.",
             a.row_timeout().as_secs()
         ));
         if a.gap_us > 0 {
@@ -168,18 +178,18 @@ impl Runner {
         let a = &self.args;
         match step {
             Step::Perftest(test, size) => {
-                let kind = match test {
-                    Test::TagBw => Kind::UcxTagBw,
-                    Test::TagLat => Kind::UcxTagLat,
+                let (kind, outstanding) = match test {
+                    Test::TagBw(n) => (Kind::UcxTagBw, n),
+                    Test::TagLat => (Kind::UcxTagLat, 1),
                 };
                 self.pb.set_message(format!(
                     "{} {} {}",
                     t.name(),
-                    kind.label(),
+                    report::kind_label(kind, outstanding),
                     size_label(size)
                 ));
                 let iters = a.perftest_iters(size);
-                let mut row = Row::new(t.name(), kind, size, 1);
+                let mut row = Row::new(t.name(), kind, size, outstanding);
                 match perftest::run(test, t, size, iters, a.row_timeout()) {
                     Ok(f) => {
                         row.measured = f.iterations;
@@ -513,9 +523,11 @@ fn failures_text(f: &std::collections::BTreeMap<String, u64>) -> String {
 
 /// kvlink rows against the baseline rows of the same transport and size.
 fn fill_ratios(rows: &mut [Row]) {
-    let base = |rows: &[Row], kind: Kind, size: u64| {
+    let base = |rows: &[Row], kind: Kind, size: u64, in_flight: u64| {
         rows.iter()
-            .find(|r| r.kind == kind && r.size == size && r.status == "ok")
+            .find(|r| {
+                r.kind == kind && r.size == size && r.in_flight == in_flight && r.status == "ok"
+            })
             .map(|r| (r.gbps, r.us_p50))
     };
     for i in 0..rows.len() {
@@ -523,16 +535,69 @@ fn fill_ratios(rows: &mut [Row]) {
             continue;
         }
         let size = rows[i].size;
-        let bw = base(rows, Kind::UcxTagBw, size).and_then(|b| b.0);
-        let lat = base(rows, Kind::UcxTagLat, size).and_then(|b| b.1);
-        let r = &mut rows[i];
-        r.x_tag_bw = match (r.gbps, bw) {
+        let bw = base(rows, Kind::UcxTagBw, size, 1).and_then(|b| b.0);
+        let lat = base(rows, Kind::UcxTagLat, size, 1).and_then(|b| b.1);
+        let n = rows[i].in_flight;
+        let bw_n = (n > 1)
+            .then(|| base(rows, Kind::UcxTagBw, size, n).and_then(|b| b.0))
+            .flatten();
+        let over = |x: Option<f64>, b: Option<f64>| match (x, b) {
             (Some(x), Some(b)) if b > 0.0 => Some(x / b),
             _ => None,
         };
+        let r = &mut rows[i];
+        r.x_tag_bw = over(r.gbps, bw);
+        r.x_tag_bw_n = over(r.gbps, bw_n);
         r.x_tag_lat = match (r.us_p50, lat) {
             (Some(x), Some(b)) if b > 0.0 => Some(x / b),
             _ => None,
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(kind: Kind, size: u64, in_flight: u64, gbps: f64) -> Row {
+        let mut r = Row::new("sm", kind, size, in_flight);
+        r.gbps = Some(gbps);
+        r.us_p50 = Some(100.0);
+        r
+    }
+
+    #[test]
+    fn each_kvlink_row_is_set_against_the_baselines_of_its_size_and_in_flight_count() {
+        const M: u64 = 1 << 20;
+        let mut lat = row(Kind::UcxTagLat, M, 1, 1.0);
+        lat.us_p50 = Some(2.0);
+        let mut failed = row(Kind::UcxTagBw, 16 * M, 4, 1.0);
+        failed.status = "error".into();
+        let mut rows = vec![
+            row(Kind::UcxTagBw, M, 1, 8.0),
+            lat,
+            row(Kind::UcxTagBw, M, 8, 2.0),
+            row(Kind::UcxTagBw, 16 * M, 1, 1.0),
+            failed,
+            row(Kind::KvlinkTransport, M, 1, 6.0),
+            row(Kind::KvlinkRequest, M, 8, 3.0),
+            row(Kind::KvlinkRequest, 16 * M, 4, 0.5),
+        ];
+        fill_ratios(&mut rows);
+        let tr = &rows[5];
+        assert_eq!(tr.x_tag_bw, Some(0.75), "against tag_bw -O 1, not -O 8");
+        assert_eq!(tr.x_tag_lat, Some(50.0), "100 us over 2 us one-way");
+        assert_eq!(tr.x_tag_bw_n, None, "one in flight has the -O 1 ratio only");
+        let eight = &rows[6];
+        assert_eq!(
+            eight.x_tag_bw,
+            Some(3.0 / 8.0),
+            "the issue's ratio: against -O 1"
+        );
+        assert_eq!(eight.x_tag_bw_n, Some(1.5), "and against -O 8");
+        assert_eq!(rows[7].x_tag_bw, Some(0.5));
+        assert_eq!(rows[7].x_tag_bw_n, None, "a failed baseline gives no ratio");
+        assert_eq!(rows[2].x_tag_bw_n, None, "baselines get no ratio");
+        assert_eq!(report::kind_label(Kind::UcxTagBw, 8), "ucx tag_bw -O 8");
     }
 }
