@@ -11,7 +11,7 @@ use std::time::Duration;
     about = "kvlink between two processes on loopback, next to ucx_perftest on the same transport",
     long_about = "kvlink between two processes on loopback, next to ucx_perftest on the same transport.\n\n\
 For each transport it runs, size by size: ucx_perftest tag_bw -O 1 and tag_lat (the raw UCX \
-baseline), the kvlink transport row (the agent's tagged send/recv, one transfer at a time), \
+baseline; an in-flight row of 64 KiB and up also gets tag_bw -O N, N its in-flight count), the kvlink transport row (the agent's tagged send/recv, one transfer at a time), \
 whole kvlink requests one at a time, and the in-flight rows (N requests in flight at all \
 times: as the oldest ends, its bytes are checked and its buffer is advertised again). Each kvlink row starts two fresh processes (this binary, re-executed as the \
 generation and the context side); a row that does not finish within --row-timeout is reported \
@@ -20,7 +20,8 @@ Figures: GB/s = 1e9 bytes/s; us/req = wall time of a round divided by its reques
 over rounds; for one in flight that is one request end to end; for an in-flight row, a round \
 is N consecutive ends, timed from the previous round's last end; for the transport row, one \
 transfer from post to completion on the sender); x tag_bw = kvlink GB/s over \
-tag_bw GB/s at the same size; x tag_lat = kvlink us/req p50 over tag_lat one-way p50. The \
+tag_bw GB/s at the same size; x tag_lat = kvlink us/req p50 over tag_lat one-way p50; x -O N \
+= an in-flight row's GB/s over tag_bw -O N GB/s. The \
 machine is shared and noisy: compare rows of one run, not runs.",
     args_conflicts_with_subcommands = true
 )]
