@@ -66,6 +66,32 @@ fn auto_and_an_explicit_transport_list_move_every_byte() {
     }
 }
 
+/// A UCX setting from the environment that the linked UCX cannot run with is overridden, not
+/// obeyed into an abort: with UCX 1.13 `UCX_PROTO_ENABLE=y` made UCX end both peers on their
+/// first transfer (`ucs_fatal`); 1.22 runs with it on (its default).
+#[test]
+fn an_environment_that_would_make_ucx_abort_is_overridden_and_every_byte_moves() {
+    let spawn = |args: &[&str], _| {
+        let mut cmd = std::process::Command::new(common::PEER);
+        cmd.args(args).env("UCX_PROTO_ENABLE", "y");
+        Proc::spawn(cmd)
+    };
+    for transport in ["tcp", "sm"] {
+        let (mut recv, _send) = common::start_pair(
+            spawn,
+            transport,
+            &["--sizes", "4096,1048576", "--timeout-ms", "30000"],
+            &["--sizes", "4096,1048576", "--mode", "normal"],
+        );
+        for want in [4096, 1 << 20] {
+            let (size, outcome, _, verified) = result(&recv.expect("RESULT"));
+            assert_eq!(size, want);
+            assert_eq!(outcome, "Completed", "{transport}");
+            assert!(verified, "{transport}: {size} bytes arrived corrupted");
+        }
+    }
+}
+
 #[test]
 fn a_bad_transport_name_is_refused_with_invalid_argument() {
     let mut p = common::Proc::peer(&["recv", "--transport", "tcp,sysvv"]);

@@ -141,6 +141,28 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
             resources::ucx_version()
         );
     }
+    // UCX's newer protocol selection: on by default from some release up to 1.22, off and
+    // experimental in 1.13, where turning it on (`UCX_PROTO_ENABLE=y`) ends the process on the
+    // first transfer, over tcp and shared memory alike (`ucs_fatal` in
+    // `ucp_wireup_replay_pending_requests`, measured). Below 1.22 (what lies between is
+    // untested) the agent keeps it off, whatever the environment says: the one UCX setting
+    // from the environment that it overrides, because obeying it means an abort.
+    if resources::ucx_minor() < 22 {
+        if let Ok(v) = std::env::var("UCX_PROTO_ENABLE") {
+            if !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "n" | "no" | "0" | "off"
+            ) {
+                tracing::warn!(
+                    "{}: UCX_PROTO_ENABLE={v} is left off with UCX {} (its experimental protocols \
+                     abort the process there; 1.22 uses them)",
+                    opts.name,
+                    resources::ucx_version()
+                );
+            }
+        }
+        settings.push(("PROTO_ENABLE", "n".into(), false));
+    }
     let tls = opts.transport.tls();
     if tls.is_some() || opts.net_devices.is_some() {
         let have = resources::resources()?;
