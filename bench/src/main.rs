@@ -9,6 +9,7 @@
 //! `kvlink-bench --help` explains every flag.
 mod cli;
 mod core_cost;
+mod hugebuf;
 mod perftest;
 mod plot;
 mod procs;

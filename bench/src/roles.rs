@@ -14,6 +14,7 @@
 //! side) or `CTX`/`TR` (listening side). A watchdog ends the process at its time limit with
 //! what it has counted so far: no engine wait can keep it past the row's limit.
 use crate::cli::{PeerArgs, PeerRole, Transport};
+use crate::hugebuf::HugeBuf;
 use crate::report::{percentile, PeerResult, Round};
 use kvlink::connection::{BufferSpec, Engine, EngineConfig};
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
@@ -141,10 +142,12 @@ fn linger() {
 /// What the transfers of `len` bytes are cut from ([`cut`]): `len + 1` position-dependent
 /// bytes, each different from the next (their lowest bits alternate). One buffer serves both
 /// patterns, so the sending side keeps one source per size hot, as `ucx_perftest` does.
-pub fn pattern_base(len: usize) -> Vec<u8> {
-    (0..len + 1)
-        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u8 & 0xfe | (i & 1) as u8)
-        .collect()
+pub fn pattern_base(len: usize) -> HugeBuf {
+    let mut base = HugeBuf::zeroed(len + 1);
+    for (i, b) in base.iter_mut().enumerate() {
+        *b = ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u8 & 0xfe | (i & 1) as u8;
+    }
+    base
 }
 
 /// Pattern `ix` (0 or 1) of a base made by [`pattern_base`]: the two start one byte apart and
@@ -176,7 +179,7 @@ fn holds(buf: &[u8], want: &[u8], full: bool) -> bool {
 }
 
 /// The context side's pattern bases by length, made once and shared by its sender threads.
-type PatternCache = Mutex<HashMap<u64, Arc<Vec<u8>>>>;
+type PatternCache = Mutex<HashMap<u64, Arc<HugeBuf>>>;
 
 fn kind_name(e: &kvlink::Error) -> String {
     format!("{:?}", e.kind)
@@ -209,7 +212,7 @@ fn gen(a: &PeerArgs) -> i32 {
         return finish(2);
     };
     // Declared before the engine, so dropped after it: by then nothing is posted into them.
-    let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; size]).collect();
+    let mut bufs: Vec<HugeBuf> = (0..n).map(|_| HugeBuf::zeroed(size)).collect();
     let base = pattern_base(size);
     let patterns = [cut(&base, 0), cut(&base, 1)];
     let mut cfg = EngineConfig::new("bench-gen", GEN_RANK, a.transport.kind());
@@ -426,7 +429,7 @@ impl Row<'_> {
     /// buffers go cold, and a transfer started after 3 ms of idle takes 1.2-1.6 ms longer at
     /// 16 MiB on tcp even in the transport row (with sleeps between its sends), where
     /// `ucx_perftest` runs back to back.
-    fn rounds(&self, a: &PeerArgs, bufs: &mut [Vec<u8>], patterns: &[&[u8]; 2], t: &mut Tally) {
+    fn rounds(&self, a: &PeerArgs, bufs: &mut [HugeBuf], patterns: &[&[u8]; 2], t: &mut Tally) {
         let mut next_id = 1u64;
         for round in 0..a.warmup + a.rounds {
             if Instant::now() >= self.deadline {
@@ -471,13 +474,13 @@ impl Row<'_> {
     /// every byte reads twice the request's size on the cores that the transfers use (about
     /// 100 us per MiB here), which `ucx_perftest` does not pay and which cost this row 20-40%
     /// per request. Every byte of every other request (warm-up and trailing rounds) is checked.
-    fn window(&self, a: &PeerArgs, bufs: &mut [Vec<u8>], patterns: &[&[u8]; 2], t: &mut Tally) {
+    fn window(&self, a: &PeerArgs, bufs: &mut [HugeBuf], patterns: &[&[u8]; 2], t: &mut Tally) {
         let n = bufs.len();
         let total = a.planned();
         let mut next_id = 1u64;
         let mut queue: VecDeque<InFlight> = VecDeque::with_capacity(n);
         let mut uses = vec![0usize; n];
-        let mut issue = |i: usize, b: &mut Vec<u8>, queue: &mut VecDeque<_>| {
+        let mut issue = |i: usize, b: &mut HugeBuf, queue: &mut VecDeque<_>| {
             let key = RequestKey::new(next_id, 0);
             next_id += 1;
             let seed_ix = uses[i] % 2;
@@ -652,7 +655,7 @@ fn tr_recv(a: &PeerArgs) -> i32 {
         st.lock().error("size too large");
         return finish(2);
     };
-    let mut buf = vec![0u8; size];
+    let mut buf = HugeBuf::zeroed(size);
     let agent = match agent("bench-tr-recv", a.transport, true) {
         Ok(x) => x,
         Err(e) => {

@@ -1,0 +1,114 @@
+//! Buffers of the transfers, backed by transparent huge pages where the kernel gives them.
+//!
+//! `ucx_perftest` allocates its buffers through UCX, whose first allocation method on a host
+//! without huge-page reservations is `thp`: an anonymous mapping advised `MADV_HUGEPAGE`. The
+//! kernel's socket copies run about a third slower into and out of 4 KiB pages than 2 MiB ones
+//! (measured on this machine kind, tcp 64 MiB; README "What this shows"), so the bench gives its
+//! own buffers the same backing, to set kvlink against perftest on equal memory. A kernel with
+//! THP off, or one that refuses the advice, leaves ordinary pages, as it does for perftest.
+
+use std::ops::{Deref, DerefMut};
+
+/// Huge-page alignment; mappings are rounded up to it so each is whole huge pages.
+const HUGE: usize = 2 << 20;
+
+/// A zeroed buffer of `len` bytes in its own anonymous mapping.
+pub struct HugeBuf {
+    ptr: *mut u8,
+    len: usize,
+    map_len: usize,
+}
+
+// SAFETY: the mapping is owned by this value alone, like a `Vec<u8>`'s allocation.
+unsafe impl Send for HugeBuf {}
+// SAFETY: shared access only reads through `&[u8]`.
+unsafe impl Sync for HugeBuf {}
+
+impl HugeBuf {
+    /// A zeroed buffer of `len` bytes (at least one page is mapped, so `len` 0 is fine).
+    /// Panics if the kernel refuses the mapping, as `vec![0; len]` aborts when out of memory.
+    pub fn zeroed(len: usize) -> HugeBuf {
+        let map_len = len.max(1).div_ceil(HUGE) * HUGE;
+        // Over-map by one huge page, then trim both ends so the buffer starts on a 2 MiB
+        // boundary: an unaligned start would keep its first and last pieces on small pages.
+        let over = map_len + HUGE;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                over,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert!(
+            raw != libc::MAP_FAILED,
+            "mmap of {over} bytes: {}",
+            std::io::Error::last_os_error()
+        );
+        let start = (raw as usize).div_ceil(HUGE) * HUGE;
+        let head = start - raw as usize;
+        let tail = over - head - map_len;
+        // SAFETY: both ranges lie inside the mapping just made and are not used afterwards.
+        unsafe {
+            if head > 0 {
+                libc::munmap(raw, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + map_len) as *mut libc::c_void, tail);
+            }
+            // Advice only: a kernel without THP says EINVAL and the pages stay small.
+            libc::madvise(start as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE);
+        }
+        HugeBuf {
+            ptr: start as *mut u8,
+            len,
+            map_len,
+        }
+    }
+}
+
+impl Deref for HugeBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` maps at least `len` readable bytes for the life of `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl DerefMut for HugeBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes this the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for HugeBuf {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `zeroed`, unmapped once.
+        unsafe {
+            libc::munmap(self.ptr as *mut libc::c_void, self.map_len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_buffer_is_zeroed_aligned_and_holds_what_is_written() {
+        for len in [0usize, 1, 4096, HUGE - 1, HUGE + 5] {
+            let mut b = HugeBuf::zeroed(len);
+            assert_eq!(b.len(), len);
+            assert_eq!(b.as_ptr() as usize % HUGE, 0, "len {len}");
+            assert!(b.iter().all(|&x| x == 0), "len {len}");
+            for (i, x) in b.iter_mut().enumerate() {
+                *x = i as u8;
+            }
+            assert!(b.iter().enumerate().all(|(i, &x)| x == i as u8));
+        }
+    }
+}
