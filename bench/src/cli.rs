@@ -120,6 +120,14 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0, value_name = "US")]
     pub gap_us: u64,
 
+    /// What the transport row's sender sends from. `untouched`: a buffer on huge pages that
+    /// is never written, as `ucx_perftest`'s sender sends (its buffer is mapped by UCX and
+    /// never filled, so the kernel reads the shared huge zero page, which stays in cache);
+    /// `pattern`: the whole-request rows' pattern, memory that has to be read from DRAM at 16
+    /// MiB and up. Whole-request rows always send patterns, since their bytes are checked.
+    #[arg(long, value_enum, default_value_t = Source::Untouched)]
+    pub tr_source: Source,
+
     /// Time limit of one row in seconds: requests not done by then count as failed (the
     /// "failed" column counts the whole row, warm-up included), and both processes are stopped
     /// [default: 60, --quick: 10].
@@ -292,6 +300,24 @@ impl Transport {
     }
 }
 
+/// The transport row's send buffer (`--tr-source`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Source {
+    /// Mapped on huge pages and never written, as `ucx_perftest`'s.
+    Untouched,
+    /// The pattern the whole-request rows send.
+    Pattern,
+}
+
+impl Source {
+    pub fn name(self) -> &'static str {
+        match self {
+            Source::Untouched => "untouched",
+            Source::Pattern => "pattern",
+        }
+    }
+}
+
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PeerRole {
     /// Generation side of whole requests: connects, advertises, waits, times.
@@ -332,6 +358,9 @@ pub struct PeerArgs {
     /// Generation side: idle pause between rounds, microseconds (not timed).
     #[arg(long, default_value_t = 0)]
     pub gap_us: u64,
+    /// Transport row's sender: what it sends from.
+    #[arg(long, value_enum, default_value_t = Source::Untouched)]
+    pub tr_source: Source,
     /// Generation side: serve the engine's metrics on this ip:port while the row runs.
     #[arg(long, value_name = "IP:PORT")]
     pub metrics_listen: Option<String>,
@@ -434,6 +463,31 @@ mod tests {
         let c = Cli::parse_from(["kvlink-bench", "--quick"]);
         assert_eq!(c.run.iters_for(4096), 10);
         assert_eq!(c.run.rounds_for(4096, 64), 2);
+    }
+
+    #[test]
+    fn the_transport_row_sends_untouched_memory_unless_told() {
+        let c = Cli::parse_from(["kvlink-bench"]);
+        assert_eq!(c.run.tr_source, Source::Untouched);
+        let c = Cli::parse_from(["kvlink-bench", "--tr-source", "pattern"]);
+        assert_eq!(c.run.tr_source, Source::Pattern);
+        // What the bench hands its peers parses back to the same value.
+        for s in [Source::Untouched, Source::Pattern] {
+            let c = Cli::parse_from([
+                "kvlink-bench",
+                "peer",
+                "--role",
+                "tr-send",
+                "--transport",
+                "tcp",
+                "--tr-source",
+                s.name(),
+            ]);
+            match c.peer {
+                Some(PeerCmd::Peer(p)) => assert_eq!(p.tr_source, s),
+                _ => panic!("not a peer command"),
+            }
+        }
     }
 
     #[test]

@@ -111,4 +111,26 @@ mod tests {
             assert!(b.iter().enumerate().all(|(i, &x)| x == i as u8));
         }
     }
+
+    /// Resident memory of this process, from /proc/self/statm (pages).
+    fn resident_bytes() -> usize {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+        let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+        // SAFETY: sysconf has no preconditions.
+        pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize
+    }
+
+    #[test]
+    fn a_fresh_buffer_is_not_written_so_reads_of_it_find_the_zero_page() {
+        // The transport row's untouched source relies on this (cli `--tr-source`).
+        let before = resident_bytes();
+        let b = HugeBuf::zeroed(64 << 20);
+        let made = resident_bytes();
+        assert!(
+            made < before + (8 << 20),
+            "making 64 MiB made {} bytes resident",
+            made.saturating_sub(before)
+        );
+        assert!(b.iter().step_by(4096).all(|&x| x == 0));
+    }
 }

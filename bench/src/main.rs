@@ -49,6 +49,7 @@ fn main() -> ExitCode {
         "warmup_rounds": 1,
         "senders": args.senders,
         "gap_us": args.gap_us,
+        "tr_source": args.tr_source.name(),
         "row_timeout_s": args.row_timeout().as_secs(),
         "quick": args.quick,
     });

@@ -13,7 +13,7 @@
 //! `P <done> <planned>` (progress), and its [`PeerResult`] as JSON after `RESULT` (measuring
 //! side) or `CTX`/`TR` (listening side). A watchdog ends the process at its time limit with
 //! what it has counted so far: no engine wait can keep it past the row's limit.
-use crate::cli::{PeerArgs, PeerRole, Transport};
+use crate::cli::{PeerArgs, PeerRole, Source, Transport};
 use crate::hugebuf::HugeBuf;
 use crate::report::{percentile, PeerResult, Round};
 use kvlink::connection::{BufferSpec, Engine, EngineConfig};
@@ -740,7 +740,12 @@ fn tr_send(a: &PeerArgs) -> i32 {
         st.lock().error("--peer is required");
         return finish(2);
     };
-    let base = pattern_base(size);
+    // Never written when untouched: the kernel's copies read the huge zero page, as they do
+    // for ucx_perftest's sender (`--tr-source`).
+    let base = match a.tr_source {
+        Source::Untouched => HugeBuf::zeroed(size + 1),
+        Source::Pattern => pattern_base(size),
+    };
     let data = cut(&base, 0);
     let agent = match agent("bench-tr-send", a.transport, false) {
         Ok(x) => x,

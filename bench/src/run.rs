@@ -128,6 +128,10 @@ impl Runner {
              one-way p50; x -O N = GB/s / tag_bw -O N, N the row's in-flight count.",
             a.row_timeout().as_secs()
         ));
+        self.print(&format!(
+            "transport rows send from {} memory (--tr-source); whole requests send checked patterns",
+            a.tr_source.name()
+        ));
         if a.gap_us > 0 {
             self.print(&format!(
                 "whole-request rows pause {} us between rounds (not timed): requests arrive apart",
@@ -299,6 +303,8 @@ impl Runner {
                 limit.as_millis().to_string(),
                 "--gap-us".into(),
                 self.args.gap_us.to_string(),
+                "--tr-source".into(),
+                self.args.tr_source.name().into(),
             ]
         };
         let mut out = PairOut {
