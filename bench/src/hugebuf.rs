@@ -1,16 +1,26 @@
 //! Buffers of the transfers, backed by transparent huge pages where the kernel gives them.
 //!
 //! `ucx_perftest` allocates its buffers through UCX, whose first allocation method on a host
-//! without huge-page reservations is `thp`: an anonymous mapping advised `MADV_HUGEPAGE`. The
-//! kernel's socket copies run about a third slower into and out of 4 KiB pages than 2 MiB ones
-//! (measured on this machine kind, tcp 64 MiB; README "What this shows"), so the bench gives its
-//! own buffers the same backing, to set kvlink against perftest on equal memory. A kernel with
-//! THP off, or one that refuses the advice, leaves ordinary pages, as it does for perftest.
+//! without huge-page reservations is `thp`: an anonymous mapping advised `MADV_HUGEPAGE` (a
+//! running `tag_bw` receiver at 64 MiB holds 64 MiB of `AnonHugePages`). On 4 KiB pages the
+//! kernel's copies into the bench's receive buffers took about a fifth more samples than
+//! perftest's into its huge pages (`perf record -a`, tcp, 64 MiB), so the bench gives its own
+//! buffers of 1 MiB and up the same backing, to set kvlink against perftest on equal memory.
+//! A kernel with THP off, or one that refuses the advice, leaves ordinary pages, as it does for
+//! perftest.
 
 use std::ops::{Deref, DerefMut};
 
 /// Huge-page alignment; mappings are rounded up to it so each is whole huge pages.
 const HUGE: usize = 2 << 20;
+
+/// Buffers from this size up lie on huge pages (a 1 MiB buffer takes one 2 MiB page).
+const SMALL: usize = 1 << 20;
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
+}
 
 /// A zeroed buffer of `len` bytes in its own anonymous mapping.
 pub struct HugeBuf {
@@ -26,12 +36,16 @@ unsafe impl Sync for HugeBuf {}
 
 impl HugeBuf {
     /// A zeroed buffer of `len` bytes (at least one page is mapped, so `len` 0 is fine).
-    /// Panics if the kernel refuses the mapping, as `vec![0; len]` aborts when out of memory.
+    /// From [`SMALL`] bytes up it lies on whole huge pages; below, on small pages, so that
+    /// thousands of 4 KiB request buffers do not take 2 MiB each. Panics if the kernel
+    /// refuses the mapping, as `vec![0; len]` aborts when out of memory.
     pub fn zeroed(len: usize) -> HugeBuf {
-        let map_len = len.max(1).div_ceil(HUGE) * HUGE;
+        let huge = len >= SMALL;
+        let unit = if huge { HUGE } else { page_size() };
+        let map_len = len.max(1).div_ceil(unit) * unit;
         // Over-map by one huge page, then trim both ends so the buffer starts on a 2 MiB
         // boundary: an unaligned start would keep its first and last pieces on small pages.
-        let over = map_len + HUGE;
+        let over = if huge { map_len + HUGE } else { map_len };
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
         let raw = unsafe {
             libc::mmap(
@@ -48,7 +62,7 @@ impl HugeBuf {
             "mmap of {over} bytes: {}",
             std::io::Error::last_os_error()
         );
-        let start = (raw as usize).div_ceil(HUGE) * HUGE;
+        let start = (raw as usize).div_ceil(unit) * unit;
         let head = start - raw as usize;
         let tail = over - head - map_len;
         // SAFETY: both ranges lie inside the mapping just made and are not used afterwards.
@@ -59,8 +73,10 @@ impl HugeBuf {
             if tail > 0 {
                 libc::munmap((start + map_len) as *mut libc::c_void, tail);
             }
-            // Advice only: a kernel without THP says EINVAL and the pages stay small.
-            libc::madvise(start as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE);
+            if huge {
+                // Advice only: a kernel without THP says EINVAL and the pages stay small.
+                libc::madvise(start as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE);
+            }
         }
         HugeBuf {
             ptr: start as *mut u8,
@@ -100,10 +116,11 @@ mod tests {
 
     #[test]
     fn a_buffer_is_zeroed_aligned_and_holds_what_is_written() {
-        for len in [0usize, 1, 4096, HUGE - 1, HUGE + 5] {
+        for len in [0usize, 1, 4096, SMALL, HUGE - 1, HUGE + 5] {
             let mut b = HugeBuf::zeroed(len);
             assert_eq!(b.len(), len);
-            assert_eq!(b.as_ptr() as usize % HUGE, 0, "len {len}");
+            let align = if len >= SMALL { HUGE } else { page_size() };
+            assert_eq!(b.as_ptr() as usize % align, 0, "len {len}");
             assert!(b.iter().all(|&x| x == 0), "len {len}");
             for (i, x) in b.iter_mut().enumerate() {
                 *x = i as u8;
@@ -116,8 +133,23 @@ mod tests {
     fn resident_bytes() -> usize {
         let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
         let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-        // SAFETY: sysconf has no preconditions.
-        pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize
+        pages * page_size()
+    }
+
+    #[test]
+    fn thousands_of_small_buffers_take_small_pages() {
+        // The 4096-in-flight rows hold 4096 buffers of 4 KiB: on huge pages they would make
+        // 8 GiB resident.
+        let before = resident_bytes();
+        let mut bufs: Vec<HugeBuf> = (0..1024).map(|_| HugeBuf::zeroed(4096)).collect();
+        for b in &mut bufs {
+            b.fill(1);
+        }
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(
+            grown < (64 << 20),
+            "1024 buffers of 4 KiB made {grown} bytes resident"
+        );
     }
 
     #[test]
