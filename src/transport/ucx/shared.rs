@@ -494,6 +494,12 @@ impl Shared {
     /// Whether a caller that began waiting at `since` should drive progress rather than sleep:
     /// within the poll window of the later of `since` and the last progress. An idle wait
     /// polls for one window, then sleeps.
+    /// Over tcp (the kernel copies every byte), whether [`BULK_WAIT_BYTES`] or more are in
+    /// flight on this agent: then no waiting caller polls ([`Driving::for_transfer`]).
+    pub(super) fn bulk_in_flight(&self) -> bool {
+        self.kernel_copies && self.in_flight_bytes.load(Ordering::Relaxed) >= BULK_WAIT_BYTES
+    }
+
     pub(super) fn may_poll(&self, since: Instant) -> bool {
         !self.poll_window.is_zero() && since.elapsed().min(self.since_progress()) < self.poll_window
     }
@@ -610,12 +616,7 @@ impl<'a> Driving<'a> {
     /// ([`Shared::submit_now`]), expecting to drive it. A larger one was handed to the
     /// progress thread when it was posted.
     pub(super) fn for_transfer(shared: &'a Arc<Shared>, len: usize) -> Self {
-        let in_flight = if shared.kernel_copies {
-            shared.in_flight_bytes.load(Ordering::Relaxed)
-        } else {
-            0
-        };
-        let bulk = len.max(in_flight) >= BULK_WAIT_BYTES;
+        let bulk = len >= BULK_WAIT_BYTES || shared.bulk_in_flight();
         Driving {
             bulk,
             owes_wake: bulk && (1..=DIRECT_POST_MAX).contains(&len),
@@ -634,9 +635,16 @@ impl<'a> Driving<'a> {
         false
     }
 
-    /// Whether this wait would drive now: not for a bulk transfer, else within the window.
+    /// Whether this wait would drive now: not for a bulk transfer, nor (tcp) while bulk
+    /// transfers are in flight, else within the window. The second is looked at on every
+    /// step: a wait that began with nothing in flight (a sender thread in
+    /// `next_advertisement`) would otherwise poll through a whole bulk transfer that starts
+    /// meanwhile, since that transfer's progress keeps the window open. Context side, whole
+    /// requests one at a time over tcp, sender threads not polling at all against the code
+    /// before (four alternated pairs each): 16 MiB 5.6 against 4.8 GB/s, 64 MiB 5.2 against
+    /// 4.6.
     fn wants_to_drive(&self) -> bool {
-        !self.bulk && self.shared.may_poll(self.began)
+        !self.bulk && !self.shared.bulk_in_flight() && self.shared.may_poll(self.began)
     }
 
     /// Hands progress back to the progress thread (before this caller sleeps).
@@ -706,6 +714,17 @@ mod tests {
         let mut large = Driving::for_transfer(&sh, DIRECT_POST_MAX + 1);
         assert!(!large.step());
         assert!(!woken(&sh, 0), "a large transfer's bulk wait wakes nobody");
+        // A wait that began with little in flight stops polling once bulk transfers start,
+        // and may poll again when they end.
+        in_flight(0);
+        let mut early = Driving::new(&sh);
+        assert!(early.wants_to_drive());
+        in_flight(BULK_WAIT_BYTES);
+        assert!(!early.wants_to_drive(), "a bulk transfer started meanwhile");
+        assert!(!early.step(), "its step says: sleep");
+        in_flight(0);
+        sh.note_progress();
+        assert!(early.wants_to_drive(), "the bulk transfer has ended");
         // Over shared memory only a bulk transfer itself is left to the progress thread.
         let sm = Shared::new(&AgentOptions::new("sm", TransportKind::SharedMemory), 1).unwrap();
         sm.note_progress();
