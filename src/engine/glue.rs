@@ -187,6 +187,9 @@ pub(crate) struct Inner {
     pub metrics: crate::metrics::Metrics,
     /// UCX may use shared memory (posix, sysv) here: see `Engine::connect`'s hint.
     pub shared_memory: bool,
+    /// The callers the sink's last run woke, notified once the control messages it queued have
+    /// been started (`Sink::delivered`).
+    pub held_wakes: Mutex<Vec<Arc<parking_lot::Condvar>>>,
 }
 
 impl Inner {
@@ -724,6 +727,7 @@ impl EventSink for Sink {
             return None;
         }
         let mut core = inner.core.lock();
+        core.waiters.hold();
         for ev in events.drain(..) {
             inner.on_event(&mut core, now, ev);
         }
@@ -747,9 +751,29 @@ impl EventSink for Sink {
             .into_iter()
             .flatten()
             .min();
+        let woken = core.waiters.unhold();
         drop(core);
+        if !woken.is_empty() {
+            inner.held_wakes.lock().extend(woken);
+        }
         // Never the last owner here: `Engine::drop` stops this thread before it lets go.
         drop(inner);
         next
+    }
+
+    /// The callers that `deliver` woke run only now, after the control messages it queued (a
+    /// receiver's verdict, say) have left: woken first, a caller on a small machine takes the
+    /// core from the thread that would send them. Measured on two cores, whole 16 MiB requests
+    /// over tcp (median per run, three runs each): the verdict left 27-61 µs after the
+    /// landing, often behind the woken receiver's return and next advertisement, and 8-10 µs
+    /// once the wake came after it.
+    fn delivered(&self) {
+        let Some(inner) = self.0.upgrade() else {
+            return;
+        };
+        let woken = std::mem::take(&mut *inner.held_wakes.lock());
+        for cv in woken {
+            cv.notify_one();
+        }
     }
 }

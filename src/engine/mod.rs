@@ -340,6 +340,7 @@ impl Engine {
             stopping: AtomicBool::new(false),
             metrics: crate::metrics::Metrics::new(),
             shared_memory,
+            held_wakes: Default::default(),
         });
         inner
             .agent

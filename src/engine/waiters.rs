@@ -42,30 +42,59 @@ struct Sleeper {
 #[derive(Default)]
 pub(crate) struct Waiters {
     map: HashMap<WaitKey, Vec<Sleeper>>,
+    /// Between [`Waiters::hold`] and [`Waiters::unhold`]: the wakes made meanwhile, not yet
+    /// notified.
+    held: Option<Vec<Arc<Condvar>>>,
+}
+
+/// Notifies `cv` now, or keeps it for later while wakes are held.
+fn notify(held: &mut Option<Vec<Arc<Condvar>>>, cv: &Arc<Condvar>) {
+    match held {
+        Some(later) => later.push(cv.clone()),
+        None => {
+            cv.notify_one();
+        }
+    }
 }
 
 impl Waiters {
     /// Wakes every caller waiting for `key` (usually one).
     pub(crate) fn wake(&mut self, key: WaitKey) {
-        if let Some(list) = self.map.get_mut(&key) {
+        let Waiters { map, held } = self;
+        if let Some(list) = map.get_mut(&key) {
             for s in list {
                 s.woken = true;
-                s.cv.notify_one();
+                notify(held, &s.cv);
             }
         }
+    }
+
+    /// From now on wakes are marked but not notified: [`Waiters::unhold`] hands them over, to
+    /// be notified once what the waker does next is under way (the engine's sink: after the
+    /// control messages it queued have been started). Wakes still held from an earlier hold
+    /// (a sink that panicked) are notified now.
+    pub(crate) fn hold(&mut self) {
+        for cv in self.held.replace(Vec::new()).into_iter().flatten() {
+            cv.notify_one();
+        }
+    }
+
+    /// Ends [`Waiters::hold`]: the condition variables to notify.
+    pub(crate) fn unhold(&mut self) -> Vec<Arc<Condvar>> {
+        self.held.take().unwrap_or_default()
     }
 
     /// Wakes one caller waiting for `key` that has not been woken yet, the one asleep longest:
     /// for a fact that one caller takes (an item in a queue), the others would only wake to
     /// find nothing (a herd of runnable threads on a few cores delays the one that matters).
     pub(crate) fn wake_one(&mut self, key: WaitKey) {
-        if let Some(s) = self
-            .map
+        let Waiters { map, held } = self;
+        if let Some(s) = map
             .get_mut(&key)
             .and_then(|list| list.iter_mut().find(|s| !s.woken))
         {
             s.woken = true;
-            s.cv.notify_one();
+            notify(held, &s.cv);
         }
     }
 
@@ -87,11 +116,14 @@ impl Waiters {
         Some(item)
     }
 
-    /// Wakes everyone (shutdown).
+    /// Wakes everyone (shutdown), held wakes included, at once.
     pub(crate) fn wake_all(&mut self) {
         for s in self.map.values_mut().flatten() {
             s.woken = true;
             s.cv.notify_one();
+        }
+        for cv in self.held.iter_mut().flat_map(|l| l.drain(..)) {
+            cv.notify_one();
         }
     }
 
@@ -178,6 +210,49 @@ mod tests {
         }
         w.unregister(WaitKey::Peer(RankId(1)), &other);
         assert!(w.map.is_empty());
+    }
+
+    /// The engine's sink holds its wakes until the control messages it queued have left: a
+    /// held wake marks its sleeper at once (a second `wake_one` picks another) but hands the
+    /// condition variable over instead of notifying it; what a panicked sink left held is
+    /// notified by the next hold, and a shutdown notifies everything.
+    #[test]
+    fn held_wakes_are_marked_at_once_and_handed_over_instead_of_notified() {
+        let mut w = Waiters::default();
+        let key = WaitKey::Terminal(RequestKey::new(7, 0), Role::Receiver);
+        let adverts: Vec<_> = (0..2).map(|_| w.register(WaitKey::Advert)).collect();
+        let end = w.register(key);
+        assert!(w.unhold().is_empty(), "nothing is held outside a hold");
+        w.hold();
+        w.wake(key);
+        w.wake_one(WaitKey::Advert);
+        assert_eq!(woken(&w, key), 1);
+        assert_eq!(
+            woken(&w, WaitKey::Advert),
+            1,
+            "marked although not notified"
+        );
+        let held = w.unhold();
+        assert_eq!(held.len(), 2);
+        assert!(Arc::ptr_eq(&held[0], &end) && Arc::ptr_eq(&held[1], &adverts[0]));
+        assert!(w.unhold().is_empty(), "handed over once");
+        // Outside a hold a wake is notified at once: nothing to hand over.
+        w.wake_one(WaitKey::Advert);
+        assert_eq!(woken(&w, WaitKey::Advert), 2);
+        assert!(w.unhold().is_empty());
+        // A hold never ended (a sink that panicked) is notified by the next one.
+        w.hold();
+        w.wake(key);
+        w.hold();
+        assert!(w.unhold().is_empty());
+        w.hold();
+        w.wake(key);
+        w.wake_all();
+        assert_eq!(
+            w.held.as_ref().map(Vec::len),
+            Some(0),
+            "a shutdown notifies held wakes"
+        );
     }
 
     #[test]

@@ -720,6 +720,9 @@ impl Progress {
             // What the sink queued (control messages, cancels) leaves now: a caller whose wait
             // the sink just ended returns without another pass, and nobody else may be awake.
             self.drain_commands();
+            if let Some(sink) = self.shared.sink.get() {
+                sink.delivered();
+            }
         }
         pass
     }
@@ -1057,5 +1060,83 @@ impl Progress {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Agent, AgentOptions, Event, EventSink, TransportKind};
+    use super::*;
+    use parking_lot::Mutex;
+
+    /// Answers every control message with one of its own, and notes, each time it is told that
+    /// what it submitted has started, whether any command was still queued then.
+    struct Echo {
+        shared: Weak<Shared>,
+        answered: std::sync::atomic::AtomicBool,
+        queued_at_delivered: Mutex<Vec<bool>>,
+    }
+
+    impl EventSink for Echo {
+        fn deliver(&self, events: &mut VecDeque<Event>, _now: Instant) -> Option<Instant> {
+            let sh = self.shared.upgrade()?;
+            for ev in events.drain(..) {
+                if let Event::Control(peer, bytes) = ev {
+                    let answer = [b"re: ".as_slice(), &bytes].concat();
+                    sh.submit_post(Cmd::Post {
+                        peer,
+                        bytes: answer,
+                    })
+                    .unwrap();
+                    self.answered.store(true, Ordering::Release);
+                }
+            }
+            None
+        }
+
+        fn delivered(&self) {
+            if self.answered.swap(false, Ordering::AcqRel) {
+                let sh = self.shared.upgrade().unwrap();
+                self.queued_at_delivered.lock().push(sh.cmds_pending());
+            }
+        }
+    }
+
+    /// The engine wakes the callers its sink ended the waits of in `delivered`, counting on
+    /// what the sink submitted (a receiver's verdict) to have left by then: over real UCX on
+    /// loopback, every answer a sink queues has been started when `delivered` runs.
+    #[test]
+    fn what_the_sink_submits_has_started_when_it_is_told_it_was_delivered() {
+        let mut ob = AgentOptions::new("echo", TransportKind::Tcp);
+        ob.listen = Some("127.0.0.1:0".parse().unwrap());
+        let b = Agent::new(ob).unwrap();
+        let sink = Arc::new(Echo {
+            shared: Arc::downgrade(&b.shared),
+            answered: Default::default(),
+            queued_at_delivered: Mutex::new(Vec::new()),
+        });
+        assert!(b.set_sink(sink.clone()));
+        let a = Agent::new(AgentOptions::new("asker", TransportKind::Tcp)).unwrap();
+        let ab = a.connect(b.listen_address().unwrap()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for i in 0..20u8 {
+            a.post_control(ab, vec![i]).unwrap();
+            let answer = loop {
+                match a
+                    .next_event(deadline, None)
+                    .expect("the answer must arrive")
+                {
+                    Event::Control(_, bytes) => break bytes,
+                    _ => continue,
+                }
+            };
+            assert_eq!(answer, [b"re: ".as_slice(), &[i]].concat());
+        }
+        let seen = sink.queued_at_delivered.lock().clone();
+        assert_eq!(seen.len(), 20, "told once per answering delivery");
+        assert!(
+            seen.iter().all(|&queued| !queued),
+            "a command was still queued when the sink was told: {seen:?}"
+        );
     }
 }

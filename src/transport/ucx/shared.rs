@@ -130,6 +130,11 @@ pub trait EventSink: Send + Sync {
     /// to be called if nothing happens. It must not wait for progress (no `Agent::connect`, no
     /// `Op::wait`, no dropping an unfinished `Op`): commands it submits run after it returns.
     fn deliver(&self, events: &mut VecDeque<Event>, now: Instant) -> Option<Instant>;
+
+    /// Called in the same pass right after the commands that `deliver` submitted have been
+    /// started: what should follow their start (waking the callers `deliver` ended the wait
+    /// of) goes here.
+    fn delivered(&self) {}
 }
 
 /// State shared between the owner's threads and the progress thread.
