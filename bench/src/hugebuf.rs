@@ -5,7 +5,8 @@
 //! running `tag_bw` receiver at 64 MiB holds 64 MiB of `AnonHugePages`). On 4 KiB pages the
 //! kernel's copies into the bench's receive buffers took about a fifth more samples than
 //! perftest's into its huge pages (`perf record -a`, tcp, 64 MiB), so the bench gives its own
-//! buffers of 1 MiB and up the same backing, to set kvlink against perftest on equal memory.
+//! buffers the same backing wherever UCX would ([`on_huge_pages`]), to set kvlink against
+//! perftest on equal memory.
 //! A kernel with THP off, or one that refuses the advice, leaves ordinary pages, as it does for
 //! perftest.
 
@@ -14,8 +15,13 @@ use std::ops::{Deref, DerefMut};
 /// Huge-page alignment; mappings are rounded up to it so each is whole huge pages.
 const HUGE: usize = 2 << 20;
 
-/// Buffers from this size up lie on huge pages (a 1 MiB buffer takes one 2 MiB page).
-const SMALL: usize = 1 << 20;
+/// Whether a buffer of `len` bytes goes on huge pages: by UCX's own rule for its `thp` method,
+/// only when rounding it up to whole huge pages takes less than twice its size (so 1 MiB and
+/// less stay on small pages, as `ucx_perftest`'s do, and 4096 buffers of 4 KiB do not take
+/// 2 MiB each).
+fn on_huge_pages(len: usize) -> bool {
+    len.div_ceil(HUGE).saturating_mul(HUGE) < len.saturating_mul(2)
+}
 
 fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
@@ -36,11 +42,11 @@ unsafe impl Sync for HugeBuf {}
 
 impl HugeBuf {
     /// A zeroed buffer of `len` bytes (at least one page is mapped, so `len` 0 is fine).
-    /// From [`SMALL`] bytes up it lies on whole huge pages; below, on small pages, so that
+    /// Where [`on_huge_pages`] says so it lies on whole huge pages; else on small pages, so that
     /// thousands of 4 KiB request buffers do not take 2 MiB each. Panics if the kernel
     /// refuses the mapping, as `vec![0; len]` aborts when out of memory.
     pub fn zeroed(len: usize) -> HugeBuf {
-        let huge = len >= SMALL;
+        let huge = on_huge_pages(len);
         let unit = if huge { HUGE } else { page_size() };
         let map_len = len.max(1).div_ceil(unit) * unit;
         // Over-map by one huge page, then trim both ends so the buffer starts on a 2 MiB
@@ -116,10 +122,14 @@ mod tests {
 
     #[test]
     fn a_buffer_is_zeroed_aligned_and_holds_what_is_written() {
-        for len in [0usize, 1, 4096, SMALL, HUGE - 1, HUGE + 5] {
+        for len in [0usize, 1, 4096, 1 << 20, (1 << 20) + 1, HUGE - 1, HUGE + 5] {
             let mut b = HugeBuf::zeroed(len);
             assert_eq!(b.len(), len);
-            let align = if len >= SMALL { HUGE } else { page_size() };
+            let align = if on_huge_pages(len) {
+                HUGE
+            } else {
+                page_size()
+            };
             assert_eq!(b.as_ptr() as usize % align, 0, "len {len}");
             assert!(b.iter().all(|&x| x == 0), "len {len}");
             for (i, x) in b.iter_mut().enumerate() {
@@ -134,6 +144,16 @@ mod tests {
         let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
         let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
         pages * page_size()
+    }
+
+    #[test]
+    fn huge_pages_where_ucx_would_use_them() {
+        // UCX's `thp` allocation: rounded up to whole huge pages unless that doubles the size.
+        assert!(!on_huge_pages(4096));
+        assert!(!on_huge_pages(1 << 20), "1 MiB would take a 2 MiB page");
+        assert!(on_huge_pages((1 << 20) + 1));
+        assert!(on_huge_pages(16 << 20) && on_huge_pages(64 << 20));
+        assert!(!on_huge_pages(0));
     }
 
     #[test]
