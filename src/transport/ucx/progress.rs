@@ -719,10 +719,7 @@ impl Progress {
         if pass.sink_ran {
             // What the sink queued (control messages, cancels) leaves now: a caller whose wait
             // the sink just ended returns without another pass, and nobody else may be awake.
-            self.drain_commands();
-            if let Some(sink) = self.shared.sink.get() {
-                sink.delivered();
-            }
+            self.drain_after_sink();
         }
         pass
     }
@@ -855,44 +852,72 @@ impl Progress {
             let cmd = self.shared.cmds.lock().items.pop_front();
             let Some(cmd) = cmd else { return did };
             did = true;
-            match cmd {
-                Cmd::Shutdown => self.shutdown = true,
-                Cmd::FaultStuck => self.receive_stuck(),
-                Cmd::PeerTransports(peer, reply) => reply.set(self.peer_transports(peer)),
-                Cmd::Connect(addr, reply) => reply.set(self.connect(Target::Sock(addr))),
-                Cmd::ConnectWorker(addr, reply) => reply.set(self.connect_worker(&addr)),
-                Cmd::Tag {
-                    send,
-                    peer,
-                    tag,
-                    addr,
-                    len,
-                    slot,
-                } => self.start_tag(peer, tag, addr, len, slot, send),
-                Cmd::Control { peer, bytes, slot } => self.start_control(peer, bytes, slot),
-                Cmd::Post { peer, bytes } => self.send_internal(peer, AM_CONTROL_ID, bytes),
-                Cmd::CancelOp(id) => self.cancel_op(id),
-                Cmd::Map { addr, len, reply } => reply.set(self.map(addr, len)),
-                Cmd::Unmap(id) => self.unmap(id),
-                Cmd::UnpackRkey {
-                    peer,
-                    packed,
-                    reply,
-                } => reply.set(self.unpack_rkey(peer, &packed)),
-                Cmd::DestroyRkey(id) => self.destroy_rkey(id),
-                Cmd::Rma {
-                    rkey,
-                    put,
-                    addr,
-                    len,
-                    remote,
-                    slot,
-                } => self.start_rma(rkey, put, addr, len, remote, slot),
-                Cmd::ForceClose(peer, reply) => {
-                    self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true);
-                    if let Some(r) = reply {
-                        r.set(Ok(()))
-                    }
+            self.run_command(cmd);
+        }
+    }
+
+    /// After the sink ran: the control messages at the front of the queue (what the sink sent,
+    /// a receiver's verdict say) are started first, then the sink is told (`delivered`: the
+    /// engine wakes the callers whose waits it ended), then the rest runs. Nothing slower than
+    /// a message send (closing an endpoint, a connect) comes between an ended wait and its
+    /// caller: that would hold the caller past its deadline.
+    fn drain_after_sink(&mut self) {
+        while !self.shutdown {
+            let cmd = {
+                let mut q = self.shared.cmds.lock();
+                match q.items.front() {
+                    Some(Cmd::Post { .. } | Cmd::Control { .. }) => q.items.pop_front(),
+                    _ => None,
+                }
+            };
+            let Some(cmd) = cmd else { break };
+            self.run_command(cmd);
+        }
+        if let Some(sink) = self.shared.sink.get() {
+            sink.delivered();
+        }
+        self.drain_commands();
+    }
+
+    /// Runs one queued command.
+    fn run_command(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Shutdown => self.shutdown = true,
+            Cmd::FaultStuck => self.receive_stuck(),
+            Cmd::PeerTransports(peer, reply) => reply.set(self.peer_transports(peer)),
+            Cmd::Connect(addr, reply) => reply.set(self.connect(Target::Sock(addr))),
+            Cmd::ConnectWorker(addr, reply) => reply.set(self.connect_worker(&addr)),
+            Cmd::Tag {
+                send,
+                peer,
+                tag,
+                addr,
+                len,
+                slot,
+            } => self.start_tag(peer, tag, addr, len, slot, send),
+            Cmd::Control { peer, bytes, slot } => self.start_control(peer, bytes, slot),
+            Cmd::Post { peer, bytes } => self.send_internal(peer, AM_CONTROL_ID, bytes),
+            Cmd::CancelOp(id) => self.cancel_op(id),
+            Cmd::Map { addr, len, reply } => reply.set(self.map(addr, len)),
+            Cmd::Unmap(id) => self.unmap(id),
+            Cmd::UnpackRkey {
+                peer,
+                packed,
+                reply,
+            } => reply.set(self.unpack_rkey(peer, &packed)),
+            Cmd::DestroyRkey(id) => self.destroy_rkey(id),
+            Cmd::Rma {
+                rkey,
+                put,
+                addr,
+                len,
+                remote,
+                slot,
+            } => self.start_rma(rkey, put, addr, len, remote, slot),
+            Cmd::ForceClose(peer, reply) => {
+                self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true);
+                if let Some(r) = reply {
+                    r.set(Ok(()))
                 }
             }
         }
@@ -1069,12 +1094,13 @@ mod tests {
     use super::*;
     use parking_lot::Mutex;
 
-    /// Answers every control message with one of its own, and notes, each time it is told that
-    /// what it submitted has started, whether any command was still queued then.
+    /// Answers every control message with one of its own, then queues a command that is not a
+    /// message (a cancel of no op), and notes, each time it is told that what it submitted has
+    /// started, what was still queued then.
     struct Echo {
         shared: Weak<Shared>,
         answered: std::sync::atomic::AtomicBool,
-        queued_at_delivered: Mutex<Vec<bool>>,
+        queued_at_delivered: Mutex<Vec<usize>>,
     }
 
     impl EventSink for Echo {
@@ -1088,6 +1114,7 @@ mod tests {
                         bytes: answer,
                     })
                     .unwrap();
+                    sh.submit(Cmd::CancelOp(u64::MAX)).unwrap();
                     self.answered.store(true, Ordering::Release);
                 }
             }
@@ -1097,16 +1124,18 @@ mod tests {
         fn delivered(&self) {
             if self.answered.swap(false, Ordering::AcqRel) {
                 let sh = self.shared.upgrade().unwrap();
-                self.queued_at_delivered.lock().push(sh.cmds_pending());
+                let queued = sh.cmds.lock().items.len();
+                self.queued_at_delivered.lock().push(queued);
             }
         }
     }
 
-    /// The engine wakes the callers its sink ended the waits of in `delivered`, counting on
-    /// what the sink submitted (a receiver's verdict) to have left by then: over real UCX on
-    /// loopback, every answer a sink queues has been started when `delivered` runs.
+    /// The engine wakes the callers its sink ended the waits of in `delivered`, counting on the
+    /// messages the sink sent (a receiver's verdict) to have left by then, and on nothing
+    /// slower (closing an endpoint) to have run before: over real UCX on loopback, every answer
+    /// a sink queues has been started when `delivered` runs, and the other command not yet.
     #[test]
-    fn what_the_sink_submits_has_started_when_it_is_told_it_was_delivered() {
+    fn the_sink_is_told_after_its_messages_left_and_before_its_other_commands_run() {
         let mut ob = AgentOptions::new("echo", TransportKind::Tcp);
         ob.listen = Some("127.0.0.1:0".parse().unwrap());
         let b = Agent::new(ob).unwrap();
@@ -1135,8 +1164,8 @@ mod tests {
         let seen = sink.queued_at_delivered.lock().clone();
         assert_eq!(seen.len(), 20, "told once per answering delivery");
         assert!(
-            seen.iter().all(|&queued| !queued),
-            "a command was still queued when the sink was told: {seen:?}"
+            seen.iter().all(|&queued| queued == 1),
+            "when the sink was told, only its cancel should have been queued: {seen:?}"
         );
     }
 }

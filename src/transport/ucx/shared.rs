@@ -131,9 +131,10 @@ pub trait EventSink: Send + Sync {
     /// `Op::wait`, no dropping an unfinished `Op`): commands it submits run after it returns.
     fn deliver(&self, events: &mut VecDeque<Event>, now: Instant) -> Option<Instant>;
 
-    /// Called in the same pass right after the commands that `deliver` submitted have been
-    /// started: what should follow their start (waking the callers `deliver` ended the wait
-    /// of) goes here.
+    /// Called in the same pass once the control messages at the front of the queue (those
+    /// `deliver` sent) have been started, and before any other command runs (closing an
+    /// endpoint may take long): what should follow the messages' start, and must not wait for
+    /// anything slower (waking the callers `deliver` ended the wait of), goes here.
     fn delivered(&self) {}
 }
 
