@@ -844,16 +844,26 @@ impl Progress {
     /// Runs queued commands; returns whether there were any. A `Shutdown` stops it and sets
     /// `self.shutdown`: what is still queued is failed by the teardown.
     pub(super) fn drain_commands(&mut self) -> bool {
+        self.drain_while(|_| true)
+    }
+
+    /// Runs queued commands from the front for as long as `take` accepts the next one (and no
+    /// `Shutdown` was taken); returns whether any ran.
+    fn drain_while(&mut self, take: impl Fn(&Cmd) -> bool) -> bool {
         let mut did = false;
-        loop {
-            if self.shutdown {
-                return did;
-            }
-            let cmd = self.shared.cmds.lock().items.pop_front();
-            let Some(cmd) = cmd else { return did };
+        while !self.shutdown {
+            let cmd = {
+                let mut q = self.shared.cmds.lock();
+                match q.items.front() {
+                    Some(c) if take(c) => q.items.pop_front(),
+                    _ => None,
+                }
+            };
+            let Some(cmd) = cmd else { break };
             did = true;
             self.run_command(cmd);
         }
+        did
     }
 
     /// After the sink ran: the control messages at the front of the queue (what the sink sent,
@@ -862,17 +872,7 @@ impl Progress {
     /// a message send (closing an endpoint, a connect) comes between an ended wait and its
     /// caller: that would hold the caller past its deadline.
     fn drain_after_sink(&mut self) {
-        while !self.shutdown {
-            let cmd = {
-                let mut q = self.shared.cmds.lock();
-                match q.items.front() {
-                    Some(Cmd::Post { .. } | Cmd::Control { .. }) => q.items.pop_front(),
-                    _ => None,
-                }
-            };
-            let Some(cmd) = cmd else { break };
-            self.run_command(cmd);
-        }
+        self.drain_while(|c| matches!(c, Cmd::Post { .. } | Cmd::Control { .. }));
         if let Some(sink) = self.shared.sink.get() {
             sink.delivered();
         }
