@@ -312,6 +312,76 @@ fn stale_landing_is_counted_and_dropped() {
     assert!(t > base + ms(1));
 }
 
+/// The same on a context rank, for the messages a sender takes: while generation 1 of a
+/// request from a peer is known here, that peer's late `Advertise` and `Verdict` of
+/// generation 0 are counted as stale and start nothing; once generation 1 is forgotten, a
+/// message of generation 0 is merely unknown (nothing newer is known any more).
+#[test]
+fn stale_advertisement_and_verdict_reach_no_sender() {
+    use kvlink::proto::*;
+    let t0 = std::time::Instant::now();
+    let (g, c) = (RankId(1), RankId(2));
+    let mut ctx = Endpoint::new(c, config());
+    let mut tokens = TokenAllocator::default();
+    let advertise = |key: RequestKey, token: Token| Message::Advertise {
+        key,
+        src_rank: g,
+        timeout_ms: 1000,
+        request_info: vec![],
+        buffers: vec![kv_desc(token)],
+    };
+    let (old, new) = (RequestKey::new(5, 0), RequestKey::new(5, 1));
+    ctx.handle_message(t0, g, advertise(new, tokens.allocate().unwrap()))
+        .unwrap();
+    let advertised = |ctx: &mut Endpoint| {
+        let mut n = 0;
+        while let Some(e) = ctx.poll_event() {
+            n += usize::from(matches!(e, Event::Advertised { .. }));
+        }
+        n
+    };
+    assert_eq!(advertised(&mut ctx), 1);
+    ctx.handle_message(t0, g, advertise(old, tokens.allocate().unwrap()))
+        .unwrap();
+    ctx.handle_message(
+        t0,
+        g,
+        Message::Verdict {
+            key: old,
+            outcome: Outcome::Completed,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        advertised(&mut ctx),
+        0,
+        "a stale advertisement started a flow"
+    );
+    assert_eq!(ctx.known(), 1);
+    assert_eq!(ctx.stats().stale_dropped, 2);
+    assert_eq!(ctx.stats().unknown_dropped, 0);
+    // Generation 1 ends (never accepted: its deadline passes) and is forgotten.
+    let mut now = t0;
+    while ctx.known() > 0 {
+        now += ms(100);
+        assert!(now < t0 + ms(60_000), "generation 1 was never forgotten");
+        ctx.handle_timeout(now);
+        while ctx.poll_transmit().is_some() {}
+        while ctx.poll_event().is_some() {}
+    }
+    ctx.handle_message(
+        now,
+        g,
+        Message::Verdict {
+            key: old,
+            outcome: Outcome::Completed,
+        },
+    )
+    .unwrap();
+    assert_eq!(ctx.stats().stale_dropped, 2);
+    assert_eq!(ctx.stats().unknown_dropped, 1);
+}
+
 /// The success path of a 1x1 request costs two control messages: `Advertise` and the
 /// `Verdict`. Acceptance is proved by the landing (no `Ready(true)`), a `Completed` verdict is
 /// not confirmed (no `Quiesced`). Both ends are `Completed`, and the sender knows the request's

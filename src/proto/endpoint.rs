@@ -66,6 +66,9 @@ pub struct Endpoint {
     /// and a late duplicate advertisement never starts the request again. Expiries in a heap.
     tombs: BTreeMap<TimerId, (Instant, Outcome)>,
     tomb_expiry: BinaryHeap<Reverse<(Instant, TimerId)>>,
+    /// Receives and sends known here whose generation is above 0 (a retry's): while there are
+    /// none, no key has a newer generation here, and [`Endpoint::newer_known`] looks nothing up.
+    retries_known: usize,
     collective: Option<Box<dyn Collective>>,
     out: Out,
 }
@@ -96,6 +99,7 @@ impl Endpoint {
             timers: TimerTable::default(),
             tombs: BTreeMap::new(),
             tomb_expiry: BinaryHeap::new(),
+            retries_known: 0,
             collective: None,
             out: Out::default(),
         }
@@ -125,6 +129,9 @@ impl Endpoint {
 
     /// Is a newer generation of `key.request` known here (as a receive, or a send to `peer`)?
     fn newer_known(&self, key: RequestKey, peer: Option<RankId>) -> bool {
+        if self.retries_known == 0 {
+            return false; // every known generation is 0: none is newer than any key's
+        }
         // The first key after `key` in each map: one descent, not a range's two.
         let Some(next) = key.generation.0.checked_add(1) else {
             return false;
@@ -238,6 +245,7 @@ impl Endpoint {
         );
         let mut r = Timed::boxed(r);
         self.timers.arm(TimerId::Recv(key), &mut r, now);
+        self.retries_known += usize::from(key.generation.0 > 0);
         self.recvs.insert(key, r);
         self.compact_timers();
         Ok(())
@@ -376,6 +384,7 @@ impl Endpoint {
                     );
                     let mut f = Timed::boxed(f);
                     self.timers.arm(TimerId::Send(key, from), &mut f, now);
+                    self.retries_known += usize::from(key.generation.0 > 0);
                     self.sends.insert((key, from), f);
                 }
             }
@@ -539,6 +548,7 @@ impl Endpoint {
                     if r.is_finished(now) {
                         let tomb = (r.tomb_until, r.terminal().unwrap_or(Outcome::PeerLost));
                         self.recvs.remove(&key);
+                        self.retries_known -= usize::from(key.generation.0 > 0);
                         self.bury(id, tomb);
                         if let Some(c) = self.collective.as_mut() {
                             c.forget(key);
@@ -559,6 +569,7 @@ impl Endpoint {
                     if f.is_finished(now) {
                         let tomb = (f.tomb_until, f.terminal().unwrap_or(Outcome::PeerLost));
                         self.sends.remove(&(key, to));
+                        self.retries_known -= usize::from(key.generation.0 > 0);
                         self.bury(id, tomb);
                     } else {
                         self.timers.arm(id, f, now);
