@@ -683,8 +683,10 @@ impl Progress {
                 break;
             }
             pass.progressed = true;
-            // Commands (cancels, new posts) must not wait behind a busy transfer.
-            if self.shared.cmds_pending() {
+            // Commands (cancels, new posts) must not wait behind a busy transfer, nor the
+            // sink's events behind one more call that finds nothing: a control message or a
+            // landing goes to the core at once.
+            if self.shared.cmds_pending() || self.sink_has_events() {
                 break;
             }
         }
@@ -703,10 +705,12 @@ impl Progress {
         if self.settle_callbacks() {
             pass.progressed = true;
         }
+        // One clock read for the rest of the pass (the probe and the sink).
+        let now = Instant::now();
         let verdict = self
             .probe
             .as_mut()
-            .map(|p| p.tick(&self.shared, read, Instant::now()));
+            .map(|p| p.tick(&self.shared, read, now));
         match verdict {
             Some(Verdict::Stuck) => self.receive_stuck(),
             Some(Verdict::Moving) => {
@@ -715,7 +719,7 @@ impl Progress {
             }
             _ => {}
         }
-        pass.sink_ran = self.run_sink();
+        pass.sink_ran = self.run_sink(now);
         if pass.sink_ran {
             // What the sink queued (control messages, cancels) leaves now: a caller whose wait
             // the sink just ended returns without another pass, and nobody else may be awake.
@@ -790,13 +794,17 @@ impl Progress {
         any
     }
 
+    /// Whether an owner's sink has events waiting (an op ended, a control message came).
+    fn sink_has_events(&self) -> bool {
+        self.shared.sink.get().is_some() && !self.shared.events.lock().is_empty()
+    }
+
     /// Hands the queued events to the owner's sink, if there is one and there are events or its
-    /// timer is due; returns true if the sink ran.
-    fn run_sink(&mut self) -> bool {
+    /// timer is due (at `now`); returns true if the sink ran.
+    fn run_sink(&mut self, now: Instant) -> bool {
         let Some(sink) = self.shared.sink.get().cloned() else {
             return false;
         };
-        let now = Instant::now();
         let now_ns = now.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
         let mut evs = std::mem::take(&mut self.ev_spare);
         std::mem::swap(&mut evs, &mut *self.shared.events.lock());
