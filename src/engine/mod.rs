@@ -57,7 +57,7 @@ use crate::transport::ucx::Held;
 use crate::transport::{Agent, AgentOptions, PeerId, TransportKind};
 use glue::{Core, Inner, OnReap, RecvOp};
 use parking_lot::{Mutex, MutexGuard};
-use std::collections::VecDeque;
+use smallvec::SmallVec;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -904,8 +904,10 @@ impl Engine {
     ) -> Result<Outcome> {
         let inner = &self.inner;
         let mut core = inner.core.lock();
-        let mut descs = Vec::with_capacity(segments.len());
-        let mut regions = Vec::with_capacity(segments.len());
+        // Per segment, inline for the usual one or two: no allocation on this path but the
+        // abort flag's.
+        let mut descs: SmallVec<[_; 2]> = SmallVec::with_capacity(segments.len());
+        let mut regions: SmallVec<[_; 2]> = SmallVec::with_capacity(segments.len());
         for (i, (segment, data)) in segments.iter().enumerate() {
             // Data inside a region must lie wholly inside it (nothing is posted otherwise).
             let region = core
@@ -942,7 +944,7 @@ impl Engine {
             return Ok(Outcome::Completed);
         }
         let peer = core.peers.endpoint(to).zip(core.peers.keys(to));
-        let mut ops = Vec::with_capacity(segments.len());
+        let mut ops: SmallVec<[_; 2]> = SmallVec::with_capacity(segments.len());
         let mut first_err = None;
         for (((segment, data), desc), region) in segments.iter().zip(&descs).zip(&regions) {
             let posted = match peer {
@@ -988,14 +990,16 @@ impl Engine {
         }
         inner.flush(&mut core);
         drop(core);
-        let mut results = Vec::with_capacity(ops.len());
+        let mut results: SmallVec<[_; 2]> = SmallVec::with_capacity(ops.len());
         let told = std::cell::Cell::new(false);
         // Once one send is given up, the rest of the request's sends are asked to stop at once
         // and share its grace (their receiver drains them meanwhile), instead of waiting a grace
         // each in turn: a request may have many.
-        let mut rest: VecDeque<_> = ops.into();
         let mut shared_grace = false;
-        while let Some((segment, mut op, flag)) = rest.pop_front() {
+        for i in 0..ops.len() {
+            let (done, rest) = ops.split_at_mut(i + 1);
+            let (segment, op, flag) = &mut done[i];
+            let segment = *segment;
             let stop = || {
                 if flag.load(Ordering::Acquire) {
                     return true; // the core aborted it: the verdict is already known
@@ -1027,6 +1031,9 @@ impl Engine {
             });
             results.push((segment, r, op.id(), op.is_quiesced()));
         }
+        // Each op has ended here (waited for, or stopped and reaped): let them go before the
+        // core's lock is taken again.
+        drop(ops);
         let mut core = inner.core.lock();
         let now = Instant::now();
         let mut outcome = if segments.len() > results.len() {

@@ -12,6 +12,7 @@ use super::op::{Op, OpSlot, SlotKind, STOP_CANCEL, STOP_NONE};
 use super::shared::Cmd;
 use super::{sys, PeerId};
 use crate::error::Result;
+use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -19,10 +20,12 @@ use std::sync::Arc;
 /// dropping it unreleased cancels it.
 pub struct Held<'a> {
     agent: &'a Agent,
-    posts: Vec<Cmd>,
-    transfers: Vec<Cmd>,
+    /// Inline for a request's usual one message and one or two receives: holding them
+    /// allocates nothing.
+    posts: SmallVec<[Cmd; 1]>,
+    transfers: SmallVec<[Cmd; 2]>,
     /// The held receives reported as events: one that ends at once needs a pass to say so.
-    slots: Vec<Arc<OpSlot>>,
+    slots: SmallVec<[Arc<OpSlot>; 2]>,
     /// A transfer too large to start on the caller's thread (see `Agent::post_tag`).
     large: bool,
 }
@@ -31,9 +34,9 @@ impl<'a> Held<'a> {
     pub(super) fn new(agent: &'a Agent) -> Self {
         Held {
             agent,
-            posts: Vec::new(),
-            transfers: Vec::new(),
-            slots: Vec::new(),
+            posts: SmallVec::new(),
+            transfers: SmallVec::new(),
+            slots: SmallVec::new(),
             large: false,
         }
     }
