@@ -686,7 +686,7 @@ impl Progress {
             // Commands (cancels, new posts) must not wait behind a busy transfer, nor the
             // sink's events behind one more call that finds nothing: a control message or a
             // landing goes to the core at once.
-            if self.shared.cmds_pending() || self.sink_has_events() {
+            if self.shared.cmds_maybe_pending() || self.sink_has_events() {
                 break;
             }
         }
@@ -707,10 +707,7 @@ impl Progress {
         }
         // One clock read for the rest of the pass (the probe and the sink).
         let now = Instant::now();
-        let verdict = self
-            .probe
-            .as_mut()
-            .map(|p| p.tick(&self.shared, read, now));
+        let verdict = self.probe.as_mut().map(|p| p.tick(&self.shared, read, now));
         match verdict {
             Some(Verdict::Stuck) => self.receive_stuck(),
             Some(Verdict::Moving) => {
@@ -859,12 +856,16 @@ impl Progress {
     /// `Shutdown` was taken); returns whether any ran.
     fn drain_while(&mut self, take: impl Fn(&Cmd) -> bool) -> bool {
         let mut did = false;
-        while !self.shutdown {
+        while !self.shutdown && self.shared.cmds_maybe_pending() {
             let cmd = {
                 let mut q = self.shared.cmds.lock();
                 match q.items.front() {
                     Some(c) if take(c) => q.items.pop_front(),
-                    _ => None,
+                    Some(_) => None,
+                    None => {
+                        self.shared.cmds_queued.store(false, Ordering::Release);
+                        None
+                    }
                 }
             };
             let Some(cmd) = cmd else { break };

@@ -141,6 +141,11 @@ pub trait EventSink: Send + Sync {
 /// State shared between the owner's threads and the progress thread.
 pub(super) struct Shared {
     pub(super) cmds: Mutex<CmdQueue>,
+    /// True whenever `cmds` holds a command (set under its lock by whoever queues, cleared
+    /// under it by a drain that found it empty): a pass looks here, not at the lock, to learn
+    /// that there is nothing to run. It may say true of an empty queue for a moment, never
+    /// false of a full one once the queuing caller has let the lock go.
+    pub(super) cmds_queued: AtomicBool,
     /// The eventfd that wakes the progress thread; closed when the last holder of `Shared` (an
     /// agent, an op, a handle) lets go, so a late wake never writes into a reused descriptor.
     pub(super) wake_fd: std::os::fd::OwnedFd,
@@ -217,6 +222,7 @@ impl Shared {
             unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(wake_fd) };
         Ok(Arc::new(Shared {
             cmds: Mutex::new(CmdQueue::default()),
+            cmds_queued: AtomicBool::new(false),
             wake_fd,
             stopping: AtomicBool::new(false),
             events: Mutex::new(VecDeque::new()),
@@ -376,6 +382,9 @@ impl Shared {
             } else {
                 q.items.push_back(cmd);
             }
+        }
+        if !q.items.is_empty() {
+            self.cmds_queued.store(true, Ordering::Release);
         }
         drop(q);
         if refused.is_empty() {
@@ -573,6 +582,12 @@ impl Shared {
 
     pub(super) fn cmds_pending(&self) -> bool {
         !self.cmds.lock().items.is_empty()
+    }
+
+    /// [`Shared::cmds_pending`] without the lock, for a pass's hot path: may say true of a
+    /// queue that was just emptied (see `cmds_queued`).
+    pub(super) fn cmds_maybe_pending(&self) -> bool {
+        self.cmds_queued.load(Ordering::Acquire)
     }
 }
 
