@@ -7,8 +7,10 @@
 //! `handle_timeout`. Deadlines fire from `handle_timeout` alone, so cleanup never depends on new
 //! requests arriving.
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
 
 use super::agreement::Collective;
 use super::id::{RankId, RequestKey};
@@ -52,23 +54,56 @@ fn buffers_repeat<T: Ord>(flows: &[ReceiveFlow], of: impl Fn(&(Lease, BufferDesc
     }
 }
 
+/// The core's maps: hashed with a fixed seed, so that a run (a simulated one in the tests)
+/// visits them in the same order every time. Lookups are by exact key; the one ordered question,
+/// whether a newer generation is known, has an index of its own (`Endpoint::retries`).
+type Map<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
+
+/// The retries known here of one request id: (generation, `None` for the receive or
+/// `Some(receiver)` for a send).
+type Retries = SmallVec<[(u32, Option<RankId>); 2]>;
+
+/// A request's send flows on this rank, one per receiver (one or a few).
+type Flows = SmallVec<[(RankId, Box<Timed<SendFlow>>); 1]>;
+
+fn flow(sends: &Map<RequestKey, Flows>, key: RequestKey, to: RankId) -> Option<&Timed<SendFlow>> {
+    let flows = sends.get(&key)?;
+    flows.iter().find(|(r, _)| *r == to).map(|(_, f)| &**f)
+}
+
+fn flow_mut(
+    sends: &mut Map<RequestKey, Flows>,
+    key: RequestKey,
+    to: RankId,
+) -> Option<&mut Timed<SendFlow>> {
+    let flows = sends.get_mut(&key)?;
+    flows
+        .iter_mut()
+        .find(|(r, _)| *r == to)
+        .map(|(_, f)| &mut **f)
+}
+
 /// The protocol core of one rank. See the module docs for the call order.
 pub struct Endpoint {
     me: RankId,
     config: Config,
-    recvs: BTreeMap<RequestKey, Box<Timed<RecvRequest>>>,
-    sends: BTreeMap<(RequestKey, RankId), Box<Timed<SendFlow>>>,
+    recvs: Map<RequestKey, Box<Timed<RecvRequest>>>,
+    /// Every send flow, by request (then by receiver).
+    sends: Map<RequestKey, Flows>,
+    /// Send flows in `sends`.
+    flows: usize,
     /// Every state machine's next deadline (see [`TimerTable`]).
     timers: TimerTable,
     /// Requests forgotten at terminal + linger leave a tombstone (key, expiry and outcome, no
     /// other state) for as long as a peer may still ask about them (its own deadline plus the
     /// agreement bound): a late vote is answered with the verdict, a late verdict confirmed,
     /// and a late duplicate advertisement never starts the request again. Expiries in a heap.
-    tombs: BTreeMap<TimerId, (Instant, Outcome)>,
+    tombs: Map<TimerId, (Instant, Outcome)>,
     tomb_expiry: BinaryHeap<Reverse<(Instant, TimerId)>>,
-    /// Receives and sends known here whose generation is above 0 (a retry's): while there are
-    /// none, no key has a newer generation here, and [`Endpoint::newer_known`] looks nothing up.
-    retries_known: usize,
+    /// The receives (`None`) and sends (`Some(receiver)`) known here whose generation is above
+    /// 0 (a retry's), by request id: only those can be newer than a key's generation, so this
+    /// answers [`Endpoint::newer_known`], and is empty unless retries run.
+    retries: Map<u64, Retries>,
     collective: Option<Box<dyn Collective>>,
     out: Out,
 }
@@ -78,7 +113,7 @@ impl std::fmt::Debug for Endpoint {
         f.debug_struct("Endpoint")
             .field("me", &self.me)
             .field("receives", &self.recvs.len())
-            .field("sends", &self.sends.len())
+            .field("sends", &self.flows)
             .field("stats", &self.out.stats)
             .finish()
     }
@@ -94,12 +129,13 @@ impl Endpoint {
         Endpoint {
             me,
             config,
-            recvs: BTreeMap::new(),
-            sends: BTreeMap::new(),
+            recvs: Map::default(),
+            sends: Map::default(),
+            flows: 0,
             timers: TimerTable::default(),
-            tombs: BTreeMap::new(),
+            tombs: Map::default(),
             tomb_expiry: BinaryHeap::new(),
-            retries_known: 0,
+            retries: Map::default(),
             collective: None,
             out: Out::default(),
         }
@@ -124,32 +160,43 @@ impl Endpoint {
 
     /// Requests (receives and per-receiver sends) not yet forgotten, terminal ones included.
     pub fn known(&self) -> usize {
-        self.recvs.len() + self.sends.len()
+        self.recvs.len() + self.flows
     }
 
     /// Is a newer generation of `key.request` known here (as a receive, or a send to `peer`)?
     fn newer_known(&self, key: RequestKey, peer: Option<RankId>) -> bool {
-        if self.retries_known == 0 {
-            return false; // every known generation is 0: none is newer than any key's
+        self.retries.get(&key.request.0).is_some_and(|known| {
+            known.iter().any(|&(generation, to)| {
+                generation > key.generation.0
+                    && match (to, peer) {
+                        (Some(to), Some(peer)) => to == peer,
+                        _ => true,
+                    }
+            })
+        })
+    }
+
+    /// Notes a receive (`to` None) or send of `key` that is now known here ([`Endpoint::retries`]).
+    fn note_known(&mut self, key: RequestKey, to: Option<RankId>) {
+        if key.generation.0 > 0 {
+            let known = self.retries.entry(key.request.0).or_default();
+            known.push((key.generation.0, to));
         }
-        // The first key after `key` in each map: one descent, not a range's two.
-        let Some(next) = key.generation.0.checked_add(1) else {
-            return false;
-        };
-        let after = RequestKey {
-            generation: super::id::Generation(next),
-            ..key
-        };
-        let same = |k: &RequestKey| k.request == key.request;
-        self.recvs
-            .range(after..)
-            .next()
-            .is_some_and(|(k, _)| same(k))
-            || self
-                .sends
-                .range((after, RankId(0))..)
-                .take_while(|((k, _), _)| same(k))
-                .any(|((_, r), _)| peer.is_none_or(|p| p == *r))
+    }
+
+    /// Notes a receive or send of `key` that is forgotten here.
+    fn note_forgotten(&mut self, key: RequestKey, to: Option<RankId>) {
+        if key.generation.0 == 0 {
+            return;
+        }
+        if let Some(known) = self.retries.get_mut(&key.request.0) {
+            if let Some(i) = known.iter().position(|&e| e == (key.generation.0, to)) {
+                known.swap_remove(i);
+            }
+            if known.is_empty() {
+                self.retries.remove(&key.request.0);
+            }
+        }
     }
 
     fn drop_unknown(&mut self, key: RequestKey, peer: Option<RankId>) {
@@ -245,7 +292,7 @@ impl Endpoint {
         );
         let mut r = Timed::boxed(r);
         self.timers.arm(TimerId::Recv(key), &mut r, now);
-        self.retries_known += usize::from(key.generation.0 > 0);
+        self.note_known(key, None);
         self.recvs.insert(key, r);
         self.compact_timers();
         Ok(())
@@ -260,12 +307,10 @@ impl Endpoint {
         from: RankId,
         ready: bool,
     ) -> Result<()> {
-        let flow = self
-            .sends
-            .get_mut(&(key, from))
+        let f = flow_mut(&mut self.sends, key, from)
             .ok_or_else(|| invalid(format!("{key} from {from}: no such advertisement")))?;
-        let ok = flow.accept(now, ready, &mut self.out);
-        self.timers.arm(TimerId::Send(key, from), flow, now);
+        let ok = f.accept(now, ready, &mut self.out);
+        self.timers.arm(TimerId::Send(key, from), f, now);
         self.drive(now);
         if ok {
             Ok(())
@@ -298,10 +343,7 @@ impl Endpoint {
             self.timers.arm(TimerId::Recv(key), r, now);
             found = true;
         }
-        for ((_, to), f) in self
-            .sends
-            .range_mut((key, RankId(0))..=(key, RankId(u32::MAX)))
-        {
+        for (to, f) in self.sends.get_mut(&key).into_iter().flatten() {
             f.give_up(now, why, &mut self.out);
             self.timers.arm(TimerId::Send(key, *to), f, now);
             found = true;
@@ -359,7 +401,7 @@ impl Endpoint {
                         format!("{key}: advertise names {src_rank} but came from {from}"),
                     ));
                 }
-                if let Some(f) = self.sends.get_mut(&(key, from)) {
+                if let Some(f) = flow_mut(&mut self.sends, key, from) {
                     f.on_advertise_again(&mut self.out);
                 } else if self.tombs.contains_key(&TimerId::Send(key, from)) {
                     self.out.stats.duplicates += 1;
@@ -384,8 +426,9 @@ impl Endpoint {
                     );
                     let mut f = Timed::boxed(f);
                     self.timers.arm(TimerId::Send(key, from), &mut f, now);
-                    self.retries_known += usize::from(key.generation.0 > 0);
-                    self.sends.insert((key, from), f);
+                    self.note_known(key, Some(from));
+                    self.sends.entry(key).or_default().push((from, f));
+                    self.flows += 1;
                 }
             }
             Message::Ready { key, ready } => match self.recvs.get_mut(&key) {
@@ -403,7 +446,7 @@ impl Endpoint {
                 None => self.answer_from_tomb(key, from),
             },
             Message::Verdict { key, outcome } => {
-                if let Some(f) = self.sends.get_mut(&(key, from)) {
+                if let Some(f) = flow_mut(&mut self.sends, key, from) {
                     f.on_verdict(outcome, &mut self.out);
                     self.timers.arm(TimerId::Send(key, from), f, now);
                 } else if let Some(r) = self.recvs.get_mut(&key) {
@@ -497,7 +540,7 @@ impl Endpoint {
         segment: u32,
         ok: bool,
     ) -> Result<()> {
-        match self.sends.get_mut(&(key, to)) {
+        match flow_mut(&mut self.sends, key, to) {
             Some(f) => {
                 let known = f.on_send_done(now, segment, ok, &mut self.out);
                 self.timers.arm(TimerId::Send(key, to), f, now);
@@ -519,8 +562,8 @@ impl Endpoint {
             r.on_peer_lost(now, rank, &mut self.out);
             self.timers.arm(TimerId::Recv(*key), r, now);
         }
-        for ((key, to), f) in self.sends.iter_mut() {
-            if *to == rank {
+        for (key, flows) in self.sends.iter_mut() {
+            for (to, f) in flows.iter_mut().filter(|(to, _)| *to == rank) {
                 f.on_peer_lost(now, &mut self.out);
                 self.timers.arm(TimerId::Send(*key, *to), f, now);
             }
@@ -548,7 +591,7 @@ impl Endpoint {
                     if r.is_finished(now) {
                         let tomb = (r.tomb_until, r.terminal().unwrap_or(Outcome::PeerLost));
                         self.recvs.remove(&key);
-                        self.retries_known -= usize::from(key.generation.0 > 0);
+                        self.note_forgotten(key, None);
                         self.bury(id, tomb);
                         if let Some(c) = self.collective.as_mut() {
                             c.forget(key);
@@ -558,7 +601,7 @@ impl Endpoint {
                     }
                 }
                 TimerId::Send(key, to) => {
-                    let Some(f) = self.sends.get_mut(&(key, to)) else {
+                    let Some(f) = flow_mut(&mut self.sends, key, to) else {
                         continue;
                     };
                     if !self.timers.fired(f, at) {
@@ -568,8 +611,7 @@ impl Endpoint {
                     f.settle(now);
                     if f.is_finished(now) {
                         let tomb = (f.tomb_until, f.terminal().unwrap_or(Outcome::PeerLost));
-                        self.sends.remove(&(key, to));
-                        self.retries_known -= usize::from(key.generation.0 > 0);
+                        self.forget_flow(key, to);
                         self.bury(id, tomb);
                     } else {
                         self.timers.arm(id, f, now);
@@ -587,6 +629,20 @@ impl Endpoint {
             }
         }
         self.drive(now);
+    }
+
+    /// Forgets the send flow of `key` to `to` (its timer has fired for the last time).
+    fn forget_flow(&mut self, key: RequestKey, to: RankId) {
+        if let Some(flows) = self.sends.get_mut(&key) {
+            if let Some(i) = flows.iter().position(|(r, _)| *r == to) {
+                flows.swap_remove(i);
+                self.flows -= 1;
+            }
+            if flows.is_empty() {
+                self.sends.remove(&key);
+            }
+        }
+        self.note_forgotten(key, Some(to));
     }
 
     fn bury(&mut self, id: TimerId, tomb: (Instant, Outcome)) {
@@ -619,10 +675,11 @@ impl Endpoint {
                 .recvs
                 .iter()
                 .filter_map(|(&key, r)| r.at.map(|at| (at, TimerId::Recv(key))));
-            let sends = self
-                .sends
-                .iter()
-                .filter_map(|(&(key, to), f)| f.at.map(|at| (at, TimerId::Send(key, to))));
+            let sends = self.sends.iter().flat_map(|(&key, flows)| {
+                flows
+                    .iter()
+                    .filter_map(move |(to, f)| f.at.map(|at| (at, TimerId::Send(key, *to))))
+            });
             self.timers.rebuild(recvs.chain(sends));
         }
     }
@@ -675,7 +732,7 @@ impl Endpoint {
         segment: u32,
         len: u64,
     ) -> Result<std::result::Result<BufferDesc, Outcome>> {
-        let Some(f) = self.sends.get(&(key, to)) else {
+        let Some(f) = flow(&self.sends, key, to) else {
             if let Some(&(_, outcome)) = self.tombs.get(&TimerId::Send(key, to)) {
                 return Ok(Err(outcome)); // ended and forgotten: its end is still known
             }
@@ -705,7 +762,7 @@ impl Endpoint {
     /// The application starts the send of `segment` (after [`Endpoint::check_send`] allowed
     /// it); report its end with [`Endpoint::handle_send_done`].
     pub fn begin_send(&mut self, key: RequestKey, to: RankId, segment: u32) {
-        if let Some(f) = self.sends.get_mut(&(key, to)) {
+        if let Some(f) = flow_mut(&mut self.sends, key, to) {
             f.begin_send(segment);
         }
     }
@@ -714,10 +771,9 @@ impl Endpoint {
     pub fn running(&self, key: RequestKey, role: Role) -> bool {
         match role {
             Role::Receiver => self.recvs.get(&key).is_some_and(|r| !r.is_terminal()),
-            Role::Sender { receiver } => self
-                .sends
-                .get(&(key, receiver))
-                .is_some_and(|f| !f.is_terminal()),
+            Role::Sender { receiver } => {
+                flow(&self.sends, key, receiver).is_some_and(|f| !f.is_terminal())
+            }
         }
     }
 
@@ -733,12 +789,12 @@ impl Endpoint {
 
     /// Is a send of `key` to `to` known here (running, or lingering after its end)?
     pub fn knows_send(&self, key: RequestKey, to: RankId) -> bool {
-        self.sends.contains_key(&(key, to))
+        flow(&self.sends, key, to).is_some()
     }
 
     /// The request's deadline for the send flow of `key` to `to`, as learned from its advert.
     pub fn send_deadline(&self, key: RequestKey, to: RankId) -> Option<Instant> {
-        self.sends.get(&(key, to)).map(|f| f.deadline())
+        flow(&self.sends, key, to).map(|f| f.deadline())
     }
 
     pub fn poll_transmit(&mut self) -> Option<Transmit> {

@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::id::{RankId, RequestKey};
 
 /// Which state machine a timer belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) enum TimerId {
     Recv(RequestKey),
     Send(RequestKey, RankId),
