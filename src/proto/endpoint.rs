@@ -90,8 +90,6 @@ pub struct Endpoint {
     recvs: Map<RequestKey, Box<Timed<RecvRequest>>>,
     /// Every send flow, by request (then by receiver).
     sends: Map<RequestKey, Flows>,
-    /// Send flows in `sends`.
-    flows: usize,
     /// Every state machine's next deadline (see [`TimerTable`]).
     timers: TimerTable,
     /// Requests forgotten at terminal + linger leave a tombstone (key, expiry and outcome, no
@@ -113,7 +111,7 @@ impl std::fmt::Debug for Endpoint {
         f.debug_struct("Endpoint")
             .field("me", &self.me)
             .field("receives", &self.recvs.len())
-            .field("sends", &self.flows)
+            .field("sends", &self.flow_count())
             .field("stats", &self.out.stats)
             .finish()
     }
@@ -131,7 +129,6 @@ impl Endpoint {
             config,
             recvs: Map::default(),
             sends: Map::default(),
-            flows: 0,
             timers: TimerTable::default(),
             tombs: Map::default(),
             tomb_expiry: BinaryHeap::new(),
@@ -160,7 +157,12 @@ impl Endpoint {
 
     /// Requests (receives and per-receiver sends) not yet forgotten, terminal ones included.
     pub fn known(&self) -> usize {
-        self.recvs.len() + self.flows
+        self.recvs.len() + self.flow_count()
+    }
+
+    /// Send flows known here (counted: only health reports and debug output ask).
+    fn flow_count(&self) -> usize {
+        self.sends.values().map(|flows| flows.len()).sum()
     }
 
     /// Is a newer generation of `key.request` known here (as a receive, or a send to `peer`)?
@@ -428,7 +430,6 @@ impl Endpoint {
                     self.timers.arm(TimerId::Send(key, from), &mut f, now);
                     self.note_known(key, Some(from));
                     self.sends.entry(key).or_default().push((from, f));
-                    self.flows += 1;
                 }
             }
             Message::Ready { key, ready } => match self.recvs.get_mut(&key) {
@@ -636,7 +637,6 @@ impl Endpoint {
         if let Some(flows) = self.sends.get_mut(&key) {
             if let Some(i) = flows.iter().position(|(r, _)| *r == to) {
                 flows.swap_remove(i);
-                self.flows -= 1;
             }
             if flows.is_empty() {
                 self.sends.remove(&key);
