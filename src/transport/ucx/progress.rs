@@ -270,6 +270,7 @@ fn run(shared: &Shared) {
         let mut guard = shared.driver.lock();
         let Some(p) = guard.as_mut() else { return };
         callbacks::set_shared(&p.shared);
+        shared.pass_begins();
         let pass = p.pass();
         if p.shutdown {
             return;
