@@ -532,13 +532,13 @@ impl Inner {
     /// Drains the core's outputs: control messages out, actions applied, events recorded and
     /// their callers woken.
     pub fn flush(&self, core: &mut Core) {
-        self.flush_via(core, None);
+        self.flush_via(core, None, Instant::now());
     }
 
     /// [`Inner::flush`], with the control messages posted through `held` (started when the
-    /// caller releases it) when given.
-    pub fn flush_via(&self, core: &mut Core, mut held: Option<&mut Held<'_>>) {
-        let now = Instant::now();
+    /// caller releases it) when given, and the caller's clock read (`now`, the time its events
+    /// are recorded at).
+    pub fn flush_via(&self, core: &mut Core, mut held: Option<&mut Held<'_>>, now: Instant) {
         loop {
             let mut progressed = false;
             while let Some(t) = core.ep.poll_transmit() {
@@ -731,7 +731,8 @@ impl EventSink for Sink {
         for ev in events.drain(..) {
             inner.on_event(&mut core, now, ev);
         }
-        let now = Instant::now();
+        // The pass's clock read serves the whole delivery: its events take microseconds, and a
+        // timer that falls due meanwhile is handled by the next pass.
         if core.ep.poll_timeout().is_some_and(|t| t <= now) {
             core.ep.handle_timeout(now);
         }
@@ -746,7 +747,7 @@ impl EventSink for Sink {
             let _ = inner.agent.close_peer(peer);
         }
         inner.prune(&mut core, now);
-        inner.flush(&mut core);
+        inner.flush_via(&mut core, None, now);
         let next = [core.ep.poll_timeout(), core.peers.next_due()]
             .into_iter()
             .flatten()

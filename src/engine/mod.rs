@@ -531,6 +531,8 @@ impl Engine {
             ));
         }
         let peers = self.senders_connected(&mut core, &flows, deadline)?;
+        // One clock read for the rest (the wait for senders above may have taken a while).
+        let now = Instant::now();
         if core.pool.available() < total {
             return Err(key_err(
                 ErrorKind::QueueFull,
@@ -550,17 +552,17 @@ impl Engine {
             unsafe { self.post_flows(&mut core, key, &flows, &peers, &mut held, &mut posted) }
                 .and_then(|spec_flows| {
                     core.ep.start_receive(
-                        Instant::now(),
+                        now,
                         ReceiveSpec {
                             key,
                             receivers,
                             flows: spec_flows,
                             request_info,
-                            timeout: Some(deadline.saturating_duration_since(Instant::now())),
+                            timeout: Some(deadline.saturating_duration_since(now)),
                         },
                     )
                 });
-        self.inner.flush_via(&mut core, Some(&mut held));
+        self.inner.flush_via(&mut core, Some(&mut held), now);
         // Started before anything below can cancel one of them (a cancel queued first would
         // find nothing to cancel).
         let released = held.release();
@@ -578,7 +580,7 @@ impl Engine {
             core.starts.insert((key, Role::Receiver), started);
         }
         // Anything the bookkeeping above queued (nothing, usually).
-        self.inner.flush(&mut core);
+        self.inner.flush_via(&mut core, None, now);
         result.and(released)
     }
 
@@ -1297,7 +1299,8 @@ impl Engine {
         let transfer = usize::try_from(transfer).unwrap_or(usize::MAX);
         let mut driving = self.inner.agent.driving(transfer);
         let mut polling = true;
-        let mut next_cancel_check = Instant::now();
+        // No clock read for it before the first step: the first check is due at once.
+        let mut next_cancel_check: Option<Instant> = None;
         let mut core = self.inner.core.lock();
         loop {
             if let Some(v) = f(&mut core) {
@@ -1310,10 +1313,12 @@ impl Engine {
             if now >= deadline {
                 return None;
             }
-            if let Some(c) = cancel.filter(|_| !polling || now >= next_cancel_check) {
+            if let Some(c) =
+                cancel.filter(|_| !polling || next_cancel_check.is_none_or(|t| now >= t))
+            {
                 // While polling, every CANCEL_POLL; asleep, at every wake (at most CANCEL_POLL
                 // apart). The check may take other locks: never call it under ours.
-                next_cancel_check = now + CANCEL_POLL;
+                next_cancel_check = Some(now + CANCEL_POLL);
                 if MutexGuard::unlocked(&mut core, c) {
                     return None;
                 }
@@ -1327,7 +1332,7 @@ impl Engine {
             // is released first (the sink takes it in the pass).
             if polling {
                 // The lock was released for the step: look again either way before a sleep.
-                polling = MutexGuard::unlocked(&mut core, || driving.step());
+                polling = MutexGuard::unlocked(&mut core, || driving.step(now));
                 continue;
             }
             let until = match cancel {

@@ -132,7 +132,8 @@ impl Op {
         let shared = self.shared.clone();
         let mut driving = Driving::for_transfer(&shared, self.slot.expected_len);
         let mut polling = true;
-        let mut next_cancel_check = Instant::now();
+        // No clock read for it before the first step: the first check is due at once.
+        let mut next_cancel_check: Option<Instant> = None;
         let mut st = self.slot.state.lock();
         let stop = loop {
             if let Some((status, len)) = *st {
@@ -140,10 +141,12 @@ impl Op {
                 return self.finish(status, len);
             }
             let now = Instant::now();
-            if let Some(c) = cancel.filter(|_| !polling || now >= next_cancel_check) {
+            if let Some(c) =
+                cancel.filter(|_| !polling || next_cancel_check.is_none_or(|t| now >= t))
+            {
                 // While polling, every CANCEL_POLL; asleep, at every wake (at most CANCEL_POLL
                 // apart). The check may take other locks (the engine's): never under ours.
-                next_cancel_check = now + CANCEL_POLL;
+                next_cancel_check = Some(now + CANCEL_POLL);
                 if MutexGuard::unlocked(&mut st, c) {
                     break STOP_CANCEL;
                 }
@@ -157,7 +160,7 @@ impl Op {
             if polling {
                 // Run a pass here while the window lasts; the lock was released for it, so look
                 // again either way before a sleep.
-                polling = MutexGuard::unlocked(&mut st, || driving.step());
+                polling = MutexGuard::unlocked(&mut st, || driving.step(now));
                 continue;
             }
             let mut until = deadline;

@@ -108,6 +108,8 @@ pub(super) struct Pass {
     pub(super) progressed: bool,
     /// The owner's sink was called (what it did must run before any sleep).
     pub(super) sink_ran: bool,
+    /// The pass's clock read (after its UCX calls), for its caller too.
+    pub(super) now: Instant,
 }
 
 /// The UCX settings an agent forces, each with whether a refusal is an error: keepalive (a dead
@@ -278,7 +280,7 @@ fn run(shared: &Shared) {
         if pass.progressed {
             empty_streak = 0;
             busy_since = None;
-            last_progress = Instant::now();
+            last_progress = pass.now;
         }
         if pass.sink_ran || !shared.cb_events.lock().is_empty() {
             // What the sink did (control messages, cancels) runs before any sleep.
@@ -286,7 +288,10 @@ fn run(shared: &Shared) {
         }
         let callers = shared.caller_passes.load(Ordering::Acquire);
         let caller_drives = std::mem::replace(&mut seen_caller_passes, callers) != callers;
-        if !window.is_zero() && last_progress.elapsed() < window && !caller_drives {
+        if !window.is_zero()
+            && pass.now.saturating_duration_since(last_progress) < window
+            && !caller_drives
+        {
             // Bounded: only within `window` of our last progress (a caller that drives polls
             // on its own; we do not compete with it).
             drop(guard);
@@ -666,13 +671,14 @@ impl Progress {
     /// burst of progress with the callbacks' reports, stray data, expired drains, the sink.
     /// Stops early once shutdown was asked (the progress thread tears down).
     pub(super) fn pass(&mut self) -> Pass {
-        let mut pass = Pass {
-            progressed: self.drain_commands(),
-            sink_ran: false,
-        };
+        let mut progressed = self.drain_commands();
         if self.shutdown {
             self.settle_callbacks();
-            return pass;
+            return Pass {
+                progressed,
+                sink_ran: false,
+                now: Instant::now(),
+            };
         }
         let mut read = false;
         for _ in 0..PROGRESS_BURST {
@@ -683,7 +689,7 @@ impl Progress {
             if n == 0 && handled == 0 {
                 break;
             }
-            pass.progressed = true;
+            progressed = true;
             // Commands (cancels, new posts) must not wait behind a busy transfer, nor the
             // sink's events behind one more call that finds nothing: a control message or a
             // landing goes to the core at once.
@@ -691,8 +697,11 @@ impl Progress {
                 break;
             }
         }
-        if pass.progressed {
-            self.shared.note_progress();
+        // One clock read for the rest of the pass (the progress mark, the probe and the sink)
+        // and for its caller.
+        let now = Instant::now();
+        if progressed {
+            self.shared.note_progress_at(now);
         }
         if self.discard_unexpected {
             self.discard_strays();
@@ -704,10 +713,8 @@ impl Progress {
             self.retry_listen();
         }
         if self.settle_callbacks() {
-            pass.progressed = true;
+            progressed = true;
         }
-        // One clock read for the rest of the pass (the probe and the sink).
-        let now = Instant::now();
         let verdict = self.probe.as_mut().map(|p| p.tick(&self.shared, read, now));
         match verdict {
             Some(Verdict::Stuck) => self.receive_stuck(),
@@ -717,13 +724,17 @@ impl Progress {
             }
             _ => {}
         }
-        pass.sink_ran = self.run_sink(now);
-        if pass.sink_ran {
+        let sink_ran = self.run_sink(now);
+        if sink_ran {
             // What the sink queued (control messages, cancels) leaves now: a caller whose wait
             // the sink just ended returns without another pass, and nobody else may be awake.
             self.drain_after_sink();
         }
-        pass
+        Pass {
+            progressed,
+            sink_ran,
+            now,
+        }
     }
 
     /// The probe found the shared-memory receive queue stuck: nothing any peer sends over
