@@ -10,7 +10,10 @@
 //!   on the worker's event fd and the eventfd, with a bounded timeout so UCX keepalive still runs.
 //!   A caller that queues work writes the eventfd only while the thread says it sleeps; the
 //!   thread says so first and then looks at the queues once more (`Shared::nudge`,
-//!   `Shared::about_to_sleep`), so a busy thread is not signalled for every command.
+//!   `Shared::about_to_sleep`), so a busy thread is not signalled for every command. Work a
+//!   caller started itself that still needs one of the thread's passes (a send UCX queued) is
+//!   recorded as a debt the same way (`Shared::owe_pass`): an awake thread pays it with one
+//!   more pass before it sleeps, and each of its passes pays the debts made before it began.
 //! - A caller that waits (an [`Op::wait`], the engine's blocking calls) may take the lock with
 //!   `try_lock` and run passes itself ([`Agent::driving`]) for a short window after the last
 //!   progress (`KVLINK_POLL_US`, 100 µs): the completion it waits for is then handled on its own
