@@ -7,6 +7,7 @@
 //! the core: the posted receive ops and their buffers, outcomes waiting for their caller, and the
 //! bounded queues of advertisements and notifications.
 use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -752,11 +753,10 @@ impl EventSink for Sink {
             .into_iter()
             .flatten()
             .min();
-        let woken = core.waiters.unhold();
+        // Handed to `delivered` (which runs after this sink returns), in a vector that keeps its
+        // room: no allocation per delivery.
+        core.waiters.unhold_into(&inner.held_wakes);
         drop(core);
-        if !woken.is_empty() {
-            inner.held_wakes.lock().extend(woken);
-        }
         // Never the last owner here: `Engine::drop` stops this thread before it lets go.
         drop(inner);
         next
@@ -772,7 +772,8 @@ impl EventSink for Sink {
         let Some(inner) = self.0.upgrade() else {
             return;
         };
-        let woken = std::mem::take(&mut *inner.held_wakes.lock());
+        // Taken out under the lock, notified after it; inline for the usual few.
+        let woken: SmallVec<[_; 4]> = inner.held_wakes.lock().drain(..).collect();
         for cv in woken {
             cv.notify_one();
         }

@@ -543,7 +543,8 @@ impl Engine {
                 ),
             ));
         }
-        let mut posted: Vec<u64> = Vec::with_capacity(total);
+        // The ids of the receives posted, inline for a request of up to 16 buffers.
+        let mut posted: SmallVec<[u64; 16]> = SmallVec::with_capacity(total);
         // The receives are held back and the advertisement goes out before them (Held): it
         // does not wait for their posts, and nothing can overtake them.
         let mut held = self.inner.agent.hold();
@@ -642,7 +643,7 @@ impl Engine {
         flows: &[(RankId, Vec<BufferSpec>)],
         peers: &[PeerId],
         held: &mut Held<'_>,
-        posted: &mut Vec<u64>,
+        posted: &mut SmallVec<[u64; 16]>,
     ) -> Result<Vec<ReceiveFlow>> {
         let mut spec_flows = Vec::with_capacity(flows.len());
         for ((sender, buffers), &peer) in flows.iter().zip(peers) {

@@ -5,7 +5,8 @@
 //! fact it waits for. The engine's glue wakes a key when that fact changes, so an event for one
 //! request wakes the callers of that request only, never every blocked thread.
 use foldhash::HashMap;
-use parking_lot::{Condvar, MutexGuard};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,30 +42,32 @@ struct Sleeper {
 
 #[derive(Default)]
 pub(crate) struct Waiters {
-    map: HashMap<WaitKey, Vec<Sleeper>>,
-    /// Between [`Waiters::hold`] and [`Waiters::unhold`]: the wakes made meanwhile, not yet
-    /// notified.
-    held: Option<Vec<Arc<Condvar>>>,
+    /// The sleepers of each key: usually one, kept inline.
+    map: HashMap<WaitKey, SmallVec<[Sleeper; 1]>>,
+    /// Whether wakes are held ([`Waiters::hold`] to [`Waiters::unhold_into`]).
+    holding: bool,
+    /// The wakes made while held, not yet notified. Kept between holds with its room: the sink
+    /// holds wakes on every delivery.
+    held: Vec<Arc<Condvar>>,
 }
 
 /// Notifies `cv` now, or keeps it for later while wakes are held.
-fn notify(held: &mut Option<Vec<Arc<Condvar>>>, cv: &Arc<Condvar>) {
-    match held {
-        Some(later) => later.push(cv.clone()),
-        None => {
-            cv.notify_one();
-        }
+fn notify(holding: bool, held: &mut Vec<Arc<Condvar>>, cv: &Arc<Condvar>) {
+    if holding {
+        held.push(cv.clone());
+    } else {
+        cv.notify_one();
     }
 }
 
 impl Waiters {
     /// Wakes every caller waiting for `key` (usually one).
     pub(crate) fn wake(&mut self, key: WaitKey) {
-        let Waiters { map, held } = self;
+        let Waiters { map, holding, held } = self;
         if let Some(list) = map.get_mut(&key) {
             for s in list {
                 s.woken = true;
-                notify(held, &s.cv);
+                notify(*holding, held, &s.cv);
             }
         }
     }
@@ -74,27 +77,32 @@ impl Waiters {
     /// control messages it queued have been started). Wakes still held from an earlier hold
     /// (a sink that panicked) are notified now.
     pub(crate) fn hold(&mut self) {
-        for cv in self.held.replace(Vec::new()).into_iter().flatten() {
+        for cv in self.held.drain(..) {
             cv.notify_one();
         }
+        self.holding = true;
     }
 
-    /// Ends [`Waiters::hold`]: the condition variables to notify.
-    pub(crate) fn unhold(&mut self) -> Vec<Arc<Condvar>> {
-        self.held.take().unwrap_or_default()
+    /// Ends [`Waiters::hold`]: moves the condition variables to notify to the end of `out`
+    /// (locked only if there are any).
+    pub(crate) fn unhold_into(&mut self, out: &Mutex<Vec<Arc<Condvar>>>) {
+        self.holding = false;
+        if !self.held.is_empty() {
+            out.lock().append(&mut self.held);
+        }
     }
 
     /// Wakes one caller waiting for `key` that has not been woken yet, the one asleep longest:
     /// for a fact that one caller takes (an item in a queue), the others would only wake to
     /// find nothing (a herd of runnable threads on a few cores delays the one that matters).
     pub(crate) fn wake_one(&mut self, key: WaitKey) {
-        let Waiters { map, held } = self;
+        let Waiters { map, holding, held } = self;
         if let Some(s) = map
             .get_mut(&key)
             .and_then(|list| list.iter_mut().find(|s| !s.woken))
         {
             s.woken = true;
-            notify(held, &s.cv);
+            notify(*holding, held, &s.cv);
         }
     }
 
@@ -122,7 +130,7 @@ impl Waiters {
             s.woken = true;
             s.cv.notify_one();
         }
-        for cv in self.held.iter_mut().flat_map(|l| l.drain(..)) {
+        for cv in self.held.drain(..) {
             cv.notify_one();
         }
     }
@@ -167,6 +175,12 @@ pub(crate) fn sleep<S: HasWaiters>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn unhold(w: &mut Waiters) -> Vec<Arc<Condvar>> {
+        let out = Mutex::new(Vec::new());
+        w.unhold_into(&out);
+        out.into_inner()
+    }
 
     fn woken(w: &Waiters, key: WaitKey) -> usize {
         w.map
@@ -222,7 +236,7 @@ mod tests {
         let key = WaitKey::Terminal(RequestKey::new(7, 0), Role::Receiver);
         let adverts: Vec<_> = (0..2).map(|_| w.register(WaitKey::Advert)).collect();
         let end = w.register(key);
-        assert!(w.unhold().is_empty(), "nothing is held outside a hold");
+        assert!(unhold(&mut w).is_empty(), "nothing is held outside a hold");
         w.hold();
         w.wake(key);
         w.wake_one(WaitKey::Advert);
@@ -232,27 +246,24 @@ mod tests {
             1,
             "marked although not notified"
         );
-        let held = w.unhold();
+        let held = unhold(&mut w);
         assert_eq!(held.len(), 2);
         assert!(Arc::ptr_eq(&held[0], &end) && Arc::ptr_eq(&held[1], &adverts[0]));
-        assert!(w.unhold().is_empty(), "handed over once");
+        assert!(unhold(&mut w).is_empty(), "handed over once");
         // Outside a hold a wake is notified at once: nothing to hand over.
         w.wake_one(WaitKey::Advert);
         assert_eq!(woken(&w, WaitKey::Advert), 2);
-        assert!(w.unhold().is_empty());
+        assert!(unhold(&mut w).is_empty());
         // A hold never ended (a sink that panicked) is notified by the next one.
         w.hold();
         w.wake(key);
         w.hold();
-        assert!(w.unhold().is_empty());
+        assert!(unhold(&mut w).is_empty());
         w.hold();
         w.wake(key);
         w.wake_all();
-        assert_eq!(
-            w.held.as_ref().map(Vec::len),
-            Some(0),
-            "a shutdown notifies held wakes"
-        );
+        assert!(w.held.is_empty(), "a shutdown notifies held wakes");
+        assert!(w.holding, "and the hold stays until it ends");
     }
 
     #[test]

@@ -1,19 +1,25 @@
 //! `VecMap`: a map kept as one vector sorted by key, for the few entries a request has (its
 //! senders, its segments, its votes). Lookups are binary searches, iteration is in key order as
-//! with `BTreeMap`, and a map of n entries is one allocation, where a `BTreeMap` allocates a
-//! node of eleven slots even for one entry. Inserting is O(n): meant for maps filled once, at a
-//! request's start, or a handful of times.
+//! with `BTreeMap`, and a map of one entry (a request's one sender, one segment, one vote, the
+//! usual case) is no allocation, of n entries one, where a `BTreeMap` allocates a node of eleven
+//! slots even for one entry. Inserting is O(n): meant for maps filled once, at a request's start,
+//! or a handful of times.
+
+use smallvec::SmallVec;
+
+/// One entry inline: a 1x1 request's maps (and its vote) allocate nothing.
+type Entries<K, V> = SmallVec<[(K, V); 1]>;
 
 /// A map sorted by key; see the module docs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct VecMap<K, V> {
-    entries: Vec<(K, V)>,
+    entries: Entries<K, V>,
 }
 
 impl<K: Ord, V> Default for VecMap<K, V> {
     fn default() -> Self {
         VecMap {
-            entries: Vec::new(),
+            entries: SmallVec::new(),
         }
     }
 }
@@ -84,7 +90,7 @@ impl<'a, K: Ord, V> IntoIterator for &'a VecMap<K, V> {
 impl<K: Ord, V> FromIterator<(K, V)> for VecMap<K, V> {
     /// As `BTreeMap` collects: sorted by key, the last of equal keys kept.
     fn from_iter<I: IntoIterator<Item = (K, V)>>(iter: I) -> Self {
-        let mut entries: Vec<(K, V)> = iter.into_iter().collect();
+        let mut entries: Entries<K, V> = iter.into_iter().collect();
         // Stable: among equal keys the input order stays, so the last is the one kept below.
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         // In place: a repeat's value moves into the entry kept before the repeat goes.
