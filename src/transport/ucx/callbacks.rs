@@ -180,11 +180,14 @@ pub(super) unsafe extern "C" fn control_send_cb(
 pub(super) unsafe extern "C" fn internal_sent_cb(
     request: *mut c_void,
     _status: sys::ucs_status_t,
-    user_data: *mut c_void,
+    _user_data: *mut c_void,
 ) {
-    drop(Box::from_raw(user_data as *mut Vec<u8>));
+    // The message's bytes go before the request is freed (UCX may reuse its address).
+    with_shared(|sh| {
+        drop(sh.queued_msgs.lock().remove(&(request as usize)));
+        sh.internal_sent();
+    });
     sys::ucp_request_free(request);
-    with_shared(|sh| sh.internal_sent());
 }
 
 pub(super) unsafe extern "C" fn am_drain_cb(

@@ -222,34 +222,44 @@ impl Progress {
             tracing::debug!("message for peer {}, which is gone: dropped", peer.0);
             return;
         };
-        let msg = Box::new(bytes);
         let header = self.shared.uid_le.as_ptr() as *const c_void;
         let mut param = sys::ucp_request_param_t {
-            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS
-                | sys::UCP_OP_ATTR_FIELD_CALLBACK
-                | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS | sys::UCP_OP_ATTR_FIELD_CALLBACK,
             flags: sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY,
             ..Default::default()
         };
         param.cb.send = Some(internal_sent_cb);
-        let (data, len) = (msg.as_ptr() as *const c_void, msg.len());
-        param.user_data = Box::into_raw(msg) as *mut c_void;
-        // Counted before UCX can call back (it may, inside the call, from this thread).
+        // Counted before UCX can call back.
         self.shared.internal_queued.fetch_add(1, Ordering::AcqRel);
-        // SAFETY: the message lives in the box until internal_sent_cb (or the code below) frees
-        // it; the header lives in `shared`.
-        let ptr = unsafe { sys::ucp_am_send_nbx(ep, id, header, 8, data, len, &param) };
-        if !sys::ptr_is_ptr(ptr) {
-            self.shared.internal_sent();
-            if sys::ptr_is_err(ptr) {
-                tracing::debug!(
-                    "message to peer {}: {}",
-                    peer.0,
-                    super::map_status(sys::ptr_status(ptr), "send")
-                );
-            }
-            // SAFETY: the callback will not run; reclaim the box.
-            drop(unsafe { Box::from_raw(param.user_data as *mut Vec<u8>) });
+        // SAFETY: the message's bytes stay where they are until UCX is done with them: dropped
+        // below when the send completed in the call, else kept (moving a vector leaves its
+        // bytes in place) in `queued_msgs` under the request until internal_sent_cb, which
+        // UCX calls from a later progress call on this worker, never from this one; the header
+        // lives in `shared`.
+        let ptr = unsafe {
+            sys::ucp_am_send_nbx(
+                ep,
+                id,
+                header,
+                8,
+                bytes.as_ptr() as *const c_void,
+                bytes.len(),
+                &param,
+            )
+        };
+        if sys::ptr_is_ptr(ptr) {
+            // Held by UCX (its queue to the peer is full): kept until the callback. A message
+            // that completes in the call, as almost all do, costs no allocation of its own.
+            self.shared.queued_msgs.lock().insert(ptr as usize, bytes);
+            return;
+        }
+        self.shared.internal_sent();
+        if sys::ptr_is_err(ptr) {
+            tracing::debug!(
+                "message to peer {}: {}",
+                peer.0,
+                super::map_status(sys::ptr_status(ptr), "send")
+            );
         }
     }
 

@@ -206,6 +206,9 @@ pub(super) struct Shared {
     /// Sends nobody waits on (`Progress::send_internal`) that UCX holds queued: while any is,
     /// the worker needs progress that no waiting caller gives.
     pub(super) internal_queued: AtomicUsize,
+    /// The bytes of those sends, by their UCX request, until UCX is done with them (the
+    /// send's callback, or the worker's end).
+    pub(super) queued_msgs: Mutex<HashMap<usize, Vec<u8>>>,
     /// Passes owed to what callers started on their own threads: a send UCX queued, or an end
     /// that the sink must see ([`Shared::owe_pass`]). The progress thread does not sleep past a
     /// debt it has not seen (`owed_seen`, which only it writes, under the driver lock).
@@ -257,6 +260,7 @@ impl Shared {
             worker_address: Mutex::new(Vec::new()),
             moves_begun: AtomicU64::new(0),
             internal_queued: AtomicUsize::new(0),
+            queued_msgs: Mutex::new(HashMap::new()),
             owed: AtomicU64::new(0),
             owed_seen: AtomicU64::new(0),
         }))
