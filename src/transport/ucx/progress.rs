@@ -1219,6 +1219,15 @@ mod tests {
             }
             .unwrap();
             let deadline = Instant::now() + Duration::from_secs(30);
+            // Messages from an endpoint the peer has not accepted yet are dropped there (no
+            // peer to name them by): flood only once it has.
+            loop {
+                match b.next_event(deadline, None) {
+                    Some(Event::Accepted(..)) => break,
+                    Some(_) => continue,
+                    None => panic!("{kind:?}: the flooder was not accepted"),
+                }
+            }
             let mut peak = 0;
             for i in 0..N {
                 a.post_control(ab, payload(i)).unwrap();
