@@ -53,7 +53,7 @@ use crate::proto::{
     RequestKey, Role, Secret,
 };
 use crate::transport::cuda::Staging;
-use crate::transport::ucx::Held;
+use crate::transport::ucx::{CancelPace, Held, CANCEL_POLL};
 use crate::transport::{Agent, AgentOptions, PeerId, TransportKind};
 use glue::{Core, Inner, OnReap, RecvOp};
 use parking_lot::{Mutex, MutexGuard};
@@ -249,8 +249,6 @@ pub struct Health {
 }
 
 const POOL_SLOTS: u32 = 1 << 16;
-/// How often a wait with a cancel check looks at it.
-const CANCEL_POLL: Duration = Duration::from_millis(5);
 /// After a caller gives up: what the wait allows past the agreement bound for the fence (a
 /// force-closed endpoint's receives are released by UCX within a few milliseconds).
 const SETTLE_SLACK: Duration = Duration::from_millis(30);
@@ -1300,8 +1298,7 @@ impl Engine {
         let transfer = usize::try_from(transfer).unwrap_or(usize::MAX);
         let mut driving = self.inner.agent.driving(transfer);
         let mut polling = true;
-        // No clock read for it before the first step: the first check is due at once.
-        let mut next_cancel_check: Option<Instant> = None;
+        let mut pace = CancelPace::default();
         let mut core = self.inner.core.lock();
         loop {
             if let Some(v) = f(&mut core) {
@@ -1314,12 +1311,8 @@ impl Engine {
             if now >= deadline {
                 return None;
             }
-            if let Some(c) =
-                cancel.filter(|_| !polling || next_cancel_check.is_none_or(|t| now >= t))
-            {
-                // While polling, every CANCEL_POLL; asleep, at every wake (at most CANCEL_POLL
-                // apart). The check may take other locks: never call it under ours.
-                next_cancel_check = Some(now + CANCEL_POLL);
+            if let Some(c) = cancel.filter(|_| pace.due(now, polling)) {
+                // The check may take other locks: never call it under ours.
                 if MutexGuard::unlocked(&mut core, c) {
                     return None;
                 }

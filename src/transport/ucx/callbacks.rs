@@ -183,10 +183,7 @@ pub(super) unsafe extern "C" fn internal_sent_cb(
     _user_data: *mut c_void,
 ) {
     // The message's bytes go before the request is freed (UCX may reuse its address).
-    with_shared(|sh| {
-        drop(sh.queued_msgs.lock().remove(&(request as usize)));
-        sh.internal_sent();
-    });
+    with_shared(|sh| sh.held_send_ended(request as usize));
     sys::ucp_request_free(request);
 }
 

@@ -76,6 +76,7 @@ pub use agent::{Agent, MemHandle, RemoteKey};
 pub use held::Held;
 pub use op::Op;
 pub use resources::{memory_type_names, DevicePath};
+pub(crate) use shared::{CancelPace, CANCEL_POLL};
 pub use shared::{Driving, EventSink};
 
 use crate::error::{Error, ErrorKind, Result};

@@ -1,13 +1,13 @@
 //! One in-flight request: its completion slot (shared with the progress thread, which completes
 //! it) and [`Op`], the owner's handle that waits, stops and maps the end to an outcome.
-use super::shared::{Cmd, Driving, Shared};
+use super::shared::{CancelPace, Cmd, Driving, Shared, CANCEL_POLL};
 use super::{map_status, sys, PeerId};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Why an op was asked to stop, recorded before the UCX cancel so its completion maps to the
 /// right outcome.
@@ -128,12 +128,10 @@ impl Op {
         cancel: Option<&dyn Fn() -> bool>,
         before_stop: impl FnOnce(Outcome),
     ) -> Result<Outcome> {
-        const CANCEL_POLL: Duration = Duration::from_millis(5);
         let shared = self.shared.clone();
         let mut driving = Driving::for_transfer(&shared, self.slot.expected_len);
         let mut polling = true;
-        // No clock read for it before the first step: the first check is due at once.
-        let mut next_cancel_check: Option<Instant> = None;
+        let mut pace = CancelPace::default();
         let mut st = self.slot.state.lock();
         let stop = loop {
             if let Some((status, len)) = *st {
@@ -141,12 +139,8 @@ impl Op {
                 return self.finish(status, len);
             }
             let now = Instant::now();
-            if let Some(c) =
-                cancel.filter(|_| !polling || next_cancel_check.is_none_or(|t| now >= t))
-            {
-                // While polling, every CANCEL_POLL; asleep, at every wake (at most CANCEL_POLL
-                // apart). The check may take other locks (the engine's): never under ours.
-                next_cancel_check = Some(now + CANCEL_POLL);
+            if let Some(c) = cancel.filter(|_| pace.due(now, polling)) {
+                // The check may take other locks (the engine's): never under ours.
                 if MutexGuard::unlocked(&mut st, c) {
                     break STOP_CANCEL;
                 }

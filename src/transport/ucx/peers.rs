@@ -250,7 +250,7 @@ impl Progress {
         if sys::ptr_is_ptr(ptr) {
             // Held by UCX (its queue to the peer is full): kept until the callback. A message
             // that completes in the call, as almost all do, costs no allocation of its own.
-            self.shared.queued_msgs.lock().insert(ptr as usize, bytes);
+            self.shared.hold_send(ptr as usize, bytes);
             return;
         }
         self.shared.internal_sent();

@@ -977,8 +977,7 @@ impl Progress {
         self.maps.clear();
         let shared = self.shared.clone();
         drop(self);
-        // The worker is gone: the messages it held queued are nobody's now.
-        shared.queued_msgs.lock().clear();
+        shared.forget_held_sends();
         fail_held(&shared, held);
     }
 
@@ -1054,9 +1053,7 @@ impl Progress {
         // Dropping the old worker destroys it: nothing made from it is left. Only then are the
         // ops it still held failed for their waiters, who may reuse their buffers at once.
         drop(std::mem::replace(&mut self.worker, fresh));
-        // Whatever the old worker still held queued went with it, and its bytes may go now.
-        self.shared.internal_queued.store(0, Ordering::Release);
-        self.shared.queued_msgs.lock().clear();
+        self.shared.forget_held_sends();
         fail_held(&self.shared, held);
         // SAFETY: a fresh worker of ours, under the driver lock.
         unsafe { self.attach_worker() }?;

@@ -375,6 +375,25 @@ impl Shared {
         self.internal_queued.load(Ordering::Acquire) != 0
     }
 
+    /// UCX holds the send `request` queued: its bytes stay here until it ends
+    /// ([`Shared::held_send_ended`]).
+    pub(super) fn hold_send(&self, request: usize, bytes: Vec<u8>) {
+        self.queued_msgs.lock().insert(request, bytes);
+    }
+
+    /// The held send `request` has ended (UCX's callback): its bytes go, and it is counted out.
+    pub(super) fn held_send_ended(&self, request: usize) {
+        drop(self.queued_msgs.lock().remove(&request));
+        self.internal_sent();
+    }
+
+    /// The worker that held sends queued is gone, and they with it: none is counted, and their
+    /// bytes may go.
+    pub(super) fn forget_held_sends(&self) {
+        self.internal_queued.store(0, Ordering::Release);
+        self.queued_msgs.lock().clear();
+    }
+
     /// One send counted in `internal_queued` has ended. Never below zero: a stray decrement
     /// must not wrap the count into "always pending" (this runs in UCX callbacks, where nothing
     /// may panic, so it saturates rather than asserts).
@@ -620,6 +639,28 @@ impl Shared {
     }
 }
 
+/// When a waiter next calls its cancel check: while it polls, every [`CANCEL_POLL`]; once it
+/// sleeps (at most [`CANCEL_POLL`] at a time), at every wake. The first check is due at once,
+/// and costs no clock read of its own.
+#[derive(Default)]
+pub(crate) struct CancelPace(Option<Instant>);
+
+/// How often a waiter that polls calls its cancel check, and the longest it sleeps between
+/// checks.
+pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(5);
+
+impl CancelPace {
+    /// Whether the check is due at `now` (this step's clock read); if so, the next one is
+    /// counted from it.
+    pub(crate) fn due(&mut self, now: Instant, polling: bool) -> bool {
+        let due = !polling || self.0.is_none_or(|t| now >= t);
+        if due {
+            self.0 = Some(now + CANCEL_POLL);
+        }
+        due
+    }
+}
+
 /// A waiting caller's turn at driving progress ([`Shared::try_drive`]). When it stops (paused
 /// before a sleep, or dropped), the progress thread takes over ([`Shared::done_driving`]).
 pub struct Driving<'a> {
@@ -836,6 +877,19 @@ mod tests {
         assert!(!sh.about_to_sleep(later()));
         sh.cb_events.lock().clear();
         assert!(sh.about_to_sleep(later()));
+    }
+
+    #[test]
+    fn a_cancel_check_is_due_at_once_then_every_cancel_poll_while_polling_and_at_every_wake() {
+        let mut pace = CancelPace::default();
+        let t = Instant::now();
+        assert!(pace.due(t, true), "the first check is due at once");
+        assert!(
+            !pace.due(t + CANCEL_POLL / 2, true),
+            "not again within CANCEL_POLL"
+        );
+        assert!(pace.due(t + CANCEL_POLL, true), "due again after it");
+        assert!(pace.due(t + CANCEL_POLL, false), "asleep: at every wake");
     }
 
     #[test]
