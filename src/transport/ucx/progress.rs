@@ -1182,6 +1182,12 @@ mod tests {
             };
             assert_eq!(answer, [b"re: ".as_slice(), &[i]].concat());
         }
+        // The last answer can reach us before the other agent's thread has gone on to tell
+        // its sink (`delivered` runs after the answer is started): give it a moment.
+        let told_by = Instant::now() + Duration::from_secs(2);
+        while sink.queued_at_delivered.lock().len() < 20 && Instant::now() < told_by {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let seen = sink.queued_at_delivered.lock().clone();
         assert_eq!(seen.len(), 20, "told once per answering delivery");
         assert!(
