@@ -5,7 +5,7 @@
 //! re-entrantly.
 use super::op::OpSlot;
 use super::shared::Shared;
-use super::{sys, Event, MAX_CONTROL};
+use super::{batch, sys, Event, MAX_CONTROL};
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -19,6 +19,10 @@ pub(super) enum CbEvent {
     Drain(sys::ucp_ep_h, u64, u64),
     Bind(u64, Vec<u8>),
     Control(sys::ucp_ep_h, u64, Vec<u8>),
+    /// Several control messages in one (see `batch`), not yet split.
+    Batch(sys::ucp_ep_h, u64, Vec<u8>),
+    /// A send nobody waits on that UCX held for this peer has ended.
+    HeldSent(u64),
 }
 
 // SAFETY: the UCX handles in a `CbEvent` are only used under the agent's driver lock (the
@@ -183,8 +187,12 @@ pub(super) unsafe extern "C" fn internal_sent_cb(
     _user_data: *mut c_void,
 ) {
     // The message's bytes go before the request is freed (UCX may reuse its address).
-    with_shared(|sh| sh.held_send_ended(request as usize));
+    let mut peer = None;
+    with_shared(|sh| peer = sh.held_send_ended(request as usize));
     sys::ucp_request_free(request);
+    if let Some(peer) = peer {
+        push_cb(CbEvent::HeldSent(peer));
+    }
 }
 
 pub(super) unsafe extern "C" fn am_drain_cb(
@@ -263,14 +271,54 @@ pub(super) unsafe extern "C" fn am_control_cb(
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
+    if let Some((ep, uid, bytes)) =
+        control_parts(header, header_length, data, length, param, MAX_CONTROL)
+    {
+        push_cb(CbEvent::Control(ep, uid, bytes));
+    }
+    sys::UCS_OK
+}
+
+/// Several control messages in one active message (see `batch`): split under the driver lock.
+pub(super) unsafe extern "C" fn am_batch_cb(
+    _arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    if let Some((ep, uid, bytes)) = control_parts(
+        header,
+        header_length,
+        data,
+        length,
+        param,
+        batch::BATCH_RECV_MAX,
+    ) {
+        push_cb(CbEvent::Batch(ep, uid, bytes));
+    }
+    sys::UCS_OK
+}
+
+/// A control or batch message's reply endpoint, header uid and a copy of its bytes; None for
+/// anything that is not one (dropped): control messages are sent eagerly, so the data is here
+/// now, with an 8-byte header, and up to `max` bytes.
+unsafe fn control_parts(
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+    max: usize,
+) -> Option<(sys::ucp_ep_h, u64, Vec<u8>)> {
     let p = &*param;
-    // Control messages are sent eagerly, so the data is here now; anything else is dropped.
     if p.recv_attr & (sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64) != 0
         || data.is_null()
-        || length > MAX_CONTROL
+        || length > max
         || header_length != 8
     {
-        return sys::UCS_OK;
+        return None;
     }
     let uid = u64::from_le_bytes(
         std::slice::from_raw_parts(header as *const u8, 8)
@@ -278,6 +326,5 @@ pub(super) unsafe extern "C" fn am_control_cb(
             .unwrap(),
     );
     let bytes = std::slice::from_raw_parts(data as *const u8, length).to_vec();
-    push_cb(CbEvent::Control(p.reply_ep, uid, bytes));
-    sys::UCS_OK
+    Some((p.reply_ep, uid, bytes))
 }

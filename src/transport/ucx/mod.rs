@@ -55,10 +55,12 @@
 //! - `peers`: endpoints, under the driver lock: connect, bind, fail, drain.
 //! - `tag`: two-sided transfers, under the driver lock (tag sends and receives, control
 //!   messages) and how any op's request is handed to UCX and cancelled.
+//! - `batch`: control messages to a peer whose queue is full, sent together once it has room.
 //! - `rma`: one-sided transfers, under the driver lock (put, get) and memory mapping.
 //! - `callbacks`: the `extern "C"` functions UCX calls, and how they report back.
 //! - `handles`, `sys`: owning UCX handles, raw bindings.
 mod agent;
+mod batch;
 mod callbacks;
 mod handles;
 mod held;
@@ -323,6 +325,13 @@ pub struct Stats {
     pub caller_passes: u64,
     pub backoffs: u64,
     pub stale_control_dropped: u64,
+    /// Active messages that carried several control messages to one peer: sent while UCX held
+    /// an earlier one queued (the peer's receive queue was full), instead of one each.
+    pub control_batches: u64,
+    /// Control messages that went in those batches.
+    pub control_batched: u64,
+    /// Batches received that did not split into whole control messages: dropped whole.
+    pub control_malformed: u64,
     /// Tagged messages discarded because no receive was posted for them.
     pub stray_discarded: u64,
     /// This agent's shared-memory receive queue is stuck: nothing sent to it over shared
@@ -370,6 +379,8 @@ const AM_DRAIN_ID: u32 = 8;
 const AM_BIND_ID: u32 = 9;
 /// Internal: the receive-queue probe's ping (8-byte sequence number in the header).
 const AM_PROBE_ID: u32 = 10;
+/// Internal: several control messages to one peer in one (see `batch`).
+const AM_BATCH_ID: u32 = 11;
 
 #[cfg(test)]
 mod tests {

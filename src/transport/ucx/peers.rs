@@ -6,7 +6,9 @@ use super::callbacks::{ep_err_cb, internal_sent_cb, recv_cb};
 use super::handles::Endpoint;
 use super::op::{OpSlot, STOP_NONE, STOP_PEER, STOP_REMOTE_CANCEL};
 use super::progress::Progress;
-use super::{sys, ucx_err, Event, PeerId, AM_BIND_ID, AM_DRAIN_ID};
+use super::{
+    batch, sys, ucx_err, Event, PeerId, AM_BATCH_ID, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID,
+};
 use crate::error::{Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex};
 use std::ffi::c_void;
@@ -24,6 +26,10 @@ pub(super) struct PeerEntry {
     /// None once the endpoint has been closed (after a failure).
     pub(super) ep: Option<Endpoint>,
     pub(super) failed: bool,
+    /// Control messages to this peer that UCX holds queued.
+    pub(super) held: u32,
+    /// Control messages waiting for those to leave, to go as one (see `batch`).
+    pub(super) batch: Vec<u8>,
 }
 
 /// What an endpoint is created from.
@@ -88,6 +94,8 @@ impl Progress {
             PeerEntry {
                 ep: Some(Endpoint::new(ep, self.worker.0)),
                 failed: false,
+                held: 0,
+                batch: Vec::new(),
             },
         );
         self.ep_to_peer.insert(ep as usize, id);
@@ -158,6 +166,8 @@ impl Progress {
         };
         let first = !entry.failed;
         entry.failed = true;
+        // What waited to be batched goes with the endpoint, as what UCX held does.
+        entry.batch = Vec::new();
         let ep = if first { entry.ep.take() } else { None };
         self.shared.failed.lock().insert(PeerId(peer), true);
         if first {
@@ -186,28 +196,46 @@ impl Progress {
     /// which a sender cannot choose). Hand it on as from that peer unless the peer has failed
     /// (then it is stale and dropped). The header's uid is not trusted: any sender can write any.
     pub(super) fn control_from(&mut self, ep: sys::ucp_ep_h, uid: u64, bytes: Vec<u8>) {
-        let peer = self.ep_to_peer.get(&(ep as usize)).copied();
-        match peer {
-            Some(peer) if !self.peers[&peer].failed => {
-                self.shared.push_event(Event::Control(PeerId(peer), bytes))
-            }
-            Some(_) => {
-                self.shared
-                    .stats
-                    .stale_control_dropped
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            None => {
-                tracing::warn!(
-                    uid,
-                    "control message from an agent with no endpoint: dropped"
-                );
-                self.shared
-                    .stats
-                    .stale_control_dropped
-                    .fetch_add(1, Ordering::Relaxed);
+        if let Some(peer) = self.live_sender(ep, uid, 1) {
+            self.shared.push_event(Event::Control(peer, bytes))
+        }
+    }
+
+    /// A batch of control messages arrived on `ep` (see `batch`): each is handed on as from
+    /// that peer, in order, as if it had come alone; a batch that does not split into whole
+    /// messages is dropped whole.
+    pub(super) fn batch_from(&mut self, ep: sys::ucp_ep_h, uid: u64, bytes: Vec<u8>) {
+        let Some(msgs) = batch::split(&bytes) else {
+            tracing::warn!(uid, len = bytes.len(), "malformed control batch: dropped");
+            self.shared
+                .stats
+                .control_malformed
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        if let Some(peer) = self.live_sender(ep, uid, msgs.len() as u64) {
+            for m in msgs {
+                self.shared.push_event(Event::Control(peer, m.to_vec()));
             }
         }
+    }
+
+    /// The peer whose endpoint `ep` is, unless it has failed or there is none: then its `n`
+    /// control messages are stale, counted and dropped.
+    fn live_sender(&self, ep: sys::ucp_ep_h, uid: u64, n: u64) -> Option<PeerId> {
+        match self.ep_to_peer.get(&(ep as usize)).copied() {
+            Some(peer) if !self.peers[&peer].failed => return Some(PeerId(peer)),
+            Some(_) => {}
+            None => tracing::warn!(
+                uid,
+                "control message from an agent with no endpoint: dropped"
+            ),
+        }
+        self.shared
+            .stats
+            .stale_control_dropped
+            .fetch_add(n, Ordering::Relaxed);
+        None
     }
 
     pub(super) fn send_drain(&mut self, peer: PeerId, tag: u64) {
@@ -215,9 +243,62 @@ impl Progress {
     }
 
     /// Sends an active message nobody waits on (a drain, a bind, a posted control message);
-    /// fire and forget. One that UCX queues is counted in `Shared::internal_queued` until it
-    /// ends: it needs progress.
+    /// fire and forget. A control message to a peer that UCX holds an earlier one for waits in
+    /// the peer's batch instead (see `batch`); anything else sends the peer's batch first.
     pub(super) fn send_internal(&mut self, peer: PeerId, id: u32, bytes: Vec<u8>) {
+        if let Some(entry) = self.peers.get_mut(&peer.0) {
+            if id == AM_CONTROL_ID
+                && bytes.len() <= batch::BATCH_MAX
+                && (entry.held > 0 || !entry.batch.is_empty())
+                && entry.ep.is_some()
+            {
+                batch::push(&mut entry.batch, &bytes);
+                self.shared
+                    .stats
+                    .control_batched
+                    .fetch_add(1, Ordering::Relaxed);
+                if entry.batch.len() >= batch::BATCH_MAX {
+                    self.send_batch(peer);
+                }
+                return;
+            }
+        }
+        self.send_batch(peer);
+        self.send_am(peer, id, bytes);
+    }
+
+    /// Sends what waits in `peer`'s batch, if anything does.
+    pub(super) fn send_batch(&mut self, peer: PeerId) {
+        let Some(entry) = self.peers.get_mut(&peer.0) else {
+            return;
+        };
+        if entry.batch.is_empty() {
+            return;
+        }
+        let b = std::mem::take(&mut entry.batch);
+        self.shared
+            .stats
+            .control_batches
+            .fetch_add(1, Ordering::Relaxed);
+        self.send_am(peer, AM_BATCH_ID, b);
+    }
+
+    /// One control message to `peer` that UCX held has left (or ended with its endpoint): once
+    /// none is held, the batch goes.
+    pub(super) fn held_sent(&mut self, peer: u64) {
+        let Some(entry) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        entry.held = entry.held.saturating_sub(1);
+        if entry.held == 0 {
+            self.send_batch(PeerId(peer));
+        }
+    }
+
+    /// An active message nobody waits on. One that UCX queues is counted in
+    /// `Shared::internal_queued` (and, for its peer, in `PeerEntry::held`) until it ends: it
+    /// needs progress.
+    pub(super) fn send_am(&mut self, peer: PeerId, id: u32, bytes: Vec<u8>) {
         let Ok(ep) = self.ep_of(peer) else {
             tracing::debug!("message for peer {}, which is gone: dropped", peer.0);
             return;
@@ -250,7 +331,10 @@ impl Progress {
         if sys::ptr_is_ptr(ptr) {
             // Held by UCX (its queue to the peer is full): kept until the callback. A message
             // that completes in the call, as almost all do, costs no allocation of its own.
-            self.shared.hold_send(ptr as usize, bytes);
+            if let Some(entry) = self.peers.get_mut(&peer.0) {
+                entry.held += 1;
+            }
+            self.shared.hold_send(ptr as usize, peer.0, bytes);
             return;
         }
         self.shared.internal_sent();

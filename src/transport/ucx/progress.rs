@@ -1,15 +1,17 @@
 //! The progress thread: it owns the UCX context and worker, runs the commands other threads
 //! queue, drives `ucp_worker_progress` and handles what the callbacks report, sleeps on the
 //! worker's event fd and the wake eventfd, and tears everything down in order at the end.
-use super::callbacks::{self, am_bind_cb, am_control_cb, am_drain_cb, conn_cb, AmCb, CbEvent};
+use super::callbacks::{
+    self, am_batch_cb, am_bind_cb, am_control_cb, am_drain_cb, conn_cb, AmCb, CbEvent,
+};
 use super::handles::{Context, Listener, Mapped, RemoteKey as UcxRkey, Worker};
 use super::op::{OpSlot, STOP_PEER, STOP_SHUTDOWN};
 use super::peers::{close_on_exec_at, sockaddr_of, sockaddr_port, PeerEntry, Target};
 use super::probe::{am_probe_cb, Probe, Verdict};
 use super::shared::{Cmd, Reply, Shared};
 use super::{
-    resources, sys, ucx_err, AgentOptions, Event, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID,
-    AM_PROBE_ID,
+    resources, sys, ucx_err, AgentOptions, Event, AM_BATCH_ID, AM_BIND_ID, AM_CONTROL_ID,
+    AM_DRAIN_ID, AM_PROBE_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
 use foldhash::{HashMap, HashMapExt};
@@ -586,6 +588,7 @@ impl Progress {
             (AM_DRAIN_ID, am_drain_cb as AmCb),
             (AM_BIND_ID, am_bind_cb as AmCb),
             (AM_PROBE_ID, am_probe_cb as AmCb),
+            (AM_BATCH_ID, am_batch_cb as AmCb),
         ] {
             let h = sys::ucp_am_handler_param_t {
                 id,
@@ -955,6 +958,8 @@ impl Progress {
                 CbEvent::Bind(_uid, address) => self.bind(&address),
                 CbEvent::Drain(ep, _uid, tag) => self.drain_from(ep, tag),
                 CbEvent::Control(ep, uid, bytes) => self.control_from(ep, uid, bytes),
+                CbEvent::Batch(ep, uid, bytes) => self.batch_from(ep, uid, bytes),
+                CbEvent::HeldSent(peer) => self.held_sent(peer),
             }
         }
         self.cb_spare = evs;
@@ -1012,6 +1017,8 @@ impl Progress {
         self.rkeys.clear();
         for entry in self.peers.values_mut() {
             drop(entry.ep.take());
+            entry.batch = Vec::new();
+            entry.held = 0;
         }
         self.ep_to_peer.clear();
         for _ in 0..100 {
@@ -1111,7 +1118,7 @@ impl Progress {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Agent, AgentOptions, Event, EventSink, TransportKind};
+    use super::super::{batch, Agent, AgentOptions, Event, EventSink, PeerId, TransportKind};
     use super::*;
     use parking_lot::Mutex;
 
@@ -1196,6 +1203,53 @@ mod tests {
         );
     }
 
+    /// Two agents over `kind`, the first connected to the second, once the second has
+    /// accepted it (it drops messages from an endpoint it has not accepted yet: no peer to name
+    /// them by).
+    fn accepted_pair(kind: &TransportKind, deadline: Instant) -> (Agent, Agent, PeerId) {
+        let mut ob = AgentOptions::new("flooded", kind.clone());
+        if *kind == TransportKind::Tcp {
+            ob.listen = Some("127.0.0.1:0".parse().unwrap());
+        }
+        let b = Agent::new(ob).unwrap();
+        let a = Agent::new(AgentOptions::new("flooder", kind.clone())).unwrap();
+        let ab = match b.listen_address() {
+            Some(addr) => a.connect(addr),
+            None => a.connect_worker(&b.worker_address()),
+        }
+        .unwrap();
+        loop {
+            match b.next_event(deadline, None) {
+                Some(Event::Accepted(..)) => break,
+                Some(_) => continue,
+                None => panic!("{kind:?}: the flooder was not accepted"),
+            }
+        }
+        (a, b, ab)
+    }
+
+    /// The next `n` control messages `b` is handed, in order.
+    fn controls(b: &Agent, n: usize, deadline: Instant) -> Vec<Vec<u8>> {
+        let mut got = Vec::with_capacity(n);
+        while got.len() < n {
+            match b.next_event(deadline, None) {
+                Some(Event::Control(_, bytes)) => got.push(bytes),
+                Some(_) => continue,
+                None => panic!("{} of {n} messages by the deadline", got.len()),
+            }
+        }
+        got
+    }
+
+    /// Waits until `a` holds no send queued; then none of their bytes may be left.
+    fn nothing_held(a: &Agent, deadline: Instant) {
+        while a.push_pending() {
+            assert!(Instant::now() < deadline, "sends still held");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(a.shared.queued_msgs.lock().is_empty());
+    }
+
     /// A control message nobody waits on has no allocation of its own while UCX sends it in
     /// the call; one that UCX holds queued (a burst outruns the peer) keeps its bytes, under
     /// its request, until UCX's callback. A flood of messages, each with bytes of its own,
@@ -1210,50 +1264,100 @@ mod tests {
             v
         };
         for kind in [TransportKind::SharedMemory, TransportKind::Tcp] {
-            let mut ob = AgentOptions::new("flooded", kind.clone());
-            if kind == TransportKind::Tcp {
-                ob.listen = Some("127.0.0.1:0".parse().unwrap());
-            }
-            let b = Agent::new(ob).unwrap();
-            let a = Agent::new(AgentOptions::new("flooder", kind.clone())).unwrap();
-            let ab = match b.listen_address() {
-                Some(addr) => a.connect(addr),
-                None => a.connect_worker(&b.worker_address()),
-            }
-            .unwrap();
             let deadline = Instant::now() + Duration::from_secs(30);
-            // Messages from an endpoint the peer has not accepted yet are dropped there (no
-            // peer to name them by): flood only once it has.
-            loop {
-                match b.next_event(deadline, None) {
-                    Some(Event::Accepted(..)) => break,
-                    Some(_) => continue,
-                    None => panic!("{kind:?}: the flooder was not accepted"),
-                }
-            }
+            let (a, b, ab) = accepted_pair(&kind, deadline);
             let mut peak = 0;
             for i in 0..N {
                 a.post_control(ab, payload(i)).unwrap();
                 peak = peak.max(a.shared.queued_msgs.lock().len());
             }
-            let mut got = 0;
-            while got < N {
-                match b.next_event(deadline, None) {
-                    Some(Event::Control(_, bytes)) => {
-                        assert_eq!(bytes, payload(got), "{kind:?}: message {got}");
-                        got += 1;
-                    }
-                    Some(_) => continue,
-                    None => panic!("{kind:?}: {got} of {N} messages by the deadline"),
-                }
+            for (i, bytes) in controls(&b, N as usize, deadline).into_iter().enumerate() {
+                assert_eq!(bytes, payload(i as u32), "{kind:?}: message {i}");
             }
             // Every held send has ended: its bytes are gone with it.
-            while a.push_pending() {
-                assert!(Instant::now() < deadline, "{kind:?}: sends still held");
+            nothing_held(&a, deadline);
+            let s = a.stats();
+            println!(
+                "{kind:?}: {N} messages, at most {peak} held by UCX at once, {} of them in {} \
+                 batches",
+                s.control_batched, s.control_batches
+            );
+        }
+    }
+
+    /// A peer that does not read (its driver lock held here, so its receive queue fills) gets
+    /// the messages sent meanwhile in batches once it reads again: fewer active messages than
+    /// control messages, every one of them whole and in order, the ones too long to batch
+    /// (which send the batch before them) included.
+    #[test]
+    fn messages_to_a_peer_that_does_not_read_go_in_batches_whole_and_in_order() {
+        const N: u32 = 3000;
+        let payload = |i: u32| -> Vec<u8> {
+            // Every 97th longer than a batch's bound: sent alone, after the batch before it.
+            let len = if i % 97 == 0 {
+                5000
+            } else {
+                40 + (i as usize * 7) % 300
+            };
+            (0..len).map(|k| (i as usize * 31 + k) as u8).collect()
+        };
+        let kind = TransportKind::SharedMemory;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (a, b, ab) = accepted_pair(&kind, deadline);
+        {
+            let _frozen = b.shared.driver.lock();
+            for i in 0..N {
+                a.post_control(ab, payload(i)).unwrap();
+            }
+            // Until the queue to the peer is full and messages wait in a batch.
+            while a.stats().control_batched == 0 {
+                assert!(Instant::now() < deadline, "no message was ever batched");
                 std::thread::sleep(Duration::from_millis(1));
             }
-            assert!(a.shared.queued_msgs.lock().is_empty(), "{kind:?}");
-            println!("{kind:?}: {N} messages, at most {peak} held by UCX at once");
+        }
+        for (i, bytes) in controls(&b, N as usize, deadline).into_iter().enumerate() {
+            assert_eq!(bytes, payload(i as u32), "message {i}");
+        }
+        nothing_held(&a, deadline);
+        let s = a.stats();
+        let sent = u64::from(N) - s.control_batched + s.control_batches;
+        assert!(
+            s.control_batches > 0 && sent < u64::from(N) / 2,
+            "{N} messages in {sent} active messages ({} batched in {} batches)",
+            s.control_batched,
+            s.control_batches
+        );
+        assert_eq!(b.stats().control_malformed, 0);
+        println!("{N} messages in {sent} active messages");
+    }
+
+    /// A batch is checked whole before any of it is handed on: one that does not split into
+    /// whole messages is dropped and counted, and the peer's next messages still arrive; a good
+    /// one is handed on message by message.
+    #[test]
+    fn a_malformed_batch_is_dropped_whole_and_a_good_one_handed_on() {
+        for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let (a, b, ab) = accepted_pair(&kind, deadline);
+            let mut good = Vec::new();
+            batch::push(&mut good, b"first");
+            batch::push(&mut good, b"second");
+            // A good first message, then a length that runs past the end; a zero length.
+            let mut bad = Vec::new();
+            batch::push(&mut bad, b"never");
+            bad.extend_from_slice(&100u32.to_le_bytes());
+            bad.extend_from_slice(b"short");
+            {
+                let mut g = a.shared.driver.lock();
+                let p = g.as_mut().unwrap();
+                p.send_am(ab, AM_BATCH_ID, bad);
+                p.send_am(ab, AM_BATCH_ID, vec![0; 4]);
+                p.send_am(ab, AM_BATCH_ID, good);
+            }
+            a.post_control(ab, b"after".to_vec()).unwrap();
+            let got = controls(&b, 3, deadline);
+            assert_eq!(got, [&b"first"[..], b"second", b"after"], "{kind:?}");
+            assert_eq!(b.stats().control_malformed, 2, "{kind:?}");
         }
     }
 }

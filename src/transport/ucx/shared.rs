@@ -117,6 +117,9 @@ pub(super) struct AtomicStats {
     pub(super) empty_wakeups: AtomicU64,
     pub(super) backoffs: AtomicU64,
     pub(super) stale_control_dropped: AtomicU64,
+    pub(super) control_batches: AtomicU64,
+    pub(super) control_batched: AtomicU64,
+    pub(super) control_malformed: AtomicU64,
     pub(super) stray_discarded: AtomicU64,
     pub(super) worker_renewals: AtomicU64,
 }
@@ -208,7 +211,7 @@ pub(super) struct Shared {
     pub(super) internal_queued: AtomicUsize,
     /// The bytes of those sends, by their UCX request, until UCX is done with them (the
     /// send's callback, or the worker's end).
-    pub(super) queued_msgs: Mutex<HashMap<usize, Vec<u8>>>,
+    pub(super) queued_msgs: Mutex<HashMap<usize, (u64, Vec<u8>)>>,
     /// Passes owed to what callers started on their own threads: a send UCX queued, or an end
     /// that the sink must see ([`Shared::owe_pass`]). The progress thread does not sleep past a
     /// debt it has not seen (`owed_seen`, which only it writes, under the driver lock).
@@ -375,16 +378,18 @@ impl Shared {
         self.internal_queued.load(Ordering::Acquire) != 0
     }
 
-    /// UCX holds the send `request` queued: its bytes stay here until it ends
+    /// UCX holds the send `request` to `peer` queued: its bytes stay here until it ends
     /// ([`Shared::held_send_ended`]).
-    pub(super) fn hold_send(&self, request: usize, bytes: Vec<u8>) {
-        self.queued_msgs.lock().insert(request, bytes);
+    pub(super) fn hold_send(&self, request: usize, peer: u64, bytes: Vec<u8>) {
+        self.queued_msgs.lock().insert(request, (peer, bytes));
     }
 
     /// The held send `request` has ended (UCX's callback): its bytes go, and it is counted out.
-    pub(super) fn held_send_ended(&self, request: usize) {
-        drop(self.queued_msgs.lock().remove(&request));
+    /// Returns its peer.
+    pub(super) fn held_send_ended(&self, request: usize) -> Option<u64> {
+        let held = self.queued_msgs.lock().remove(&request);
         self.internal_sent();
+        held.map(|(peer, _bytes)| peer)
     }
 
     /// The worker that held sends queued is gone, and they with it: none is counted, and their

@@ -140,6 +140,8 @@ impl Progress {
     }
 
     pub(super) fn start_control(&mut self, peer: PeerId, bytes: Vec<u8>, slot: Arc<OpSlot>) {
+        // What waits in the peer's batch was sent before this: it goes first.
+        self.send_batch(peer);
         let ep = match self.ep_of(peer) {
             Ok(ep) => ep,
             Err(_) => {

@@ -1,0 +1,114 @@
+//! Control messages to one peer sent together while UCX holds an earlier one queued.
+//!
+//! When a peer's receive queue is full (a burst of advertisements outruns the peer; a shared
+//! memory queue has 64 slots), UCX keeps each further message in its own request on its pending
+//! queue, and each costs a request, an entry in `Shared::queued_msgs`, a dispatch and a
+//! callback on this side and a queue slot and a callback on the peer's. While an earlier
+//! message to a peer is held, the next ones wait in a batch of the peer's own instead
+//! (`PeerEntry::batch`), which goes as one active message once the peer has no held message
+//! left, or once it is [`BATCH_MAX`] long. Messages keep their order: a message to the same
+//! peer that is not batched (a drain, a bind, a waited control message) sends the batch first.
+//! A peer whose queue has room meets no batch: each message goes in the call, as before.
+//!
+//! The batch's format: each message as its length (4 bytes, little-endian) and its bytes. The
+//! receiver hands the messages on one by one ([`split`]); a batch that does not split exactly
+//! is dropped whole and counted (`Stats::control_malformed`).
+use smallvec::SmallVec;
+
+/// A batch is sent once it is this long (and a message longer than this is never batched):
+/// within one eager fragment of the shared-memory and tcp transports (8 KiB segments).
+pub(super) const BATCH_MAX: usize = 4096;
+
+/// The longest batch a peer can send: one under [`BATCH_MAX`] plus one more message.
+pub(super) const BATCH_RECV_MAX: usize = 2 * (BATCH_MAX + LEN_BYTES);
+
+const LEN_BYTES: usize = 4;
+
+/// Appends `msg` (at most [`BATCH_MAX`] bytes, not empty) to `batch`.
+pub(super) fn push(batch: &mut Vec<u8>, msg: &[u8]) {
+    debug_assert!(!msg.is_empty() && msg.len() <= BATCH_MAX);
+    batch.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    batch.extend_from_slice(msg);
+}
+
+/// The messages of a batch, in order; None unless the batch is one or more messages, each
+/// 1..=[`BATCH_MAX`] bytes, that end exactly at its end.
+pub(super) fn split(mut bytes: &[u8]) -> Option<SmallVec<[&[u8]; 16]>> {
+    let mut out = SmallVec::new();
+    if bytes.len() > BATCH_RECV_MAX {
+        return None;
+    }
+    while !bytes.is_empty() {
+        let (len, rest) = bytes.split_first_chunk::<LEN_BYTES>()?;
+        let len = u32::from_le_bytes(*len) as usize;
+        if len == 0 || len > BATCH_MAX || len > rest.len() {
+            return None;
+        }
+        let (msg, rest) = rest.split_at(len);
+        out.push(msg);
+        bytes = rest;
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_batch_splits_into_its_messages_and_a_bad_one_into_nothing() {
+        let mut b = Vec::new();
+        push(&mut b, b"one");
+        push(&mut b, &[7u8; BATCH_MAX]);
+        push(&mut b, b"x");
+        let parts = split(&b).unwrap();
+        assert_eq!(parts.len(), 3);
+        assert_eq!(parts[0], b"one");
+        assert_eq!(parts[1], &[7u8; BATCH_MAX][..]);
+        assert_eq!(parts[2], b"x");
+        // Empty; cut inside a length or inside a message; one byte too many; a zero length; a
+        // length over the bound; a whole batch over the bound.
+        assert!(split(&[]).is_none());
+        assert!(split(&b[..2]).is_none());
+        assert!(split(&b[..b.len() - 1]).is_none());
+        assert!(split(&[b.as_slice(), &[0]].concat()).is_none());
+        assert!(split(&[0, 0, 0, 0]).is_none());
+        let mut long = ((BATCH_MAX + 1) as u32).to_le_bytes().to_vec();
+        long.extend(std::iter::repeat_n(1u8, BATCH_MAX + 1));
+        assert!(split(&long).is_none());
+        let mut big = Vec::new();
+        while big.len() <= BATCH_RECV_MAX {
+            push(&mut big, &[3u8; 1000]);
+        }
+        assert!(split(&big).is_none());
+    }
+
+    proptest! {
+        #[test]
+        fn what_is_pushed_splits_back_whole_and_in_order(
+            msgs in prop::collection::vec(prop::collection::vec(any::<u8>(), 1..300), 1..40)
+        ) {
+            let mut b = Vec::new();
+            for m in &msgs {
+                push(&mut b, m);
+            }
+            let parts = split(&b).unwrap();
+            prop_assert_eq!(parts.len(), msgs.len());
+            for (p, m) in parts.iter().zip(&msgs) {
+                prop_assert_eq!(*p, m.as_slice());
+            }
+        }
+
+        #[test]
+        fn any_bytes_split_without_panicking_into_messages_that_fit(
+            bytes in prop::collection::vec(any::<u8>(), 0..600)
+        ) {
+            if let Some(parts) = split(&bytes) {
+                let total: usize = parts.iter().map(|p| p.len() + LEN_BYTES).sum();
+                prop_assert_eq!(total, bytes.len());
+                prop_assert!(parts.iter().all(|p| !p.is_empty() && p.len() <= BATCH_MAX));
+            }
+        }
+    }
+}
