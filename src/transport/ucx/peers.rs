@@ -167,7 +167,9 @@ impl Progress {
         let first = !entry.failed;
         entry.failed = true;
         // What waited to be batched goes with the endpoint, as what UCX held does.
-        entry.batch = Vec::new();
+        if !std::mem::take(&mut entry.batch).is_empty() {
+            self.shared.internal_sent();
+        }
         let ep = if first { entry.ep.take() } else { None };
         self.shared.failed.lock().insert(PeerId(peer), true);
         if first {
@@ -252,6 +254,12 @@ impl Progress {
                 && (entry.held > 0 || !entry.batch.is_empty())
                 && entry.ep.is_some()
             {
+                if entry.batch.is_empty() {
+                    // A waiting batch counts as one queued send (`Agent::push_pending`), from
+                    // its first message until it is handed to UCX: an engine that is dropped
+                    // waits for it as for a held message.
+                    self.shared.internal_queued.fetch_add(1, Ordering::AcqRel);
+                }
                 batch::push(&mut entry.batch, &bytes);
                 self.shared
                     .stats
@@ -280,7 +288,9 @@ impl Progress {
             .stats
             .control_batches
             .fetch_add(1, Ordering::Relaxed);
+        // Counted as the send it becomes (held or not) before it stops counting as waiting.
         self.send_am(peer, AM_BATCH_ID, b);
+        self.shared.internal_sent();
     }
 
     /// One control message to `peer` that UCX held has left (or ended with its endpoint): once
