@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::aged::Aged;
 use super::waiters::{HasWaiters, WaitKey, Waiters};
 use super::{Advertisement, Faults};
 use crate::error::{ErrorKind, Outcome, Result};
@@ -76,16 +77,17 @@ pub(crate) struct Core {
     pub sends: HashMap<(RequestKey, RankId, u32), Arc<AtomicBool>>,
     pub adverts: VecDeque<Advertisement>,
     pub readies: HashMap<RequestKey, bool>,
-    /// Ends waiting for their caller.
-    pub terminals: HashMap<(RequestKey, Role), (Outcome, Instant)>,
+    /// Ends waiting for their caller (for RETENTION).
+    pub terminals: Aged<(RequestKey, Role), Outcome>,
     /// Receiver ends held back until their fenced receives are released by UCX.
     pub deferred: HashMap<RequestKey, Outcome>,
     pub fencing: HashMap<RequestKey, HashSet<u64>>,
     /// Receives whose cancel the core asked for (any other cancelled receive was drained by its
     /// sender).
     pub core_cancelled: HashSet<u64>,
-    /// Keys that ended here: a replay of one is refused, a late advertisement of one dropped.
-    pub finished: HashMap<(RequestKey, Option<RankId>), Instant>,
+    /// Keys that ended here: a replay of one is refused, a late advertisement of one dropped
+    /// (for RETENTION).
+    pub finished: Aged<(RequestKey, Option<RankId>), ()>,
     pub on_reap: HashMap<u64, OnReap>,
     pub notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
     pub control_ops: VecDeque<Op>,
@@ -95,9 +97,9 @@ pub(crate) struct Core {
     /// inserted at advertise (receiver) or the advertisement's arrival (sender), removed at its
     /// end, so bounded by the requests in flight.
     pub starts: HashMap<(RequestKey, Role), Instant>,
-    /// Tags of receives that ended without their data, with when: data arriving later under one
-    /// is `late`, not `foreign`. Pruned after RETIRED_FOR.
-    pub retired: HashMap<u64, Instant>,
+    /// Tags of receives that ended without their data: data arriving later under one is
+    /// `late`, not `foreign` (for RETIRED_FOR).
+    pub retired: Aged<u64, ()>,
     last_prune: Instant,
 }
 
@@ -145,24 +147,24 @@ impl Core {
             sends: HashMap::new(),
             adverts: VecDeque::new(),
             readies: HashMap::new(),
-            terminals: HashMap::new(),
+            terminals: Aged::new(RETENTION),
             deferred: HashMap::new(),
             fencing: HashMap::new(),
             core_cancelled: HashSet::new(),
-            finished: HashMap::new(),
+            finished: Aged::new(RETENTION),
             on_reap: HashMap::new(),
             notes: HashMap::new(),
             control_ops: VecDeque::new(),
             waiters: Waiters::default(),
             counters: Counters::default(),
             starts: HashMap::new(),
-            retired: HashMap::new(),
+            retired: Aged::new(RETIRED_FOR),
             last_prune: Instant::now(),
         }
     }
 
     fn end(&mut self, key: RequestKey, role: Role, outcome: Outcome, now: Instant) {
-        self.terminals.insert((key, role), (outcome, now));
+        self.terminals.insert((key, role), outcome, now);
         self.waiters.wake(WaitKey::Terminal(key, role));
         if role == Role::Receiver {
             // From here `recv_ready` answers from the end itself.
@@ -358,16 +360,14 @@ impl Inner {
     /// Results nobody came for are dropped after RETENTION: memory stays bounded over
     /// millions of requests.
     fn prune(&self, core: &mut Core, now: Instant) {
+        // What has aged out, oldest first: a pop each, never a pass over what stays.
+        core.terminals.expire(now);
+        core.finished.expire(now);
+        core.retired.expire(now);
         if now.duration_since(core.last_prune) < Duration::from_secs(1) {
             return;
         }
         core.last_prune = now;
-        core.terminals
-            .retain(|_, (_, at)| now.duration_since(*at) < RETENTION);
-        core.finished
-            .retain(|_, at| now.duration_since(*at) < RETENTION);
-        core.retired
-            .retain(|_, at| now.duration_since(*at) < RETIRED_FOR);
         core.control_ops.retain_mut(|op| op.poll().is_none());
     }
 
@@ -474,7 +474,7 @@ impl Inner {
         let result = r.op.poll();
         core.by_token.remove(&r.token);
         if !matches!(result, Some(Ok(Outcome::Completed))) {
-            core.retired.insert(r.tag, now);
+            core.retired.insert(r.tag, (), now);
         }
         if let Some(act) = core.on_reap.remove(&id) {
             // The core is done with this receive; only its buffer was waiting.
@@ -681,7 +681,7 @@ impl Inner {
                     Role::Receiver => None,
                     Role::Sender { receiver } => Some(receiver),
                 };
-                core.finished.insert((key, peer), now);
+                core.finished.insert((key, peer), (), now);
                 if matches!(outcome, Outcome::TimedOut | Outcome::PeerLost) {
                     core.counters.last_fault = Some(now);
                 }

@@ -40,6 +40,7 @@
 //! Without a verdict by the bound a rank reports its own failure (`TimedOut`, `Cancelled`,
 //! `Rejected`), or `PeerLost` when the transport reported the peer lost; it never reports
 //! `Completed` without the verdict, so a sender's `Completed` implies its receiver's.
+mod aged;
 pub(crate) mod glue;
 mod waiters;
 
@@ -858,8 +859,8 @@ impl Engine {
                 return Some(Some(r));
             }
             match core.terminals.get(&(key, Role::Receiver)) {
-                Some((Outcome::Completed, _)) => Some(Some(true)),
-                Some((Outcome::Rejected, _)) => Some(Some(false)),
+                Some(Outcome::Completed) => Some(Some(true)),
+                Some(Outcome::Rejected) => Some(Some(false)),
                 Some(_) => Some(None),
                 None if !core.ep.running(key, Role::Receiver)
                     && !core.deferred.contains_key(&key) =>
@@ -1110,7 +1111,7 @@ impl Engine {
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
         let take = |core: &mut Core| {
-            let o = core.terminals.remove(&(key, role)).map(|(o, _)| o);
+            let o = core.terminals.remove(&(key, role));
             if o.is_some() && role == Role::Receiver {
                 core.readies.remove(&key);
             }
