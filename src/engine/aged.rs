@@ -35,7 +35,15 @@ impl<K: Hash + Eq + Clone, V> Aged<K, V> {
 
     /// Puts `v` in under `k` at `now` (replacing what was there, and its age).
     pub fn insert(&mut self, k: K, v: V, now: Instant) {
-        self.map.insert(k.clone(), (v, now));
+        // Put in again at the same instant: its slot is there already (a second one would
+        // match too, and no compaction could take it).
+        if self
+            .map
+            .insert(k.clone(), (v, now))
+            .is_some_and(|(_, t)| t == now)
+        {
+            return;
+        }
         self.order.push_back((now, k));
         self.compact();
     }
@@ -130,6 +138,29 @@ mod tests {
             // The bound is checked as an entry is put in, that entry counted.
             assert!(a.slots() <= SLACK + 3, "{} slots", a.slots());
         }
+    }
+
+    #[test]
+    fn entries_left_after_a_compaction_still_go_at_their_time() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut a = Aged::new(ms(10_000));
+        // 5000 kept, each after 3 claimed at once: compactions run among live entries.
+        for i in 0..20_000u64 {
+            a.insert(i, i, t0 + ms(i / 4));
+            if i % 4 != 0 {
+                a.remove(&i);
+            }
+            // Put in again at the same instant: no second slot.
+            a.insert(i - i % 4, i - i % 4, t0 + ms((i - i % 4) / 4));
+        }
+        assert_eq!(a.len(), 5000);
+        assert!(a.slots() <= 2 * a.len() + SLACK + 1, "{} slots", a.slots());
+        a.expire(t0 + ms(10_000 + 2499));
+        assert_eq!(a.len(), 2500, "those put in before 2.5 s are gone");
+        assert!(a.get(&9996).is_none() && a.get(&10_000) == Some(&10_000));
+        a.expire(t0 + ms(20_000));
+        assert_eq!((a.len(), a.slots()), (0, 0));
     }
 
     proptest! {

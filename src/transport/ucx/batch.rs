@@ -6,7 +6,7 @@
 //! callback on this side and a queue slot and a callback on the peer's. While an earlier
 //! message to a peer is held, the next ones wait in a batch of the peer's own instead
 //! (`PeerEntry::batch`), which goes as one active message once the peer has no held message
-//! left, or once it is [`BATCH_MAX`] long. Messages keep their order: a message to the same
+//! left, or when the next message would take it past [`BATCH_MAX`]. Messages keep their order: a message to the same
 //! peer that is not batched (a drain, a bind, a waited control message) sends the batch first.
 //! A peer whose queue has room meets no batch: each message goes in the call, as before.
 //!
@@ -15,33 +15,38 @@
 //! is dropped whole and counted (`Stats::control_malformed`).
 use smallvec::SmallVec;
 
-/// A batch is sent once it is this long (and a message longer than this is never batched):
-/// within one eager fragment of the shared-memory and tcp transports (8 KiB segments).
+/// The longest batch, its lengths included: well within one eager fragment of the
+/// shared-memory and tcp transports (8 KiB segments).
 pub(super) const BATCH_MAX: usize = 4096;
-
-/// The longest batch a peer can send: one under [`BATCH_MAX`] plus one more message.
-pub(super) const BATCH_RECV_MAX: usize = 2 * (BATCH_MAX + LEN_BYTES);
 
 const LEN_BYTES: usize = 4;
 
-/// Appends `msg` (at most [`BATCH_MAX`] bytes, not empty) to `batch`.
+/// The longest message that is batched (a longer one goes alone, after the batch).
+pub(super) const MSG_MAX: usize = BATCH_MAX - LEN_BYTES;
+
+/// Whether `msg` fits in `batch` without taking it past [`BATCH_MAX`].
+pub(super) fn fits(batch: &[u8], msg: &[u8]) -> bool {
+    batch.len() + LEN_BYTES + msg.len() <= BATCH_MAX
+}
+
+/// Appends `msg` (1..=[`MSG_MAX`] bytes) to `batch`.
 pub(super) fn push(batch: &mut Vec<u8>, msg: &[u8]) {
-    debug_assert!(!msg.is_empty() && msg.len() <= BATCH_MAX);
+    debug_assert!(!msg.is_empty() && msg.len() <= MSG_MAX);
     batch.extend_from_slice(&(msg.len() as u32).to_le_bytes());
     batch.extend_from_slice(msg);
 }
 
-/// The messages of a batch, in order; None unless the batch is one or more messages, each
-/// 1..=[`BATCH_MAX`] bytes, that end exactly at its end.
+/// The messages of a batch, in order; None unless the batch is at most [`BATCH_MAX`] bytes of
+/// one or more messages, each 1..=[`MSG_MAX`] bytes, that end exactly at its end.
 pub(super) fn split(mut bytes: &[u8]) -> Option<SmallVec<[&[u8]; 16]>> {
     let mut out = SmallVec::new();
-    if bytes.len() > BATCH_RECV_MAX {
+    if bytes.len() > BATCH_MAX {
         return None;
     }
     while !bytes.is_empty() {
         let (len, rest) = bytes.split_first_chunk::<LEN_BYTES>()?;
         let len = u32::from_le_bytes(*len) as usize;
-        if len == 0 || len > BATCH_MAX || len > rest.len() {
+        if len == 0 || len > MSG_MAX || len > rest.len() {
             return None;
         }
         let (msg, rest) = rest.split_at(len);
@@ -60,12 +65,12 @@ mod tests {
     fn a_batch_splits_into_its_messages_and_a_bad_one_into_nothing() {
         let mut b = Vec::new();
         push(&mut b, b"one");
-        push(&mut b, &[7u8; BATCH_MAX]);
+        push(&mut b, &[7u8; MSG_MAX - 20]);
         push(&mut b, b"x");
         let parts = split(&b).unwrap();
         assert_eq!(parts.len(), 3);
         assert_eq!(parts[0], b"one");
-        assert_eq!(parts[1], &[7u8; BATCH_MAX][..]);
+        assert_eq!(parts[1], &[7u8; MSG_MAX - 20][..]);
         assert_eq!(parts[2], b"x");
         // Empty; cut inside a length or inside a message; one byte too many; a zero length; a
         // length over the bound; a whole batch over the bound.
@@ -74,20 +79,28 @@ mod tests {
         assert!(split(&b[..b.len() - 1]).is_none());
         assert!(split(&[b.as_slice(), &[0]].concat()).is_none());
         assert!(split(&[0, 0, 0, 0]).is_none());
-        let mut long = ((BATCH_MAX + 1) as u32).to_le_bytes().to_vec();
-        long.extend(std::iter::repeat_n(1u8, BATCH_MAX + 1));
+        let mut long = ((MSG_MAX + 1) as u32).to_le_bytes().to_vec();
+        long.extend(std::iter::repeat_n(1u8, MSG_MAX + 1));
         assert!(split(&long).is_none());
         let mut big = Vec::new();
-        while big.len() <= BATCH_RECV_MAX {
+        while big.len() <= BATCH_MAX {
             push(&mut big, &[3u8; 1000]);
         }
         assert!(split(&big).is_none());
+        // The largest message fits an empty batch exactly, and nothing fits after it.
+        let mut full = Vec::new();
+        assert!(fits(&full, &[1u8; MSG_MAX]) && !fits(&full, &[1u8; MSG_MAX + 1]));
+        push(&mut full, &[1u8; MSG_MAX]);
+        assert_eq!(full.len(), BATCH_MAX);
+        assert!(!fits(&full, b"x"));
+        assert_eq!(split(&full).unwrap().len(), 1);
     }
 
     proptest! {
         #[test]
         fn what_is_pushed_splits_back_whole_and_in_order(
-            msgs in prop::collection::vec(prop::collection::vec(any::<u8>(), 1..300), 1..40)
+            // At most 35 x (4 + 99) bytes: within one batch.
+            msgs in prop::collection::vec(prop::collection::vec(any::<u8>(), 1..100), 1..36)
         ) {
             let mut b = Vec::new();
             for m in &msgs {
@@ -100,6 +113,33 @@ mod tests {
             }
         }
 
+        /// A good batch with one byte changed, or cut short, or with bytes added: split whole
+        /// into messages that account for every byte, or refused.
+        #[test]
+        fn a_damaged_batch_splits_exactly_or_not_at_all(
+            msgs in prop::collection::vec(prop::collection::vec(any::<u8>(), 1..200), 1..12),
+            at in any::<prop::sample::Index>(),
+            byte in any::<u8>(),
+            how in 0u8..3,
+        ) {
+            let mut b = Vec::new();
+            for m in &msgs {
+                push(&mut b, m);
+            }
+            let i = at.index(b.len());
+            match how {
+                0 => b[i] = byte,
+                1 => b.truncate(i),
+                _ => b.splice(i..i, [byte; 3]).for_each(drop),
+            }
+            let parts = split(&b).map(|p| p.iter().map(|m| m.len()).collect::<Vec<_>>());
+            if let Some(lens) = parts {
+                let total: usize = lens.iter().map(|l| l + LEN_BYTES).sum();
+                prop_assert_eq!(total, b.len());
+                prop_assert!(lens.iter().all(|&l| l > 0 && l <= MSG_MAX));
+            }
+        }
+
         #[test]
         fn any_bytes_split_without_panicking_into_messages_that_fit(
             bytes in prop::collection::vec(any::<u8>(), 0..600)
@@ -107,7 +147,7 @@ mod tests {
             if let Some(parts) = split(&bytes) {
                 let total: usize = parts.iter().map(|p| p.len() + LEN_BYTES).sum();
                 prop_assert_eq!(total, bytes.len());
-                prop_assert!(parts.iter().all(|p| !p.is_empty() && p.len() <= BATCH_MAX));
+                prop_assert!(parts.iter().all(|p| !p.is_empty() && p.len() <= MSG_MAX));
             }
         }
     }

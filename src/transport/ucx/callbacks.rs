@@ -288,14 +288,9 @@ pub(super) unsafe extern "C" fn am_batch_cb(
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    if let Some((ep, uid, bytes)) = control_parts(
-        header,
-        header_length,
-        data,
-        length,
-        param,
-        batch::BATCH_RECV_MAX,
-    ) {
+    if let Some((ep, uid, bytes)) =
+        control_parts(header, header_length, data, length, param, batch::BATCH_MAX)
+    {
         push_cb(CbEvent::Batch(ep, uid, bytes));
     }
     sys::UCS_OK

@@ -248,31 +248,38 @@ impl Progress {
     /// fire and forget. A control message to a peer that UCX holds an earlier one for waits in
     /// the peer's batch instead (see `batch`); anything else sends the peer's batch first.
     pub(super) fn send_internal(&mut self, peer: PeerId, id: u32, bytes: Vec<u8>) {
-        if let Some(entry) = self.peers.get_mut(&peer.0) {
-            if id == AM_CONTROL_ID
-                && bytes.len() <= batch::BATCH_MAX
-                && (entry.held > 0 || !entry.batch.is_empty())
-                && entry.ep.is_some()
-            {
-                if entry.batch.is_empty() {
-                    // A waiting batch counts as one queued send (`Agent::push_pending`), from
-                    // its first message until it is handed to UCX: an engine that is dropped
-                    // waits for it as for a held message.
-                    self.shared.internal_queued.fetch_add(1, Ordering::AcqRel);
-                }
-                batch::push(&mut entry.batch, &bytes);
-                self.shared
-                    .stats
-                    .control_batched
-                    .fetch_add(1, Ordering::Relaxed);
-                if entry.batch.len() >= batch::BATCH_MAX {
-                    self.send_batch(peer);
-                }
-                return;
-            }
+        let batched = id == AM_CONTROL_ID
+            && bytes.len() <= batch::MSG_MAX
+            && self
+                .peers
+                .get(&peer.0)
+                .is_some_and(|e| e.ep.is_some() && (e.held > 0 || !e.batch.is_empty()));
+        if !batched {
+            self.send_batch(peer);
+            return self.send_am(peer, id, bytes);
         }
-        self.send_batch(peer);
-        self.send_am(peer, id, bytes);
+        let full = self
+            .peers
+            .get(&peer.0)
+            .is_some_and(|e| !e.batch.is_empty() && !batch::fits(&e.batch, &bytes));
+        if full {
+            // Full: it goes now, queued by UCX behind what it holds, and a new batch begins.
+            self.send_batch(peer);
+        }
+        let Some(entry) = self.peers.get_mut(&peer.0) else {
+            return;
+        };
+        if entry.batch.is_empty() {
+            // A waiting batch counts as one queued send (`Agent::push_pending`), from its first
+            // message until it is handed to UCX: an engine that is dropped waits for it as for
+            // a held message.
+            self.shared.internal_queued.fetch_add(1, Ordering::AcqRel);
+        }
+        batch::push(&mut entry.batch, &bytes);
+        self.shared
+            .stats
+            .control_batched
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Sends what waits in `peer`'s batch, if anything does.

@@ -1017,7 +1017,10 @@ impl Progress {
         self.rkeys.clear();
         for entry in self.peers.values_mut() {
             drop(entry.ep.take());
-            entry.batch = Vec::new();
+            // A waiting batch goes with its endpoint, as what UCX held (`fail_peer`).
+            if !std::mem::take(&mut entry.batch).is_empty() {
+                self.shared.internal_sent();
+            }
             entry.held = 0;
         }
         self.ep_to_peer.clear();
@@ -1287,8 +1290,8 @@ mod tests {
 
     /// A peer that does not read (its driver lock held here, so its receive queue fills) gets
     /// the messages sent meanwhile in batches once it reads again: fewer active messages than
-    /// control messages, every one of them whole and in order, the ones too long to batch
-    /// (which send the batch before them) included.
+    /// control messages, every one of them whole and in order, the ones too long to batch and
+    /// a waited one sent last (each sends the batch before it) included.
     #[test]
     fn messages_to_a_peer_that_does_not_read_go_in_batches_whole_and_in_order() {
         const N: u32 = 3000;
@@ -1315,9 +1318,17 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
-        for (i, bytes) in controls(&b, N as usize, deadline).into_iter().enumerate() {
-            assert_eq!(bytes, payload(i as u32), "message {i}");
+        // A message with an op of its own (a handshake's) goes after the batch too.
+        let mut waited = a.send_control(ab, b"waited".to_vec()).unwrap();
+        let got = controls(&b, N as usize + 1, deadline);
+        for (i, bytes) in got[..N as usize].iter().enumerate() {
+            assert_eq!(*bytes, payload(i as u32), "message {i}");
         }
+        assert_eq!(got[N as usize], b"waited", "the waited message came last");
+        assert_eq!(
+            waited.wait(deadline, None).unwrap(),
+            crate::Outcome::Completed
+        );
         nothing_held(&a, deadline);
         let s = a.stats();
         let sent = u64::from(N) - s.control_batched + s.control_batches;
@@ -1329,6 +1340,28 @@ mod tests {
         );
         assert_eq!(b.stats().control_malformed, 0);
         println!("{N} messages in {sent} active messages");
+    }
+
+    /// Messages waiting in a batch for a peer that is closed go with it: nothing stays counted
+    /// as pending (an engine's drop would wait for it), nothing stays held.
+    #[test]
+    fn a_closed_peer_takes_its_waiting_batch_with_it() {
+        let kind = TransportKind::SharedMemory;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (a, b, ab) = accepted_pair(&kind, deadline);
+        let frozen = b.shared.driver.lock();
+        let mut i = 0u32;
+        while a.stats().control_batched == 0 {
+            assert!(Instant::now() < deadline, "no message was ever batched");
+            a.post_control(ab, i.to_le_bytes().repeat(50)).unwrap();
+            i += 1;
+        }
+        a.post_control(ab, b"last".to_vec()).unwrap();
+        assert!(a.push_pending());
+        assert!(a.close_peer_sync(ab, deadline));
+        nothing_held(&a, deadline);
+        drop(frozen);
+        println!("{i} messages posted before one was batched");
     }
 
     /// A batch is checked whole before any of it is handed on: one that does not split into
