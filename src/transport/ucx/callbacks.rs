@@ -263,57 +263,33 @@ pub(super) unsafe extern "C" fn conn_cb(req: sys::ucp_conn_request_h, _arg: *mut
     push_cb(CbEvent::ConnRequest(req));
 }
 
+/// The handler argument under which [`am_control_cb`] also serves the batch id (see `batch`).
+pub(super) const BATCH_ARG: *mut c_void = 1 as *mut c_void;
+
+/// A control message, or (`arg` is [`BATCH_ARG`]) several in one, split later under the driver
+/// lock. Control messages are sent eagerly, so the data is here now, with an 8-byte header (the
+/// sender's uid); anything else is dropped.
 pub(super) unsafe extern "C" fn am_control_cb(
-    _arg: *mut c_void,
+    arg: *mut c_void,
     header: *const c_void,
     header_length: usize,
     data: *mut c_void,
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    if let Some((ep, uid, bytes)) =
-        control_parts(header, header_length, data, length, param, MAX_CONTROL)
-    {
-        push_cb(CbEvent::Control(ep, uid, bytes));
-    }
-    sys::UCS_OK
-}
-
-/// Several control messages in one active message (see `batch`): split under the driver lock.
-pub(super) unsafe extern "C" fn am_batch_cb(
-    _arg: *mut c_void,
-    header: *const c_void,
-    header_length: usize,
-    data: *mut c_void,
-    length: usize,
-    param: *const sys::ucp_am_recv_param_t,
-) -> sys::ucs_status_t {
-    if let Some((ep, uid, bytes)) =
-        control_parts(header, header_length, data, length, param, batch::BATCH_MAX)
-    {
-        push_cb(CbEvent::Batch(ep, uid, bytes));
-    }
-    sys::UCS_OK
-}
-
-/// A control or batch message's reply endpoint, header uid and a copy of its bytes; None for
-/// anything that is not one (dropped): control messages are sent eagerly, so the data is here
-/// now, with an 8-byte header, and up to `max` bytes.
-unsafe fn control_parts(
-    header: *const c_void,
-    header_length: usize,
-    data: *mut c_void,
-    length: usize,
-    param: *const sys::ucp_am_recv_param_t,
-    max: usize,
-) -> Option<(sys::ucp_ep_h, u64, Vec<u8>)> {
     let p = &*param;
+    let batched = arg == BATCH_ARG;
+    let max = if batched {
+        batch::BATCH_MAX
+    } else {
+        MAX_CONTROL
+    };
     if p.recv_attr & (sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64) != 0
         || data.is_null()
         || length > max
         || header_length != 8
     {
-        return None;
+        return sys::UCS_OK;
     }
     let uid = u64::from_le_bytes(
         std::slice::from_raw_parts(header as *const u8, 8)
@@ -321,5 +297,10 @@ unsafe fn control_parts(
             .unwrap(),
     );
     let bytes = std::slice::from_raw_parts(data as *const u8, length).to_vec();
-    Some((p.reply_ep, uid, bytes))
+    push_cb(if batched {
+        CbEvent::Batch(p.reply_ep, uid, bytes)
+    } else {
+        CbEvent::Control(p.reply_ep, uid, bytes)
+    });
+    sys::UCS_OK
 }

@@ -248,23 +248,21 @@ impl Progress {
     /// fire and forget. A control message to a peer that UCX holds an earlier one for waits in
     /// the peer's batch instead (see `batch`); anything else sends the peer's batch first.
     pub(super) fn send_internal(&mut self, peer: PeerId, id: u32, bytes: Vec<u8>) {
+        let Some(e) = self.peers.get(&peer.0) else {
+            return self.send_am(peer, id, bytes); // gone: dropped there, with a line
+        };
+        let waiting = !e.batch.is_empty();
         let batched = id == AM_CONTROL_ID
             && bytes.len() <= batch::MSG_MAX
-            && self
-                .peers
-                .get(&peer.0)
-                .is_some_and(|e| e.ep.is_some() && (e.held > 0 || !e.batch.is_empty()));
-        if !batched {
+            && e.ep.is_some()
+            && (e.held > 0 || waiting);
+        if waiting && (!batched || !batch::fits(&e.batch, &bytes)) {
+            // Whatever waits goes first; when full, this message begins a new batch (queued by
+            // UCX behind what it holds).
             self.send_batch(peer);
-            return self.send_am(peer, id, bytes);
         }
-        let full = self
-            .peers
-            .get(&peer.0)
-            .is_some_and(|e| !e.batch.is_empty() && !batch::fits(&e.batch, &bytes));
-        if full {
-            // Full: it goes now, queued by UCX behind what it holds, and a new batch begins.
-            self.send_batch(peer);
+        if !batched {
+            return self.send_am(peer, id, bytes);
         }
         let Some(entry) = self.peers.get_mut(&peer.0) else {
             return;

@@ -2,7 +2,7 @@
 //! queue, drives `ucp_worker_progress` and handles what the callbacks report, sleeps on the
 //! worker's event fd and the wake eventfd, and tears everything down in order at the end.
 use super::callbacks::{
-    self, am_batch_cb, am_bind_cb, am_control_cb, am_drain_cb, conn_cb, AmCb, CbEvent,
+    self, am_bind_cb, am_control_cb, am_drain_cb, conn_cb, AmCb, CbEvent, BATCH_ARG,
 };
 use super::handles::{Context, Listener, Mapped, RemoteKey as UcxRkey, Worker};
 use super::op::{OpSlot, STOP_PEER, STOP_SHUTDOWN};
@@ -584,15 +584,16 @@ impl Progress {
         if st != sys::UCS_OK {
             return Err(ucx_err(st, "ucp_worker_set_am_recv_handler"));
         }
-        for (id, cb) in [
-            (AM_DRAIN_ID, am_drain_cb as AmCb),
-            (AM_BIND_ID, am_bind_cb as AmCb),
-            (AM_PROBE_ID, am_probe_cb as AmCb),
-            (AM_BATCH_ID, am_batch_cb as AmCb),
+        for (id, cb, arg) in [
+            (AM_DRAIN_ID, am_drain_cb as AmCb, std::ptr::null_mut()),
+            (AM_BIND_ID, am_bind_cb as AmCb, std::ptr::null_mut()),
+            (AM_PROBE_ID, am_probe_cb as AmCb, std::ptr::null_mut()),
+            (AM_BATCH_ID, am_control_cb as AmCb, BATCH_ARG),
         ] {
             let h = sys::ucp_am_handler_param_t {
                 id,
                 cb: Some(cb),
+                arg,
                 ..am
             };
             let st = sys::ucp_worker_set_am_recv_handler(self.worker.0, &h);
