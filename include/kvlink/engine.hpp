@@ -256,6 +256,8 @@ struct Health {
   /// Milliseconds since the last completed transfer (UINT64_MAX if none yet).
   std::uint64_t since_last_completion_ms = 0;
   std::uint64_t bytes_completed = 0;
+  /// Transfers UCX still held when their wait returned (30 ms after a force-close that did not
+  /// end them; see the deadline rule). Should stay 0; each one is also logged.
   std::uint64_t unreaped_ops = 0;
   /// Ranks being dialled again after their endpoint failed, and dial attempts so far.
   std::uint64_t peers_reconnecting = 0;

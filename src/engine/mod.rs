@@ -204,6 +204,8 @@ pub struct Health {
     /// Milliseconds since the last completed transfer (u64::MAX if none yet).
     pub since_last_completion_ms: u64,
     pub bytes_completed: u64,
+    /// Transfers UCX still held when their wait returned (30 ms after a force-close that did
+    /// not end them; see the deadline rule). Should stay 0; each one is also logged.
     pub unreaped_ops: u64,
     /// Waits that had to return before UCX released a fenced receive (should stay 0).
     pub unsettled_returns: u64,

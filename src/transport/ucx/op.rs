@@ -7,7 +7,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Why an op was asked to stop, recorded before the UCX cancel so its completion maps to the
 /// right outcome.
@@ -60,6 +60,19 @@ impl OpSlot {
         self.cv.notify_all();
     }
 }
+
+/// How long a stop waits for UCX to release a request after force-closing its endpoint, counted
+/// from the end of the cancel's grace (shared by the ops of one request given up together), and
+/// at least [`FORCE_CLOSE_FLOOR`] from the close. A force-closed endpoint's requests normally
+/// end within the close itself (under a millisecond measured here); the rest is for a progress
+/// pass on a busy machine. Not longer: UCX 1.13 has been seen (shared memory, receiver killed,
+/// both cores busy) to keep the second send of a request past the close of its endpoint with no
+/// end in sight, and the caller's wait must still end by its deadline plus the agreement bound
+/// plus this; such an op is counted as unreaped instead.
+const FORCE_CLOSE_WAIT: Duration = Duration::from_millis(30);
+/// The least a stop waits after its own force-close command (which may have to be run by the
+/// progress thread) when the shared wait is already over.
+const FORCE_CLOSE_FLOOR: Duration = Duration::from_millis(2);
 
 /// An in-flight send or receive. Dropping it before it ends cancels and reaps it (bounded).
 pub struct Op {
@@ -222,10 +235,16 @@ impl Op {
             Ordering::AcqRel,
             Ordering::Acquire,
         );
-        let grace = self.shared.reap_grace;
+        let now = Instant::now();
+        let mut cancel_until = now + self.shared.reap_grace;
+        if let Some(limit) = self.grace_until {
+            // Only the wait for the cancel is shared with the other ops given up with this one.
+            cancel_until = cancel_until.min(limit);
+        }
         // Stage 1: cancel (a send is drained by its receiver). Stage 2: force-close the
         // endpoint, which ends every request on it. Stage 3: shutdown of the agent, if under
-        // way, completes everything. The buffer is never handed back while UCX holds it.
+        // way, completes everything. The buffer is never handed back while UCX holds it, except
+        // past the bounded wait after a force-close (see FORCE_CLOSE_WAIT), counted as unreaped.
         for cmd in [
             Cmd::CancelOp(self.slot.id),
             Cmd::ForceClose(self.slot.peer, None),
@@ -241,12 +260,12 @@ impl Op {
             if self.shared.submit(cmd).is_err() {
                 break;
             }
-            let mut until = Instant::now() + grace;
-            if let Some(limit) = self.grace_until.filter(|_| cancel) {
-                // Only the wait for the cancel is shared: after a force-close the wait is for
-                // UCX to let go of the memory, which the op cannot cut short.
-                until = until.min(limit);
-            }
+            let until = if cancel {
+                cancel_until
+            } else {
+                let grace = self.shared.reap_grace.min(FORCE_CLOSE_WAIT);
+                (cancel_until + grace).max(Instant::now() + FORCE_CLOSE_FLOOR)
+            };
             self.wait_done(until);
         }
         if self.slot.state.lock().is_none() {
