@@ -74,6 +74,20 @@ const FORCE_CLOSE_WAIT: Duration = Duration::from_millis(30);
 /// progress thread) when the shared wait is already over.
 const FORCE_CLOSE_FLOOR: Duration = Duration::from_millis(2);
 
+/// When a stop that begins at `now` stops waiting for its cancel: after the agent's reap grace,
+/// or at the grace shared with the ops given up together ([`Op::limit_grace`]) if that is
+/// earlier.
+fn cancel_ends(now: Instant, reap_grace: Duration, shared: Option<Instant>) -> Instant {
+    let own = now + reap_grace;
+    shared.map_or(own, |limit| own.min(limit))
+}
+
+/// When a stop whose cancel wait ended at `cancel_until` stops waiting for UCX after the
+/// force-close it asked for at `now` ([`FORCE_CLOSE_WAIT`], [`FORCE_CLOSE_FLOOR`]).
+fn close_ends(now: Instant, cancel_until: Instant, reap_grace: Duration) -> Instant {
+    (cancel_until + reap_grace.min(FORCE_CLOSE_WAIT)).max(now + FORCE_CLOSE_FLOOR)
+}
+
 /// An in-flight send or receive. Dropping it before it ends cancels and reaps it (bounded).
 pub struct Op {
     slot: Arc<OpSlot>,
@@ -235,12 +249,7 @@ impl Op {
             Ordering::AcqRel,
             Ordering::Acquire,
         );
-        let now = Instant::now();
-        let mut cancel_until = now + self.shared.reap_grace;
-        if let Some(limit) = self.grace_until {
-            // Only the wait for the cancel is shared with the other ops given up with this one.
-            cancel_until = cancel_until.min(limit);
-        }
+        let cancel_until = cancel_ends(Instant::now(), self.shared.reap_grace, self.grace_until);
         // Stage 1: cancel (a send is drained by its receiver). Stage 2: force-close the
         // endpoint, which ends every request on it. Stage 3: shutdown of the agent, if under
         // way, completes everything. The buffer is never handed back while UCX holds it, except
@@ -263,8 +272,7 @@ impl Op {
             let until = if cancel {
                 cancel_until
             } else {
-                let grace = self.shared.reap_grace.min(FORCE_CLOSE_WAIT);
-                (cancel_until + grace).max(Instant::now() + FORCE_CLOSE_FLOOR)
+                close_ends(Instant::now(), cancel_until, self.shared.reap_grace)
             };
             self.wait_done(until);
         }
@@ -337,5 +345,50 @@ impl Drop for Op {
         if !self.finished && self.slot.state.lock().is_none() {
             self.stop(STOP_CANCEL);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_lone_stop_waits_its_grace_then_at_most_the_force_close_wait() {
+        let t = Instant::now();
+        let cancel = cancel_ends(t, 50 * MS, None);
+        assert_eq!(cancel, t + 50 * MS);
+        // The cancel did not end it: the close is asked for at the end of the grace.
+        assert_eq!(close_ends(cancel, cancel, 50 * MS), t + 80 * MS);
+        // An agent with a long reap grace still waits only FORCE_CLOSE_WAIT after the close.
+        let cancel = cancel_ends(t, 2000 * MS, None);
+        assert_eq!(close_ends(cancel, cancel, 2000 * MS), t + 2030 * MS);
+        // A grace shorter than the close wait bounds it too.
+        let cancel = cancel_ends(t, 10 * MS, None);
+        assert_eq!(close_ends(cancel, cancel, 10 * MS), t + 20 * MS);
+    }
+
+    #[test]
+    fn ops_given_up_together_share_one_grace_and_one_close_wait() {
+        // The first op was stopped at t with a 50 ms grace, and limited the others to t + 50.
+        let t = Instant::now();
+        let limit = Some(t + 50 * MS);
+        // The second op's stop begins once the first's has ended (t + 51): its cancel wait is
+        // already over, and its wait after the close ends with the first's, at t + 80 (before
+        // this, each op waited a whole grace after its own close: t + 101 for the second).
+        let second = t + 51 * MS;
+        let cancel = cancel_ends(second, 50 * MS, limit);
+        assert_eq!(cancel, t + 50 * MS);
+        assert_eq!(close_ends(second, cancel, 50 * MS), t + 80 * MS);
+        // A third op stopped after that still gets FORCE_CLOSE_FLOOR to see its close run.
+        let third = t + 81 * MS;
+        let cancel = cancel_ends(third, 50 * MS, limit);
+        assert_eq!(
+            close_ends(third, cancel, 50 * MS),
+            third + FORCE_CLOSE_FLOOR
+        );
+        // A limit later than the op's own grace does not lengthen it.
+        assert_eq!(cancel_ends(t, 50 * MS, Some(t + 500 * MS)), t + 50 * MS);
     }
 }
