@@ -4,8 +4,10 @@
 //! ```text
 //! offset size field
 //!      0    4 magic      b"KVLK"
-//!      4    2 version    3 (2: Hello without instance, challenge and proof; 1: Advertise
-//!                        without timeout_ms)
+//!      4    2 version    4 (3: the same frames, but a peer that cannot take several control
+//!                        messages in one UCX active message, which 4 may send; 2: Hello
+//!                        without instance, challenge and proof; 1: Advertise without
+//!                        timeout_ms)
 //!      6    1 type       1 Hello, 2 Advertise, 3 Ready, 4 Notify, 5 Vote, 6 Verdict, 7 Quiesced,
 //!                        8 Proof, 9 Welcome, 10 Refuse
 //!      7    1 flags      0 (any other value is rejected)
@@ -40,7 +42,7 @@ use super::id::{Generation, RankId, RequestId, RequestKey, Token};
 use crate::error::{Error, ErrorKind, Outcome};
 
 pub const MAGIC: [u8; 4] = *b"KVLK";
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.
 pub const MAX_BODY: usize = 2 << 20;
