@@ -34,7 +34,7 @@
 //     for its own key. One thread drives at a time; an idle engine never polls. A wait for a
 //     bulk transfer (a receive whose largest buffer is 4 MiB or more, a send of such a buffer)
 //     does not drive: it sleeps and the progress thread wakes it. Over tcp neither does a wait
-//     among 4 MiB or more of transfers in flight on the engine.
+//     among 2 MiB or more of transfers in flight on the engine.
 //
 // Blocking and deadlines (the deadline rule)
 //   - Functions that take a `Deadline` block until it (or the cancel flag, or the awaited event),

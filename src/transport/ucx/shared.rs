@@ -556,10 +556,10 @@ impl Shared {
         self.last_progress_ns.store(ns, Ordering::Release);
     }
 
-    /// Over tcp (the kernel copies every byte), whether [`BULK_WAIT_BYTES`] or more are in
-    /// flight on this agent: then no waiting caller polls ([`Driving::for_transfer`]).
+    /// Over tcp (the kernel copies every byte), whether [`BULK_IN_FLIGHT_BYTES`] or more are
+    /// in flight on this agent: then no waiting caller polls ([`Driving::for_transfer`]).
     pub(super) fn bulk_in_flight(&self) -> bool {
-        self.kernel_copies && self.in_flight_bytes.load(Ordering::Relaxed) >= BULK_WAIT_BYTES
+        self.kernel_copies && self.in_flight_bytes.load(Ordering::Relaxed) >= BULK_IN_FLIGHT_BYTES
     }
 
     /// Whether a caller that began waiting at `since` should drive progress rather than sleep:
@@ -684,6 +684,16 @@ pub struct Driving<'a> {
 /// of transfers in flight, leaves progress to the progress thread instead of polling beside it
 /// ([`Driving::for_transfer`]).
 pub(super) const BULK_WAIT_BYTES: usize = 4 << 20;
+/// Over tcp, how many bytes of transfers in flight on an agent make every wait leave progress
+/// to the progress thread ([`Shared::bulk_in_flight`]): two transfers of 1 MiB. With 4 MiB
+/// (as for one transfer), a context side's sender threads, each waiting on one 1 MiB send
+/// among three or fewer, polled and took turns with the progress thread at the socket. Whole
+/// 1 MiB requests eight in flight (`kvlink-bench peer` pairs, 64 rounds), 4 MiB against 2 MiB,
+/// twelve alternated pairs in a slow hour, GB/s: 1.61 / 1.55 / 1.55 / 1.64 / 1.88 / 1.57 /
+/// 1.64 / 1.75 / 1.84 / 1.89 / 1.67 / 2.07 against 1.79 / 1.73 / 1.64 / 2.05 / 1.83 / 2.05 /
+/// 1.95 / 1.90 / 1.83 / 1.69 / 1.70 / 2.35 (nine better). One 1 MiB transfer alone is still
+/// polled for.
+pub(super) const BULK_IN_FLIGHT_BYTES: usize = 2 << 20;
 
 impl<'a> Driving<'a> {
     pub(super) fn new(shared: &'a Arc<Shared>) -> Self {
@@ -696,17 +706,18 @@ impl<'a> Driving<'a> {
     }
 
     /// For a wait on one transfer of `len` bytes. The caller does not drive when that transfer
-    /// comes to [`BULK_WAIT_BYTES`] or more, nor, over tcp, when everything in flight on this
-    /// agent (the transfer included; posted receives count even before their data moves)
-    /// does: such transfers keep the progress thread busy for milliseconds, the end of ours is
-    /// reported a wake-up later (tens of µs), and a caller polling beside that thread competes
-    /// with it, and with the kernel's copies, for the cores. Measured on two cores: tcp, one 64 MiB transfer at a time, 1.71 GB/s polling,
-    /// 1.92 not (eight alternated pairs, seven better); tcp, whole 1 MiB requests eight in
-    /// flight, 1.79 -> 2.06 GB/s (ten pairs, seven better). Over shared memory the copies of
-    /// transfers in flight run in the passes of whoever drives, and a waiting caller that
-    /// drives ends its wait without a wake-up: the same eight in flight there were slower
-    /// without polling (6.56 -> 5.33 GB/s, twelve pairs, nine slower). One 1 MiB transfer alone
-    /// is polled for on every transport: its wake-up is a large part of it.
+    /// comes to [`BULK_WAIT_BYTES`] or more, nor, over tcp, when everything in flight on this agent
+    /// (the transfer included; posted receives count even before their data moves) comes to
+    /// [`BULK_IN_FLIGHT_BYTES`]: such transfers keep the progress thread busy for milliseconds, the
+    /// end of ours is reported a wake-up later (tens of µs), and a caller polling beside that
+    /// thread competes with it, and with the kernel's copies, for the cores. Measured on two cores:
+    /// tcp, one 64 MiB transfer at a time, 1.71 GB/s polling, 1.92 not (eight alternated pairs,
+    /// seven better); tcp, whole 1 MiB requests eight in flight, 1.79 -> 2.06 GB/s (ten pairs,
+    /// seven better). Over shared memory the copies of transfers in flight run in the passes of
+    /// whoever drives, and a waiting caller that drives ends its wait without a wake-up: the same
+    /// eight in flight there were slower without polling (6.56 -> 5.33 GB/s, twelve pairs, nine
+    /// slower). One 1 MiB transfer alone is polled for on every transport: its wake-up is a large
+    /// part of it.
     ///
     /// A bulk wait for a small transfer wakes a sleeping progress thread before its first
     /// sleep, as a caller that stops driving does: its caller may have started the op itself
@@ -798,12 +809,12 @@ mod tests {
         let sh = shared();
         sh.note_progress();
         let in_flight = |n| sh.in_flight_bytes.store(n, Ordering::Relaxed);
-        in_flight(BULK_WAIT_BYTES - 4096);
+        in_flight(BULK_IN_FLIGHT_BYTES - 4096);
         assert!(
             Driving::for_transfer(&sh, 4096).wants_to_drive(Instant::now()),
             "under the bulk size in all, a wait polls"
         );
-        in_flight(BULK_WAIT_BYTES);
+        in_flight(BULK_IN_FLIGHT_BYTES);
         let mut among = Driving::for_transfer(&sh, 4096);
         assert!(
             !among.wants_to_drive(Instant::now()),
@@ -825,7 +836,7 @@ mod tests {
         in_flight(0);
         let mut early = Driving::new(&sh);
         assert!(early.wants_to_drive(Instant::now()));
-        in_flight(BULK_WAIT_BYTES);
+        in_flight(BULK_IN_FLIGHT_BYTES);
         assert!(
             !early.wants_to_drive(Instant::now()),
             "a bulk transfer started meanwhile"
