@@ -34,7 +34,7 @@
 //     for its own key. One thread drives at a time; an idle engine never polls. A wait for a
 //     bulk transfer (a receive whose largest buffer is 4 MiB or more, a send of such a buffer)
 //     does not drive: it sleeps and the progress thread wakes it. Over tcp neither does a wait
-//     among 2 MiB or more of transfers in flight on the engine.
+//     among 2 MiB or more of transfers in flight on the engine (its own included).
 //
 // Blocking and deadlines (the deadline rule)
 //   - Functions that take a `Deadline` block until it (or the cancel flag, or the awaited event),
@@ -256,8 +256,10 @@ struct Health {
   /// Milliseconds since the last completed transfer (UINT64_MAX if none yet).
   std::uint64_t since_last_completion_ms = 0;
   std::uint64_t bytes_completed = 0;
-  /// Transfers UCX still held when their wait returned (30 ms after a force-close that did not
-  /// end them; see the deadline rule). Should stay 0; each one is also logged.
+  /// Transfers UCX still held when their wait returned: once the force-close of its endpoint
+  /// has run, a stopped transfer waits at most 30 ms past the end of its grace (at least 2 ms
+  /// after the close) for UCX to let it go (see the deadline rule). Nonzero only when UCX
+  /// keeps a transfer past the close of its endpoint; each one is also logged.
   std::uint64_t unreaped_ops = 0;
   /// Ranks being dialled again after their endpoint failed, and dial attempts so far.
   std::uint64_t peers_reconnecting = 0;

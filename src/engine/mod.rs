@@ -204,8 +204,10 @@ pub struct Health {
     /// Milliseconds since the last completed transfer (u64::MAX if none yet).
     pub since_last_completion_ms: u64,
     pub bytes_completed: u64,
-    /// Transfers UCX still held when their wait returned (30 ms after a force-close that did
-    /// not end them; see the deadline rule). Should stay 0; each one is also logged.
+    /// Transfers UCX still held when their wait returned: once the force-close of its endpoint
+    /// has run, a stopped transfer waits at most 30 ms past the end of its grace (at least 2 ms
+    /// after the close) for UCX to let it go (see the deadline rule). Nonzero only when UCX
+    /// keeps a transfer past the close of its endpoint; each one is also logged.
     pub unreaped_ops: u64,
     /// Waits that had to return before UCX released a fenced receive (should stay 0).
     pub unsettled_returns: u64,

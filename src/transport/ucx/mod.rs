@@ -238,7 +238,10 @@ pub struct AgentOptions {
     pub listen: Option<SocketAddr>,
     /// UCX keepalive interval: how fast a dead peer is found when no operation is pending.
     pub keepalive: Duration,
-    /// How long a wait that gave up may spend getting UCX to release its request.
+    /// How long a stopped op waits for its cancel (a send: for its receiver to drain it) before
+    /// its endpoint is force-closed, and at most how long it then waits for the progress thread
+    /// to run that close. After the close has run it waits at most 30 ms more, counted from the
+    /// end of the grace, for UCX to let the op go (counted in `Stats::unreaped` if it does not).
     pub reap_grace: Duration,
     /// Discard tagged data that matches no posted receive (reported as
     /// [`Event::StrayData`]) instead of keeping it for a receive posted later; the discard runs

@@ -1,6 +1,6 @@
 //! One in-flight request: its completion slot (shared with the progress thread, which completes
 //! it) and [`Op`], the owner's handle that waits, stops and maps the end to an outcome.
-use super::shared::{CancelPace, Cmd, Driving, Shared, CANCEL_POLL};
+use super::shared::{CancelPace, Cmd, Driving, Reply, Shared, CANCEL_POLL};
 use super::{map_status, sys, PeerId};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -61,17 +61,16 @@ impl OpSlot {
     }
 }
 
-/// How long a stop waits for UCX to release a request after force-closing its endpoint, counted
-/// from the end of the cancel's grace (shared by the ops of one request given up together), and
-/// at least [`FORCE_CLOSE_FLOOR`] from the close. A force-closed endpoint's requests normally
-/// end within the close itself (under a millisecond measured here); the rest is for a progress
-/// pass on a busy machine. Not longer: UCX 1.13 has been seen (shared memory, receiver killed,
-/// both cores busy) to keep the second send of a request past the close of its endpoint with no
-/// end in sight, and the caller's wait must still end by its deadline plus the agreement bound
-/// plus this; such an op is counted as unreaped instead.
+/// How long a stop waits for UCX to release a request once the force-close of its endpoint has
+/// run, counted from the end of the cancel's grace (shared by the ops of one request given up
+/// together), and at least [`FORCE_CLOSE_FLOOR`] after the close. A force-closed endpoint's
+/// requests end within the close itself (their callbacks run in it: under a millisecond
+/// measured here). Not longer: UCX 1.13 has been seen (shared memory, receiver killed, both
+/// cores busy) to keep the second send of a request past the close of its endpoint with no end
+/// in sight, and the caller's wait must still end by its deadline plus the agreement bound plus
+/// this; such an op is counted as unreaped instead.
 const FORCE_CLOSE_WAIT: Duration = Duration::from_millis(30);
-/// The least a stop waits after its own force-close command (which may have to be run by the
-/// progress thread) when the shared wait is already over.
+/// The least a stop waits for UCX after the force-close has run, when the shared wait is over.
 const FORCE_CLOSE_FLOOR: Duration = Duration::from_millis(2);
 
 /// When a stop that begins at `now` stops waiting for its cancel: after the agent's reap grace,
@@ -82,10 +81,10 @@ fn cancel_ends(now: Instant, reap_grace: Duration, shared: Option<Instant>) -> I
     shared.map_or(own, |limit| own.min(limit))
 }
 
-/// When a stop whose cancel wait ended at `cancel_until` stops waiting for UCX after the
-/// force-close it asked for at `now` ([`FORCE_CLOSE_WAIT`], [`FORCE_CLOSE_FLOOR`]).
-fn close_ends(now: Instant, cancel_until: Instant, reap_grace: Duration) -> Instant {
-    (cancel_until + reap_grace.min(FORCE_CLOSE_WAIT)).max(now + FORCE_CLOSE_FLOOR)
+/// When a stop whose cancel wait ended at `cancel_until` stops waiting for UCX, the force-close
+/// having run at `closed` ([`FORCE_CLOSE_WAIT`], [`FORCE_CLOSE_FLOOR`]).
+fn close_ends(closed: Instant, cancel_until: Instant, reap_grace: Duration) -> Instant {
+    (cancel_until + reap_grace.min(FORCE_CLOSE_WAIT)).max(closed + FORCE_CLOSE_FLOOR)
 }
 
 /// An in-flight send or receive. Dropping it before it ends cancels and reaps it (bounded).
@@ -249,32 +248,30 @@ impl Op {
             Ordering::AcqRel,
             Ordering::Acquire,
         );
-        let cancel_until = cancel_ends(Instant::now(), self.shared.reap_grace, self.grace_until);
+        let grace = self.shared.reap_grace;
+        let cancel_until = cancel_ends(Instant::now(), grace, self.grace_until);
         // Stage 1: cancel (a send is drained by its receiver). Stage 2: force-close the
-        // endpoint, which ends every request on it. Stage 3: shutdown of the agent, if under
-        // way, completes everything. The buffer is never handed back while UCX holds it, except
-        // past the bounded wait after a force-close (see FORCE_CLOSE_WAIT), counted as unreaped.
-        for cmd in [
-            Cmd::CancelOp(self.slot.id),
-            Cmd::ForceClose(self.slot.peer, None),
-        ] {
-            if self.slot.state.lock().is_some() {
-                break;
+        // endpoint, which ends every request on it, and wait for the close to run (as long as
+        // the grace) and then, bounded, for UCX to let the op go. The buffer is never handed
+        // back while UCX holds it, except past those bounds (a progress thread that does not
+        // run the close, a UCX that keeps the op past it, an agent shutting down meanwhile),
+        // and then the op is counted as unreaped.
+        if self.slot.state.lock().is_none()
+            && self.shared.submit(Cmd::CancelOp(self.slot.id)).is_ok()
+        {
+            self.wait_done(cancel_until);
+            if self.slot.state.lock().is_none() {
+                if self.detach {
+                    // Left to UCX (see `detach_on_stop`): not quiesced, not counted as unreaped.
+                    return;
+                }
+                let closed = Reply::new();
+                let asked = Instant::now();
+                let cmd = Cmd::ForceClose(self.slot.peer, Some(closed.clone()));
+                if self.shared.submit(cmd).is_ok() && closed.wait(asked + grace).is_ok() {
+                    self.wait_done(close_ends(Instant::now(), cancel_until, grace));
+                }
             }
-            if self.detach && matches!(cmd, Cmd::ForceClose(..)) {
-                // Left to UCX (see `detach_on_stop`): not quiesced, not counted as unreaped.
-                return;
-            }
-            let cancel = matches!(cmd, Cmd::CancelOp(_));
-            if self.shared.submit(cmd).is_err() {
-                break;
-            }
-            let until = if cancel {
-                cancel_until
-            } else {
-                close_ends(Instant::now(), cancel_until, self.shared.reap_grace)
-            };
-            self.wait_done(until);
         }
         if self.slot.state.lock().is_none() {
             // UCX broke its contract (a force-closed endpoint completes its requests). The wait
@@ -359,8 +356,10 @@ mod tests {
         let t = Instant::now();
         let cancel = cancel_ends(t, 50 * MS, None);
         assert_eq!(cancel, t + 50 * MS);
-        // The cancel did not end it: the close is asked for at the end of the grace.
+        // The cancel did not end it: the close runs at the end of the grace.
         assert_eq!(close_ends(cancel, cancel, 50 * MS), t + 80 * MS);
+        // A close that the progress thread ran late still gets the floor.
+        assert_eq!(close_ends(t + 79 * MS, cancel, 50 * MS), t + 81 * MS);
         // An agent with a long reap grace still waits only FORCE_CLOSE_WAIT after the close.
         let cancel = cancel_ends(t, 2000 * MS, None);
         assert_eq!(close_ends(cancel, cancel, 2000 * MS), t + 2030 * MS);

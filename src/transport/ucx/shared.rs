@@ -790,11 +790,26 @@ mod tests {
             Driving::new(&sh).wants_to_drive(Instant::now()),
             "within the window, a wait polls"
         );
-        let small = Driving::for_transfer(&sh, BULK_WAIT_BYTES - 1);
+        // A transfer's own bytes count as in flight (`track_op`): over tcp one of 1 MiB alone
+        // is polled for, one of 2 MiB is not; over shared memory only the bulk size counts.
+        let alone = |len: usize| {
+            sh.in_flight_bytes.store(len, Ordering::Relaxed);
+            Driving::for_transfer(&sh, len).wants_to_drive(Instant::now())
+        };
+        assert!(alone(1 << 20), "one 1 MiB transfer alone is polled for");
         assert!(
-            small.wants_to_drive(Instant::now()),
-            "a transfer under the bulk size is polled for"
+            !alone(BULK_IN_FLIGHT_BYTES),
+            "over tcp, one of 2 MiB is not"
         );
+        let sm = Shared::new(&AgentOptions::new("sm", TransportKind::SharedMemory), 1).unwrap();
+        sm.note_progress();
+        sm.in_flight_bytes
+            .store(BULK_WAIT_BYTES - 1, Ordering::Relaxed);
+        assert!(
+            Driving::for_transfer(&sm, BULK_WAIT_BYTES - 1).wants_to_drive(Instant::now()),
+            "over shared memory, a transfer under the bulk size is polled for"
+        );
+        sh.in_flight_bytes.store(0, Ordering::Relaxed);
         let mut bulk = Driving::for_transfer(&sh, BULK_WAIT_BYTES);
         assert!(
             !bulk.wants_to_drive(Instant::now()),
