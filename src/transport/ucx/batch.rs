@@ -6,8 +6,9 @@
 //! callback on this side and a queue slot and a callback on the peer's. While an earlier
 //! message to a peer is held, the next ones wait in a batch of the peer's own instead
 //! (`PeerEntry::batch`), which goes as one active message once the peer has no held message
-//! left, or when the next message would take it past [`BATCH_MAX`]. Messages keep their order: a message to the same
-//! peer that is not batched (a drain, a bind, a waited control message) sends the batch first.
+//! left, or when the next message would take it past [`BATCH_MAX`]. Messages keep their order:
+//! a message to the same peer that is not batched (a drain, a bind, a waited control message)
+//! sends the batch first.
 //! A peer whose queue has room meets no batch: each message goes in the call, as before.
 //!
 //! The batch's format: each message as its length (4 bytes, little-endian) and its bytes. The

@@ -266,9 +266,8 @@ impl Op {
                     return;
                 }
                 let closed = Reply::new();
-                let asked = Instant::now();
                 let cmd = Cmd::ForceClose(self.slot.peer, Some(closed.clone()));
-                if self.shared.submit(cmd).is_ok() && closed.wait(asked + grace).is_ok() {
+                if self.shared.submit(cmd).is_ok() && closed.wait(Instant::now() + grace).is_ok() {
                     self.wait_done(close_ends(Instant::now(), cancel_until, grace));
                 }
             }

@@ -32,6 +32,16 @@ pub(super) struct PeerEntry {
     pub(super) batch: Vec<u8>,
 }
 
+impl PeerEntry {
+    /// Drops what waits to be batched, as its endpoint goes (what UCX held goes with it too),
+    /// and takes the waiting batch off the agent's queued sends.
+    pub(super) fn drop_batch(&mut self, shared: &super::shared::Shared) {
+        if !std::mem::take(&mut self.batch).is_empty() {
+            shared.internal_sent();
+        }
+    }
+}
+
 /// What an endpoint is created from.
 pub(super) enum Target<'a> {
     Sock(SocketAddr),
@@ -166,10 +176,7 @@ impl Progress {
         };
         let first = !entry.failed;
         entry.failed = true;
-        // What waited to be batched goes with the endpoint, as what UCX held does.
-        if !std::mem::take(&mut entry.batch).is_empty() {
-            self.shared.internal_sent();
-        }
+        entry.drop_batch(&self.shared);
         let ep = if first { entry.ep.take() } else { None };
         self.shared.failed.lock().insert(PeerId(peer), true);
         if first {

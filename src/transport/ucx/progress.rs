@@ -1018,10 +1018,7 @@ impl Progress {
         self.rkeys.clear();
         for entry in self.peers.values_mut() {
             drop(entry.ep.take());
-            // A waiting batch goes with its endpoint, as what UCX held (`fail_peer`).
-            if !std::mem::take(&mut entry.batch).is_empty() {
-                self.shared.internal_sent();
-            }
+            entry.drop_batch(&self.shared);
             entry.held = 0;
         }
         self.ep_to_peer.clear();
