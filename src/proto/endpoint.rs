@@ -6,8 +6,7 @@
 //! each returns `None`; then sleep until `poll_timeout` (or the next input) and call
 //! `handle_timeout`. Deadlines fire from `handle_timeout` alone, so cleanup never depends on new
 //! requests arriving.
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -18,7 +17,7 @@ use super::pool::Lease;
 use super::request::{
     Action, Config, Event, Out, RecvRequest, Role, SendFlow, SendRefusal, Stats, Transmit,
 };
-use super::timers::{Machine, Timed, TimerId, TimerTable};
+use super::timers::{DueQueue, Machine, Timed, TimerId, TimerTable};
 use super::wire::{self, BufferDesc, Message};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 
@@ -95,9 +94,9 @@ pub struct Endpoint {
     /// Requests forgotten at terminal + linger leave a tombstone (key, expiry and outcome, no
     /// other state) for as long as a peer may still ask about them (its own deadline plus the
     /// agreement bound): a late vote is answered with the verdict, a late verdict confirmed,
-    /// and a late duplicate advertisement never starts the request again. Expiries in a heap.
+    /// and a late duplicate advertisement never starts the request again. Expiries in due order.
     tombs: Map<TimerId, (Instant, Outcome)>,
-    tomb_expiry: BinaryHeap<Reverse<(Instant, TimerId)>>,
+    tomb_expiry: DueQueue<TimerId>,
     /// The receives (`None`) and sends (`Some(receiver)`) known here whose generation is above
     /// 0 (a retry's), by request id: only those can be newer than a key's generation, so this
     /// answers [`Endpoint::newer_known`], and is empty unless retries run.
@@ -131,7 +130,7 @@ impl Endpoint {
             sends: Map::default(),
             timers: TimerTable::default(),
             tombs: Map::default(),
-            tomb_expiry: BinaryHeap::new(),
+            tomb_expiry: DueQueue::default(),
             retries: Map::default(),
             collective: None,
             out: Out::default(),
@@ -578,13 +577,13 @@ impl Endpoint {
     pub fn handle_timeout(&mut self, now: Instant) {
         // A verdict that is already there beats the bound.
         self.drive(now);
-        while let Some((at, id)) = self.timers.pop_due(now) {
+        while let Some((at, lane, id)) = self.timers.pop_due(now) {
             match id {
                 TimerId::Recv(key) => {
                     let Some(r) = self.recvs.get_mut(&key) else {
                         continue; // forgotten
                     };
-                    if !self.timers.fired(r, at) {
+                    if !self.timers.fired(r, at, lane) {
                         continue;
                     }
                     r.on_timeout(now, &mut self.out);
@@ -605,7 +604,7 @@ impl Endpoint {
                     let Some(f) = flow_mut(&mut self.sends, key, to) else {
                         continue;
                     };
-                    if !self.timers.fired(f, at) {
+                    if !self.timers.fired(f, at, lane) {
                         continue;
                     }
                     f.on_timeout(now, &mut self.out);
@@ -620,11 +619,7 @@ impl Endpoint {
                 }
             }
         }
-        while let Some(Reverse((at, id))) = self.tomb_expiry.peek().copied() {
-            if at > now {
-                break;
-            }
-            self.tomb_expiry.pop();
+        while let Some((at, id)) = self.tomb_expiry.pop_due(now) {
             if self.tombs.get(&id).is_some_and(|t| t.0 == at) {
                 self.tombs.remove(&id);
             }
@@ -647,7 +642,7 @@ impl Endpoint {
 
     fn bury(&mut self, id: TimerId, tomb: (Instant, Outcome)) {
         self.tombs.insert(id, tomb);
-        self.tomb_expiry.push(Reverse((tomb.0, id)));
+        self.tomb_expiry.push(tomb.0, id);
     }
 
     /// A vote or ready answer for a receive forgotten here: answer with its verdict (a late
@@ -666,25 +661,20 @@ impl Endpoint {
     }
 
     /// A request that ends early leaves its deadline's entry behind until that deadline (a
-    /// minute at defaults): at thousands of requests a second the heap would hold far more dead
-    /// entries than live ones. Rebuilt from the live timers once it holds twice as many as there
-    /// are, so its size follows the requests alive, at O(1) amortised.
+    /// minute at defaults): at thousands of requests a second the table would hold far more dead
+    /// entries than live ones. Compacted once a lane holds twice as many as it has live, so its
+    /// size follows the requests alive, at O(1) amortised.
     fn compact_timers(&mut self) {
-        if self.timers.wants_rebuild() {
-            let recvs = self
-                .recvs
-                .iter()
-                .filter_map(|(&key, r)| r.at.map(|at| (at, TimerId::Recv(key))));
-            let sends = self.sends.iter().flat_map(|(&key, flows)| {
-                flows
-                    .iter()
-                    .filter_map(move |(to, f)| f.at.map(|at| (at, TimerId::Send(key, *to))))
+        if self.timers.wants_compact() {
+            let (recvs, sends) = (&self.recvs, &self.sends);
+            self.timers.compact(|at, lane, id| match id {
+                TimerId::Recv(key) => recvs.get(&key).is_some_and(|r| r.is_live(at, lane)),
+                TimerId::Send(key, to) => flow(sends, key, to).is_some_and(|f| f.is_live(at, lane)),
             });
-            self.timers.rebuild(recvs.chain(sends));
         }
     }
 
-    /// Entries in the timer heap, live and superseded (kept within twice the live timers).
+    /// Entries in the timer table, live and superseded (kept within twice the live timers).
     pub fn timer_entries(&self) -> usize {
         self.timers.entries()
     }

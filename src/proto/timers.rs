@@ -1,11 +1,19 @@
-//! The timer table of the protocol core: every request's next deadline in one heap, each entry
-//! checked against the instant its state machine holds, so that an input costs O(log n) and no
-//! call scans every request (quinn-proto's timer table, kept as a heap). [`Endpoint`] arms a
-//! machine after every input that touched it and fires what is due in `handle_timeout`.
+//! The timer table of the protocol core: every request's next deadline, each entry checked
+//! against the instant its state machine holds, so that an input costs O(log n) at worst and no
+//! call scans every request (quinn-proto's timer table). [`Endpoint`] arms a machine after every
+//! input that touched it and fires what is due in `handle_timeout`.
+//!
+//! Most instants are armed in the order they fall due: a request's deadline is its start plus
+//! the engine's timeout, a finished request's forget is its end plus the linger. Such an entry
+//! goes to the back of a sorted queue, O(1), and only one that falls due before the queue's back
+//! goes to a heap ([`DueQueue`]). Machines still running and finished ones (lingering) keep
+//! separate queues, so that a deadline a minute away at the back does not send every forget
+//! five seconds away to the heap. At thousands of requests a second the lingering ones number
+//! tens of thousands: in one heap every input paid for their depth in cache misses.
 //!
 //! [`Endpoint`]: super::endpoint::Endpoint
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
 use std::time::Instant;
 
 use super::id::{RankId, RequestKey};
@@ -17,22 +25,98 @@ pub(crate) enum TimerId {
     Send(RequestKey, RankId),
 }
 
-/// Superseded timer entries tolerated beyond the live ones before the heap is rebuilt.
+/// Superseded timer entries tolerated in a lane beyond its live ones before it is compacted.
 const COMPACT_SLACK: usize = 64;
 
-/// A state machine with the instant of its live entry in the timer heap (the one entry not
-/// superseded), kept beside it so that scheduling looks the machine up once. Boxed in the maps:
-/// a B-tree node then holds pointers, not machines of a few hundred bytes, so inserts and the
-/// splits they cause move little memory.
+/// Instants in due order: a sorted queue for those armed in order (O(1)), a heap for the rest.
+#[derive(Debug)]
+pub(crate) struct DueQueue<T> {
+    sorted: VecDeque<(Instant, T)>,
+    heap: BinaryHeap<Reverse<(Instant, T)>>,
+}
+
+impl<T> Default for DueQueue<T> {
+    fn default() -> Self {
+        DueQueue {
+            sorted: VecDeque::new(),
+            heap: BinaryHeap::new(),
+        }
+    }
+}
+
+impl<T: Ord + Copy> DueQueue<T> {
+    pub(crate) fn push(&mut self, at: Instant, item: T) {
+        match self.sorted.back() {
+            Some(&(last, _)) if at < last => self.heap.push(Reverse((at, item))),
+            _ => self.sorted.push_back((at, item)),
+        }
+    }
+
+    /// The earliest entry (the queue's front or the heap's top).
+    pub(crate) fn peek(&self) -> Option<(Instant, T)> {
+        let front = self.sorted.front().copied();
+        let top = self.heap.peek().map(|Reverse(e)| *e);
+        match (front, top) {
+            (Some(f), Some(t)) => Some(f.min(t)),
+            (f, t) => f.or(t),
+        }
+    }
+
+    /// Takes the earliest entry if it is due at `now`.
+    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, T)> {
+        let e = self.peek()?;
+        if e.0 > now {
+            return None;
+        }
+        if self.sorted.front() == Some(&e) {
+            self.sorted.pop_front();
+        } else {
+            self.heap.pop();
+        }
+        Some(e)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.sorted.len() + self.heap.len()
+    }
+
+    /// Keeps the entries `keep` says yes to (the queue stays sorted).
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(Instant, T) -> bool) {
+        self.sorted.retain(|&(at, t)| keep(at, t));
+        self.heap.retain(|&Reverse((at, t))| keep(at, t));
+    }
+}
+
+/// The lane of a machine's live entry: still running, or finished and lingering.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lane {
+    Running = 0,
+    Lingering = 1,
+}
+
+/// A state machine with the instant of its live entry in the timer table (the one entry not
+/// superseded) and the lane it is in, kept beside it so that scheduling looks the machine up
+/// once. Boxed in the maps: a machine is a few hundred bytes, and a map's growth then moves
+/// pointers, not machines.
 #[derive(Debug)]
 pub(crate) struct Timed<T> {
     pub(crate) at: Option<Instant>,
+    lane: Lane,
     machine: T,
 }
 
 impl<T> Timed<T> {
     pub(crate) fn boxed(machine: T) -> Box<Self> {
-        Box::new(Timed { at: None, machine })
+        Box::new(Timed {
+            at: None,
+            lane: Lane::Running,
+            machine,
+        })
+    }
+
+    /// Whether `(at, lane)` is this machine's live entry.
+    pub(crate) fn is_live(&self, at: Instant, lane: Lane) -> bool {
+        self.at == Some(at) && self.lane == lane
     }
 }
 
@@ -57,72 +141,144 @@ pub(crate) trait Machine {
     fn settle(&mut self, now: Instant);
     /// When the machine next needs `on_timeout`: a deadline, a bound, a resend, or its forget.
     fn next_timeout(&self) -> Instant;
+    /// Whether it has ended and only lingers (its timers are its forget and maybe a resend).
+    fn lingers(&self) -> bool;
 }
 
-/// Every state machine's next deadline, earliest first (quinn-proto's timer table, as a heap).
-/// An entry is live only while it equals its machine's `Timed::at`; others are skipped when
-/// popped, so an event costs O(log n) and no call scans every request.
+/// Every state machine's next deadline, earliest first, in two lanes (running and lingering
+/// machines). An entry is live only while it equals its machine's `Timed::at` and lane; others
+/// are skipped when popped, and compacted away once they outnumber the live ones.
 #[derive(Debug, Default)]
 pub(crate) struct TimerTable {
-    heap: BinaryHeap<Reverse<(Instant, TimerId)>>,
-    /// Machines with a live entry in `heap`.
-    live: usize,
+    lanes: [DueQueue<TimerId>; 2],
+    /// Machines with a live entry in each lane.
+    live: [usize; 2],
 }
 
 impl TimerTable {
     /// Called with the machine in hand after every input that touched it: puts its next
-    /// deadline in the heap, unless its live entry already says so.
+    /// deadline in its lane, unless its live entry already says so.
     pub(crate) fn arm<M: Machine>(&mut self, id: TimerId, m: &mut Timed<M>, now: Instant) {
         m.machine.settle(now);
         let at = m.machine.next_timeout();
-        if m.at != Some(at) {
-            if m.at.replace(at).is_none() {
-                self.live += 1;
-            }
-            self.heap.push(Reverse((at, id)));
+        let lane = if m.machine.lingers() {
+            Lane::Lingering
+        } else {
+            Lane::Running
+        };
+        if m.is_live(at, lane) {
+            return;
         }
+        if m.at.is_some() {
+            self.live[m.lane as usize] -= 1;
+        }
+        m.at = Some(at);
+        m.lane = lane;
+        self.live[lane as usize] += 1;
+        self.lanes[lane as usize].push(at, id);
     }
 
     /// The earliest entry's instant (it may be a superseded one: then whoever waits for it
     /// wakes early, once, for nothing).
     pub(crate) fn next_due(&self) -> Option<Instant> {
-        self.heap.peek().map(|Reverse((at, _))| *at)
+        let [a, b] = &self.lanes;
+        match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) => Some(x.0.min(y.0)),
+            (x, y) => x.or(y).map(|e| e.0),
+        }
     }
 
     /// Takes the earliest entry if it is due at `now`; check it with [`TimerTable::fired`].
-    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, TimerId)> {
-        let Reverse((at, id)) = *self.heap.peek()?;
-        if at > now {
-            return None;
-        }
-        self.heap.pop();
-        Some((at, id))
+    pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, Lane, TimerId)> {
+        let [a, b] = &self.lanes;
+        let lane = match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) if y.0 < x.0 => Lane::Lingering,
+            (Some(_), _) => Lane::Running,
+            (None, Some(_)) => Lane::Lingering,
+            (None, None) => return None,
+        };
+        let (at, id) = self.lanes[lane as usize].pop_due(now)?;
+        Some((at, lane, id))
     }
 
-    /// Entries in the heap, live and superseded.
+    /// Entries in the table, live and superseded.
     pub(crate) fn entries(&self) -> usize {
-        self.heap.len()
+        self.lanes.iter().map(DueQueue::len).sum()
     }
 
-    /// Whether superseded entries outnumber the live ones (beyond [`COMPACT_SLACK`]): then
-    /// [`TimerTable::rebuild`] from the live ones, so the heap's size follows the machines alive.
-    pub(crate) fn wants_rebuild(&self) -> bool {
-        self.heap.len() > 2 * self.live + COMPACT_SLACK
+    /// Whether superseded entries outnumber the live ones in a lane (beyond [`COMPACT_SLACK`]):
+    /// then [`TimerTable::compact`], so the table's size follows the machines alive.
+    pub(crate) fn wants_compact(&self) -> bool {
+        (0..2).any(|i| self.lanes[i].len() > 2 * self.live[i] + COMPACT_SLACK)
     }
 
-    /// Remakes the heap from the machines' live entries (each machine's `Timed::at`).
-    pub(crate) fn rebuild(&mut self, live: impl Iterator<Item = (Instant, TimerId)>) {
-        self.heap = live.map(Reverse).collect();
-        debug_assert_eq!(self.heap.len(), self.live);
+    /// Drops every entry `live` says is not its machine's live one. O(entries), each looked up
+    /// once: it runs when at least half of a lane is superseded, so O(1) amortised per entry.
+    pub(crate) fn compact(&mut self, mut live: impl FnMut(Instant, Lane, TimerId) -> bool) {
+        for (i, lane) in [Lane::Running, Lane::Lingering].into_iter().enumerate() {
+            if self.lanes[i].len() > 2 * self.live[i] + COMPACT_SLACK {
+                self.lanes[i].retain(|at, id| live(at, lane, id));
+            }
+        }
     }
 
-    /// The heap's entry for `m` at `at` was popped: is it the live one? (Then `m` has none.)
-    pub(crate) fn fired<M>(&mut self, m: &mut Timed<M>, at: Instant) -> bool {
-        if m.at != Some(at) {
+    /// The table's entry for `m` at `at` in `lane` was popped: is it the live one? (Then `m`
+    /// has none.)
+    pub(crate) fn fired<M>(&mut self, m: &mut Timed<M>, at: Instant, lane: Lane) -> bool {
+        if !m.is_live(at, lane) {
             return false; // superseded by a later arm
         }
         m.at = None;
-        self.live -= 1;
+        self.live[lane as usize] -= 1;
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::time::Duration;
+
+    proptest! {
+        /// Whatever the order of the pushes, entries come out in due order, each once.
+        #[test]
+        fn a_due_queue_pops_in_due_order(offsets in proptest::collection::vec(0u64..1000, 0..200)) {
+            let t0 = Instant::now();
+            let mut q = DueQueue::default();
+            for (i, &o) in offsets.iter().enumerate() {
+                q.push(t0 + Duration::from_millis(o), i);
+            }
+            let mut want: Vec<(Instant, usize)> = offsets
+                .iter()
+                .enumerate()
+                .map(|(i, &o)| (t0 + Duration::from_millis(o), i))
+                .collect();
+            want.sort();
+            // Nothing is due before its instant.
+            prop_assert_eq!(q.pop_due(t0 - Duration::from_millis(1)), None);
+            let mut got = Vec::new();
+            while let Some(e) = q.pop_due(t0 + Duration::from_secs(2)) {
+                got.push(e);
+            }
+            prop_assert_eq!(got, want);
+            prop_assert_eq!(q.len(), 0);
+        }
+    }
+
+    #[test]
+    fn entries_armed_in_order_stay_out_of_the_heap() {
+        let t0 = Instant::now();
+        let mut q = DueQueue::default();
+        for i in 0..100u64 {
+            q.push(t0 + Duration::from_millis(i), i);
+        }
+        q.push(t0, 1000); // earlier than the back: the heap
+        assert_eq!((q.sorted.len(), q.heap.len()), (100, 1));
+        assert_eq!(q.pop_due(t0), Some((t0, 0)));
+        assert_eq!(q.pop_due(t0), Some((t0, 1000)));
+        q.retain(|_, i| i % 2 == 0);
+        assert_eq!(q.len(), 49);
+        assert_eq!(q.peek(), Some((t0 + Duration::from_millis(2), 2)));
     }
 }

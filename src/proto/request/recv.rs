@@ -603,4 +603,8 @@ impl Machine for RecvRequest {
         }
         t
     }
+
+    fn lingers(&self) -> bool {
+        self.terminal.is_some()
+    }
 }

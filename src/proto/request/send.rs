@@ -449,4 +449,8 @@ impl Machine for SendFlow {
         }
         t
     }
+
+    fn lingers(&self) -> bool {
+        self.terminal.is_some()
+    }
 }
