@@ -9,7 +9,7 @@ use super::{AgentOptions, Event, PeerId, Stats, MAX_CONTROL};
 use crate::error::{Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -224,6 +224,7 @@ impl Agent {
             cv: Condvar::new(),
             request: AtomicPtr::new(std::ptr::null_mut()),
             stop_reason: AtomicU8::new(STOP_NONE),
+            bytes_counted: AtomicBool::new(false),
         });
         self.shared.track_op(&slot);
         self.shared

@@ -5,7 +5,7 @@ use super::{map_status, sys, PeerId};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,6 +48,10 @@ pub(super) struct OpSlot {
     /// The UCX request handle while UCX owns it; only touched on the progress thread.
     pub(super) request: AtomicPtr<c_void>,
     pub(super) stop_reason: AtomicU8,
+    /// Whether the op's bytes are in [`Shared::in_flight_bytes`](super::shared::Shared): set
+    /// when it is tracked, cleared by whichever takes them off first (its end, or its stop
+    /// giving up on UCX).
+    pub(super) bytes_counted: AtomicBool,
 }
 
 impl OpSlot {
@@ -278,6 +282,9 @@ impl Op {
             // (health shows it) and `is_quiesced` stays false so an owner that can fence the
             // memory does. No abort: a library must not end its host process.
             self.shared.stats.unreaped.fetch_add(1, Ordering::Relaxed);
+            // Its bytes are no transfer in progress any more: left counted, over tcp a few MiB
+            // of them would keep every later wait from polling for the agent's life.
+            self.shared.uncount_bytes(&self.slot);
             tracing::error!(
                 op = self.slot.id,
                 "UCX has not released a request after cancel and force-close"

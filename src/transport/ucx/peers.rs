@@ -14,7 +14,7 @@ use parking_lot::{Condvar, Mutex};
 use std::ffi::c_void;
 use std::net::SocketAddr;
 use std::os::raw::c_int;
-use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -415,6 +415,7 @@ impl Progress {
             cv: Condvar::new(),
             request: AtomicPtr::new(std::ptr::null_mut()),
             stop_reason: AtomicU8::new(STOP_NONE),
+            bytes_counted: AtomicBool::new(false),
         });
         let mut param = Self::request_param(&slot);
         param.cb.recv = Some(recv_cb);

@@ -618,16 +618,23 @@ impl Shared {
     /// teardown may finish (and uncount) it as soon as it is in the map.
     pub(super) fn track_op(&self, slot: &Arc<OpSlot>) {
         if !slot.control {
+            slot.bytes_counted.store(true, Ordering::Release);
             self.in_flight_bytes
                 .fetch_add(slot.expected_len, Ordering::Relaxed);
         }
         self.in_flight.lock().insert(slot.id, Arc::downgrade(slot));
     }
 
-    /// Takes an ending op out of `in_flight`, and its bytes off the count if it was still there
-    /// (so an op ended twice is uncounted once).
+    /// Takes an ending op out of `in_flight`, and its bytes off the count.
     pub(super) fn untrack_op(&self, slot: &OpSlot) {
-        if self.in_flight.lock().remove(&slot.id).is_some() && !slot.control {
+        self.in_flight.lock().remove(&slot.id);
+        self.uncount_bytes(slot);
+    }
+
+    /// Takes an op's bytes off the count, once however often it is called (its end, and a stop
+    /// that gave up on UCX, may both).
+    pub(super) fn uncount_bytes(&self, slot: &OpSlot) {
+        if slot.bytes_counted.swap(false, Ordering::AcqRel) {
             self.in_flight_bytes
                 .fetch_sub(slot.expected_len, Ordering::Relaxed);
         }
@@ -776,6 +783,7 @@ impl Drop for Driving<'_> {
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
+    use std::sync::atomic::{AtomicPtr, AtomicU8};
 
     /// The shared state alone: no progress thread, so the tests play it.
     fn shared() -> Arc<Shared> {
@@ -817,6 +825,60 @@ mod tests {
         );
         assert!(!bulk.step(Instant::now()), "its step says: sleep");
         assert!(!Driving::for_transfer(&sh, usize::MAX).wants_to_drive(Instant::now()));
+    }
+
+    #[test]
+    fn an_ops_bytes_leave_the_count_once_whether_it_ends_or_is_given_up_first() {
+        let sh = shared();
+        let slot = |id: u64, control: bool| {
+            Arc::new(OpSlot {
+                id,
+                peer: PeerId(1),
+                expected_len: 1 << 20,
+                tag: id,
+                send: true,
+                notify: false,
+                control,
+                started: Instant::now(),
+                state: Mutex::new(None),
+                cv: Condvar::new(),
+                request: AtomicPtr::new(std::ptr::null_mut()),
+                stop_reason: AtomicU8::new(STOP_NONE),
+                bytes_counted: AtomicBool::new(false),
+            })
+        };
+        let (a, b, c) = (slot(1, false), slot(2, false), slot(3, true));
+        for s in [&a, &b, &c] {
+            sh.track_op(s);
+        }
+        assert_eq!(
+            sh.in_flight_bytes.load(Ordering::Relaxed),
+            2 << 20,
+            "data ops only"
+        );
+        assert!(sh.bulk_in_flight());
+        // `a` ends; `b` is given up on (unreaped) and UCX lets it go later.
+        sh.untrack_op(&a);
+        sh.untrack_op(&a);
+        sh.uncount_bytes(&b);
+        assert_eq!(sh.in_flight_bytes.load(Ordering::Relaxed), 0);
+        assert!(
+            !sh.bulk_in_flight(),
+            "an unreaped op does not keep waits from polling"
+        );
+        assert_eq!(
+            sh.in_flight.lock().len(),
+            2,
+            "b is still UCX's, and the control op"
+        );
+        sh.untrack_op(&b);
+        sh.untrack_op(&c);
+        assert_eq!(
+            sh.in_flight_bytes.load(Ordering::Relaxed),
+            0,
+            "nothing taken off twice"
+        );
+        assert!(sh.in_flight.lock().is_empty());
     }
 
     #[test]
