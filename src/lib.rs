@@ -24,6 +24,7 @@ pub mod memory;
 pub mod metrics;
 pub mod metrics_http;
 pub mod proto;
+pub mod timeline;
 pub mod transport;
 
 mod api;

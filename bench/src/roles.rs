@@ -134,6 +134,23 @@ impl Shared {
 
 /// Holds the process (and its engine or agent) until the bench closes our standard input:
 /// the other side may still be finishing requests with us.
+/// With `KVLINK_TIMELINE` set, writes this process's stage marks there
+/// (`scripts/timeline.sh`); a build without the `timeline` feature says so on stderr.
+fn dump_timeline() {
+    let Some(path) = std::env::var_os("KVLINK_TIMELINE") else {
+        return;
+    };
+    if !kvlink::timeline::ENABLED {
+        eprintln!(
+            "KVLINK_TIMELINE is set, but this kvlink-bench was built without --features timeline"
+        );
+        return;
+    }
+    if let Err(e) = kvlink::timeline::dump(std::path::Path::new(&path)) {
+        eprintln!("timeline dump to {}: {e}", path.to_string_lossy());
+    }
+}
+
 fn linger() {
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
@@ -276,6 +293,7 @@ fn gen(a: &PeerArgs) -> i32 {
         s.gbps = (secs > 0.0).then(|| bytes as f64 / secs / 1e9);
         s.health = Some(format!("{:?}", engine.health()));
     }
+    dump_timeline();
     st.report_final("RESULT");
     linger();
     drop(engine);
@@ -629,6 +647,7 @@ fn ctx(a: &PeerArgs) -> i32 {
         let _ = s.join();
     }
     st.lock().health = Some(format!("{:?}", engine.health()));
+    dump_timeline();
     st.report_final("CTX");
     0
 }

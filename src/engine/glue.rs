@@ -26,6 +26,7 @@ use crate::proto::{
     Action, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, PeerInfo, RankId, Refusal,
     RequestKey, Role, SessionKey, Step, Token, TokenAllocator,
 };
+use crate::timeline::{self, Stage};
 use crate::transport::cuda::Staging;
 use crate::transport::ucx::Held;
 use crate::transport::{Agent, Event, EventSink, Op, PeerId};
@@ -465,6 +466,7 @@ impl Inner {
         if let Err(e) = core.ep.handle_message(now, rank, msg) {
             tracing::warn!("control message from {rank}: {e}");
         }
+        timeline::mark(Stage::ControlHandled);
     }
 
     fn on_receive_done(&self, core: &mut Core, now: Instant, id: u64) {
@@ -528,6 +530,7 @@ impl Inner {
         if let Err(e) = res {
             tracing::debug!("op {id}: {e}");
         }
+        timeline::mark(Stage::LandingHandled);
     }
 
     /// Drains the core's outputs: control messages out, actions applied, events recorded and
@@ -749,6 +752,7 @@ impl EventSink for Sink {
         }
         inner.prune(&mut core, now);
         inner.flush_via(&mut core, None, now);
+        timeline::mark(Stage::SinkFlushed);
         let next = [core.ep.poll_timeout(), core.peers.next_due()]
             .into_iter()
             .flatten()

@@ -53,6 +53,7 @@ use crate::proto::{
     BufferDesc, BufferKind, Config, Endpoint, Identity, RankId, ReceiveFlow, ReceiveSpec,
     RequestKey, Role, Secret,
 };
+use crate::timeline::{self, Stage};
 use crate::transport::cuda::Staging;
 use crate::transport::ucx::{CancelPace, Held, CANCEL_POLL};
 use crate::transport::{Agent, AgentOptions, PeerId, TransportKind};
@@ -501,6 +502,8 @@ impl Engine {
         request_info: Vec<u8>,
         timeout: Option<Duration>,
     ) -> Result<()> {
+        timeline::mark(Stage::AdvertiseCalled);
+        let _returned = timeline::on_return(Stage::AdvertiseReturned);
         let timeout = timeout.unwrap_or(self.timeout);
         if timeout.is_zero() {
             return Err(key_err(ErrorKind::InvalidArgument, key, "zero timeout"));
@@ -567,6 +570,7 @@ impl Engine {
                     )
                 });
         self.inner.flush_via(&mut core, Some(&mut held), now);
+        timeline::mark(Stage::AdvertiseSent);
         // Started before anything below can cancel one of them (a cancel queued first would
         // find nothing to cancel).
         let released = held.release();
@@ -827,6 +831,18 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Option<Advertisement> {
+        let taken = self.next_advertisement_inner(deadline, cancel);
+        if taken.is_some() {
+            timeline::mark(Stage::AdvertisementTaken);
+        }
+        taken
+    }
+
+    fn next_advertisement_inner(
+        &self,
+        deadline: Instant,
+        cancel: Option<&dyn Fn() -> bool>,
+    ) -> Option<Advertisement> {
         // A caller returns None only from a pass that found the queue empty, or after its
         // cancel check, during which it was not asleep (an arrival then woke another caller).
         self.block(WaitKey::Advert, deadline, cancel, |core| {
@@ -836,6 +852,7 @@ impl Engine {
 
     /// Context side: accept (`ready`) or reject an advertisement before any data moves.
     pub fn accept(&self, key: RequestKey, from: RankId, ready: bool) -> Result<()> {
+        let _returned = timeline::on_return(Stage::AcceptReturned);
         let mut core = self.inner.core.lock();
         if !core.ep.knows_send(key, from) {
             return Err(key_err(
@@ -908,6 +925,7 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
+        let _returned = timeline::on_return(Stage::SendReturned);
         let inner = &self.inner;
         let mut core = inner.core.lock();
         // Per segment, inline for the usual one or two: no allocation on this path but the
@@ -1114,6 +1132,8 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
+        timeline::mark(Stage::WaitCalled);
+        let _returned = timeline::on_return(Stage::WaitReturned);
         let take = |core: &mut Core| {
             let o = core.terminals.remove(&(key, role));
             if o.is_some() && role == Role::Receiver {

@@ -6,6 +6,7 @@
 use super::op::OpSlot;
 use super::shared::Shared;
 use super::{batch, sys, Event, MAX_CONTROL};
+use crate::timeline::{self, Stage};
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -145,6 +146,7 @@ pub(super) unsafe extern "C" fn send_cb(
     status: sys::ucs_status_t,
     user_data: *mut c_void,
 ) {
+    timeline::mark(Stage::SendDone);
     let slot = Arc::from_raw(user_data as *const OpSlot);
     slot.request.store(std::ptr::null_mut(), Ordering::Release);
     sys::ucp_request_free(request);
@@ -158,6 +160,7 @@ pub(super) unsafe extern "C" fn recv_cb(
     info: *const sys::ucp_tag_recv_info_t,
     user_data: *mut c_void,
 ) {
+    timeline::mark(Stage::DataLanded);
     let slot = Arc::from_raw(user_data as *const OpSlot);
     slot.request.store(std::ptr::null_mut(), Ordering::Release);
     let len = if info.is_null() { 0 } else { (*info).length };
@@ -277,6 +280,7 @@ pub(super) unsafe extern "C" fn am_control_cb(
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
+    timeline::mark(Stage::ControlArrived);
     let p = &*param;
     let batched = arg == BATCH_ARG;
     let max = if batched {

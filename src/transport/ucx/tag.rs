@@ -6,6 +6,7 @@ use super::op::{OpSlot, STOP_NONE, STOP_PEER};
 use super::progress::Progress;
 use super::{sys, PeerId, AM_CONTROL_ID};
 use crate::error::ErrorKind;
+use crate::timeline::{self, Stage};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -122,9 +123,11 @@ impl Progress {
         // ends; the slot's strong count in user_data is returned by the callback or by `track`.
         let ptr = unsafe {
             if send {
+                timeline::mark(Stage::SendPosted);
                 param.cb.send = Some(send_cb);
                 sys::ucp_tag_send_nbx(ep, addr as *const c_void, len, tag, &param)
             } else {
+                timeline::mark(Stage::RecvPosted);
                 param.cb.recv = Some(recv_cb);
                 sys::ucp_tag_recv_nbx(
                     self.worker.0,

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Lines up the stage marks of a generation and a context process (kvlink's `timeline` feature,
+one request in flight) and prints where a request's time goes, stage by stage.
+
+usage: timeline.py GEN_DUMP CTX_DUMP
+
+Each dump holds `nanoseconds stage` lines (CLOCK_MONOTONIC, one clock for both processes). A
+request is the span from one `AdvertiseCalled` of the generation side to the next. Within it the
+script follows the path below, taking each stage's first mark after the previous stage's; a span
+where a stage is missing (a warm-up or the end) is left out. Per stage it prints the median
+and the quartiles of the time since the previous stage, and the median of the whole path; the
+stages off the path (the receive's post, the send's completion, the calls' returns) are given
+as medians from the span's start.
+"""
+import statistics
+import sys
+
+PATH = [
+    ("gen", "AdvertiseCalled", "advertise called"),
+    ("gen", "AdvertiseSent", "Advertise handed to UCX"),
+    ("ctx", "ControlArrived", "it arrives (UCX callback)"),
+    ("ctx", "ControlHandled", "core has handled it"),
+    ("ctx", "AdvertisementTaken", "next_advertisement returns it"),
+    ("ctx", "AcceptReturned", "accept returns"),
+    ("ctx", "SendPosted", "data send handed to UCX"),
+    ("gen", "DataLanded", "data lands (UCX callback)"),
+    ("gen", "LandingHandled", "core has handled the landing"),
+    ("gen", "SinkFlushed", "verdict handed to UCX"),
+    ("gen", "WaitReturned", "wait returns Completed"),
+]
+ASIDE = [
+    ("gen", "RecvPosted"),
+    ("gen", "AdvertiseReturned"),
+    ("gen", "WaitCalled"),
+    ("ctx", "SendDone"),
+    ("ctx", "SendReturned"),
+]
+
+
+def load(path, side):
+    with open(path) as f:
+        for line in f:
+            t, stage = line.split()
+            yield int(t), side, stage
+
+
+def quartiles(v):
+    v = sorted(v)
+    return v[len(v) // 4], statistics.median(v), v[(3 * len(v)) // 4]
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    marks = sorted(list(load(sys.argv[1], "gen")) + list(load(sys.argv[2], "ctx")))
+    starts = [i for i, m in enumerate(marks) if m[1:] == ("gen", "AdvertiseCalled")]
+    steps = [[] for _ in PATH[1:]]
+    aside = {a: [] for a in ASIDE}
+    totals = []
+    for a, b in zip(starts, starts[1:]):
+        t0 = marks[a][0]
+        k, prev, got = a, t0, []
+        for side, stage, _ in PATH[1:]:
+            while k < b and marks[k][1:] != (side, stage):
+                k += 1
+            if k >= b:
+                break
+            got.append(marks[k][0] - prev)
+            prev = marks[k][0]
+        if len(got) < len(PATH) - 1:
+            continue
+        for s, d in zip(steps, got):
+            s.append(d)
+        totals.append(prev - t0)
+        for key in ASIDE:
+            t = next((m[0] for m in marks[a:b] if m[1:] == key), None)
+            if t is not None:
+                aside[key].append(t - t0)
+    if not totals:
+        sys.exit("no complete request in the dumps (one request in flight, both sides marked?)")
+    print(f"{len(totals)} requests of {len(starts) - 1} complete; us from the previous stage")
+    print(f"  {'side':4} {'stage':19} {'p25':>6} {'p50':>6} {'p75':>6}")
+    for (side, stage, what), v in zip(PATH[1:], steps):
+        lo, mid, hi = (x / 1000 for x in quartiles(v))
+        print(f"  {side:4} {stage:19} {lo:6.2f} {mid:6.2f} {hi:6.2f}  {what}")
+    lo, mid, hi = (x / 1000 for x in quartiles(totals))
+    print(f"  path, advertise called to wait returned: p25 {lo:.2f} p50 {mid:.2f} p75 {hi:.2f} us")
+    print("  off the path, p50 us from advertise called:")
+    for (side, stage), v in aside.items():
+        if v:
+            print(f"    {side:4} {stage:19} {statistics.median(v) / 1000:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
