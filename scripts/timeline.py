@@ -25,7 +25,7 @@ PATH = [
     ("ctx", "SendPosted", "data send handed to UCX"),
     ("gen", "DataLanded", "data lands (UCX callback)"),
     ("gen", "LandingHandled", "core has handled the landing"),
-    ("gen", "SinkFlushed", "verdict handed to UCX"),
+    ("gen", "SinkFlushed", "sink has flushed (verdict queued, lease back)"),
     ("gen", "WaitReturned", "wait returns Completed"),
 ]
 ASIDE = [

@@ -43,7 +43,8 @@ pub enum Stage {
     DataLanded,
     /// The protocol core has handled a landing (engine sink).
     LandingHandled,
-    /// The engine sink has sent what the pass queued (a verdict, say) and lets go of the core.
+    /// The engine sink has flushed the core's output (control messages queued for UCX, actions
+    /// applied, events recorded) and lets go of the core.
     SinkFlushed,
 }
 
