@@ -2,14 +2,14 @@
 //! [`RemoteKey`]). Every call checks what it can here, then hands a command to the progress
 //! thread; nothing here touches UCX.
 use super::held::Held;
-use super::op::{Op, OpSlot, SlotKind, STOP_NONE};
+use super::op::{Op, OpSlot, SlotKind};
 use super::progress::progress_thread;
 use super::shared::{Cmd, Driving, EventSink, Reply, Shared};
 use super::{AgentOptions, Event, PeerId, Stats, MAX_CONTROL};
 use crate::error::{Error, ErrorKind, Result};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -208,24 +208,8 @@ impl Agent {
         kind: SlotKind,
         notify: bool,
     ) -> Arc<OpSlot> {
-        let send = kind == SlotKind::Send;
-        let control = kind == SlotKind::Control;
         let id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
-        let slot = Arc::new(OpSlot {
-            id,
-            peer,
-            expected_len,
-            tag,
-            send,
-            notify,
-            control,
-            started: Instant::now(),
-            state: Mutex::new(None),
-            cv: Condvar::new(),
-            request: AtomicPtr::new(std::ptr::null_mut()),
-            stop_reason: AtomicU8::new(STOP_NONE),
-            bytes_counted: AtomicBool::new(false),
-        });
+        let slot = OpSlot::new(id, peer, expected_len, tag, kind, notify);
         self.shared.track_op(&slot);
         self.shared
             .stats

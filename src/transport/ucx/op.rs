@@ -55,6 +55,33 @@ pub(super) struct OpSlot {
 }
 
 impl OpSlot {
+    /// A fresh slot, not yet tracked ([`Shared::track_op`](super::shared::Shared)): not ended,
+    /// no UCX request, no stop asked, no bytes counted.
+    pub(super) fn new(
+        id: u64,
+        peer: PeerId,
+        expected_len: usize,
+        tag: u64,
+        kind: SlotKind,
+        notify: bool,
+    ) -> Arc<OpSlot> {
+        Arc::new(OpSlot {
+            id,
+            peer,
+            expected_len,
+            tag,
+            send: kind == SlotKind::Send,
+            notify,
+            control: kind == SlotKind::Control,
+            started: Instant::now(),
+            state: Mutex::new(None),
+            cv: Condvar::new(),
+            request: AtomicPtr::new(std::ptr::null_mut()),
+            stop_reason: AtomicU8::new(STOP_NONE),
+            bytes_counted: AtomicBool::new(false),
+        })
+    }
+
     pub(super) fn complete(&self, status: sys::ucs_status_t, len: usize) {
         let mut st = self.state.lock();
         if st.is_none() {

@@ -4,17 +4,16 @@
 //! asks us to drain it. Messages are told apart by the sender's uid, learned per endpoint.
 use super::callbacks::{ep_err_cb, internal_sent_cb, recv_cb};
 use super::handles::Endpoint;
-use super::op::{OpSlot, STOP_NONE, STOP_PEER, STOP_REMOTE_CANCEL};
+use super::op::{OpSlot, SlotKind, STOP_PEER, STOP_REMOTE_CANCEL};
 use super::progress::Progress;
 use super::{
     batch, sys, ucx_err, Event, PeerId, AM_BATCH_ID, AM_BIND_ID, AM_CONTROL_ID, AM_DRAIN_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
-use parking_lot::{Condvar, Mutex};
 use std::ffi::c_void;
 use std::net::SocketAddr;
 use std::os::raw::c_int;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -402,21 +401,7 @@ impl Progress {
     /// under `tag` (from `peer`), or the unexpected message `msg` already probed. UCX completes
     /// it as truncated, the sender's request completes, and nothing is kept.
     fn swallow(&mut self, peer: u64, tag: u64, msg: Option<sys::ucp_tag_message_h>) {
-        let slot = Arc::new(OpSlot {
-            id: 0,
-            peer: PeerId(peer),
-            expected_len: 1,
-            tag,
-            send: false,
-            notify: false,
-            control: true,
-            started: Instant::now(),
-            state: Mutex::new(None),
-            cv: Condvar::new(),
-            request: AtomicPtr::new(std::ptr::null_mut()),
-            stop_reason: AtomicU8::new(STOP_NONE),
-            bytes_counted: AtomicBool::new(false),
-        });
+        let slot = OpSlot::new(0, PeerId(peer), 1, tag, SlotKind::Control, false);
         let mut param = Self::request_param(&slot);
         param.cb.recv = Some(recv_cb);
         let scratch = self.scratch.as_mut_ptr() as *mut c_void;

@@ -781,9 +781,9 @@ impl Drop for Driving<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::op::SlotKind;
     use super::*;
     use std::os::fd::AsRawFd;
-    use std::sync::atomic::{AtomicPtr, AtomicU8};
 
     /// The shared state alone: no progress thread, so the tests play it.
     fn shared() -> Arc<Shared> {
@@ -830,24 +830,12 @@ mod tests {
     #[test]
     fn an_ops_bytes_leave_the_count_once_whether_it_ends_or_is_given_up_first() {
         let sh = shared();
-        let slot = |id: u64, control: bool| {
-            Arc::new(OpSlot {
-                id,
-                peer: PeerId(1),
-                expected_len: 1 << 20,
-                tag: id,
-                send: true,
-                notify: false,
-                control,
-                started: Instant::now(),
-                state: Mutex::new(None),
-                cv: Condvar::new(),
-                request: AtomicPtr::new(std::ptr::null_mut()),
-                stop_reason: AtomicU8::new(STOP_NONE),
-                bytes_counted: AtomicBool::new(false),
-            })
-        };
-        let (a, b, c) = (slot(1, false), slot(2, false), slot(3, true));
+        let slot = |id, kind| OpSlot::new(id, PeerId(1), 1 << 20, id, kind, false);
+        let (a, b, c) = (
+            slot(1, SlotKind::Send),
+            slot(2, SlotKind::Recv),
+            slot(3, SlotKind::Control),
+        );
         for s in [&a, &b, &c] {
             sh.track_op(s);
         }
