@@ -49,6 +49,7 @@ pub enum Stage {
 }
 
 impl Stage {
+    /// Every stage, in the order of their numbers (1, 2, ...).
     pub const ALL: [Stage; 16] = [
         Stage::AdvertiseCalled,
         Stage::AdvertiseSent,
@@ -67,28 +68,6 @@ impl Stage {
         Stage::LandingHandled,
         Stage::SinkFlushed,
     ];
-
-    /// The name `dump` writes (the variant's).
-    pub fn name(self) -> &'static str {
-        match self {
-            Stage::AdvertiseCalled => "AdvertiseCalled",
-            Stage::AdvertiseSent => "AdvertiseSent",
-            Stage::RecvPosted => "RecvPosted",
-            Stage::AdvertiseReturned => "AdvertiseReturned",
-            Stage::WaitCalled => "WaitCalled",
-            Stage::WaitReturned => "WaitReturned",
-            Stage::ControlArrived => "ControlArrived",
-            Stage::ControlHandled => "ControlHandled",
-            Stage::AdvertisementTaken => "AdvertisementTaken",
-            Stage::AcceptReturned => "AcceptReturned",
-            Stage::SendPosted => "SendPosted",
-            Stage::SendDone => "SendDone",
-            Stage::SendReturned => "SendReturned",
-            Stage::DataLanded => "DataLanded",
-            Stage::LandingHandled => "LandingHandled",
-            Stage::SinkFlushed => "SinkFlushed",
-        }
-    }
 }
 
 /// Marks `stage` when dropped: for a function's return, whichever way it returns.
@@ -106,6 +85,13 @@ impl Drop for OnReturn {
 #[inline(always)]
 pub fn on_return(stage: Stage) -> OnReturn {
     OnReturn(stage)
+}
+
+/// Marks `called` now and `returned` when the guard is dropped: a function's whole call.
+#[inline(always)]
+pub fn span(called: Stage, returned: Stage) -> OnReturn {
+    mark(called);
+    on_return(returned)
 }
 
 /// Whether this build records marks.
@@ -143,11 +129,11 @@ mod imp {
         let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
         for m in &MARKS[..n] {
             let v = m.load(Ordering::Relaxed);
-            let name = Stage::ALL
-                .iter()
-                .find(|s| **s as u64 == v & 0xff)
-                .map_or("?", |s| s.name());
-            writeln!(f, "{} {name}", v >> 8)?;
+            // The variant's name (`Debug`), as scripts/timeline.py reads it.
+            match Stage::ALL.get(((v & 0xff) as usize).wrapping_sub(1)) {
+                Some(stage) => writeln!(f, "{} {stage:?}", v >> 8)?,
+                None => writeln!(f, "{} ?", v >> 8)?,
+            }
         }
         f.flush()?;
         Ok(n)
@@ -178,14 +164,31 @@ pub fn dump(path: &std::path::Path) -> std::io::Result<usize> {
     imp::dump(path)
 }
 
-#[cfg(all(test, feature = "timeline"))]
+#[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
+    fn stages_are_numbered_in_the_order_of_all() {
+        for (i, s) in Stage::ALL.iter().enumerate() {
+            assert_eq!(*s as usize, i + 1, "{s:?}");
+        }
+    }
+
+    #[cfg(not(feature = "timeline"))]
+    #[test]
+    fn without_the_feature_nothing_is_kept_or_written() {
+        const { assert!(!ENABLED) };
+        drop(span(Stage::WaitCalled, Stage::WaitReturned));
+        let path = std::env::temp_dir().join(format!("kvlink-timeline-off-{}", std::process::id()));
+        assert_eq!(dump(&path).unwrap(), 0);
+        assert!(!path.exists(), "no file is made");
+    }
+
+    #[cfg(feature = "timeline")]
+    #[test]
     fn marks_are_dumped_in_order_with_their_names() {
-        mark(Stage::WaitCalled);
-        drop(on_return(Stage::WaitReturned));
+        drop(span(Stage::WaitCalled, Stage::WaitReturned));
         let path = std::env::temp_dir().join(format!("kvlink-timeline-{}", std::process::id()));
         assert!(dump(&path).unwrap() >= 2);
         let text = std::fs::read_to_string(&path).unwrap();

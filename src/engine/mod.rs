@@ -502,8 +502,7 @@ impl Engine {
         request_info: Vec<u8>,
         timeout: Option<Duration>,
     ) -> Result<()> {
-        timeline::mark(Stage::AdvertiseCalled);
-        let _returned = timeline::on_return(Stage::AdvertiseReturned);
+        let _span = timeline::span(Stage::AdvertiseCalled, Stage::AdvertiseReturned);
         let timeout = timeout.unwrap_or(self.timeout);
         if timeout.is_zero() {
             return Err(key_err(ErrorKind::InvalidArgument, key, "zero timeout"));
@@ -831,23 +830,12 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Option<Advertisement> {
-        let taken = self.next_advertisement_inner(deadline, cancel);
-        if taken.is_some() {
-            timeline::mark(Stage::AdvertisementTaken);
-        }
-        taken
-    }
-
-    fn next_advertisement_inner(
-        &self,
-        deadline: Instant,
-        cancel: Option<&dyn Fn() -> bool>,
-    ) -> Option<Advertisement> {
         // A caller returns None only from a pass that found the queue empty, or after its
         // cancel check, during which it was not asleep (an arrival then woke another caller).
         self.block(WaitKey::Advert, deadline, cancel, |core| {
             core.waiters.take(WaitKey::Advert, &mut core.adverts)
         })
+        .inspect(|_| timeline::mark(Stage::AdvertisementTaken))
     }
 
     /// Context side: accept (`ready`) or reject an advertisement before any data moves.
@@ -1132,8 +1120,7 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
-        timeline::mark(Stage::WaitCalled);
-        let _returned = timeline::on_return(Stage::WaitReturned);
+        let _span = timeline::span(Stage::WaitCalled, Stage::WaitReturned);
         let take = |core: &mut Core| {
             let o = core.terminals.remove(&(key, role));
             if o.is_some() && role == Role::Receiver {

@@ -178,25 +178,26 @@ impl TimerTable {
         self.lanes[lane as usize].push(at, id);
     }
 
+    /// The lane whose front is the earliest, and that front's instant.
+    fn earliest(&self) -> Option<(Instant, Lane)> {
+        let running = self.lanes[Lane::Running as usize].peek();
+        let lingering = self.lanes[Lane::Lingering as usize].peek();
+        match (running, lingering) {
+            (Some(r), Some(l)) if l.0 < r.0 => Some((l.0, Lane::Lingering)),
+            (Some(r), _) => Some((r.0, Lane::Running)),
+            (None, l) => l.map(|l| (l.0, Lane::Lingering)),
+        }
+    }
+
     /// The earliest entry's instant (it may be a superseded one: then whoever waits for it
     /// wakes early, once, for nothing).
     pub(crate) fn next_due(&self) -> Option<Instant> {
-        let [a, b] = &self.lanes;
-        match (a.peek(), b.peek()) {
-            (Some(x), Some(y)) => Some(x.0.min(y.0)),
-            (x, y) => x.or(y).map(|e| e.0),
-        }
+        self.earliest().map(|(at, _)| at)
     }
 
     /// Takes the earliest entry if it is due at `now`; check it with [`TimerTable::fired`].
     pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, Lane, TimerId)> {
-        let [a, b] = &self.lanes;
-        let lane = match (a.peek(), b.peek()) {
-            (Some(x), Some(y)) if y.0 < x.0 => Lane::Lingering,
-            (Some(_), _) => Lane::Running,
-            (None, Some(_)) => Lane::Lingering,
-            (None, None) => return None,
-        };
+        let (_, lane) = self.earliest()?;
         let (at, id) = self.lanes[lane as usize].pop_due(now)?;
         Some((at, lane, id))
     }
@@ -209,15 +210,22 @@ impl TimerTable {
     /// Whether superseded entries outnumber the live ones in a lane (beyond [`COMPACT_SLACK`]):
     /// then [`TimerTable::compact`], so the table's size follows the machines alive.
     pub(crate) fn wants_compact(&self) -> bool {
-        (0..2).any(|i| self.lanes[i].len() > 2 * self.live[i] + COMPACT_SLACK)
+        [Lane::Running, Lane::Lingering]
+            .into_iter()
+            .any(|lane| self.lane_wants_compact(lane))
+    }
+
+    fn lane_wants_compact(&self, lane: Lane) -> bool {
+        let i = lane as usize;
+        self.lanes[i].len() > 2 * self.live[i] + COMPACT_SLACK
     }
 
     /// Drops every entry `live` says is not its machine's live one. O(entries), each looked up
     /// once: it runs when at least half of a lane is superseded, so O(1) amortised per entry.
     pub(crate) fn compact(&mut self, mut live: impl FnMut(Instant, Lane, TimerId) -> bool) {
-        for (i, lane) in [Lane::Running, Lane::Lingering].into_iter().enumerate() {
-            if self.lanes[i].len() > 2 * self.live[i] + COMPACT_SLACK {
-                self.lanes[i].retain(|at, id| live(at, lane, id));
+        for lane in [Lane::Running, Lane::Lingering] {
+            if self.lane_wants_compact(lane) {
+                self.lanes[lane as usize].retain(|at, id| live(at, lane, id));
             }
         }
     }
