@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check kvlink has, in one go, and prints a summary. Exits non-zero if any fails.
 #   install-deps, cargo fmt --check, cargo clippy (workspace: library and bench, all targets,
-#   -D warnings), cargo test (workspace),
+#   -D warnings), cargo test (workspace), the timeline feature's test,
 #   CMake configure + build (Ninja) + ctest, the package check (Release line, all-off install,
 #   installed consumer), header drift check, AddressSanitizer run, bounded fuzz run, and the
 #   same crate against a second UCX generation (ucx122: the PyPI wheel's UCX 1.22).
@@ -29,6 +29,9 @@ source "$root/scripts/steps.sh"
 step fmt -- cargo fmt --all -- --check
 step clippy -- cargo clippy --locked --workspace --all-targets -- -D warnings
 step cargo-test -- cargo test --locked --workspace --no-fail-fast
+# The stage timeline (src/timeline.rs) records only with its feature, off in every other build:
+# its recording test runs here, so the feature's code is built and checked in CI.
+step timeline -- cargo test --locked --lib --features timeline timeline::
 step cmake-configure -- cmake -S "$root" -B "$build_dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
     -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="${KVLINK_UCX_ROOT:-}"
