@@ -473,6 +473,7 @@ impl EngineHandle {
             late_data: h.late_data,
             refused_auth: h.refused_auth,
             refused_rank_in_use: h.refused_rank_in_use,
+            refused_version: h.refused_version,
             refused_by_peer: h.refused_by_peer,
             receive_stuck: h.receive_stuck,
             worker_renewals: h.worker_renewals,

@@ -107,6 +107,7 @@ pub mod ffi {
         late_data: u64,
         refused_auth: u64,
         refused_rank_in_use: u64,
+        refused_version: u64,
         refused_by_peer: u64,
         /// This process's shared-memory receive queue is stuck (see `kvlink::Health`).
         receive_stuck: bool,

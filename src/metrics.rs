@@ -238,7 +238,7 @@ impl Metrics {
             "Moves to a new UCX worker (a fresh shared-memory receive queue) after the old queue was found stuck; each fails every peer and changes the worker address",
             m.renewals.clone(),
         );
-        for r in ["auth_failed", "rank_in_use"] {
+        for r in ["auth_failed", "rank_in_use", "wire_version"] {
             let _ = m.refused.get_or_create(&[("reason", r)]);
         }
         registry.register(
@@ -309,6 +309,10 @@ impl Metrics {
             &self.refused.get_or_create(&[("reason", "rank_in_use")]),
             h.refused_rank_in_use,
         );
+        catch_up(
+            &self.refused.get_or_create(&[("reason", "wire_version")]),
+            h.refused_version,
+        );
         catch_up(&self.refused_by_peer, h.refused_by_peer);
         let mut out = String::new();
         prometheus_text::encode(&mut out, &self.registry)
@@ -365,6 +369,7 @@ mod tests {
             reconnects: 5,
             foreign_data: 6,
             refused_rank_in_use: 7,
+            refused_version: 8,
             resends: 11,
             duplicates: 12,
             unknown_dropped: 13,
@@ -419,6 +424,10 @@ mod tests {
         assert_eq!(
             v(r#"kvlink_peers_refused_total{reason="auth_failed"}"#),
             0.0
+        );
+        assert_eq!(
+            v(r#"kvlink_peers_refused_total{reason="wire_version"}"#),
+            8.0
         );
         assert!(
             t.contains("# TYPE kvlink_request_duration_seconds histogram"),

@@ -888,18 +888,26 @@ fn four_thousand_requests_in_flight_complete_twice() {
 }
 
 /// A peer of the previous wire version (3: no control batches, whose messages it would drop
-/// without a word under load) never gets past its `Hello`: the frame is refused as
-/// undecodable and counted in `bad_frames`, and no answer comes back. The same `Hello` in the
-/// current version is answered (the engine's own `Hello`), over the same real UCX endpoint.
+/// without a word under load) never gets past its `Hello`: it gets the version refusal at once
+/// (the one frame every version reads, under this side's version), the refusal is counted in
+/// `refused_version` (not as a bad frame), and its endpoint takes nothing more. The same
+/// `Hello` in the current version, on a new endpoint, is answered (the engine's own `Hello`),
+/// over real UCX.
 #[test]
-fn a_peer_of_the_previous_wire_version_is_not_answered_and_counted() {
-    use kvlink::proto::wire::{Message, VERSION};
-    use kvlink::transport::{Agent, AgentOptions, Event};
+fn a_peer_of_the_previous_wire_version_is_refused_and_counted() {
+    use kvlink::proto::wire::{frame_version, Message, Refusal, VERSION};
+    use kvlink::transport::{Agent, AgentOptions, Event, PeerId};
     let mut c = EngineConfig::new("ctx", CTX, TransportKind::Tcp);
     c.listen = Some("127.0.0.1:0".parse().unwrap());
     let ctx = Engine::new(c).unwrap();
     let agent = Agent::new(AgentOptions::new("old-peer", TransportKind::Tcp)).unwrap();
-    let peer = agent.connect(ctx.address().parse().unwrap()).unwrap();
+    let answer = |peer: PeerId, within: Duration| loop {
+        match agent.next_event(Instant::now() + within, None) {
+            Some(Event::Control(p, bytes)) if p == peer => return Some(bytes),
+            Some(_) => continue,
+            None => return None,
+        }
+    };
     let hello = Message::Hello {
         agent_name: "old-peer".into(),
         rank: RankId(7),
@@ -912,29 +920,36 @@ fn a_peer_of_the_previous_wire_version_is_not_answered_and_counted() {
     assert_eq!(VERSION, 4);
     let mut old = hello.clone();
     old[4..6].copy_from_slice(&3u16.to_le_bytes());
+    let peer = agent.connect(ctx.address().parse().unwrap()).unwrap();
+    let t0 = Instant::now();
+    agent.post_control(peer, old.clone()).unwrap();
+    let reply = answer(peer, Duration::from_secs(5)).expect("a v3 Hello got no answer");
+    println!("v3 Hello refused in {:?}", t0.elapsed());
+    assert_eq!(
+        Message::decode(&reply).unwrap(),
+        Message::Refuse {
+            reason: Refusal::WireVersion
+        }
+    );
+    assert_eq!(frame_version(&reply), Some(VERSION));
+    let h = ctx.health();
+    assert_eq!((h.refused_version, h.bad_frames), (1, 0), "{h:?}");
+    // The refused endpoint takes no second handshake: another v3 frame is only a bad frame.
     agent.post_control(peer, old).unwrap();
     let until = Instant::now() + Duration::from_secs(5);
     while ctx.health().bad_frames == 0 && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert_eq!(ctx.health().bad_frames, 1, "{:?}", ctx.health());
-    let answer = |within: Duration| loop {
-        match agent.next_event(Instant::now() + within, None) {
-            Some(Event::Control(p, bytes)) if p == peer => return Some(bytes),
-            Some(_) => continue,
-            None => return None,
-        }
-    };
-    assert_eq!(
-        answer(Duration::from_millis(300)),
-        None,
-        "a v3 Hello was answered"
-    );
+    let h = ctx.health();
+    assert_eq!((h.refused_version, h.bad_frames), (1, 1), "{h:?}");
+    // The current Hello on a new endpoint is answered.
+    let peer = agent.connect(ctx.address().parse().unwrap()).unwrap();
     agent.post_control(peer, hello).unwrap();
-    let reply = answer(Duration::from_secs(5)).expect("the current Hello was not answered");
+    let reply = answer(peer, Duration::from_secs(5)).expect("the current Hello was not answered");
     match Message::decode(&reply).unwrap() {
         Message::Hello { rank, .. } => assert_eq!(rank, RankId(CTX)),
         m => panic!("answered with {m:?}"),
     }
-    assert_eq!(ctx.health().bad_frames, 1);
+    let h = ctx.health();
+    assert_eq!((h.refused_version, h.bad_frames), (1, 1), "{h:?}");
 }

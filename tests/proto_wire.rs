@@ -2,7 +2,7 @@
 //! the wire never size an allocation, and the committed corpus of malformed frames keeps failing
 //! with the reason its file name records (`<Reason>__<what>.bin`).
 use kvlink::error::{ErrorKind, Outcome};
-use kvlink::proto::wire::{frame_len, HEADER_LEN, MAX_BUFFERS, MAX_INFO};
+use kvlink::proto::wire::{frame_len, frame_version, HEADER_LEN, MAX_BUFFERS, MAX_INFO, VERSION};
 use kvlink::proto::{
     BufferDesc, BufferKind, Message, RankId, Refusal, RequestKey, Token, WireReason,
 };
@@ -63,8 +63,12 @@ fn message() -> impl Strategy<Value = Message> {
         (any::<[u8; 32]>(), prop::option::of(any::<[u8; 32]>()))
             .prop_map(|(proof, resume)| Message::Proof { proof, resume }),
         Just(Message::Welcome),
-        prop_oneof![Just(Refusal::AuthFailed), Just(Refusal::RankInUse)]
-            .prop_map(|reason| Message::Refuse { reason }),
+        prop_oneof![
+            Just(Refusal::AuthFailed),
+            Just(Refusal::RankInUse),
+            Just(Refusal::WireVersion)
+        ]
+        .prop_map(|reason| Message::Refuse { reason }),
         (
             key(),
             any::<u32>(),
@@ -136,7 +140,7 @@ proptest! {
         }
         match Message::decode(&bytes) {
             Ok(m2) => {
-                prop_assert_eq!(m2.to_bytes().unwrap(), bytes);
+                prop_assert_eq!(m2.to_bytes().unwrap(), as_this_version(&m2, &bytes));
                 if let Message::Advertise { buffers, .. } = &m2 {
                     for d in buffers {
                         prop_assert!(d.len > 0 && d.addr.checked_add(d.len).is_some());
@@ -159,6 +163,88 @@ proptest! {
             prop_assert_eq!(e.reason, WireReason::Truncated);
         }
     }
+}
+
+/// `bytes` as this version would encode the message they decoded to: the version refusal is read
+/// whatever version its header names, and re-encodes under this one.
+fn as_this_version(m: &Message, bytes: &[u8]) -> Vec<u8> {
+    let mut b = bytes.to_vec();
+    if *m
+        == (Message::Refuse {
+            reason: Refusal::WireVersion,
+        })
+    {
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    }
+    b
+}
+
+/// `m` encoded with another version in its header.
+fn under_version(m: &Message, v: u16) -> Vec<u8> {
+    let mut b = m.to_bytes().unwrap();
+    b[4..6].copy_from_slice(&v.to_le_bytes());
+    b
+}
+
+proptest! {
+    /// Of another version's frames only the version refusal is read (whatever the version its
+    /// header names): a rank of another version learns why it was refused, and reads nothing
+    /// else from the other.
+    #[test]
+    fn another_versions_frames_are_refused_but_its_version_refusal(
+        m in message(),
+        v in any::<u16>().prop_filter("another version", |v| *v != VERSION),
+    ) {
+        let bytes = under_version(&m, v);
+        prop_assert_eq!(frame_version(&bytes), Some(v));
+        match Message::decode(&bytes) {
+            Ok(got) => {
+                prop_assert_eq!(&got, &Message::Refuse { reason: Refusal::WireVersion });
+                prop_assert_eq!(&got, &m);
+            }
+            Err(e) => {
+                prop_assert_ne!(&m, &Message::Refuse { reason: Refusal::WireVersion });
+                prop_assert_eq!(e.reason, WireReason::UnsupportedVersion(v));
+                prop_assert_eq!(e.kind(), ErrorKind::Protocol);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_version_refusal_frame_is_fixed_and_only_it_is_read_across_versions() {
+    let refusal = Message::Refuse {
+        reason: Refusal::WireVersion,
+    };
+    // Its bytes, which every version keeps: header (type 10, flags 0, body 1), then reason 3.
+    let mut expect = b"KVLK".to_vec();
+    expect.extend_from_slice(&VERSION.to_le_bytes());
+    expect.extend_from_slice(&[10, 0, 1, 0, 0, 0, 3]);
+    assert_eq!(refusal.to_bytes().unwrap(), expect);
+    for v in [0, 1, VERSION - 1, VERSION + 1, u16::MAX] {
+        assert_eq!(
+            Message::decode(&under_version(&refusal, v)).unwrap(),
+            refusal
+        );
+        // The other refusals of another version are not read...
+        for reason in [Refusal::AuthFailed, Refusal::RankInUse] {
+            let e = Message::decode(&under_version(&Message::Refuse { reason }, v)).unwrap_err();
+            assert_eq!(e.reason, WireReason::UnsupportedVersion(v));
+        }
+        // ... nor the version refusal with a byte more (another version's longer body).
+        let mut longer = under_version(&refusal, v);
+        longer[8] = 2;
+        longer.push(0);
+        assert_eq!(
+            frame_len(&longer).unwrap_err().reason,
+            WireReason::UnsupportedVersion(v)
+        );
+        let e = Message::decode(&longer).unwrap_err();
+        assert_eq!(e.reason, WireReason::UnsupportedVersion(v));
+    }
+    assert_eq!(frame_version(b"KVLK"), None);
+    assert_eq!(frame_version(b"XVLK\x04\x00"), None);
+    assert_eq!(Refusal::WireVersion.kind(), ErrorKind::Protocol);
 }
 
 #[test]

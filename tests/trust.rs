@@ -6,7 +6,10 @@
 //! - with a deployment secret, a peer without it (or with another) is refused at connect with
 //!   `AuthFailed`, whichever side dials, and the refusal is counted on the other side;
 //! - a second process with a rank already bound to a live one is refused with `RankInUse`, and
-//!   accepted once the first is gone.
+//!   accepted once the first is gone;
+//! - a rank of another wire version is refused at once, whichever side dials: the dialler of
+//!   another version gets the version refusal (the one frame every version reads), and a
+//!   `connect` to one returns `Protocol` long before its deadline.
 mod common;
 
 use common::Proc;
@@ -259,5 +262,79 @@ fn a_duplicated_rank_is_refused_while_the_first_lives_and_accepted_after() {
         let line = third.expect("GEN 3 ");
         assert_eq!(field(&line, "end"), "Completed", "{line}");
         assert_eq!(field(&line, "verified"), "true", "{line}");
+    }
+}
+
+#[test]
+fn a_rank_of_another_wire_version_is_refused_at_once_either_way() {
+    let other = (kvlink::proto::wire::VERSION + 1).to_string();
+    for transport in ["tcp", "sm"] {
+        println!("== {transport}: a rank of another wire version dials, then answers");
+        // It dials a context rank: the version refusal comes back at once, in the one frame
+        // every version reads, and the refusal is counted.
+        let (mut c, caddr) = ctx(transport, &[], None);
+        let mut o = spawn(
+            &[
+                "other-version",
+                "--transport",
+                transport,
+                "--to",
+                &caddr,
+                "--wire-version",
+                &other,
+            ],
+            None,
+        );
+        let line = o.expect("REPLY ");
+        println!("   other-version: {line}");
+        assert!(
+            line.starts_with("REPLY Refuse { reason: WireVersion }"),
+            "{line}"
+        );
+        assert_eq!(
+            num(&line, "version"),
+            u64::from(kvlink::proto::wire::VERSION)
+        );
+        assert!(num(&line, "ms") < 2000, "{line}");
+        let line = trust_until(&mut c, "a version refusal", |l| num(l, "version") >= 1);
+        println!("   ctx: {line}");
+        assert_eq!(num(&line, "version"), 1, "{line}");
+        // The context rank serves a rank of its own version as before.
+        let mut g = gen(transport, &caddr, &[], None);
+        g.expect("CONNECTED");
+        g.send("REQ 1");
+        let line = g.expect("GEN 1 ");
+        assert_eq!(field(&line, "end"), "Completed", "{line}");
+        assert_eq!(field(&line, "verified"), "true", "{line}");
+
+        // A generation rank dials one of another version: its connect (deadline 20 s) returns
+        // the typed error as soon as the refusal arrives.
+        let mut o = spawn(
+            &[
+                "other-version",
+                "--transport",
+                transport,
+                "--wire-version",
+                &other,
+            ],
+            None,
+        );
+        let oaddr = addr(&mut o);
+        let mut g = gen(transport, &oaddr, &["--connect-ms", "20000"], None);
+        let line = g.expect_one_of(&["CONNECT-ERROR ", "CONNECTED"]);
+        println!("   gen: {line}");
+        assert!(line.starts_with("CONNECT-ERROR Protocol"), "{line}");
+        assert!(line.contains("wire versions"), "{line}");
+        let late: f64 = field(&line, "late_ms").parse().unwrap();
+        assert!(
+            late < -18_000.0,
+            "connect returned {late} ms from its deadline: {line}"
+        );
+        let line = o.expect("ANSWERED ");
+        assert_eq!(
+            num(&line, "version"),
+            u64::from(kvlink::proto::wire::VERSION),
+            "{line}"
+        );
     }
 }

@@ -1096,6 +1096,7 @@ struct HealthInfo final {
   ::std::uint64_t late_data CXX_DEFAULT_VALUE(0);
   ::std::uint64_t refused_auth CXX_DEFAULT_VALUE(0);
   ::std::uint64_t refused_rank_in_use CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t refused_version CXX_DEFAULT_VALUE(0);
   ::std::uint64_t refused_by_peer CXX_DEFAULT_VALUE(0);
   // This process's shared-memory receive queue is stuck (see `kvlink::Health`).
   bool receive_stuck CXX_DEFAULT_VALUE(false);

@@ -275,9 +275,10 @@ struct Health {
   std::uint64_t foreign_data = 0;
   std::uint64_t late_data = 0;
   /// Handshakes refused by this rank (no proof of the deployment secret; a rank bound to another
-  /// live process), and by a peer.
+  /// live process; frames of another wire version), and by a peer.
   std::uint64_t refused_auth = 0;
   std::uint64_t refused_rank_in_use = 0;
+  std::uint64_t refused_version = 0;
   std::uint64_t refused_by_peer = 0;
   /// This process's shared-memory receive queue is stuck: a peer process died (or was stopped)
   /// while writing into it, and nothing any peer sends over shared memory is read (state
@@ -619,7 +620,8 @@ class Engine {
             h.buffers_fenced,  h.ops_in_flight,  h.oldest_op_ms,    h.since_last_completion_ms,
             h.bytes_completed, h.unreaped_ops,    h.peers_reconnecting, h.reconnects,
             h.adverts_refused, h.notes_dropped,   h.unsettled_returns,  h.foreign_data,
-            h.late_data,       h.refused_auth,    h.refused_rank_in_use, h.refused_by_peer,
+            h.late_data,       h.refused_auth,    h.refused_rank_in_use, h.refused_version,
+            h.refused_by_peer,
             h.receive_stuck,   h.worker_renewals, h.region_fenced_bytes, h.region_fences,
             h.resends,         h.duplicates,      h.unknown_dropped};
   }

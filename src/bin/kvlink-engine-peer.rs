@@ -22,11 +22,19 @@
 //! `kvlink-engine-peer intruder --to ADDR --tags T,.. --lens N,..` is a process that is not a
 //!   rank of the deployment: it connects at the UCX level (no handshake) and sends data of each
 //!   length under each tag, then prints `INTRUDER sent=<n> done=<n>`.
+//! `kvlink-engine-peer other-version --wire-version V [--to ADDR | --listen IP:PORT]` is a rank
+//!   of another kvlink release, at the UCX level: every frame it sends names wire version V.
+//!   With `--to` it dials and says `Hello`, then prints the first control message it gets back,
+//!   `REPLY <message> version=<the version its header names> ms=<since the Hello>` (or
+//!   `REPLY none` after 10 s). Else it prints `ADDR <address>` and answers the first control
+//!   message with the version refusal (under V), printing `ANSWERED version=<the message's>`;
+//!   both then wait for stdin to close.
 //!
 //! Everywhere: `--secret S` sets the deployment secret (else `KVLINK_SECRET`); ctx `--hold`
 //! prints `TOKENS <request> <token,..>` for each advertisement (what an observer could learn)
 //! and waits for a `GO` line on stdin before it sends; `--trust-every-ms N` prints
-//! `TRUST foreign=<n> late=<n> auth=<n> rank=<n> by_peer=<n> completed=<n>` every N ms.
+//! `TRUST foreign=<n> late=<n> auth=<n> rank=<n> version=<n> by_peer=<n> completed=<n>` every N
+//! ms.
 use kvlink::engine::{BufferSpec, Engine, EngineConfig};
 use kvlink::error::ErrorKind;
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
@@ -90,6 +98,19 @@ enum Rank {
         /// Message lengths to send under each tag, comma-separated (K and M suffixes).
         #[arg(long, default_value = "4K")]
         lens: String,
+    },
+    /// A rank of another kvlink release: its frames carry another wire version (see the
+    /// module docs).
+    OtherVersion {
+        /// Dial this rank and say `Hello` (else answer whoever dials, with `--listen` on tcp).
+        #[arg(long)]
+        to: Option<String>,
+        /// tcp: where to listen when answering (default 127.0.0.1:0).
+        #[arg(long, value_name = "IP:PORT")]
+        listen: Option<String>,
+        /// The wire version its headers name.
+        #[arg(long = "wire-version")]
+        wire_version: u16,
     },
 }
 
@@ -234,6 +255,11 @@ fn main() {
             }
         }
         Rank::Intruder { to, tags, lens } => intruder(transport.0, to, tags, lens),
+        Rank::OtherVersion {
+            to,
+            listen,
+            wire_version,
+        } => other_version(transport.0, to.as_deref(), listen.as_deref(), *wire_version),
     }
 }
 
@@ -261,11 +287,12 @@ fn trust_lines(args: &Args, engine: &Arc<Engine>) {
             return;
         };
         say(format!(
-            "TRUST foreign={} late={} auth={} rank={} by_peer={} completed={}",
+            "TRUST foreign={} late={} auth={} rank={} version={} by_peer={} completed={}",
             h.foreign_data,
             h.late_data,
             h.refused_auth,
             h.refused_rank_in_use,
+            h.refused_version,
             h.refused_by_peer,
             h.completed
         ));
@@ -601,4 +628,92 @@ fn intruder(transport: TransportKind, to: &str, tags: &str, lens: &str) {
         }
     }
     say(format!("INTRUDER sent={sent} done={done}"));
+}
+
+/// A rank of another kvlink release (see the module docs): this version's frames, with another
+/// version in their headers.
+fn other_version(transport: TransportKind, to: Option<&str>, listen: Option<&str>, version: u16) {
+    use kvlink::proto::wire::{frame_version, Refusal};
+    use kvlink::proto::Message;
+    use kvlink::transport::Event;
+    let under = |m: &Message| {
+        let mut b = m.to_bytes().expect("frame");
+        b[4..6].copy_from_slice(&version.to_le_bytes());
+        b
+    };
+    let mut opts = AgentOptions::new("other-version", transport.clone());
+    if to.is_none() && !transport.by_worker_address() {
+        opts.listen = Some(
+            listen
+                .unwrap_or("127.0.0.1:0")
+                .parse()
+                .expect("--listen ip:port"),
+        );
+    }
+    let agent = Agent::new(opts).expect("agent");
+    let first_control = |limit: Duration| {
+        let until = Instant::now() + limit;
+        while let Some(ev) = agent.next_event(until, None) {
+            if let Event::Control(peer, bytes) = ev {
+                return Some((peer, bytes));
+            }
+        }
+        None
+    };
+    let mut ops = Vec::new();
+    if let Some(to) = to {
+        let peer = match to.strip_prefix(kvlink::proto::peers::WORKER_ADDRESS_PREFIX) {
+            Some(h) => agent.connect_worker(&unhex(h)),
+            None => agent.connect(to.parse().expect("--to ip:port")),
+        }
+        .expect("connect");
+        let hello = Message::Hello {
+            agent_name: "other-version".into(),
+            rank: kvlink::proto::RankId(7),
+            instance: 1,
+            challenge: 2,
+            proof: None,
+        };
+        let t0 = Instant::now();
+        ops.push(agent.send_control(peer, under(&hello)).expect("send"));
+        match first_control(Duration::from_secs(10)) {
+            Some((_, bytes)) => say(format!(
+                "REPLY {} version={} ms={}",
+                Message::decode(&bytes)
+                    .map_or_else(|e| format!("undecodable:{e}"), |m| format!("{m:?}")),
+                frame_version(&bytes).map_or_else(|| "none".into(), |v| v.to_string()),
+                t0.elapsed().as_millis()
+            )),
+            None => say("REPLY none".into()),
+        }
+    } else {
+        let addr = match agent.listen_address() {
+            Some(a) => a.to_string(),
+            None => format!(
+                "{}{}",
+                kvlink::proto::peers::WORKER_ADDRESS_PREFIX,
+                agent
+                    .worker_address()
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>()
+            ),
+        };
+        say(format!("ADDR {addr}"));
+        if let Some((peer, bytes)) = first_control(Duration::from_secs(60)) {
+            let refusal = Message::Refuse {
+                reason: Refusal::WireVersion,
+            };
+            ops.push(agent.send_control(peer, under(&refusal)).expect("send"));
+            say(format!(
+                "ANSWERED version={}",
+                frame_version(&bytes).map_or_else(|| "none".into(), |v| v.to_string())
+            ));
+        }
+    }
+    for op in &mut ops {
+        let _ = op.wait(Instant::now() + Duration::from_secs(5), None);
+    }
+    // Until the test is done with it (stdin closes).
+    for _ in std::io::stdin().lock().lines() {}
 }

@@ -22,6 +22,7 @@ use crate::error::{ErrorKind, Outcome, Result};
 use crate::proto::peers::Peers;
 use crate::proto::pool::{BufferId, BufferPool, Lease};
 use crate::proto::regions::Regions;
+use crate::proto::wire::{self, WireReason, VERSION};
 use crate::proto::{
     Action, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, PeerInfo, RankId, Refusal,
     RequestKey, Role, SessionKey, Step, Token, TokenAllocator,
@@ -220,6 +221,26 @@ impl Inner {
             core.control_ops.push_back(op);
         }
         Ok(())
+    }
+
+    /// A frame of another wire version from an endpoint with no rank bound (a rank of another
+    /// kvlink release dialling, or answering our dial): refuse it in the one frame every version
+    /// reads, so that it learns why at once, and close the endpoint after the refusal's linger.
+    /// Returns false (the frame is counted as bad) for a bound peer or one refused already.
+    fn refuse_version(&self, core: &mut Core, now: Instant, peer: PeerId, version: u16) -> bool {
+        if core.peers.rank_of(peer).is_some() || core.peers.refused.contains_key(&peer) {
+            return false;
+        }
+        let reason = Refusal::WireVersion;
+        let _ = self.send_msg(core, peer, &Message::Refuse { reason });
+        tracing::warn!(
+            "refused endpoint {}: it speaks wire version {version}, this side {VERSION}",
+            peer.0
+        );
+        core.peers.handshakes.remove(&peer);
+        core.peers.refuse(peer, reason, false, now);
+        core.waiters.wake(WaitKey::Dial(peer));
+        true
     }
 
     /// One handshake message from `peer` (see [`crate::proto::handshake`]); binds the peer's
@@ -440,11 +461,27 @@ impl Inner {
         let msg = match Message::decode(bytes) {
             Ok(m) => m,
             Err(e) => {
+                if let WireReason::UnsupportedVersion(v) = e.reason {
+                    if self.refuse_version(core, now, peer, v) {
+                        return;
+                    }
+                }
                 tracing::warn!("undecodable control message: {e}");
                 core.counters.bad_frames += 1;
                 return;
             }
         };
+        if msg
+            == (Message::Refuse {
+                reason: Refusal::WireVersion,
+            })
+        {
+            tracing::warn!(
+                "endpoint {}: the peer speaks wire version {}, this side {VERSION}",
+                peer.0,
+                wire::frame_version(bytes).unwrap_or(VERSION)
+            );
+        }
         if msg.key().is_none() {
             return self.on_handshake(core, now, peer, msg);
         }

@@ -218,10 +218,11 @@ pub struct Health {
     pub foreign_data: u64,
     /// Data discarded because its receive had already ended (a sender too late).
     pub late_data: u64,
-    /// Handshakes this rank refused: no proof of the deployment secret, or a rank bound to
-    /// another live process; and handshakes a peer refused.
+    /// Handshakes this rank refused: no proof of the deployment secret, a rank bound to
+    /// another live process, or frames of another wire version; and handshakes a peer refused.
     pub refused_auth: u64,
     pub refused_rank_in_use: u64,
+    pub refused_version: u64,
     pub refused_by_peer: u64,
     /// This process's shared-memory receive queue is stuck: a peer process died (or was
     /// stopped) while writing into it, and nothing any peer sends over shared memory is read.
@@ -387,8 +388,9 @@ impl Engine {
     /// `deadline`, for the handshake to bind it. Returns its rank. The engine remembers the
     /// address: if the connection fails later, it dials it again by itself (see [`PeerState`]).
     /// A handshake refused either way is `AuthFailed` (the two sides do not hold the same
-    /// deployment secret) or `RankInUse` (the peer, or this side, has that rank bound to another
-    /// live process).
+    /// deployment secret), `RankInUse` (the peer, or this side, has that rank bound to another
+    /// live process) or `Protocol` (the two speak different wire versions: returned as soon as
+    /// the refusal arrives, not at the deadline).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address)?;
@@ -410,7 +412,10 @@ impl Engine {
                 let _ = self.inner.agent.close_peer(peer);
                 return Err(Error::new(
                     reason.kind(),
-                    format!("{address}: handshake refused ({reason:?})"),
+                    format!(
+                        "{address}: handshake refused ({reason:?}): {}",
+                        reason.describe()
+                    ),
                 ));
             }
             if self.inner.agent.peer_state(peer).is_err() {
@@ -1267,6 +1272,7 @@ impl Engine {
             late_data: c.late_data,
             refused_auth: core.peers.refusals.auth,
             refused_rank_in_use: core.peers.refusals.rank_in_use,
+            refused_version: core.peers.refusals.version,
             refused_by_peer: core.peers.refusals.by_peer,
             receive_stuck: s.receive_stuck,
             worker_renewals: s.worker_renewals,

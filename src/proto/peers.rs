@@ -86,9 +86,11 @@ pub(crate) struct TagKeys {
 /// Handshake refusals, both ways.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Refusals {
-    /// Peers this side refused: no proof of the secret, or a rank held by another process.
+    /// Peers this side refused: no proof of the secret, a rank held by another process, or
+    /// frames of another wire version.
     pub auth: u64,
     pub rank_in_use: u64,
+    pub version: u64,
     /// Times a peer refused this side.
     pub by_peer: u64,
 }
@@ -284,6 +286,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             (true, _) => self.refusals.by_peer += 1,
             (false, Refusal::AuthFailed) => self.refusals.auth += 1,
             (false, Refusal::RankInUse) => self.refusals.rank_in_use += 1,
+            (false, Refusal::WireVersion) => self.refusals.version += 1,
         }
         // A peer that refused us has nothing more to say: close at once. Our own `Refuse` gets
         // a moment to reach the peer first.
@@ -632,13 +635,21 @@ mod tests {
         assert_eq!(p.refuse(10, Refusal::RankInUse, true, t0), Some(R));
         assert_eq!(p.state(R), PeerState::Failed);
         assert_eq!(p.refused.get(&30), Some(&Refusal::AuthFailed));
+        // A stranger of another wire version on endpoint 31 (no handshake began: its frames
+        // were not read).
+        assert_eq!(p.refuse(31, Refusal::WireVersion, false, t0), None);
         assert_eq!(
-            (p.refusals.auth, p.refusals.rank_in_use, p.refusals.by_peer),
-            (1, 0, 1)
+            (
+                p.refusals.auth,
+                p.refusals.rank_in_use,
+                p.refusals.version,
+                p.refusals.by_peer
+            ),
+            (1, 0, 1, 1)
         );
         assert_eq!(p.due_closes(t0), vec![10]);
         assert!(p.due_closes(t0 + REFUSE_LINGER / 2).is_empty());
-        assert_eq!(p.due_closes(t0 + REFUSE_LINGER), vec![30]);
+        assert_eq!(p.due_closes(t0 + REFUSE_LINGER), vec![30, 31]);
         assert!(p.due_closes(t0 + REFUSE_LINGER * 2).is_empty());
     }
 

@@ -28,9 +28,14 @@
 //! Quiesced  key
 //! Proof     proof (32 bytes), has_resume u8 (0 | 1), resume proof (32 bytes, if has_resume)
 //! Welcome   (empty)
-//! Refuse    reason u8 (1 auth failed, 2 rank in use)
+//! Refuse    reason u8 (1 auth failed, 2 rank in use, 3 wire version)
 //! ```
 //! `Hello`, `Proof`, `Welcome` and `Refuse` make the handshake ([`super::handshake`]).
+//! One frame is read whatever version its header names: a `Refuse` of reason 3 (12 header bytes
+//! with type 10, flags 0 and body_len 1, then the byte 3). Every version keeps that frame as it
+//! is, so a rank of another version that dials learns why it was refused (at once, as the typed
+//! error [`ErrorKind::Protocol`]) instead of waiting for a handshake that cannot finish; the
+//! header's version field tells it which version the refusing side speaks.
 //! Decoding never panics and never allocates more than the bytes actually present: every length
 //! is checked against both its hard cap and the remaining input before anything is reserved. A
 //! frame must be consumed exactly; trailing bytes are an error. Encoding applies the same limits,
@@ -159,6 +164,9 @@ pub enum Refusal {
     AuthFailed = 1,
     /// The peer's rank is bound here to another live process.
     RankInUse = 2,
+    /// The peer's frames carry a wire version this side does not speak. Sent in the one frame
+    /// every version reads (see the module docs).
+    WireVersion = 3,
 }
 
 impl Refusal {
@@ -166,6 +174,7 @@ impl Refusal {
         match v {
             1 => Some(Refusal::AuthFailed),
             2 => Some(Refusal::RankInUse),
+            3 => Some(Refusal::WireVersion),
             _ => None,
         }
     }
@@ -175,8 +184,35 @@ impl Refusal {
         match self {
             Refusal::AuthFailed => ErrorKind::AuthFailed,
             Refusal::RankInUse => ErrorKind::RankInUse,
+            Refusal::WireVersion => ErrorKind::Protocol,
         }
     }
+
+    /// Why, in words, for errors and logs.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Refusal::AuthFailed => {
+                "a proof did not verify: the two sides hold different deployment secrets, or one \
+                 holds none"
+            }
+            Refusal::RankInUse => "the rank is bound to another live process",
+            Refusal::WireVersion => {
+                "the two sides speak different wire versions (kvlink releases that cannot talk)"
+            }
+        }
+    }
+}
+
+/// The wire version a frame's header names, if the frame starts with kvlink's magic (for
+/// reports about a peer of another version: [`Message::decode`] refuses its frames).
+pub fn frame_version(bytes: &[u8]) -> Option<u16> {
+    (bytes.len() >= 6 && bytes[..4] == MAGIC).then(|| u16::from_le_bytes([bytes[4], bytes[5]]))
+}
+
+/// Whether a header (at least [`HEADER_LEN`] bytes) is that of the frame every version reads: a
+/// `Refuse` with a one-byte body.
+fn version_neutral(prefix: &[u8]) -> bool {
+    prefix[6] == 10 && prefix[7] == 0 && prefix[8..12] == 1u32.to_le_bytes()
 }
 
 impl Message {
@@ -333,6 +369,11 @@ impl Message {
         if bytes.len() > total {
             return Err(WireError::at(WireReason::TrailingBytes, total));
         }
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != VERSION && bytes[HEADER_LEN] != Refusal::WireVersion as u8 {
+            // Of another version's frames only its version refusal is read.
+            return Err(WireError::at(WireReason::UnsupportedVersion(version), 4));
+        }
         let mut r = Reader {
             buf: bytes,
             pos: HEADER_LEN,
@@ -484,7 +525,7 @@ pub fn frame_len(prefix: &[u8]) -> Result<Option<usize>, WireError> {
         return Err(WireError::at(WireReason::BadMagic, 0));
     }
     let version = u16::from_le_bytes([prefix[4], prefix[5]]);
-    if version != VERSION {
+    if version != VERSION && !version_neutral(prefix) {
         return Err(WireError::at(WireReason::UnsupportedVersion(version), 4));
     }
     if !(1..=10).contains(&prefix[6]) {
