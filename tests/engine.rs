@@ -891,11 +891,14 @@ fn four_thousand_requests_in_flight_complete_twice() {
 /// without a word under load) never gets past its `Hello`: it gets the version refusal at once
 /// (the one frame every version reads, under this side's version), the refusal is counted in
 /// `refused_version` (not as a bad frame), and its endpoint takes nothing more. The same
-/// `Hello` in the current version, on a new endpoint, is answered (the engine's own `Hello`),
-/// over real UCX.
+/// `Hello` in the current version, on a new endpoint, is answered (the engine's own `Hello`) and
+/// its handshake binds the rank; a frame of another version from that bound rank is then only a
+/// bad frame. Over real UCX.
 #[test]
 fn a_peer_of_the_previous_wire_version_is_refused_and_counted() {
+    use kvlink::connection::PeerState;
     use kvlink::proto::wire::{frame_version, Message, Refusal, VERSION};
+    use kvlink::proto::{Handshake, Identity, Secret, Step};
     use kvlink::transport::{Agent, AgentOptions, Event, PeerId};
     let mut c = EngineConfig::new("ctx", CTX, TransportKind::Tcp);
     c.listen = Some("127.0.0.1:0".parse().unwrap());
@@ -922,7 +925,11 @@ fn a_peer_of_the_previous_wire_version_is_refused_and_counted() {
     old[4..6].copy_from_slice(&3u16.to_le_bytes());
     let peer = agent.connect(ctx.address().parse().unwrap()).unwrap();
     let t0 = Instant::now();
+    // Then, on the same endpoint and before the refusal can have come back, another v3 frame
+    // and this version's Hello: the refused endpoint takes neither (no second handshake).
     agent.post_control(peer, old.clone()).unwrap();
+    agent.post_control(peer, old).unwrap();
+    agent.post_control(peer, hello.clone()).unwrap();
     let reply = answer(peer, Duration::from_secs(5)).expect("a v3 Hello got no answer");
     println!("v3 Hello refused in {:?}", t0.elapsed());
     assert_eq!(
@@ -932,24 +939,50 @@ fn a_peer_of_the_previous_wire_version_is_refused_and_counted() {
         }
     );
     assert_eq!(frame_version(&reply), Some(VERSION));
-    let h = ctx.health();
-    assert_eq!((h.refused_version, h.bad_frames), (1, 0), "{h:?}");
-    // The refused endpoint takes no second handshake: another v3 frame is only a bad frame.
-    agent.post_control(peer, old).unwrap();
     let until = Instant::now() + Duration::from_secs(5);
-    while ctx.health().bad_frames == 0 && Instant::now() < until {
+    while ctx.health().bad_frames < 2 && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(5));
     }
     let h = ctx.health();
-    assert_eq!((h.refused_version, h.bad_frames), (1, 1), "{h:?}");
-    // The current Hello on a new endpoint is answered.
+    assert_eq!((h.refused_version, h.bad_frames), (1, 2), "{h:?}");
+    assert_eq!(
+        answer(peer, Duration::from_millis(300)),
+        None,
+        "the refused endpoint answered"
+    );
+    // This version's Hello on a new endpoint is answered, and the handshake binds rank 7.
+    let me = Identity {
+        rank: RankId(7),
+        name: "old-peer".into(),
+        instance: 42,
+        secret: Secret::none(),
+    };
+    let (mut hs, hello) = Handshake::dial(&me, 9);
     let peer = agent.connect(ctx.address().parse().unwrap()).unwrap();
-    agent.post_control(peer, hello).unwrap();
+    agent.post_control(peer, hello.to_bytes().unwrap()).unwrap();
     let reply = answer(peer, Duration::from_secs(5)).expect("the current Hello was not answered");
-    match Message::decode(&reply).unwrap() {
-        Message::Hello { rank, .. } => assert_eq!(rank, RankId(CTX)),
-        m => panic!("answered with {m:?}"),
+    let reply = Message::decode(&reply).unwrap();
+    assert!(
+        matches!(reply, Message::Hello { rank, .. } if rank == RankId(CTX)),
+        "answered with {reply:?}"
+    );
+    assert!(matches!(hs.handle(&me, reply), Step::Verified { .. }));
+    let proof = hs.accept(&me, None).expect("a proof");
+    agent.post_control(peer, proof.to_bytes().unwrap()).unwrap();
+    let welcome = answer(peer, Duration::from_secs(5)).expect("no Welcome");
+    assert_eq!(Message::decode(&welcome).unwrap(), Message::Welcome);
+    assert_eq!(ctx.peer_state(RankId(7)), PeerState::Connected);
+    // A bound rank's frame of another version is a bad frame, not a refusal: it is not
+    // unbound (a version refusal is for a dialler, not for a garbled frame mid-session).
+    let mut v5 = Message::Welcome.to_bytes().unwrap();
+    v5[4..6].copy_from_slice(&5u16.to_le_bytes());
+    agent.post_control(peer, v5).unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    while ctx.health().bad_frames < 3 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
     }
     let h = ctx.health();
-    assert_eq!((h.refused_version, h.bad_frames), (1, 1), "{h:?}");
+    assert_eq!((h.refused_version, h.bad_frames), (1, 3), "{h:?}");
+    assert_eq!(ctx.peer_state(RankId(7)), PeerState::Connected);
+    assert_eq!(answer(peer, Duration::from_millis(300)), None);
 }

@@ -241,6 +241,16 @@ fn the_version_refusal_frame_is_fixed_and_only_it_is_read_across_versions() {
         );
         let e = Message::decode(&longer).unwrap_err();
         assert_eq!(e.reason, WireReason::UnsupportedVersion(v));
+        // Its header with a byte too many or too few after it: refused for the version (which
+        // the sender is told), not for the length.
+        let exact = under_version(&refusal, v);
+        for bytes in [
+            [exact.as_slice(), &[0]].concat(),
+            exact[..HEADER_LEN].to_vec(),
+        ] {
+            let e = Message::decode(&bytes).unwrap_err();
+            assert_eq!(e.reason, WireReason::UnsupportedVersion(v), "{bytes:?}");
+        }
     }
     assert_eq!(frame_version(b"KVLK"), None);
     assert_eq!(frame_version(b"XVLK\x04\x00"), None);

@@ -408,7 +408,8 @@ class Engine {
   /// the deployment secret, see `EngineConfig::secret`); returns the peer's rank. Throws `Error`
   /// with kind `PeerLost` if the handshake did not finish by `deadline`, `AuthFailed` if the two
   /// sides do not hold the same secret, `RankInUse` if the peer (or this rank) has that rank bound
-  /// to another live process. Connect each pair from one side (the generation side dials).
+  /// to another live process, `Protocol` (at once) if the two speak different wire versions.
+  /// Connect each pair from one side (the generation side dials).
   std::uint32_t connect(std::string_view address, Deadline deadline) {
     return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
   }

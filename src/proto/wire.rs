@@ -363,16 +363,19 @@ impl Message {
             Some(n) => n,
             None => return Err(WireError::at(WireReason::Truncated, bytes.len())),
         };
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != VERSION
+            && (bytes.len() != total || bytes[HEADER_LEN] != Refusal::WireVersion as u8)
+        {
+            // Of another version's frames only its version refusal, exactly, is read: anything
+            // else (of any length) is refused for its version, which a dialler is told.
+            return Err(WireError::at(WireReason::UnsupportedVersion(version), 4));
+        }
         if bytes.len() < total {
             return Err(WireError::at(WireReason::Truncated, bytes.len()));
         }
         if bytes.len() > total {
             return Err(WireError::at(WireReason::TrailingBytes, total));
-        }
-        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
-        if version != VERSION && bytes[HEADER_LEN] != Refusal::WireVersion as u8 {
-            // Of another version's frames only its version refusal is read.
-            return Err(WireError::at(WireReason::UnsupportedVersion(version), 4));
         }
         let mut r = Reader {
             buf: bytes,

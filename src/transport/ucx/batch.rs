@@ -16,7 +16,8 @@
 //! is dropped whole and counted (`Stats::control_malformed`). A kvlink before batches has no
 //! handler for their active message and would lose them without a word, under load only: wire
 //! version 4 (`proto::wire::VERSION`) marks the peers that take them, and a version 3 peer's
-//! `Hello` is refused as undecodable (logged with its version), so such a pair never connects.
+//! `Hello` is answered with the version refusal (`proto::wire::Refusal::WireVersion`, logged
+//! with its version), so such a pair never connects.
 use smallvec::SmallVec;
 
 /// The longest batch, its lengths included: well within one eager fragment of the
