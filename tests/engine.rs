@@ -95,6 +95,9 @@ fn run(ctx: &Engine, gen: &Engine, key: RequestKey, sizes: &[usize]) -> (Outcome
     assert_eq!(adv.buffers.len(), sizes.len());
     ctx.accept(key, adv.from, true).unwrap();
     assert_eq!(gen.recv_ready(key, dl, None), Some(true));
+    let again = Instant::now();
+    assert_eq!(gen.recv_ready(key, dl, None), Some(true), "asked again");
+    assert!(again.elapsed() < Duration::from_millis(100), "at once");
     let sources: Vec<Vec<u8>> = sizes
         .iter()
         .enumerate()
@@ -262,6 +265,10 @@ fn rejected_request_and_notifications() {
         gen.wait(key, Role::Receiver, dl, None).unwrap(),
         Outcome::Rejected
     );
+    // The end was taken; the core still knows the request and its answer.
+    let again = Instant::now();
+    assert_eq!(gen.recv_ready(key, dl, None), Some(false));
+    assert!(again.elapsed() < Duration::from_millis(100), "at once");
     assert_eq!(gen.health().buffers_leased, 0);
     buf[0] = 1;
 

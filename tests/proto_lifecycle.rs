@@ -427,10 +427,20 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     );
     ctx.accept(t + ms(2), key, g, true).unwrap();
     pump(&mut ctx, &mut gen, t + ms(2));
+    assert_eq!(
+        gen.receive_answer(key),
+        None,
+        "an acceptance is not a message of its own"
+    );
     assert_eq!(ctx.check_send(key, g, 0, 64).unwrap(), Ok(desc));
     ctx.begin_send(key, g, 0);
     ctx.handle_send_done(t + ms(3), key, g, 0, true).unwrap();
     gen.handle_segment_landed(t + ms(3), key, 0).unwrap();
+    assert_eq!(
+        gen.receive_answer(key),
+        Some(true),
+        "the first landing proves acceptance"
+    );
     pump(&mut gen, &mut ctx, t + ms(4));
     pump(&mut ctx, &mut gen, t + ms(4));
     let end = |ep: &mut Endpoint| {
@@ -445,6 +455,59 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     assert_eq!(end(&mut gen), Some(Outcome::Completed));
     assert_eq!(end(&mut ctx), Some(Outcome::Completed));
     assert_eq!(sent, ["Advertise", "Verdict"]);
+    assert_eq!(
+        gen.receive_answer(key),
+        Some(true),
+        "a finished receive keeps its answer while it lingers"
+    );
+    assert_eq!(gen.receive_answer(RequestKey::new(10, 0)), None, "unknown");
+}
+
+/// The senders' answer is the core's: a refusal is `Some(false)`, and wins over an earlier
+/// acceptance of another sender; a `Ready` from a rank that is not a sender of the request
+/// answers nothing.
+#[test]
+fn a_refusal_is_the_receives_answer_and_a_stranger_gives_none() {
+    use kvlink::proto::*;
+    let t = std::time::Instant::now();
+    let (g, c1, c2, stranger) = (RankId(1), RankId(2), RankId(3), RankId(4));
+    let mut gen = Endpoint::new(g, config());
+    let mut pool = BufferPool::new(4);
+    let mut tokens = TokenAllocator::default();
+    let key = RequestKey::new(5, 0);
+    let flow = |sender, pool: &mut BufferPool, tokens: &mut TokenAllocator, segment| {
+        let mut desc = kv_desc(tokens.allocate().unwrap());
+        desc.segment = segment;
+        ReceiveFlow {
+            sender,
+            buffers: vec![(pool.lease(key).unwrap(), desc)],
+        }
+    };
+    let flows = vec![
+        flow(c1, &mut pool, &mut tokens, 0),
+        flow(c2, &mut pool, &mut tokens, 1),
+    ];
+    gen.start_receive(
+        t,
+        ReceiveSpec {
+            key,
+            receivers: vec![g],
+            flows,
+            request_info: vec![],
+            timeout: Some(ms(700)),
+        },
+    )
+    .unwrap();
+    let ready = |ready| Message::Ready { key, ready };
+    gen.handle_message(t + ms(1), stranger, ready(false))
+        .unwrap();
+    assert_eq!(gen.receive_answer(key), None, "not one of its senders");
+    gen.handle_message(t + ms(1), c1, ready(true)).unwrap();
+    assert_eq!(gen.receive_answer(key), Some(true));
+    gen.handle_message(t + ms(2), c2, ready(false)).unwrap();
+    assert_eq!(gen.receive_answer(key), Some(false), "a refusal wins");
+    gen.handle_message(t + ms(3), c1, ready(true)).unwrap();
+    assert_eq!(gen.receive_answer(key), Some(false), "and stays");
 }
 
 /// Requests that end long before their deadline do not leave their deadline behind in the

@@ -78,7 +78,6 @@ pub(crate) struct Core {
     /// Abort flags of the sends in flight, by (request, receiver, segment).
     pub sends: HashMap<(RequestKey, RankId, u32), Arc<AtomicBool>>,
     pub adverts: VecDeque<Advertisement>,
-    pub readies: HashMap<RequestKey, bool>,
     /// Ends waiting for their caller (for RETENTION).
     pub terminals: Aged<(RequestKey, Role), Outcome>,
     /// Receiver ends held back until their fenced receives are released by UCX.
@@ -148,7 +147,6 @@ impl Core {
             by_token: HashMap::new(),
             sends: HashMap::new(),
             adverts: VecDeque::new(),
-            readies: HashMap::new(),
             terminals: Aged::new(RETENTION),
             deferred: HashMap::new(),
             fencing: HashMap::new(),
@@ -170,7 +168,6 @@ impl Core {
         self.waiters.wake(WaitKey::Terminal(key, role));
         if role == Role::Receiver {
             // From here `recv_ready` answers from the end itself.
-            self.readies.remove(&key);
             self.waiters.wake(WaitKey::Ready(key));
         }
     }
@@ -503,14 +500,18 @@ impl Inner {
                 core.counters.replays_dropped += 1;
                 return;
             }
-            Message::Ready { key, ready } => {
-                core.readies.insert(*key, *ready);
-                core.waiters.wake(WaitKey::Ready(*key));
-            }
             _ => {}
         }
+        // The core keeps the senders' answer (`Endpoint::receive_answer`).
+        let ready = match &msg {
+            Message::Ready { key, .. } => Some(*key),
+            _ => None,
+        };
         if let Err(e) = core.ep.handle_message(now, rank, msg) {
             tracing::warn!("control message from {rank}: {e}");
+        }
+        if let Some(key) = ready {
+            core.waiters.wake(WaitKey::Ready(key));
         }
         timeline::mark(Stage::ControlHandled);
     }
@@ -550,10 +551,10 @@ impl Inner {
                         core.ep.cancel(now, r.key)
                     }
                     _ => {
-                        // The first landing proves the sender accepted.
-                        core.readies.entry(r.key).or_insert(true);
+                        // The first landing proves the sender accepted (the core notes it).
+                        let landed = core.ep.handle_segment_landed(now, r.key, r.segment);
                         core.waiters.wake(WaitKey::Ready(r.key));
-                        core.ep.handle_segment_landed(now, r.key, r.segment)
+                        landed
                     }
                 }
             }

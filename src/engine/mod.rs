@@ -861,7 +861,9 @@ impl Engine {
 
     /// Generation side: the context rank's answer: `Some(true)` ready, `Some(false)` rejected,
     /// `None` if none came by `deadline` (or `cancel()`), or at once if the request is unknown
-    /// or has already ended otherwise.
+    /// or has already ended otherwise. The answer is the protocol core's, not consumed by
+    /// asking: a second call gives it again (after `wait` took the end, for as long as the core
+    /// remembers the request).
     pub fn recv_ready(
         &self,
         key: RequestKey,
@@ -869,19 +871,19 @@ impl Engine {
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Option<bool> {
         self.block(WaitKey::Ready(key), deadline, cancel, |core| {
-            if let Some(r) = core.readies.remove(&key) {
-                return Some(Some(r));
-            }
             match core.terminals.get(&(key, Role::Receiver)) {
                 Some(Outcome::Completed) => Some(Some(true)),
                 Some(Outcome::Rejected) => Some(Some(false)),
                 Some(_) => Some(None),
-                None if !core.ep.running(key, Role::Receiver)
-                    && !core.deferred.contains_key(&key) =>
-                {
-                    Some(None)
-                }
-                None => None,
+                None => match core.ep.receive_answer(key) {
+                    Some(a) => Some(Some(a)),
+                    None if !core.ep.running(key, Role::Receiver)
+                        && !core.deferred.contains_key(&key) =>
+                    {
+                        Some(None)
+                    }
+                    None => None,
+                },
             }
         })
         .flatten()
@@ -1126,13 +1128,7 @@ impl Engine {
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
         let _span = timeline::span(Stage::WaitCalled, Stage::WaitReturned);
-        let take = |core: &mut Core| {
-            let o = core.terminals.remove(&(key, role));
-            if o.is_some() && role == Role::Receiver {
-                core.readies.remove(&key);
-            }
-            o
-        };
+        let take = |core: &mut Core| core.terminals.remove(&(key, role));
         // The largest buffer a receive waits for: a bulk one is not polled for.
         let mut largest = 0;
         {

@@ -767,6 +767,13 @@ impl Endpoint {
         }
     }
 
+    /// The senders' answer to the receive `key` (running or lingering): `Some(true)` once a
+    /// sender said ready or its data landed, `Some(false)` once one refused; `None` before any
+    /// answer, or when the receive is not known here.
+    pub fn receive_answer(&self, key: RequestKey) -> Option<bool> {
+        self.recvs.get(&key).and_then(|r| r.answer())
+    }
+
     /// The length of the largest buffer of the receive `key` (None if it is not known here).
     pub fn largest_receive_segment(&self, key: RequestKey) -> Option<u64> {
         self.recvs.get(&key).map(|r| r.largest_segment())

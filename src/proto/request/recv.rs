@@ -66,6 +66,9 @@ pub(crate) struct RecvRequest {
     verdict: Option<Outcome>,
     terminal: Option<Outcome>,
     deadline_fired: bool,
+    /// The senders' answer so far: `Some(true)` once one said ready or its data landed (the
+    /// first landing proves acceptance), `Some(false)` once one refused (that wins).
+    answer: Option<bool>,
 }
 
 /// The buffers of one sender, as `start_receive` takes them.
@@ -149,6 +152,7 @@ impl RecvRequest {
             verdict: None,
             terminal: None,
             deadline_fired: false,
+            answer: None,
         };
         r.advertise(now, out, false);
         r
@@ -164,6 +168,11 @@ impl RecvRequest {
 
     pub(crate) fn verdict(&self) -> Option<Outcome> {
         self.verdict
+    }
+
+    /// The senders' answer so far (see `answer`).
+    pub(crate) fn answer(&self) -> Option<bool> {
+        self.answer
     }
 
     pub(crate) fn is_terminal(&self) -> bool {
@@ -332,7 +341,10 @@ impl RecvRequest {
             return;
         };
         flow.answered = true;
-        if !ready {
+        if ready {
+            self.answer.get_or_insert(true);
+        } else {
+            self.answer = Some(false);
             self.set_local_vote(now, Outcome::Rejected, out);
         }
     }
@@ -416,6 +428,7 @@ impl RecvRequest {
             return false;
         };
         flow.answered = true;
+        self.answer.get_or_insert(true);
         let seg = flow.segs.get_mut(&segment).expect("checked above");
         match seg.state {
             SegState::Posted | SegState::CancelRequested => seg.state = SegState::Landed,
