@@ -446,14 +446,18 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     let end = |ep: &mut Endpoint| {
         let mut o = None;
         while let Some(e) = ep.poll_event() {
-            if let Event::Terminal { outcome, .. } = e {
-                o = Some(outcome);
+            if let Event::Terminal {
+                outcome, started, ..
+            } = e
+            {
+                o = Some((outcome, started));
             }
         }
         o
     };
-    assert_eq!(end(&mut gen), Some(Outcome::Completed));
-    assert_eq!(end(&mut ctx), Some(Outcome::Completed));
+    // Each end says when the request started on its rank (its duration, for metrics).
+    assert_eq!(end(&mut gen), Some((Outcome::Completed, t)));
+    assert_eq!(end(&mut ctx), Some((Outcome::Completed, t + ms(1))));
     assert_eq!(sent, ["Advertise", "Verdict"]);
     assert_eq!(
         gen.receive_answer(key),

@@ -94,10 +94,6 @@ pub(crate) struct Core {
     pub control_ops: VecDeque<Op>,
     pub waiters: Waiters,
     pub counters: Counters,
-    /// When each running request started here (for `kvlink_request_duration_seconds`):
-    /// inserted at advertise (receiver) or the advertisement's arrival (sender), removed at its
-    /// end, so bounded by the requests in flight.
-    pub starts: HashMap<(RequestKey, Role), Instant>,
     /// Tags of receives that ended without their data: data arriving later under one is
     /// `late`, not `foreign` (for RETIRED_FOR).
     pub retired: Aged<u64, ()>,
@@ -157,7 +153,6 @@ impl Core {
             control_ops: VecDeque::new(),
             waiters: Waiters::default(),
             counters: Counters::default(),
-            starts: HashMap::new(),
             retired: Aged::new(RETIRED_FOR),
             last_prune: Instant::now(),
         }
@@ -699,8 +694,6 @@ impl Inner {
                 request_info,
                 buffers,
             } => {
-                core.starts
-                    .insert((key, Role::Sender { receiver: from }), now);
                 if core.adverts.len() >= MAX_ADVERTS {
                     // Bounded: refuse rather than queue without end. The receiver sees
                     // `Rejected` at once instead of a timeout.
@@ -726,7 +719,12 @@ impl Inner {
                 q.push_back((key, payload));
                 core.waiters.wake_one(WaitKey::Note(from));
             }
-            ProtoEvent::Terminal { key, role, outcome } => {
+            ProtoEvent::Terminal {
+                key,
+                role,
+                outcome,
+                started,
+            } => {
                 let peer = match role {
                     Role::Receiver => None,
                     Role::Sender { receiver } => Some(receiver),
@@ -735,11 +733,8 @@ impl Inner {
                 if matches!(outcome, Outcome::TimedOut | Outcome::PeerLost) {
                     core.counters.last_fault = Some(now);
                 }
-                let took = core
-                    .starts
-                    .remove(&(key, role))
-                    .map(|t| now.saturating_duration_since(t));
-                self.metrics.ended(role, outcome, took);
+                let took = now.saturating_duration_since(started);
+                self.metrics.ended(role, outcome, Some(took));
                 macro_rules! ended {
                     ($level:ident) => {
                         tracing::$level!(

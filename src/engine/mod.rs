@@ -588,9 +588,6 @@ impl Engine {
                 r.op.request_cancel();
             }
         }
-        if result.is_ok() {
-            core.starts.insert((key, Role::Receiver), started);
-        }
         // Anything the bookkeeping above queued (nothing, usually).
         self.inner.flush_via(&mut core, None, now);
         result.and(released)

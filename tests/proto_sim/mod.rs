@@ -557,7 +557,9 @@ impl Sim {
                 );
             }
             Event::Notified { .. } => {}
-            Event::Terminal { key, role, outcome } => {
+            Event::Terminal {
+                key, role, outcome, ..
+            } => {
                 let began = self.began.get(&(node, key, role)).copied();
                 let Some(began) = began else {
                     self.violation(format!("{node} {key} {role:?}: terminal for unknown"));

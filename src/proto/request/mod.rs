@@ -150,6 +150,9 @@ pub enum Event {
         key: RequestKey,
         role: Role,
         outcome: Outcome,
+        /// When the request started on this rank: `start_receive`, or the advertisement's
+        /// arrival (the request's duration, for metrics).
+        started: Instant,
     },
 }
 
@@ -183,14 +186,18 @@ impl Out {
     fn send(&mut self, to: RankId, message: Message) {
         self.transmits.push_back(Transmit { to, message });
     }
-    fn terminal(&mut self, key: RequestKey, role: Role, outcome: Outcome) {
+    fn terminal(&mut self, key: RequestKey, role: Role, outcome: Outcome, started: Instant) {
         if outcome.is_completed() {
             self.stats.completed += 1;
         } else {
             self.stats.failed += 1;
         }
-        self.events
-            .push_back(Event::Terminal { key, role, outcome });
+        self.events.push_back(Event::Terminal {
+            key,
+            role,
+            outcome,
+            started,
+        });
     }
 }
 

@@ -42,6 +42,8 @@ pub(crate) struct RecvRequest {
     pub(crate) receivers: Vec<RankId>,
     coordinator: RankId,
     external: bool,
+    /// When `start_receive` started it.
+    started: Instant,
     deadline: Instant,
     bound: Instant,
     agreement: Duration,
@@ -134,6 +136,7 @@ impl RecvRequest {
             receivers,
             coordinator,
             external,
+            started: now,
             deadline,
             bound,
             agreement: cfg.agreement_bound,
@@ -332,7 +335,7 @@ impl RecvRequest {
             }
         }
         self.terminal = Some(outcome);
-        out.terminal(self.key, Role::Receiver, outcome);
+        out.terminal(self.key, Role::Receiver, outcome, self.started);
     }
 
     pub(crate) fn on_ready(&mut self, now: Instant, from: RankId, ready: bool, out: &mut Out) {

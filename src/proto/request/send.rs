@@ -37,6 +37,8 @@ pub enum SendRefusal {
 pub(crate) struct SendFlow {
     key: RequestKey,
     receiver: RankId,
+    /// When its advertisement arrived.
+    started: Instant,
     deadline: Instant,
     bound: Instant,
     agreement: Duration,
@@ -80,6 +82,7 @@ impl SendFlow {
         SendFlow {
             key,
             receiver,
+            started: now,
             deadline,
             bound,
             agreement: cfg.agreement_bound,
@@ -276,6 +279,7 @@ impl SendFlow {
                         receiver: self.receiver,
                     },
                     v,
+                    self.started,
                 );
             }
         }
@@ -372,6 +376,7 @@ impl SendFlow {
                     receiver: self.receiver,
                 },
                 v,
+                self.started,
             );
             return;
         }
