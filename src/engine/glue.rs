@@ -6,7 +6,7 @@
 //! one caller each fact concerns. The only state kept here is what the transport needs next to
 //! the core: the posted receive ops and their buffers, outcomes waiting for their caller, and the
 //! bounded queues of advertisements and notifications.
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use foldhash::{HashMap, HashMapExt, HashSet};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,6 +53,11 @@ pub(crate) struct RecvOp {
     pub token: Token,
     /// The UCX tag the receive is posted under (the token keyed for its sender).
     pub tag: u64,
+    /// Set while the core does not track this receive (posted for a request that has not
+    /// started, or fenced): what to do with its buffer once UCX has released it.
+    pub on_reap: Option<OnReap>,
+    /// The core asked for its cancel (any other cancelled receive was drained by its sender).
+    pub core_cancelled: bool,
 }
 
 /// What to do with a receive's buffer once UCX has released the receive, for receives the
@@ -83,13 +88,9 @@ pub(crate) struct Core {
     /// Receiver ends held back until their fenced receives are released by UCX.
     pub deferred: HashMap<RequestKey, Outcome>,
     pub fencing: HashMap<RequestKey, HashSet<u64>>,
-    /// Receives whose cancel the core asked for (any other cancelled receive was drained by its
-    /// sender).
-    pub core_cancelled: HashSet<u64>,
     /// Keys that ended here: a replay of one is refused, a late advertisement of one dropped
     /// (for RETENTION).
     pub finished: Aged<(RequestKey, Option<RankId>), ()>,
-    pub on_reap: HashMap<u64, OnReap>,
     pub notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
     pub control_ops: VecDeque<Op>,
     pub waiters: Waiters,
@@ -146,9 +147,7 @@ impl Core {
             terminals: Aged::new(RETENTION),
             deferred: HashMap::new(),
             fencing: HashMap::new(),
-            core_cancelled: HashSet::new(),
             finished: Aged::new(RETENTION),
-            on_reap: HashMap::new(),
             notes: HashMap::new(),
             control_ops: VecDeque::new(),
             waiters: Waiters::default(),
@@ -520,7 +519,7 @@ impl Inner {
         if !matches!(result, Some(Ok(Outcome::Completed))) {
             core.retired.insert(r.tag, (), now);
         }
-        if let Some(act) = core.on_reap.remove(&id) {
+        if let Some(act) = r.on_reap.take() {
             // The core is done with this receive; only its buffer was waiting.
             match act {
                 OnReap::Restore(b) => drop(core.pool.restore(b)),
@@ -560,7 +559,7 @@ impl Inner {
                 let _ = core.ep.give_up(now, r.key, Outcome::Rejected);
                 core.ep.handle_receive_reaped(now, r.key, r.segment)
             }
-            Some(Ok(Outcome::Cancelled)) if !core.core_cancelled.contains(&id) => {
+            Some(Ok(Outcome::Cancelled)) if !r.core_cancelled => {
                 // The sender gave up on this segment and had the receiver drain it: that is the
                 // sender's cancel, not a lost peer.
                 let _ = core.ep.give_up(now, r.key, Outcome::Cancelled);
@@ -568,7 +567,6 @@ impl Inner {
             }
             _ => core.ep.handle_receive_reaped(now, r.key, r.segment),
         };
-        core.core_cancelled.remove(&id);
         if let Err(e) = res {
             tracing::debug!("op {id}: {e}");
         }
@@ -644,9 +642,9 @@ impl Inner {
             }
             Action::CancelReceive { token, .. } => {
                 if let Some(&id) = core.by_token.get(&token) {
-                    if let Some(r) = core.recv_ops.get(&id) {
+                    if let Some(r) = core.recv_ops.get_mut(&id) {
                         r.op.request_cancel();
-                        core.core_cancelled.insert(id);
+                        r.core_cancelled = true;
                     }
                 }
             }
@@ -661,16 +659,15 @@ impl Inner {
                 // and the request's end is held back, until UCX has released the receive: only
                 // then can nothing write the buffer.
                 let _ = core.pool.fence(lease);
-                let live = core
-                    .by_token
-                    .get(&token)
-                    .copied()
-                    .filter(|id| core.recv_ops.contains_key(id));
+                let live = match core.by_token.get(&token) {
+                    Some(&id) => core.recv_ops.get_mut(&id).map(|r| (id, r)),
+                    None => None,
+                };
                 match live {
-                    Some(id) => {
-                        let peer = core.recv_ops[&id].peer;
-                        core.recv_ops[&id].op.request_cancel();
-                        core.on_reap.insert(id, OnReap::Restore(lease.buffer));
+                    Some((id, r)) => {
+                        let peer = r.peer;
+                        r.op.request_cancel();
+                        r.on_reap = Some(OnReap::Restore(lease.buffer));
                         // Region memory stays lent to kvlink: the request ends now, and only this
                         // range is refused to new requests until UCX releases the receive. The
                         // pair and its other requests are not touched.

@@ -579,10 +579,13 @@ impl Engine {
         // find nothing to cancel).
         let released = held.release();
         for id in posted {
+            let Some(r) = core.recv_ops.get_mut(&id) else {
+                continue;
+            };
             if result.is_ok() {
                 // Started: from here the core owns the lease.
-                core.on_reap.remove(&id);
-            } else if let Some(r) = core.recv_ops.get(&id) {
+                r.on_reap = None;
+            } else {
                 // Nothing was started: take back every posted receive. Its lease goes back
                 // (through `on_reap`) only once UCX has released the receive.
                 r.op.request_cancel();
@@ -639,7 +642,7 @@ impl Engine {
 
     /// Posts one receive per buffer of every flow (held: started when `held` is released) and
     /// leases its pool slot; returns the flows as the core takes them. Every posted receive is
-    /// in `posted` with its lease in `on_reap` (to go back when UCX releases it) until the
+    /// in `posted` with its lease in its `RecvOp::on_reap` (to go back when UCX releases it) until the
     /// caller knows the request started.
     ///
     /// # Safety
@@ -714,7 +717,6 @@ impl Engine {
                     // Cannot fail: `r` was found under this same lock.
                     let _ = core.regions.track(id, peer.0, true, r, b.addr, b.len);
                 }
-                core.on_reap.insert(id, OnReap::Release(lease));
                 core.by_token.insert(token, id);
                 core.recv_ops.insert(
                     id,
@@ -727,6 +729,8 @@ impl Engine {
                         len,
                         token,
                         tag,
+                        on_reap: Some(OnReap::Release(lease)),
+                        core_cancelled: false,
                     },
                 );
                 flow.buffers.push((
