@@ -219,7 +219,7 @@ impl Inner {
     /// reads, so that it learns why at once, and close the endpoint after the refusal's linger.
     /// Returns false (the frame is counted as bad) for a bound peer or one refused already.
     fn refuse_version(&self, core: &mut Core, now: Instant, peer: PeerId, version: u16) -> bool {
-        if core.peers.rank_of(peer).is_some() || core.peers.refused.contains_key(&peer) {
+        if core.peers.rank_of(peer).is_some() || core.peers.refusal(peer).is_some() {
             return false;
         }
         // The handshake ends refused, as any other refusal: nothing more from this endpoint

@@ -401,7 +401,7 @@ impl Engine {
                 core.peers.set_dial(r, address);
                 return Ok(r);
             }
-            if let Some(&reason) = core.peers.refused.get(&peer) {
+            if let Some(reason) = core.peers.refusal(peer) {
                 // Let our own `Refuse` (if we sent one) go out, then close the endpoint: a
                 // retry starts on an endpoint of its own.
                 let sent = core.refusal_ops.remove(&peer);

@@ -25,6 +25,7 @@
 //! (`P`), takes the time as an argument and only says what to do (endpoints to close, ranks to
 //! dial); the engine carries it out. The tests at the bottom drive it deterministically.
 use foldhash::{HashMap, HashMapExt};
+use std::collections::VecDeque;
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
@@ -36,6 +37,12 @@ pub const MAX_TRIES: u32 = 6;
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 /// How long a refused endpoint stays open so that its `Refuse` reaches the peer.
 const REFUSE_LINGER: Duration = Duration::from_millis(200);
+/// How long a refusal is remembered after it: far past the endpoint's close (its linger), for
+/// a `connect` that reads it late and so that a refused endpoint is never refused twice.
+const REFUSED_KEEP: Duration = Duration::from_secs(60);
+/// The most refusals remembered: past it the oldest go first (each needed a new endpoint, so
+/// this many within `REFUSED_KEEP` is a flood, and the oldest are long closed).
+const REFUSED_MAX: usize = 4096;
 /// An endpoint whose handshake is not done by then is closed.
 pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
@@ -111,8 +118,10 @@ pub(crate) struct Peers<P> {
     /// The handshake of every endpoint not yet failed (done ones included: a late handshake
     /// message on a bound endpoint is answered as out of order).
     pub handshakes: HashMap<P, Handshake>,
-    /// Endpoints refused (either way) and why: `connect` reports it.
-    pub refused: HashMap<P, Refusal>,
+    /// Endpoints refused (either way), why and when: `connect` reports it, and a refused
+    /// endpoint is not refused again. Kept for REFUSED_KEEP, in `refused_order`.
+    refused: HashMap<P, (Refusal, Instant)>,
+    refused_order: VecDeque<(Instant, P)>,
     /// Refused endpoints to close once their `Refuse` had time to go out.
     closing: Vec<(P, Instant)>,
     /// Endpoints whose handshake is not done, since when: closed after HANDSHAKE_LIMIT.
@@ -132,6 +141,7 @@ impl<P> Default for Peers<P> {
             given_up: Vec::new(),
             handshakes: HashMap::new(),
             refused: HashMap::new(),
+            refused_order: VecDeque::new(),
             closing: Vec::new(),
             pending: HashMap::new(),
             refusals: Refusals::default(),
@@ -281,7 +291,8 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         by_peer: bool,
         now: Instant,
     ) -> Option<RankId> {
-        self.refused.insert(peer, reason);
+        self.refused.insert(peer, (reason, now));
+        self.refused_order.push_back((now, peer));
         match (by_peer, reason) {
             (true, _) => self.refusals.by_peer += 1,
             (false, Refusal::AuthFailed) => self.refusals.auth += 1,
@@ -304,9 +315,32 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         Some(rank)
     }
 
+    /// Why the handshake on `peer` was refused (either way), if it was, within REFUSED_KEEP.
+    pub fn refusal(&self, peer: P) -> Option<Refusal> {
+        self.refused.get(&peer).map(|&(r, _)| r)
+    }
+
+    /// Forgets refusals older than REFUSED_KEEP, and the oldest past REFUSED_MAX: a pop per
+    /// refusal, in the order they came.
+    fn expire_refusals(&mut self, now: Instant) {
+        while let Some(&(at, peer)) = self.refused_order.front() {
+            if now.saturating_duration_since(at) < REFUSED_KEEP
+                && self.refused_order.len() <= REFUSED_MAX
+            {
+                break;
+            }
+            self.refused_order.pop_front();
+            // Only the entry this slot put in (a later refusal of the same id keeps its own).
+            if self.refused.get(&peer).is_some_and(|&(_, t)| t == at) {
+                self.refused.remove(&peer);
+            }
+        }
+    }
+
     /// Endpoints due to be closed at `now`: refused ones after their linger, and those whose
-    /// handshake is not done within HANDSHAKE_LIMIT.
+    /// handshake is not done within HANDSHAKE_LIMIT. Also forgets old refusals.
     pub fn due_closes(&mut self, now: Instant) -> Vec<P> {
+        self.expire_refusals(now);
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;
         let mut out: Vec<P> = due.into_iter().map(|(p, _)| p).collect();
@@ -344,10 +378,6 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.handshakes.remove(&peer);
         self.pending.remove(&peer);
         self.came_from.remove(&peer);
-        if self.refused.len() > 1024 {
-            // Only `connect` reads these, right after the refusal: keep the table small.
-            self.refused.clear();
-        }
         if self.dialling.remove(&peer).is_some() {
             // A reconnect attempt failed; the next try is already scheduled.
             return None;
@@ -624,6 +654,46 @@ mod tests {
         assert_eq!(p.state(R), PeerState::Connected);
     }
 
+    /// A refusal is remembered for REFUSED_KEEP whatever else fails meanwhile (the table was
+    /// once cleared whole past 1024 entries, so an endpoint still in its linger could be refused
+    /// twice), then forgotten; past REFUSED_MAX the oldest go first.
+    #[test]
+    fn refusals_are_remembered_for_a_while_and_the_oldest_go_first() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        for e in 100..2100 {
+            p.refuse(e, Refusal::AuthFailed, false, t0);
+        }
+        // Other endpoints fail, and passes run, meanwhile.
+        for e in 100..200 {
+            p.on_failed(e, t0);
+        }
+        let _ = p.due_closes(t0 + Duration::from_secs(1));
+        assert_eq!(p.refusal(100), Some(Refusal::AuthFailed));
+        assert_eq!(p.refusal(2099), Some(Refusal::AuthFailed));
+        // Endpoint 2099 is refused again later (an id the transport reused): the first slot's
+        // expiry does not take the second refusal.
+        let t1 = t0 + Duration::from_secs(30);
+        p.refuse(2099, Refusal::RankInUse, true, t1);
+        let _ = p.due_closes(t0 + REFUSED_KEEP);
+        assert_eq!(p.refusal(100), None, "forgotten after REFUSED_KEEP");
+        assert_eq!(p.refusal(2099), Some(Refusal::RankInUse));
+        let _ = p.due_closes(t1 + REFUSED_KEEP);
+        assert_eq!(p.refusal(2099), None);
+        // A flood: past REFUSED_MAX the oldest are forgotten first, at once.
+        let t2 = t1 + REFUSED_KEEP;
+        let n = REFUSED_MAX as u64 + 100;
+        for e in 0..n {
+            p.refuse(10_000 + e, Refusal::AuthFailed, false, t2);
+        }
+        let _ = p.due_closes(t2);
+        assert_eq!(p.refusal(10_000), None);
+        assert_eq!(p.refusal(10_099), None);
+        assert_eq!(p.refusal(10_100), Some(Refusal::AuthFailed));
+        assert_eq!(p.refusal(10_000 + n - 1), Some(Refusal::AuthFailed));
+        assert_eq!(p.refused.len(), REFUSED_MAX);
+    }
+
     #[test]
     fn refusals_are_counted_both_ways_and_closed_after_their_linger() {
         let t0 = Instant::now();
@@ -634,7 +704,7 @@ mod tests {
         // A peer refuses us on endpoint 10 (bound to R): R loses it, closed at once.
         assert_eq!(p.refuse(10, Refusal::RankInUse, true, t0), Some(R));
         assert_eq!(p.state(R), PeerState::Failed);
-        assert_eq!(p.refused.get(&30), Some(&Refusal::AuthFailed));
+        assert_eq!(p.refusal(30), Some(Refusal::AuthFailed));
         // A stranger of another wire version on endpoint 31 (no handshake began: its frames
         // were not read).
         assert_eq!(p.refuse(31, Refusal::WireVersion, false, t0), None);
