@@ -45,9 +45,14 @@ pub enum PeerCmd {
 
 #[derive(Args, Debug, Clone)]
 pub struct CoreArgs {
-    /// Requests per round, each completed before the next starts.
+    /// Requests per round.
     #[arg(long, default_value_t = 50_000)]
     pub requests: u64,
+    /// Requests in flight: each request is started (advertised and accepted) this many
+    /// requests before its data lands and its verdict passes, as in the bench's in-flight rows;
+    /// 1 completes each before the next starts. The pool holds this many requests' buffers.
+    #[arg(long, default_value_t = 1)]
+    pub inflight: u64,
     /// Buffers (segments) per request.
     #[arg(long, default_value_t = 1)]
     pub segments: u32,

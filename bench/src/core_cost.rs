@@ -6,7 +6,9 @@
 //! reported, the `Verdict` encoded and decoded, events and actions drained and the leases given
 //! back, as the engine does between the transport's callbacks. The simulated clock moves
 //! `--spacing-us` per request, so the endpoints hold as many lingering requests as a real engine
-//! at that rate. Prints nanoseconds per request (CPU work on one core, no waiting), the best and
+//! at that rate. With `--inflight N` a request's data lands and its verdict passes N requests
+//! after it started, so the core holds N running requests as well (the in-flight rows of the
+//! two-process bench, without the transport and the other process). Prints nanoseconds per request (CPU work on one core, no waiting), the best and
 //! the median of the rounds: the figure to compare before and after a change to the core, far
 //! steadier on a noisy machine than a two-process latency.
 use crate::cli::CoreArgs;
@@ -35,107 +37,159 @@ pub fn run(a: &CoreArgs) -> i32 {
     per_req.sort_by(f64::total_cmp);
     let median = per_req[per_req.len() / 2];
     println!(
-        "core: {} requests x {} segments, {} us apart (simulated), {} rounds: \
+        "core: {} requests x {} segments, {} in flight, {} us apart (simulated), {} rounds: \
          best {:.0} ns/request, median {:.0}; requests known at the end {held}",
-        a.requests, a.segments, a.spacing_us, a.rounds, per_req[0], median
+        a.requests, a.segments, a.inflight, a.spacing_us, a.rounds, per_req[0], median
     );
     println!(
         "CORE {}",
         serde_json::json!({"requests": a.requests, "segments": a.segments,
-            "spacing_us": a.spacing_us, "best_ns": per_req[0], "median_ns": median,
-            "known_at_end": held})
+            "inflight": a.inflight, "spacing_us": a.spacing_us, "best_ns": per_req[0],
+            "median_ns": median, "known_at_end": held})
     );
     0
 }
 
-/// One round: `a.requests` requests, each completed before the next starts. Returns ns per
-/// request and the requests both endpoints still know at the end (lingering).
+/// One round: `a.requests` requests, each started `a.inflight` requests before it completes.
+/// Returns ns per request and the requests both endpoints still know at the end (lingering).
 fn round(a: &CoreArgs) -> Result<(f64, usize), String> {
     let (g, c) = (RankId(1), RankId(2));
     let cfg = Config::default();
     let mut gen = Endpoint::new(g, cfg);
     let mut ctx = Endpoint::new(c, cfg);
-    let mut pool = BufferPool::new(a.segments);
+    let window = a.inflight.max(1);
+    let slots = u32::try_from(window * u64::from(a.segments)).map_err(|_| "pool too large")?;
+    let mut pool = BufferPool::new(slots);
     let mut tokens = TokenAllocator::new([7; 16]);
     let mut frame = Vec::new();
     let t0 = Instant::now();
     let started = Instant::now();
-    for i in 0..a.requests {
+    let mut ended = 0;
+    for i in 0..a.requests + window - 1 {
         let now = t0 + Duration::from_micros(a.spacing_us * i);
         for ep in [&mut gen, &mut ctx] {
             if ep.poll_timeout().is_some_and(|t| t <= now) {
                 ep.handle_timeout(now);
             }
         }
-        let key = RequestKey::new(i + 1, 0);
-        let mut buffers = Vec::with_capacity(a.segments as usize);
-        for s in 0..a.segments {
-            let lease = pool
-                .lease(key)
-                .ok_or("pool empty: a lease was not given back")?;
-            let token = tokens.allocate().ok_or("tokens exhausted")?;
-            let desc = BufferDesc {
-                kind: BufferKind::Kv,
-                segment: s,
-                addr: 0x1000 + u64::from(s) * 4096,
-                len: 4096,
-                device_id: -1,
-                token,
-            };
-            buffers.push((lease, desc));
+        if i < a.requests {
+            let key = RequestKey::new(i + 1, 0);
+            start(
+                a,
+                &mut gen,
+                &mut ctx,
+                key,
+                now,
+                &mut pool,
+                &mut tokens,
+                &mut frame,
+            )?;
         }
-        let spec = ReceiveSpec {
-            key,
-            receivers: vec![g],
-            flows: vec![ReceiveFlow { sender: c, buffers }],
-            request_info: Vec::new(),
-            timeout: None,
-        };
-        gen.start_receive(now, spec).map_err(|e| e.to_string())?;
-        pump(&mut gen, &mut ctx, now, &mut frame)?;
-        while let Some(e) = ctx.poll_event() {
-            if let Event::Advertised { key, from, .. } = e {
-                ctx.accept(now, key, from, true)
-                    .map_err(|e| e.to_string())?;
-            }
+        if let Some(j) = (i + 1).checked_sub(window) {
+            let key = RequestKey::new(j + 1, 0);
+            ended += finish(a, &mut gen, &mut ctx, key, now, &mut pool, &mut frame)?;
         }
-        pump(&mut ctx, &mut gen, now, &mut frame)?;
-        for s in 0..a.segments {
-            ctx.check_send(key, g, s, 4096)
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("{e:?}"))?;
-            ctx.begin_send(key, g, s);
-            ctx.handle_send_done(now, key, g, s, true)
-                .map_err(|e| e.to_string())?;
-        }
-        for s in 0..a.segments {
-            gen.handle_segment_landed(now, key, s)
-                .map_err(|e| e.to_string())?;
-        }
-        pump(&mut gen, &mut ctx, now, &mut frame)?;
-        pump(&mut ctx, &mut gen, now, &mut frame)?;
-        let mut ends = 0;
-        for ep in [&mut gen, &mut ctx] {
-            while let Some(e) = ep.poll_event() {
-                if let Event::Terminal { outcome, role, .. } = e {
-                    if outcome != Outcome::Completed {
-                        return Err(format!("request {i} ended {outcome:?} as {role:?}"));
-                    }
-                    ends += 1;
-                }
-            }
-            while let Some(act) = ep.poll_action() {
-                if let kvlink::proto::Action::Release { lease, .. } = act {
-                    pool.release(lease).map_err(|e| e.to_string())?;
-                }
-            }
-        }
-        if ends != 2 {
-            return Err(format!("request {i}: {ends} terminal events, expected 2"));
-        }
+    }
+    if ended != 2 * a.requests {
+        return Err(format!(
+            "{ended} terminal events, expected {}",
+            2 * a.requests
+        ));
     }
     let ns = started.elapsed().as_nanos() as f64 / a.requests as f64;
     Ok((ns, gen.known() + ctx.known()))
+}
+
+/// Starts `key` on the generation endpoint and has the context endpoint accept it.
+#[allow(clippy::too_many_arguments)]
+fn start(
+    a: &CoreArgs,
+    gen: &mut Endpoint,
+    ctx: &mut Endpoint,
+    key: RequestKey,
+    now: Instant,
+    pool: &mut BufferPool,
+    tokens: &mut TokenAllocator,
+    frame: &mut Vec<u8>,
+) -> Result<(), String> {
+    let (g, c) = (gen.rank(), ctx.rank());
+    let mut buffers = Vec::with_capacity(a.segments as usize);
+    for s in 0..a.segments {
+        let lease = pool
+            .lease(key)
+            .ok_or("pool empty: a lease was not given back")?;
+        let token = tokens.allocate().ok_or("tokens exhausted")?;
+        let desc = BufferDesc {
+            kind: BufferKind::Kv,
+            segment: s,
+            addr: 0x1000 + u64::from(s) * 4096,
+            len: 4096,
+            device_id: -1,
+            token,
+        };
+        buffers.push((lease, desc));
+    }
+    let spec = ReceiveSpec {
+        key,
+        receivers: vec![g],
+        flows: vec![ReceiveFlow { sender: c, buffers }],
+        request_info: Vec::new(),
+        timeout: None,
+    };
+    gen.start_receive(now, spec).map_err(|e| e.to_string())?;
+    pump(gen, ctx, now, frame)?;
+    while let Some(e) = ctx.poll_event() {
+        if let Event::Advertised { key, from, .. } = e {
+            ctx.accept(now, key, from, true)
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    pump(ctx, gen, now, frame)
+}
+
+/// Sends and lands every segment of `key`, passes the verdict, and drains both endpoints'
+/// events and actions. Returns the terminal events seen (each must be `Completed`).
+fn finish(
+    a: &CoreArgs,
+    gen: &mut Endpoint,
+    ctx: &mut Endpoint,
+    key: RequestKey,
+    now: Instant,
+    pool: &mut BufferPool,
+    frame: &mut Vec<u8>,
+) -> Result<u64, String> {
+    let g = gen.rank();
+    for s in 0..a.segments {
+        ctx.check_send(key, g, s, 4096)
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("{e:?}"))?;
+        ctx.begin_send(key, g, s);
+        ctx.handle_send_done(now, key, g, s, true)
+            .map_err(|e| e.to_string())?;
+    }
+    for s in 0..a.segments {
+        gen.handle_segment_landed(now, key, s)
+            .map_err(|e| e.to_string())?;
+    }
+    pump(gen, ctx, now, frame)?;
+    pump(ctx, gen, now, frame)?;
+    let mut ends = 0;
+    for ep in [gen, ctx] {
+        while let Some(e) = ep.poll_event() {
+            if let Event::Terminal { outcome, role, .. } = e {
+                if outcome != Outcome::Completed {
+                    return Err(format!("{key} ended {outcome:?} as {role:?}"));
+                }
+                ends += 1;
+            }
+        }
+        while let Some(act) = ep.poll_action() {
+            if let kvlink::proto::Action::Release { lease, .. } = act {
+                pool.release(lease).map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    Ok(ends)
 }
 
 /// Every queued message of `from`, encoded and decoded as the wire carries it, handed to `to`.
@@ -168,6 +222,7 @@ mod tests {
             let a = |spacing_us| CoreArgs {
                 requests: 2000,
                 segments,
+                inflight: 1,
                 spacing_us,
                 rounds: 1,
             };
@@ -179,6 +234,24 @@ mod tests {
                 (900..=1100).contains(&known),
                 "{segments} segments, 10 ms apart: {known} known"
             );
+        }
+    }
+
+    /// With requests in flight every request still completes on both endpoints, each within
+    /// its window (the pool holds exactly the window's buffers: a request that did not give its
+    /// leases back fails the round).
+    #[test]
+    fn requests_in_flight_all_complete_and_give_their_buffers_back() {
+        for (inflight, segments) in [(64, 1), (4096, 1), (7, 3)] {
+            let a = CoreArgs {
+                requests: 5000,
+                segments,
+                inflight,
+                spacing_us: 10,
+                rounds: 1,
+            };
+            let (_, known) = round(&a).unwrap();
+            assert_eq!(known, 10_000, "{inflight} in flight, every request lingers");
         }
     }
 }
