@@ -590,6 +590,7 @@ impl Endpoint {
                     r.settle(now);
                     if r.is_finished(now) {
                         let tomb = (r.tomb_until, r.terminal().unwrap_or(Outcome::PeerLost));
+                        self.timers.release(r);
                         self.recvs.remove(&key);
                         self.note_forgotten(key, None);
                         self.bury(id, tomb);
@@ -611,6 +612,7 @@ impl Endpoint {
                     f.settle(now);
                     if f.is_finished(now) {
                         let tomb = (f.tomb_until, f.terminal().unwrap_or(Outcome::PeerLost));
+                        self.timers.release(f);
                         self.forget_flow(key, to);
                         self.bury(id, tomb);
                     } else {
@@ -666,11 +668,7 @@ impl Endpoint {
     /// size follows the requests alive, at O(1) amortised.
     fn compact_timers(&mut self) {
         if self.timers.wants_compact() {
-            let (recvs, sends) = (&self.recvs, &self.sends);
-            self.timers.compact(|at, lane, id| match id {
-                TimerId::Recv(key) => recvs.get(&key).is_some_and(|r| r.is_live(at, lane)),
-                TimerId::Send(key, to) => flow(sends, key, to).is_some_and(|f| f.is_live(at, lane)),
-            });
+            self.timers.compact();
         }
     }
 

@@ -95,21 +95,27 @@ pub(crate) enum Lane {
 }
 
 /// A state machine with the instant of its live entry in the timer table (the one entry not
-/// superseded) and the lane it is in, kept beside it so that scheduling looks the machine up
-/// once. Boxed in the maps: a machine is a few hundred bytes, and a map's growth then moves
-/// pointers, not machines.
+/// superseded), the lane it is in and its stamp slot, kept beside it so that scheduling looks
+/// the machine up once. Boxed in the maps: a machine is a few hundred bytes, and a map's
+/// growth then moves pointers, not machines.
 #[derive(Debug)]
 pub(crate) struct Timed<T> {
     pub(crate) at: Option<Instant>,
     lane: Lane,
+    /// Its slot in [`TimerTable`]'s stamps ([`NO_SLOT`] before its first arm).
+    slot: u32,
     machine: T,
 }
+
+/// A machine that was never armed has no stamp slot.
+const NO_SLOT: u32 = u32::MAX;
 
 impl<T> Timed<T> {
     pub(crate) fn boxed(machine: T) -> Box<Self> {
         Box::new(Timed {
             at: None,
             lane: Lane::Running,
+            slot: NO_SLOT,
             machine,
         })
     }
@@ -145,14 +151,31 @@ pub(crate) trait Machine {
     fn lingers(&self) -> bool;
 }
 
+/// One entry of the timer table: the machine it is for, and the stamp its slot had when the
+/// entry was pushed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Entry {
+    id: TimerId,
+    slot: u32,
+    stamp: u32,
+}
+
 /// Every state machine's next deadline, earliest first, in two lanes (running and lingering
-/// machines). An entry is live only while it equals its machine's `Timed::at` and lane; others
-/// are skipped when popped, and compacted away once they outnumber the live ones.
+/// machines). An entry is live only while its slot's stamp is the one it was pushed with: a
+/// machine's new entry, its firing and its forgetting each move the stamp on. Telling a live
+/// entry from a superseded one is one read of a dense array, not a look-up of the machine (a
+/// hash probe and a pointer to follow, each a cache miss at thousands of requests in flight):
+/// superseded entries are skipped when popped, and compacted away once they outnumber the live
+/// ones, without touching a machine.
 #[derive(Debug, Default)]
 pub(crate) struct TimerTable {
-    lanes: [DueQueue<TimerId>; 2],
+    lanes: [DueQueue<Entry>; 2],
     /// Machines with a live entry in each lane.
     live: [usize; 2],
+    /// Each slot's stamp; a machine holds its slot from its first arm until it is forgotten.
+    stamps: Vec<u32>,
+    /// Slots of forgotten machines, for the next ones.
+    free: Vec<u32>,
 }
 
 impl TimerTable {
@@ -172,10 +195,40 @@ impl TimerTable {
         if m.at.is_some() {
             self.live[m.lane as usize] -= 1;
         }
+        if m.slot == NO_SLOT {
+            m.slot = self.free.pop().unwrap_or_else(|| {
+                self.stamps.push(0);
+                (self.stamps.len() - 1) as u32
+            });
+        }
+        // Supersedes the machine's previous entry, if any.
+        let stamp = self.bump(m.slot);
         m.at = Some(at);
         m.lane = lane;
         self.live[lane as usize] += 1;
-        self.lanes[lane as usize].push(at, id);
+        let slot = m.slot;
+        self.lanes[lane as usize].push(at, Entry { id, slot, stamp });
+    }
+
+    /// Moves `slot`'s stamp on (every entry pushed before is superseded) and returns it.
+    fn bump(&mut self, slot: u32) -> u32 {
+        let s = &mut self.stamps[slot as usize];
+        *s = s.wrapping_add(1);
+        *s
+    }
+
+    fn is_live_entry(&self, e: &Entry) -> bool {
+        self.stamps[e.slot as usize] == e.stamp
+    }
+
+    /// The machine `m` is forgotten (its last entry has fired): its slot goes to the next one.
+    pub(crate) fn release<M>(&mut self, m: &mut Timed<M>) {
+        if m.slot != NO_SLOT {
+            debug_assert!(m.at.is_none(), "a forgotten machine has no live entry");
+            self.bump(m.slot);
+            self.free.push(m.slot);
+            m.slot = NO_SLOT;
+        }
     }
 
     /// The lane whose front is the earliest, and that front's instant.
@@ -195,11 +248,16 @@ impl TimerTable {
         self.earliest().map(|(at, _)| at)
     }
 
-    /// Takes the earliest entry if it is due at `now`; check it with [`TimerTable::fired`].
+    /// Takes the earliest live entry if it is due at `now` (superseded ones are dropped on the
+    /// way); hand its machine to [`TimerTable::fired`].
     pub(crate) fn pop_due(&mut self, now: Instant) -> Option<(Instant, Lane, TimerId)> {
-        let (_, lane) = self.earliest()?;
-        let (at, id) = self.lanes[lane as usize].pop_due(now)?;
-        Some((at, lane, id))
+        loop {
+            let (_, lane) = self.earliest()?;
+            let (at, e) = self.lanes[lane as usize].pop_due(now)?;
+            if self.is_live_entry(&e) {
+                return Some((at, lane, e.id));
+            }
+        }
     }
 
     /// Entries in the table, live and superseded.
@@ -220,24 +278,27 @@ impl TimerTable {
         self.lanes[i].len() > 2 * self.live[i] + COMPACT_SLACK
     }
 
-    /// Drops every entry `live` says is not its machine's live one. O(entries), each looked up
-    /// once: it runs when at least half of a lane is superseded, so O(1) amortised per entry.
-    pub(crate) fn compact(&mut self, mut live: impl FnMut(Instant, Lane, TimerId) -> bool) {
+    /// Drops every superseded entry of a lane that [`TimerTable::wants_compact`]. O(entries),
+    /// a stamp read each: it runs when at least half of a lane is superseded, so O(1)
+    /// amortised per entry.
+    pub(crate) fn compact(&mut self) {
         for lane in [Lane::Running, Lane::Lingering] {
             if self.lane_wants_compact(lane) {
-                self.lanes[lane as usize].retain(|at, id| live(at, lane, id));
+                let stamps = &self.stamps;
+                self.lanes[lane as usize].retain(|_, e| stamps[e.slot as usize] == e.stamp);
             }
         }
     }
 
     /// The table's entry for `m` at `at` in `lane` was popped: is it the live one? (Then `m`
-    /// has none.)
+    /// has none.) [`TimerTable::pop_due`] returns live entries only, so this is a check.
     pub(crate) fn fired<M>(&mut self, m: &mut Timed<M>, at: Instant, lane: Lane) -> bool {
         if !m.is_live(at, lane) {
             return false; // superseded by a later arm
         }
         m.at = None;
         self.live[lane as usize] -= 1;
+        self.bump(m.slot);
         true
     }
 }
@@ -272,6 +333,101 @@ mod tests {
             prop_assert_eq!(got, want);
             prop_assert_eq!(q.len(), 0);
         }
+    }
+
+    /// A machine whose next timeout and lane the test sets.
+    struct Fake {
+        next: Instant,
+        lingers: bool,
+    }
+
+    impl Machine for Fake {
+        fn settle(&mut self, _now: Instant) {}
+        fn next_timeout(&self) -> Instant {
+            self.next
+        }
+        fn lingers(&self) -> bool {
+            self.lingers
+        }
+    }
+
+    /// Superseded entries are told by their stamp alone: they never come out of `pop_due`,
+    /// compaction drops them without a look at any machine, and a forgotten machine's slot,
+    /// taken by the next one, does not bring its old entries back to life.
+    #[test]
+    fn superseded_entries_are_told_by_their_stamp_and_never_fire() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let key = |i| TimerId::Recv(crate::proto::RequestKey::new(i, 0));
+        let mut t = TimerTable::default();
+        let mut a = Timed::boxed(Fake {
+            next: t0 + ms(200),
+            lingers: false,
+        });
+        t.arm(key(1), &mut a, t0);
+        // Finished: it moves to the lingering lane, its running entry is superseded.
+        a.machine.next = t0 + ms(5000);
+        a.machine.lingers = true;
+        t.arm(key(1), &mut a, t0);
+        assert_eq!(t.entries(), 2);
+        assert_eq!(
+            t.next_due(),
+            Some(t0 + ms(200)),
+            "the superseded one is still there"
+        );
+        assert_eq!(t.pop_due(t0 + ms(1000)), None, "but it never fires");
+        assert_eq!(t.entries(), 1, "it was dropped on the way");
+        // Many machines supersede their running entries: compaction keeps the live ones only.
+        let mut ms_: Vec<Box<Timed<Fake>>> = (0..200)
+            .map(|i| {
+                Timed::boxed(Fake {
+                    next: t0 + ms(100 + i),
+                    lingers: false,
+                })
+            })
+            .collect();
+        for (i, m) in ms_.iter_mut().enumerate() {
+            t.arm(key(10 + i as u64), m, t0);
+        }
+        for _ in 0..3 {
+            for m in ms_.iter_mut().take(150) {
+                m.machine.next += ms(10_000);
+                t.arm(key(0), m, t0); // the id does not matter to liveness
+            }
+        }
+        assert!(t.wants_compact());
+        t.compact();
+        assert_eq!(
+            t.entries(),
+            1 + 200,
+            "a's lingering entry and one per machine"
+        );
+        // `a` fires for the last time and is forgotten; a new machine takes its slot.
+        let (at, lane, id) = t.pop_due(t0 + ms(5000)).unwrap();
+        assert_eq!(
+            (at, lane, id),
+            (t0 + ms(100 + 150), Lane::Running, key(160))
+        );
+        let mut b = Timed::boxed(Fake {
+            next: t0 + ms(1),
+            lingers: false,
+        });
+        let fired: Vec<TimerId> = std::iter::from_fn(|| t.pop_due(t0 + ms(5000)))
+            .map(|(_, _, id)| id)
+            .collect();
+        assert_eq!(fired.len(), 49 + 1, "the 49 others still running, then a");
+        assert!(t.fired(&mut a, t0 + ms(5000), Lane::Lingering));
+        t.release(&mut a);
+        t.arm(key(2), &mut b, t0);
+        assert_eq!(b.slot, 0, "a's slot, reused");
+        assert_eq!(
+            t.pop_due(t0 + ms(1)),
+            Some((t0 + ms(1), Lane::Running, key(2)))
+        );
+        assert_eq!(
+            t.pop_due(t0 + ms(100_000)),
+            Some((t0 + ms(30_100), Lane::Running, key(0)))
+        );
     }
 
     #[test]
