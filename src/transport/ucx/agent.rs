@@ -10,7 +10,7 @@ use crate::error::{Error, ErrorKind, Result};
 use parking_lot::Mutex;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -534,13 +534,7 @@ impl Agent {
         let now = Instant::now();
         let mut in_flight = 0;
         let mut oldest: Option<Instant> = None;
-        let slots: Vec<Arc<OpSlot>> = self
-            .shared
-            .in_flight
-            .lock()
-            .values()
-            .filter_map(Weak::upgrade)
-            .collect();
+        let slots: Vec<Arc<OpSlot>> = self.shared.in_flight.lock().upgraded().collect();
         for slot in slots {
             {
                 if !slot.control && slot.state.lock().is_none() {

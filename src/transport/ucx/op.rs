@@ -5,7 +5,7 @@ use super::{map_status, sys, PeerId};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -52,7 +52,13 @@ pub(super) struct OpSlot {
     /// when it is tracked, cleared by whichever takes them off first (its end, or its stop
     /// giving up on UCX).
     pub(super) bytes_counted: AtomicBool,
+    /// Its index in [`Shared::in_flight`](super::shared::Shared) while tracked
+    /// ([`NOT_TRACKED`] otherwise).
+    pub(super) tracked_at: AtomicU32,
 }
+
+/// An op not in the in-flight table.
+pub(super) const NOT_TRACKED: u32 = u32::MAX;
 
 impl OpSlot {
     /// A fresh slot, not yet tracked ([`Shared::track_op`](super::shared::Shared)): not ended,
@@ -79,7 +85,16 @@ impl OpSlot {
             request: AtomicPtr::new(std::ptr::null_mut()),
             stop_reason: AtomicU8::new(STOP_NONE),
             bytes_counted: AtomicBool::new(false),
+            tracked_at: AtomicU32::new(NOT_TRACKED),
         })
+    }
+
+    /// The command that cancels this op.
+    pub(super) fn cancel_cmd(&self) -> super::shared::Cmd {
+        super::shared::Cmd::CancelOp {
+            id: self.id,
+            at: self.tracked_at.load(Ordering::Relaxed),
+        }
     }
 
     pub(super) fn complete(&self, status: sys::ucs_status_t, len: usize) {
@@ -262,7 +277,7 @@ impl Op {
             Ordering::AcqRel,
             Ordering::Acquire,
         );
-        let _ = self.shared.submit(Cmd::CancelOp(self.slot.id));
+        let _ = self.shared.submit(self.slot.cancel_cmd());
     }
 
     /// True once UCX can no longer write into (or read from) the op's buffer.
@@ -287,9 +302,7 @@ impl Op {
         // back while UCX holds it, except past those bounds (a progress thread that does not
         // run the close, a UCX that keeps the op past it, an agent shutting down meanwhile),
         // and then the op is counted as unreaped.
-        if self.slot.state.lock().is_none()
-            && self.shared.submit(Cmd::CancelOp(self.slot.id)).is_ok()
-        {
+        if self.slot.state.lock().is_none() && self.shared.submit(self.slot.cancel_cmd()).is_ok() {
             self.wait_done(cancel_until);
             if self.slot.state.lock().is_none() {
                 if self.detach {

@@ -14,7 +14,7 @@ use std::ffi::c_void;
 use std::net::SocketAddr;
 use std::os::raw::c_int;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long a drain receive waits for the abandoned message before it is cancelled.
@@ -186,8 +186,7 @@ impl Progress {
             .shared
             .in_flight
             .lock()
-            .values()
-            .filter_map(Weak::upgrade)
+            .upgraded()
             .filter(|s| s.peer.0 == peer)
             .collect();
         for s in &slots {
@@ -385,8 +384,7 @@ impl Progress {
             .shared
             .in_flight
             .lock()
-            .values()
-            .filter_map(Weak::upgrade)
+            .upgraded()
             .filter(|s| s.peer.0 == peer && !s.send && s.tag == tag)
             .collect();
         for s in &slots {

@@ -21,7 +21,7 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::raw::c_int;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Progress calls per pass before commands are looked at again.
@@ -922,7 +922,7 @@ impl Progress {
             } => self.start_tag(peer, tag, addr, len, slot, send),
             Cmd::Control { peer, bytes, slot } => self.start_control(peer, bytes, slot),
             Cmd::Post { peer, bytes } => self.send_internal(peer, AM_CONTROL_ID, bytes),
-            Cmd::CancelOp(id) => self.cancel_op(id),
+            Cmd::CancelOp { id, at } => self.cancel_op(id, at),
             Cmd::Map { addr, len, reply } => reply.set(self.map(addr, len)),
             Cmd::Unmap(id) => self.unmap(id),
             Cmd::UnpackRkey {
@@ -1000,13 +1000,7 @@ impl Progress {
         self.handle_callbacks_discard();
         self.listener = None;
         self.probe = None;
-        let slots: Vec<Arc<OpSlot>> = self
-            .shared
-            .in_flight
-            .lock()
-            .values()
-            .filter_map(Weak::upgrade)
-            .collect();
+        let slots: Vec<Arc<OpSlot>> = self.shared.in_flight.lock().upgraded().collect();
         // The drain receives (posted for senders that gave up) are not in `in_flight`: cancel
         // them too, or UCX never completes them and the reference it holds is never released.
         for s in slots.iter().chain(self.drains.iter()) {
@@ -1127,7 +1121,7 @@ mod tests {
     /// message (a cancel of no op), and notes, each time it is told that what it submitted has
     /// started, what was still queued then.
     struct Echo {
-        shared: Weak<Shared>,
+        shared: std::sync::Weak<Shared>,
         answered: std::sync::atomic::AtomicBool,
         queued_at_delivered: Mutex<Vec<usize>>,
     }
@@ -1143,7 +1137,11 @@ mod tests {
                         bytes: answer,
                     })
                     .unwrap();
-                    sh.submit(Cmd::CancelOp(u64::MAX)).unwrap();
+                    sh.submit(Cmd::CancelOp {
+                        id: u64::MAX,
+                        at: crate::transport::ucx::op::NOT_TRACKED,
+                    })
+                    .unwrap();
                     self.answered.store(true, Ordering::Release);
                 }
             }

@@ -3,7 +3,7 @@
 //! ops in flight and the progress counters.
 use super::agent::DIRECT_POST_MAX;
 use super::callbacks::{self, finish_slot, CbEvent};
-use super::op::{OpSlot, STOP_NONE, STOP_SHUTDOWN};
+use super::op::{OpSlot, NOT_TRACKED, STOP_NONE, STOP_SHUTDOWN};
 use super::progress::Progress;
 use super::{sys, AgentOptions, Event, PeerId, TransportKind};
 use crate::error::{Error, ErrorKind, Result};
@@ -45,7 +45,12 @@ pub(super) enum Cmd {
         peer: PeerId,
         bytes: Vec<u8>,
     },
-    CancelOp(u64),
+    /// Cancel the op `id`, at index `at` of the in-flight table (checked: the index may
+    /// have been taken by another op since).
+    CancelOp {
+        id: u64,
+        at: u32,
+    },
     Map {
         addr: usize,
         len: usize,
@@ -156,7 +161,7 @@ pub(super) struct Shared {
     pub(super) events: Mutex<VecDeque<Event>>,
     pub(super) events_cv: Condvar,
     pub(super) failed: Mutex<HashMap<PeerId, bool>>,
-    pub(super) in_flight: Mutex<HashMap<u64, Weak<OpSlot>>>,
+    pub(super) in_flight: Mutex<InFlight>,
     /// The bytes of the data transfers in `in_flight` (not control messages): kept by
     /// [`Shared::track_op`] and [`Shared::untrack_op`] alone.
     pub(super) in_flight_bytes: AtomicUsize,
@@ -239,7 +244,7 @@ impl Shared {
             events: Mutex::new(VecDeque::new()),
             events_cv: Condvar::new(),
             failed: Mutex::new(HashMap::new()),
-            in_flight: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(InFlight::default()),
             in_flight_bytes: AtomicUsize::new(0),
             next_op: AtomicU64::new(1),
             stats: AtomicStats::default(),
@@ -461,7 +466,7 @@ impl Shared {
             Cmd::ForceClose(_, Some(r)) => r.set(Ok(())),
             Cmd::ForceClose(_, None)
             | Cmd::Post { .. }
-            | Cmd::CancelOp(_)
+            | Cmd::CancelOp { .. }
             | Cmd::Unmap(_)
             | Cmd::DestroyRkey(_)
             | Cmd::FaultStuck
@@ -622,12 +627,12 @@ impl Shared {
             self.in_flight_bytes
                 .fetch_add(slot.expected_len, Ordering::Relaxed);
         }
-        self.in_flight.lock().insert(slot.id, Arc::downgrade(slot));
+        self.in_flight.lock().insert(slot);
     }
 
     /// Takes an ending op out of `in_flight`, and its bytes off the count.
     pub(super) fn untrack_op(&self, slot: &OpSlot) {
-        self.in_flight.lock().remove(&slot.id);
+        self.in_flight.lock().remove(slot);
         self.uncount_bytes(slot);
     }
 
@@ -648,6 +653,69 @@ impl Shared {
     /// queue that was just emptied (see `cmds_queued`).
     pub(super) fn cmds_maybe_pending(&self) -> bool {
         self.cmds_queued.load(Ordering::Acquire)
+    }
+}
+
+/// The ops in flight, for the sweeps that must reach each of them (a failed peer's, a drain's,
+/// the shutdown's, the stats'): a slab, so that tracking and untracking an op, twice per
+/// transfer, costs an index and no hashing. An op knows its index (`OpSlot::tracked_at`).
+#[derive(Default)]
+pub(super) struct InFlight {
+    slots: Vec<Option<Weak<OpSlot>>>,
+    free: Vec<u32>,
+}
+
+impl InFlight {
+    pub(super) fn insert(&mut self, slot: &Arc<OpSlot>) {
+        let w = Some(Arc::downgrade(slot));
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.slots[i as usize] = w;
+                i
+            }
+            None => {
+                self.slots.push(w);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        slot.tracked_at.store(i, Ordering::Relaxed);
+    }
+
+    /// Takes `slot` out, if it is in (removing twice, or an op never tracked, does nothing).
+    pub(super) fn remove(&mut self, slot: &OpSlot) {
+        let i = slot.tracked_at.swap(NOT_TRACKED, Ordering::Relaxed);
+        let Some(e) = self.slots.get_mut(i as usize) else {
+            return;
+        };
+        if e.as_ref().is_some_and(|w| std::ptr::eq(w.as_ptr(), slot)) {
+            *e = None;
+            self.free.push(i);
+        }
+    }
+
+    /// The op `id` at index `at`, if it is still there and alive.
+    pub(super) fn get(&self, at: u32, id: u64) -> Option<Arc<OpSlot>> {
+        self.slots
+            .get(at as usize)?
+            .as_ref()?
+            .upgrade()
+            .filter(|s| s.id == id)
+    }
+
+    /// Every op in flight that is still alive.
+    pub(super) fn upgraded(&self) -> impl Iterator<Item = Arc<OpSlot>> + '_ {
+        self.slots.iter().flatten().filter_map(Weak::upgrade)
+    }
+
+    /// Ops tracked.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    #[cfg(test)]
+    pub(super) fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -869,6 +937,44 @@ mod tests {
         assert!(sh.in_flight.lock().is_empty());
     }
 
+    /// The in-flight slab reuses the index of an op that ended; a cancel or a second untrack
+    /// aimed at the ended op does not reach the op that took its index.
+    #[test]
+    fn an_index_taken_by_a_new_op_is_not_reached_through_the_old_one() {
+        let sh = shared();
+        let slot = |id| OpSlot::new(id, PeerId(1), 64, id, SlotKind::Recv, false);
+        let (a, b) = (slot(1), slot(2));
+        sh.track_op(&a);
+        let cancel_a = a.cancel_cmd();
+        let Cmd::CancelOp { id, at } = cancel_a else {
+            panic!("not a cancel")
+        };
+        assert_eq!(sh.in_flight.lock().get(at, id).map(|s| s.id), Some(1));
+        sh.untrack_op(&a);
+        sh.track_op(&b);
+        assert_eq!(b.tracked_at.load(Ordering::Relaxed), at, "b took a's index");
+        assert!(
+            sh.in_flight.lock().get(at, id).is_none(),
+            "a's cancel finds nothing"
+        );
+        sh.untrack_op(&a);
+        assert_eq!(sh.in_flight.lock().len(), 1, "b is still tracked");
+        assert_eq!(
+            sh.in_flight
+                .lock()
+                .upgraded()
+                .map(|s| s.id)
+                .collect::<Vec<_>>(),
+            vec![2]
+        );
+        drop(b);
+        assert_eq!(
+            sh.in_flight.lock().upgraded().count(),
+            0,
+            "a dropped op is skipped"
+        );
+    }
+
     #[test]
     fn a_wait_among_bulk_transfers_in_flight_leaves_progress_to_the_progress_thread() {
         let sh = shared();
@@ -948,7 +1054,11 @@ mod tests {
         sh.sleeping_until_ns.store(0, Ordering::Release);
         // Work queued before the thread says it sleeps keeps it awake: commands, and the
         // reports of callbacks that ran on a caller's thread.
-        sh.enqueue(Cmd::CancelOp(7)).unwrap();
+        sh.enqueue(Cmd::CancelOp {
+            id: 7,
+            at: NOT_TRACKED,
+        })
+        .unwrap();
         assert!(!sh.about_to_sleep(later()));
         assert_eq!(sh.sleeping_until_ns.load(Ordering::Acquire), 0);
         sh.cmds.lock().items.clear();
@@ -1037,7 +1147,11 @@ mod tests {
             })
         };
         for i in 0..ROUNDS {
-            sh.enqueue(Cmd::CancelOp(i)).unwrap();
+            sh.enqueue(Cmd::CancelOp {
+                id: i,
+                at: NOT_TRACKED,
+            })
+            .unwrap();
             sh.nudge();
             let until = Instant::now() + Duration::from_millis(2 * LIMIT_MS as u64);
             while taken.load(Ordering::Acquire) <= i && Instant::now() < until {

@@ -9,7 +9,7 @@ use crate::error::ErrorKind;
 use crate::timeline::{self, Stage};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 impl Progress {
     /// Records why `slot` stops (unless a reason is already set) and cancels its UCX request,
@@ -29,13 +29,8 @@ impl Progress {
         }
     }
 
-    pub(super) fn cancel_op(&mut self, id: u64) {
-        let slot = self
-            .shared
-            .in_flight
-            .lock()
-            .get(&id)
-            .and_then(Weak::upgrade);
+    pub(super) fn cancel_op(&mut self, id: u64, at: u32) {
+        let slot = self.shared.in_flight.lock().get(at, id);
         if let Some(slot) = slot {
             let req = slot.request.load(Ordering::Acquire);
             if !req.is_null() {
