@@ -425,7 +425,19 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
         Some(t + ms(1) + ms(700)),
         "the sender shares the deadline"
     );
+    assert_eq!(
+        ctx.accept(t + ms(2), key, RankId(7), true)
+            .unwrap_err()
+            .kind,
+        kvlink::ErrorKind::UnknownRequest,
+        "no advertisement from that rank"
+    );
     ctx.accept(t + ms(2), key, g, true).unwrap();
+    assert_eq!(
+        ctx.accept(t + ms(2), key, g, true).unwrap_err().kind,
+        kvlink::ErrorKind::InvalidArgument,
+        "already decided"
+    );
     pump(&mut ctx, &mut gen, t + ms(2));
     assert_eq!(
         gen.receive_answer(key),

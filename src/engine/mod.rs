@@ -848,13 +848,7 @@ impl Engine {
     pub fn accept(&self, key: RequestKey, from: RankId, ready: bool) -> Result<()> {
         let _returned = timeline::on_return(Stage::AcceptReturned);
         let mut core = self.inner.core.lock();
-        if !core.ep.knows_send(key, from) {
-            return Err(key_err(
-                ErrorKind::UnknownRequest,
-                key,
-                &format!("no advertisement from {from}"),
-            ));
-        }
+        // `UnknownRequest` when no advertisement of `key` came from `from` (one look-up).
         let r = core.ep.accept(Instant::now(), key, from, ready);
         self.inner.flush(&mut core);
         r

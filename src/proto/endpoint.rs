@@ -300,7 +300,8 @@ impl Endpoint {
     }
 
     /// The application's answer to an [`Event::Advertised`]: accept (then [`Action::Send`]s
-    /// follow) or reject. Fails when the flow is unknown or already decided.
+    /// follow) or reject. Fails with `UnknownRequest` when no advertisement of `key` came from
+    /// `from`, and `InvalidArgument` when it was already decided.
     pub fn accept(
         &mut self,
         now: Instant,
@@ -308,8 +309,12 @@ impl Endpoint {
         from: RankId,
         ready: bool,
     ) -> Result<()> {
-        let f = flow_mut(&mut self.sends, key, from)
-            .ok_or_else(|| invalid(format!("{key} from {from}: no such advertisement")))?;
+        let f = flow_mut(&mut self.sends, key, from).ok_or_else(|| {
+            Error::new(
+                ErrorKind::UnknownRequest,
+                format!("{key}: no advertisement from {from}"),
+            )
+        })?;
         let ok = f.accept(now, ready, &mut self.out);
         self.timers.arm(TimerId::Send(key, from), f, now);
         self.drive(now);
