@@ -534,7 +534,8 @@ class Engine {
   }
 
   /// Context rank: accepts (`ready`) or rejects an advertised request before any data moves.
-  /// Does not block. Throws InvalidArgument if it is unknown or already answered.
+  /// Does not block. Throws UnknownRequest if no advertisement of `key` came from `from_rank`,
+  /// InvalidArgument if it was already answered.
   void accept(RequestKey key, std::uint32_t from_rank, bool ready) {
     detail::call([&] { handle_->accept(key.request, key.generation, from_rank, ready); });
   }
