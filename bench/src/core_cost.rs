@@ -53,41 +53,32 @@ pub fn run(a: &CoreArgs) -> i32 {
 /// One round: `a.requests` requests, each started `a.inflight` requests before it completes.
 /// Returns ns per request and the requests both endpoints still know at the end (lingering).
 fn round(a: &CoreArgs) -> Result<(f64, usize), String> {
-    let (g, c) = (RankId(1), RankId(2));
     let cfg = Config::default();
-    let mut gen = Endpoint::new(g, cfg);
-    let mut ctx = Endpoint::new(c, cfg);
     let window = a.inflight.max(1);
     let slots = u32::try_from(window * u64::from(a.segments)).map_err(|_| "pool too large")?;
-    let mut pool = BufferPool::new(slots);
-    let mut tokens = TokenAllocator::new([7; 16]);
-    let mut frame = Vec::new();
+    let mut p = Pair {
+        segments: a.segments,
+        gen: Endpoint::new(RankId(1), cfg),
+        ctx: Endpoint::new(RankId(2), cfg),
+        pool: BufferPool::new(slots),
+        tokens: TokenAllocator::new([7; 16]),
+        frame: Vec::new(),
+    };
     let t0 = Instant::now();
     let started = Instant::now();
     let mut ended = 0;
     for i in 0..a.requests + window - 1 {
         let now = t0 + Duration::from_micros(a.spacing_us * i);
-        for ep in [&mut gen, &mut ctx] {
+        for ep in [&mut p.gen, &mut p.ctx] {
             if ep.poll_timeout().is_some_and(|t| t <= now) {
                 ep.handle_timeout(now);
             }
         }
         if i < a.requests {
-            let key = RequestKey::new(i + 1, 0);
-            start(
-                a,
-                &mut gen,
-                &mut ctx,
-                key,
-                now,
-                &mut pool,
-                &mut tokens,
-                &mut frame,
-            )?;
+            p.start(RequestKey::new(i + 1, 0), now)?;
         }
         if let Some(j) = (i + 1).checked_sub(window) {
-            let key = RequestKey::new(j + 1, 0);
-            ended += finish(a, &mut gen, &mut ctx, key, now, &mut pool, &mut frame)?;
+            ended += p.finish(RequestKey::new(j + 1, 0), now)?;
         }
     }
     if ended != 2 * a.requests {
@@ -97,99 +88,101 @@ fn round(a: &CoreArgs) -> Result<(f64, usize), String> {
         ));
     }
     let ns = started.elapsed().as_nanos() as f64 / a.requests as f64;
-    Ok((ns, gen.known() + ctx.known()))
+    Ok((ns, p.gen.known() + p.ctx.known()))
 }
 
-/// Starts `key` on the generation endpoint and has the context endpoint accept it.
-#[allow(clippy::too_many_arguments)]
-fn start(
-    a: &CoreArgs,
-    gen: &mut Endpoint,
-    ctx: &mut Endpoint,
-    key: RequestKey,
-    now: Instant,
-    pool: &mut BufferPool,
-    tokens: &mut TokenAllocator,
-    frame: &mut Vec<u8>,
-) -> Result<(), String> {
-    let (g, c) = (gen.rank(), ctx.rank());
-    let mut buffers = Vec::with_capacity(a.segments as usize);
-    for s in 0..a.segments {
-        let lease = pool
-            .lease(key)
-            .ok_or("pool empty: a lease was not given back")?;
-        let token = tokens.allocate().ok_or("tokens exhausted")?;
-        let desc = BufferDesc {
-            kind: BufferKind::Kv,
-            segment: s,
-            addr: 0x1000 + u64::from(s) * 4096,
-            len: 4096,
-            device_id: -1,
-            token,
+/// The two endpoints of a round and what they share: the generation side's pool and tokens,
+/// and the frame messages are encoded into.
+struct Pair {
+    segments: u32,
+    gen: Endpoint,
+    ctx: Endpoint,
+    pool: BufferPool,
+    tokens: TokenAllocator,
+    frame: Vec<u8>,
+}
+
+impl Pair {
+    /// Starts `key` on the generation endpoint and has the context endpoint accept it.
+    fn start(&mut self, key: RequestKey, now: Instant) -> Result<(), String> {
+        let (g, c) = (self.gen.rank(), self.ctx.rank());
+        let mut buffers = Vec::with_capacity(self.segments as usize);
+        for s in 0..self.segments {
+            let lease = self
+                .pool
+                .lease(key)
+                .ok_or("pool empty: a lease was not given back")?;
+            let token = self.tokens.allocate().ok_or("tokens exhausted")?;
+            let desc = BufferDesc {
+                kind: BufferKind::Kv,
+                segment: s,
+                addr: 0x1000 + u64::from(s) * 4096,
+                len: 4096,
+                device_id: -1,
+                token,
+            };
+            buffers.push((lease, desc));
+        }
+        let spec = ReceiveSpec {
+            key,
+            receivers: vec![g],
+            flows: vec![ReceiveFlow { sender: c, buffers }],
+            request_info: Vec::new(),
+            timeout: None,
         };
-        buffers.push((lease, desc));
+        self.gen
+            .start_receive(now, spec)
+            .map_err(|e| e.to_string())?;
+        pump(&mut self.gen, &mut self.ctx, now, &mut self.frame)?;
+        while let Some(e) = self.ctx.poll_event() {
+            if let Event::Advertised { key, from, .. } = e {
+                self.ctx
+                    .accept(now, key, from, true)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        pump(&mut self.ctx, &mut self.gen, now, &mut self.frame)
     }
-    let spec = ReceiveSpec {
-        key,
-        receivers: vec![g],
-        flows: vec![ReceiveFlow { sender: c, buffers }],
-        request_info: Vec::new(),
-        timeout: None,
-    };
-    gen.start_receive(now, spec).map_err(|e| e.to_string())?;
-    pump(gen, ctx, now, frame)?;
-    while let Some(e) = ctx.poll_event() {
-        if let Event::Advertised { key, from, .. } = e {
-            ctx.accept(now, key, from, true)
+
+    /// Sends and lands every segment of `key`, passes the verdict, and drains both endpoints'
+    /// events and actions. Returns the terminal events seen (each must be `Completed`).
+    fn finish(&mut self, key: RequestKey, now: Instant) -> Result<u64, String> {
+        let g = self.gen.rank();
+        for s in 0..self.segments {
+            self.ctx
+                .check_send(key, g, s, 4096)
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("{e:?}"))?;
+            self.ctx.begin_send(key, g, s);
+            self.ctx
+                .handle_send_done(now, key, g, s, true)
                 .map_err(|e| e.to_string())?;
         }
-    }
-    pump(ctx, gen, now, frame)
-}
-
-/// Sends and lands every segment of `key`, passes the verdict, and drains both endpoints'
-/// events and actions. Returns the terminal events seen (each must be `Completed`).
-fn finish(
-    a: &CoreArgs,
-    gen: &mut Endpoint,
-    ctx: &mut Endpoint,
-    key: RequestKey,
-    now: Instant,
-    pool: &mut BufferPool,
-    frame: &mut Vec<u8>,
-) -> Result<u64, String> {
-    let g = gen.rank();
-    for s in 0..a.segments {
-        ctx.check_send(key, g, s, 4096)
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("{e:?}"))?;
-        ctx.begin_send(key, g, s);
-        ctx.handle_send_done(now, key, g, s, true)
-            .map_err(|e| e.to_string())?;
-    }
-    for s in 0..a.segments {
-        gen.handle_segment_landed(now, key, s)
-            .map_err(|e| e.to_string())?;
-    }
-    pump(gen, ctx, now, frame)?;
-    pump(ctx, gen, now, frame)?;
-    let mut ends = 0;
-    for ep in [gen, ctx] {
-        while let Some(e) = ep.poll_event() {
-            if let Event::Terminal { outcome, role, .. } = e {
-                if outcome != Outcome::Completed {
-                    return Err(format!("{key} ended {outcome:?} as {role:?}"));
+        for s in 0..self.segments {
+            self.gen
+                .handle_segment_landed(now, key, s)
+                .map_err(|e| e.to_string())?;
+        }
+        pump(&mut self.gen, &mut self.ctx, now, &mut self.frame)?;
+        pump(&mut self.ctx, &mut self.gen, now, &mut self.frame)?;
+        let mut ends = 0;
+        for ep in [&mut self.gen, &mut self.ctx] {
+            while let Some(e) = ep.poll_event() {
+                if let Event::Terminal { outcome, role, .. } = e {
+                    if outcome != Outcome::Completed {
+                        return Err(format!("{key} ended {outcome:?} as {role:?}"));
+                    }
+                    ends += 1;
                 }
-                ends += 1;
+            }
+            while let Some(act) = ep.poll_action() {
+                if let kvlink::proto::Action::Release { lease, .. } = act {
+                    self.pool.release(lease).map_err(|e| e.to_string())?;
+                }
             }
         }
-        while let Some(act) = ep.poll_action() {
-            if let kvlink::proto::Action::Release { lease, .. } = act {
-                pool.release(lease).map_err(|e| e.to_string())?;
-            }
-        }
+        Ok(ends)
     }
-    Ok(ends)
 }
 
 /// Every queued message of `from`, encoded and decoded as the wire carries it, handed to `to`.
