@@ -611,6 +611,46 @@ fn one_spec(buf: &mut [u8], segment: u32) -> BufferSpec {
     }
 }
 
+/// `recv_ready` says the same before and after `wait` took a request's end: a request whose
+/// first segment landed and whose second never came ends `TimedOut`, and is not "ready" then,
+/// whether the end was taken or not.
+#[test]
+fn recv_ready_follows_a_timed_out_end_before_and_after_wait() {
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_millis(600), None);
+    let key = RequestKey::new(31, 0);
+    let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
+    let specs = vec![one_spec(&mut a, 0), one_spec(&mut b, 1)];
+    let started = Instant::now();
+    // SAFETY: both buffers outlive the request: its end is waited for below.
+    unsafe { gen.advertise(key, vec![RankId(GEN)], vec![(RankId(CTX), specs)], vec![]) }.unwrap();
+    let dl = Instant::now() + Duration::from_secs(5);
+    let adv = ctx.next_advertisement(dl, None).unwrap();
+    ctx.accept(key, adv.from, true).unwrap();
+    let data = fill(3, 4096);
+    assert_eq!(
+        ctx.send(key, adv.from, 0, &data, dl, None).unwrap(),
+        Outcome::Completed
+    );
+    assert_eq!(gen.recv_ready(key, dl, None), Some(true), "a landing");
+    // Segment 1 is never sent: the request's deadline (600 ms) ends it on both ranks, within
+    // the agreement bound (500 ms); past both, the end is there, not yet taken.
+    let _ = ctx.wait(key, Role::Sender { receiver: adv.from }, dl, None);
+    std::thread::sleep(
+        (started + Duration::from_millis(1300)).saturating_duration_since(Instant::now()),
+    );
+    let before = gen.recv_ready(key, dl, None);
+    assert_eq!(
+        gen.wait(key, Role::Receiver, dl, None).unwrap(),
+        Outcome::TimedOut
+    );
+    let t0 = Instant::now();
+    let after = gen.recv_ready(key, dl, None);
+    assert!(t0.elapsed() < Duration::from_millis(100), "at once");
+    assert_eq!((before, after), (None, None), "the same, and not ready");
+    a[0] = 1;
+    b[0] = 1;
+}
+
 /// Misuse gets its typed error at once and fails nothing else: the same request then
 /// completes.
 #[test]

@@ -479,6 +479,55 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     assert_eq!(gen.receive_answer(RequestKey::new(10, 0)), None, "unknown");
 }
 
+/// Once a receive has ended its answer follows the end: a segment that landed before the
+/// request timed out does not leave it "ready" (the engine's `recv_ready` reads this before and
+/// after `wait` took the end, and must say the same both times).
+#[test]
+fn an_ended_receives_answer_follows_its_end_not_an_earlier_landing() {
+    use kvlink::proto::*;
+    let t = std::time::Instant::now();
+    let (g, c) = (RankId(1), RankId(2));
+    let mut gen = Endpoint::new(g, config());
+    let mut pool = BufferPool::new(4);
+    let mut tokens = TokenAllocator::default();
+    let key = RequestKey::new(6, 0);
+    let mut second = kv_desc(tokens.allocate().unwrap());
+    second.segment = 1;
+    let buffers = vec![
+        (
+            pool.lease(key).unwrap(),
+            kv_desc(tokens.allocate().unwrap()),
+        ),
+        (pool.lease(key).unwrap(), second),
+    ];
+    gen.start_receive(
+        t,
+        ReceiveSpec {
+            key,
+            receivers: vec![g],
+            flows: vec![ReceiveFlow { sender: c, buffers }],
+            request_info: vec![],
+            timeout: Some(ms(100)),
+        },
+    )
+    .unwrap();
+    gen.handle_segment_landed(t + ms(1), key, 0).unwrap();
+    assert_eq!(gen.receive_answer(key), Some(true), "running: a landing");
+    // Segment 1 never comes: the deadline, then the agreement bound, end it.
+    for at in [100, 200, 400, 1000] {
+        gen.handle_timeout(t + ms(at));
+    }
+    let mut end = None;
+    while let Some(e) = gen.poll_event() {
+        if let Event::Terminal { outcome, .. } = e {
+            end = Some(outcome);
+        }
+    }
+    assert_eq!(end, Some(Outcome::TimedOut));
+    assert!(gen.knows_receive(key), "it lingers");
+    assert_eq!(gen.receive_answer(key), None, "ended TimedOut: no answer");
+}
+
 /// The senders' answer is the core's: a refusal is `Some(false)`, and wins over an earlier
 /// acceptance of another sender; a `Ready` from a rank that is not a sender of the request
 /// answers nothing.

@@ -542,8 +542,8 @@ class Engine {
 
   /// Generation rank, blocks: the context rank's answer: true once its first segment landed (an
   /// acceptance is not a message of its own) or the request completed, false if it refused, empty
-  /// at the deadline, on cancel, or at once when the request ended otherwise. Asking again gives
-  /// the same answer.
+  /// at the deadline, on cancel, or at once when the request ended otherwise. Asking is not
+  /// consumed: once the request has ended the answer follows its end, before and after `wait`.
   std::optional<bool> recv_ready(RequestKey key, Deadline deadline, CancelRef cancel = {}) {
     const std::int8_t r = detail::call([&] {
       return handle_->recv_ready(key.request, key.generation, detail::ms_until(deadline), cancel.address());

@@ -857,8 +857,8 @@ impl Engine {
     /// Generation side: the context rank's answer: `Some(true)` ready, `Some(false)` rejected,
     /// `None` if none came by `deadline` (or `cancel()`), or at once if the request is unknown
     /// or has already ended otherwise. The answer is the protocol core's, not consumed by
-    /// asking: a second call gives it again (after `wait` took the end, for as long as the core
-    /// remembers the request).
+    /// asking: a second call gives it again, and once the request has ended it follows the end
+    /// (`Completed` true, `Rejected` false, else `None`), before and after `wait` took it.
     pub fn recv_ready(
         &self,
         key: RequestKey,

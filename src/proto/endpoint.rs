@@ -770,9 +770,10 @@ impl Endpoint {
         }
     }
 
-    /// The senders' answer to the receive `key` (running or lingering): `Some(true)` once a
-    /// sender said ready or its data landed, `Some(false)` once one refused; `None` before any
-    /// answer, or when the receive is not known here.
+    /// The senders' answer to the receive `key`: while it runs, `Some(true)` once a sender said
+    /// ready or its data landed, `Some(false)` once one refused, `None` before any answer; once
+    /// it has ended (while it lingers), `Some(true)` if it completed, `Some(false)` if it was
+    /// rejected, else `None`. `None` too when the receive is not known here.
     pub fn receive_answer(&self, key: RequestKey) -> Option<bool> {
         self.recvs.get(&key).and_then(|r| r.answer())
     }

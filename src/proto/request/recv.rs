@@ -173,9 +173,16 @@ impl RecvRequest {
         self.verdict
     }
 
-    /// The senders' answer so far (see `answer`).
+    /// The senders' answer (see `answer`) while the request runs; once it has ended, its end's:
+    /// `Some(true)` for `Completed`, `Some(false)` for `Rejected`, else `None` (a landing before
+    /// a timeout does not make the request ready after it).
     pub(crate) fn answer(&self) -> Option<bool> {
-        self.answer
+        match self.terminal {
+            None => self.answer,
+            Some(Outcome::Completed) => Some(true),
+            Some(Outcome::Rejected) => Some(false),
+            Some(_) => None,
+        }
     }
 
     pub(crate) fn is_terminal(&self) -> bool {
