@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs every check kvlink has, in one go, and prints a summary. Exits non-zero if any fails.
 #   install-deps, cargo fmt --check, cargo clippy (workspace: library and bench, all targets,
-#   -D warnings), cargo test (workspace), the timeline feature's test,
-#   CMake configure + build (Ninja) + ctest, the package check (Release line, all-off install,
-#   installed consumer), header drift check, AddressSanitizer run, bounded fuzz run, and the
-#   same crate against a second UCX generation (ucx122: the PyPI wheel's UCX 1.22).
+#   -D warnings), the fuzz targets' clippy on stable, cargo test (workspace), the timeline
+#   feature's test, CMake configure + build (Ninja) + ctest, the package check (Release line,
+#   all-off install, installed consumer), header drift check, AddressSanitizer run, bounded fuzz
+#   run, and the same crate against a second UCX generation (ucx122: the PyPI wheel's UCX 1.22).
 # Rust is compiled once: CMake's cargo step uses the same target dir and profile (dev) as
 # `cargo test`, so it only links. Later steps still run after a failure, so one run shows all
 # problems; a step whose prerequisite failed is reported as skipped.
@@ -28,6 +28,10 @@ source "$root/scripts/steps.sh"
 
 step fmt -- cargo fmt --all -- --check
 step clippy -- cargo clippy --locked --workspace --all-targets -- -D warnings
+# The fuzz targets are their own crate (fuzz/, outside the workspace), built by the fuzz step
+# near the end and only with nightly: checked here on stable too, so a change to the core's API
+# that breaks a target shows in the first minutes (about 30 s cold, sharing the target dir).
+step fuzz-check -- cargo clippy --manifest-path "$root/fuzz/Cargo.toml" --all-targets -- -D warnings
 step cargo-test -- cargo test --locked --workspace --no-fail-fast
 # The stage timeline (src/timeline.rs) records only with its feature, off in every other build:
 # its recording test runs here, so the feature's code is built and checked in CI.

@@ -176,6 +176,7 @@ fn request_survives_stranger(key: RequestKey, intruder: &[Vec<u8>]) {
                     key: k,
                     role: Role::Sender { receiver },
                     outcome,
+                    ..
                 } if k == key && receiver == GEN => {
                     assert!(ctx_done.replace(outcome).is_none(), "two terminals at ctx");
                 }
@@ -193,6 +194,7 @@ fn request_survives_stranger(key: RequestKey, intruder: &[Vec<u8>]) {
                     key: k,
                     role: Role::Receiver,
                     outcome,
+                    ..
                 } => {
                     assert_eq!(k, key, "gen ended a receive it never started: {ev:?}");
                     assert!(gen_done.replace(outcome).is_none(), "two terminals at gen");
