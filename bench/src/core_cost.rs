@@ -11,6 +11,7 @@
 //! two-process bench, without the transport and the other process). Prints nanoseconds per request (CPU work on one core, no waiting), the best and
 //! the median of the rounds: the figure to compare before and after a change to the core, far
 //! steadier on a noisy machine than a two-process latency.
+use crate::alloc_count;
 use crate::cli::CoreArgs;
 use kvlink::error::Outcome;
 use kvlink::proto::{
@@ -21,12 +22,12 @@ use std::time::{Duration, Instant};
 
 pub fn run(a: &CoreArgs) -> i32 {
     let mut per_req = Vec::new();
-    let mut held = 0;
+    let mut last = Round::default();
     for _ in 0..a.rounds {
         match round(a) {
-            Ok((ns, h)) => {
-                per_req.push(ns);
-                held = h;
+            Ok(r) => {
+                per_req.push(r.ns);
+                last = r;
             }
             Err(e) => {
                 eprintln!("kvlink-bench core: {e}");
@@ -36,23 +37,42 @@ pub fn run(a: &CoreArgs) -> i32 {
     }
     per_req.sort_by(f64::total_cmp);
     let median = per_req[per_req.len() / 2];
+    let held = last.known;
+    let allocs = last.allocs as f64 / a.requests as f64;
+    let bytes = last.bytes_held as f64 / held.max(1) as f64;
     println!(
         "core: {} requests x {} segments, {} in flight, {} us apart (simulated), {} rounds: \
-         best {:.0} ns/request, median {:.0}; requests known at the end {held}",
+         best {:.0} ns/request, median {:.0}; {allocs:.1} heap allocations per request; \
+         requests known at the end {held}, {bytes:.0} heap bytes each",
         a.requests, a.segments, a.inflight, a.spacing_us, a.rounds, per_req[0], median
     );
     println!(
         "CORE {}",
         serde_json::json!({"requests": a.requests, "segments": a.segments,
             "inflight": a.inflight, "spacing_us": a.spacing_us, "best_ns": per_req[0],
-            "median_ns": median, "known_at_end": held})
+            "median_ns": median, "known_at_end": held, "allocs_per_request": allocs,
+            "heap_bytes_per_known": bytes})
     );
     0
 }
 
+/// What one round measured.
+#[derive(Default)]
+struct Round {
+    /// Wall time per request.
+    ns: f64,
+    /// Requests both endpoints still know at the end (lingering).
+    known: usize,
+    /// Heap allocations made during the round (by the core and by this loop, which makes a
+    /// request's descriptor list and encodes its frames into one reused buffer).
+    allocs: u64,
+    /// Heap bytes held at the end that were not held at the start: what the known requests
+    /// (and the tables that index them) cost.
+    bytes_held: usize,
+}
+
 /// One round: `a.requests` requests, each started `a.inflight` requests before it completes.
-/// Returns ns per request and the requests both endpoints still know at the end (lingering).
-fn round(a: &CoreArgs) -> Result<(f64, usize), String> {
+fn round(a: &CoreArgs) -> Result<Round, String> {
     let cfg = Config::default();
     let window = a.inflight.max(1);
     let slots = u32::try_from(window * u64::from(a.segments)).map_err(|_| "pool too large")?;
@@ -64,6 +84,7 @@ fn round(a: &CoreArgs) -> Result<(f64, usize), String> {
         tokens: TokenAllocator::new([7; 16]),
         frame: Vec::new(),
     };
+    let heap0 = alloc_count::now();
     let t0 = Instant::now();
     let started = Instant::now();
     let mut ended = 0;
@@ -88,7 +109,13 @@ fn round(a: &CoreArgs) -> Result<(f64, usize), String> {
         ));
     }
     let ns = started.elapsed().as_nanos() as f64 / a.requests as f64;
-    Ok((ns, p.gen.known() + p.ctx.known()))
+    let heap1 = alloc_count::now();
+    Ok(Round {
+        ns,
+        known: p.gen.known() + p.ctx.known(),
+        allocs: heap1.calls - heap0.calls,
+        bytes_held: heap1.live.wrapping_sub(heap0.live),
+    })
 }
 
 /// The two endpoints of a round and what they share: the generation side's pool and tokens,
@@ -219,10 +246,12 @@ mod tests {
                 spacing_us,
                 rounds: 1,
             };
-            let (ns, known) = round(&a(1000)).unwrap();
-            assert!(ns > 0.0);
-            assert_eq!(known, 4000, "{segments} segments");
-            let (_, known) = round(&a(10_000)).unwrap();
+            let r = round(&a(1000)).unwrap();
+            assert!(r.ns > 0.0);
+            assert_eq!(r.known, 4000, "{segments} segments");
+            assert!(r.allocs >= 2000, "a request allocates: {}", r.allocs);
+            assert!(r.bytes_held >= 4000 * 64, "lingering requests hold memory");
+            let known = round(&a(10_000)).unwrap().known;
             assert!(
                 (900..=1100).contains(&known),
                 "{segments} segments, 10 ms apart: {known} known"
@@ -243,7 +272,7 @@ mod tests {
                 spacing_us: 10,
                 rounds: 1,
             };
-            let (_, known) = round(&a).unwrap();
+            let known = round(&a).unwrap().known;
             assert_eq!(known, 10_000, "{inflight} in flight, every request lingers");
         }
     }

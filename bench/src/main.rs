@@ -7,6 +7,7 @@
 //! fresh processes of this binary (`kvlink-bench peer ...`, see `roles.rs`), under a time limit,
 //! so a row whose requests fail or hang is reported with its failure count and the run goes on.
 //! `kvlink-bench --help` explains every flag.
+mod alloc_count;
 mod cli;
 mod core_cost;
 mod hugebuf;
@@ -20,6 +21,9 @@ mod run;
 use clap::Parser;
 use cli::{Cli, PeerCmd};
 use std::process::ExitCode;
+
+#[global_allocator]
+static HEAP: alloc_count::Counting = alloc_count::Counting;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
