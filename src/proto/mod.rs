@@ -40,6 +40,7 @@ pub mod auth;
 pub mod endpoint;
 pub mod handshake;
 pub mod id;
+mod lowest;
 pub mod peers;
 pub mod pool;
 pub mod regions;

@@ -7,6 +7,7 @@
 //! return, a return of a lease the pool did not hand out, and a lease still out when the owner
 //! says none should be ([`BufferPool::check_all_returned`]) are [`ErrorKind::Accounting`] errors.
 use super::id::RequestKey;
+use super::lowest::LowestFree;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Index of a buffer slot in its pool.
@@ -33,8 +34,8 @@ pub struct BufferPool {
     slots: Vec<Slot>,
     /// Free slots, lowest first: the lowest free slot is handed out first, which makes reuse as
     /// eager as possible (and tests of "reused while a peer could write" as sharp as possible).
-    /// A heap keeps a lease or a return O(log n).
-    free: std::collections::BinaryHeap<std::cmp::Reverse<u32>>,
+    /// A bitmap with summary levels keeps a lease or a return to a word per level.
+    free: LowestFree,
     next_serial: u64,
     leased: usize,
     fenced: usize,
@@ -44,7 +45,7 @@ impl BufferPool {
     pub fn new(capacity: u32) -> Self {
         BufferPool {
             slots: vec![Slot::Free; capacity as usize],
-            free: (0..capacity).map(std::cmp::Reverse).collect(),
+            free: LowestFree::full(capacity),
             next_serial: 1,
             leased: 0,
             fenced: 0,
@@ -66,7 +67,7 @@ impl BufferPool {
 
     /// Leases a free slot to `owner`, or `None` when the pool is exhausted.
     pub fn lease(&mut self, owner: RequestKey) -> Option<Lease> {
-        let idx = self.free.pop()?.0 as usize;
+        let idx = self.free.take_lowest()? as usize;
         let serial = self.next_serial;
         self.next_serial += 1;
         self.slots[idx] = Slot::Leased { serial, owner };
@@ -109,7 +110,7 @@ impl BufferPool {
     pub fn release(&mut self, lease: Lease) -> Result<()> {
         let idx = self.take_back(lease, "release")?;
         self.slots[idx] = Slot::Free;
-        self.free.push(std::cmp::Reverse(idx as u32));
+        self.free.put(idx as u32);
         Ok(())
     }
 
@@ -128,7 +129,7 @@ impl BufferPool {
             Some(slot @ Slot::Fenced) => {
                 *slot = Slot::Free;
                 self.fenced -= 1;
-                self.free.push(std::cmp::Reverse(buffer.0));
+                self.free.put(buffer.0);
                 Ok(())
             }
             _ => Err(Error::new(
