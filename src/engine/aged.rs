@@ -6,6 +6,10 @@
 //! second, 6M entries and tens of milliseconds each second in which no caller and no event can
 //! run. Here the entries expire in the order they were put in (a queue beside the map), so
 //! each expiry costs one pop, however large the map.
+//!
+//! The time alone does not bound such a map: it grows with the request rate (at 10k requests a
+//! second, 6M keys in 10 minutes, about 800 MB). So a map also has a cap on its entries: past
+//! it, the oldest entry goes early, also one pop (skipping the slots of removed entries).
 use foldhash::{HashMap, HashMapExt};
 use std::collections::VecDeque;
 use std::hash::Hash;
@@ -16,36 +20,65 @@ use std::time::{Duration, Instant};
 const SLACK: usize = 1024;
 
 pub(crate) struct Aged<K, V> {
-    map: HashMap<K, (V, Instant)>,
-    /// When each entry was put in, oldest first. A slot whose time no longer matches its
-    /// entry's (removed, or put in again since) is skipped when it comes up.
-    order: VecDeque<(Instant, K)>,
+    /// Each entry with the number of its slot in `order`.
+    map: HashMap<K, (V, u64)>,
+    /// When each entry was put in, oldest first, with the slot's number. A slot whose number no
+    /// longer matches its entry's (removed, or put in again since) is skipped when it comes up.
+    order: VecDeque<(Instant, u64, K)>,
+    /// The number the next slot gets.
+    next: u64,
     keep: Duration,
+    cap: usize,
+    /// Entries that went before their time because the map was full.
+    evicted: u64,
 }
 
 impl<K: Hash + Eq + Clone, V> Aged<K, V> {
-    /// Entries are kept `keep` after they were put in.
-    pub fn new(keep: Duration) -> Self {
+    /// Entries are kept `keep` after they were put in, and at most `cap` (at least 1) at once:
+    /// putting in one more takes out the one put in first.
+    pub fn new(keep: Duration, cap: usize) -> Self {
         Aged {
             map: HashMap::new(),
             order: VecDeque::new(),
+            next: 0,
             keep,
+            cap: cap.max(1),
+            evicted: 0,
         }
     }
 
-    /// Puts `v` in under `k` at `now` (replacing what was there, and its age).
+    /// How many entries went early, the map being full.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    /// Puts `v` in under `k` at `now` (replacing what was there, and its age and place).
     pub fn insert(&mut self, k: K, v: V, now: Instant) {
-        // Put in again at the same instant: its slot is there already (a second one would
-        // match too, and no compaction could take it).
-        if self
-            .map
-            .insert(k.clone(), (v, now))
-            .is_some_and(|(_, t)| t == now)
-        {
-            return;
+        let n = self.next;
+        self.next += 1;
+        self.map.insert(k.clone(), (v, n));
+        self.order.push_back((now, n, k));
+        if self.map.len() > self.cap {
+            self.evict_oldest();
         }
-        self.order.push_back((now, k));
         self.compact();
+    }
+
+    /// Is this slot its entry's?
+    fn live(&self, n: u64, k: &K) -> bool {
+        self.map.get(k).is_some_and(|(_, m)| *m == n)
+    }
+
+    /// Takes out the entry put in first. It is never the one just put in: the map holds two or
+    /// more when this runs, and each entry has exactly one live slot.
+    fn evict_oldest(&mut self) {
+        while let Some((_, n, k)) = self.order.pop_front() {
+            if self.live(n, &k) {
+                self.map.remove(&k);
+                self.evicted += 1;
+                return;
+            }
+        }
     }
 
     pub fn get(&self, k: &K) -> Option<&V> {
@@ -68,12 +101,12 @@ impl<K: Hash + Eq + Clone, V> Aged<K, V> {
     /// Drops every entry put in `keep` or more before `now`. A clock read that ran behind an
     /// earlier one (another thread's) only makes an entry go a little late.
     pub fn expire(&mut self, now: Instant) {
-        while let Some((at, _)) = self.order.front() {
+        while let Some((at, _, _)) = self.order.front() {
             if now.saturating_duration_since(*at) < self.keep {
                 break;
             }
-            let (at, k) = self.order.pop_front().expect("looked at");
-            if self.map.get(&k).is_some_and(|(_, t)| *t == at) {
+            let (_, n, k) = self.order.pop_front().expect("looked at");
+            if self.live(n, &k) {
                 self.map.remove(&k);
             }
         }
@@ -88,7 +121,7 @@ impl<K: Hash + Eq + Clone, V> Aged<K, V> {
         }
         let map = &self.map;
         self.order
-            .retain(|(at, k)| map.get(k).is_some_and(|(_, t)| t == at));
+            .retain(|(_, n, k)| map.get(k).is_some_and(|(_, m)| m == n));
     }
 
     #[cfg(test)]
@@ -107,7 +140,7 @@ mod tests {
     fn entries_go_keep_after_they_were_put_in_and_not_before() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
-        let mut a = Aged::new(ms(100));
+        let mut a = Aged::new(ms(100), usize::MAX);
         a.insert(1u64, "a", t0);
         a.insert(2, "b", t0 + ms(50));
         a.expire(t0 + ms(99));
@@ -131,7 +164,7 @@ mod tests {
     #[test]
     fn entries_removed_early_do_not_keep_their_slots() {
         let t0 = Instant::now();
-        let mut a = Aged::new(Duration::from_secs(600));
+        let mut a = Aged::new(Duration::from_secs(600), usize::MAX);
         for i in 0..100_000u64 {
             a.insert(i, (), t0);
             assert_eq!(a.remove(&i), Some(()));
@@ -144,14 +177,14 @@ mod tests {
     fn entries_left_after_a_compaction_still_go_at_their_time() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
-        let mut a = Aged::new(ms(10_000));
+        let mut a = Aged::new(ms(10_000), usize::MAX);
         // 5000 kept, each after 3 claimed at once: compactions run among live entries.
         for i in 0..20_000u64 {
             a.insert(i, i, t0 + ms(i / 4));
             if i % 4 != 0 {
                 a.remove(&i);
             }
-            // Put in again at the same instant: no second slot.
+            // Put in again at the same instant: a new slot, the old one stale.
             a.insert(i - i % 4, i - i % 4, t0 + ms((i - i % 4) / 4));
         }
         assert_eq!(a.len(), 5000);
@@ -163,35 +196,75 @@ mod tests {
         assert_eq!((a.len(), a.slots()), (0, 0));
     }
 
+    #[test]
+    fn past_its_cap_the_oldest_entry_goes_first_whatever_its_age() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut a = Aged::new(Duration::from_secs(600), 100);
+        // Times run backwards: what goes is the first put in, not the earliest stamped.
+        let at = |i: u64| t0 + ms(10_000 - i);
+        for i in 0..100u64 {
+            a.insert(i, i, at(i));
+        }
+        // Twelve removed early (0, 3, .. 33): their slots are stale and never count.
+        for i in (0..34).step_by(3) {
+            a.remove(&i);
+        }
+        for i in 100..132u64 {
+            a.insert(i, i, at(i));
+        }
+        // 100 + 32 - 12 put in and left in, 100 kept: the 20 first put in went, 1, 2, 4 .. 29.
+        assert_eq!((a.len(), a.evicted()), (100, 20));
+        let gone: Vec<u64> = (0..132).filter(|k| !a.contains_key(k)).collect();
+        let expected: Vec<u64> = (0..30).chain((30..34).step_by(3)).collect();
+        assert_eq!(gone, expected);
+        // Put in again, 31 is the newest: the next to go is 32.
+        a.insert(31, 0, t0);
+        a.insert(1000, 0, t0);
+        assert!(a.contains_key(&31) && !a.contains_key(&32) && a.contains_key(&34));
+        assert_eq!((a.len(), a.evicted()), (100, 21));
+        assert!(a.slots() <= 2 * a.len() + SLACK);
+    }
+
     proptest! {
-        /// Against a plain map with times: after any inserts, removes and expiries (the clock
-        /// running forward), the same keys are present with the same values.
+        /// Against a plain map with times and the order entries were put in: after any inserts,
+        /// removes and expiries (the clock running forward), with or without a cap, the same
+        /// keys are present with the same values, and as many went early.
         #[test]
-        fn it_holds_what_a_plain_map_swept_by_age_holds(
+        fn it_holds_what_a_plain_map_swept_by_age_and_capped_holds(
+            cap in prop::option::of(1usize..30),
             ops in prop::collection::vec((0u8..3, 0u16..50, 0u64..40), 1..400)
         ) {
             let t0 = Instant::now();
             let keep = Duration::from_millis(100);
-            let mut a = Aged::new(keep);
-            let mut model: StdMap<u16, (u64, Instant)> = StdMap::new();
+            let mut a = Aged::new(keep, cap.unwrap_or(usize::MAX));
+            // key -> (value, put in at, order put in)
+            let mut model: StdMap<u16, (u64, Instant, u64)> = StdMap::new();
+            let mut evicted = 0u64;
             let mut now = t0;
-            for (op, k, x) in ops {
+            for (i, (op, k, x)) in ops.into_iter().enumerate() {
                 now += Duration::from_millis(x % 20);
                 match op {
                     0 => {
                         a.insert(k, x, now);
-                        model.insert(k, (x, now));
+                        model.insert(k, (x, now, i as u64));
+                        if cap.is_some_and(|c| model.len() > c) {
+                            let first = *model.iter().min_by_key(|(_, e)| e.2).expect("full").0;
+                            model.remove(&first);
+                            evicted += 1;
+                        }
                     }
                     1 => {
-                        prop_assert_eq!(a.remove(&k), model.remove(&k).map(|(v, _)| v));
+                        prop_assert_eq!(a.remove(&k), model.remove(&k).map(|(v, _, _)| v));
                     }
                     _ => {
                         a.expire(now);
-                        model.retain(|_, (_, at)| now.duration_since(*at) < keep);
+                        model.retain(|_, (_, at, _)| now.duration_since(*at) < keep);
                     }
                 }
                 prop_assert_eq!(a.len(), model.len());
-                for (k, (v, _)) in &model {
+                prop_assert_eq!(a.evicted(), evicted);
+                for (k, (v, _, _)) in &model {
                     prop_assert_eq!(a.get(k), Some(v));
                 }
             }

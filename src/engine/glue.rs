@@ -34,6 +34,11 @@ use crate::transport::{Agent, Event, EventSink, Op, PeerId};
 
 /// How long an outcome nobody came for is kept, and a finished key is refused as a replay.
 pub(crate) const RETENTION: Duration = Duration::from_secs(600);
+/// The most entries each of the engine's memories of ended requests (`terminals`, `finished`,
+/// `retired`) holds: past it the oldest goes before its time. Their times alone let them grow
+/// with the request rate, about 130 bytes an entry; at this cap each stays under about 150 MB,
+/// and the times still hold up to about 1700 requests a second (8700 for `retired`).
+pub(crate) const AGED_CAP: usize = 1 << 20;
 /// Advertisements waiting for `next_advertisement`. Past this a new one is refused (the
 /// receiver sees `Rejected`) rather than queued without bound.
 pub(crate) const MAX_ADVERTS: usize = 16384;
@@ -123,6 +128,8 @@ pub(crate) struct Counters {
     pub foreign_logged: Option<Instant>,
     /// When a peer last failed or a request last ended TimedOut / PeerLost.
     pub last_fault: Option<Instant>,
+    /// Entries of the memories of ended requests that went early (full), as last logged.
+    pub aged_evicted_logged: u64,
 }
 
 impl HasWaiters for Core {
@@ -144,15 +151,15 @@ impl Core {
             by_token: HashMap::new(),
             sends: HashMap::new(),
             adverts: VecDeque::new(),
-            terminals: Aged::new(RETENTION),
+            terminals: Aged::new(RETENTION, AGED_CAP),
             deferred: HashMap::new(),
             fencing: HashMap::new(),
-            finished: Aged::new(RETENTION),
+            finished: Aged::new(RETENTION, AGED_CAP),
             notes: HashMap::new(),
             control_ops: VecDeque::new(),
             waiters: Waiters::default(),
             counters: Counters::default(),
-            retired: Aged::new(RETIRED_FOR),
+            retired: Aged::new(RETIRED_FOR, AGED_CAP),
             last_prune: Instant::now(),
         }
     }
@@ -390,6 +397,16 @@ impl Inner {
             return;
         }
         core.last_prune = now;
+        // Once when the first entry goes early, then each time their count doubles.
+        let evicted = core.terminals.evicted() + core.finished.evicted() + core.retired.evicted();
+        if evicted > 2 * core.counters.aged_evicted_logged {
+            core.counters.aged_evicted_logged = evicted;
+            tracing::warn!(
+                "{evicted} memories of ended requests dropped before their time, each map being \
+                 full ({AGED_CAP} entries): a replay of such a key is no longer refused here, an \
+                 end nobody came for is gone, late data counts as foreign"
+            );
+        }
         core.control_ops.retain_mut(|op| op.poll().is_none());
     }
 
