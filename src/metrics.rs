@@ -195,7 +195,7 @@ impl Metrics {
         );
         registry.register(
             "unknown_frames",
-            "Messages for a request this rank does not know (forgotten after its linger, or never started here), dropped",
+            "Messages for a request this rank does not know (forgotten with its tombstone expired, or never started here), dropped",
             m.unknown.clone(),
         );
         registry.register(

@@ -307,9 +307,11 @@ fn stale_landing_is_counted_and_dropped() {
         }
     }
     assert_eq!(terminal, Some((new, Outcome::Completed)));
-    // The deadline is what the driver sleeps to; nothing ever asks for time in the past.
-    let t = ep.poll_timeout().unwrap();
-    assert!(t > base + ms(1));
+    // The deadline is what the driver sleeps to; nothing ever asks for time in the past. The
+    // completed retry is due to be forgotten now; after that the next time is later.
+    assert_eq!(ep.poll_timeout(), Some(base + ms(1)));
+    ep.handle_timeout(base + ms(1));
+    assert!(ep.poll_timeout().unwrap() > base + ms(1));
 }
 
 /// The same on a context rank, for the messages a sender takes: while generation 1 of a
@@ -385,7 +387,9 @@ fn stale_advertisement_and_verdict_reach_no_sender() {
 /// The success path of a 1x1 request costs two control messages: `Advertise` and the
 /// `Verdict`. Acceptance is proved by the landing (no `Ready(true)`), a `Completed` verdict is
 /// not confirmed (no `Quiesced`). Both ends are `Completed`, and the sender knows the request's
-/// deadline from the advertisement.
+/// deadline from the advertisement. Each side forgets the request at its end (no linger for a
+/// completed one): its tombstone keeps the answer and the end, answers a late pull of the
+/// verdict, and takes a repeated verdict or advertisement without a word.
 #[test]
 fn a_successful_one_to_one_request_costs_two_control_messages() {
     use kvlink::proto::*;
@@ -474,9 +478,65 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     assert_eq!(
         gen.receive_answer(key),
         Some(true),
-        "a finished receive keeps its answer while it lingers"
+        "a finished receive keeps its answer"
     );
     assert_eq!(gen.receive_answer(RequestKey::new(10, 0)), None, "unknown");
+    // Due at once, and forgotten by the next timeout pass, on both sides.
+    for ep in [&mut gen, &mut ctx] {
+        assert!(ep.poll_timeout().unwrap() <= t + ms(4), "due at its end");
+        ep.handle_timeout(t + ms(4));
+        assert_eq!((ep.known(), ep.tombstones()), (0, 1));
+        assert!(ep.poll_timeout().unwrap() > t + ms(4));
+    }
+    assert_eq!(gen.receive_answer(key), Some(true), "from the tombstone");
+    assert!(gen.knows_receive(key) && ctx.knows_send(key, g));
+    assert_eq!(
+        ctx.check_send(key, g, 0, 64).unwrap(),
+        Err(Outcome::Completed)
+    );
+    // A pull of the verdict that crossed it: answered from the tombstone.
+    let vote = Message::Vote {
+        key,
+        outcome: Outcome::Completed,
+    };
+    gen.handle_message(t + ms(5), c, vote).unwrap();
+    let answer = gen.poll_transmit().expect("the verdict again");
+    assert_eq!(
+        (answer.to, answer.message),
+        (
+            c,
+            Message::Verdict {
+                key,
+                outcome: Outcome::Completed
+            }
+        )
+    );
+    // That verdict again, and the advertisement again: counted, nothing sent back.
+    let dups = ctx.stats().duplicates;
+    ctx.handle_message(
+        t + ms(5),
+        g,
+        Message::Verdict {
+            key,
+            outcome: Outcome::Completed,
+        },
+    )
+    .unwrap();
+    ctx.handle_message(
+        t + ms(5),
+        g,
+        Message::Advertise {
+            key,
+            src_rank: g,
+            timeout_ms: 700,
+            request_info: vec![],
+            buffers: vec![desc],
+        },
+    )
+    .unwrap();
+    assert_eq!(ctx.stats().duplicates, dups + 2);
+    assert!(ctx.poll_transmit().is_none() && ctx.poll_event().is_none());
+    assert!(gen.poll_transmit().is_none());
 }
 
 /// Once a receive has ended its answer follows the end: a segment that landed before the

@@ -241,7 +241,8 @@ struct Health {
   std::uint64_t since_last_fault_ms = 0;
   std::uint64_t peers = 0;
   std::uint64_t peers_failed = 0;
-  /// Requests the protocol core still knows (running, or lingering to answer late messages).
+  /// Requests the protocol core still knows (running, or failed and lingering to answer late
+  /// messages; a completed one is forgotten at its end).
   std::uint64_t requests_known = 0;
   std::uint64_t completed = 0;
   std::uint64_t failed = 0;
@@ -303,8 +304,9 @@ struct Health {
   std::uint64_t resends = 0;
   /// Messages that repeated one already handled (a resend that crossed its answer), dropped.
   std::uint64_t duplicates = 0;
-  /// Messages for a request this rank does not know (forgotten after its linger, or never
-  /// started here), dropped; older generations of a known request count in `stale_dropped`.
+  /// Messages for a request this rank does not know (forgotten, and its tombstone gone after
+  /// its deadline, the agreement bound and the linger; or never started here), dropped; older
+  /// generations of a known request count in `stale_dropped`.
   std::uint64_t unknown_dropped = 0;
 };
 

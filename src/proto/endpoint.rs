@@ -159,6 +159,11 @@ impl Endpoint {
         self.recvs.len() + self.flow_count()
     }
 
+    /// Requests forgotten here whose tombstones are still kept (see [`Endpoint::known`]).
+    pub fn tombstones(&self) -> usize {
+        self.tombs.len()
+    }
+
     /// Send flows known here (counted: only health reports and debug output ask).
     fn flow_count(&self) -> usize {
         self.sends.values().map(|flows| flows.len()).sum()
@@ -409,12 +414,8 @@ impl Endpoint {
                 }
                 if let Some(f) = flow_mut(&mut self.sends, key, from) {
                     f.on_advertise_again(&mut self.out);
-                } else if self.tombs.contains_key(&TimerId::Send(key, from)) {
-                    self.out.stats.duplicates += 1;
-                    self.out.transmits.push_back(Transmit {
-                        to: from,
-                        message: Message::Quiesced { key },
-                    });
+                } else if let Some(&(_, ended)) = self.tombs.get(&TimerId::Send(key, from)) {
+                    self.confirm_from_tomb(key, from, ended);
                 } else if self.newer_known(key, Some(from)) {
                     self.out.stats.stale_dropped += 1;
                 } else {
@@ -457,13 +458,9 @@ impl Endpoint {
                 } else if let Some(r) = self.recvs.get_mut(&key) {
                     r.on_verdict(now, from, outcome, &mut self.out);
                     self.timers.arm(TimerId::Recv(key), r, now);
-                } else if self.tombs.contains_key(&TimerId::Send(key, from)) {
+                } else if let Some(&(_, ended)) = self.tombs.get(&TimerId::Send(key, from)) {
                     // Our confirmation was lost before we forgot the flow: confirm again.
-                    self.out.stats.duplicates += 1;
-                    self.out.transmits.push_back(Transmit {
-                        to: from,
-                        message: Message::Quiesced { key },
-                    });
+                    self.confirm_from_tomb(key, from, ended);
                 } else {
                     self.drop_unknown(key, Some(from));
                 }
@@ -652,6 +649,20 @@ impl Endpoint {
         self.tomb_expiry.push(tomb.0, id);
     }
 
+    /// The advertisement or the verdict again for a send flow forgotten here that ended with
+    /// `ended`: counted, and answered as the flow answered while it lingered, with `Quiesced`
+    /// after a failure. Nothing confirms a `Completed` verdict (its repeat comes when the flow's
+    /// pull crossed the verdict pushed to it).
+    fn confirm_from_tomb(&mut self, key: RequestKey, from: RankId, ended: Outcome) {
+        self.out.stats.duplicates += 1;
+        if !ended.is_completed() {
+            self.out.transmits.push_back(Transmit {
+                to: from,
+                message: Message::Quiesced { key },
+            });
+        }
+    }
+
     /// A vote or ready answer for a receive forgotten here: answer with its verdict (a late
     /// voter has not heard it), else count and drop.
     fn answer_from_tomb(&mut self, key: RequestKey, from: RankId) {
@@ -775,7 +786,15 @@ impl Endpoint {
     /// it has ended (while it lingers), `Some(true)` if it completed, `Some(false)` if it was
     /// rejected, else `None`. `None` too when the receive is not known here.
     pub fn receive_answer(&self, key: RequestKey) -> Option<bool> {
-        self.recvs.get(&key).and_then(|r| r.answer())
+        match self.recvs.get(&key) {
+            Some(r) => r.answer(),
+            // Forgotten (a completed one at its end): its tombstone keeps the outcome.
+            None => match self.tombs.get(&TimerId::Recv(key))?.1 {
+                Outcome::Completed => Some(true),
+                Outcome::Rejected => Some(false),
+                _ => None,
+            },
+        }
     }
 
     /// The length of the largest buffer of the receive `key` (None if it is not known here).
@@ -783,14 +802,16 @@ impl Endpoint {
         self.recvs.get(&key).map(|r| r.largest_segment())
     }
 
-    /// Is a receive for `key` known here (running, or lingering after its end)?
+    /// Is a receive for `key` known here (running, lingering after its end, or forgotten with
+    /// its tombstone still kept)?
     pub fn knows_receive(&self, key: RequestKey) -> bool {
-        self.recvs.contains_key(&key)
+        self.recvs.contains_key(&key) || self.tombs.contains_key(&TimerId::Recv(key))
     }
 
-    /// Is a send of `key` to `to` known here (running, or lingering after its end)?
+    /// Is a send of `key` to `to` known here (running, lingering after its end, or forgotten
+    /// with its tombstone still kept)?
     pub fn knows_send(&self, key: RequestKey, to: RankId) -> bool {
-        flow(&self.sends, key, to).is_some()
+        flow(&self.sends, key, to).is_some() || self.tombs.contains_key(&TimerId::Send(key, to))
     }
 
     /// The request's deadline for the send flow of `key` to `to`, as learned from its advert.

@@ -4,15 +4,16 @@
 //! Receiver: `Active` (advertised; segments landing) -> local vote -> verdict -> `Settling`
 //! (unlanded receives cancelled, waiting for each to be reaped) -> terminal, buffers released ->
 //! lingering (answers late votes, retransmits a failure verdict, backed off, to senders that
-//! have not confirmed) -> forgotten at terminal + linger, leaving a tombstone. Deadlines: the request
-//! deadline (vote `TimedOut`, the coordinator decides), the agreement bound (`deadline +
-//! agreement_bound`, pulled in when a caller gives up: terminal no matter what, unsafe buffers
-//! fenced), the retransmit timer, and the forget time.
+//! have not confirmed) -> forgotten at terminal + linger, leaving a tombstone. A `Completed`
+//! request skips lingering: it is forgotten at its end ([`linger_after`]). Deadlines: the
+//! request deadline (vote `TimedOut`, the coordinator decides), the agreement bound
+//! (`deadline + agreement_bound`, pulled in when a caller gives up: terminal no matter what,
+//! unsafe buffers fenced), the retransmit timer, and the forget time.
 //!
 //! Sender: `Offered` (Advertised event out, waiting for `accept`) -> `Sending` (a refusal is
 //! `Ready(false)`; acceptance needs no message) -> verdict (pulled with a `Vote` once every send
 //! is done) -> aborting whatever is still in flight -> `Quiesced` sent for a failure verdict,
-//! terminal -> lingering -> forgotten.
+//! terminal -> lingering -> forgotten (a `Completed` flow at once).
 //!
 //! `recv.rs` holds the receiver's machine, `send.rs` the sender's; this file the types both
 //! share and the endpoint hands out.
@@ -53,8 +54,10 @@ pub struct Config {
     /// verdict do not back off: they must get through within the agreement bound (with
     /// back-off, the fault proptest finds a sender that misses a lost verdict until its bound).
     pub retransmit: Duration,
-    /// How long a finished request is remembered past its agreement bound, to answer late
-    /// duplicates and to recognise stale messages.
+    /// How long a request that ended without completing is remembered in full past its end
+    /// (at most past its agreement bound), to retransmit its failure verdict, answer late
+    /// duplicates and recognise stale messages. A `Completed` one is forgotten at its end:
+    /// nothing confirms a `Completed` verdict, and its tombstone answers what may still come.
     pub linger: Duration,
 }
 
@@ -66,6 +69,20 @@ impl Default for Config {
             retransmit: Duration::from_millis(200),
             linger: Duration::from_secs(5),
         }
+    }
+}
+
+/// How long a request that ended with `outcome` stays in full past its end: `linger`, or
+/// nothing for `Completed`. A completed request has nothing left to send or to wait for (every
+/// byte landed; a `Completed` verdict is not confirmed), and what a peer may still send about it
+/// (a vote pulling the verdict, the verdict again, the advertisement again) is answered by its
+/// tombstone, which lasts as long as before. At high request rates a whole machine per request
+/// for `linger` was most of the core's memory, and forgetting it later touched it cold.
+pub(super) fn linger_after(outcome: Outcome, linger: Duration) -> Duration {
+    if outcome.is_completed() {
+        Duration::ZERO
+    } else {
+        linger
     }
 }
 

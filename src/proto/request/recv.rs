@@ -608,8 +608,12 @@ impl RecvRequest {
 
 impl Machine for RecvRequest {
     fn settle(&mut self, now: Instant) {
-        if self.terminal.is_some() && self.forget_at > now + self.linger {
-            self.forget_at = now + self.linger;
+        let Some(outcome) = self.terminal else {
+            return;
+        };
+        let linger = super::linger_after(outcome, self.linger);
+        if self.forget_at > now + linger {
+            self.forget_at = now + linger;
         }
     }
 
