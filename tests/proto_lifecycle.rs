@@ -494,6 +494,14 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
         ctx.check_send(key, g, 0, 64).unwrap(),
         Err(Outcome::Completed)
     );
+    // Misuse after the end is told as while it lingered: accepting again is a decision already
+    // made, a cancel of the ended receive changes nothing.
+    assert_eq!(
+        ctx.accept(t + ms(5), key, g, true).unwrap_err().kind,
+        kvlink::ErrorKind::InvalidArgument
+    );
+    gen.cancel(t + ms(5), key).unwrap();
+    assert!(gen.poll_event().is_none() && gen.poll_transmit().is_none());
     // A pull of the verdict that crossed it: answered from the tombstone.
     let vote = Message::Vote {
         key,

@@ -314,12 +314,16 @@ impl Endpoint {
         from: RankId,
         ready: bool,
     ) -> Result<()> {
-        let f = flow_mut(&mut self.sends, key, from).ok_or_else(|| {
-            Error::new(
+        let Some(f) = flow_mut(&mut self.sends, key, from) else {
+            if self.tombs.contains_key(&TimerId::Send(key, from)) {
+                // Ended and forgotten (a completed flow at its end): decided long ago.
+                return Err(invalid(format!("{key} from {from}: already decided")));
+            }
+            return Err(Error::new(
                 ErrorKind::UnknownRequest,
                 format!("{key}: no advertisement from {from}"),
-            )
-        })?;
+            ));
+        };
         let ok = f.accept(now, ready, &mut self.out);
         self.timers.arm(TimerId::Send(key, from), f, now);
         self.drive(now);
@@ -331,7 +335,9 @@ impl Endpoint {
     }
 
     /// Cancels `key` on this rank (its receive and every send of it). The cancel is agreed: the
-    /// terminal event follows once every rank knows and no peer can write.
+    /// terminal event follows once every rank knows and no peer can write. A receive that has
+    /// already ended (lingering, or forgotten with its tombstone kept) is left as it ended, and
+    /// the call succeeds; an unknown key is an error.
     pub fn cancel(&mut self, now: Instant, key: RequestKey) -> Result<()> {
         self.give_up(now, key, Outcome::Cancelled)
     }
@@ -360,7 +366,9 @@ impl Endpoint {
             found = true;
         }
         self.drive(now);
-        if found {
+        // A receive that ended and was forgotten (a completed one at its end): nothing left to
+        // give up, as for one that lingers.
+        if found || self.tombs.contains_key(&TimerId::Recv(key)) {
             Ok(())
         } else {
             Err(invalid(format!("{key}: not known here")))
