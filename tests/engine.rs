@@ -735,6 +735,14 @@ fn misuse_is_refused_at_once_with_a_typed_error_and_fails_nothing() {
             Outcome::Completed
         );
         assert_eq!(buf, data);
+        // After both ends: the same segment, or one never advertised, is still misuse, whether
+        // the core holds the completed flow or has forgotten it (at its end: the next timeout
+        // pass, due at once) and answers from its tombstone.
+        std::thread::sleep(Duration::from_millis(50));
+        for segment in [0, 9] {
+            let e = ctx.send(key, to, segment, &data, dl, None).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "segment {segment}: {e}");
+        }
         // A second wait on a key already waited for.
         let e = gen.wait(key, Role::Receiver, dl, None).unwrap_err();
         assert_eq!(e.kind, ErrorKind::UnknownRequest, "{e}");

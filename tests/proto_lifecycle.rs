@@ -27,39 +27,6 @@ fn all_outcomes(sim: &Sim, key: RequestKey) -> Vec<Outcome> {
     sim.outcomes(key).into_iter().map(|o| o.2).collect()
 }
 
-/// One 64-byte KV buffer at a fixed address, under `token`.
-fn kv_desc(token: kvlink::proto::Token) -> kvlink::proto::BufferDesc {
-    kvlink::proto::BufferDesc {
-        kind: kvlink::proto::BufferKind::Kv,
-        segment: 0,
-        addr: 0x1000,
-        len: 64,
-        device_id: -1,
-        token,
-    }
-}
-
-/// A receive of one buffer on rank `me` from `sender`.
-fn one_buffer(
-    key: RequestKey,
-    me: kvlink::proto::RankId,
-    sender: kvlink::proto::RankId,
-    lease: kvlink::proto::Lease,
-    desc: kvlink::proto::BufferDesc,
-    timeout: Option<std::time::Duration>,
-) -> kvlink::proto::ReceiveSpec {
-    kvlink::proto::ReceiveSpec {
-        key,
-        receivers: vec![me],
-        flows: vec![kvlink::proto::ReceiveFlow {
-            sender,
-            buffers: vec![(lease, desc)],
-        }],
-        request_info: vec![],
-        timeout,
-    }
-}
-
 #[test]
 fn clean_run_completes_on_every_rank() {
     let sim = run(Plan::simple(2, 3, vec![req(1, 0, 3), req(2, 5, 2)]));
@@ -491,8 +458,9 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     assert_eq!(gen.receive_answer(key), Some(true), "from the tombstone");
     assert!(gen.knows_receive(key) && ctx.knows_send(key, g));
     assert_eq!(
-        ctx.check_send(key, g, 0, 64).unwrap(),
-        Err(Outcome::Completed)
+        ctx.check_send(key, g, 0, 64).unwrap_err().kind,
+        kvlink::ErrorKind::InvalidArgument,
+        "a completed flow sent every segment"
     );
     // Misuse after the end is told as while it lingered: accepting again is a decision already
     // made, a cancel of the ended receive changes nothing.

@@ -186,7 +186,8 @@ pub struct Health {
     /// Ranks being dialled again after a failure, and dial attempts made so far.
     pub peers_reconnecting: u64,
     pub reconnects: u64,
-    /// Requests known to the protocol core (running or lingering).
+    /// Requests known to the protocol core (running, or failed and lingering; a completed one
+    /// is forgotten at its end and only its tombstone is kept).
     pub requests_known: u64,
     pub completed: u64,
     pub failed: u64,
@@ -249,9 +250,10 @@ pub struct Health {
     /// Messages and landings that repeated one already handled (a resend that crossed its
     /// answer): dropped, changing nothing.
     pub duplicates: u64,
-    /// Messages for a request this rank does not know (finished and forgotten after its
-    /// linger, or never started here): dropped. Older generations of a request still known
-    /// count in `stale_dropped` instead.
+    /// Messages for a request this rank does not know (forgotten, and its tombstone gone after
+    /// its deadline, the agreement bound and the linger; or never started here): dropped. Older
+    /// generations of a request still known (or remembered by its tombstone) count in
+    /// `stale_dropped` instead.
     pub unknown_dropped: u64,
 }
 

@@ -97,9 +97,11 @@ pub struct Endpoint {
     /// and a late duplicate advertisement never starts the request again. Expiries in due order.
     tombs: Map<TimerId, (Instant, Outcome)>,
     tomb_expiry: DueQueue<TimerId>,
-    /// The receives (`None`) and sends (`Some(receiver)`) known here whose generation is above
-    /// 0 (a retry's), by request id: only those can be newer than a key's generation, so this
-    /// answers [`Endpoint::newer_known`], and is empty unless retries run.
+    /// The receives (`None`) and sends (`Some(receiver)`) known here, or forgotten with their
+    /// tombstone still kept, whose generation is above 0 (a retry's), by request id: only those
+    /// can be newer than a key's generation, so this answers [`Endpoint::newer_known`], and is
+    /// empty unless retries run. An older generation stays stale as long as the newer one's
+    /// tombstone, not only while its machine is kept (a completed one is forgotten at its end).
     retries: Map<u64, Retries>,
     collective: Option<Box<dyn Collective>>,
     out: Out,
@@ -190,7 +192,7 @@ impl Endpoint {
         }
     }
 
-    /// Notes a receive or send of `key` that is forgotten here.
+    /// Notes a receive or send of `key` whose tombstone is gone (expired, or replaced).
     fn note_forgotten(&mut self, key: RequestKey, to: Option<RankId>) {
         if key.generation.0 == 0 {
             return;
@@ -469,6 +471,9 @@ impl Endpoint {
                 } else if let Some(&(_, ended)) = self.tombs.get(&TimerId::Send(key, from)) {
                     // Our confirmation was lost before we forgot the flow: confirm again.
                     self.confirm_from_tomb(key, from, ended);
+                } else if self.tombs.contains_key(&TimerId::Recv(key)) {
+                    // The coordinator's verdict again, for a receive forgotten here.
+                    self.out.stats.duplicates += 1;
                 } else {
                     self.drop_unknown(key, Some(from));
                 }
@@ -477,6 +482,10 @@ impl Endpoint {
                 Some(r) => {
                     r.on_quiesced(from, &mut self.out);
                     self.timers.arm(TimerId::Recv(key), r, now);
+                }
+                // A sender's confirmation that crossed the end here: a repeat, not unknown.
+                None if self.tombs.contains_key(&TimerId::Recv(key)) => {
+                    self.out.stats.duplicates += 1
                 }
                 None => self.drop_unknown(key, Some(from)),
             },
@@ -602,7 +611,6 @@ impl Endpoint {
                         let tomb = (r.tomb_until, r.terminal().unwrap_or(Outcome::PeerLost));
                         self.timers.release(r);
                         self.recvs.remove(&key);
-                        self.note_forgotten(key, None);
                         self.bury(id, tomb);
                         if let Some(c) = self.collective.as_mut() {
                             c.forget(key);
@@ -634,6 +642,11 @@ impl Endpoint {
         while let Some((at, id)) = self.tomb_expiry.pop_due(now) {
             if self.tombs.get(&id).is_some_and(|t| t.0 == at) {
                 self.tombs.remove(&id);
+                // A newer generation stays known (stale detection) as long as its tombstone.
+                match id {
+                    TimerId::Recv(key) => self.note_forgotten(key, None),
+                    TimerId::Send(key, to) => self.note_forgotten(key, Some(to)),
+                }
             }
         }
         self.drive(now);
@@ -649,11 +662,16 @@ impl Endpoint {
                 self.sends.remove(&key);
             }
         }
-        self.note_forgotten(key, Some(to));
     }
 
     fn bury(&mut self, id: TimerId, tomb: (Instant, Outcome)) {
-        self.tombs.insert(id, tomb);
+        if self.tombs.insert(id, tomb).is_some() {
+            // The replaced tombstone's expiry will find it gone: account for it now.
+            match id {
+                TimerId::Recv(key) => self.note_forgotten(key, None),
+                TimerId::Send(key, to) => self.note_forgotten(key, Some(to)),
+            }
+        }
         self.tomb_expiry.push(tomb.0, id);
     }
 
@@ -746,6 +764,12 @@ impl Endpoint {
     ) -> Result<std::result::Result<BufferDesc, Outcome>> {
         let Some(f) = flow(&self.sends, key, to) else {
             if let Some(&(_, outcome)) = self.tombs.get(&TimerId::Send(key, to)) {
+                if outcome.is_completed() {
+                    // Completed: every advertised segment was sent, so any send is misuse.
+                    return Err(invalid(format!(
+                        "{key} to {to}: segment {segment} was already sent or never advertised"
+                    )));
+                }
                 return Ok(Err(outcome)); // ended and forgotten: its end is still known
             }
             return Err(Error::new(

@@ -28,6 +28,39 @@ pub fn config() -> Config {
     }
 }
 
+/// One 64-byte KV buffer at a fixed address, under `token`.
+pub fn kv_desc(token: Token) -> BufferDesc {
+    BufferDesc {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: 0x1000,
+        len: 64,
+        device_id: -1,
+        token,
+    }
+}
+
+/// A receive of one buffer on rank `me` from `sender`.
+pub fn one_buffer(
+    key: RequestKey,
+    me: RankId,
+    sender: RankId,
+    lease: Lease,
+    desc: BufferDesc,
+    timeout: Option<Duration>,
+) -> ReceiveSpec {
+    ReceiveSpec {
+        key,
+        receivers: vec![me],
+        flows: vec![ReceiveFlow {
+            sender,
+            buffers: vec![(lease, desc)],
+        }],
+        request_info: vec![],
+        timeout,
+    }
+}
+
 /// xorshift64*: deterministic, seeded by the schedule.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);

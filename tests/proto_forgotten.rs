@@ -1,0 +1,156 @@
+//! A completed request is forgotten at its end (no linger): what its lingering machine used to
+//! answer, its tombstone answers the same way. Misuse stays misuse, repeats stay repeats, and an
+//! older generation stays stale for as long as the tombstone of a newer one is kept.
+mod proto_sim;
+
+use kvlink::error::Outcome;
+use kvlink::proto::{
+    BufferPool, Endpoint, Event, Message, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role,
+    Token, TokenAllocator,
+};
+use kvlink::ErrorKind;
+use proto_sim::*;
+use std::time::Instant;
+
+fn drain(ep: &mut Endpoint) {
+    while ep.poll_transmit().is_some() {}
+    while ep.poll_event().is_some() {}
+    while ep.poll_action().is_some() {}
+}
+
+/// A 1x1 request of `key` run to `Completed` on both sides by `t + 4 ms`, not yet forgotten;
+/// returns (generation side, context side, generation rank).
+fn completed_one_to_one(t: Instant, key: RequestKey) -> (Endpoint, Endpoint, RankId) {
+    let (g, c) = (RankId(1), RankId(2));
+    let mut gen = Endpoint::new(g, config());
+    let mut ctx = Endpoint::new(c, config());
+    let lease = BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    gen.start_receive(t, one_buffer(key, g, c, lease, desc, Some(ms(700))))
+        .unwrap();
+    let pump = |from: &mut Endpoint, to: &mut Endpoint, at| {
+        while let Some(tx) = from.poll_transmit() {
+            to.handle_message(at, from.rank(), tx.message).unwrap();
+        }
+    };
+    pump(&mut gen, &mut ctx, t + ms(1));
+    ctx.accept(t + ms(2), key, g, true).unwrap();
+    assert_eq!(ctx.check_send(key, g, 0, 64).unwrap(), Ok(desc));
+    ctx.begin_send(key, g, 0);
+    ctx.handle_send_done(t + ms(3), key, g, 0, true).unwrap();
+    gen.handle_segment_landed(t + ms(3), key, 0).unwrap();
+    pump(&mut gen, &mut ctx, t + ms(4));
+    pump(&mut ctx, &mut gen, t + ms(4));
+    assert!(!gen.running(key, Role::Receiver));
+    assert!(!ctx.running(key, Role::Sender { receiver: g }));
+    drain(&mut gen);
+    drain(&mut ctx);
+    (gen, ctx, g)
+}
+
+/// A segment sent again, or one never advertised, is misuse (`InvalidArgument`, what
+/// `Engine::send_segments` documents), before and after the completed flow is forgotten: a
+/// completed flow sent every segment it was offered. Its tombstone once answered with the end
+/// (`Ok(Completed)`: nothing sent, success reported).
+#[test]
+fn a_second_send_after_a_completed_end_is_still_misuse() {
+    let t = Instant::now();
+    let key = RequestKey::new(9, 0);
+    let (_gen, mut ctx, g) = completed_one_to_one(t, key);
+    let e = ctx.check_send(key, g, 0, 64).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+    ctx.handle_timeout(t + ms(5));
+    assert_eq!((ctx.known(), ctx.tombstones()), (0, 1));
+    for segment in [0, 9] {
+        let r = ctx.check_send(key, g, segment, 64);
+        assert!(
+            matches!(&r, Err(e) if e.kind == ErrorKind::InvalidArgument),
+            "segment {segment} after the completed flow was forgotten: {r:?}"
+        );
+    }
+}
+
+/// A receiver that is not the coordinator takes the coordinator's verdict again (its vote's
+/// resend crossed the verdict). While it lingers that is a duplicate, and once it is forgotten
+/// with its tombstone kept, still a duplicate: not a message for an unknown request.
+#[test]
+fn a_repeated_verdict_at_a_forgotten_receiver_is_a_duplicate() {
+    let t = Instant::now();
+    let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
+    let mut gen = Endpoint::new(g2, config());
+    let key = RequestKey::new(11, 0);
+    let lease = BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    gen.start_receive(
+        t,
+        ReceiveSpec {
+            key,
+            receivers: vec![g1, g2],
+            flows: vec![ReceiveFlow {
+                sender: c,
+                buffers: vec![(lease, desc)],
+            }],
+            request_info: vec![],
+            timeout: Some(ms(700)),
+        },
+    )
+    .unwrap();
+    gen.handle_segment_landed(t + ms(1), key, 0).unwrap();
+    let verdict = Message::Verdict {
+        key,
+        outcome: Outcome::Completed,
+    };
+    gen.handle_message(t + ms(2), g1, verdict.clone()).unwrap();
+    assert!(!gen.running(key, Role::Receiver));
+    drain(&mut gen);
+    let before = *gen.stats();
+    gen.handle_message(t + ms(2), g1, verdict.clone()).unwrap();
+    assert_eq!(gen.stats().duplicates, before.duplicates + 1, "lingering");
+    gen.handle_timeout(t + ms(3));
+    assert_eq!((gen.known(), gen.tombstones()), (0, 1));
+    let before = *gen.stats();
+    gen.handle_message(t + ms(60), g1, verdict).unwrap();
+    gen.handle_message(t + ms(60), c, Message::Quiesced { key })
+        .unwrap();
+    assert_eq!(
+        (gen.stats().duplicates, gen.stats().unknown_dropped),
+        (before.duplicates + 2, before.unknown_dropped),
+        "a repeated verdict and a Quiesced for a receive whose tombstone is kept"
+    );
+    assert!(gen.poll_transmit().is_none());
+}
+
+/// A late advertisement of generation 0 reaches a sender that only saw generation 1, which has
+/// just completed and been forgotten: it is stale and starts nothing, for as long as generation
+/// 1's tombstone is kept. After that it is merely unknown to this rank.
+#[test]
+fn a_stale_advertisement_right_after_a_completed_retry_starts_nothing() {
+    let t = Instant::now();
+    let new = RequestKey::new(5, 1);
+    let (_gen, mut ctx, g) = completed_one_to_one(t, new);
+    ctx.handle_timeout(t + ms(5));
+    assert_eq!((ctx.known(), ctx.tombstones()), (0, 1));
+    let old = RequestKey::new(5, 0);
+    let advertise = |token| Message::Advertise {
+        key: old,
+        src_rank: g,
+        timeout_ms: 1000,
+        request_info: vec![],
+        buffers: vec![kv_desc(Token(token))],
+    };
+    ctx.handle_message(t + ms(6), g, advertise(77)).unwrap();
+    assert!(
+        ctx.poll_event().is_none(),
+        "a stale advertisement started a flow"
+    );
+    assert_eq!(ctx.stats().stale_dropped, 1);
+    // The tombstone goes at the deadline, the agreement bound and the linger; with it the
+    // knowledge of generation 1.
+    ctx.handle_timeout(t + ms(1 + 700 + 500 + 500));
+    assert_eq!(ctx.tombstones(), 0);
+    ctx.handle_message(t + ms(1800), g, advertise(78)).unwrap();
+    assert!(matches!(
+        ctx.poll_event(),
+        Some(Event::Advertised { key, .. }) if key == old
+    ));
+}
