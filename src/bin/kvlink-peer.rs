@@ -142,6 +142,13 @@ fn recv((transport, devices): Setting, sizes: &[usize], timeout: Duration, liste
             None => panic!("no hello from the sender"),
         }
     };
+    // What each transfer must hold, made before the timed loop: unoptimised (sanitizer) builds
+    // took hundreds of ms per 4 MiB to make it, which delayed the next wait past its deadline.
+    let expected: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| pattern(s, i))
+        .collect();
     let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&s| vec![0u8; s]).collect();
     let mut ops = Vec::new();
     for (i, b) in bufs.iter_mut().enumerate() {
@@ -164,7 +171,7 @@ fn recv((transport, devices): Setting, sizes: &[usize], timeout: Duration, liste
     for (i, op) in ops.iter_mut().enumerate() {
         let outcome = op.wait(deadline, None);
         let elapsed = t0.elapsed().as_secs_f64() * 1e3;
-        let verified = matches!(outcome, Ok(Outcome::Completed)) && bufs[i] == pattern(sizes[i], i);
+        let verified = matches!(outcome, Ok(Outcome::Completed)) && bufs[i] == expected[i];
         let o = match outcome {
             Ok(o) => format!("{o:?}"),
             Err(e) => format!("Error:{:?}", e.kind),
@@ -184,6 +191,12 @@ fn send((transport, devices): Setting, to: &str, sizes: &[usize], mode: &str, ta
     let mut opts = AgentOptions::new("peer-send", transport);
     opts.net_devices = devices;
     let agent = agent_or_exit(opts);
+    // Made before the receiver is told to start its clock (the hello): see `recv`.
+    let bufs: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| pattern(s, i))
+        .collect();
     // The receiver's ADDR line: an ip:port when it listens, else its worker address in hex.
     let peer = match to.parse() {
         Ok(addr) => agent.connect(addr).expect("connect"),
@@ -227,11 +240,6 @@ fn send((transport, devices): Setting, to: &str, sizes: &[usize], mode: &str, ta
         // The fault hook: the data (and with it the completion) never comes.
         std::thread::sleep(Duration::from_secs(3600));
     }
-    let bufs: Vec<Vec<u8>> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| pattern(s, i))
-        .collect();
     loop {
         for (i, b) in bufs.iter().enumerate() {
             if mode == "slow" {
