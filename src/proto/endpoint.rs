@@ -643,10 +643,7 @@ impl Endpoint {
             if self.tombs.get(&id).is_some_and(|t| t.0 == at) {
                 self.tombs.remove(&id);
                 // A newer generation stays known (stale detection) as long as its tombstone.
-                match id {
-                    TimerId::Recv(key) => self.note_forgotten(key, None),
-                    TimerId::Send(key, to) => self.note_forgotten(key, Some(to)),
-                }
+                self.note_tomb_gone(id);
             }
         }
         self.drive(now);
@@ -667,12 +664,17 @@ impl Endpoint {
     fn bury(&mut self, id: TimerId, tomb: (Instant, Outcome)) {
         if self.tombs.insert(id, tomb).is_some() {
             // The replaced tombstone's expiry will find it gone: account for it now.
-            match id {
-                TimerId::Recv(key) => self.note_forgotten(key, None),
-                TimerId::Send(key, to) => self.note_forgotten(key, Some(to)),
-            }
+            self.note_tomb_gone(id);
         }
         self.tomb_expiry.push(tomb.0, id);
+    }
+
+    /// [`Endpoint::note_forgotten`] for the request whose tombstone `id` is gone.
+    fn note_tomb_gone(&mut self, id: TimerId) {
+        match id {
+            TimerId::Recv(key) => self.note_forgotten(key, None),
+            TimerId::Send(key, to) => self.note_forgotten(key, Some(to)),
+        }
     }
 
     /// The advertisement or the verdict again for a send flow forgotten here that ended with
