@@ -90,6 +90,10 @@ TEST_P(EngineTest, FullRoundTripThroughTheFacade) {
   EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Completed);
   EXPECT_EQ(buf, src);
   EXPECT_GE(gen_->health().completed, 1u);
+  // A cancel after the end, on either side, is no error and changes nothing.
+  EXPECT_NO_THROW(ctx_->cancel(key));
+  EXPECT_NO_THROW(gen_->cancel(key));
+  EXPECT_EQ(ctx_->health().failed + gen_->health().failed, 0u);
   // The shared-memory probe runs on sm (and the field crosses the bridge): a healthy pair is
   // never reported stuck.
   EXPECT_FALSE(gen_->health().receive_stuck);

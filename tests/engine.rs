@@ -743,6 +743,16 @@ fn misuse_is_refused_at_once_with_a_typed_error_and_fails_nothing() {
             let e = ctx.send(key, to, segment, &data, dl, None).unwrap_err();
             assert_eq!(e.kind, ErrorKind::InvalidArgument, "segment {segment}: {e}");
         }
+        // A cancel that comes after the end, on either side (the core has forgotten both ends
+        // here): no error, and the request stays as it ended. A key never run is still unknown.
+        ctx.cancel(key).unwrap();
+        gen.cancel(key).unwrap();
+        assert_eq!(
+            ctx.cancel(RequestKey::new(76, 0)).unwrap_err().kind,
+            ErrorKind::UnknownRequest
+        );
+        assert_eq!(gen.recv_ready(key, dl, None), Some(true));
+        assert_eq!((ctx.health().failed, gen.health().failed), (0, 0));
         // A second wait on a key already waited for.
         let e = gen.wait(key, Role::Receiver, dl, None).unwrap_err();
         assert_eq!(e.kind, ErrorKind::UnknownRequest, "{e}");

@@ -594,7 +594,9 @@ class Engine {
   }
 
   /// Cancels `key` on this rank; every rank of the request ends `Cancelled`. Does not block.
-  /// Throws InvalidArgument if the key is not known here.
+  /// A request that already ended here, in either role (kept for 10 minutes, as long as a
+  /// replay of its key is refused), is left as it ended and the call succeeds: a cancel that
+  /// races the end is no error. Throws UnknownRequest if the key never ran here.
   void cancel(RequestKey key) { detail::call([&] { handle_->cancel(key.request, key.generation); }); }
 
   /// Queues an ordered notification for `to_rank`. Does not block.

@@ -164,6 +164,16 @@ impl Core {
         }
     }
 
+    /// Has `key` ended here, as a receive or as a send to any rank, recently enough that its
+    /// replay would be refused? (One look-up per rank ever known: a handful.)
+    pub fn ended_here(&self, key: RequestKey) -> bool {
+        self.finished.contains_key(&(key, None))
+            || self
+                .peers
+                .ranks()
+                .any(|r| self.finished.contains_key(&(key, Some(r))))
+    }
+
     fn end(&mut self, key: RequestKey, role: Role, outcome: Outcome, now: Instant) {
         self.terminals.insert((key, role), outcome, now);
         self.waiters.wake(WaitKey::Terminal(key, role));

@@ -1165,12 +1165,20 @@ impl Engine {
         Ok(why)
     }
 
-    /// Cancels `key` on this rank; the cancel is agreed with every rank of the request.
+    /// Cancels `key` on this rank; the cancel is agreed with every rank of the request. A
+    /// request that has already ended here, in either role, is left as it ended and the call
+    /// succeeds: a cancel that races the end is no error, on the sending side as on the
+    /// receiving one (ended keys are remembered as long as replays are refused, 10 minutes).
+    /// A key never run here is `UnknownRequest`.
     pub fn cancel(&self, key: RequestKey) -> Result<()> {
         let mut core = self.inner.core.lock();
         let r = core.ep.cancel(Instant::now(), key);
         self.inner.flush(&mut core);
-        r.map_err(|e| Error::new(ErrorKind::UnknownRequest, e.message))
+        match r {
+            Ok(()) => Ok(()),
+            Err(_) if core.ended_here(key) => Ok(()),
+            Err(e) => Err(Error::new(ErrorKind::UnknownRequest, e.message)),
+        }
     }
 
     fn give_up(&self, key: RequestKey, why: Outcome) {

@@ -174,6 +174,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.ranks.get(&rank).map(|r| r.name.clone())
     }
 
+    /// Every rank this side has known (bound once, whatever its state now).
+    pub fn ranks(&self) -> impl Iterator<Item = RankId> + '_ {
+        self.ranks.keys().copied()
+    }
+
     pub fn connected(&self) -> usize {
         self.ranks
             .values()
