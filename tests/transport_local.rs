@@ -423,6 +423,67 @@ fn a_peer_that_was_cut_off_can_connect_again() {
     assert_eq!(b.stats().stale_control_dropped, 0);
 }
 
+/// Endpoints that come and go, as a peer that dials again and again (or a stranger at the
+/// listener) makes them: neither agent keeps an entry for a failed peer, whatever the count,
+/// and a call that names one still gets `PeerLost` (an id never given out: `UnknownPeer`).
+#[test]
+fn endpoints_that_come_and_go_leave_no_entry_behind() {
+    const ROUNDS: usize = 40;
+    let (a, b, ab, ba) = pair(TransportKind::Tcp);
+    assert_eq!((a.stats().peer_entries, b.stats().peer_entries), (1, 1));
+    let mut gone = vec![(ab, ba)];
+    let failed_at_b = |b: &Agent, p: PeerId| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match b
+                .next_event(deadline, None)
+                .expect("b must see the failure")
+            {
+                Event::PeerFailed(q) if q == p => break,
+                _ => continue,
+            }
+        }
+    };
+    a.close_peer(ab).unwrap();
+    failed_at_b(&b, ba);
+    for i in 0..ROUNDS {
+        let ab = a.connect(b.listen_address().unwrap()).unwrap();
+        let mut hello = a.send_control(ab, vec![i as u8]).unwrap();
+        let dl = Instant::now() + Duration::from_secs(5);
+        assert_eq!(hello.wait(dl, None).unwrap(), Outcome::Completed);
+        let ba = loop {
+            match b.next_event(dl, None).expect("the hello must arrive") {
+                Event::Control(p, bytes) => {
+                    assert_eq!(bytes, vec![i as u8]);
+                    break p;
+                }
+                _ => continue,
+            }
+        };
+        assert_eq!(b.stats().peer_entries, 1, "round {i}");
+        a.close_peer(ab).unwrap();
+        failed_at_b(&b, ba);
+        gone.push((ab, ba));
+    }
+    // The failure is handled on the progress thread before the event is queued.
+    assert_eq!(a.stats().peer_entries, 0);
+    assert_eq!(b.stats().peer_entries, 0);
+    for (ab, ba) in gone {
+        for (agent, p) in [(&a, ab), (&b, ba)] {
+            let e = agent.post_control(p, b"late".to_vec()).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::PeerLost, "{p:?}: {e}");
+        }
+    }
+    let e = a.post_control(PeerId(1 << 40), b"x".to_vec()).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::UnknownPeer, "{e}");
+    // The listener still serves.
+    let ab = a.connect(b.listen_address().unwrap()).unwrap();
+    let mut hello = a.send_control(ab, b"still".to_vec()).unwrap();
+    let dl = Instant::now() + Duration::from_secs(5);
+    assert_eq!(hello.wait(dl, None).unwrap(), Outcome::Completed);
+    assert_eq!(a.stats().peer_entries, 1);
+}
+
 /// A transport setting parsed and started as `Agent::new` would from a user's text.
 fn agent_with(setting: &str) -> kvlink::Result<Agent> {
     let (kind, devices) = TransportKind::parse_setting(setting)?;

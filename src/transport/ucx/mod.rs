@@ -348,6 +348,10 @@ pub struct Stats {
     /// old one's queue was stuck. Each move fails every peer and changes
     /// [`Agent::worker_address`].
     pub worker_renewals: u64,
+    /// Peers the agent keeps an entry for: the live ones. A failed peer's entry goes with its
+    /// endpoint (later calls naming it get `PeerLost`), so this does not grow with the
+    /// endpoints made over the agent's life.
+    pub peer_entries: u64,
 }
 
 /// Maps a UCX status to kvlink's error kinds (one exhaustive place).

@@ -1,6 +1,6 @@
 //! Peers on the progress thread: endpoints are created (connect, accept, bind back by worker
-//! address), looked up, and failed (the error callback or a forced close: the peer is marked
-//! failed, its posted requests cancelled, its endpoint closed); a peer that gave up on a send
+//! address), looked up, and failed (the error callback or a forced close: its posted requests
+//! cancelled, its endpoint closed, the peer forgotten but for its id); a peer that gave up on a send
 //! asks us to drain it. Messages are told apart by the sender's uid, learned per endpoint.
 use super::callbacks::{ep_err_cb, internal_sent_cb, recv_cb};
 use super::handles::Endpoint;
@@ -20,11 +20,10 @@ use std::time::{Duration, Instant};
 /// How long a drain receive waits for the abandoned message before it is cancelled.
 const DRAIN_TTL: Duration = Duration::from_secs(60);
 
-/// One peer as the progress thread knows it.
+/// One live peer as the progress thread knows it (a failed one is forgotten).
 pub(super) struct PeerEntry {
-    /// None once the endpoint has been closed (after a failure).
+    /// None only while the agent tears down.
     pub(super) ep: Option<Endpoint>,
-    pub(super) failed: bool,
     /// Control messages to this peer that UCX holds queued.
     pub(super) held: u32,
     /// Control messages waiting for those to leave, to go as one (see `batch`).
@@ -102,13 +101,16 @@ impl Progress {
             id,
             PeerEntry {
                 ep: Some(Endpoint::new(ep, self.worker.0)),
-                failed: false,
                 held: 0,
                 batch: Vec::new(),
             },
         );
         self.ep_to_peer.insert(ep as usize, id);
-        self.shared.failed.lock().insert(PeerId(id), false);
+        self.shared.live_peers.lock().insert(PeerId(id));
+        self.shared
+            .next_peer
+            .store(self.next_peer, Ordering::Release);
+        self.count_peer_entries();
         Ok(PeerId(id))
     }
 
@@ -156,32 +158,42 @@ impl Progress {
 
     pub(super) fn ep_of(&self, peer: PeerId) -> Result<sys::ucp_ep_h> {
         match self.peers.get(&peer.0) {
+            // Ids are handed out in order and a failed peer's entry goes with its endpoint.
+            None if peer.0 >= 1 && peer.0 < self.next_peer => {
+                Err(Error::new(ErrorKind::PeerLost, "peer has failed"))
+            }
             None => Err(Error::new(
                 ErrorKind::UnknownPeer,
                 format!("no peer {}", peer.0),
             )),
-            Some(PeerEntry { failed: true, .. }) | Some(PeerEntry { ep: None, .. }) => {
+            Some(PeerEntry { ep: None, .. }) => {
                 Err(Error::new(ErrorKind::PeerLost, "peer has failed"))
             }
             Some(PeerEntry { ep: Some(e), .. }) => Ok(e.ep),
         }
     }
 
-    /// Moves a peer to FAILED, cancels the receives posted for it, and (when forced, or when UCX
-    /// reported the error) closes its endpoint so its sends end too.
+    /// Publishes how many peer entries this thread keeps ([`super::Stats::peer_entries`]).
+    pub(super) fn count_peer_entries(&self) {
+        self.shared
+            .peer_entries
+            .store(self.peers.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Fails a peer: cancels the receives posted for it, closes its endpoint so its sends end
+    /// too, and forgets it (its id stays failed: see `Shared::live_peers`). A peer already
+    /// failed is not known any more, and nothing is done again: its ops were stopped then, and
+    /// none can start on it since.
     pub(super) fn fail_peer(&mut self, peer: u64, status: sys::ucs_status_t, forced: bool) {
-        let Some(entry) = self.peers.get_mut(&peer) else {
+        let Some(mut entry) = self.peers.remove(&peer) else {
             return;
         };
-        let first = !entry.failed;
-        entry.failed = true;
+        self.count_peer_entries();
         entry.drop_batch(&self.shared);
-        let ep = if first { entry.ep.take() } else { None };
-        self.shared.failed.lock().insert(PeerId(peer), true);
-        if first {
-            tracing::warn!(peer, forced, "peer failed: {}", sys::status_str(status));
-            self.shared.push_event(Event::PeerFailed(PeerId(peer)));
-        }
+        let ep = entry.ep.take();
+        self.shared.live_peers.lock().remove(&PeerId(peer));
+        tracing::warn!(peer, forced, "peer failed: {}", sys::status_str(status));
+        self.shared.push_event(Event::PeerFailed(PeerId(peer)));
         let slots: Vec<Arc<OpSlot>> = self
             .shared
             .in_flight
@@ -231,7 +243,7 @@ impl Progress {
     /// control messages are stale, counted and dropped.
     fn live_sender(&self, ep: sys::ucp_ep_h, uid: u64, n: u64) -> Option<PeerId> {
         match self.ep_to_peer.get(&(ep as usize)).copied() {
-            Some(peer) if !self.peers[&peer].failed => return Some(PeerId(peer)),
+            Some(peer) if self.peers.contains_key(&peer) => return Some(PeerId(peer)),
             Some(_) => {}
             None => tracing::warn!(
                 uid,

@@ -11,10 +11,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 impl Progress {
-    /// Ids of maps and remote keys come from the same counter as peer ids.
+    /// Ids of maps and remote keys come from one counter (peers have their own).
     pub(super) fn next_handle(&mut self) -> u64 {
-        self.next_peer += 1;
-        self.next_peer
+        self.next_handle += 1;
+        self.next_handle
     }
 
     /// Registers `[addr, addr+len)`; the id and packed remote key go back to the owner.

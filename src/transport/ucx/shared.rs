@@ -7,7 +7,7 @@ use super::op::{OpSlot, NOT_TRACKED, STOP_NONE, STOP_SHUTDOWN};
 use super::progress::Progress;
 use super::{sys, AgentOptions, Event, PeerId, TransportKind};
 use crate::error::{Error, ErrorKind, Result};
-use foldhash::{HashMap, HashMapExt};
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -160,7 +160,16 @@ pub(super) struct Shared {
     pub(super) stopping: AtomicBool,
     pub(super) events: Mutex<VecDeque<Event>>,
     pub(super) events_cv: Condvar,
-    pub(super) failed: Mutex<HashMap<PeerId, bool>>,
+    /// The peers whose endpoint is live. A failed peer is forgotten (here and on the progress
+    /// thread) with its endpoint: ids are handed out in order from 1 and never reused, so every
+    /// other id below [`Shared::next_peer`] is a peer that failed (see [`Shared::peer_failed`]).
+    /// What the agent keeps per peer is then bounded by the live ones, however many endpoints
+    /// come and go over the process's life (a stranger dialling the listener again and again).
+    pub(super) live_peers: Mutex<HashSet<PeerId>>,
+    /// The id the next peer gets (set by the progress thread before a new id is handed out).
+    pub(super) next_peer: AtomicU64,
+    /// Peer entries the progress thread keeps (see [`Stats::peer_entries`](super::Stats)).
+    pub(super) peer_entries: AtomicU64,
     pub(super) in_flight: Mutex<InFlight>,
     /// The bytes of the data transfers in `in_flight` (not control messages): kept by
     /// [`Shared::track_op`] and [`Shared::untrack_op`] alone.
@@ -243,7 +252,9 @@ impl Shared {
             stopping: AtomicBool::new(false),
             events: Mutex::new(VecDeque::new()),
             events_cv: Condvar::new(),
-            failed: Mutex::new(HashMap::new()),
+            live_peers: Mutex::new(HashSet::new()),
+            next_peer: AtomicU64::new(1),
+            peer_entries: AtomicU64::new(0),
             in_flight: Mutex::new(InFlight::default()),
             in_flight_bytes: AtomicUsize::new(0),
             next_op: AtomicU64::new(1),
@@ -543,8 +554,12 @@ impl Shared {
         self.events_cv.notify_all();
     }
 
+    /// Whether `peer` has failed; None if no peer ever had that id.
     pub(super) fn peer_failed(&self, peer: PeerId) -> Option<bool> {
-        self.failed.lock().get(&peer).copied()
+        if self.live_peers.lock().contains(&peer) {
+            return Some(false);
+        }
+        (peer.0 >= 1 && peer.0 < self.next_peer.load(Ordering::Acquire)).then_some(true)
     }
 
     pub(super) fn now_ns(&self) -> u64 {
