@@ -596,7 +596,8 @@ class Engine {
   /// Cancels `key` on this rank; every rank of the request ends `Cancelled`. Does not block.
   /// A request that already ended here, in either role (kept for 10 minutes, as long as a
   /// replay of its key is refused), is left as it ended and the call succeeds: a cancel that
-  /// races the end is no error. Throws UnknownRequest if the key never ran here.
+  /// races the end is no error. Throws UnknownRequest if the key is not known here: it never ran,
+  /// or it ended longer ago than replays are refused.
   void cancel(RequestKey key) { detail::call([&] { handle_->cancel(key.request, key.generation); }); }
 
   /// Queues an ordered notification for `to_rank`. Does not block.

@@ -175,9 +175,11 @@ fn word(request: u64, segment: u32, i: usize) -> u64 {
 }
 
 /// Words in the block a segment's bytes repeat. Prime, so that data landing at a shifted
-/// offset (a power of two, a segment or a page off) never lines up with the block. Filling and
-/// checking are then a memcpy and a memcmp per block: 128 MiB in tens of milliseconds even in
-/// an unoptimised, sanitized build, where a word at a time took seconds inside timed windows.
+/// offset (a power of two, a segment or a page off) never lines up with the block; and each
+/// block's first word is its own (`word` past the block, by the block's number), so that a
+/// block landing in another block's place does not pass either. Filling and checking are then
+/// a memcpy and a memcmp per block: 128 MiB in tens of milliseconds even in an unoptimised,
+/// sanitized build, where a word at a time took seconds inside timed windows.
 const BLOCK_WORDS: usize = 8191;
 
 fn block(request: u64, segment: u32) -> Vec<u8> {
@@ -186,16 +188,30 @@ fn block(request: u64, segment: u32) -> Vec<u8> {
         .collect()
 }
 
+/// The first word of block `k`.
+fn head(request: u64, segment: u32, k: usize) -> [u8; 8] {
+    word(request, segment, BLOCK_WORDS + k).to_le_bytes()
+}
+
 fn fill(request: u64, segment: u32, buf: &mut [u8]) {
     let b = block(request, segment);
-    for c in buf.chunks_mut(b.len()) {
+    for (k, c) in buf.chunks_mut(b.len()).enumerate() {
         c.copy_from_slice(&b[..c.len()]);
+        if c.len() >= 8 {
+            c[..8].copy_from_slice(&head(request, segment, k));
+        }
     }
 }
 
 fn intact(request: u64, segment: u32, buf: &[u8]) -> bool {
     let b = block(request, segment);
-    buf.chunks(b.len()).all(|c| c == &b[..c.len()])
+    buf.chunks(b.len()).enumerate().all(|(k, c)| {
+        if c.len() >= 8 {
+            c[..8] == head(request, segment, k) && c[8..] == b[8..c.len()]
+        } else {
+            c == &b[..c.len()]
+        }
+    })
 }
 
 /// Memory lent to an engine as a region for the rest of the process (the engine may still
@@ -731,10 +747,11 @@ fn other_version(transport: TransportKind, to: Option<&str>, listen: Option<&str
 
 #[cfg(test)]
 mod tests {
-    use super::{fill, intact};
+    use super::{fill, intact, BLOCK_WORDS};
 
-    /// The repeating block still tells every misplaced byte: another request's or segment's
-    /// data, data shifted by a page or by a whole segment, one byte changed in the last block.
+    /// The repeating block still tells misplaced bytes: another request's or segment's data,
+    /// data shifted by a word, a page, a MiB or a whole block, one byte changed in the last
+    /// block.
     #[test]
     fn the_pattern_catches_misplaced_and_changed_bytes() {
         let len = (3 << 20) + 5;
@@ -743,7 +760,7 @@ mod tests {
         assert!(intact(7, 1, &a));
         assert!(!intact(8, 1, &a));
         assert!(!intact(7, 0, &a));
-        for shift in [8, 4096, 1 << 20] {
+        for shift in [8, 4096, 1 << 20, 8 * BLOCK_WORDS, 16 * BLOCK_WORDS] {
             let mut b = vec![0u8; len + shift];
             fill(7, 1, &mut b);
             assert!(!intact(7, 1, &b[shift..]), "shifted by {shift}");

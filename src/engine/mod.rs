@@ -1169,7 +1169,8 @@ impl Engine {
     /// request that has already ended here, in either role, is left as it ended and the call
     /// succeeds: a cancel that races the end is no error, on the sending side as on the
     /// receiving one (ended keys are remembered as long as replays are refused, 10 minutes).
-    /// A key never run here is `UnknownRequest`.
+    /// A key not known here (never run, or ended longer ago than that, or pushed out of that
+    /// memory by its cap of 2^20 keys) is `UnknownRequest`.
     pub fn cancel(&self, key: RequestKey) -> Result<()> {
         let mut core = self.inner.core.lock();
         let r = core.ep.cancel(Instant::now(), key);

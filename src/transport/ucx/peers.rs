@@ -574,18 +574,7 @@ impl Progress {
     /// `transport/device` for each lane of `peer`'s endpoint, as `ucp_ep_query` reports them
     /// (where the headers have `UCP_EP_ATTR_FIELD_TRANSPORTS`: 1.22 yes, 1.13 no; else None).
     pub(super) fn peer_transports(&mut self, peer: PeerId) -> Result<Option<Vec<String>>> {
-        let Some(ep) = self
-            .peers
-            .get(&peer.0)
-            .and_then(|p| p.ep.as_ref())
-            .map(|e| e.ep)
-        else {
-            return Err(Error::new(
-                ErrorKind::UnknownPeer,
-                format!("no live endpoint for peer {}", peer.0),
-            ));
-        };
-        ep_transports(ep)
+        ep_transports(self.ep_of(peer)?)
     }
 }
 
