@@ -756,9 +756,19 @@ fn a_move_dials_back_the_ranks_that_dialled_the_old_worker_address() {
     );
     for round in 1..=2u64 {
         let before = survivor.address();
+        let failed_before = survivor.health().peers_failed;
         let t0 = Instant::now();
         survivor.fault_stuck_receive_queue().unwrap();
         assert!(until(within(3), &|| survivor.health().worker_renewals == round));
+        // The move is counted before the engine has taken the failures of the old endpoints
+        // (events that follow it): until then ranks 5 and 7 still read `Connected`, on
+        // endpoints of the old worker, and what they send there is lost. Both failures first.
+        assert!(
+            until(within(3), &|| survivor.health().peers_failed
+                >= failed_before + 2),
+            "round {round}: the move's failures were not taken: {:?}",
+            survivor.health()
+        );
         assert_ne!(
             survivor.address(),
             before,
