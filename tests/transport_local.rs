@@ -382,21 +382,26 @@ fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
     }
 }
 
+/// Waits (10 s at most) for `agent` to report `peer` failed.
+fn failed_at(agent: &Agent, peer: PeerId) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match agent
+            .next_event(deadline, None)
+            .expect("the failure must be reported")
+        {
+            Event::PeerFailed(p) if p == peer => break,
+            _ => continue,
+        }
+    }
+}
+
 #[test]
 fn a_peer_that_was_cut_off_can_connect_again() {
     let (a, b, ab, ba) = pair(TransportKind::Tcp);
     a.close_peer(ab).unwrap();
     // b learns that its endpoint to a failed.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match b
-            .next_event(deadline, None)
-            .expect("b must see the failure")
-        {
-            Event::PeerFailed(p) if p == ba => break,
-            _ => continue,
-        }
-    }
+    failed_at(&b, ba);
     // The same agent connects again: its messages must reach b under a fresh peer, not be
     // dropped as coming from the failed one.
     let ab2 = a.connect(b.listen_address().unwrap()).unwrap();
@@ -432,20 +437,8 @@ fn endpoints_that_come_and_go_leave_no_entry_behind() {
     let (a, b, ab, ba) = pair(TransportKind::Tcp);
     assert_eq!((a.stats().peer_entries, b.stats().peer_entries), (1, 1));
     let mut gone = vec![(ab, ba)];
-    let failed_at_b = |b: &Agent, p: PeerId| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match b
-                .next_event(deadline, None)
-                .expect("b must see the failure")
-            {
-                Event::PeerFailed(q) if q == p => break,
-                _ => continue,
-            }
-        }
-    };
     a.close_peer(ab).unwrap();
-    failed_at_b(&b, ba);
+    failed_at(&b, ba);
     for i in 0..ROUNDS {
         let ab = a.connect(b.listen_address().unwrap()).unwrap();
         let mut hello = a.send_control(ab, vec![i as u8]).unwrap();
@@ -462,7 +455,7 @@ fn endpoints_that_come_and_go_leave_no_entry_behind() {
         };
         assert_eq!(b.stats().peer_entries, 1, "round {i}");
         a.close_peer(ab).unwrap();
-        failed_at_b(&b, ba);
+        failed_at(&b, ba);
         gone.push((ab, ba));
     }
     // The failure is handled on the progress thread before the event is queued.
