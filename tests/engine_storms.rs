@@ -268,18 +268,9 @@ fn an_exhausted_receive_pool_is_queue_full_at_once_and_loses_nothing() {
 
 const ENGINE_PEER: &str = env!("CARGO_BIN_EXE_kvlink-engine-peer");
 
-/// The bytes `kvlink-engine-peer ctx` sends for (request, segment 0), as it makes them.
-fn peer_bytes(request: u64, len: usize) -> Vec<u8> {
-    (0..len.div_ceil(8))
-        .flat_map(|i| {
-            let mut x = request.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            x ^= x >> 31;
-            x.to_le_bytes()
-        })
-        .take(len)
-        .collect()
-}
+// What `kvlink-engine-peer` sends, from its own source.
+#[path = "../src/bin/common/pattern.rs"]
+mod pattern;
 
 /// A mass failure towards a sender that is alive but not answering: the context side is a
 /// separate process, frozen (SIGSTOP) before 256 requests are advertised to it; they all time
@@ -381,7 +372,7 @@ fn a_mass_failure_towards_a_frozen_sender_is_resent_backed_off_and_the_pair_goes
         Outcome::Completed,
         "the pair serves again once the sender runs"
     );
-    assert!(buf == peer_bytes(1000, LEN), "every byte checked");
+    assert!(pattern::intact(1000, 0, &buf), "every byte checked");
     assert_eq!(gen.health().buffers_leased, 0);
     drop(bufs);
 }
