@@ -567,7 +567,7 @@ impl Agent {
             stray_discarded: s.stray_discarded.load(Ordering::Relaxed),
             receive_stuck: self.shared.receive_stuck.load(Ordering::Acquire),
             worker_renewals: s.worker_renewals.load(Ordering::Relaxed),
-            peer_entries: self.shared.peer_entries.load(Ordering::Relaxed),
+            peer_entries: self.shared.live_peers.lock().len() as u64,
         }
     }
 

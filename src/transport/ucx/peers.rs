@@ -56,7 +56,7 @@ impl Progress {
                  writing into it; docs/RELIABILITY.md): no peer could reach it",
             ));
         }
-        let id = self.next_peer;
+        let id = self.shared.next_peer.load(Ordering::Acquire);
         let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
         let mut params = sys::ucp_ep_params_t {
             field_mask: (sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -96,7 +96,6 @@ impl Progress {
         if st != sys::UCS_OK {
             return Err(ucx_err(st, "ucp_ep_create"));
         }
-        self.next_peer += 1;
         self.peers.insert(
             id,
             PeerEntry {
@@ -107,10 +106,8 @@ impl Progress {
         );
         self.ep_to_peer.insert(ep as usize, id);
         self.shared.live_peers.lock().insert(PeerId(id));
-        self.shared
-            .next_peer
-            .store(self.next_peer, Ordering::Release);
-        self.count_peer_entries();
+        // Published once the peer is live: no caller holds the id before this.
+        self.shared.next_peer.store(id + 1, Ordering::Release);
         Ok(PeerId(id))
     }
 
@@ -158,8 +155,8 @@ impl Progress {
 
     pub(super) fn ep_of(&self, peer: PeerId) -> Result<sys::ucp_ep_h> {
         match self.peers.get(&peer.0) {
-            // Ids are handed out in order and a failed peer's entry goes with its endpoint.
-            None if peer.0 >= 1 && peer.0 < self.next_peer => {
+            // A failed peer's entry goes with its endpoint; its id stays failed.
+            None if self.shared.was_peer(peer) => {
                 Err(Error::new(ErrorKind::PeerLost, "peer has failed"))
             }
             None => Err(Error::new(
@@ -173,13 +170,6 @@ impl Progress {
         }
     }
 
-    /// Publishes how many peer entries this thread keeps ([`super::Stats::peer_entries`]).
-    pub(super) fn count_peer_entries(&self) {
-        self.shared
-            .peer_entries
-            .store(self.peers.len() as u64, Ordering::Relaxed);
-    }
-
     /// Fails a peer: cancels the receives posted for it, closes its endpoint so its sends end
     /// too, and forgets it (its id stays failed: see `Shared::live_peers`). A peer already
     /// failed is not known any more, and nothing is done again: its ops were stopped then, and
@@ -188,7 +178,6 @@ impl Progress {
         let Some(mut entry) = self.peers.remove(&peer) else {
             return;
         };
-        self.count_peer_entries();
         entry.drop_batch(&self.shared);
         let ep = entry.ep.take();
         self.shared.live_peers.lock().remove(&PeerId(peer));

@@ -73,9 +73,6 @@ pub(super) struct Progress {
     pub(super) worker: Worker,
     pub(super) ctx: Context,
     pub(super) ep_to_peer: HashMap<usize, u64>,
-    /// The id the next peer gets: peers are numbered from 1, in order (see
-    /// `Shared::live_peers`).
-    pub(super) next_peer: u64,
     /// The last id given to a memory map or a remote key (a count of its own).
     pub(super) next_handle: u64,
     pub(super) drains: Vec<Arc<OpSlot>>,
@@ -506,7 +503,6 @@ impl Progress {
                 worker,
                 ctx,
                 ep_to_peer: HashMap::new(),
-                next_peer: 1,
                 next_handle: 0,
                 drains: Vec::new(),
                 scratch: Box::new([0; 8]),

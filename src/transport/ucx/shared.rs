@@ -160,16 +160,15 @@ pub(super) struct Shared {
     pub(super) stopping: AtomicBool,
     pub(super) events: Mutex<VecDeque<Event>>,
     pub(super) events_cv: Condvar,
-    /// The peers whose endpoint is live. A failed peer is forgotten (here and on the progress
-    /// thread) with its endpoint: ids are handed out in order from 1 and never reused, so every
-    /// other id below [`Shared::next_peer`] is a peer that failed (see [`Shared::peer_failed`]).
+    /// The peers whose endpoint is live: the same set as the progress thread's entries (both
+    /// change together, in `Progress::connect` and `Progress::fail_peer`). A failed peer is
+    /// forgotten with its endpoint: ids are handed out in order from 1 and never reused, so
+    /// every other id below [`Shared::next_peer`] is a peer that failed ([`Shared::was_peer`]).
     /// What the agent keeps per peer is then bounded by the live ones, however many endpoints
     /// come and go over the process's life (a stranger dialling the listener again and again).
     pub(super) live_peers: Mutex<HashSet<PeerId>>,
-    /// The id the next peer gets (set by the progress thread before a new id is handed out).
+    /// The id the next peer gets (only the progress thread moves it, once the peer is live).
     pub(super) next_peer: AtomicU64,
-    /// Peer entries the progress thread keeps (see [`Stats::peer_entries`](super::Stats)).
-    pub(super) peer_entries: AtomicU64,
     pub(super) in_flight: Mutex<InFlight>,
     /// The bytes of the data transfers in `in_flight` (not control messages): kept by
     /// [`Shared::track_op`] and [`Shared::untrack_op`] alone.
@@ -254,7 +253,6 @@ impl Shared {
             events_cv: Condvar::new(),
             live_peers: Mutex::new(HashSet::new()),
             next_peer: AtomicU64::new(1),
-            peer_entries: AtomicU64::new(0),
             in_flight: Mutex::new(InFlight::default()),
             in_flight_bytes: AtomicUsize::new(0),
             next_op: AtomicU64::new(1),
@@ -559,7 +557,12 @@ impl Shared {
         if self.live_peers.lock().contains(&peer) {
             return Some(false);
         }
-        (peer.0 >= 1 && peer.0 < self.next_peer.load(Ordering::Acquire)).then_some(true)
+        self.was_peer(peer).then_some(true)
+    }
+
+    /// Was `peer` ever handed out as a peer's id (live or failed)?
+    pub(super) fn was_peer(&self, peer: PeerId) -> bool {
+        peer.0 >= 1 && peer.0 < self.next_peer.load(Ordering::Acquire)
     }
 
     pub(super) fn now_ns(&self) -> u64 {
