@@ -11,14 +11,14 @@
 #                from the input: the request must still complete (fuzz/fuzz_targets/handshake.rs)
 #
 # Both targets run at the same time, each for KVLINK_FUZZ_SECONDS (default 60), seeded from every
-# directory under tests/corpus/ (the malformed frames in wire/, valid frames of every type in
-# valid/, and any regression cases). libFuzzer runs each seed before it mutates, so every input
+# directory under kvlink-proto/tests/corpus/ (the malformed frames in wire/, valid frames of
+# every type in valid/, and any regression cases). libFuzzer runs each seed before it mutates, so every input
 # committed there is a regression test of both targets.
 #
 # A crash is left in fuzz/artifacts/<target>/ and printed as hex. To keep it as a regression:
 # minimise it (`cargo +nightly fuzz tmin --fuzz-dir fuzz <target> <file>`), fix the bug, and
-# commit it under tests/corpus/ (a malformed frame goes in tests/corpus/wire/ named
-# <WireReason>__<what>.bin, which tests/proto_wire.rs checks on stable too).
+# commit it under kvlink-proto/tests/corpus/ (a malformed frame goes in wire/ there, named
+# <WireReason>__<what>.bin, which kvlink-proto/tests/proto_wire.rs checks on stable too).
 #
 # Environment: KVLINK_FUZZ_SECONDS (default 60), KVLINK_FUZZ_TARGET_DIR (default
 # <repo>/target-fuzz), KVLINK_FUZZ_WORK_DIR (default fuzz/corpus: the corpus libFuzzer grows; kept
@@ -49,16 +49,16 @@ tgt="${KVLINK_FUZZ_TARGET_DIR:-$root/target-fuzz}"
 work="${KVLINK_FUZZ_WORK_DIR:-$root/fuzz/corpus}"
 artifacts="$root/fuzz/artifacts"
 targets=(wire_decode handshake)
-# No sanitizer: the targets run only the protocol core, which forbids `unsafe` (src/proto/mod.rs),
-# so AddressSanitizer had nothing to watch there; safe Rust's own checks, debug assertions and
-# overflow checks included, stay on. Without it the build takes less time and each target runs
+# No sanitizer: the targets run only the protocol core (the crate kvlink-proto, which forbids
+# `unsafe`), so AddressSanitizer had nothing to watch there; safe Rust's own checks, debug
+# assertions and overflow checks included, stay on. Without it the build takes less time and each target runs
 # more inputs in its seconds. The `unsafe` code (transport, engine, bridge) is checked under
 # AddressSanitizer by scripts/sanitize.sh.
 fuzz=(cargo +nightly fuzz)
 common=(--fuzz-dir "$root/fuzz" --target-dir "$tgt" --sanitizer none)
 
 seeds=()
-for d in "$root"/tests/corpus/*/; do
+for d in "$root"/kvlink-proto/tests/corpus/*/; do
     seeds+=("${d%/}")
 done
 
@@ -115,7 +115,7 @@ echo
 echo "=== fuzz: summary (${seconds}s per target, run side by side in $((SECONDS - t1))s)"
 printf '%s\n' "${summary[@]}"
 if [[ $failed -ne 0 ]]; then
-    echo "fuzz: FAILED (inputs in fuzz/artifacts/; make each a regression case in tests/corpus/)"
+    echo "fuzz: FAILED (inputs in fuzz/artifacts/; make each a regression case in kvlink-proto/tests/corpus/)"
     exit 1
 fi
 echo "fuzz: no crashes"

@@ -2,7 +2,7 @@
 //! serving, with every wait bounded and every request ending in exactly one typed outcome.
 //!
 //! The picture, from the wire up:
-//! - [`proto`]: the sans-IO protocol core. Request identity (64-bit id + generation), the
+//! - [`proto`] (the crate `kvlink-proto`, with [`error`]): the sans-IO protocol core. Request identity (64-bit id + generation), the
 //!   versioned wire codec, the request state machine, cross-rank cancel agreement, buffer pool
 //!   accounting. Time is an argument; no I/O, no threads, no `unsafe`.
 //! - [`transport`]: moving bytes. `transport::ucx` is the only module with `unsafe` and the only
@@ -18,14 +18,15 @@
 pub mod config;
 pub mod connection;
 pub mod engine;
-pub mod error;
 pub mod log;
 pub mod memory;
 pub mod metrics;
 pub mod metrics_http;
-pub mod proto;
 pub mod timeline;
 pub mod transport;
+
+pub use kvlink_proto as proto;
+pub use kvlink_proto::error;
 
 mod api;
 mod boundary;

@@ -39,7 +39,7 @@ pub enum PeerCmd {
     Peer(PeerArgs),
     /// The protocol core's own CPU cost per request, in this one process, no transport: two
     /// endpoints with the engine's defaults pass a whole request's messages (encoded and
-    /// decoded), events and actions. Compare before and after a change to `src/proto/`.
+    /// decoded), events and actions. Compare before and after a change to `kvlink-proto/`.
     Core(CoreArgs),
 }
 

@@ -1,5 +1,6 @@
 //! The handshake and what a stranger's control frame can do.
-//! `cargo +nightly fuzz run handshake` (scripts/fuzz.sh runs it, seeded from tests/corpus/).
+//! `cargo +nightly fuzz run handshake` (scripts/fuzz.sh runs it, seeded from
+//! kvlink-proto/tests/corpus/).
 //!
 //! For every input:
 //! 1. The input as the body of a `Hello` frame: decode never panics; a refusal is a protocol
@@ -17,9 +18,9 @@
 #![no_main]
 use std::time::{Duration, Instant};
 
-use kvlink::error::{ErrorKind, Outcome};
-use kvlink::proto::wire::{HEADER_LEN, MAGIC, MAX_NAME, VERSION};
-use kvlink::proto::{
+use kvlink_proto::error::{ErrorKind, Outcome};
+use kvlink_proto::wire::{HEADER_LEN, MAGIC, MAX_NAME, VERSION};
+use kvlink_proto::{
     Action, BufferDesc, BufferKind, BufferPool, Config, Endpoint, Event, Handshake, Identity,
     Message, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role, Secret, Token,
 };

@@ -1,9 +1,10 @@
-//! `cargo +nightly fuzz run wire_decode -- tests/corpus/wire` (from the repository root, with
-//! `fuzz/` as the fuzz directory). Stable CI covers the same properties with proptest in
-//! `tests/proto_wire.rs`; crashes found here belong in `tests/corpus/wire/`.
+//! `cargo +nightly fuzz run wire_decode -- kvlink-proto/tests/corpus/wire` (from the repository
+//! root, with `fuzz/` as the fuzz directory). Stable CI covers the same properties with proptest
+//! in `kvlink-proto/tests/proto_wire.rs`; crashes found here belong in
+//! `kvlink-proto/tests/corpus/wire/`.
 #![no_main]
-use kvlink::proto::wire::{frame_len, VERSION};
-use kvlink::proto::{Message, Refusal};
+use kvlink_proto::wire::{frame_len, VERSION};
+use kvlink_proto::{Message, Refusal};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

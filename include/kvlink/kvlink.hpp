@@ -79,8 +79,9 @@
 
 namespace kvlink {
 
-/// Stable error kinds (same numbers as `kvlink::ErrorKind` in src/error.rs; a test checks that
-/// each name here matches the Rust side). 0 is reserved for "no error" and is never thrown.
+/// Stable error kinds (same numbers as `kvlink::ErrorKind` in kvlink-proto/src/error.rs; a test
+/// checks that each name here matches the Rust side). 0 is reserved for "no error" and is never
+/// thrown.
 enum class ErrorKind : std::uint8_t {
   /// A caller passed a value that can never be valid (null pointer, zero length, bad address,
   /// string that is not UTF-8).
@@ -125,7 +126,7 @@ enum class ErrorKind : std::uint8_t {
 };
 
 /// How a bounded wait ended. Only `Completed` is success; the others are ordinary results, not
-/// exceptions (same numbers as `kvlink::Outcome` in src/error.rs).
+/// exceptions (same numbers as `kvlink::Outcome` in kvlink-proto/src/error.rs).
 enum class Outcome : std::uint8_t {
   Completed = 0,
   /// The deadline passed first. The operation was abandoned cleanly unless documented otherwise.

@@ -1,9 +1,9 @@
 //! The wire codec on stable: round trips, arbitrary and mutated bytes never panic, lengths from
 //! the wire never size an allocation, and the committed corpus of malformed frames keeps failing
 //! with the reason its file name records (`<Reason>__<what>.bin`).
-use kvlink::error::{ErrorKind, Outcome};
-use kvlink::proto::wire::{frame_len, frame_version, HEADER_LEN, MAX_BUFFERS, MAX_INFO, VERSION};
-use kvlink::proto::{
+use kvlink_proto::error::{ErrorKind, Outcome};
+use kvlink_proto::wire::{frame_len, frame_version, HEADER_LEN, MAX_BUFFERS, MAX_INFO, VERSION};
+use kvlink_proto::{
     BufferDesc, BufferKind, Message, RankId, Refusal, RequestKey, Token, WireReason,
 };
 use proptest::prelude::*;
@@ -114,7 +114,7 @@ proptest! {
     #[test]
     fn random_bodies_never_panic(t in 0u8..12, body in prop::collection::vec(any::<u8>(), 0..300)) {
         let mut bytes = b"KVLK".to_vec();
-        bytes.extend_from_slice(&kvlink::proto::wire::VERSION.to_le_bytes());
+        bytes.extend_from_slice(&kvlink_proto::wire::VERSION.to_le_bytes());
         bytes.push(t);
         bytes.push(0);
         bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
@@ -276,7 +276,7 @@ fn corpus_of_malformed_frames() {
             got.starts_with(expected),
             "{name}: expected {expected}, got {got}"
         );
-        let e: kvlink::Error = err.into();
+        let e: kvlink_proto::error::Error = err.into();
         assert_eq!(e.kind, ErrorKind::Protocol);
         n += 1;
     }
@@ -287,7 +287,7 @@ fn corpus_of_malformed_frames() {
 fn hostile_lengths_allocate_nothing_they_cannot_see() {
     // A header that claims the largest body: refused as truncated before any body is read.
     let mut bytes = b"KVLK".to_vec();
-    bytes.extend_from_slice(&kvlink::proto::wire::VERSION.to_le_bytes());
+    bytes.extend_from_slice(&kvlink_proto::wire::VERSION.to_le_bytes());
     bytes.extend_from_slice(&[2, 0]);
     bytes.extend_from_slice(&(2u32 << 20).to_le_bytes());
     assert_eq!(frame_len(&bytes).unwrap(), Some(HEADER_LEN + (2 << 20)));

@@ -2,8 +2,8 @@
 //! for each rule of the issue, then property tests over random fault schedules.
 mod proto_sim;
 
-use kvlink::error::Outcome;
-use kvlink::proto::{RequestKey, Role};
+use kvlink_proto::error::Outcome;
+use kvlink_proto::{RequestKey, Role};
 use proto_sim::*;
 
 fn req(id: u64, start_ms: u64, segs: u32) -> ReqPlan {
@@ -233,7 +233,7 @@ fn external_collective_agrees_too() {
 /// are counted as stale and change nothing; the retry completes only on its own landings.
 #[test]
 fn stale_landing_is_counted_and_dropped() {
-    use kvlink::proto::*;
+    use kvlink_proto::*;
     let base = std::time::Instant::now();
     let me = RankId(1);
     let mut ep = Endpoint::new(me, config());
@@ -250,7 +250,7 @@ fn stale_landing_is_counted_and_dropped() {
     // Starting an older generation while a newer one runs is refused.
     assert_eq!(
         spec(&mut ep, old).unwrap_err().kind,
-        kvlink::ErrorKind::StaleGeneration
+        kvlink_proto::error::ErrorKind::StaleGeneration
     );
     ep.handle_segment_landed(base, old, 0).unwrap();
     ep.handle_message(
@@ -287,7 +287,7 @@ fn stale_landing_is_counted_and_dropped() {
 /// message of generation 0 is merely unknown (nothing newer is known any more).
 #[test]
 fn stale_advertisement_and_verdict_reach_no_sender() {
-    use kvlink::proto::*;
+    use kvlink_proto::*;
     let t0 = std::time::Instant::now();
     let (g, c) = (RankId(1), RankId(2));
     let mut ctx = Endpoint::new(c, config());
@@ -359,7 +359,7 @@ fn stale_advertisement_and_verdict_reach_no_sender() {
 /// verdict, and takes a repeated verdict or advertisement without a word.
 #[test]
 fn a_successful_one_to_one_request_costs_two_control_messages() {
-    use kvlink::proto::*;
+    use kvlink_proto::*;
     let t = std::time::Instant::now();
     let (g, c) = (RankId(1), RankId(2));
     let mut gen = Endpoint::new(g, config());
@@ -400,13 +400,13 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
         ctx.accept(t + ms(2), key, RankId(7), true)
             .unwrap_err()
             .kind,
-        kvlink::ErrorKind::UnknownRequest,
+        kvlink_proto::error::ErrorKind::UnknownRequest,
         "no advertisement from that rank"
     );
     ctx.accept(t + ms(2), key, g, true).unwrap();
     assert_eq!(
         ctx.accept(t + ms(2), key, g, true).unwrap_err().kind,
-        kvlink::ErrorKind::InvalidArgument,
+        kvlink_proto::error::ErrorKind::InvalidArgument,
         "already decided"
     );
     pump(&mut ctx, &mut gen, t + ms(2));
@@ -459,14 +459,14 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
     assert!(gen.knows_receive(key) && ctx.knows_send(key, g));
     assert_eq!(
         ctx.check_send(key, g, 0, 64).unwrap_err().kind,
-        kvlink::ErrorKind::InvalidArgument,
+        kvlink_proto::error::ErrorKind::InvalidArgument,
         "a completed flow sent every segment"
     );
     // Misuse after the end is told as while it lingered: accepting again is a decision already
     // made, a cancel of the ended receive changes nothing.
     assert_eq!(
         ctx.accept(t + ms(5), key, g, true).unwrap_err().kind,
-        kvlink::ErrorKind::InvalidArgument
+        kvlink_proto::error::ErrorKind::InvalidArgument
     );
     gen.cancel(t + ms(5), key).unwrap();
     assert!(gen.poll_event().is_none() && gen.poll_transmit().is_none());
@@ -520,7 +520,7 @@ fn a_successful_one_to_one_request_costs_two_control_messages() {
 /// after `wait` took the end, and must say the same both times).
 #[test]
 fn an_ended_receives_answer_follows_its_end_not_an_earlier_landing() {
-    use kvlink::proto::*;
+    use kvlink_proto::*;
     let t = std::time::Instant::now();
     let (g, c) = (RankId(1), RankId(2));
     let mut gen = Endpoint::new(g, config());
@@ -569,7 +569,7 @@ fn an_ended_receives_answer_follows_its_end_not_an_earlier_landing() {
 /// answers nothing.
 #[test]
 fn a_refusal_is_the_receives_answer_and_a_stranger_gives_none() {
-    use kvlink::proto::*;
+    use kvlink_proto::*;
     let t = std::time::Instant::now();
     let (g, c1, c2, stranger) = (RankId(1), RankId(2), RankId(3), RankId(4));
     let mut gen = Endpoint::new(g, config());
@@ -617,7 +617,7 @@ fn a_refusal_is_the_receives_answer_and_a_stranger_gives_none() {
 /// request ever started.
 #[test]
 fn timers_of_finished_requests_do_not_pile_up() {
-    use kvlink::proto::*;
+    use kvlink_proto::*;
     let t0 = std::time::Instant::now();
     let (g, c) = (RankId(1), RankId(2));
     let mut gen = Endpoint::new(g, config());
@@ -679,11 +679,11 @@ fn timers_of_finished_requests_do_not_pile_up() {
 fn one_request_advertised(
     t0: std::time::Instant,
 ) -> (
-    kvlink::proto::Endpoint,
-    kvlink::proto::Endpoint,
-    kvlink::proto::RankId,
+    kvlink_proto::Endpoint,
+    kvlink_proto::Endpoint,
+    kvlink_proto::RankId,
 ) {
-    use kvlink::proto::*;
+    use kvlink_proto::*;
     let (g, c) = (RankId(1), RankId(2));
     let mut gen = Endpoint::new(g, config());
     let ctx = Endpoint::new(c, config());
@@ -713,7 +713,7 @@ fn an_unanswered_advertisement_is_sent_again_backed_off() {
         let now = t0 + ms(10 * step);
         gen.handle_timeout(now);
         while let Some(tx) = gen.poll_transmit() {
-            if matches!(tx.message, kvlink::proto::wire::Message::Advertise { .. }) {
+            if matches!(tx.message, kvlink_proto::wire::Message::Advertise { .. }) {
                 sent_at.push(now - t0);
             }
             // The sender takes it (queued for `next_advertisement`) and never answers.
@@ -748,7 +748,7 @@ fn an_unanswered_advertisement_is_sent_again_backed_off() {
 /// outcomes still agree (a sender also pulls the verdict, and its vote is answered with it).
 #[test]
 fn an_unconfirmed_failure_verdict_is_pushed_again_backed_off() {
-    use kvlink::proto::wire::Message;
+    use kvlink_proto::wire::Message;
     let t0 = std::time::Instant::now();
     let cfg = config();
     let (mut gen, mut ctx, g) = one_request_advertised(t0);
@@ -803,8 +803,8 @@ fn an_unconfirmed_failure_verdict_is_pushed_again_backed_off() {
 /// starts nothing and sends nothing; the same request, repaired, then starts.
 #[test]
 fn start_receive_refuses_repeats_and_starts_nothing() {
-    use kvlink::error::ErrorKind;
-    use kvlink::proto::*;
+    use kvlink_proto::error::ErrorKind;
+    use kvlink_proto::*;
     let t = std::time::Instant::now();
     let (g, c1, c2) = (RankId(1), RankId(2), RankId(3));
     let mut ep = Endpoint::new(g, config());
@@ -868,7 +868,7 @@ fn start_receive_refuses_repeats_and_starts_nothing() {
 
 #[test]
 fn a_receive_reports_its_largest_buffer_over_every_sender() {
-    use kvlink::proto::*;
+    use kvlink_proto::*;
     let t = std::time::Instant::now();
     let (g, c1, c2) = (RankId(1), RankId(2), RankId(3));
     let mut ep = Endpoint::new(g, config());

@@ -38,6 +38,7 @@
 pub mod agreement;
 pub mod auth;
 pub mod endpoint;
+pub mod error;
 pub mod handshake;
 pub mod id;
 mod lowest;

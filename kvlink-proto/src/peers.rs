@@ -1,7 +1,7 @@
 //! The peer table: which transport endpoint serves which rank, its state, and the reconnect
 //! policy that heals a pair after a fault.
 //!
-//! A rank is bound to an endpoint by the handshake ([`crate::proto::handshake`]): only a peer that
+//! A rank is bound to an endpoint by the handshake ([`crate::handshake`]): only a peer that
 //! proved it holds the deployment secret, and only while no other live endpoint holds its rank,
 //! unless the newcomer proves it holds that endpoint's session (the same process coming back on a
 //! new connection before this side saw the old one fail). A second process with the rank is
@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
-use crate::proto::{Handshake, PeerInfo, RankId, Refusal, SessionKey, TagKey};
+use crate::{Handshake, PeerInfo, RankId, Refusal, SessionKey, TagKey};
 
 /// Dial attempts per round before a rank is left `Failed` (until its next use).
 pub const MAX_TRIES: u32 = 6;
@@ -46,7 +46,7 @@ const REFUSED_MAX: usize = 4096;
 /// An endpoint whose handshake is not done by then is closed.
 pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
-/// A rank's connection, as [`crate::engine::Engine::peer_state`] reports it.
+/// A rank's connection, as the engine's `peer_state` reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum PeerState {
@@ -85,14 +85,14 @@ pub(crate) struct Rank<P> {
 /// The tag keys of one bound pair: for receives this side posts for the rank's data (`inbound`)
 /// and for sends to it (`outbound`).
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct TagKeys {
+pub struct TagKeys {
     pub inbound: TagKey,
     pub outbound: TagKey,
 }
 
 /// Handshake refusals, both ways.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Refusals {
+pub struct Refusals {
     /// Peers this side refused: no proof of the secret, a rank held by another process, or
     /// frames of another wire version.
     pub auth: u64,
@@ -103,7 +103,7 @@ pub(crate) struct Refusals {
 }
 
 /// The peer table over endpoint ids `P` (the transport's `PeerId` in the engine).
-pub(crate) struct Peers<P> {
+pub struct Peers<P> {
     ranks: HashMap<RankId, Rank<P>>,
     rank_of: HashMap<P, RankId>,
     /// Endpoints dialled for a rank, waiting for its `Hello`.
@@ -501,7 +501,7 @@ pub fn is_worker_address(address: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::auth::{Party, Secret};
+    use crate::auth::{Party, Secret};
 
     const ME: RankId = RankId(1);
     const R: RankId = RankId(7);

@@ -3,12 +3,12 @@
 //! older generation stays stale for as long as the tombstone of a newer one is kept.
 mod proto_sim;
 
-use kvlink::error::Outcome;
-use kvlink::proto::{
+use kvlink_proto::error::ErrorKind;
+use kvlink_proto::error::Outcome;
+use kvlink_proto::{
     BufferPool, Endpoint, Event, Message, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role,
     Token, TokenAllocator,
 };
-use kvlink::ErrorKind;
 use proto_sim::*;
 use std::time::Instant;
 

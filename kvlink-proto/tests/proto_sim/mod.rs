@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvlink::error::Outcome;
-use kvlink::proto::{
+use kvlink_proto::error::Outcome;
+use kvlink_proto::{
     reduce, Action, BufferDesc, BufferId, BufferKind, BufferPool, Collective, Config, Endpoint,
     Event, Lease, Message, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role, Token,
     TokenAllocator,
@@ -1040,8 +1040,8 @@ impl Sim {
             .collect()
     }
 
-    pub fn stats_sum(&self) -> kvlink::proto::Stats {
-        let mut s = kvlink::proto::Stats::default();
+    pub fn stats_sum(&self) -> kvlink_proto::Stats {
+        let mut s = kvlink_proto::Stats::default();
         for n in self.nodes.values() {
             let t = n.ep.stats();
             s.stale_dropped += t.stale_dropped;

@@ -1,12 +1,12 @@
 //! The sender's state machine: one (request, receiver) pair on a context (sending) rank.
-use crate::proto::vecmap::VecMap;
+use crate::vecmap::VecMap;
 use std::time::{Duration, Instant};
 
 use super::{unagreed, Action, Config, Event, Out, Role};
 use crate::error::Outcome;
-use crate::proto::id::{RankId, RequestKey};
-use crate::proto::timers::Machine;
-use crate::proto::wire::{BufferDesc, Message};
+use crate::id::{RankId, RequestKey};
+use crate::timers::Machine;
+use crate::wire::{BufferDesc, Message};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SendState {

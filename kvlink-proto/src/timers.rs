@@ -358,7 +358,7 @@ mod tests {
     fn superseded_entries_are_told_by_their_stamp_and_never_fire() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
-        let key = |i| TimerId::Recv(crate::proto::RequestKey::new(i, 0));
+        let key = |i| TimerId::Recv(crate::RequestKey::new(i, 0));
         let mut t = TimerTable::default();
         let mut a = Timed::boxed(Fake {
             next: t0 + ms(200),

@@ -1,14 +1,14 @@
 //! The receiver's state machine: one request on a generation (receiving) rank.
-use crate::proto::vecmap::VecMap;
+use crate::vecmap::VecMap;
 use std::time::{Duration, Instant};
 
 use super::{unagreed, Action, Config, Out, Role};
+use crate::agreement::reduce;
 use crate::error::Outcome;
-use crate::proto::agreement::reduce;
-use crate::proto::id::{RankId, RequestKey};
-use crate::proto::pool::Lease;
-use crate::proto::timers::Machine;
-use crate::proto::wire::{BufferDesc, Message};
+use crate::id::{RankId, RequestKey};
+use crate::pool::Lease;
+use crate::timers::Machine;
+use crate::wire::{BufferDesc, Message};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SegState {

@@ -1,12 +1,12 @@
-//! Property test of the region table (`kvlink::proto::regions`) against a plain model: random
+//! Property test of the region table (`kvlink_proto::regions`) against a plain model: random
 //! sequences of registrations, transfers checked and tracked the way the engine does it,
 //! fences, releases and deregistrations, over a small address space so that ranges touch,
 //! straddle and overlap often. After every step the table must answer every lookup exactly as
 //! the model does (which region, straddling edges, fenced overlap for receives and for sends,
 //! closing regions) and its counters (transfers, fenced transfers and bytes, the fenced ranges,
 //! the total) must match.
-use kvlink::error::ErrorKind;
-use kvlink::proto::regions::{RegionId, Regions};
+use kvlink_proto::error::ErrorKind;
+use kvlink_proto::regions::{RegionId, Regions};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -126,7 +126,7 @@ impl Model {
     }
 }
 
-fn kind<T>(r: kvlink::error::Result<T>) -> Result<T, ErrorKind> {
+fn kind<T>(r: kvlink_proto::error::Result<T>) -> Result<T, ErrorKind> {
     r.map_err(|e| e.kind)
 }
 
