@@ -14,7 +14,7 @@
 # Environment: CARGO_TARGET_DIR (default <repo>/target), KVLINK_PKG_DIR (default
 # <repo>/build-pkg: release/, off/, prefix/, consumer/ under it), KVLINK_PKG_FRESH=1 to start
 # the Release build dir from scratch too (the all-OFF build and the prefix always are),
-# KVLINK_SKIP_DEPS=1 to skip the package check, KVLINK_UCX_ROOT to build against that UCX.
+# KVLINK_SKIP_DEPS=1 to skip installing dependencies, KVLINK_UCX_ROOT to build against that UCX.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

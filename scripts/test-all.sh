@@ -10,8 +10,10 @@
 # problems; a step whose prerequisite failed is reported as skipped.
 #
 # Environment: CARGO_TARGET_DIR (default <repo>/target), KVLINK_BUILD_DIR (default
-# <repo>/build-ci), KVLINK_SKIP_DEPS=1 to skip the package check, KVLINK_UCX_ROOT to run every
-# step against that UCX instead of the system one (the ucx122 step is then skipped).
+# <repo>/build-ci), KVLINK_SKIP_DEPS=1 to skip installing dependencies, KVLINK_UCX_ROOT to run
+# every step against that UCX instead of the system one (the ucx122 step is then skipped),
+# KVLINK_UCX122_TARGET_DIR for the ucx122 step's cargo target dir (default CARGO_TARGET_DIR
+# with -ucx122 appended).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -57,9 +59,10 @@ step sanitize -- bash "$root/scripts/sanitize.sh"
 step fuzz -- env KVLINK_FUZZ_SECONDS="${KVLINK_FUZZ_SECONDS:-45}" bash "$root/scripts/fuzz.sh"
 
 # A second UCX generation: the PyPI wheel's UCX 1.22 (scripts/ucx-wheel.sh installs it in a
-# virtual environment) next to Debian's 1.13, with its own cargo target dir and CMake build dir.
-# Suites, chosen to stay within about 6 minutes here (the crate and its test binaries compile
-# once more, ~3 min): the library's unit tests (the UCX resource and transport checks), the
+# virtual environment) next to Debian's 1.13, with its own CMake build dir and its own cargo
+# target dir unless KVLINK_UCX122_TARGET_DIR names one (.ci/run names the main one: then only
+# kvlink and its test binaries compile once more, not its dependencies). Suites, chosen to stay
+# within about 6 minutes here: the library's unit tests (the UCX resource and transport checks), the
 # transport in one process and between two processes (tcp, sm, auto, an explicit list), the
 # engine in one process, the engine between two processes under real faults (engine_faults),
 # and the whole C++ suite with the installed and add_subdirectory consumers (ctest, ~1 min).
