@@ -28,7 +28,8 @@ export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 # shellcheck source=scripts/steps.sh
 source "$root/scripts/steps.sh"
 
-step fmt -- cargo fmt --all -- --check
+# The fuzz targets are a workspace of their own (fuzz/), which `--all` does not reach.
+step fmt -- bash -c "cargo fmt --all -- --check && cargo fmt --manifest-path '$root/fuzz/Cargo.toml' -- --check"
 step clippy -- cargo clippy --locked --workspace --all-targets -- -D warnings
 # The fuzz targets are their own crate (fuzz/, outside the workspace), built by the fuzz step
 # near the end and only with nightly: checked here on stable too, so a change to the core's API

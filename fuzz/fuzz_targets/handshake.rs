@@ -45,7 +45,10 @@ fn frame(t: u8, body: &[u8]) -> Vec<u8> {
 fn check_hello_frame(bytes: &[u8]) {
     match Message::decode(bytes) {
         Ok(m) => {
-            assert!(matches!(m, Message::Hello { .. }), "type 1 decoded as {m:?}");
+            assert!(
+                matches!(m, Message::Hello { .. }),
+                "type 1 decoded as {m:?}"
+            );
             assert_eq!(m.to_bytes().expect("accepted Hello must encode"), bytes);
         }
         Err(e) => {
@@ -127,7 +130,9 @@ fn request_survives_stranger(key: RequestKey, intruder: &[Vec<u8>]) {
             moved = true;
             let bytes = t.message.to_bytes().expect("own message must encode");
             match t.to {
-                CTX => ctx.handle_frame(now, GEN, &bytes).expect("ctx takes gen's frame"),
+                CTX => ctx
+                    .handle_frame(now, GEN, &bytes)
+                    .expect("ctx takes gen's frame"),
                 // Answers to the stranger's own requests (its advertisement, its vote) are
                 // fine; anything about our request is not.
                 STRANGER => assert_ne!(t.message.key(), Some(key), "gen told rank 7: {t:?}"),
@@ -138,7 +143,9 @@ fn request_survives_stranger(key: RequestKey, intruder: &[Vec<u8>]) {
             moved = true;
             let bytes = t.message.to_bytes().expect("own message must encode");
             match t.to {
-                GEN => gen.handle_frame(now, CTX, &bytes).expect("gen takes ctx's frame"),
+                GEN => gen
+                    .handle_frame(now, CTX, &bytes)
+                    .expect("gen takes ctx's frame"),
                 STRANGER => assert_ne!(t.message.key(), Some(key), "ctx told rank 7: {t:?}"),
                 other => panic!("ctx sent to unknown {other}: {t:?}"),
             }
@@ -146,13 +153,28 @@ fn request_survives_stranger(key: RequestKey, intruder: &[Vec<u8>]) {
         while let Some(a) = ctx.poll_action() {
             moved = true;
             match a {
-                Action::Send { key: k, to, desc: d } => {
-                    assert_eq!((k, to, d), (key, GEN, desc), "ctx sends what it was not asked");
-                    gen.handle_segment_landed(now, k, d.segment).expect("landing");
-                    ctx.handle_send_done(now, k, to, d.segment, true).expect("send done");
+                Action::Send {
+                    key: k,
+                    to,
+                    desc: d,
+                } => {
+                    assert_eq!(
+                        (k, to, d),
+                        (key, GEN, desc),
+                        "ctx sends what it was not asked"
+                    );
+                    gen.handle_segment_landed(now, k, d.segment)
+                        .expect("landing");
+                    ctx.handle_send_done(now, k, to, d.segment, true)
+                        .expect("send done");
                 }
-                Action::AbortSend { key: k, to, segment } => {
-                    ctx.handle_send_done(now, k, to, segment, false).expect("abort");
+                Action::AbortSend {
+                    key: k,
+                    to,
+                    segment,
+                } => {
+                    ctx.handle_send_done(now, k, to, segment, false)
+                        .expect("abort");
                 }
                 other => panic!("ctx asked for {other:?}"),
             }
@@ -234,7 +256,9 @@ fn stranger_is_never_bound(frames: &[Vec<u8>]) {
     let mut answering = Handshake::answer(1234);
     let (mut dialling, _) = Handshake::dial(&me, 5678);
     for f in frames {
-        let Ok(msg) = Message::decode(f) else { continue };
+        let Ok(msg) = Message::decode(f) else {
+            continue;
+        };
         if msg.key().is_some() {
             continue; // not a handshake message: the engine never hands it to a handshake
         }

@@ -13,7 +13,9 @@ fuzz_target!(|data: &[u8]| {
         // Anything accepted is canonical: it re-encodes to the very same bytes, but for the
         // version refusal, which is read under any version and re-encodes under this one.
         let mut expect = data.to_vec();
-        if m == (Message::Refuse { reason: Refusal::WireVersion }) {
+        if m == (Message::Refuse {
+            reason: Refusal::WireVersion,
+        }) {
             expect[4..6].copy_from_slice(&VERSION.to_le_bytes());
         }
         assert_eq!(m.to_bytes().expect("decoded message must encode"), expect);
