@@ -5,7 +5,7 @@
 //! (unlanded receives cancelled, waiting for each to be reaped) -> terminal, buffers released ->
 //! lingering (answers late votes, retransmits a failure verdict, backed off, to senders that
 //! have not confirmed) -> forgotten at terminal + linger, leaving a tombstone. A `Completed`
-//! request skips lingering: it is forgotten at its end ([`linger_after`]). Deadlines: the
+//! request skips lingering: it is forgotten at its end (`linger_after`). Deadlines: the
 //! request deadline (vote `TimedOut`, the coordinator decides), the agreement bound
 //! (`deadline + agreement_bound`, pulled in when a caller gives up: terminal no matter what,
 //! unsafe buffers fenced), the retransmit timer, and the forget time.
@@ -49,7 +49,7 @@ pub struct Config {
     /// Interval between retransmissions of an unanswered control message. An advertisement,
     /// which a busy sender may leave unanswered for long, and a failure verdict pushed to a
     /// sender that has not confirmed it, back off: 1, 2, 4 ... up to 32 intervals apart
-    /// ([`backed_off`]); a sender does not depend on that push alone (it pulls the verdict when
+    /// (`backed_off`); a sender does not depend on that push alone (it pulls the verdict when
     /// its sends are done, and its vote is answered with it). Votes and a sender's pull of the
     /// verdict do not back off: they must get through within the agreement bound (with
     /// back-off, the fault proptest finds a sender that misses a lost verdict until its bound).
