@@ -767,6 +767,16 @@ impl Progress {
         for peer in peers {
             self.fail_peer(peer, sys::UCS_ERR_CONNECTION_RESET, true);
         }
+        // The owner takes the failures before the old worker goes, not after: destroying it
+        // takes milliseconds (more with thousands of unread messages in it), and meanwhile the
+        // owner would report the ranks on it as connected and keep their requests waiting.
+        // Its wakes and its control messages (to peers that are all gone: they end at once) go
+        // now; its other commands (dials, cancels) wait for the new worker, and for the queue
+        // to be reported healthy again (connects are refused while it is stuck).
+        let sink_ran = self.run_sink(Instant::now());
+        if sink_ran {
+            self.send_after_sink();
+        }
         match self.renew_worker() {
             Ok(()) => {
                 self.shared.receive_stuck.store(false, Ordering::Release);
@@ -790,6 +800,9 @@ impl Progress {
                  while it reports the queue stuck; replace the process",
                 self.name
             ),
+        }
+        if sink_ran {
+            self.drain_commands();
         }
     }
 
@@ -898,11 +911,17 @@ impl Progress {
     /// a message send (closing an endpoint, a connect) comes between an ended wait and its
     /// caller: that would hold the caller past its deadline.
     fn drain_after_sink(&mut self) {
+        self.send_after_sink();
+        self.drain_commands();
+    }
+
+    /// The first half of [`Self::drain_after_sink`]: the control messages at the front of the
+    /// queue, then the sink told.
+    fn send_after_sink(&mut self) {
         self.drain_while(|c| matches!(c, Cmd::Post { .. } | Cmd::Control { .. }));
         if let Some(sink) = self.shared.sink.get() {
             sink.delivered();
         }
-        self.drain_commands();
     }
 
     /// Runs one queued command.
@@ -1226,6 +1245,66 @@ mod tests {
             }
         }
         (a, b, ab)
+    }
+
+    /// Notes, for each peer failure it is handed, how many moves to a new worker had been
+    /// counted then, and whether its agent still reported the queue stuck.
+    struct MoveWatch {
+        shared: std::sync::Weak<Shared>,
+        failed_at: Mutex<Vec<(u64, bool)>>,
+        when: Mutex<Option<Instant>>,
+    }
+
+    impl EventSink for MoveWatch {
+        fn deliver(&self, events: &mut VecDeque<Event>, _now: Instant) -> Option<Instant> {
+            let sh = self.shared.upgrade()?;
+            for ev in events.drain(..) {
+                if let Event::PeerFailed(_) = ev {
+                    self.failed_at.lock().push((
+                        sh.stats.worker_renewals.load(Ordering::Acquire),
+                        sh.receive_stuck.load(Ordering::Acquire),
+                    ));
+                    *self.when.lock() = Some(Instant::now());
+                }
+            }
+            None
+        }
+    }
+
+    /// A move to a new worker hands its owner the peers' failures within the move, before the
+    /// old worker is destroyed (milliseconds, more with many unread messages in it), not in a
+    /// pass after it: meanwhile the owner would report those peers connected. It used to be
+    /// after: this saw `[(1, false)]`.
+    #[test]
+    fn a_move_hands_over_the_peers_failures_before_the_old_worker_goes() {
+        let kind = TransportKind::SharedMemory;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (_a, b, _ab) = accepted_pair(&kind, deadline);
+        let sink = Arc::new(MoveWatch {
+            shared: Arc::downgrade(&b.shared),
+            failed_at: Mutex::new(Vec::new()),
+            when: Mutex::new(None),
+        });
+        assert!(b.set_sink(sink.clone()));
+        let t0 = Instant::now();
+        b.fault_stuck_receive_queue().unwrap();
+        while b.stats().worker_renewals == 0 {
+            assert!(Instant::now() < deadline, "the agent never moved");
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let moved = t0.elapsed();
+        if let Some(t) = *sink.when.lock() {
+            println!(
+                "failure handed over {:?} after the fault, the move counted {moved:?} after it",
+                t.duration_since(t0)
+            );
+        }
+        assert_eq!(
+            *sink.failed_at.lock(),
+            [(0, true)],
+            "the one peer's failure, handed over during the move (not yet counted, the queue \
+             still reported stuck)"
+        );
     }
 
     /// The next `n` control messages `b` is handed, in order.
