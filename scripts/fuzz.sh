@@ -51,9 +51,9 @@ artifacts="$root/fuzz/artifacts"
 targets=(wire_decode handshake)
 # No sanitizer: the targets run only the protocol core (the crate kvlink-proto, which forbids
 # `unsafe`), so AddressSanitizer had nothing to watch there; safe Rust's own checks, debug
-# assertions and overflow checks included, stay on. Without it the build takes less time and each target runs
-# more inputs in its seconds. The `unsafe` code (transport, engine, bridge) is checked under
-# AddressSanitizer by scripts/sanitize.sh.
+# assertions and overflow checks included, stay on. Without it the build takes less time and
+# each target runs more inputs in its seconds. The `unsafe` code (transport, engine, bridge) is
+# checked under AddressSanitizer by scripts/sanitize.sh.
 fuzz=(cargo +nightly fuzz)
 common=(--fuzz-dir "$root/fuzz" --target-dir "$tgt" --sanitizer none)
 
@@ -115,7 +115,8 @@ echo
 echo "=== fuzz: summary (${seconds}s per target, run side by side in $((SECONDS - t1))s)"
 printf '%s\n' "${summary[@]}"
 if [[ $failed -ne 0 ]]; then
-    echo "fuzz: FAILED (inputs in fuzz/artifacts/; make each a regression case in kvlink-proto/tests/corpus/)"
+    echo "fuzz: FAILED (inputs in fuzz/artifacts/; make each a regression case in" \
+        "kvlink-proto/tests/corpus/)"
     exit 1
 fi
 echo "fuzz: no crashes"

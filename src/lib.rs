@@ -2,9 +2,10 @@
 //! serving, with every wait bounded and every request ending in exactly one typed outcome.
 //!
 //! The picture, from the wire up:
-//! - [`proto`] (the crate `kvlink-proto`, with [`error`]): the sans-IO protocol core. Request identity (64-bit id + generation), the
-//!   versioned wire codec, the request state machine, cross-rank cancel agreement, buffer pool
-//!   accounting. Time is an argument; no I/O, no threads, no `unsafe`.
+//! - [`proto`] (the crate `kvlink-proto`, with [`error`]): the sans-IO protocol core. Request
+//!   identity (64-bit id + generation), the versioned wire codec, the request state machine,
+//!   cross-rank cancel agreement, buffer pool accounting. Time is an argument; no I/O, no
+//!   threads, no `unsafe`.
 //! - [`transport`]: moving bytes. `transport::ucx` is the only module with `unsafe` and the only
 //!   one that calls UCX: an agent (worker + progress thread sleeping on the worker's event fd),
 //!   endpoints with explicit failed state, tag-matched transfers whose completion is the data's

@@ -1248,11 +1248,10 @@ mod tests {
     }
 
     /// Notes, for each peer failure it is handed, how many moves to a new worker had been
-    /// counted then, and whether its agent still reported the queue stuck.
+    /// counted then, whether its agent still reported the queue stuck, and when.
     struct MoveWatch {
         shared: std::sync::Weak<Shared>,
-        failed_at: Mutex<Vec<(u64, bool)>>,
-        when: Mutex<Option<Instant>>,
+        failed_at: Mutex<Vec<(u64, bool, Instant)>>,
     }
 
     impl EventSink for MoveWatch {
@@ -1263,8 +1262,8 @@ mod tests {
                     self.failed_at.lock().push((
                         sh.stats.worker_renewals.load(Ordering::Acquire),
                         sh.receive_stuck.load(Ordering::Acquire),
+                        Instant::now(),
                     ));
-                    *self.when.lock() = Some(Instant::now());
                 }
             }
             None
@@ -1283,7 +1282,6 @@ mod tests {
         let sink = Arc::new(MoveWatch {
             shared: Arc::downgrade(&b.shared),
             failed_at: Mutex::new(Vec::new()),
-            when: Mutex::new(None),
         });
         assert!(b.set_sink(sink.clone()));
         let t0 = Instant::now();
@@ -1293,14 +1291,16 @@ mod tests {
             std::thread::sleep(Duration::from_micros(100));
         }
         let moved = t0.elapsed();
-        if let Some(t) = *sink.when.lock() {
+        let failed_at = sink.failed_at.lock().clone();
+        if let Some(&(_, _, t)) = failed_at.first() {
             println!(
                 "failure handed over {:?} after the fault, the move counted {moved:?} after it",
                 t.duration_since(t0)
             );
         }
+        let seen: Vec<(u64, bool)> = failed_at.iter().map(|&(n, stuck, _)| (n, stuck)).collect();
         assert_eq!(
-            *sink.failed_at.lock(),
+            seen,
             [(0, true)],
             "the one peer's failure, handed over during the move (not yet counted, the queue \
              still reported stuck)"
