@@ -335,7 +335,9 @@ pub struct Stats {
     pub control_batched: u64,
     /// Batches received that did not split into whole control messages: dropped whole.
     pub control_malformed: u64,
-    /// Tagged messages discarded because no receive was posted for them.
+    /// Tagged messages discarded because no receive was posted for them: each progress pass
+    /// with [`AgentOptions::discard_unexpected`]; otherwise those left unreceived when the agent
+    /// leaves a worker (a move or the drop), logged once with their count.
     pub stray_discarded: u64,
     /// This agent's shared-memory receive queue is stuck: nothing sent to it over shared
     /// memory is read (a peer process died, or was stopped, while writing into it; see

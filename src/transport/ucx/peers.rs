@@ -420,22 +420,36 @@ impl Progress {
     /// Discards every tagged message that arrived with no receive posted for it (see
     /// `AgentOptions::discard_unexpected`) and reports each as `Event::StrayData`.
     pub(super) fn discard_strays(&mut self) {
+        self.take_unexpected(|shared, info| {
+            shared.push_event(Event::StrayData {
+                tag: info.sender_tag,
+                len: info.length,
+            })
+        });
+    }
+
+    /// Takes every message in UCX's unexpected queue into the scratch bytes (truncated, so
+    /// nothing is kept and each sender's request completes), counts it in
+    /// `Stats::stray_discarded` and hands its tag and length to `each`. Returns how many.
+    pub(super) fn take_unexpected(
+        &mut self,
+        mut each: impl FnMut(&super::shared::Shared, &sys::ucp_tag_recv_info_t),
+    ) -> u64 {
+        let mut n = 0;
         loop {
             let mut info = sys::ucp_tag_recv_info_t::default();
             // SAFETY: the worker is owned by this thread; info is written on a match.
             let msg = unsafe { sys::ucp_tag_probe_nb(self.worker.0, 0, 0, 1, &mut info) };
             if msg.is_null() {
-                return;
+                return n;
             }
+            n += 1;
             self.swallow(0, info.sender_tag, Some(msg));
             self.shared
                 .stats
                 .stray_discarded
                 .fetch_add(1, Ordering::Relaxed);
-            self.shared.push_event(Event::StrayData {
-                tag: info.sender_tag,
-                len: info.length,
-            });
+            each(&self.shared, &info);
         }
     }
 

@@ -1020,6 +1020,17 @@ impl Progress {
         self.handle_callbacks_discard();
         self.listener = None;
         self.probe = None;
+        // Tagged messages nobody received stay in UCX's unexpected queue until the worker is
+        // destroyed, which logs a warning for each: hundreds of thousands after a peer that
+        // flooded an agent without `discard_unexpected` died. Taken now, and told once.
+        let strays = self.take_unexpected(|_, _| {});
+        if strays > 0 {
+            tracing::warn!(
+                "{}: {strays} tagged messages that no receive matched were discarded with the \
+                 worker",
+                self.name
+            );
+        }
         let slots: Vec<Arc<OpSlot>> = self.shared.in_flight.lock().upgraded().collect();
         // The drain receives (posted for senders that gave up) are not in `in_flight`: cancel
         // them too, or UCX never completes them and the reference it holds is never released.
@@ -1304,6 +1315,46 @@ mod tests {
             [(0, true)],
             "the one peer's failure, handed over during the move (not yet counted, the queue \
              still reported stuck)"
+        );
+    }
+
+    /// Tagged messages that no receive matched (an agent without `discard_unexpected`) are
+    /// taken out of UCX's unexpected queue and counted when the agent leaves its worker, not
+    /// left for UCX to warn about one line each as it destroys the worker (the flood of
+    /// `sm_kill_wedge`'s flooded survivor). Without that the count stays 0.
+    #[test]
+    fn a_move_takes_the_unmatched_messages_out_of_the_old_worker() {
+        const N: u64 = 200;
+        let kind = TransportKind::SharedMemory;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (a, b, ab) = accepted_pair(&kind, deadline);
+        let bytes = vec![7u8; 8000];
+        for i in 0..N {
+            // SAFETY: `bytes` outlives the op, which is waited right here.
+            let mut op = unsafe { a.post_send(ab, 0x57A7 + i, bytes.as_ptr(), bytes.len()) };
+            let done = op.as_mut().unwrap().wait(deadline, None).unwrap();
+            assert_eq!(done, crate::Outcome::Completed, "send {i}");
+        }
+        // The same queue, in order: once this is handed over, every message before it was read.
+        a.send_control(ab, b"last".to_vec())
+            .unwrap()
+            .wait(deadline, None)
+            .unwrap();
+        assert_eq!(controls(&b, 1, deadline), [b"last".to_vec()]);
+        assert_eq!(
+            b.stats().stray_discarded,
+            0,
+            "nothing discarded before the move"
+        );
+        b.fault_stuck_receive_queue().unwrap();
+        while b.stats().worker_renewals == 0 {
+            assert!(Instant::now() < deadline, "the agent never moved");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            b.stats().stray_discarded,
+            N,
+            "every unmatched message taken and counted"
         );
     }
 
