@@ -35,6 +35,9 @@ step clippy -- cargo clippy --locked --workspace --all-targets -- -D warnings
 # near the end and only with nightly: checked here on stable too, so a change to the core's API
 # that breaks a target shows in the first minutes (about 30 s cold, sharing the target dir).
 step fuzz-check -- cargo clippy --manifest-path "$root/fuzz/Cargo.toml" --all-targets -- -D warnings
+# The API docs of the two library crates, broken or private links an error (a few seconds: the
+# dependencies were checked by the clippy step).
+step docs -- env RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -p kvlink-proto -p kvlink
 step cargo-test -- cargo test --locked --workspace --no-fail-fast
 # The stage timeline (src/timeline.rs) records only with its feature, off in every other build:
 # its recording test runs here, so the feature's code is built and checked in CI.

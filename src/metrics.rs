@@ -321,7 +321,7 @@ impl Metrics {
     }
 }
 
-/// The `Content-Type` a host serving [`Metrics::text`] over HTTP should send.
+/// The `Content-Type` a host serving `Metrics::text` over HTTP should send.
 pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! the UCX agent.
 //!
 //! One [`Engine`] per rank: a UCX [`Agent`], the sans-IO [`Endpoint`] that owns every request
-//! and its timers, and the glue ([`glue`]) that feeds the endpoint what the agent reports and
+//! and its timers, and the glue (`glue.rs`) that feeds the endpoint what the agent reports and
 //! carries out what it asks. The glue runs where the events arrive (an
 //! [`crate::transport::EventSink`], called in the agent's progress pass), and the progress thread
 //! sleeps no later than the endpoint's next timer: there is no engine thread of its own. Callers
@@ -11,7 +11,7 @@
 //! progress a blocked caller runs the progress pass itself
 //! ([`Agent::driving`](crate::transport::Agent::driving)), so the event it
 //! waits for is handled on its own thread; after that it sleeps on a waiter of its own that is
-//! woken only for the fact it waits for ([`waiters`]). No lock is held across a wait, one thread
+//! woken only for the fact it waits for (`waiters.rs`). No lock is held across a wait, one thread
 //! at a time drives an agent, and no thread polls longer than one window past the last progress.
 //!
 //! # The data path of one request

@@ -759,8 +759,8 @@ impl CancelPace {
     }
 }
 
-/// A waiting caller's turn at driving progress ([`Shared::try_drive`]). When it stops (paused
-/// before a sleep, or dropped), the progress thread takes over ([`Shared::done_driving`]).
+/// A waiting caller's turn at driving progress (`Shared::try_drive`). When it stops (paused
+/// before a sleep, or dropped), the progress thread takes over (`Shared::done_driving`).
 pub struct Driving<'a> {
     shared: &'a Arc<Shared>,
     began: Instant,
