@@ -41,6 +41,23 @@ pub enum PeerCmd {
     /// endpoints with the engine's defaults pass a whole request's messages (encoded and
     /// decoded), events and actions. Compare before and after a change to `kvlink-proto/`.
     Core(CoreArgs),
+    /// This machine's memory copy rate, in this one process: one hot source copied into one
+    /// buffer, and into several used in turn. `ucx_perftest -O N` lands all N operations in one
+    /// buffer; N requests in flight need N buffers (see the README, "Tests and figures").
+    Copy(CopyArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct CopyArgs {
+    /// Bytes per copy (or with K/KiB, M/MiB, G/GiB).
+    #[arg(long, value_parser = parse_size, default_value = "1MiB")]
+    pub size: u64,
+    /// Destination buffers used in turn, comma-separated counts.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    pub buffers: Vec<usize>,
+    /// Measured rounds per count (of at least 256 MiB each); the median is printed.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: u32,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -132,6 +149,12 @@ pub struct RunArgs {
     /// MiB and up. Whole-request rows always send patterns, since their bytes are checked.
     #[arg(long, value_enum, default_value_t = Source::Untouched)]
     pub tr_source: Source,
+
+    /// Buffers the transport row's receiver receives into, in turn (one per transfer).
+    /// `ucx_perftest` lands every transfer in one buffer, hot in cache; N requests in flight
+    /// land in N buffers, and `--tr-buffers N` gives the transport row that memory to write.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub tr_buffers: u64,
 
     /// Time limit of one row in seconds: requests not done by then count as failed (the
     /// "failed" column counts the whole row, warm-up included), and both processes are stopped
@@ -366,6 +389,9 @@ pub struct PeerArgs {
     /// Transport row's sender: what it sends from.
     #[arg(long, value_enum, default_value_t = Source::Untouched)]
     pub tr_source: Source,
+    /// Transport row's receiver: buffers it receives into, in turn.
+    #[arg(long, default_value_t = 1)]
+    pub tr_buffers: u64,
     /// Generation side: serve the engine's metrics on this ip:port while the row runs.
     #[arg(long, value_name = "IP:PORT")]
     pub metrics_listen: Option<String>,
@@ -492,6 +518,48 @@ mod tests {
                 Some(PeerCmd::Peer(p)) => assert_eq!(p.tr_source, s),
                 _ => panic!("not a peer command"),
             }
+        }
+    }
+
+    #[test]
+    fn the_transport_row_receives_into_one_buffer_unless_told() {
+        assert_eq!(Cli::parse_from(["kvlink-bench"]).run.tr_buffers, 1);
+        let c = Cli::parse_from(["kvlink-bench", "--tr-buffers", "8"]);
+        assert_eq!(c.run.tr_buffers, 8);
+        assert!(Cli::try_parse_from(["kvlink-bench", "--tr-buffers", "0"]).is_err());
+        let c = Cli::parse_from([
+            "kvlink-bench",
+            "peer",
+            "--role",
+            "tr-recv",
+            "--transport",
+            "sm",
+            "--tr-buffers",
+            "8",
+        ]);
+        match c.peer {
+            Some(PeerCmd::Peer(p)) => assert_eq!(p.tr_buffers, 8),
+            _ => panic!("not a peer command"),
+        }
+    }
+
+    #[test]
+    fn the_copy_command_takes_a_size_and_buffer_counts() {
+        match Cli::parse_from([
+            "kvlink-bench",
+            "copy",
+            "--size",
+            "4KiB",
+            "--buffers",
+            "1,64",
+        ])
+        .peer
+        {
+            Some(PeerCmd::Copy(c)) => {
+                assert_eq!(c.size, 4096);
+                assert_eq!(c.buffers, vec![1, 64]);
+            }
+            _ => panic!("not the copy command"),
         }
     }
 

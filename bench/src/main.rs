@@ -9,6 +9,7 @@
 //! `kvlink-bench --help` explains every flag.
 mod alloc_count;
 mod cli;
+mod copy_rate;
 mod core_cost;
 mod hugebuf;
 mod perftest;
@@ -33,6 +34,9 @@ fn main() -> ExitCode {
     if let Some(PeerCmd::Core(c)) = &cli.peer {
         return ExitCode::from(core_cost::run(c).clamp(0, 255) as u8);
     }
+    if let Some(PeerCmd::Copy(c)) = &cli.peer {
+        return ExitCode::from(copy_rate::run(c).clamp(0, 255) as u8);
+    }
     let args = cli.run;
     let settings = serde_json::json!({
         "transports": args.transports.iter().map(|t| t.name()).collect::<Vec<_>>(),
@@ -54,6 +58,7 @@ fn main() -> ExitCode {
         "senders": args.senders,
         "gap_us": args.gap_us,
         "tr_source": args.tr_source.name(),
+        "tr_buffers": args.tr_buffers,
         "row_timeout_s": args.row_timeout().as_secs(),
         "quick": args.quick,
     });

@@ -674,7 +674,9 @@ fn tr_recv(a: &PeerArgs) -> i32 {
         st.lock().error("size too large");
         return finish(2);
     };
-    let mut buf = HugeBuf::zeroed(size);
+    let mut bufs: Vec<HugeBuf> = (0..a.tr_buffers.max(1))
+        .map(|_| HugeBuf::zeroed(size))
+        .collect();
     let agent = match agent("bench-tr-recv", a.transport, true) {
         Ok(x) => x,
         Err(e) => {
@@ -702,6 +704,8 @@ fn tr_recv(a: &PeerArgs) -> i32 {
         }
     };
     for i in 0..a.planned() {
+        let n = bufs.len();
+        let buf = &mut bufs[(i % n as u64) as usize];
         // SAFETY: `buf` outlives the op, which is waited (or stopped and reaped) right here.
         let r = unsafe { agent.post_recv(peer, i + 1, buf.as_mut_ptr(), size) }
             .and_then(|mut op| op.wait(deadline, None));

@@ -132,6 +132,12 @@ impl Runner {
             "transport rows send from {} memory (--tr-source); whole requests send checked patterns",
             a.tr_source.name()
         ));
+        if a.tr_buffers > 1 {
+            self.print(&format!(
+                "transport rows receive into {} buffers in turn (--tr-buffers)",
+                a.tr_buffers
+            ));
+        }
         if a.gap_us > 0 {
             self.print(&format!(
                 "whole-request rows pause {} us between rounds (not timed): requests arrive apart",
@@ -305,6 +311,8 @@ impl Runner {
                 self.args.gap_us.to_string(),
                 "--tr-source".into(),
                 self.args.tr_source.name().into(),
+                "--tr-buffers".into(),
+                self.args.tr_buffers.to_string(),
             ]
         };
         let mut out = PairOut {
