@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every check kvlink has, in one go, and prints a summary. Exits non-zero if any fails.
 #   install-deps, cargo fmt --check, cargo clippy (workspace: library and bench, all targets,
-#   -D warnings), the fuzz targets' clippy on stable, cargo test (workspace), the timeline
+#   -D warnings), the fuzz targets' clippy on stable, the API docs of the two library crates
+#   (cargo doc, -D warnings), cargo test (workspace), the timeline
 #   feature's test, CMake configure + build (Ninja) + ctest, the package check (Release line,
 #   all-off install, installed consumer), header drift check, AddressSanitizer run, bounded fuzz
 #   run, and the same crate against a second UCX generation (ucx122: the PyPI wheel's UCX 1.22).

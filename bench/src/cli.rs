@@ -55,8 +55,9 @@ pub struct CopyArgs {
     /// Destination buffers used in turn, comma-separated counts.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     pub buffers: Vec<usize>,
-    /// Measured rounds per count (of at least 256 MiB each); the median is printed.
-    #[arg(long, default_value_t = 5)]
+    /// Measured rounds per count (of at least 256 MiB each, and at least one copy into each
+    /// buffer); the median is printed.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     pub rounds: u32,
 }
 
@@ -545,6 +546,7 @@ mod tests {
 
     #[test]
     fn the_copy_command_takes_a_size_and_buffer_counts() {
+        assert!(Cli::try_parse_from(["kvlink-bench", "copy", "--rounds", "0"]).is_err());
         match Cli::parse_from([
             "kvlink-bench",
             "copy",

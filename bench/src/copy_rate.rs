@@ -22,12 +22,11 @@ pub fn run(a: &CopyArgs) -> i32 {
         eprintln!("kvlink-bench copy: the size and every buffer count must be at least 1");
         return 2;
     }
-    // At least 256 MiB copied per measurement, and at least 100 copies.
-    let copies = ((256usize << 20) / size).max(100);
     let mut src = HugeBuf::zeroed(size);
     src.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
     let mut rows = Vec::new();
     for &n in &a.buffers {
+        let copies = copies_per_round(size, n);
         let mut dsts: Vec<HugeBuf> = (0..n).map(|_| HugeBuf::zeroed(size)).collect();
         let mut gbps = Vec::new();
         for round in 0..=a.rounds {
@@ -62,6 +61,11 @@ pub fn run(a: &CopyArgs) -> i32 {
     0
 }
 
+/// At least 256 MiB copied per round, at least 100 copies, and every buffer written.
+fn copies_per_round(size: usize, buffers: usize) -> usize {
+    ((256usize << 20) / size).max(100).max(buffers)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +80,13 @@ mod tests {
         assert_eq!(run(&a(4096, &[1, 3])), 0);
         assert_eq!(run(&a(0, &[1])), 2);
         assert_eq!(run(&a(4096, &[1, 0])), 2);
+    }
+
+    #[test]
+    fn a_round_writes_every_buffer_and_enough_bytes() {
+        assert_eq!(copies_per_round(1 << 20, 8), 256);
+        assert_eq!(copies_per_round(64 << 20, 1), 100);
+        assert_eq!(copies_per_round(16 << 20, 128), 128);
+        assert_eq!(copies_per_round(4096, 4096), 65536);
     }
 }

@@ -674,8 +674,14 @@ fn tr_recv(a: &PeerArgs) -> i32 {
         st.lock().error("size too large");
         return finish(2);
     };
+    // Written once here, so that no page is first touched inside a timed transfer (the
+    // warm-up is only a few transfers, fewer than the buffers may be).
     let mut bufs: Vec<HugeBuf> = (0..a.tr_buffers.max(1))
-        .map(|_| HugeBuf::zeroed(size))
+        .map(|_| {
+            let mut b = HugeBuf::zeroed(size);
+            b.fill(0);
+            b
+        })
         .collect();
     let agent = match agent("bench-tr-recv", a.transport, true) {
         Ok(x) => x,

@@ -165,8 +165,8 @@ impl Agent {
         self.shared.memory_types.load(Ordering::Acquire)
     }
 
-    /// How CUDA memory moves with this UCX: [`DevicePath::Direct`](super::DevicePath::Direct) when it supports CUDA
-    /// memory, else [`DevicePath::Staged`](super::DevicePath::Staged).
+    /// How CUDA memory moves with this UCX: [`DevicePath::Direct`](super::DevicePath::Direct)
+    /// when it supports CUDA memory, else [`DevicePath::Staged`](super::DevicePath::Staged).
     pub fn device_path(&self) -> super::DevicePath {
         super::DevicePath::from_memory_types(self.memory_types())
     }

@@ -417,24 +417,12 @@ impl Progress {
         self.drains.push(slot);
     }
 
-    /// Discards every tagged message that arrived with no receive posted for it (see
-    /// `AgentOptions::discard_unexpected`) and reports each as `Event::StrayData`.
-    pub(super) fn discard_strays(&mut self) {
-        self.take_unexpected(|shared, info| {
-            shared.push_event(Event::StrayData {
-                tag: info.sender_tag,
-                len: info.length,
-            })
-        });
-    }
-
-    /// Takes every message in UCX's unexpected queue into the scratch bytes (truncated, so
-    /// nothing is kept and each sender's request completes), counts it in
-    /// `Stats::stray_discarded` and hands its tag and length to `each`. Returns how many.
-    pub(super) fn take_unexpected(
-        &mut self,
-        mut each: impl FnMut(&super::shared::Shared, &sys::ucp_tag_recv_info_t),
-    ) -> u64 {
+    /// Takes every tagged message that arrived with no receive posted for it into the scratch
+    /// bytes (truncated: nothing is kept, and each sender's request completes) and counts it in
+    /// `Stats::stray_discarded`. Reported as `Event::StrayData` where the owner discards strays
+    /// (`AgentOptions::discard_unexpected`: each pass); for an owner that keeps them this runs
+    /// only as the worker is released, where they would be lost anyway. Returns how many.
+    pub(super) fn discard_strays(&mut self) -> u64 {
         let mut n = 0;
         loop {
             let mut info = sys::ucp_tag_recv_info_t::default();
@@ -449,7 +437,12 @@ impl Progress {
                 .stats
                 .stray_discarded
                 .fetch_add(1, Ordering::Relaxed);
-            each(&self.shared, &info);
+            if self.discard_unexpected {
+                self.shared.push_event(Event::StrayData {
+                    tag: info.sender_tag,
+                    len: info.length,
+                });
+            }
         }
     }
 

@@ -1022,15 +1022,10 @@ impl Progress {
         self.probe = None;
         // Tagged messages nobody received stay in UCX's unexpected queue until the worker is
         // destroyed, which logs a warning for each: hundreds of thousands after a peer that
-        // flooded an agent without `discard_unexpected` died. Taken now, and told once.
-        let strays = self.take_unexpected(|_, _| {});
-        if strays > 0 {
-            tracing::warn!(
-                "{}: {strays} tagged messages that no receive matched were discarded with the \
-                 worker",
-                self.name
-            );
-        }
+        // flooded an agent without `discard_unexpected` died. Taken now (their receives are
+        // stopped with the other ops below), again for what arrives while the endpoints close,
+        // and told once.
+        let mut strays = self.discard_strays();
         let slots: Vec<Arc<OpSlot>> = self.shared.in_flight.lock().upgraded().collect();
         // The drain receives (posted for senders that gave up) are not in `in_flight`: cancel
         // them too, or UCX never completes them and the reference it holds is never released.
@@ -1051,6 +1046,24 @@ impl Progress {
             // SAFETY: progress on this thread's own worker.
             if unsafe { sys::ucp_worker_progress(self.worker.0) } == 0 {
                 break;
+            }
+        }
+        let late = self.drains.len();
+        strays += self.discard_strays();
+        for s in &self.drains[late..] {
+            self.stop_slot(s, reason);
+        }
+        if strays > 0 {
+            // An owner that discards strays hears of each (`Event::StrayData`) as in any pass;
+            // for one that keeps them this is where they are lost, which it should see.
+            if self.discard_unexpected {
+                tracing::debug!("{}: {strays} strays discarded with the worker", self.name);
+            } else {
+                tracing::warn!(
+                    "{}: {strays} tagged messages that no receive matched were discarded with \
+                     the worker",
+                    self.name
+                );
             }
         }
         self.handle_callbacks_discard();
