@@ -158,6 +158,12 @@ EOF
         step cmake-build cmake --build "$build" -j "$jobs"
     fi
     if [[ "${results[-1]}" == ok ]]; then
+        # The rerun is also a net for LeakSanitizer's own crash at exit ("Tracer caught signal
+        # 11: addr=0x98", then "LeakSanitizer has encountered a fatal error", exit status 1):
+        # its tracer reads a garbage dynamic-TLS range of the main thread ("DTLS 5 at
+        # 0x000000000095-..."). Seen in a child of the sm case of CallSites about once in ten
+        # runs here, with the code before and after 003a11a; its log is listed below as
+        # suppressed-only, since it reports no memory error.
         step ctest ctest --test-dir "$build" --output-on-failure -j "$jobs" -E 'consumer' --repeat until-pass:2
     fi
 fi
