@@ -709,9 +709,9 @@ fn tr_recv(a: &PeerArgs) -> i32 {
             }
         }
     };
+    let n = bufs.len() as u64;
     for i in 0..a.planned() {
-        let n = bufs.len();
-        let buf = &mut bufs[(i % n as u64) as usize];
+        let buf = &mut bufs[(i % n) as usize];
         // SAFETY: `buf` outlives the op, which is waited (or stopped and reaped) right here.
         let r = unsafe { agent.post_recv(peer, i + 1, buf.as_mut_ptr(), size) }
             .and_then(|mut op| op.wait(deadline, None));

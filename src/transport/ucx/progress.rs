@@ -1271,6 +1271,16 @@ mod tests {
         (a, b, ab)
     }
 
+    /// Makes `b` find its receive queue stuck, and returns once its move to a new worker is
+    /// counted.
+    fn force_move(b: &Agent, deadline: Instant) {
+        b.fault_stuck_receive_queue().unwrap();
+        while b.stats().worker_renewals == 0 {
+            assert!(Instant::now() < deadline, "the agent never moved");
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
     /// Notes, for each peer failure it is handed, how many moves to a new worker had been
     /// counted then, whether its agent still reported the queue stuck, and when.
     struct MoveWatch {
@@ -1309,11 +1319,7 @@ mod tests {
         });
         assert!(b.set_sink(sink.clone()));
         let t0 = Instant::now();
-        b.fault_stuck_receive_queue().unwrap();
-        while b.stats().worker_renewals == 0 {
-            assert!(Instant::now() < deadline, "the agent never moved");
-            std::thread::sleep(Duration::from_micros(100));
-        }
+        force_move(&b, deadline);
         let moved = t0.elapsed();
         let failed_at = sink.failed_at.lock().clone();
         if let Some(&(_, _, t)) = failed_at.first() {
@@ -1359,11 +1365,7 @@ mod tests {
             0,
             "nothing discarded before the move"
         );
-        b.fault_stuck_receive_queue().unwrap();
-        while b.stats().worker_renewals == 0 {
-            assert!(Instant::now() < deadline, "the agent never moved");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        force_move(&b, deadline);
         assert_eq!(
             b.stats().stray_discarded,
             N,
