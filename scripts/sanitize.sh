@@ -66,7 +66,7 @@ export UCX_MEM_EVENTS=no UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_MALLOC_HOOKS=no
 cargo_test=(cargo +nightly test --locked --target "$host" --target-dir "$tgt")
 
 suites=()
-for s in transport_local engine transport_two_process demo trust sm_kill_wedge; do
+for s in transport_local engine transport_two_process demo trust crossing_dials sm_kill_wedge; do
     if [[ -f "tests/$s.rs" ]]; then
         suites+=(--test "$s")
     else
@@ -163,8 +163,9 @@ EOF
         # its tracer reads a garbage dynamic-TLS range of the main thread ("DTLS 5 at
         # 0x000000000095-..."). Seen in a child of the sm case of CallSites about once in ten
         # runs here, with the code before and after 003a11a; its log is listed below as
-        # suppressed-only, since it reports no memory error.
-        step ctest ctest --test-dir "$build" --output-on-failure -j "$jobs" -E 'consumer' --repeat until-pass:2
+        # suppressed-only, since it reports no memory error. Three tries, not two: at one in
+        # ten a try, two tries left this step failing about once in a hundred CI runs.
+        step ctest ctest --test-dir "$build" --output-on-failure -j "$jobs" -E 'consumer' --repeat until-pass:3
     fi
 fi
 

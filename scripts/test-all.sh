@@ -86,7 +86,8 @@ ucx122() (
     # healed partition missed 4 s with every byte landed. The deadline checks are unchanged.
     KVLINK_FAULTS_TIMEOUT_MS="${KVLINK_FAULTS_TIMEOUT_MS:-10000}" \
     WEDGE_ITERS="${WEDGE_ITERS:-4}" cargo test --locked --no-fail-fast --lib --test transport_local \
-        --test transport_two_process --test engine --test engine_faults --test sm_kill_wedge || rc=1
+        --test transport_two_process --test engine --test engine_faults --test sm_kill_wedge \
+        --test crossing_dials || rc=1
     if cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
         -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="$KVLINK_UCX_ROOT" &&
         cmake --build "$dir" -j "$jobs"; then

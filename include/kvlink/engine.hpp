@@ -411,7 +411,8 @@ class Engine {
   /// with kind `PeerLost` if the handshake did not finish by `deadline`, `AuthFailed` if the two
   /// sides do not hold the same secret, `RankInUse` if the peer (or this rank) has that rank bound
   /// to another live process, `Protocol` (at once) if the two speak different wire versions.
-  /// Connect each pair from one side (the generation side dials).
+  /// Two ranks may dial each other at once, or dial a rank already connected to them: the pair
+  /// keeps one connection and both calls return the other's rank.
   std::uint32_t connect(std::string_view address, Deadline deadline) {
     return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
   }

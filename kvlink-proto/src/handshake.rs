@@ -147,6 +147,29 @@ impl Handshake {
         }
     }
 
+    /// This side dialled: the peer that answered, once our proof is out and its `Welcome` (or
+    /// refusal) is awaited.
+    pub fn dialled_peer(&self) -> Option<&PeerInfo> {
+        match &self.state {
+            State::AwaitWelcome { peer, .. } => Some(peer),
+            _ => None,
+        }
+    }
+
+    /// The peer dialled this side: who it said it is, once its `Hello` came and until it is
+    /// bound or refused.
+    pub fn answered_peer(&self) -> Option<&PeerInfo> {
+        match &self.state {
+            State::AwaitProof { peer, .. }
+            | State::Deciding {
+                peer,
+                phase: Phase::Proven,
+                ..
+            } => Some(peer),
+            _ => None,
+        }
+    }
+
     /// Why the handshake was refused (by either side), if it was.
     pub fn refused(&self) -> Option<Refusal> {
         match self.state {

@@ -31,6 +31,9 @@ use std::time::{Duration, Instant};
 
 use crate::{Handshake, PeerInfo, RankId, Refusal, SessionKey, TagKey};
 
+mod binding;
+pub use binding::HandshakeAction;
+
 /// Dial attempts per round before a rank is left `Failed` (until its next use).
 pub const MAX_TRIES: u32 = 6;
 /// The first back-off between attempts; it doubles after each.
@@ -74,6 +77,10 @@ pub(crate) struct Rank<P> {
     by_dial_back: bool,
     /// The process bound last (its `Hello`'s instance).
     instance: Option<u64>,
+    /// The endpoint bound last was made by the peer (this side answered its dial), and when
+    /// its handshake bound it (`binding`).
+    answered: bool,
+    bound_at: Option<Instant>,
     /// The session of the pair (kept after a failure: a redial proves it holds it) and the
     /// keys of the tags between us, derived from it.
     pub session: Option<SessionKey>,
@@ -126,6 +133,9 @@ pub struct Peers<P> {
     closing: Vec<(P, Instant)>,
     /// Endpoints whose handshake is not done, since when: closed after HANDSHAKE_LIMIT.
     pending: HashMap<P, Instant>,
+    /// Dials that gave way to the same process's dial the other way (see `binding`): the rank
+    /// they reached, and since when. `connect` takes its entry; others go after REFUSED_KEEP.
+    gave_way: HashMap<P, (RankId, Instant)>,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
@@ -144,6 +154,7 @@ impl<P> Default for Peers<P> {
             refused_order: VecDeque::new(),
             closing: Vec::new(),
             pending: HashMap::new(),
+            gave_way: HashMap::new(),
             refusals: Refusals::default(),
             reconnects: 0,
             failures: 0,
@@ -239,11 +250,15 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             dial_back: None,
             by_dial_back: false,
             instance: None,
+            answered: false,
+            bound_at: None,
             session: None,
             keys: None,
             tries: 0,
             next_try: None,
         });
+        r.answered = from.is_some();
+        r.bound_at = None;
         if let Some(from) = from {
             // The same process, which this side dials at a worker address, came back from
             // another one (it moved): that is where it lives now.
@@ -296,14 +311,26 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         by_peer: bool,
         now: Instant,
     ) -> Option<RankId> {
-        self.refused.insert(peer, (reason, now));
-        self.refused_order.push_back((now, peer));
         match (by_peer, reason) {
             (true, _) => self.refusals.by_peer += 1,
             (false, Refusal::AuthFailed) => self.refusals.auth += 1,
             (false, Refusal::RankInUse) => self.refusals.rank_in_use += 1,
             (false, Refusal::WireVersion) => self.refusals.version += 1,
         }
+        self.end_refused(peer, reason, by_peer, now)
+    }
+
+    /// [`Peers::refuse`] without counting it: the refusal that settles two crossing dials
+    /// (`binding`) is the protocol working, not a peer turned away.
+    fn end_refused(
+        &mut self,
+        peer: P,
+        reason: Refusal,
+        by_peer: bool,
+        now: Instant,
+    ) -> Option<RankId> {
+        self.refused.insert(peer, (reason, now));
+        self.refused_order.push_back((now, peer));
         // A peer that refused us has nothing more to say: close at once. Our own `Refuse` gets
         // a moment to reach the peer first.
         let at = if by_peer { now } else { now + REFUSE_LINGER };
@@ -346,6 +373,10 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// handshake is not done within HANDSHAKE_LIMIT. Also forgets old refusals.
     pub fn due_closes(&mut self, now: Instant) -> Vec<P> {
         self.expire_refusals(now);
+        if !self.gave_way.is_empty() {
+            self.gave_way
+                .retain(|_, (_, t)| now.saturating_duration_since(*t) < REFUSED_KEEP);
+        }
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;
         let mut out: Vec<P> = due.into_iter().map(|(p, _)| p).collect();

@@ -7,13 +7,17 @@
 //!   `SENDING <request>`, sends every segment (deterministic bytes), waits for the agreed end,
 //!   and prints
 //!   `CTX <request> send=<outcome> end=<outcome> late_ms=<ms past the request's deadline> leased=<n>`.
+//!   With `--dial-line` it first reads `DIAL <address>` from stdin, connects there and prints
+//!   `DIALED <rank>` or `DIAL-ERROR <kind> late_ms=<ms>` (so that two ranks can dial each other
+//!   at once).
 //! `kvlink-engine-peer gen --transport tcp|sm --to ADDR --sizes 4K,64M,.. [--timeout-ms N]`
 //!   connects, prints `CONNECTED`, then for every stdin line `REQ <id>` advertises one request
 //!   with one buffer per size, prints `ADV <id>`, waits for its end and prints
 //!   `GEN <id> end=<outcome> late_ms=<ms> verified=<bool> leased=<n> ... region_fenced=<bytes>
 //!   peers_failed=<n>`; `HEALTH` prints a line. With `--region` the buffers are ranges of one
 //!   registered receive region (request N in its half N % 2), and `DEREG <ms>` deregisters it
-//!   with that deadline, printing `DEREG ok|error:<kind> late_ms=<ms>`.
+//!   with that deadline, printing `DEREG ok|error:<kind> late_ms=<ms>`. With `--to -` it reads
+//!   the address from a `DIAL <address>` line on stdin first (after its `ADDR` line).
 //!   With `--health-every-ms N` a second thread prints `STATE <Healthy|Degraded|Wedged>` every N
 //!   ms (`--wedge-ms`, `--degraded-ms` set the windows). With `--listen` it also listens (and
 //!   prints `ADDR <address>` first), so that a third process can reach it. A refused handshake
@@ -84,6 +88,9 @@ enum Rank {
         /// N % 2) instead of fresh memory per request.
         #[arg(long = "region-mb", value_name = "MIB")]
         region_mb: Option<usize>,
+        /// Before serving, read `DIAL <address>` from stdin and connect there.
+        #[arg(long = "dial-line")]
+        dial_line: bool,
     },
     /// The generation (receiving) rank: one request per `REQ <id>` line on stdin.
     Gen(GenOpts),
@@ -116,7 +123,8 @@ enum Rank {
 
 #[derive(clap::Args, Debug)]
 struct GenOpts {
-    /// The context rank's address, as its ADDR line printed it.
+    /// The context rank's address, as its ADDR line printed it; `-`: from a `DIAL <address>`
+    /// line on stdin.
     #[arg(long)]
     to: String,
     /// Buffer sizes of each request, comma-separated (K and M suffixes).
@@ -202,6 +210,18 @@ fn cpu_ms() -> f64 {
     t(ru.ru_utime) + t(ru.ru_stime)
 }
 
+/// The address of a `DIAL <address>` line, the next on stdin.
+fn dial_address(lines: &mut impl Iterator<Item = std::io::Result<String>>) -> String {
+    let line = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+    match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+        ["DIAL", address] => address.to_string(),
+        _ => {
+            eprintln!("expected `DIAL <address>` on stdin, got {line:?}");
+            std::process::exit(2)
+        }
+    }
+}
+
 fn say(line: String) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
@@ -220,6 +240,7 @@ fn main() {
             suppress,
             hold,
             region_mb,
+            dial_line,
         } => ctx(
             &args,
             transport,
@@ -227,6 +248,7 @@ fn main() {
             *suppress,
             *hold,
             *region_mb,
+            *dial_line,
         ),
         Rank::Gen(opts) => {
             // The engine is dropped inside `gen`, before the exit: its UCX resources are freed
@@ -289,6 +311,7 @@ fn ctx(
     suppress: Option<u64>,
     hold: bool,
     region_mb: Option<usize>,
+    dial_line: bool,
 ) {
     let by_address = setting.0.by_worker_address();
     let mut cfg = config(args, "ctx", CTX, setting);
@@ -310,6 +333,18 @@ fn ctx(
     }
     let region_base = region.map(|r| (r.as_mut_ptr(), r.len()));
     let mut stdin = std::io::stdin().lock().lines();
+    if dial_line {
+        let to = dial_address(&mut stdin);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        match engine.connect(&to, deadline) {
+            Ok(rank) => say(format!("DIALED {}", rank.0)),
+            Err(e) => say(format!(
+                "DIAL-ERROR {:?} late_ms={:.1} {e}",
+                e.kind,
+                late_ms(deadline)
+            )),
+        }
+    }
     loop {
         let Some(adv) = engine.next_advertisement(Instant::now() + Duration::from_secs(3600), None)
         else {
@@ -420,6 +455,11 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
             std::thread::sleep(every);
         });
     }
+    let to = match to.as_str() {
+        "-" => dial_address(&mut std::io::stdin().lock().lines()),
+        to => to.to_string(),
+    };
+    let to = to.as_str();
     let sizes: Vec<usize> = sizes.split(',').map(size).collect();
     let half: usize = sizes.iter().sum();
     let region_mem: &'static mut [u8] = match region {

@@ -24,8 +24,8 @@ use crate::proto::pool::{BufferId, BufferPool, Lease};
 use crate::proto::regions::Regions;
 use crate::proto::wire::{self, WireReason, VERSION};
 use crate::proto::{
-    Action, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, PeerInfo, RankId, Refusal,
-    RequestKey, Role, SessionKey, Step, Token, TokenAllocator,
+    Action, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, RankId, Refusal,
+    RequestKey, Role, Token, TokenAllocator,
 };
 use crate::timeline::{self, Stage};
 use crate::transport::cuda::Staging;
@@ -260,105 +260,53 @@ impl Inner {
         true
     }
 
-    /// One handshake message from `peer` (see [`crate::proto::handshake`]); binds the peer's
-    /// rank once both sides have proved themselves and the rank is free.
+    /// One handshake message from `peer` (see [`crate::proto::handshake`]): the peer table
+    /// decides (`Peers::on_handshake`: bind, refuse, or give way to a crossing dial), this
+    /// carries it out.
     fn on_handshake(&self, core: &mut Core, now: Instant, peer: PeerId, msg: Message) {
-        let mut hs = core
+        use crate::proto::peers::HandshakeAction as A;
+        let actions = core
             .peers
-            .handshakes
-            .remove(&peer)
-            .unwrap_or_else(|| Handshake::answer(crate::random::u64()));
-        core.peers.handshake_started(peer, now);
-        let step = hs.handle(&self.identity, msg);
-        tracing::debug!("handshake on endpoint {}: {step:?}", peer.0);
-        let mut refuse = None;
-        match step {
-            Step::Reply(m) => {
-                let _ = self.send_msg(core, peer, &m);
-            }
-            Step::Verified { peer: info, .. } => {
-                if core.peers.may_bind(&info, peer) {
-                    let held = core.peers.session(info.rank);
-                    if let Some(proof) = hs.accept(&self.identity, held.as_ref()) {
-                        let _ = self.send_msg(core, peer, &proof);
-                    }
-                } else {
-                    refuse = Some((Refusal::RankInUse, info.rank));
+            .on_handshake(&self.identity, peer, msg, now, crate::random::u64());
+        for action in actions {
+            match action {
+                A::Send(m) => {
+                    let _ = self.send_msg(core, peer, &m);
                 }
-            }
-            Step::Proven {
-                peer: info,
-                session,
-                resume,
-            } => {
-                // A rank still bound to a live endpoint is rebound only to the same session
-                // coming back (the dialler proves it holds it).
-                let old = core.peers.session(info.rank);
-                let resumed = resume.is_some_and(|r| old.is_some_and(|o| hs.resumes(&o, &r)));
-                if core.peers.may_bind(&info, peer) || resumed {
-                    self.bind(core, &mut hs, info, peer, session);
-                } else {
-                    refuse = Some((Refusal::RankInUse, info.rank));
+                A::Close(p) => {
+                    let _ = self.agent.close_peer(p);
                 }
-            }
-            Step::Welcomed {
-                peer: info,
-                session,
-            } => {
-                if core.peers.may_bind(&info, peer) {
-                    self.bind(core, &mut hs, info, peer, session);
-                } else {
-                    refuse = Some((Refusal::RankInUse, info.rank));
+                A::Bound(rank, name) => {
+                    tracing::info!(peer = rank.0, "{rank} ({name}) connected");
+                    core.waiters.wake(WaitKey::Peer(rank));
                 }
-            }
-            Step::Refuse(reason) => {
-                let _ = self.send_msg(core, peer, &Message::Refuse { reason });
-                tracing::warn!("refused a peer: {reason:?}");
-                core.peers.refuse(peer, reason, false, now);
-            }
-            Step::RefusedByPeer(reason) => {
-                tracing::warn!("a peer refused this rank: {reason:?}");
-                if let Some(rank) = core.peers.refuse(peer, reason, true, now) {
+                A::Lost(rank) => {
                     core.ep.handle_peer_lost(now, rank);
                     core.waiters.wake(WaitKey::Peer(rank));
                 }
+                A::Refused(Refusal::RankInUse, Some(rank)) => tracing::warn!(
+                    peer = rank.0,
+                    "refused {rank}: it is bound to another live endpoint"
+                ),
+                A::Refused(reason, _) => tracing::warn!("refused a peer: {reason:?}"),
+                A::RefusedByPeer(reason) => tracing::warn!("a peer refused this rank: {reason:?}"),
+                A::Crossed(rank) => tracing::info!(
+                    peer = rank.0,
+                    "{rank} dialled this side while this side dialled it: this side's dial (the \
+                     lower rank's) is the pair's connection, its dial is refused"
+                ),
+                A::GaveWay(rank) => {
+                    tracing::info!(
+                        peer = rank.0,
+                        "{rank} dialled this side while this side dialled it: the pair keeps \
+                         its dial, this one closes"
+                    );
+                    core.waiters.wake(WaitKey::Peer(rank));
+                }
+                A::BadFrame => core.counters.bad_frames += 1,
             }
-            Step::Ignore => {}
-            Step::Unexpected => core.counters.bad_frames += 1,
         }
-        if let Some((reason, rank)) = refuse {
-            let m = hs.refuse(reason);
-            let _ = self.send_msg(core, peer, &m);
-            tracing::warn!(
-                peer = rank.0,
-                "refused {rank}: it is bound to another live endpoint"
-            );
-            core.peers.refuse(peer, reason, false, now);
-        }
-        core.peers.handshakes.insert(peer, hs);
         core.waiters.wake(WaitKey::Dial(peer));
-    }
-
-    /// Binds a proven peer's rank to `peer` and says `Welcome` if this side answered.
-    fn bind(
-        &self,
-        core: &mut Core,
-        hs: &mut Handshake,
-        info: PeerInfo,
-        peer: PeerId,
-        session: SessionKey,
-    ) {
-        let rank = info.rank;
-        tracing::info!(peer = rank.0, "{rank} ({}) connected", info.name);
-        for old in core.peers.bind(info, peer, self.me, session) {
-            // The same session came back on a new endpoint, or another dial for the rank is
-            // still running: those endpoints are done.
-            let _ = self.agent.close_peer(old);
-        }
-        if let Some(welcome) = hs.accept(&self.identity, None) {
-            let _ = self.send_msg(core, peer, &welcome);
-        }
-        core.waiters.wake(WaitKey::Peer(rank));
     }
 
     /// Redials `rank` at `address` on a short-lived thread of its own: a dial waits for the
@@ -442,6 +390,11 @@ impl Inner {
                 // unfinished here (that would wait for progress this pass holds up).
                 if let Some(op) = core.refusal_ops.remove(&peer) {
                     core.control_ops.push_back(op);
+                }
+                // A dial of ours that gave way to this one waits for it: tell it it ended.
+                let crossing = core.peers.handshakes.get(&peer);
+                if let Some(rank) = crossing.and_then(|h| h.answered_peer()).map(|p| p.rank) {
+                    core.waiters.wake(WaitKey::Peer(rank));
                 }
                 if let Some(rank) = core.peers.on_failed(peer, now) {
                     tracing::warn!("{rank}: connection failed");

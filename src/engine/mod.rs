@@ -392,7 +392,10 @@ impl Engine {
     /// A handshake refused either way is `AuthFailed` (the two sides do not hold the same
     /// deployment secret), `RankInUse` (the peer, or this side, has that rank bound to another
     /// live process) or `Protocol` (the two speak different wire versions: returned as soon as
-    /// the refusal arrives, not at the deadline).
+    /// the refusal arrives, not at the deadline). Two ranks that dial each other at once (two
+    /// tcp connections), or a dial to a rank already connected to this side by its own dial,
+    /// end on one connection, and both `connect`s return the other's rank
+    /// (`kvlink_proto::peers` `binding` has the rules).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address)?;
@@ -402,6 +405,28 @@ impl Engine {
             if let Some(r) = core.peers.rank_of(peer) {
                 core.peers.set_dial(r, address);
                 return Ok(r);
+            }
+            if let Some(rank) = core.peers.take_gave_way(peer) {
+                // The rank dialled this side while this dial ran, and the pair keeps its
+                // connection (`Peers::on_handshake`): connected once that one is bound.
+                loop {
+                    if core.peers.state(rank) == PeerState::Connected {
+                        core.peers.set_dial(rank, address);
+                        return Ok(rank);
+                    }
+                    if !core.peers.waiting_for_crossing(rank)
+                        || !sleep(&mut core, WaitKey::Peer(rank), deadline)
+                            && Instant::now() >= deadline
+                    {
+                        return Err(Error::new(
+                            ErrorKind::RankInUse,
+                            format!(
+                                "{address}: {rank} dialled this side at the same time, and this \
+                                 dial gave way to its, which did not complete"
+                            ),
+                        ));
+                    }
+                }
             }
             if let Some(reason) = core.peers.refusal(peer) {
                 // Let our own `Refuse` (if we sent one) go out, then close the endpoint: a

@@ -1,0 +1,252 @@
+//! What a handshake step means for the peer table: bind the rank, refuse the endpoint, or let a
+//! dial give way. The engine feeds every handshake message to [`Peers::on_handshake`] and
+//! carries out the [`HandshakeAction`]s it returns.
+//!
+//! # Two ranks that dial each other at once
+//! Over tcp that makes two connections, each with its own session (and so its own tag keys),
+//! and the pair must end up on the same one on both sides. The answerer of a connection binds
+//! first (on the dialler's `Proof`), the dialler on the `Welcome` after it. Left alone, each
+//! side binds the connection the other dialled and then refuses its own dial's `Welcome`, which
+//! unbinds the other side: both lose the pair. Three rules settle it, the same on both sides,
+//! whatever the order in which the messages of the two connections arrive:
+//! - **The lower rank's dial wins a tie.** An answerer whose own dial to the same process (the
+//!   same rank and instance) has its proof out refuses the peer's dial if it has the lower
+//!   rank. The higher rank answers the lower one's dial as any other. An answerer whose own
+//!   dial bound the rank after the peer's dial began refuses that dial too, as the settling of
+//!   a crossing (unless it proves the session of the bound one: the same process coming back,
+//!   as after a move to a new worker). A dial that began after the bind is refused and counted
+//!   as any second claim to a live rank.
+//! - **A dial that finds the pair connected gives way.** A dialler that learns, from the
+//!   answer, that the rank is already bound to a connection the same process made to this
+//!   side does not go on: the pair is connected, its `connect` returns that rank, and the dial
+//!   is closed.
+//! - **A dial refused for a crossing gives way.** A dial refused with `RankInUse` while the
+//!   same process's dial the other way is bound here, or still shaking hands, waits for that
+//!   one instead: its `connect` returns the rank once it is bound.
+//!
+//! A crossing needs the same instance on both connections, so a second process with the rank
+//! (another instance) is still refused as before, and nothing here rebinds a live rank: the
+//! rank is never taken over (docs/SECURITY.md). The refusal that settles a crossing is not
+//! counted as a refusal, on either side: the dials it settles overlapped in time.
+use super::Peers;
+use crate::{Handshake, Identity, Message, PeerInfo, RankId, Refusal, SessionKey, Step};
+use std::hash::Hash;
+use std::time::Instant;
+
+/// What the engine does after a handshake message, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HandshakeAction<P> {
+    /// Send this on the endpoint the message came from.
+    Send(Message),
+    /// Close this endpoint now (one a new binding replaced, or a dial that gave way).
+    Close(P),
+    /// The rank is bound to the endpoint: it is connected.
+    Bound(RankId, String),
+    /// The rank lost its endpoint (the peer refused the one it was bound to): its requests
+    /// are lost.
+    Lost(RankId),
+    /// This side refused the endpoint (for a rank, if it had proved one).
+    Refused(Refusal, Option<RankId>),
+    /// The peer refused this side.
+    RefusedByPeer(Refusal),
+    /// Both ranks dialled; this side's dial wins, and the peer's was refused.
+    Crossed(RankId),
+    /// This side's dial gave way to the rank's dial the other way.
+    GaveWay(RankId),
+    /// A handshake message out of order.
+    BadFrame,
+}
+
+impl<P: Copy + Eq + Hash> Peers<P> {
+    /// One handshake message from `peer`. `challenge` is a fresh random value, used if this is
+    /// the first message of a peer that dialled this side.
+    pub fn on_handshake(
+        &mut self,
+        me: &Identity,
+        peer: P,
+        msg: Message,
+        now: Instant,
+        challenge: u64,
+    ) -> Vec<HandshakeAction<P>> {
+        use HandshakeAction as A;
+        let mut out = Vec::new();
+        self.handshake_started(peer, now);
+        let mut hs = self
+            .handshakes
+            .remove(&peer)
+            .unwrap_or_else(|| Handshake::answer(challenge));
+        let dialled = hs.dialled_peer().cloned();
+        let mut refuse = None;
+        match hs.handle(me, msg) {
+            Step::Reply(m) => out.push(A::Send(m)),
+            Step::Verified { peer: info, .. } => {
+                if self.may_bind(&info, peer) {
+                    let held = self.session(info.rank);
+                    if let Some(proof) = hs.accept(me, held.as_ref()) {
+                        out.push(A::Send(proof));
+                    }
+                } else if self.bound_by_its_dial(&info) {
+                    self.give_way(peer, info.rank, now);
+                    out.push(A::GaveWay(info.rank));
+                    out.push(A::Close(peer));
+                } else {
+                    refuse = Some((Refusal::RankInUse, info.rank));
+                }
+            }
+            Step::Proven {
+                peer: info,
+                session,
+                resume,
+            } => {
+                // A rank still bound to a live endpoint is rebound only to the same session
+                // coming back (the dialler proves it holds it).
+                let old = self.session(info.rank);
+                let resumed = resume.is_some_and(|r| old.is_some_and(|o| hs.resumes(&o, &r)));
+                let tie = me.rank < info.rank && self.dial_awaiting_welcome(&info);
+                // A dial of ours that bound the rank after this one started crossed it.
+                let crossed = self.pending.get(&peer).is_some_and(|&started| {
+                    self.bound_by_our_dial(&info)
+                        && self.ranks[&info.rank]
+                            .bound_at
+                            .is_some_and(|b| b >= started)
+                });
+                if !tie && (resumed || self.may_bind(&info, peer)) {
+                    out.extend(self.bind_step(me, &mut hs, info, peer, session, now));
+                } else if tie || crossed {
+                    // Our dial to the same process wins the tie, or already won it.
+                    let m = hs.refuse(Refusal::RankInUse);
+                    out.push(A::Send(m));
+                    out.push(A::Crossed(info.rank));
+                    self.end_refused(peer, Refusal::RankInUse, false, now);
+                } else {
+                    refuse = Some((Refusal::RankInUse, info.rank));
+                }
+            }
+            Step::Welcomed {
+                peer: info,
+                session,
+            } => {
+                if self.may_bind(&info, peer) {
+                    out.extend(self.bind_step(me, &mut hs, info, peer, session, now));
+                } else {
+                    refuse = Some((Refusal::RankInUse, info.rank));
+                }
+            }
+            Step::Refuse(reason) => {
+                out.push(A::Send(Message::Refuse { reason }));
+                out.push(A::Refused(reason, None));
+                self.refuse(peer, reason, false, now);
+            }
+            Step::RefusedByPeer(reason) => match dialled {
+                Some(info) if reason == Refusal::RankInUse && self.crossing_from(&info) => {
+                    self.end_refused(peer, reason, true, now);
+                    self.give_way(peer, info.rank, now);
+                    out.push(A::GaveWay(info.rank));
+                }
+                _ => {
+                    out.push(A::RefusedByPeer(reason));
+                    if let Some(rank) = self.refuse(peer, reason, true, now) {
+                        out.push(A::Lost(rank));
+                    }
+                }
+            },
+            Step::Ignore => {}
+            Step::Unexpected => out.push(A::BadFrame),
+        }
+        if let Some((reason, rank)) = refuse {
+            let m = hs.refuse(reason);
+            out.push(A::Send(m));
+            out.push(A::Refused(reason, Some(rank)));
+            self.refuse(peer, reason, false, now);
+        }
+        self.handshakes.insert(peer, hs);
+        out
+    }
+
+    /// Binds a proven peer's rank to `peer`: the endpoints it replaces are closed, and an
+    /// answerer says `Welcome`.
+    fn bind_step(
+        &mut self,
+        me: &Identity,
+        hs: &mut Handshake,
+        info: PeerInfo,
+        peer: P,
+        session: SessionKey,
+        now: Instant,
+    ) -> Vec<HandshakeAction<P>> {
+        let (rank, name) = (info.rank, info.name.clone());
+        // The same session came back on a new endpoint, or another dial for the rank is still
+        // running: those endpoints are done.
+        let mut out: Vec<_> = self
+            .bind(info, peer, me.rank, session)
+            .into_iter()
+            .map(HandshakeAction::Close)
+            .collect();
+        if let Some(r) = self.ranks.get_mut(&rank) {
+            r.bound_at = Some(now);
+        }
+        if let Some(welcome) = hs.accept(me, None) {
+            out.push(HandshakeAction::Send(welcome));
+        }
+        out.push(HandshakeAction::Bound(rank, name));
+        out
+    }
+
+    /// Is `info`'s rank bound, live, to a connection that the same process made to this side
+    /// (`answered`), or that this side made to it?
+    fn bound_to(&self, info: &PeerInfo, answered: bool) -> bool {
+        self.ranks.get(&info.rank).is_some_and(|r| {
+            r.state == crate::peers::PeerState::Connected
+                && r.answered == answered
+                && r.instance == Some(info.instance)
+        })
+    }
+
+    fn bound_by_its_dial(&self, info: &PeerInfo) -> bool {
+        self.bound_to(info, true)
+    }
+
+    fn bound_by_our_dial(&self, info: &PeerInfo) -> bool {
+        self.bound_to(info, false)
+    }
+
+    /// Has this side dialled `info`'s process and sent its proof, awaiting the `Welcome`?
+    fn dial_awaiting_welcome(&self, info: &PeerInfo) -> bool {
+        self.handshakes
+            .values()
+            .filter_map(Handshake::dialled_peer)
+            .any(|d| d.rank == info.rank && d.instance == info.instance)
+    }
+
+    /// Is `info`'s process connected to this side by its own dial, or shaking hands on one?
+    fn crossing_from(&self, info: &PeerInfo) -> bool {
+        self.bound_by_its_dial(info)
+            || self
+                .handshakes
+                .values()
+                .filter_map(Handshake::answered_peer)
+                .any(|a| a.rank == info.rank && a.instance == info.instance)
+    }
+
+    /// This side's dial on `peer` gave way to `rank`'s dial the other way.
+    fn give_way(&mut self, peer: P, rank: RankId, now: Instant) {
+        self.dialling.remove(&peer);
+        self.pending.remove(&peer);
+        self.gave_way.insert(peer, (rank, now));
+    }
+
+    /// If the dial on `peer` gave way to its rank's dial the other way: that rank, which is
+    /// connected or about to be (see [`Peers::waiting_for_crossing`]). Taken once.
+    pub fn take_gave_way(&mut self, peer: P) -> Option<RankId> {
+        self.gave_way.remove(&peer).map(|(rank, _)| rank)
+    }
+
+    /// Does `rank` still shake hands with this side on a connection it dialled? (A dial that
+    /// gave way to it waits while it does.)
+    pub fn waiting_for_crossing(&self, rank: RankId) -> bool {
+        self.handshakes
+            .values()
+            .filter_map(Handshake::answered_peer)
+            .any(|a| a.rank == rank)
+    }
+}

@@ -1,0 +1,357 @@
+//! Two ranks that dial each other at once (two tcp connections between one pair): over every
+//! order in which the two connections' messages, closes and failures can arrive, both sides end
+//! up bound to the same connection, both `connect`s return the other rank, and nothing counts
+//! as a refusal or a lost peer. The peer tables are the core's own (`Peers::on_handshake`, as
+//! the engine drives it); the network is a set of queues, one per connection and direction, in
+//! order within each (as a tcp connection is), interleaved at random between them.
+use kvlink_proto::peers::{HandshakeAction, PeerState, Peers};
+use kvlink_proto::{Handshake, Identity, Message, RankId, Secret};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// What travels on one direction of a connection.
+#[derive(Debug)]
+enum Item {
+    /// The connection reached the answerer (UCX's accept, before any message).
+    Accept,
+    Msg(Message),
+    /// The sender's end closed: the receiver's endpoint fails.
+    Fail,
+}
+
+/// What a `connect` on a side's dial has come to (the engine's loop in `Engine::connect`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Dial {
+    NotYet,
+    Running,
+    WaitingFor(RankId),
+    Done(Result<RankId, String>),
+}
+
+struct Side {
+    me: Identity,
+    peers: Peers<u64>,
+    /// Whether this side's end of connection c (dialled by side c) is still open.
+    open: [bool; 2],
+    dial: Dial,
+    lost: u32,
+}
+
+/// This side's endpoint id for connection `c` (connection c is the one side c dialled).
+fn ep(c: usize) -> u64 {
+    10 + c as u64
+}
+
+struct Net {
+    sides: [Side; 2],
+    /// q[c][d]: connection c, from side d to side 1 - d.
+    q: [[VecDeque<Item>; 2]; 2],
+    now: Instant,
+    rng: u64,
+}
+
+impl Net {
+    fn new(seed: u64, instances: [u64; 2]) -> Net {
+        let side = |rank: u32| Side {
+            me: Identity {
+                rank: RankId(rank),
+                name: format!("r{rank}"),
+                instance: instances[rank as usize],
+                secret: Secret::none(),
+            },
+            peers: Peers::default(),
+            open: [false, false],
+            dial: Dial::NotYet,
+            lost: 0,
+        };
+        Net {
+            sides: [side(0), side(1)],
+            q: Default::default(),
+            now: Instant::now(),
+            rng: seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
+        }
+    }
+
+    fn rand(&mut self, n: usize) -> usize {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        (self.rng % n as u64) as usize
+    }
+
+    /// Side `s` dials the other: connection `s`.
+    fn dial(&mut self, s: usize) {
+        let challenge = 1000 + s as u64;
+        let side = &mut self.sides[s];
+        let (hs, hello) = Handshake::dial(&side.me, challenge);
+        side.peers.handshakes.insert(ep(s), hs);
+        side.peers.handshake_started(ep(s), self.now);
+        side.open[s] = true;
+        side.dial = Dial::Running;
+        self.sides[1 - s].open[s] = true;
+        self.q[s][s].push_back(Item::Accept);
+        self.q[s][s].push_back(Item::Msg(hello));
+    }
+
+    /// Side `s` closes its end of connection `c`: its own endpoint fails at once (a forced
+    /// close reports it), the other side's after what was sent before.
+    fn close(&mut self, s: usize, c: usize) {
+        if !self.sides[s].open[c] {
+            return;
+        }
+        self.sides[s].open[c] = false;
+        self.fail(s, c);
+        self.q[c][s].push_back(Item::Fail);
+    }
+
+    fn fail(&mut self, s: usize, c: usize) {
+        let now = self.now;
+        let side = &mut self.sides[s];
+        side.open[c] = false;
+        if side.peers.on_failed(ep(c), now).is_some() {
+            side.lost += 1;
+        }
+    }
+
+    /// Delivers the head of q[c][from] to the other side.
+    fn deliver(&mut self, c: usize, from: usize) {
+        let to = 1 - from;
+        let item = self.q[c][from].pop_front().unwrap();
+        if std::env::var("TRACE").is_ok() {
+            println!(
+                "conn {c} {from}->{to}: {item:?} (open {:?})",
+                self.sides[to].open
+            );
+        }
+        if !self.sides[to].open[c] {
+            return;
+        }
+        let now = self.now;
+        match item {
+            Item::Accept => self.sides[to].peers.accepted(ep(c), None, now),
+            Item::Fail => self.fail(to, c),
+            Item::Msg(m) => {
+                let challenge = 2000 + to as u64;
+                let side = &mut self.sides[to];
+                let actions = side.peers.on_handshake(&side.me, ep(c), m, now, challenge);
+                if std::env::var("TRACE").is_ok() {
+                    println!("   side {to}: {actions:?}");
+                }
+                for a in actions {
+                    match a {
+                        HandshakeAction::Send(m) if self.sides[to].open[c] => {
+                            self.q[c][to].push_back(Item::Msg(m));
+                        }
+                        HandshakeAction::Close(p) => self.close(to, (p - 10) as usize),
+                        HandshakeAction::Lost(_) => self.sides[to].lost += 1,
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// The engine's `connect` loop on each side's dial, looked at after every step.
+    fn follow_dials(&mut self) {
+        for s in 0..2 {
+            let side = &mut self.sides[s];
+            let dial = ep(s);
+            side.dial = match side.dial.clone() {
+                Dial::Running => {
+                    if let Some(r) = side.peers.rank_of(dial) {
+                        Dial::Done(Ok(r))
+                    } else if let Some(r) = side.peers.take_gave_way(dial) {
+                        Dial::WaitingFor(r)
+                    } else if let Some(reason) = side.peers.refusal(dial) {
+                        Dial::Done(Err(format!("refused: {reason:?}")))
+                    } else if !side.open[s] {
+                        Dial::Done(Err("connection failed".into()))
+                    } else {
+                        Dial::Running
+                    }
+                }
+                Dial::WaitingFor(r) => {
+                    if side.peers.state(r) == PeerState::Connected {
+                        Dial::Done(Ok(r))
+                    } else if !side.peers.waiting_for_crossing(r) {
+                        Dial::Done(Err("gave way to a dial that did not complete".into()))
+                    } else {
+                        Dial::WaitingFor(r)
+                    }
+                }
+                d => d,
+            };
+        }
+    }
+
+    /// Time passes: refused endpoints are closed after their linger, as the engine's timer does.
+    fn tick(&mut self, by: Duration) {
+        self.now += by;
+        for s in 0..2 {
+            let now = self.now;
+            for p in self.sides[s].peers.due_closes(now) {
+                self.close(s, (p - 10) as usize);
+            }
+        }
+    }
+
+    /// Runs to quiet: side `first` dials, the other after `stagger` steps (or once all is
+    /// quiet; never with None).
+    fn run(&mut self, first: usize, stagger: Option<usize>) {
+        self.dial(first);
+        let mut steps = 0;
+        let second = |n: &Net| stagger.is_some() && n.sides[1 - first].dial == Dial::NotYet;
+        loop {
+            if Some(steps) == stagger && second(self) {
+                self.dial(1 - first);
+            }
+            let ready: Vec<(usize, usize)> = (0..2)
+                .flat_map(|c| (0..2).map(move |d| (c, d)))
+                .filter(|&(c, d)| !self.q[c][d].is_empty())
+                .collect();
+            if ready.is_empty() {
+                if second(self) {
+                    self.dial(1 - first);
+                    continue;
+                }
+                // Let the lingers run out, and what their closes cause arrive.
+                self.tick(Duration::from_secs(1));
+                self.follow_dials();
+                if (0..2).all(|c| (0..2).all(|d| self.q[c][d].is_empty())) {
+                    break;
+                }
+                continue;
+            }
+            let (c, d) = ready[self.rand(ready.len())];
+            self.deliver(c, d);
+            self.tick(Duration::from_millis(1));
+            self.follow_dials();
+            steps += 1;
+            assert!(steps < 10_000, "no end");
+        }
+    }
+}
+
+#[test]
+fn crossing_dials_settle_on_one_connection_in_every_order() {
+    let mut endings = [0u32; 2];
+    for seed in std::env::var("SEED").map_or(0..4000u64, |s| {
+        let s: u64 = s.parse().unwrap();
+        s..s + 1
+    }) {
+        let mut net = Net::new(seed, [77, 88]);
+        let first = (seed % 2) as usize;
+        let stagger = net.rand(12);
+        net.run(first, Some(stagger));
+        let [a, b] = &net.sides;
+        let ctx = format!("seed {seed}, side {first} first, the other after {stagger} steps");
+        assert_eq!(a.dial, Dial::Done(Ok(RankId(1))), "{ctx}");
+        assert_eq!(b.dial, Dial::Done(Ok(RankId(0))), "{ctx}");
+        assert_eq!(a.peers.state(RankId(1)), PeerState::Connected, "{ctx}");
+        assert_eq!(b.peers.state(RankId(0)), PeerState::Connected, "{ctx}");
+        // Both ends of one connection, both open, one session.
+        let ea = a.peers.endpoint(RankId(1)).unwrap();
+        let eb = b.peers.endpoint(RankId(0)).unwrap();
+        assert_eq!(ea, eb, "{ctx}: bound to different connections");
+        let c = (ea - 10) as usize;
+        assert!(a.open[c] && b.open[c], "{ctx}: the kept connection closed");
+        assert!(
+            a.peers.session(RankId(1)) == b.peers.session(RankId(0)),
+            "{ctx}: different sessions"
+        );
+        let (ka, kb) = (
+            a.peers.keys(RankId(1)).unwrap(),
+            b.peers.keys(RankId(0)).unwrap(),
+        );
+        assert!(
+            ka.outbound == kb.inbound && ka.inbound == kb.outbound,
+            "{ctx}"
+        );
+        // The other connection is closed on both sides, and the crossing cost nothing.
+        assert!(
+            !a.open[1 - c] && !b.open[1 - c],
+            "{ctx}: the other stayed open"
+        );
+        for s in [a, b] {
+            assert_eq!(s.lost, 0, "{ctx}: a side lost the pair on the way");
+            assert_eq!(s.peers.failures, 0, "{ctx}");
+            assert_eq!(s.peers.refusals.rank_in_use, 0, "{ctx}");
+            assert_eq!(s.peers.refusals.by_peer, 0, "{ctx}");
+        }
+        endings[c] += 1;
+    }
+    // Both connections are kept in some orders (the one that binds first, or the lower rank's
+    // on a tie), so both paths ran.
+    println!(
+        "kept rank 0's dial {} times, rank 1's {}",
+        endings[0], endings[1]
+    );
+    assert!(endings[0] > 100 && endings[1] > 100, "{endings:?}");
+}
+
+/// The message the actions send.
+fn sent(out: Vec<HandshakeAction<u64>>) -> Message {
+    out.into_iter()
+        .find_map(|x| match x {
+            HandshakeAction::Send(m) => Some(m),
+            _ => None,
+        })
+        .unwrap()
+}
+
+fn refused_rank_1(out: Vec<HandshakeAction<u64>>) {
+    let refused = HandshakeAction::Refused(kvlink_proto::Refusal::RankInUse, Some(RankId(1)));
+    assert!(out.contains(&refused), "{out:?}");
+}
+
+#[test]
+fn a_dial_to_another_process_with_the_rank_is_still_refused() {
+    // Rank 1 is bound here through a connection its process made; a dial from this side that
+    // reaches another process claiming rank 1 (another instance) gives no way: RankInUse.
+    let mut net = Net::new(1, [77, 88]);
+    net.run(1, Some(0));
+    assert_eq!(net.sides[0].dial, Dial::Done(Ok(RankId(1))));
+    let kept = net.sides[0].peers.endpoint(RankId(1));
+    let mut other = Net::new(2, [77, 99]);
+    // Side 0 of `net` dials a process of rank 1 with instance 99: feed it that process's
+    // answer by hand.
+    let a = &mut net.sides[0];
+    let (hs, hello) = Handshake::dial(&a.me, 5);
+    a.peers.handshakes.insert(30, hs);
+    let b = &mut other.sides[1];
+    let answer = sent(b.peers.on_handshake(&b.me, 40, hello, other.now, 6));
+    let now = net.now;
+    refused_rank_1(a.peers.on_handshake(&a.me, 30, answer, now, 7));
+    assert_eq!(a.peers.take_gave_way(30), None);
+    assert_eq!(a.peers.endpoint(RankId(1)), kept, "the first keeps it");
+}
+
+#[test]
+fn a_later_dial_claiming_the_same_process_is_refused_and_counted() {
+    // Rank 0 dialled rank 1 and bound it, alone. Then a dial claiming rank 1 and its instance
+    // (public) comes in: it began after the bind, so it crossed nothing. It is refused and
+    // counted as any second claim to a live rank, and the pair keeps its connection.
+    let mut net = Net::new(3, [77, 88]);
+    net.run(0, None);
+    let a = &mut net.sides[0];
+    assert_eq!(a.dial, Dial::Done(Ok(RankId(1))));
+    let kept = a.peers.endpoint(RankId(1));
+    let twin = Identity {
+        rank: RankId(1),
+        name: "twin".into(),
+        instance: 88,
+        secret: Secret::none(),
+    };
+    let now = net.now + Duration::from_millis(5);
+    let (mut hs, hello) = Handshake::dial(&twin, 9);
+    a.peers.accepted(50, None, now);
+    let answer = sent(a.peers.on_handshake(&a.me, 50, hello, now, 10));
+    assert!(matches!(
+        hs.handle(&twin, answer),
+        kvlink_proto::Step::Verified { .. }
+    ));
+    let proof = hs.accept(&twin, None).unwrap();
+    refused_rank_1(a.peers.on_handshake(&a.me, 50, proof, now, 11));
+    assert_eq!(a.peers.refusals.rank_in_use, 1);
+    assert_eq!(a.peers.endpoint(RankId(1)), kept);
+}
