@@ -4,6 +4,12 @@
 //! as a refusal or a lost peer. The peer tables are the core's own (`Peers::on_handshake`, as
 //! the engine drives it); the network is a set of queues, one per connection and direction, in
 //! order within each (as a tcp connection is), interleaved at random between them.
+//!
+//! What it does not model: a close that drops what was sent before it (here all of it arrives
+//! first), a close the other side hears of only by keepalive, reconnect rounds and worker
+//! moves (resume proofs), shared memory's single connection (`tests/crossing_dials.rs` runs
+//! that between two processes), and the waiters' wake-ups (a `connect` here is looked at after
+//! every step).
 use kvlink_proto::peers::{HandshakeAction, PeerState, Peers};
 use kvlink_proto::{Handshake, Identity, Message, RankId, Secret};
 use std::collections::VecDeque;
@@ -279,6 +285,10 @@ fn crossing_dials_settle_on_one_connection_in_every_order() {
             assert_eq!(s.peers.refusals.by_peer, 0, "{ctx}");
         }
         endings[c] += 1;
+        // A second `connect` from either side finds the pair connected and gives way.
+        for s in 0..2 {
+            connect_again(&mut net, s, &ctx);
+        }
     }
     // Both connections are kept in some orders (the one that binds first, or the lower rank's
     // on a tie), so both paths ran.
@@ -287,6 +297,41 @@ fn crossing_dials_settle_on_one_connection_in_every_order() {
         endings[0], endings[1]
     );
     assert!(endings[0] > 100 && endings[1] > 100, "{endings:?}");
+}
+
+/// Side `s` dials the other side's process once more, on a new connection: it gives way (its
+/// `connect` returns the rank), and neither side loses or refuses anything.
+fn connect_again(net: &mut Net, s: usize, ctx: &str) {
+    let (me, other) = (RankId(s as u32), RankId(1 - s as u32));
+    let now = net.now + Duration::from_millis(1);
+    let (dial_ep, answer_ep) = (60, 70);
+    let (hs, hello) = Handshake::dial(&net.sides[s].me, 31);
+    let side = &mut net.sides[s];
+    side.peers.handshakes.insert(dial_ep, hs);
+    side.peers.handshake_started(dial_ep, now);
+    let o = &mut net.sides[1 - s];
+    o.peers.accepted(answer_ep, None, now);
+    let answer = sent(o.peers.on_handshake(&o.me, answer_ep, hello, now, 32));
+    let side = &mut net.sides[s];
+    let out = side.peers.on_handshake(&side.me, dial_ep, answer, now, 33);
+    assert_eq!(
+        out,
+        vec![
+            HandshakeAction::GaveWay(other),
+            HandshakeAction::Close(dial_ep)
+        ],
+        "{ctx}: side {s} connects again"
+    );
+    assert_eq!(side.peers.take_gave_way(dial_ep), Some(other), "{ctx}");
+    // The close fails both ends of the new connection; nothing else moves.
+    assert_eq!(side.peers.on_failed(dial_ep, now), None, "{ctx}");
+    let o = &mut net.sides[1 - s];
+    assert_eq!(o.peers.on_failed(answer_ep, now), None, "{ctx}");
+    for (side, rank) in [(&net.sides[s], other), (&net.sides[1 - s], me)] {
+        assert_eq!(side.peers.state(rank), PeerState::Connected, "{ctx}");
+        assert_eq!(side.peers.failures, 0, "{ctx}");
+        assert_eq!(side.peers.refusals.rank_in_use, 0, "{ctx}");
+    }
 }
 
 /// The message the actions send.
@@ -351,7 +396,30 @@ fn a_later_dial_claiming_the_same_process_is_refused_and_counted() {
         kvlink_proto::Step::Verified { .. }
     ));
     let proof = hs.accept(&twin, None).unwrap();
-    refused_rank_1(a.peers.on_handshake(&a.me, 50, proof, now, 11));
+    let out = a.peers.on_handshake(&a.me, 50, proof, now, 11);
+    // A dial of this side's that gave way to that handshake would be told it ended.
+    assert!(
+        out.contains(&HandshakeAction::Unbound(RankId(1))),
+        "{out:?}"
+    );
+    refused_rank_1(out);
     assert_eq!(a.peers.refusals.rank_in_use, 1);
     assert_eq!(a.peers.endpoint(RankId(1)), kept);
+}
+
+#[test]
+fn a_refusal_on_an_endpoint_without_a_handshake_is_ignored() {
+    // A bind closed another dial for the rank (its handshake dropped) while the peer's refusal
+    // of it was on the way: the refusal finds nothing to refuse, and nothing is counted.
+    let mut net = Net::new(4, [77, 88]);
+    net.run(0, None);
+    let a = &mut net.sides[0];
+    let reason = kvlink_proto::Refusal::RankInUse;
+    let out = a
+        .peers
+        .on_handshake(&a.me, 99, Message::Refuse { reason }, net.now, 1);
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(a.peers.refusals.by_peer, 0);
+    assert_eq!(a.peers.refusal(99), None);
+    assert_eq!(a.peers.state(RankId(1)), PeerState::Connected);
 }

@@ -292,14 +292,15 @@ impl Inner {
                 A::RefusedByPeer(reason) => tracing::warn!("a peer refused this rank: {reason:?}"),
                 A::Crossed(rank) => tracing::info!(
                     peer = rank.0,
-                    "{rank} dialled this side while this side dialled it: this side's dial (the \
-                     lower rank's) is the pair's connection, its dial is refused"
+                    "{rank} dialled this side while this side's dial to it ran: this side's dial \
+                     is the pair's connection, its dial is refused"
                 ),
+                A::Unbound(rank) => core.waiters.wake(WaitKey::Peer(rank)),
                 A::GaveWay(rank) => {
                     tracing::info!(
                         peer = rank.0,
-                        "{rank} dialled this side while this side dialled it: the pair keeps \
-                         its dial, this one closes"
+                        "{rank} is connected to this side already (it dialled too): the pair \
+                         keeps that connection, this dial closes"
                     );
                     core.waiters.wake(WaitKey::Peer(rank));
                 }

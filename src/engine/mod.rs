@@ -393,9 +393,10 @@ impl Engine {
     /// deployment secret), `RankInUse` (the peer, or this side, has that rank bound to another
     /// live process) or `Protocol` (the two speak different wire versions: returned as soon as
     /// the refusal arrives, not at the deadline). Two ranks that dial each other at once (two
-    /// tcp connections), or a dial to a rank already connected to this side by its own dial,
-    /// end on one connection, and both `connect`s return the other's rank
-    /// (`kvlink_proto::peers` `binding` has the rules).
+    /// tcp connections) end on one connection, and both `connect`s return the other's rank; a
+    /// `connect` to a rank already connected (the same process, by either side's dial) returns
+    /// its rank (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the
+    /// pair kept redials it when that connection fails.
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address)?;
@@ -409,9 +410,9 @@ impl Engine {
             if let Some(rank) = core.peers.take_gave_way(peer) {
                 // The rank dialled this side while this dial ran, and the pair keeps its
                 // connection (`Peers::on_handshake`): connected once that one is bound.
+                // Its address is not kept for redials: the side whose dial was kept redials.
                 loop {
                     if core.peers.state(rank) == PeerState::Connected {
-                        core.peers.set_dial(rank, address);
                         return Ok(rank);
                     }
                     if !core.peers.waiting_for_crossing(rank)

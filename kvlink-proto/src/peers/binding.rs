@@ -17,9 +17,9 @@
 //!   as after a move to a new worker). A dial that began after the bind is refused and counted
 //!   as any second claim to a live rank.
 //! - **A dial that finds the pair connected gives way.** A dialler that learns, from the
-//!   answer, that the rank is already bound to a connection the same process made to this
-//!   side does not go on: the pair is connected, its `connect` returns that rank, and the dial
-//!   is closed.
+//!   answer, that the rank is already bound to the same process (by either side's dial) does
+//!   not go on: the pair is connected, its `connect` returns that rank, and the dial is closed.
+//!   A second `connect` to a connected rank returns it too.
 //! - **A dial refused for a crossing gives way.** A dial refused with `RankInUse` while the
 //!   same process's dial the other way is bound here, or still shaking hands, waits for that
 //!   one instead: its `connect` returns the rank once it is bound.
@@ -27,7 +27,13 @@
 //! A crossing needs the same instance on both connections, so a second process with the rank
 //! (another instance) is still refused as before, and nothing here rebinds a live rank: the
 //! rank is never taken over (docs/SECURITY.md). The refusal that settles a crossing is not
-//! counted as a refusal, on either side: the dials it settles overlapped in time.
+//! counted as a refusal, on either side: the dials it settles overlapped in time. A dial that
+//! gave way does not make this side redial the rank when the kept connection fails: the side
+//! whose dial was kept does, as after any `connect`.
+//!
+//! The instance is what the peer says it is: a `connect` that gives way trusts the answer's
+//! claim that it is the process already bound, as a first `connect` trusts its claim of a rank
+//! (with a deployment secret, only a member can make either claim).
 use super::Peers;
 use crate::{Handshake, Identity, Message, PeerInfo, RankId, Refusal, SessionKey, Step};
 use std::hash::Hash;
@@ -51,8 +57,11 @@ pub enum HandshakeAction<P> {
     RefusedByPeer(Refusal),
     /// Both ranks dialled; this side's dial wins, and the peer's was refused.
     Crossed(RankId),
-    /// This side's dial gave way to the rank's dial the other way.
+    /// This side's dial gave way to the rank's dial the other way, or found the rank connected.
     GaveWay(RankId),
+    /// A handshake with a peer that dialled this side, claiming this rank, ended without
+    /// binding it: a dial of ours that gave way to it waits no longer.
+    Unbound(RankId),
     /// A handshake message out of order.
     BadFrame,
 }
@@ -70,12 +79,18 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     ) -> Vec<HandshakeAction<P>> {
         use HandshakeAction as A;
         let mut out = Vec::new();
+        if matches!(msg, Message::Refuse { .. }) && !self.handshakes.contains_key(&peer) {
+            // A refusal of a handshake this side already dropped (a bind closed the endpoint,
+            // and its close is still on the way): nothing is left to refuse.
+            return out;
+        }
         self.handshake_started(peer, now);
         let mut hs = self
             .handshakes
             .remove(&peer)
             .unwrap_or_else(|| Handshake::answer(challenge));
         let dialled = hs.dialled_peer().cloned();
+        let answered = hs.answered_peer().map(|p| p.rank);
         let mut refuse = None;
         match hs.handle(me, msg) {
             Step::Reply(m) => out.push(A::Send(m)),
@@ -85,7 +100,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                     if let Some(proof) = hs.accept(me, held.as_ref()) {
                         out.push(A::Send(proof));
                     }
-                } else if self.bound_by_its_dial(&info) {
+                } else if self.bound_to_it(&info) {
                     self.give_way(peer, info.rank, now);
                     out.push(A::GaveWay(info.rank));
                     out.push(A::Close(peer));
@@ -159,6 +174,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             out.push(A::Refused(reason, Some(rank)));
             self.refuse(peer, reason, false, now);
         }
+        if let Some(rank) = answered.filter(|_| hs.refused().is_some()) {
+            out.push(A::Unbound(rank));
+        }
         self.handshakes.insert(peer, hs);
         out
     }
@@ -204,6 +222,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
 
     fn bound_by_its_dial(&self, info: &PeerInfo) -> bool {
         self.bound_to(info, true)
+    }
+
+    /// Is `info`'s process connected to this side already, by either side's dial?
+    fn bound_to_it(&self, info: &PeerInfo) -> bool {
+        self.bound_to(info, true) || self.bound_to(info, false)
     }
 
     fn bound_by_our_dial(&self, info: &PeerInfo) -> bool {
