@@ -8,7 +8,9 @@
 #                very same bytes (fuzz/fuzz_targets/wire_decode.rs)
 #   handshake    Hello decode and encode/decode round trip, plus a whole request between two
 #                protocol endpoints while a peer neither knows (rank 7) injects frames built
-#                from the input: the request must still complete (fuzz/fuzz_targets/handshake.rs)
+#                from the input: the request must still complete; and the same frames to a peer
+#                table with two ranks bound: nothing is bound to the stranger and no binding
+#                moves (fuzz/fuzz_targets/handshake.rs)
 #
 # Both targets run at the same time, each for KVLINK_FUZZ_SECONDS (default 60), seeded from every
 # directory under kvlink-proto/tests/corpus/ (the malformed frames in wire/, valid frames of

@@ -10,6 +10,10 @@
 //! 4. The input as frames a stranger sends during the handshake (as `Hello`, `Proof`, `Welcome`,
 //!    `Refuse` and raw), to an answering and to a dialling rank that hold a deployment secret: the
 //!    stranger, who does not hold it, is never bound.
+//! 5. The same frames fed to a peer table (`Peers::on_handshake`, as the engine drives it) that
+//!    holds a deployment secret and has two ranks bound, one that dialled it and one it dialled,
+//!    on an endpoint the stranger made and on one this side dialled to it: no rank is bound to
+//!    the stranger's endpoints, and no binding moves, closes or is lost.
 //! 3. A whole request between a generation endpoint (rank 0) and a context endpoint (rank 1),
 //!    with frames built from the input (raw, as a `Hello`, and as a body of each other message
 //!    type) injected into both endpoints as if sent by rank 7, a peer neither knows, before and
@@ -19,10 +23,11 @@
 use std::time::{Duration, Instant};
 
 use kvlink_proto::error::{ErrorKind, Outcome};
+use kvlink_proto::peers::{HandshakeAction, Peers};
 use kvlink_proto::wire::{HEADER_LEN, MAGIC, MAX_NAME, VERSION};
 use kvlink_proto::{
     Action, BufferDesc, BufferKind, BufferPool, Config, Endpoint, Event, Handshake, Identity,
-    Message, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role, Secret, Token,
+    Message, RankId, ReceiveFlow, ReceiveSpec, RequestKey, Role, Secret, Step, Token,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -271,6 +276,86 @@ fn stranger_is_never_bound(frames: &[Vec<u8>]) {
     }
 }
 
+/// A member of the deployment (it holds the secret).
+fn member(rank: u32, instance: u64) -> Identity {
+    Identity {
+        rank: RankId(rank),
+        name: format!("r{rank}"),
+        instance,
+        secret: Secret::new(b"deployment secret".to_vec()),
+    }
+}
+
+/// The first message the actions send.
+fn sent(out: Vec<HandshakeAction<u64>>) -> Message {
+    out.into_iter()
+        .find_map(|a| match a {
+            HandshakeAction::Send(m) => Some(m),
+            _ => None,
+        })
+        .expect("a message to send")
+}
+
+fn stranger_moves_no_binding(frames: &[Vec<u8>]) {
+    let now = Instant::now();
+    let me = member(1, 77);
+    let mut peers: Peers<u64> = Peers::default();
+    // Rank 2 dialled this side (endpoint 10).
+    let them = member(2, 88);
+    peers.accepted(10, None, now);
+    let (mut theirs, hello) = Handshake::dial(&them, 3);
+    let answer = sent(peers.on_handshake(&me, 10, hello, now, 4));
+    assert!(matches!(
+        theirs.handle(&them, answer),
+        Step::Verified { .. }
+    ));
+    let proof = theirs.accept(&them, None).unwrap();
+    let _ = peers.on_handshake(&me, 10, proof, now, 5);
+    // This side dialled rank 3 (endpoint 11).
+    let other = member(3, 99);
+    let (hs, hello) = Handshake::dial(&me, 6);
+    peers.handshakes.insert(11, hs);
+    peers.handshake_started(11, now);
+    let mut theirs = Handshake::answer(7);
+    let Step::Reply(answer) = theirs.handle(&other, hello) else {
+        panic!("no answer")
+    };
+    let proof = sent(peers.on_handshake(&me, 11, answer, now, 8));
+    assert!(matches!(theirs.handle(&other, proof), Step::Proven { .. }));
+    let welcome = theirs.accept(&other, None).unwrap();
+    let _ = peers.on_handshake(&me, 11, welcome, now, 9);
+    assert_eq!(peers.endpoint(RankId(2)), Some(10));
+    assert_eq!(peers.endpoint(RankId(3)), Some(11));
+    // The stranger: it dialled this side on 20, and this side dialled it on 21.
+    peers.accepted(20, None, now);
+    let (hs, _) = Handshake::dial(&me, 10);
+    peers.handshakes.insert(21, hs);
+    for f in frames {
+        let Ok(msg) = Message::decode(f) else {
+            continue;
+        };
+        if msg.key().is_some() {
+            continue; // not a handshake message: the engine never hands it to a handshake
+        }
+        for ep in [20, 21] {
+            for a in peers.on_handshake(&me, ep, msg.clone(), now, 11) {
+                assert!(
+                    !matches!(
+                        a,
+                        HandshakeAction::Bound(..)
+                            | HandshakeAction::Lost(_)
+                            | HandshakeAction::Close(10 | 11)
+                    ),
+                    "{a:?} after {msg:?} on {ep}"
+                );
+            }
+            assert_eq!(peers.rank_of(ep), None, "the stranger was bound: {msg:?}");
+        }
+        assert_eq!(peers.endpoint(RankId(2)), Some(10), "moved by {msg:?}");
+        assert_eq!(peers.endpoint(RankId(3)), Some(11), "moved by {msg:?}");
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     let hello = frame(1, data);
     check_hello_frame(&hello);
@@ -286,6 +371,7 @@ fuzz_target!(|data: &[u8]| {
         hs_frames.push(frame(t, data));
     }
     stranger_is_never_bound(&hs_frames);
+    stranger_moves_no_binding(&hs_frames);
     // The request is the one the stranger's frame names, when it names one: its messages then
     // aim at live state instead of missing it by key.
     let key = Message::decode(data)
