@@ -156,16 +156,11 @@ impl Handshake {
         }
     }
 
-    /// The peer dialled this side: who it said it is, once its `Hello` came and until it is
-    /// bound or refused.
+    /// The peer dialled this side: who it said it is, once its `Hello` came and while its
+    /// proof is awaited.
     pub fn answered_peer(&self) -> Option<&PeerInfo> {
         match &self.state {
-            State::AwaitProof { peer, .. }
-            | State::Deciding {
-                peer,
-                phase: Phase::Proven,
-                ..
-            } => Some(peer),
+            State::AwaitProof { peer, .. } => Some(peer),
             _ => None,
         }
     }

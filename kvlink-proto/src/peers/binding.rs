@@ -100,7 +100,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                     if let Some(proof) = hs.accept(me, held.as_ref()) {
                         out.push(A::Send(proof));
                     }
-                } else if self.bound_to_it(&info) {
+                } else if self.binding_of(&info).is_some() {
                     self.give_way(peer, info.rank, now);
                     out.push(A::GaveWay(info.rank));
                     out.push(A::Close(peer));
@@ -117,13 +117,12 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 // coming back (the dialler proves it holds it).
                 let old = self.session(info.rank);
                 let resumed = resume.is_some_and(|r| old.is_some_and(|o| hs.resumes(&o, &r)));
-                let tie = me.rank < info.rank && self.dial_awaiting_welcome(&info);
+                let tie = me.rank < info.rank
+                    && self.shaking_hands(Handshake::dialled_peer, info.rank, Some(info.instance));
                 // A dial of ours that bound the rank after this one started crossed it.
                 let crossed = self.pending.get(&peer).is_some_and(|&started| {
-                    self.bound_by_our_dial(&info)
-                        && self.ranks[&info.rank]
-                            .bound_at
-                            .is_some_and(|b| b >= started)
+                    self.binding_of(&info)
+                        .is_some_and(|(answered, at)| !answered && at.is_some_and(|b| b >= started))
                 });
                 if !tie && (resumed || self.may_bind(&info, peer)) {
                     out.extend(self.bind_step(me, &mut hs, info, peer, session, now));
@@ -210,45 +209,35 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         out
     }
 
-    /// Is `info`'s rank bound, live, to a connection that the same process made to this side
-    /// (`answered`), or that this side made to it?
-    fn bound_to(&self, info: &PeerInfo, answered: bool) -> bool {
-        self.ranks.get(&info.rank).is_some_and(|r| {
-            r.state == crate::peers::PeerState::Connected
-                && r.answered == answered
-                && r.instance == Some(info.instance)
-        })
+    /// `info`'s process, if its rank is bound here, live: whether the peer made the bound
+    /// connection (this side answered it), and when it was bound.
+    fn binding_of(&self, info: &PeerInfo) -> Option<(bool, Option<Instant>)> {
+        self.ranks
+            .get(&info.rank)
+            .filter(|r| {
+                r.state == crate::peers::PeerState::Connected && r.instance == Some(info.instance)
+            })
+            .map(|r| (r.answered, r.bound_at))
     }
 
-    fn bound_by_its_dial(&self, info: &PeerInfo) -> bool {
-        self.bound_to(info, true)
-    }
-
-    /// Is `info`'s process connected to this side already, by either side's dial?
-    fn bound_to_it(&self, info: &PeerInfo) -> bool {
-        self.bound_to(info, true) || self.bound_to(info, false)
-    }
-
-    fn bound_by_our_dial(&self, info: &PeerInfo) -> bool {
-        self.bound_to(info, false)
-    }
-
-    /// Has this side dialled `info`'s process and sent its proof, awaiting the `Welcome`?
-    fn dial_awaiting_welcome(&self, info: &PeerInfo) -> bool {
+    /// Does a handshake in the role `side` picks (this side's dial: [`Handshake::dialled_peer`];
+    /// the peer's: [`Handshake::answered_peer`]) run with `rank` (and `instance`, if given)?
+    fn shaking_hands(
+        &self,
+        side: fn(&Handshake) -> Option<&PeerInfo>,
+        rank: RankId,
+        instance: Option<u64>,
+    ) -> bool {
         self.handshakes
             .values()
-            .filter_map(Handshake::dialled_peer)
-            .any(|d| d.rank == info.rank && d.instance == info.instance)
+            .filter_map(side)
+            .any(|p| p.rank == rank && instance.is_none_or(|i| p.instance == i))
     }
 
     /// Is `info`'s process connected to this side by its own dial, or shaking hands on one?
     fn crossing_from(&self, info: &PeerInfo) -> bool {
-        self.bound_by_its_dial(info)
-            || self
-                .handshakes
-                .values()
-                .filter_map(Handshake::answered_peer)
-                .any(|a| a.rank == info.rank && a.instance == info.instance)
+        self.binding_of(info).is_some_and(|(answered, _)| answered)
+            || self.shaking_hands(Handshake::answered_peer, info.rank, Some(info.instance))
     }
 
     /// This side's dial on `peer` gave way to `rank`'s dial the other way.
@@ -267,9 +256,6 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// Does `rank` still shake hands with this side on a connection it dialled? (A dial that
     /// gave way to it waits while it does.)
     pub fn waiting_for_crossing(&self, rank: RankId) -> bool {
-        self.handshakes
-            .values()
-            .filter_map(Handshake::answered_peer)
-            .any(|a| a.rank == rank)
+        self.shaking_hands(Handshake::answered_peer, rank, None)
     }
 }
