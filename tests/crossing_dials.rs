@@ -14,8 +14,16 @@ use std::time::Duration;
 
 const PEER: &str = env!("CARGO_BIN_EXE_kvlink-engine-peer");
 
-fn spawn(args: &[&str]) -> Proc {
-    let mut c = Command::new(PEER);
+/// `kvlink-engine-peer ARGS`, in network namespace `ns` if given.
+fn spawn(ns: Option<&str>, args: &[&str]) -> Proc {
+    let mut c = match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, PEER]);
+            c
+        }
+        None => Command::new(PEER),
+    };
     c.args(args);
     c.env_remove("KVLINK_SECRET");
     Proc::spawn(c)
@@ -27,39 +35,83 @@ fn field<'a>(line: &'a str, name: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
 }
 
+/// Where each side runs: its network namespace (None: this one) and, over tcp, its listen
+/// address.
+struct Place<'a> {
+    ns: Option<&'a str>,
+    listen: Option<String>,
+}
+
+/// Starts the context rank (rank 0, `--dial-line`) and the generation rank (rank 1, `--to -`)
+/// and tells them to dial each other, `apart` between the two lines, the context rank first
+/// when `ctx_first`. `deadline_ms` is both connects' deadline.
+fn cross(
+    transport: &str,
+    places: [Place; 2],
+    deadline_ms: u64,
+    ctx_first: bool,
+    apart: Duration,
+) -> (Proc, Proc) {
+    let ms = deadline_ms.to_string();
+    let args = |p: &Place, role: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = role.iter().map(|s| s.to_string()).collect();
+        a.extend(["--transport", transport, "--trust-every-ms", "100"].map(String::from));
+        if let Some(l) = &p.listen {
+            a.extend(["--listen".to_string(), l.clone()]);
+        }
+        a
+    };
+    let ctx_args = args(&places[0], &["ctx", "--dial-line", "--dial-ms", &ms]);
+    let ctx_refs: Vec<&str> = ctx_args.iter().map(String::as_str).collect();
+    let mut ctx = spawn(places[0].ns, &ctx_refs);
+    let ctx_addr = ctx.expect_addr();
+    let gen_role = [
+        "gen",
+        "--to",
+        "-",
+        "--sizes",
+        "4K,1M",
+        "--timeout-ms",
+        "5000",
+    ];
+    let mut gen_args = args(&places[1], &gen_role);
+    gen_args.extend(["--connect-ms".to_string(), ms]);
+    let gen_refs: Vec<&str> = gen_args.iter().map(String::as_str).collect();
+    let mut gen = spawn(places[1].ns, &gen_refs);
+    let gen_addr = gen.expect_addr();
+    let (to_ctx, to_gen) = (format!("DIAL {gen_addr}"), format!("DIAL {ctx_addr}"));
+    if ctx_first {
+        ctx.send(&to_ctx);
+        std::thread::sleep(apart);
+        gen.send(&to_gen);
+    } else {
+        gen.send(&to_gen);
+        std::thread::sleep(apart);
+        ctx.send(&to_ctx);
+    }
+    (ctx, gen)
+}
+
+/// Both on this host: over tcp both listen on loopback; over shared memory both are reached at
+/// their worker addresses.
+fn here(transport: &str) -> [Place<'static>; 2] {
+    let listen = (transport == "tcp").then(|| "127.0.0.1:0".to_string());
+    [
+        Place {
+            ns: None,
+            listen: listen.clone(),
+        },
+        Place { ns: None, listen },
+    ]
+}
+
 /// `rounds` crossings over `transport`, each between two new processes.
 fn crossings(transport: &str, rounds: u32) {
-    // tcp: both listen. Shared memory: both are reached at their worker addresses.
-    let listen: &[&str] = if transport == "tcp" {
-        &["--listen", "127.0.0.1:0"]
-    } else {
-        &[]
-    };
-    let common = [
-        &["--transport", transport][..],
-        listen,
-        &["--trust-every-ms", "100"],
-    ]
-    .concat();
     for round in 0..rounds {
         println!("{transport} round {round}");
-        let mut ctx = spawn(&[&["ctx"], &common[..], &["--dial-line"]].concat());
-        let ctx_addr = ctx.expect_addr();
-        let gen_args = ["--to", "-", "--sizes", "4K,1M", "--timeout-ms", "5000"];
-        let mut gen = spawn(&[&["gen"], &common[..], &gen_args].concat());
-        let gen_addr = gen.expect_addr();
-        // Both dial at once; which one is told first, and how far apart, varies by round.
-        let (to_ctx, to_gen) = (format!("DIAL {gen_addr}"), format!("DIAL {ctx_addr}"));
+        // Which one is told first, and how far apart, varies by round.
         let apart = Duration::from_micros(u64::from(round / 2) * 150);
-        if round % 2 == 0 {
-            ctx.send(&to_ctx);
-            std::thread::sleep(apart);
-            gen.send(&to_gen);
-        } else {
-            gen.send(&to_gen);
-            std::thread::sleep(apart);
-            ctx.send(&to_ctx);
-        }
+        let (mut ctx, mut gen) = cross(transport, here(transport), 10_000, round % 2 == 0, apart);
         let dialled = ctx.expect_one_of(&["DIALED ", "DIAL-ERROR "]);
         assert_eq!(
             dialled, "DIALED 1",
@@ -98,4 +150,79 @@ fn ranks_that_dial_each_other_at_once_over_tcp_share_one_connection() {
 #[test]
 fn ranks_that_dial_each_other_at_once_over_shared_memory_share_one_connection() {
     crossings("sm", 4);
+}
+
+const DEADLINE_MS: u64 = 800;
+const SLACK_MS: f64 = 100.0;
+
+/// A side's connect ended by its deadline + SLACK_MS: connected, or a typed error in time.
+fn ended_in_time(p: &mut Proc, ok: &str, err: &str, what: &str) {
+    let line = p.expect_one_of(&[ok, err]);
+    println!("  {what}: {line}");
+    if line.starts_with(err) {
+        let late: f64 = field(&line, "late_ms").parse().unwrap();
+        assert!(
+            late <= SLACK_MS,
+            "{what}: {late:.1} ms past the deadline: {line}"
+        );
+    }
+}
+
+/// A crossing during which the context rank is frozen or killed, at several moments of the
+/// handshakes: the generation rank's connect (a dial that may have given way to the other's and
+/// waits for it) still returns by its deadline + 100 ms.
+#[test]
+fn a_crossing_with_the_peer_frozen_or_killed_ends_by_the_deadline() {
+    for transport in ["tcp", "sm"] {
+        for (signal, name) in [(libc::SIGSTOP, "frozen"), (libc::SIGKILL, "killed")] {
+            for after_us in [0u64, 200, 500, 1000, 3000] {
+                let what = format!("{transport}, context rank {name} {after_us} us in");
+                let (ctx, mut gen) = cross(
+                    transport,
+                    here(transport),
+                    DEADLINE_MS,
+                    after_us % 2 == 0,
+                    Duration::ZERO,
+                );
+                std::thread::sleep(Duration::from_micros(after_us));
+                ctx.signal(signal);
+                ended_in_time(&mut gen, "CONNECTED", "CONNECT-ERROR ", &what);
+                ctx.signal(libc::SIGCONT);
+            }
+        }
+    }
+}
+
+/// A crossing cut by a partition (iptables DROP both ways in the context rank's namespace) at
+/// several moments: both connects return by their deadline + 100 ms.
+#[test]
+fn a_crossing_cut_by_a_partition_ends_by_the_deadline_on_both_sides() {
+    let Some(net) = common::net::setup("cross") else {
+        return;
+    };
+    for after_us in [0u64, 300, 1000, 3000] {
+        let places = [
+            Place {
+                ns: Some(&net.b),
+                listen: Some(format!("{}:0", net.ip_b)),
+            },
+            Place {
+                ns: Some(&net.a),
+                listen: Some(format!("{}:0", net.ip_a)),
+            },
+        ];
+        let what = format!("tcp, partition {after_us} us in");
+        let (mut ctx, mut gen) = cross("tcp", places, DEADLINE_MS, true, Duration::ZERO);
+        std::thread::sleep(Duration::from_micros(after_us));
+        assert!(
+            net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
+                && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
+        );
+        ended_in_time(&mut gen, "CONNECTED", "CONNECT-ERROR ", &what);
+        ended_in_time(&mut ctx, "DIALED ", "DIAL-ERROR ", &what);
+        assert!(
+            net.iptables_b(&["-D", "INPUT", "-j", "DROP"])
+                && net.iptables_b(&["-D", "OUTPUT", "-j", "DROP"])
+        );
+    }
 }

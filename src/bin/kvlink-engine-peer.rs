@@ -7,7 +7,8 @@
 //!   `SENDING <request>`, sends every segment (deterministic bytes), waits for the agreed end,
 //!   and prints
 //!   `CTX <request> send=<outcome> end=<outcome> late_ms=<ms past the request's deadline> leased=<n>`.
-//!   With `--dial-line` it first reads `DIAL <address>` from stdin, connects there and prints
+//!   With `--dial-line` it first reads `DIAL <address>` from stdin, connects there (deadline
+//!   `--dial-ms`, default 10000) and prints
 //!   `DIALED <rank>` or `DIAL-ERROR <kind> late_ms=<ms>` (so that two ranks can dial each other
 //!   at once).
 //! `kvlink-engine-peer gen --transport tcp|sm --to ADDR --sizes 4K,64M,.. [--timeout-ms N]`
@@ -91,6 +92,9 @@ enum Rank {
         /// Before serving, read `DIAL <address>` from stdin and connect there.
         #[arg(long = "dial-line")]
         dial_line: bool,
+        /// The deadline of that connect, in milliseconds from its start.
+        #[arg(long = "dial-ms", default_value_t = 10_000)]
+        dial_ms: u64,
     },
     /// The generation (receiving) rank: one request per `REQ <id>` line on stdin.
     Gen(GenOpts),
@@ -241,6 +245,7 @@ fn main() {
             hold,
             region_mb,
             dial_line,
+            dial_ms,
         } => ctx(
             &args,
             transport,
@@ -248,7 +253,7 @@ fn main() {
             *suppress,
             *hold,
             *region_mb,
-            *dial_line,
+            dial_line.then_some(*dial_ms),
         ),
         Rank::Gen(opts) => {
             // The engine is dropped inside `gen`, before the exit: its UCX resources are freed
@@ -311,7 +316,7 @@ fn ctx(
     suppress: Option<u64>,
     hold: bool,
     region_mb: Option<usize>,
-    dial_line: bool,
+    dial_line: Option<u64>,
 ) {
     let by_address = setting.0.by_worker_address();
     let mut cfg = config(args, "ctx", CTX, setting);
@@ -333,9 +338,9 @@ fn ctx(
     }
     let region_base = region.map(|r| (r.as_mut_ptr(), r.len()));
     let mut stdin = std::io::stdin().lock().lines();
-    if dial_line {
+    if let Some(ms) = dial_line {
         let to = dial_address(&mut stdin);
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_millis(ms);
         match engine.connect(&to, deadline) {
             Ok(rank) => say(format!("DIALED {}", rank.0)),
             Err(e) => say(format!(

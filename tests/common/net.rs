@@ -15,6 +15,7 @@ pub fn sh(args: &[&str]) -> bool {
 pub struct Net {
     pub a: String,
     pub b: String,
+    pub ip_a: String,
     pub ip_b: String,
 }
 
@@ -57,7 +58,7 @@ impl Net {
             && sh(&["ip", "-n", &b, "link", "set", &vb, "up"])
             && sh(&["ip", "-n", &a, "link", "set", "lo", "up"])
             && sh(&["ip", "-n", &b, "link", "set", "lo", "up"]);
-        let net = Net { a, b, ip_b };
+        let net = Net { a, b, ip_a, ip_b };
         ok.then_some(net)
     }
     pub fn iptables_b(&self, rule: &[&str]) -> bool {
