@@ -412,7 +412,9 @@ class Engine {
   /// sides do not hold the same secret, `RankInUse` if the peer (or this rank) has that rank bound
   /// to another live process, `Protocol` (at once) if the two speak different wire versions.
   /// Two ranks may dial each other at once, or dial a rank already connected to them: the pair
-  /// keeps one connection and both calls return the other's rank.
+  /// keeps one connection and both calls return the other's rank. A dial that won such a
+  /// crossing and whose connection broke before the handshake ended is made once more, within
+  /// `deadline`.
   std::uint32_t connect(std::string_view address, Deadline deadline) {
     return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
   }

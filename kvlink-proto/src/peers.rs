@@ -136,6 +136,10 @@ pub struct Peers<P> {
     /// Dials that gave way to the same process's dial the other way (see `binding`): the rank
     /// they reached, and since when. `connect` takes its entry; others go after REFUSED_KEEP.
     gave_way: HashMap<P, (RankId, Instant)>,
+    /// Dials of this side that won a tie (see `binding`): the peer's dial the other way was
+    /// refused for them. Such a dial that fails before it binds owes the pair another dial
+    /// (`connect` takes the entry); others go after REFUSED_KEEP.
+    won_tie: HashMap<P, (RankId, Instant)>,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
@@ -155,6 +159,7 @@ impl<P> Default for Peers<P> {
             closing: Vec::new(),
             pending: HashMap::new(),
             gave_way: HashMap::new(),
+            won_tie: HashMap::new(),
             refusals: Refusals::default(),
             reconnects: 0,
             failures: 0,
@@ -239,6 +244,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// endpoints to close: the one it replaced, and other dials still running for the rank.
     pub fn bind(&mut self, info: PeerInfo, peer: P, me: RankId, session: SessionKey) -> Vec<P> {
         self.dialling.remove(&peer);
+        self.won_tie.remove(&peer);
         self.pending.remove(&peer);
         let from = self.came_from.remove(&peer);
         let rank = info.rank;
@@ -331,6 +337,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     ) -> Option<RankId> {
         self.refused.insert(peer, (reason, now));
         self.refused_order.push_back((now, peer));
+        self.won_tie.remove(&peer);
         // A peer that refused us has nothing more to say: close at once. Our own `Refuse` gets
         // a moment to reach the peer first.
         let at = if by_peer { now } else { now + REFUSE_LINGER };
@@ -373,9 +380,10 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// handshake is not done within HANDSHAKE_LIMIT. Also forgets old refusals.
     pub fn due_closes(&mut self, now: Instant) -> Vec<P> {
         self.expire_refusals(now);
-        if !self.gave_way.is_empty() {
-            self.gave_way
-                .retain(|_, (_, t)| now.saturating_duration_since(*t) < REFUSED_KEEP);
+        for m in [&mut self.gave_way, &mut self.won_tie] {
+            if !m.is_empty() {
+                m.retain(|_, (_, t)| now.saturating_duration_since(*t) < REFUSED_KEEP);
+            }
         }
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;

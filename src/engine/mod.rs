@@ -396,12 +396,15 @@ impl Engine {
     /// tcp connections) end on one connection, and both `connect`s return the other's rank; a
     /// `connect` to a rank already connected (the same process, by either side's dial) returns
     /// its rank (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the
-    /// pair kept redials it when that connection fails.
+    /// pair kept redials it when that connection fails. A dial that won such a crossing and
+    /// whose connection broke before it bound is dialled once more, within the deadline (the
+    /// other side's dial was refused for it, so no connection would be left).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address)?;
         let mut core = self.inner.core.lock();
         self.inner.say_hello(&mut core, peer)?;
+        let mut redialled = false;
         loop {
             if let Some(r) = core.peers.rank_of(peer) {
                 core.peers.set_dial(r, address);
@@ -448,6 +451,22 @@ impl Engine {
             }
             if self.inner.agent.peer_state(peer).is_err() {
                 let now_moves = self.inner.agent.worker_moves_begun();
+                let won_tie = core.peers.take_won_tie(peer);
+                if let Some(rank) = won_tie.filter(|_| !redialled && Instant::now() < deadline) {
+                    // This dial won a tie against the rank's dial the other way, which was
+                    // refused for it, and then its connection broke before it bound: neither
+                    // connection is left. Dial once more (`Peers::take_won_tie`).
+                    tracing::info!(
+                        "{address}: the connection of a dial that won a crossing with {rank} \
+                         broke before it bound; dialling again"
+                    );
+                    redialled = true;
+                    drop(core);
+                    peer = dial(&self.inner.agent, address)?;
+                    core = self.inner.core.lock();
+                    self.inner.say_hello(&mut core, peer)?;
+                    continue;
+                }
                 if now_moves == moves || Instant::now() >= deadline {
                     return Err(Error::new(
                         ErrorKind::PeerLost,

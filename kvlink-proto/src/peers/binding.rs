@@ -24,6 +24,11 @@
 //!   same process's dial the other way is bound here, or still shaking hands, waits for that
 //!   one instead: its `connect` returns the rank once it is bound.
 //!
+//! The lower rank's dial that won a tie and then fails before it binds (its connection broke)
+//! leaves the pair with no connection: the dial it won over was refused. Its `connect` dials
+//! once more, within its deadline ([`Peers::take_won_tie`]), and the other side answers that
+//! dial as any other.
+//!
 //! A crossing needs the same instance on both connections, so a second process with the rank
 //! (another instance) is still refused as before, and nothing here rebinds a live rank: the
 //! rank is never taken over (docs/SECURITY.md). The refusal that settles a crossing is not
@@ -128,6 +133,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                     out.extend(self.bind_step(me, &mut hs, info, peer, session, now));
                 } else if tie || crossed {
                     // Our dial to the same process wins the tie, or already won it.
+                    if tie {
+                        self.mark_won_tie(&info, now);
+                    }
                     let m = hs.refuse(Refusal::RankInUse);
                     out.push(A::Send(m));
                     out.push(A::Crossed(info.rank));
@@ -245,6 +253,25 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.dialling.remove(&peer);
         self.pending.remove(&peer);
         self.gave_way.insert(peer, (rank, now));
+    }
+
+    /// Our dials to `info`'s process won a tie: the peer's dial was refused for them.
+    fn mark_won_tie(&mut self, info: &PeerInfo, now: Instant) {
+        let ours = self.handshakes.iter().filter(|(_, h)| {
+            h.dialled_peer()
+                .is_some_and(|p| p.rank == info.rank && p.instance == info.instance)
+        });
+        for (p, _) in ours {
+            self.won_tie.insert(*p, (info.rank, now));
+        }
+    }
+
+    /// If the dial on `peer` won a tie and then failed before it bound: the rank it was for.
+    /// The peer's dial was refused for this one, so neither connection is left; the pair is
+    /// connected only if this side dials again (`connect` does, within its deadline). Taken
+    /// once; a dial that bound, or was refused, has no entry.
+    pub fn take_won_tie(&mut self, peer: P) -> Option<RankId> {
+        self.won_tie.remove(&peer).map(|(rank, _)| rank)
     }
 
     /// If the dial on `peer` gave way to its rank's dial the other way: that rank, which is
