@@ -336,26 +336,9 @@ fn crossing_dials_settle_on_one_connection_in_every_order() {
         let ctx = format!("seed {seed}, side {first} first, the other after {stagger} steps");
         assert_eq!(a.dial, Dial::Done(Ok(RankId(1))), "{ctx}");
         assert_eq!(b.dial, Dial::Done(Ok(RankId(0))), "{ctx}");
-        assert_eq!(a.peers.state(RankId(1)), PeerState::Connected, "{ctx}");
-        assert_eq!(b.peers.state(RankId(0)), PeerState::Connected, "{ctx}");
         // Both ends of one connection, both open, one session.
-        let ea = a.peers.endpoint(RankId(1)).unwrap();
-        let eb = b.peers.endpoint(RankId(0)).unwrap();
-        assert_eq!(ea, eb, "{ctx}: bound to different connections");
-        let c = (ea - 10) as usize;
-        assert!(a.open[c] && b.open[c], "{ctx}: the kept connection closed");
-        assert!(
-            a.peers.session(RankId(1)) == b.peers.session(RankId(0)),
-            "{ctx}: different sessions"
-        );
-        let (ka, kb) = (
-            a.peers.keys(RankId(1)).unwrap(),
-            b.peers.keys(RankId(0)).unwrap(),
-        );
-        assert!(
-            ka.outbound == kb.inbound && ka.inbound == kb.outbound,
-            "{ctx}"
-        );
+        assert_eq!(binding_outcome(&net, &ctx), "bound on both sides");
+        let c = (a.peers.endpoint(RankId(1)).unwrap() - 10) as usize;
         // The other connection is closed on both sides, and the crossing cost nothing.
         assert!(
             !a.open[1 - c] && !b.open[1 - c],

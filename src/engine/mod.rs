@@ -451,8 +451,14 @@ impl Engine {
             }
             if self.inner.agent.peer_state(peer).is_err() {
                 let now_moves = self.inner.agent.worker_moves_begun();
-                let won_tie = core.peers.take_won_tie(peer);
-                if let Some(rank) = won_tie.filter(|_| !redialled && Instant::now() < deadline) {
+                let won_tie = core.peers.take_won_tie(peer).filter(|_| !redialled);
+                if Instant::now() >= deadline || now_moves == moves && won_tie.is_none() {
+                    return Err(Error::new(
+                        ErrorKind::PeerLost,
+                        format!("{address}: connection failed"),
+                    ));
+                }
+                if let Some(rank) = won_tie {
                     // This dial won a tie against the rank's dial the other way, which was
                     // refused for it, and then its connection broke before it bound: neither
                     // connection is left. Dial once more (`Peers::take_won_tie`).
@@ -461,19 +467,8 @@ impl Engine {
                          broke before it bound; dialling again"
                     );
                     redialled = true;
-                    drop(core);
-                    peer = dial(&self.inner.agent, address)?;
-                    core = self.inner.core.lock();
-                    self.inner.say_hello(&mut core, peer)?;
-                    continue;
                 }
-                if now_moves == moves || Instant::now() >= deadline {
-                    return Err(Error::new(
-                        ErrorKind::PeerLost,
-                        format!("{address}: connection failed"),
-                    ));
-                }
-                // This agent is moving to a new worker (its shared-memory receive queue was
+                // Or this agent is moving to a new worker (its shared-memory receive queue was
                 // stuck, which is why no hello came): dial again, from the new one (the dial is
                 // a command, run after the pass that moves).
                 moves = now_moves;
