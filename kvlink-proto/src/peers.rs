@@ -46,6 +46,9 @@ const REFUSED_KEEP: Duration = Duration::from_secs(60);
 /// The most refusals remembered: past it the oldest go first (each needed a new endpoint, so
 /// this many within `REFUSED_KEEP` is a flood, and the oldest are long closed).
 const REFUSED_MAX: usize = 4096;
+/// The most processes remembered as having lost their dial to this side (`lost_answers`): more
+/// within HANDSHAKE_LIMIT are not remembered (their ties settle as before this rule).
+const LOST_ANSWERS_MAX: usize = 1024;
 /// An endpoint whose handshake is not done by then is closed.
 pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
@@ -136,10 +139,23 @@ pub struct Peers<P> {
     /// Dials that gave way to the same process's dial the other way (see `binding`): the rank
     /// they reached, and since when. `connect` takes its entry; others go after REFUSED_KEEP.
     gave_way: HashMap<P, (RankId, Instant)>,
-    /// Dials of this side that won a tie (see `binding`): the peer's dial the other way was
-    /// refused for them. Such a dial that fails before it binds owes the pair another dial
-    /// (`connect` takes the entry); others go after REFUSED_KEEP.
+    /// `connect`'s dials whose proof was out to a process when this side refused that
+    /// process's dial the other way for a tie (see `binding`). Such a dial that fails before
+    /// the rank is bound owes the pair another dial (`connect` takes the entry); a bind of the
+    /// rank clears its entries, and others go after REFUSED_KEEP.
     won_tie: HashMap<P, (RankId, Instant)>,
+    /// Processes whose dial to this side ended in a failure (its connection broke, before or
+    /// after the bind): rank -> (instance, when). Kept for HANDSHAKE_LIMIT, at most
+    /// LOST_ANSWERS_MAX of them (see `binding`).
+    lost_answers: HashMap<RankId, (u64, Instant)>,
+    /// Ranks a dial of ours gave way to (see `binding`), since when: cleared by a bind of the
+    /// rank, kept for HANDSHAKE_LIMIT.
+    gave_way_to: HashMap<RankId, Instant>,
+    /// Ranks whose dial here, which a dial of ours gave way to or which refused ours for a
+    /// tie, broke: they dial again (the tie's winner in its `connect`, a bound dialler in its
+    /// reconnect round), and a dial of ours that gave way waits for that. Since when; cleared
+    /// by a bind of the rank, kept for HANDSHAKE_LIMIT.
+    expect_redial: HashMap<RankId, Instant>,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
@@ -160,6 +176,9 @@ impl<P> Default for Peers<P> {
             pending: HashMap::new(),
             gave_way: HashMap::new(),
             won_tie: HashMap::new(),
+            lost_answers: HashMap::new(),
+            gave_way_to: HashMap::new(),
+            expect_redial: HashMap::new(),
             refusals: Refusals::default(),
             reconnects: 0,
             failures: 0,
@@ -244,10 +263,14 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// endpoints to close: the one it replaced, and other dials still running for the rank.
     pub fn bind(&mut self, info: PeerInfo, peer: P, me: RankId, session: SessionKey) -> Vec<P> {
         self.dialling.remove(&peer);
-        self.won_tie.remove(&peer);
         self.pending.remove(&peer);
         let from = self.came_from.remove(&peer);
         let rank = info.rank;
+        // Bound, by this endpoint or another: no dial of ours owes the rank a redial now, nor
+        // is one owed to us.
+        self.won_tie.retain(|_, (r, _)| *r != rank);
+        self.gave_way_to.remove(&rank);
+        self.expect_redial.remove(&rank);
         let r = self.ranks.entry(rank).or_insert(Rank {
             peer: None,
             name: String::new(),
@@ -385,6 +408,15 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 m.retain(|_, (_, t)| now.saturating_duration_since(*t) < REFUSED_KEEP);
             }
         }
+        if !self.lost_answers.is_empty() {
+            self.lost_answers
+                .retain(|_, (_, t)| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        }
+        for m in [&mut self.gave_way_to, &mut self.expect_redial] {
+            if !m.is_empty() {
+                m.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+            }
+        }
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;
         let mut out: Vec<P> = due.into_iter().map(|(p, _)| p).collect();
@@ -417,9 +449,26 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
     }
 
+    /// A dial of `rank` (process `instance`) to this side broke, before or after its bind.
+    fn note_lost_answer(&mut self, rank: RankId, instance: u64, now: Instant) {
+        if self.lost_answers.len() < LOST_ANSWERS_MAX || self.lost_answers.contains_key(&rank) {
+            self.lost_answers.insert(rank, (instance, now));
+        }
+        if self.gave_way_to.contains_key(&rank) {
+            // A dial of ours waits for this one: the rank dials again.
+            self.expect_redial.insert(rank, now);
+        }
+    }
+
     /// The transport reported `peer` failed. Returns the rank that lost its live endpoint.
     pub fn on_failed(&mut self, peer: P, now: Instant) -> Option<RankId> {
-        self.handshakes.remove(&peer);
+        let answered = self
+            .handshakes
+            .remove(&peer)
+            .and_then(|h| h.answered_peer().cloned());
+        if let Some(p) = answered {
+            self.note_lost_answer(p.rank, p.instance, now);
+        }
         self.pending.remove(&peer);
         self.came_from.remove(&peer);
         if self.dialling.remove(&peer).is_some() {
@@ -433,6 +482,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         r.peer = None;
         self.failures += 1;
+        if let Some(instance) = r.instance.filter(|_| r.answered) {
+            // The peer's own dial was the bound connection.
+            self.note_lost_answer(rank, instance, now);
+        }
+        let r = self.ranks.get_mut(&rank)?;
         if r.dial.is_some() || r.by_dial_back {
             // Not at once: a peer that is shutting down (the common case of a failure seen on
             // a healthy machine) has a moment to close its listener first.

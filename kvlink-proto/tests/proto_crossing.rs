@@ -73,6 +73,10 @@ struct Net {
     delayed: Vec<(Instant, usize, usize)>,
     /// At this step a random connection breaks (closed from a random side).
     fault_at: Option<usize>,
+    /// The fault closed a connection that was open at that end.
+    faulted: bool,
+    /// Messages the closes dropped.
+    dropped: usize,
 }
 
 impl Net {
@@ -101,6 +105,8 @@ impl Net {
             late_fail: None,
             delayed: Vec::new(),
             fault_at: None,
+            faulted: false,
+            dropped: 0,
         }
     }
 
@@ -139,23 +145,25 @@ impl Net {
 
     /// Side `s` closes its end of connection `c`: its own endpoint fails at once (a forced
     /// close reports it), the other side's after what was sent before.
-    fn close(&mut self, s: usize, c: usize) {
+    fn close(&mut self, s: usize, c: usize) -> bool {
         if !self.sides[s].open[c] {
-            return;
+            return false;
         }
         self.sides[s].open[c] = false;
         self.fail(s, c);
         if self.drops {
             let keep = self.rand(self.q[c][s].len() + 1);
+            self.dropped += self.q[c][s].len() - keep;
             self.q[c][s].truncate(keep);
         }
         if let Some(max) = self.late_fail {
             let ms = self.rand(max.as_millis() as usize + 1) as u64;
             self.delayed
                 .push((self.now + Duration::from_millis(ms), c, s));
-            return;
+        } else {
+            self.q[c][s].push_back(Item::Fail);
         }
-        self.q[c][s].push_back(Item::Fail);
+        true
     }
 
     fn fail(&mut self, s: usize, c: usize) {
@@ -196,7 +204,9 @@ impl Net {
                         HandshakeAction::Send(m) if self.sides[to].open[c] => {
                             self.q[c][to].push_back(Item::Msg(m));
                         }
-                        HandshakeAction::Close(p) => self.close(to, (p - 10) as usize),
+                        HandshakeAction::Close(p) => {
+                            self.close(to, (p - 10) as usize);
+                        }
                         HandshakeAction::Lost(_) => self.sides[to].lost += 1,
                         _ => {}
                     }
@@ -283,7 +293,7 @@ impl Net {
                 if std::env::var("TRACE").is_ok() {
                     println!("FAULT: side {s} closes conn {c}");
                 }
-                self.close(s, c);
+                self.faulted = self.close(s, c);
             }
             let ready = self.busy();
             if ready.is_empty() {
@@ -313,6 +323,7 @@ impl Net {
     fn settle(&mut self) {
         for _ in 0..12 {
             self.tick(Duration::from_secs(1));
+            self.follow_dials();
             while let Some(&(c, d)) = self.busy().first() {
                 self.deliver(c, d);
                 self.follow_dials();
@@ -526,23 +537,25 @@ fn binding_outcome(net: &Net, ctx: &str) -> &'static str {
 fn drops_late_failures_and_a_broken_connection_never_leave_a_half_open_pair() {
     // What the first test leaves out of the network: a close drops a random tail of what its
     // side had sent on that connection (UCX's force close may drop queued sends), and the
-    // other side may hear of a close only up to 12 s later (keepalive). Without a fault that
-    // changes nothing: every order ends as in the first test. With one connection broken at a
+    // other side may hear of a close only up to 12 s later (keepalive). Without a fault (none
+    // planned, or it came after the run or found its connection closed) the late failures
+    // change nothing: every order ends as in the first test. With one connection broken at a
     // random step (closed from a random side), the pair may end unbound (that is the fault),
     // but never bound on one side only or on two connections, and every `connect` ends.
     let mut outcomes: std::collections::BTreeMap<String, (u32, u64)> = Default::default();
     let (mut healed, mut refused) = (0, 0);
+    let (mut quiet_drops, mut quiet_late, mut fault_drops) = (0, 0, 0);
+    let mut answered: std::collections::BTreeMap<String, u32> = Default::default();
     for seed in std::env::var("SEED").map_or(0..4000u64, |s| {
         let s: u64 = s.parse().unwrap();
         s..s + 1
     }) {
         let mut net = Net::new(seed, [77, 88]);
         net.drops = true;
-        if seed % 2 == 1 {
+        if (seed / 4) % 2 == 1 {
             net.late_fail = Some(Duration::from_secs(12));
         }
-        let fault = seed % 4 != 0;
-        if fault {
+        if seed % 4 != 0 {
             net.fault_at = Some(net.rand(16));
         }
         let first = (seed % 2) as usize;
@@ -554,6 +567,14 @@ fn drops_late_failures_and_a_broken_connection_never_leave_a_half_open_pair() {
         net.run(first, Some(stagger));
         net.settle();
         let outcome = binding_outcome(&net, &ctx);
+        // A fault that came after the run, or found its connection already closed, is none.
+        let fault = net.faulted;
+        if fault {
+            fault_drops += net.dropped;
+        } else {
+            quiet_drops += net.dropped;
+            quiet_late += usize::from(net.late_fail.is_some());
+        }
         let [a, b] = &net.sides;
         for (s, other) in [(a, 1), (b, 0)] {
             assert!(
@@ -589,6 +610,8 @@ fn drops_late_failures_and_a_broken_connection_never_leave_a_half_open_pair() {
                 if s.dial == Dial::Done(Ok(RankId(other))) {
                     assert_eq!(outcome, "bound on both sides", "{ctx}: after a redial");
                     healed += 1;
+                    let o = &net.sides[other as usize];
+                    *answered.entry(format!("{:?}", o.dial)).or_insert(0) += 1;
                 } else {
                     assert_eq!(
                         s.dial,
@@ -614,8 +637,66 @@ fn drops_late_failures_and_a_broken_connection_never_leave_a_half_open_pair() {
         println!("{n:5} {k} (the first: seed {seed})");
     }
     println!("redialled: {healed} orders connected by it, {refused} refused");
-    assert!(
-        healed > 10,
-        "the redial connected the pair in {healed} orders"
+    println!("  the other side's connect in those it connected: {answered:?}");
+    println!(
+        "orders without a fault: {quiet_late} heard closes late, {quiet_drops} messages dropped; \
+         with a fault: {fault_drops} dropped"
     );
+    // Deterministic: docs/RELIABILITY.md quotes these (update it with them).
+    assert_eq!(
+        (healed, refused),
+        (47, 5),
+        "orders the redial connected, refused"
+    );
+    let waited = answered.get("Done(Ok(RankId(0)))").copied();
+    assert_eq!(
+        waited,
+        Some(37),
+        "the other rank's connect returned the rank: {answered:?}"
+    );
+    // A losing connection is closed only after its last message arrived, so only a fault drops
+    // anything; late failures run in orders without one too.
+    assert_eq!(quiet_drops, 0);
+    assert!(
+        quiet_late > 500 && fault_drops > 100,
+        "{quiet_late} {fault_drops}"
+    );
+}
+
+/// Rank 0 dials on connection 1 and rank 1 on connection 0; rank 0 refuses rank 1's dial for
+/// the tie its own dial wins, whose `Proof` is out and whose `Welcome` has not come.
+fn tie_won() -> Net {
+    let mut net = Net::new(5, [77, 88]);
+    net.dial(1);
+    net.dial(0);
+    for (c, from) in [(0, 1), (1, 0), (1, 0), (0, 1), (0, 0), (1, 1)] {
+        net.deliver(c, from);
+    }
+    // Rank 1's `Proof` on its dial reaches rank 0.
+    net.deliver(0, 1);
+    assert!(
+        net.sides[0].peers.refusal(ep(0)).is_some(),
+        "rank 1's dial refused"
+    );
+    net
+}
+
+#[test]
+fn a_won_tie_is_remembered_for_its_dial_until_taken_bound_or_old() {
+    // Taken once, for the dial that won.
+    let mut net = tie_won();
+    let p = &mut net.sides[0].peers;
+    assert_eq!(p.take_won_tie(ep(0)), None, "not for the refused endpoint");
+    assert_eq!(p.take_won_tie(ep(1)), Some(RankId(1)));
+    assert_eq!(p.take_won_tie(ep(1)), None, "taken once");
+    // Gone once the rank is bound: the dial completes.
+    let mut net = tie_won();
+    net.deliver(1, 0);
+    net.deliver(1, 1);
+    assert_eq!(net.sides[0].peers.state(RankId(1)), PeerState::Connected);
+    assert_eq!(net.sides[0].peers.take_won_tie(ep(1)), None, "bound");
+    // Gone after a minute untaken.
+    let mut net = tie_won();
+    net.tick(Duration::from_secs(61));
+    assert_eq!(net.sides[0].peers.take_won_tie(ep(1)), None, "expired");
 }

@@ -50,7 +50,7 @@ pub use crate::proto::regions::{RegionId, RegionInfo};
 
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use crate::proto::{
-    BufferDesc, BufferKind, Config, Endpoint, Identity, RankId, ReceiveFlow, ReceiveSpec,
+    BufferDesc, BufferKind, Config, Endpoint, Identity, RankId, ReceiveFlow, ReceiveSpec, Refusal,
     RequestKey, Role, Secret,
 };
 use crate::timeline::{self, Stage};
@@ -398,7 +398,8 @@ impl Engine {
     /// its rank (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the
     /// pair kept redials it when that connection fails. A dial that won such a crossing and
     /// whose connection broke before it bound is dialled once more, within the deadline (the
-    /// other side's dial was refused for it, so no connection would be left).
+    /// other side's dial was refused for it, so no connection would be left), and the other
+    /// side's `connect` waits for that dial, to its deadline at most.
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address)?;
@@ -441,6 +442,18 @@ impl Engine {
                     let _ = op.wait((Instant::now() + REFUSE_FLUSH).min(deadline), None);
                 }
                 let _ = self.inner.agent.close_peer(peer);
+                if redialled && reason == Refusal::RankInUse {
+                    // The rank this side is held there is most likely our own broken first
+                    // connection, which the peer has not found dead yet (keepalive).
+                    return Err(Error::new(
+                        ErrorKind::PeerLost,
+                        format!(
+                            "{address}: the connection of a dial that won a crossing broke before \
+                             it bound, and the peer refused the dial made again: it still holds \
+                             the broken one (it finds it dead by keepalive; connect again then)"
+                        ),
+                    ));
+                }
                 return Err(Error::new(
                     reason.kind(),
                     format!(

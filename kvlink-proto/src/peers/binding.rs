@@ -27,7 +27,9 @@
 //! The lower rank's dial that won a tie and then fails before it binds (its connection broke)
 //! leaves the pair with no connection: the dial it won over was refused. Its `connect` dials
 //! once more, within its deadline ([`Peers::take_won_tie`]), and the other side answers that
-//! dial as any other.
+//! dial as any other. The higher rank's dial, refused for that tie, gives way too when the
+//! refusal comes after the lower rank's dial broke here (so no crossing is left to see): it
+//! waits, to its deadline at most, for the redial.
 //!
 //! A crossing needs the same instance on both connections, so a second process with the rank
 //! (another instance) is still refused as before, and nothing here rebinds a live rank: the
@@ -165,6 +167,18 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                     self.give_way(peer, info.rank, now);
                     out.push(A::GaveWay(info.rank));
                 }
+                Some(info)
+                    if reason == Refusal::RankInUse
+                        && info.rank < me.rank
+                        && self.lost_answer_from(&info, now) =>
+                {
+                    // The lower rank refused us for a tie while its dial here was alive; that
+                    // dial has since broken, so its `connect` dials once more: wait for it.
+                    self.expect_redial.insert(info.rank, now);
+                    self.end_refused(peer, reason, true, now);
+                    self.give_way(peer, info.rank, now);
+                    out.push(A::GaveWay(info.rank));
+                }
                 _ => {
                     out.push(A::RefusedByPeer(reason));
                     if let Some(rank) = self.refuse(peer, reason, true, now) {
@@ -253,23 +267,26 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.dialling.remove(&peer);
         self.pending.remove(&peer);
         self.gave_way.insert(peer, (rank, now));
+        self.gave_way_to.insert(rank, now);
     }
 
-    /// Our dials to `info`'s process won a tie: the peer's dial was refused for them.
+    /// `connect`'s dials to `info`'s process won a tie: the peer's dial was refused for them.
+    /// (A reconnect round's dial is left out: the round tries again by itself.)
     fn mark_won_tie(&mut self, info: &PeerInfo, now: Instant) {
-        let ours = self.handshakes.iter().filter(|(_, h)| {
-            h.dialled_peer()
-                .is_some_and(|p| p.rank == info.rank && p.instance == info.instance)
+        let ours = self.handshakes.iter().filter(|(p, h)| {
+            !self.dialling.contains_key(p)
+                && h.dialled_peer()
+                    .is_some_and(|d| d.rank == info.rank && d.instance == info.instance)
         });
         for (p, _) in ours {
             self.won_tie.insert(*p, (info.rank, now));
         }
     }
 
-    /// If the dial on `peer` won a tie and then failed before it bound: the rank it was for.
-    /// The peer's dial was refused for this one, so neither connection is left; the pair is
-    /// connected only if this side dials again (`connect` does, within its deadline). Taken
-    /// once; a dial that bound, or was refused, has no entry.
+    /// If the dial on `peer` won a tie and then failed before the rank was bound: the rank it
+    /// was for. The peer's dial was refused for this one, so neither connection is left; the
+    /// pair is connected only if this side dials again (`connect` does, within its deadline).
+    /// Taken once; a dial that was refused, or whose rank got bound, has no entry.
     pub fn take_won_tie(&mut self, peer: P) -> Option<RankId> {
         self.won_tie.remove(&peer).map(|(rank, _)| rank)
     }
@@ -280,9 +297,20 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.gave_way.remove(&peer).map(|(rank, _)| rank)
     }
 
-    /// Does `rank` still shake hands with this side on a connection it dialled? (A dial that
-    /// gave way to it waits while it does.)
+    /// Does `rank` still shake hands with this side on a connection it dialled, or is its
+    /// redial expected? (A dial that gave way to it waits while it does.)
     pub fn waiting_for_crossing(&self, rank: RankId) -> bool {
         self.shaking_hands(Handshake::answered_peer, rank, None)
+            || self.expect_redial.contains_key(&rank)
+    }
+
+    /// Did `info`'s process dial this side lately, and that connection break?
+    fn lost_answer_from(&self, info: &PeerInfo, now: Instant) -> bool {
+        self.lost_answers
+            .get(&info.rank)
+            .is_some_and(|&(instance, t)| {
+                instance == info.instance
+                    && now.saturating_duration_since(t) < super::HANDSHAKE_LIMIT
+            })
     }
 }
