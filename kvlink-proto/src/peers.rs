@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use crate::{Handshake, PeerInfo, RankId, Refusal, SessionKey, TagKey};
 
 mod binding;
-pub use binding::HandshakeAction;
+pub use binding::{HandshakeAction, REDIAL_WAIT};
 
 /// Dial attempts per round before a rank is left `Failed` (until its next use).
 pub const MAX_TRIES: u32 = 6;

@@ -246,7 +246,7 @@ impl Net {
                 Dial::WaitingFor(r) => {
                     if side.peers.state(r) == PeerState::Connected {
                         Dial::Done(Ok(r))
-                    } else if !side.peers.waiting_for_crossing(r) {
+                    } else if !side.peers.waiting_for_crossing(r, self.now) {
                         Dial::Done(Err("gave way to a dial that did not complete".into()))
                     } else {
                         Dial::WaitingFor(r)
@@ -649,9 +649,11 @@ fn drops_late_failures_and_a_broken_connection_never_leave_a_half_open_pair() {
         "orders the redial connected, refused"
     );
     let waited = answered.get("Done(Ok(RankId(0)))").copied();
+    // The rest heard of the break later than REDIAL_WAIT (closes here are heard up to 12 s
+    // late; UCX's keepalive finds a dead connection within about two of its 1 s intervals).
     assert_eq!(
         waited,
-        Some(37),
+        Some(25),
         "the other rank's connect returned the rank: {answered:?}"
     );
     // A losing connection is closed only after its last message arrived, so only a fault drops

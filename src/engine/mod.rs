@@ -399,7 +399,7 @@ impl Engine {
     /// pair kept redials it when that connection fails. A dial that won such a crossing and
     /// whose connection broke before it bound is dialled once more, within the deadline (the
     /// other side's dial was refused for it, so no connection would be left), and the other
-    /// side's `connect` waits for that dial, to its deadline at most.
+    /// side's `connect` waits for that dial, 5 s at most (`kvlink_proto::peers::REDIAL_WAIT`).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address)?;
@@ -419,8 +419,13 @@ impl Engine {
                     if core.peers.state(rank) == PeerState::Connected {
                         return Ok(rank);
                     }
-                    if !core.peers.waiting_for_crossing(rank)
-                        || !sleep(&mut core, WaitKey::Peer(rank), deadline)
+                    // A redial expected from the rank is waited for a while, not to the deadline.
+                    let until = core
+                        .peers
+                        .redial_expected_until(rank)
+                        .map_or(deadline, |t| t.min(deadline));
+                    if !core.peers.waiting_for_crossing(rank, Instant::now())
+                        || !sleep(&mut core, WaitKey::Peer(rank), until)
                             && Instant::now() >= deadline
                     {
                         return Err(Error::new(

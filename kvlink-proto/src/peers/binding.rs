@@ -28,8 +28,9 @@
 //! leaves the pair with no connection: the dial it won over was refused. Its `connect` dials
 //! once more, within its deadline ([`Peers::take_won_tie`]), and the other side answers that
 //! dial as any other. The higher rank's dial, refused for that tie, gives way too when the
-//! refusal comes after the lower rank's dial broke here (so no crossing is left to see): it
-//! waits, to its deadline at most, for the redial.
+//! refusal comes after the lower rank's dial broke here (so no crossing is left to see), and
+//! so does a dial that gave way to a dial which then broke: each waits [`REDIAL_WAIT`] (to its
+//! deadline at most) for the redial.
 //!
 //! A crossing needs the same instance on both connections, so a second process with the rank
 //! (another instance) is still refused as before, and nothing here rebinds a live rank: the
@@ -44,7 +45,10 @@
 use super::Peers;
 use crate::{Handshake, Identity, Message, PeerInfo, RankId, Refusal, SessionKey, Step};
 use std::hash::Hash;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long a dial that gave way waits for the rank's redial after the rank's dial here broke.
+pub const REDIAL_WAIT: Duration = Duration::from_secs(5);
 
 /// What the engine does after a handshake message, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -298,10 +302,18 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     }
 
     /// Does `rank` still shake hands with this side on a connection it dialled, or is its
-    /// redial expected? (A dial that gave way to it waits while it does.)
-    pub fn waiting_for_crossing(&self, rank: RankId) -> bool {
+    /// redial expected at `now`? (A dial that gave way to it waits while it does; see
+    /// [`Peers::redial_expected_until`].)
+    pub fn waiting_for_crossing(&self, rank: RankId, now: Instant) -> bool {
         self.shaking_hands(Handshake::answered_peer, rank, None)
-            || self.expect_redial.contains_key(&rank)
+            || self.redial_expected_until(rank).is_some_and(|t| now < t)
+    }
+
+    /// Until when `rank`'s redial is waited for: [`REDIAL_WAIT`] after its dial here broke (or
+    /// it refused ours after that). The redial follows the break at once when the rank hears of
+    /// it; one heard later, by keepalive, may come after this.
+    pub fn redial_expected_until(&self, rank: RankId) -> Option<Instant> {
+        self.expect_redial.get(&rank).map(|&t| t + REDIAL_WAIT)
     }
 
     /// Did `info`'s process dial this side lately, and that connection break?
