@@ -141,15 +141,15 @@ pub struct Peers<P> {
     gave_way: HashMap<P, (RankId, Instant)>,
     /// `connect`'s dials whose proof was out to a process when this side refused that
     /// process's dial the other way for a tie (see `binding`). Such a dial that fails before
-    /// the rank is bound owes the pair another dial (`connect` takes the entry); a bind of the
-    /// rank clears its entries, and others go after REFUSED_KEEP.
+    /// it binds owes the pair another dial, unless the rank got bound otherwise (`connect`
+    /// takes the entry); a dial that binds drops its entry, and others go after REFUSED_KEEP.
     won_tie: HashMap<P, (RankId, Instant)>,
     /// Processes whose dial to this side ended in a failure (its connection broke, before or
     /// after the bind): rank -> (instance, when). Kept for HANDSHAKE_LIMIT, at most
     /// LOST_ANSWERS_MAX of them (see `binding`).
     lost_answers: HashMap<RankId, (u64, Instant)>,
-    /// Ranks a dial of ours gave way to (see `binding`), since when: cleared by a bind of the
-    /// rank, kept for HANDSHAKE_LIMIT.
+    /// Ranks a dial of ours gave way to after the rank refused it (see `binding`), since when:
+    /// cleared by a bind of the rank, kept for HANDSHAKE_LIMIT.
     gave_way_to: HashMap<RankId, Instant>,
     /// Ranks whose dial here, which a dial of ours gave way to or which refused ours for a
     /// tie, broke: they dial again (the tie's winner in its `connect`, a bound dialler in its
@@ -266,9 +266,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.pending.remove(&peer);
         let from = self.came_from.remove(&peer);
         let rank = info.rank;
-        // Bound, by this endpoint or another: no dial of ours owes the rank a redial now, nor
-        // is one owed to us.
-        self.won_tie.retain(|_, (r, _)| *r != rank);
+        // Bound: no redial of the rank is owed to us. (A dial of ours that won a tie and breaks
+        // now finds the rank connected: `connect` returns it.)
+        self.won_tie.remove(&peer);
         self.gave_way_to.remove(&rank);
         self.expect_redial.remove(&rank);
         let r = self.ranks.entry(rank).or_insert(Rank {
@@ -467,6 +467,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .remove(&peer)
             .and_then(|h| h.answered_peer().cloned());
         if let Some(p) = answered {
+            // Unproven (a `Hello` alone; docs/SECURITY.md says what a stranger can do with it).
             self.note_lost_answer(p.rank, p.instance, now);
         }
         self.pending.remove(&peer);

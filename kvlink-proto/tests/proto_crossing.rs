@@ -702,3 +702,27 @@ fn a_won_tie_is_remembered_for_its_dial_until_taken_bound_or_old() {
     net.tick(Duration::from_secs(61));
     assert_eq!(net.sides[0].peers.take_won_tie(ep(1)), None, "expired");
 }
+
+#[test]
+fn a_dial_that_gave_way_waits_a_while_for_the_redial_of_a_dial_that_broke() {
+    // Rank 1's dial is refused for rank 0's tie and gives way to rank 0's dial, which then
+    // breaks at rank 1: rank 0 will dial again (its `connect` redials a won tie), and rank 1's
+    // `connect` waits REDIAL_WAIT for it, not to its deadline and not past the window.
+    let mut net = tie_won();
+    net.deliver(0, 0);
+    assert_eq!(net.sides[1].peers.take_gave_way(ep(0)), Some(RankId(0)));
+    assert!(net.sides[1].peers.waiting_for_crossing(RankId(0), net.now));
+    net.close(1, 1);
+    let (t, p) = (net.now, &net.sides[1].peers);
+    let wait = kvlink_proto::peers::REDIAL_WAIT;
+    assert_eq!(p.redial_expected_until(RankId(0), t), Some(t + wait));
+    assert!(p.waiting_for_crossing(RankId(0), t + wait - Duration::from_millis(1)));
+    // After the window: no more waiting (a wait ends then, as PeerLost: it was expected).
+    let after = t + wait + Duration::from_millis(1);
+    assert_eq!(p.redial_expected_until(RankId(0), after), None);
+    assert!(!p.waiting_for_crossing(RankId(0), after));
+    assert!(p.redial_was_expected(RankId(0)));
+    // A bind of the rank, or time, forgets it.
+    net.tick(Duration::from_secs(11));
+    assert!(!net.sides[1].peers.redial_was_expected(RankId(0)));
+}

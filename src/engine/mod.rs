@@ -399,7 +399,10 @@ impl Engine {
     /// pair kept redials it when that connection fails. A dial that won such a crossing and
     /// whose connection broke before it bound is dialled once more, within the deadline (the
     /// other side's dial was refused for it, so no connection would be left), and the other
-    /// side's `connect` waits for that dial, 5 s at most (`kvlink_proto::peers::REDIAL_WAIT`).
+    /// side's `connect` waits for that dial, up to 5 s after that connection broke
+    /// (`kvlink_proto::peers::REDIAL_WAIT`). Either ends `PeerLost` when that does not connect
+    /// the pair: the redial refused because the peer still holds the broken connection, or no
+    /// redial in time (connect again).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address)?;
@@ -420,14 +423,25 @@ impl Engine {
                         return Ok(rank);
                     }
                     // A redial expected from the rank is waited for a while, not to the deadline.
+                    let now = Instant::now();
                     let until = core
                         .peers
-                        .redial_expected_until(rank)
+                        .redial_expected_until(rank, now)
                         .map_or(deadline, |t| t.min(deadline));
-                    if !core.peers.waiting_for_crossing(rank, Instant::now())
+                    if !core.peers.waiting_for_crossing(rank, now)
                         || !sleep(&mut core, WaitKey::Peer(rank), until)
                             && Instant::now() >= deadline
                     {
+                        if core.peers.redial_was_expected(rank) {
+                            return Err(Error::new(
+                                ErrorKind::PeerLost,
+                                format!(
+                                    "{address}: {rank} dialled this side at the same time, this \
+                                     dial gave way to its, and that connection broke; its redial \
+                                     did not come in time (connect again)"
+                                ),
+                            ));
+                        }
                         return Err(Error::new(
                             ErrorKind::RankInUse,
                             format!(
@@ -442,12 +456,13 @@ impl Engine {
                 // Let our own `Refuse` (if we sent one) go out, then close the endpoint: a
                 // retry starts on an endpoint of its own.
                 let sent = core.refusal_ops.remove(&peer);
+                let by_peer = sent.is_none();
                 drop(core);
                 if let Some(mut op) = sent {
                     let _ = op.wait((Instant::now() + REFUSE_FLUSH).min(deadline), None);
                 }
                 let _ = self.inner.agent.close_peer(peer);
-                if redialled && reason == Refusal::RankInUse {
+                if redialled && by_peer && reason == Refusal::RankInUse {
                     // The rank this side is held there is most likely our own broken first
                     // connection, which the peer has not found dead yet (keepalive).
                     return Err(Error::new(
@@ -470,6 +485,11 @@ impl Engine {
             if self.inner.agent.peer_state(peer).is_err() {
                 let now_moves = self.inner.agent.worker_moves_begun();
                 let won_tie = core.peers.take_won_tie(peer).filter(|_| !redialled);
+                if let Some(rank) = won_tie.filter(|&r| core.peers.state(r) == PeerState::Connected)
+                {
+                    // Bound meanwhile through another connection: the pair is connected.
+                    return Ok(rank);
+                }
                 if Instant::now() >= deadline || now_moves == moves && won_tie.is_none() {
                     return Err(Error::new(
                         ErrorKind::PeerLost,

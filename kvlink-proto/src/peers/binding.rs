@@ -35,7 +35,9 @@
 //! A crossing needs the same instance on both connections, so a second process with the rank
 //! (another instance) is still refused as before, and nothing here rebinds a live rank: the
 //! rank is never taken over (docs/SECURITY.md). The refusal that settles a crossing is not
-//! counted as a refusal, on either side: the dials it settles overlapped in time. A dial that
+//! counted as a refusal, on either side: the dials it settles overlapped in time (a side that
+//! refuses while it still holds a broken connection of the peer's counts that refusal as any
+//! other; the refused side counts it only if the peer's dial here did not break lately). A dial that
 //! gave way does not make this side redial the rank when the kept connection fails: the side
 //! whose dial was kept does, as after any `connect`.
 //!
@@ -169,6 +171,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 Some(info) if reason == Refusal::RankInUse && self.crossing_from(&info) => {
                     self.end_refused(peer, reason, true, now);
                     self.give_way(peer, info.rank, now);
+                    self.gave_way_to.insert(info.rank, now);
                     out.push(A::GaveWay(info.rank));
                 }
                 Some(info)
@@ -181,6 +184,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                     self.expect_redial.insert(info.rank, now);
                     self.end_refused(peer, reason, true, now);
                     self.give_way(peer, info.rank, now);
+                    self.gave_way_to.insert(info.rank, now);
                     out.push(A::GaveWay(info.rank));
                 }
                 _ => {
@@ -271,7 +275,6 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.dialling.remove(&peer);
         self.pending.remove(&peer);
         self.gave_way.insert(peer, (rank, now));
-        self.gave_way_to.insert(rank, now);
     }
 
     /// `connect`'s dials to `info`'s process won a tie: the peer's dial was refused for them.
@@ -306,14 +309,23 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// [`Peers::redial_expected_until`].)
     pub fn waiting_for_crossing(&self, rank: RankId, now: Instant) -> bool {
         self.shaking_hands(Handshake::answered_peer, rank, None)
-            || self.redial_expected_until(rank).is_some_and(|t| now < t)
+            || self.redial_expected_until(rank, now).is_some()
     }
 
-    /// Until when `rank`'s redial is waited for: [`REDIAL_WAIT`] after its dial here broke (or
-    /// it refused ours after that). The redial follows the break at once when the rank hears of
-    /// it; one heard later, by keepalive, may come after this.
-    pub fn redial_expected_until(&self, rank: RankId) -> Option<Instant> {
-        self.expect_redial.get(&rank).map(|&t| t + REDIAL_WAIT)
+    /// Until when `rank`'s redial is waited for, if that is after `now`: [`REDIAL_WAIT`] after
+    /// its dial here broke (or it refused ours after that). The redial follows the break at
+    /// once when the rank hears of it; one heard later, by keepalive, may come after this.
+    pub fn redial_expected_until(&self, rank: RankId, now: Instant) -> Option<Instant> {
+        self.expect_redial
+            .get(&rank)
+            .map(|&t| t + REDIAL_WAIT)
+            .filter(|&t| t > now)
+    }
+
+    /// Whether a redial of `rank` was expected lately (its dial here broke while one of ours
+    /// waited for it): a wait for it that ends did not end for a conflict.
+    pub fn redial_was_expected(&self, rank: RankId) -> bool {
+        self.expect_redial.contains_key(&rank)
     }
 
     /// Did `info`'s process dial this side lately, and that connection break?
