@@ -414,9 +414,10 @@ class Engine {
   /// Two ranks may dial each other at once, or dial a rank already connected to them: the pair
   /// keeps one connection and both calls return the other's rank. A dial that won such a
   /// crossing and whose connection broke before the handshake ended is made once more, within
-  /// `deadline`, and the other rank's call waits for it (up to 5 s after that connection broke;
-  /// then `PeerLost`, as when the dial made again is refused because the peer still holds the
-  /// broken connection: connect again).
+  /// `deadline` (proving the broken dial's session, so a peer still holding that connection
+  /// takes it as the same process coming back), and the other rank's call waits for it (up to
+  /// 5 s after that connection broke; then `PeerLost`, as when the dial made again does not
+  /// connect: connect again).
   std::uint32_t connect(std::string_view address, Deadline deadline) {
     return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
   }

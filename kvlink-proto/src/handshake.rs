@@ -156,6 +156,14 @@ impl Handshake {
         }
     }
 
+    /// This side dialled and its proof is out: the session the answerer binds with it.
+    pub fn dial_session(&self) -> Option<SessionKey> {
+        match &self.state {
+            State::AwaitWelcome { session, .. } => Some(*session),
+            _ => None,
+        }
+    }
+
     /// The peer dialled this side: who it said it is, once its `Hello` came and while its
     /// proof is awaited.
     pub fn answered_peer(&self) -> Option<&PeerInfo> {

@@ -100,6 +100,15 @@ pub struct TagKeys {
     pub outbound: TagKey,
 }
 
+/// A dial of `connect`'s that won a tie (see `binding`): the rank, the session its `Proof`
+/// made (if it got that far), and since when.
+#[derive(Clone, Copy, Debug)]
+pub struct WonTie {
+    pub rank: RankId,
+    pub session: Option<SessionKey>,
+    pub at: Instant,
+}
+
 /// Handshake refusals, both ways.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Refusals {
@@ -143,7 +152,12 @@ pub struct Peers<P> {
     /// process's dial the other way for a tie (see `binding`). Such a dial that fails before
     /// it binds owes the pair another dial, unless the rank got bound otherwise (`connect`
     /// takes the entry); a dial that binds drops its entry, and others go after REFUSED_KEEP.
-    won_tie: HashMap<P, (RankId, Instant)>,
+    won_tie: HashMap<P, WonTie>,
+    /// A redial of a won tie (`connect`'s new dial -> the broken dial's rank and session): its
+    /// `Proof` carries a resume proof of that session, so that an answerer that bound the
+    /// broken connection and has not heard it broke takes the redial as the same process
+    /// coming back. Dropped when the dial ends.
+    redial_of: HashMap<P, (RankId, SessionKey)>,
     /// Processes whose dial to this side ended in a failure (its connection broke, before or
     /// after the bind): rank -> (instance, when). Kept for HANDSHAKE_LIMIT, at most
     /// LOST_ANSWERS_MAX of them (see `binding`).
@@ -176,6 +190,7 @@ impl<P> Default for Peers<P> {
             pending: HashMap::new(),
             gave_way: HashMap::new(),
             won_tie: HashMap::new(),
+            redial_of: HashMap::new(),
             lost_answers: HashMap::new(),
             gave_way_to: HashMap::new(),
             expect_redial: HashMap::new(),
@@ -269,6 +284,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         // Bound: no redial of the rank is owed to us. (A dial of ours that won a tie and breaks
         // now finds the rank connected: `connect` returns it.)
         self.won_tie.remove(&peer);
+        self.redial_of.remove(&peer);
         self.gave_way_to.remove(&rank);
         self.expect_redial.remove(&rank);
         let r = self.ranks.entry(rank).or_insert(Rank {
@@ -361,6 +377,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.refused.insert(peer, (reason, now));
         self.refused_order.push_back((now, peer));
         self.won_tie.remove(&peer);
+        self.redial_of.remove(&peer);
         // A peer that refused us has nothing more to say: close at once. Our own `Refuse` gets
         // a moment to reach the peer first.
         let at = if by_peer { now } else { now + REFUSE_LINGER };
@@ -403,10 +420,13 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// handshake is not done within HANDSHAKE_LIMIT. Also forgets old refusals.
     pub fn due_closes(&mut self, now: Instant) -> Vec<P> {
         self.expire_refusals(now);
-        for m in [&mut self.gave_way, &mut self.won_tie] {
-            if !m.is_empty() {
-                m.retain(|_, (_, t)| now.saturating_duration_since(*t) < REFUSED_KEEP);
-            }
+        if !self.gave_way.is_empty() {
+            self.gave_way
+                .retain(|_, (_, t)| now.saturating_duration_since(*t) < REFUSED_KEEP);
+        }
+        if !self.won_tie.is_empty() {
+            self.won_tie
+                .retain(|_, w| now.saturating_duration_since(w.at) < REFUSED_KEEP);
         }
         if !self.lost_answers.is_empty() {
             self.lost_answers
@@ -462,6 +482,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
 
     /// The transport reported `peer` failed. Returns the rank that lost its live endpoint.
     pub fn on_failed(&mut self, peer: P, now: Instant) -> Option<RankId> {
+        self.redial_of.remove(&peer);
         let answered = self
             .handshakes
             .remove(&peer)

@@ -398,11 +398,12 @@ impl Engine {
     /// its rank (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the
     /// pair kept redials it when that connection fails. A dial that won such a crossing and
     /// whose connection broke before it bound is dialled once more, within the deadline (the
-    /// other side's dial was refused for it, so no connection would be left), and the other
-    /// side's `connect` waits for that dial, up to 5 s after that connection broke
-    /// (`kvlink_proto::peers::REDIAL_WAIT`). Either ends `PeerLost` when that does not connect
-    /// the pair: the redial refused because the peer still holds the broken connection, or no
-    /// redial in time (connect again).
+    /// other side's dial was refused for it, so no connection would be left; the redial proves
+    /// the broken dial's session, so a peer still holding that connection takes it as the same
+    /// process coming back), and the other side's `connect` waits for that dial, up to 5 s
+    /// after that connection broke (`kvlink_proto::peers::REDIAL_WAIT`). Either ends `PeerLost`
+    /// when that does not connect the pair: the redial refused, or no redial in time (connect
+    /// again).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address)?;
@@ -485,10 +486,11 @@ impl Engine {
             if self.inner.agent.peer_state(peer).is_err() {
                 let now_moves = self.inner.agent.worker_moves_begun();
                 let won_tie = core.peers.take_won_tie(peer).filter(|_| !redialled);
-                if let Some(rank) = won_tie.filter(|&r| core.peers.state(r) == PeerState::Connected)
+                if let Some(w) =
+                    won_tie.filter(|w| core.peers.state(w.rank) == PeerState::Connected)
                 {
                     // Bound meanwhile through another connection: the pair is connected.
-                    return Ok(rank);
+                    return Ok(w.rank);
                 }
                 if Instant::now() >= deadline || now_moves == moves && won_tie.is_none() {
                     return Err(Error::new(
@@ -496,13 +498,14 @@ impl Engine {
                         format!("{address}: connection failed"),
                     ));
                 }
-                if let Some(rank) = won_tie {
+                if let Some(w) = won_tie {
                     // This dial won a tie against the rank's dial the other way, which was
                     // refused for it, and then its connection broke before it bound: neither
                     // connection is left. Dial once more (`Peers::take_won_tie`).
                     tracing::info!(
-                        "{address}: the connection of a dial that won a crossing with {rank} \
-                         broke before it bound; dialling again"
+                        "{address}: the connection of a dial that won a crossing with {} broke \
+                         before it bound; dialling again",
+                        w.rank
                     );
                     redialled = true;
                 }
@@ -514,6 +517,10 @@ impl Engine {
                 peer = dial(&self.inner.agent, address)?;
                 core = self.inner.core.lock();
                 self.inner.say_hello(&mut core, peer)?;
+                if let Some(w) = won_tie {
+                    // Its `Proof` proves the broken dial's session (`Peers::redial`).
+                    core.peers.redial(peer, w);
+                }
                 continue;
             }
             if !sleep(&mut core, WaitKey::Dial(peer), deadline) && Instant::now() >= deadline {

@@ -27,7 +27,9 @@
 //! The lower rank's dial that won a tie and then fails before it binds (its connection broke)
 //! leaves the pair with no connection: the dial it won over was refused. Its `connect` dials
 //! once more, within its deadline ([`Peers::take_won_tie`]), and the other side answers that
-//! dial as any other. The higher rank's dial, refused for that tie, gives way too when the
+//! dial as any other. The redial's `Proof` proves the broken dial's session ([`Peers::redial`]):
+//! a side that bound the broken connection and has not heard it broke rebinds the rank to the
+//! redial, as for any process coming back, instead of refusing it. The higher rank's dial, refused for that tie, gives way too when the
 //! refusal comes after the lower rank's dial broke here (so no crossing is left to see), and
 //! so does a dial that gave way to a dial which then broke: each waits [`REDIAL_WAIT`] (to its
 //! deadline at most) for the redial.
@@ -44,7 +46,7 @@
 //! The instance is what the peer says it is: a `connect` that gives way trusts the answer's
 //! claim that it is the process already bound, as a first `connect` trusts its claim of a rank
 //! (with a deployment secret, only a member can make either claim).
-use super::Peers;
+use super::{Peers, WonTie};
 use crate::{Handshake, Identity, Message, PeerInfo, RankId, Refusal, SessionKey, Step};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
@@ -109,7 +111,8 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             Step::Reply(m) => out.push(A::Send(m)),
             Step::Verified { peer: info, .. } => {
                 if self.may_bind(&info, peer) {
-                    let held = self.session(info.rank);
+                    let redial = self.redial_of.get(&peer).filter(|(r, _)| *r == info.rank);
+                    let held = redial.map(|&(_, s)| s).or(self.session(info.rank));
                     if let Some(proof) = hs.accept(me, held.as_ref()) {
                         out.push(A::Send(proof));
                     }
@@ -285,17 +288,34 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 && h.dialled_peer()
                     .is_some_and(|d| d.rank == info.rank && d.instance == info.instance)
         });
-        for (p, _) in ours {
-            self.won_tie.insert(*p, (info.rank, now));
-        }
+        let won: Vec<(P, WonTie)> = ours
+            .map(|(p, h)| {
+                let w = WonTie {
+                    rank: info.rank,
+                    session: h.dial_session(),
+                    at: now,
+                };
+                (*p, w)
+            })
+            .collect();
+        self.won_tie.extend(won);
     }
 
     /// If the dial on `peer` won a tie and then failed before the rank was bound: the rank it
     /// was for. The peer's dial was refused for this one, so neither connection is left; the
     /// pair is connected only if this side dials again (`connect` does, within its deadline).
     /// Taken once; a dial that was refused, or whose rank got bound, has no entry.
-    pub fn take_won_tie(&mut self, peer: P) -> Option<RankId> {
-        self.won_tie.remove(&peer).map(|(rank, _)| rank)
+    pub fn take_won_tie(&mut self, peer: P) -> Option<WonTie> {
+        self.won_tie.remove(&peer)
+    }
+
+    /// `connect` dials `peer` again for a won tie whose dial broke: its `Proof` proves the
+    /// broken dial's session, so that an answerer still holding that connection bound (it has
+    /// not heard it broke) rebinds the rank to this one, as for any process coming back.
+    pub fn redial(&mut self, peer: P, won: WonTie) {
+        if let Some(session) = won.session {
+            self.redial_of.insert(peer, (won.rank, session));
+        }
     }
 
     /// If the dial on `peer` gave way to its rank's dial the other way: that rank, which is
