@@ -100,6 +100,13 @@ pub struct TagKeys {
     pub outbound: TagKey,
 }
 
+/// Drops the entries of `m` that are `keep` old at `now` (`at`: since when an entry is kept).
+fn expire<K, V>(m: &mut HashMap<K, V>, now: Instant, keep: Duration, at: impl Fn(&V) -> Instant) {
+    if !m.is_empty() {
+        m.retain(|_, v| now.saturating_duration_since(at(v)) < keep);
+    }
+}
+
 /// A dial of `connect`'s that won a tie (see `binding`): the rank, the session its `Proof`
 /// made (if it got that far), and since when.
 #[derive(Clone, Copy, Debug)]
@@ -420,23 +427,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// handshake is not done within HANDSHAKE_LIMIT. Also forgets old refusals.
     pub fn due_closes(&mut self, now: Instant) -> Vec<P> {
         self.expire_refusals(now);
-        if !self.gave_way.is_empty() {
-            self.gave_way
-                .retain(|_, (_, t)| now.saturating_duration_since(*t) < REFUSED_KEEP);
-        }
-        if !self.won_tie.is_empty() {
-            self.won_tie
-                .retain(|_, w| now.saturating_duration_since(w.at) < REFUSED_KEEP);
-        }
-        if !self.lost_answers.is_empty() {
-            self.lost_answers
-                .retain(|_, (_, t)| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
-        }
-        for m in [&mut self.gave_way_to, &mut self.expect_redial] {
-            if !m.is_empty() {
-                m.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
-            }
-        }
+        expire(&mut self.gave_way, now, REFUSED_KEEP, |&(_, t)| t);
+        expire(&mut self.won_tie, now, REFUSED_KEEP, |w| w.at);
+        expire(&mut self.lost_answers, now, HANDSHAKE_LIMIT, |&(_, t)| t);
+        expire(&mut self.gave_way_to, now, HANDSHAKE_LIMIT, |&t| t);
+        expire(&mut self.expect_redial, now, HANDSHAKE_LIMIT, |&t| t);
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;
         let mut out: Vec<P> = due.into_iter().map(|(p, _)| p).collect();
@@ -504,11 +499,8 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         r.peer = None;
         self.failures += 1;
-        if let Some(instance) = r.instance.filter(|_| r.answered) {
-            // The peer's own dial was the bound connection.
-            self.note_lost_answer(rank, instance, now);
-        }
-        let r = self.ranks.get_mut(&rank)?;
+        // The peer's own dial was the bound connection: noted below.
+        let lost_answer = r.instance.filter(|_| r.answered);
         if r.dial.is_some() || r.by_dial_back {
             // Not at once: a peer that is shutting down (the common case of a failure seen on
             // a healthy machine) has a moment to close its listener first.
@@ -517,6 +509,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             r.next_try = Some(now + FIRST_BACKOFF);
         } else {
             r.state = PeerState::Failed;
+        }
+        if let Some(instance) = lost_answer {
+            self.note_lost_answer(rank, instance, now);
         }
         Some(rank)
     }

@@ -419,39 +419,7 @@ impl Engine {
                 // The rank dialled this side while this dial ran, and the pair keeps its
                 // connection (`Peers::on_handshake`): connected once that one is bound.
                 // Its address is not kept for redials: the side whose dial was kept redials.
-                loop {
-                    if core.peers.state(rank) == PeerState::Connected {
-                        return Ok(rank);
-                    }
-                    // A redial expected from the rank is waited for a while, not to the deadline.
-                    let now = Instant::now();
-                    let until = core
-                        .peers
-                        .redial_expected_until(rank, now)
-                        .map_or(deadline, |t| t.min(deadline));
-                    if !core.peers.waiting_for_crossing(rank, now)
-                        || !sleep(&mut core, WaitKey::Peer(rank), until)
-                            && Instant::now() >= deadline
-                    {
-                        if core.peers.redial_was_expected(rank) {
-                            return Err(Error::new(
-                                ErrorKind::PeerLost,
-                                format!(
-                                    "{address}: {rank} dialled this side at the same time, this \
-                                     dial gave way to its, and that connection broke; its redial \
-                                     did not come in time (connect again)"
-                                ),
-                            ));
-                        }
-                        return Err(Error::new(
-                            ErrorKind::RankInUse,
-                            format!(
-                                "{address}: {rank} dialled this side at the same time, and this \
-                                 dial gave way to its, which did not complete"
-                            ),
-                        ));
-                    }
-                }
+                return wait_for_crossing(&mut core, rank, address, deadline);
             }
             if let Some(reason) = core.peers.refusal(peer) {
                 // Let our own `Refuse` (if we sent one) go out, then close the endpoint: a
@@ -1466,6 +1434,51 @@ impl Drop for Engine {
         // Stop the progress thread (where the core's sink runs) while this engine still owns
         // the agent, so the sink is never the one to drop it.
         self.inner.agent.shutdown();
+    }
+}
+
+/// `connect`'s wait after its dial gave way to `rank`'s dial the other way: until that one is
+/// bound, or ends, or (when its connection broke) `REDIAL_WAIT` passes without the redial, and
+/// by `deadline`.
+fn wait_for_crossing(
+    core: &mut MutexGuard<'_, Core>,
+    rank: RankId,
+    address: &str,
+    deadline: Instant,
+) -> Result<RankId> {
+    loop {
+        if core.peers.state(rank) == PeerState::Connected {
+            return Ok(rank);
+        }
+        // A redial expected from the rank is waited for a while, not to the deadline.
+        let now = Instant::now();
+        let until = core
+            .peers
+            .redial_expected_until(rank, now)
+            .map_or(deadline, |t| t.min(deadline));
+        if core.peers.waiting_for_crossing(rank, now)
+            && (sleep(core, WaitKey::Peer(rank), until) || Instant::now() < deadline)
+        {
+            continue;
+        }
+        return Err(if core.peers.redial_was_expected(rank) {
+            Error::new(
+                ErrorKind::PeerLost,
+                format!(
+                    "{address}: {rank} dialled this side at the same time, this dial gave way to \
+                     its, and that connection broke; its redial did not come in time (connect \
+                     again)"
+                ),
+            )
+        } else {
+            Error::new(
+                ErrorKind::RankInUse,
+                format!(
+                    "{address}: {rank} dialled this side at the same time, and this dial gave way \
+                     to its, which did not complete"
+                ),
+            )
+        });
     }
 }
 

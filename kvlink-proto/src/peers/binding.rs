@@ -170,27 +170,22 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 out.push(A::Refused(reason, None));
                 self.refuse(peer, reason, false, now);
             }
-            Step::RefusedByPeer(reason) => match dialled {
-                Some(info) if reason == Refusal::RankInUse && self.crossing_from(&info) => {
+            Step::RefusedByPeer(reason) => match dialled
+                .filter(|_| reason == Refusal::RankInUse)
+                .and_then(|info| self.refused_for_crossing(me, &info, now))
+            {
+                Some((rank, broke)) => {
+                    if broke {
+                        // The lower rank refused us for a tie while its dial here was alive;
+                        // that dial has since broken, so its `connect` dials once more.
+                        self.expect_redial.insert(rank, now);
+                    }
                     self.end_refused(peer, reason, true, now);
-                    self.give_way(peer, info.rank, now);
-                    self.gave_way_to.insert(info.rank, now);
-                    out.push(A::GaveWay(info.rank));
+                    self.give_way(peer, rank, now);
+                    self.gave_way_to.insert(rank, now);
+                    out.push(A::GaveWay(rank));
                 }
-                Some(info)
-                    if reason == Refusal::RankInUse
-                        && info.rank < me.rank
-                        && self.lost_answer_from(&info, now) =>
-                {
-                    // The lower rank refused us for a tie while its dial here was alive; that
-                    // dial has since broken, so its `connect` dials once more: wait for it.
-                    self.expect_redial.insert(info.rank, now);
-                    self.end_refused(peer, reason, true, now);
-                    self.give_way(peer, info.rank, now);
-                    self.gave_way_to.insert(info.rank, now);
-                    out.push(A::GaveWay(info.rank));
-                }
-                _ => {
+                None => {
                     out.push(A::RefusedByPeer(reason));
                     if let Some(rank) = self.refuse(peer, reason, true, now) {
                         out.push(A::Lost(rank));
@@ -346,6 +341,24 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// waited for it): a wait for it that ends did not end for a conflict.
     pub fn redial_was_expected(&self, rank: RankId) -> bool {
         self.expect_redial.contains_key(&rank)
+    }
+
+    /// Whether a `RankInUse` refusal from `info`'s process is its side of a crossing: its dial
+    /// is bound or shaking hands here, or (the lower rank, which wins ties) its dial here broke
+    /// lately. The rank, and whether its dial broke (its redial is then to be waited for).
+    fn refused_for_crossing(
+        &self,
+        me: &Identity,
+        info: &PeerInfo,
+        now: Instant,
+    ) -> Option<(RankId, bool)> {
+        if self.crossing_from(info) {
+            Some((info.rank, false))
+        } else if info.rank < me.rank && self.lost_answer_from(info, now) {
+            Some((info.rank, true))
+        } else {
+            None
+        }
     }
 
     /// Did `info`'s process dial this side lately, and that connection break?
