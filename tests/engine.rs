@@ -11,6 +11,19 @@ const CTX: u32 = 0;
 const GEN: u32 = 1;
 
 fn engines(kind: TransportKind, timeout: Duration, suppress: Option<u64>) -> (Engine, Engine) {
+    let (ctx, gen) = unconnected(kind, timeout, suppress);
+    let r = gen
+        .connect(&ctx.address(), Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(r, RankId(CTX));
+    ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(ctx.peer_name(RankId(GEN)).as_deref(), Some("gen"));
+    (ctx, gen)
+}
+
+/// The two engines of [`engines`], not yet connected.
+fn unconnected(kind: TransportKind, timeout: Duration, suppress: Option<u64>) -> (Engine, Engine) {
     let mut c = EngineConfig::new("ctx", CTX, kind.clone());
     if !kind.by_worker_address() {
         c.listen = Some("127.0.0.1:0".parse().unwrap());
@@ -23,13 +36,6 @@ fn engines(kind: TransportKind, timeout: Duration, suppress: Option<u64>) -> (En
     g.timeout = timeout;
     g.agreement_bound = Duration::from_millis(500);
     let gen = Engine::new(g).unwrap();
-    let r = gen
-        .connect(&ctx.address(), Instant::now() + Duration::from_secs(5))
-        .unwrap();
-    assert_eq!(r, RankId(CTX));
-    ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
-        .unwrap();
-    assert_eq!(ctx.peer_name(RankId(GEN)).as_deref(), Some("gen"));
     (ctx, gen)
 }
 
@@ -906,6 +912,44 @@ fn every_wait_returns_by_its_deadline_whatever_the_deadline() {
 
 /// 4096 requests of 4 KiB in flight at once, twice in a row on the same engines, every byte
 /// checked.
+/// `connect` returns by its deadline while this rank's progress thread is stuck (a test fault
+/// holds it, before and inside the dial's command), with a typed error and no rank bound; once
+/// the thread runs again the next `connect` connects and a request completes.
+#[test]
+fn connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = unconnected(kind.clone(), Duration::from_secs(5), None);
+        for at_next_connect in [false, true] {
+            gen.fault_stall_progress(Duration::from_millis(700), at_next_connect)
+                .unwrap();
+            let deadline = Instant::now() + Duration::from_millis(200);
+            let e = gen.connect(&ctx.address(), deadline).unwrap_err();
+            let late = Instant::now().saturating_duration_since(deadline);
+            println!("{kind:?} (stuck in the dial: {at_next_connect}): {late:?} late: {e}");
+            assert!(late < Duration::from_millis(100), "{kind:?}: {late:?}");
+            assert_eq!(e.kind, kvlink::ErrorKind::Transport, "{e}");
+            assert_eq!(
+                gen.peer_state(RankId(CTX)),
+                kvlink::connection::PeerState::Unknown
+            );
+            std::thread::sleep(Duration::from_millis(800));
+        }
+        let r = gen
+            .connect(&ctx.address(), Instant::now() + Duration::from_secs(5))
+            .unwrap();
+        assert_eq!(r, RankId(CTX));
+        ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
+            .unwrap();
+        let (g, c, ok) = run(&ctx, &gen, RequestKey::new(7, 0), &[4096, 1 << 20]);
+        assert_eq!(
+            (g, c, ok),
+            (Outcome::Completed, Outcome::Completed, true),
+            "{kind:?}"
+        );
+        assert_eq!(gen.health().peers, 1);
+    }
+}
+
 #[test]
 fn four_thousand_requests_in_flight_complete_twice() {
     const N: u64 = 4096;

@@ -688,3 +688,81 @@ fn ends_cancelled_at_once(op: &mut Op, kind: &TransportKind) {
     assert_eq!(end, Outcome::Cancelled, "{kind:?}");
     assert!(t0.elapsed() < Duration::from_millis(500), "{kind:?}");
 }
+
+/// A connect while the progress thread is stuck returns by its deadline with a typed error and
+/// leaves nothing behind. Stuck before the connect command runs: no endpoint is made. Stuck
+/// inside it (the endpoint made after the caller gave up): the endpoint is closed again. Either
+/// way the agent then connects and carries a message.
+#[test]
+fn a_connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
+    const STALL: Duration = Duration::from_millis(700);
+    for kind in KINDS {
+        let mut ob = AgentOptions::new("b", kind.clone());
+        if !kind.by_worker_address() {
+            ob.listen = Some("127.0.0.1:0".parse().unwrap());
+        }
+        let b = Agent::new(ob).unwrap();
+        let a = Agent::new(AgentOptions::new("a", kind.clone())).unwrap();
+        let dial = |deadline: Instant| match b.listen_address() {
+            Some(at) => a.connect_by(at, deadline),
+            None => a.connect_worker_by(&b.worker_address(), deadline),
+        };
+        for at_next_connect in [false, true] {
+            a.fault_stall_progress(STALL, at_next_connect).unwrap();
+            let deadline = Instant::now() + Duration::from_millis(200);
+            let e = dial(deadline).unwrap_err();
+            let late = Instant::now().saturating_duration_since(deadline);
+            let stage = if at_next_connect {
+                "in the connect command"
+            } else {
+                "before it"
+            };
+            println!("{kind:?}, stuck {stage}: connect ended {late:?} past its deadline: {e}");
+            assert!(
+                late < Duration::from_millis(100),
+                "{kind:?} {stage}: {late:?}"
+            );
+            assert_eq!(e.kind, ErrorKind::Transport, "{e}");
+            // After the stall: an endpoint made for nobody is closed (its failure is reported,
+            // the only trace of it); none is made when the command had not started.
+            let made = a.next_event(Instant::now() + STALL + Duration::from_millis(500), None);
+            assert_eq!(
+                matches!(made, Some(Event::PeerFailed(_))),
+                at_next_connect,
+                "{kind:?} {stage}: {made:?}"
+            );
+            assert_eq!(a.stats().peer_entries, 0, "{kind:?} {stage}");
+        }
+        let ab = dial(Instant::now() + Duration::from_secs(5)).unwrap();
+        let mut hello = a.send_control(ab, b"after".to_vec()).unwrap();
+        let dl = Instant::now() + Duration::from_secs(5);
+        assert_eq!(hello.wait(dl, None).unwrap(), Outcome::Completed);
+        // On shared memory `b` was reached twice: by the endpoint made for nobody (its `Bind`
+        // still went out, which keeps the next endpoint paired with its own there) and by this
+        // one. Over tcp the endpoint made for nobody is force-closed, perhaps before its
+        // connection reached `b`; if it did, `b` hears that it failed.
+        let (mut accepted, mut failed) = (Vec::new(), Vec::new());
+        let (from, got) = loop {
+            match b.next_event(dl, None).expect("the message must arrive") {
+                Event::Control(p, bytes) => break (p, bytes),
+                Event::Accepted(p, _) => accepted.push(p),
+                Event::PeerFailed(p) => failed.push(p),
+                _ => continue,
+            }
+        };
+        assert_eq!(got, b"after");
+        assert_eq!(accepted.last(), Some(&from), "{kind:?}");
+        let made_for_nobody = &accepted[..accepted.len() - 1];
+        if kind.by_worker_address() {
+            assert_eq!(made_for_nobody.len(), 1, "{kind:?}: {accepted:?}");
+        } else {
+            assert!(made_for_nobody.len() <= 1, "{kind:?}: {accepted:?}");
+            for &p in made_for_nobody {
+                if !failed.contains(&p) {
+                    failed_at(&b, p);
+                }
+            }
+        }
+        assert_eq!(a.stats().peer_entries, 1, "{kind:?}");
+    }
+}

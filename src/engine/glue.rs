@@ -106,6 +106,10 @@ pub(crate) struct Core {
     last_prune: Instant,
 }
 
+/// How long a reconnect round's dial waits for the progress thread to make its endpoint (no
+/// caller waits for it).
+const DIAL_WAIT: Duration = Duration::from_secs(10);
+
 /// How long an ended receive's tag is remembered as "late, not foreign".
 const RETIRED_FOR: Duration = Duration::from_secs(120);
 
@@ -321,7 +325,7 @@ impl Inner {
                 if inner.stopping.load(Ordering::Acquire) {
                     return;
                 }
-                let dialled = super::dial(&inner.agent, &address);
+                let dialled = super::dial(&inner.agent, &address, Instant::now() + DIAL_WAIT);
                 let mut core = inner.core.lock();
                 match dialled {
                     // Failed before we got here: its failure, already handled, found no dial

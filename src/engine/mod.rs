@@ -288,11 +288,12 @@ fn key_err(kind: ErrorKind, key: RequestKey, what: &str) -> Error {
     Error::new(kind, format!("{key}: {what}"))
 }
 
-/// Dials `address` (`ip:port` or `ucx:<hex worker address>`).
-pub(crate) fn dial(agent: &Agent, address: &str) -> Result<PeerId> {
+/// Dials `address` (`ip:port` or `ucx:<hex worker address>`): returns once the progress thread
+/// has made the endpoint, or by `deadline` (within 10 s) if it has not.
+pub(crate) fn dial(agent: &Agent, address: &str, deadline: Instant) -> Result<PeerId> {
     match address.strip_prefix(WORKER_ADDRESS_PREFIX) {
-        Some(h) => agent.connect_worker(&unhex(h)?),
-        None => agent.connect(crate::config::parse_listen_address(address)?),
+        Some(h) => agent.connect_worker_by(&unhex(h)?, deadline),
+        None => agent.connect_by(crate::config::parse_listen_address(address)?, deadline),
     }
 }
 
@@ -387,12 +388,15 @@ impl Engine {
     }
 
     /// Connects to the rank at `address` (as printed by [`Engine::address`]) and waits, until
-    /// `deadline`, for the handshake to bind it. Returns its rank. The engine remembers the
+    /// `deadline`, for the handshake to bind it (`PeerLost` when it has not; at once, dialling
+    /// nothing, when the deadline has already passed). Returns its rank. The engine remembers the
     /// address: if the connection fails later, it dials it again by itself (see [`PeerState`]).
     /// A handshake refused either way is `AuthFailed` (the two sides do not hold the same
     /// deployment secret), `RankInUse` (the peer, or this side, has that rank bound to another
     /// live process) or `Protocol` (the two speak different wire versions: returned as soon as
-    /// the refusal arrives, not at the deadline). Two ranks that dial each other at once (two
+    /// the refusal arrives, not at the deadline). `Transport` if this side's progress thread
+    /// was too busy (or stuck) to make the endpoint by `deadline` (one it makes later is closed
+    /// unused: `Agent::connect_by`). Two ranks that dial each other at once (two
     /// tcp connections) end on one connection, and both `connect`s return the other's rank; a
     /// `connect` to a rank already connected (the same process, by either side's dial) returns
     /// its rank (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the
@@ -405,8 +409,14 @@ impl Engine {
     /// when that does not connect the pair: the redial refused, or no redial in time (connect
     /// again).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
+        if Instant::now() >= deadline {
+            return Err(Error::new(
+                ErrorKind::PeerLost,
+                format!("{address}: the deadline had passed; nothing was dialled"),
+            ));
+        }
         let mut moves = self.inner.agent.worker_moves_begun();
-        let mut peer = dial(&self.inner.agent, address)?;
+        let mut peer = dial(&self.inner.agent, address, deadline)?;
         let mut core = self.inner.core.lock();
         self.inner.say_hello(&mut core, peer)?;
         let mut redialled = false;
@@ -482,7 +492,7 @@ impl Engine {
                 // a command, run after the pass that moves).
                 moves = now_moves;
                 drop(core);
-                peer = dial(&self.inner.agent, address)?;
+                peer = dial(&self.inner.agent, address, deadline)?;
                 core = self.inner.core.lock();
                 self.inner.say_hello(&mut core, peer)?;
                 if let Some(w) = won_tie {
@@ -1274,6 +1284,15 @@ impl Engine {
     #[doc(hidden)]
     pub fn fault_stuck_receive_queue(&self) -> Result<()> {
         self.inner.agent.fault_stuck_receive_queue()
+    }
+
+    /// A fault for tests: the engine's progress thread stalls (see
+    /// [`Agent::fault_stall_progress`](crate::transport::Agent::fault_stall_progress)).
+    #[doc(hidden)]
+    pub fn fault_stall_progress(&self, stall: Duration, at_next_connect: bool) -> Result<()> {
+        self.inner
+            .agent
+            .fault_stall_progress(stall, at_next_connect)
     }
 
     /// The progress snapshot.

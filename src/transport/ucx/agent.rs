@@ -128,6 +128,17 @@ impl Agent {
         self.shared.submit(Cmd::FaultStuck)
     }
 
+    /// A fault for tests: the progress thread stalls for `stall` (a progress thread stuck in
+    /// UCX), at once, or, with `at_next_connect`, in the next connect command just before it
+    /// makes its endpoint. Callers that wait for it must still return by their deadlines.
+    #[doc(hidden)]
+    pub fn fault_stall_progress(&self, stall: Duration, at_next_connect: bool) -> Result<()> {
+        self.shared.submit(Cmd::FaultStall {
+            stall,
+            at_next_connect,
+        })
+    }
+
     /// The bound listen address (with the real port when 0 was asked for).
     pub fn listen_address(&self) -> Option<SocketAddr> {
         self.listen_addr
@@ -141,22 +152,35 @@ impl Agent {
     }
 
     /// Connects to a peer's listener. The endpoint is usable at once; its failure is reported
-    /// by later operations and as [`Event::PeerFailed`].
+    /// by later operations and as [`Event::PeerFailed`]. Waits up to 10 s for the progress
+    /// thread to make it ([`Agent::connect_by`] takes a deadline).
     pub fn connect(&self, addr: SocketAddr) -> Result<PeerId> {
-        let r = Reply::new();
-        self.shared.submit(Cmd::Connect(addr, r.clone()))?;
-        r.wait(Instant::now() + Duration::from_secs(10))
+        self.connect_by(addr, Instant::now() + ANSWER_WAIT)
     }
 
-    /// Connects to a peer by its exported worker address.
+    /// [`Agent::connect`], returning by `deadline` (and within 10 s): a `Transport` error if
+    /// the progress thread has not made the endpoint by then (it is busy, or stuck). An
+    /// endpoint it makes after that is closed again, unused.
+    pub fn connect_by(&self, addr: SocketAddr, deadline: Instant) -> Result<PeerId> {
+        let r = Reply::new();
+        self.shared.submit(Cmd::Connect(addr, r.clone()))?;
+        wait_for_endpoint(&r, deadline)
+    }
+
+    /// Connects to a peer by its exported worker address (waits as [`Agent::connect`]).
     pub fn connect_worker(&self, address: &[u8]) -> Result<PeerId> {
+        self.connect_worker_by(address, Instant::now() + ANSWER_WAIT)
+    }
+
+    /// [`Agent::connect_worker`], returning by `deadline` as [`Agent::connect_by`] does.
+    pub fn connect_worker_by(&self, address: &[u8], deadline: Instant) -> Result<PeerId> {
         if address.is_empty() || address.len() > 64 * 1024 {
             return Err(Error::invalid("worker address must be 1..=65536 bytes"));
         }
         let r = Reply::new();
         self.shared
             .submit(Cmd::ConnectWorker(address.to_vec(), r.clone()))?;
-        r.wait(Instant::now() + Duration::from_secs(10))
+        wait_for_endpoint(&r, deadline)
     }
 
     /// The memory types the linked UCX supports (a bit per `ucs_memory_type_t`), asked of UCX
@@ -178,7 +202,7 @@ impl Agent {
         self.check_peer(peer)?;
         let r = Reply::new();
         self.shared.submit(Cmd::PeerTransports(peer, r.clone()))?;
-        r.wait(Instant::now() + Duration::from_secs(10))
+        r.wait(Instant::now() + ANSWER_WAIT)
     }
 
     /// This agent's unique id, carried in the header of every control message it sends.
@@ -354,7 +378,7 @@ impl Agent {
             len,
             reply: r.clone(),
         })?;
-        let (id, packed_rkey) = r.wait(Instant::now() + Duration::from_secs(10))?;
+        let (id, packed_rkey) = r.wait(Instant::now() + ANSWER_WAIT)?;
         Ok(MemHandle {
             id,
             addr: addr as u64,
@@ -388,7 +412,7 @@ impl Agent {
             packed: packed.to_vec(),
             reply: r.clone(),
         })?;
-        let id = r.wait(Instant::now() + Duration::from_secs(10))?;
+        let id = r.wait(Instant::now() + ANSWER_WAIT)?;
         Ok(RemoteKey {
             id,
             peer,
@@ -591,6 +615,19 @@ impl Agent {
         }
         r.wait(deadline).is_ok()
     }
+}
+
+/// How long a call waits for the progress thread to answer when its caller gave no deadline.
+const ANSWER_WAIT: Duration = Duration::from_secs(10);
+
+/// Waits for a connect command's endpoint until `deadline`, and at most [`ANSWER_WAIT`].
+fn wait_for_endpoint(r: &Reply<PeerId>, deadline: Instant) -> Result<PeerId> {
+    r.wait_or(deadline.min(Instant::now() + ANSWER_WAIT), || {
+        Error::new(
+            ErrorKind::Transport,
+            "the progress thread made no endpoint by the deadline (busy or stuck)",
+        )
+    })
 }
 
 impl Drop for Agent {

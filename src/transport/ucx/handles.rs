@@ -49,6 +49,19 @@ impl Endpoint {
     pub fn new(ep: sys::ucp_ep_h, worker: sys::ucp_worker_h) -> Self {
         Endpoint { ep, worker }
     }
+
+    /// Closes the endpoint in flush mode, without waiting: what is queued on it still goes out
+    /// first, in the worker's later progress.
+    pub fn close_flushed(self) {
+        let this = std::mem::ManuallyDrop::new(self);
+        let param = sys::ucp_request_param_t::default();
+        // SAFETY: closed exactly once, here (not dropped: no force close follows).
+        let req = unsafe { sys::ucp_ep_close_nbx(this.ep, &param) };
+        if sys::ptr_is_ptr(req) {
+            // SAFETY: freed once; UCX finishes the close and releases it in later progress.
+            unsafe { sys::ucp_request_free(req) };
+        }
+    }
 }
 
 impl Drop for Endpoint {

@@ -200,6 +200,20 @@ impl Progress {
         }
     }
 
+    /// Forgets the endpoint of a worker-address dial whose caller had already given up waiting
+    /// for it, as a failed peer is forgotten, but closes it in flush mode: its `Bind` still
+    /// goes out. The peer pairs endpoints between two workers by their count, and a `Bind` lost
+    /// here would leave the dialler's next endpoint paired with this closed one there. (A
+    /// listener's connection needs no such care, and is force-closed, so that the peer hears.)
+    pub(super) fn close_unwanted(&mut self, peer: PeerId) {
+        let ep = self.peers.get_mut(&peer.0).and_then(|e| e.ep.take());
+        self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true);
+        if let Some(ep) = ep {
+            self.ep_to_peer.remove(&(ep.ep as usize));
+            ep.close_flushed();
+        }
+    }
+
     /// A control message arrived on `ep` (UCX's reply endpoint: ours to the sending endpoint,
     /// which a sender cannot choose). Hand it on as from that peer unless the peer has failed
     /// (then it is stale and dropped). The header's uid is not trusted: any sender can write any.

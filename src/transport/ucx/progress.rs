@@ -10,7 +10,7 @@ use super::peers::{close_on_exec_at, sockaddr_of, sockaddr_port, PeerEntry, Targ
 use super::probe::{am_probe_cb, Probe, Verdict};
 use super::shared::{Cmd, Reply, Shared};
 use super::{
-    resources, sys, ucx_err, AgentOptions, Event, AM_BATCH_ID, AM_BIND_ID, AM_CONTROL_ID,
+    resources, sys, ucx_err, AgentOptions, Event, PeerId, AM_BATCH_ID, AM_BIND_ID, AM_CONTROL_ID,
     AM_DRAIN_ID, AM_PROBE_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
@@ -98,6 +98,9 @@ pub(super) struct Progress {
     /// a queue keeps its capacity, so no report allocates once the pair is warm.
     pub(super) cb_spare: Vec<CbEvent>,
     pub(super) ev_spare: VecDeque<Event>,
+    /// A fault for tests: the next connect command stalls this long before it makes its
+    /// endpoint ([`Agent::fault_stall_progress`](super::Agent::fault_stall_progress)).
+    pub(super) connect_stall: Option<Duration>,
 }
 
 // SAFETY: the UCX handles in `Progress` are raw pointers into a worker created with
@@ -517,6 +520,7 @@ impl Progress {
                 shutdown: false,
                 cb_spare: Vec::new(),
                 ev_spare: VecDeque::new(),
+                connect_stall: None,
             };
             // From here on, `p.teardown()` releases what exists.
             match p.setup(opts) {
@@ -924,14 +928,55 @@ impl Progress {
         }
     }
 
+    /// Makes an endpoint for a caller that waits for it, unless it has given up waiting; one
+    /// made after it gave up is closed again (no peer of the owner's knows it): by worker
+    /// address in flush mode ([`Progress::close_unwanted`]), else as a failed peer.
+    fn connect_for(
+        &mut self,
+        reply: &Reply<PeerId>,
+        by_worker_address: bool,
+        make: impl FnOnce(&mut Self) -> Result<PeerId>,
+    ) {
+        if reply.given_up() {
+            tracing::info!("a connect whose caller had given up was not started");
+            return;
+        }
+        if let Some(stall) = self.connect_stall.take() {
+            std::thread::sleep(stall);
+        }
+        if let Some(Ok(peer)) = reply.offer(make(self)) {
+            tracing::info!(
+                peer = peer.0,
+                "closing the endpoint of a connect whose caller gave up"
+            );
+            if by_worker_address {
+                self.close_unwanted(peer);
+            } else {
+                self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true);
+            }
+        }
+    }
+
     /// Runs one queued command.
     fn run_command(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Shutdown => self.shutdown = true,
             Cmd::FaultStuck => self.receive_stuck(),
+            Cmd::FaultStall {
+                stall,
+                at_next_connect: false,
+            } => std::thread::sleep(stall),
+            Cmd::FaultStall {
+                stall,
+                at_next_connect: true,
+            } => self.connect_stall = Some(stall),
             Cmd::PeerTransports(peer, reply) => reply.set(self.peer_transports(peer)),
-            Cmd::Connect(addr, reply) => reply.set(self.connect(Target::Sock(addr))),
-            Cmd::ConnectWorker(addr, reply) => reply.set(self.connect_worker(&addr)),
+            Cmd::Connect(addr, reply) => {
+                self.connect_for(&reply, false, |p| p.connect(Target::Sock(addr)))
+            }
+            Cmd::ConnectWorker(addr, reply) => {
+                self.connect_for(&reply, true, |p| p.connect_worker(&addr))
+            }
             Cmd::Tag {
                 send,
                 peer,
@@ -943,13 +988,22 @@ impl Progress {
             Cmd::Control { peer, bytes, slot } => self.start_control(peer, bytes, slot),
             Cmd::Post { peer, bytes } => self.send_internal(peer, AM_CONTROL_ID, bytes),
             Cmd::CancelOp { id, at } => self.cancel_op(id, at),
-            Cmd::Map { addr, len, reply } => reply.set(self.map(addr, len)),
+            Cmd::Map { addr, len, reply } => {
+                // A mapping whose caller gave up waiting (10 s) is undone at once.
+                if let Some(Ok((id, _))) = reply.offer(self.map(addr, len)) {
+                    self.unmap(id);
+                }
+            }
             Cmd::Unmap(id) => self.unmap(id),
             Cmd::UnpackRkey {
                 peer,
                 packed,
                 reply,
-            } => reply.set(self.unpack_rkey(peer, &packed)),
+            } => {
+                if let Some(Ok(id)) = reply.offer(self.unpack_rkey(peer, &packed)) {
+                    self.destroy_rkey(id);
+                }
+            }
             Cmd::DestroyRkey(id) => self.destroy_rkey(id),
             Cmd::Rma {
                 rkey,

@@ -76,37 +76,79 @@ pub(super) enum Cmd {
     PeerTransports(PeerId, Arc<Reply<Option<Vec<String>>>>),
     /// A fault for tests: act as if the probe had found the receive queue stuck.
     FaultStuck,
+    /// A fault for tests: the progress thread sleeps, now or in the next connect command.
+    FaultStall {
+        stall: Duration,
+        at_next_connect: bool,
+    },
     Shutdown,
 }
 
-/// A one-shot reply from the progress thread.
+/// A one-shot reply from the progress thread. A waiter whose deadline passes gives the reply up:
+/// what the progress thread makes for it afterwards comes back to that thread ([`Reply::offer`])
+/// to be undone, so that a caller who returned on time leaves nothing behind.
 pub(super) struct Reply<T> {
-    value: Mutex<Option<Result<T>>>,
+    state: Mutex<ReplyState<T>>,
     cv: Condvar,
+}
+
+struct ReplyState<T> {
+    value: Option<Result<T>>,
+    given_up: bool,
 }
 
 impl<T> Reply<T> {
     pub(super) fn new() -> Arc<Self> {
         Arc::new(Reply {
-            value: Mutex::new(None),
+            state: Mutex::new(ReplyState {
+                value: None,
+                given_up: false,
+            }),
             cv: Condvar::new(),
         })
     }
+
+    /// Hands `v` to the waiter; for replies whose value needs no undoing.
     pub(super) fn set(&self, v: Result<T>) {
-        *self.value.lock() = Some(v);
-        self.cv.notify_all();
+        drop(self.offer(v));
     }
-    pub(super) fn wait(&self, deadline: Instant) -> Result<T> {
-        let mut v = self.value.lock();
-        while v.is_none() {
-            if self.cv.wait_until(&mut v, deadline).timed_out() && v.is_none() {
-                return Err(Error::new(
-                    ErrorKind::Transport,
-                    "progress thread did not answer",
-                ));
-            }
+
+    /// Hands `v` to the waiter, or gives it back when the waiter has given up.
+    pub(super) fn offer(&self, v: Result<T>) -> Option<Result<T>> {
+        let mut s = self.state.lock();
+        if s.given_up {
+            return Some(v);
         }
-        v.take().unwrap()
+        s.value = Some(v);
+        self.cv.notify_all();
+        None
+    }
+
+    /// Whether the waiter has given up (the work it asked for need not be started).
+    pub(super) fn given_up(&self) -> bool {
+        self.state.lock().given_up
+    }
+
+    /// The value, or a `Transport` error if none came by `deadline` (the reply is then given up).
+    pub(super) fn wait(&self, deadline: Instant) -> Result<T> {
+        self.wait_or(deadline, || {
+            Error::new(ErrorKind::Transport, "progress thread did not answer")
+        })
+    }
+
+    /// The value, or `late()` if none came by `deadline` (the reply is then given up).
+    pub(super) fn wait_or(&self, deadline: Instant, late: impl FnOnce() -> Error) -> Result<T> {
+        let mut s = self.state.lock();
+        loop {
+            if let Some(v) = s.value.take() {
+                return v;
+            }
+            if Instant::now() >= deadline {
+                s.given_up = true;
+                return Err(late());
+            }
+            self.cv.wait_until(&mut s, deadline);
+        }
     }
 }
 
@@ -479,6 +521,7 @@ impl Shared {
             | Cmd::Unmap(_)
             | Cmd::DestroyRkey(_)
             | Cmd::FaultStuck
+            | Cmd::FaultStall { .. }
             | Cmd::Shutdown => {}
         }
     }
