@@ -922,6 +922,7 @@ fn connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
         for at_next_connect in [false, true] {
             gen.fault_stall_progress(Duration::from_millis(700), at_next_connect)
                 .unwrap();
+            std::thread::sleep(Duration::from_millis(50)); // the stall has begun
             let deadline = Instant::now() + Duration::from_millis(200);
             let e = gen.connect(&ctx.address(), deadline).unwrap_err();
             let late = Instant::now().saturating_duration_since(deadline);
@@ -1104,4 +1105,60 @@ fn a_peer_of_the_previous_wire_version_is_refused_and_counted() {
     assert_eq!((h.refused_version, h.bad_frames), (1, 3), "{h:?}");
     assert_eq!(ctx.peer_state(RankId(7)), PeerState::Connected);
     assert_eq!(answer(peer, Duration::from_millis(300)), None);
+}
+
+/// A receiver's wait while its own progress thread is stuck (a test fault holds it; a peer
+/// that is stuck instead is the frozen-sender case of `engine_faults`): the receive cannot be
+/// cancelled until the thread runs again, and caller memory cannot be fenced, so the wait holds
+/// for the agreement bound, then returns `TimedOut` by the deadline rule, counted in
+/// `unsettled_returns`, with the buffer's lease kept. Once the thread runs, the receive is
+/// cancelled, the lease given back, and the next request completes.
+#[test]
+fn a_wait_while_its_own_progress_thread_is_stuck_returns_by_the_deadline_rule() {
+    const STALL: Duration = Duration::from_millis(1500);
+    const BOUND: Duration = Duration::from_millis(500); // `engines`' agreement bound
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
+        let key = RequestKey::new(9, 0);
+        let mut buf = vec![0u8; 1 << 20];
+        advertise_one(&gen, key, &mut buf);
+        let dl = Instant::now() + Duration::from_secs(5);
+        let adv = ctx.next_advertisement(dl, None).unwrap();
+        ctx.accept(key, adv.from, true).unwrap();
+        assert_eq!(gen.recv_ready(key, dl, None), Some(true));
+        gen.fault_stall_progress(STALL, false).unwrap();
+        std::thread::sleep(Duration::from_millis(50)); // the stall has begun
+        let stalled = Instant::now();
+        let deadline = stalled + Duration::from_millis(300);
+        let o = gen.wait(key, Role::Receiver, deadline, None).unwrap();
+        let late = Instant::now().saturating_duration_since(deadline);
+        let h = gen.health();
+        println!(
+            "{kind:?}: wait {o:?}, {late:?} past its deadline, unsettled {}, leased {}",
+            h.unsettled_returns, h.buffers_leased
+        );
+        assert_eq!(o, Outcome::TimedOut);
+        assert!(late <= BOUND + Duration::from_millis(100), "{late:?}");
+        assert_eq!((h.unsettled_returns, h.buffers_leased), (1, 1), "{kind:?}");
+        std::thread::sleep((stalled + STALL + BOUND).saturating_duration_since(Instant::now()));
+        let h = gen.health();
+        assert_eq!(h.buffers_leased, 0, "{kind:?}: {h:?}");
+        let (g, c, ok) = run(&ctx, &gen, RequestKey::new(10, 0), &[4096, 1 << 20]);
+        assert_eq!(
+            (g, c, ok),
+            (Outcome::Completed, Outcome::Completed, true),
+            "{kind:?}"
+        );
+        // The sender learnt the first request's end: nothing of it is left on either side.
+        let c = ctx.wait(
+            key,
+            Role::Sender {
+                receiver: RankId(GEN),
+            },
+            dl,
+            None,
+        );
+        println!("{kind:?}: the context side's wait for the first request: {c:?}");
+        assert_eq!(ctx.health().buffers_leased + gen.health().buffers_leased, 0);
+    }
 }

@@ -709,6 +709,7 @@ fn a_connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
         };
         for at_next_connect in [false, true] {
             a.fault_stall_progress(STALL, at_next_connect).unwrap();
+            std::thread::sleep(Duration::from_millis(50)); // the stall has begun
             let deadline = Instant::now() + Duration::from_millis(200);
             let e = dial(deadline).unwrap_err();
             let late = Instant::now().saturating_duration_since(deadline);

@@ -128,9 +128,9 @@ impl Agent {
         self.shared.submit(Cmd::FaultStuck)
     }
 
-    /// A fault for tests: the progress thread stalls for `stall` (a progress thread stuck in
-    /// UCX), at once, or, with `at_next_connect`, in the next connect command just before it
-    /// makes its endpoint. Callers that wait for it must still return by their deadlines.
+    /// A fault for tests: the progress thread stalls for `stall`, as if stuck in UCX: after
+    /// its next pass, holding the worker (no caller drives it meanwhile either), or, with
+    /// `at_next_connect`, in the next connect command just before it makes its endpoint.
     #[doc(hidden)]
     pub fn fault_stall_progress(&self, stall: Duration, at_next_connect: bool) -> Result<()> {
         self.shared.submit(Cmd::FaultStall {

@@ -98,8 +98,11 @@ pub(super) struct Progress {
     /// a queue keeps its capacity, so no report allocates once the pair is warm.
     pub(super) cb_spare: Vec<CbEvent>,
     pub(super) ev_spare: VecDeque<Event>,
-    /// A fault for tests: the next connect command stalls this long before it makes its
-    /// endpoint ([`Agent::fault_stall_progress`](super::Agent::fault_stall_progress)).
+    /// Faults for tests ([`Agent::fault_stall_progress`](super::Agent::fault_stall_progress)):
+    /// the progress thread sleeps this long after its next pass, holding the worker (so that no
+    /// caller drives it meanwhile either); the next connect command stalls this long before it
+    /// makes its endpoint.
+    pub(super) stall: Option<Duration>,
     pub(super) connect_stall: Option<Duration>,
 }
 
@@ -282,6 +285,10 @@ fn run(shared: &Shared) {
         let pass = p.pass();
         if p.shutdown {
             return;
+        }
+        if let Some(stall) = p.stall.take() {
+            std::thread::sleep(stall);
+            continue;
         }
         if pass.progressed {
             empty_streak = 0;
@@ -520,6 +527,7 @@ impl Progress {
                 shutdown: false,
                 cb_spare: Vec::new(),
                 ev_spare: VecDeque::new(),
+                stall: None,
                 connect_stall: None,
             };
             // From here on, `p.teardown()` releases what exists.
@@ -965,7 +973,7 @@ impl Progress {
             Cmd::FaultStall {
                 stall,
                 at_next_connect: false,
-            } => std::thread::sleep(stall),
+            } => self.stall = Some(stall),
             Cmd::FaultStall {
                 stall,
                 at_next_connect: true,
