@@ -52,6 +52,18 @@ fn cross(
     ctx_first: bool,
     apart: Duration,
 ) -> (Proc, Proc) {
+    cross_with(transport, places, deadline_ms, ctx_first, apart, &[])
+}
+
+/// [`cross`], with `ctx_extra` added to the context rank's arguments.
+fn cross_with(
+    transport: &str,
+    places: [Place; 2],
+    deadline_ms: u64,
+    ctx_first: bool,
+    apart: Duration,
+    ctx_extra: &[&str],
+) -> (Proc, Proc) {
     let ms = deadline_ms.to_string();
     let args = |p: &Place, role: &[&str]| -> Vec<String> {
         let mut a: Vec<String> = role.iter().map(|s| s.to_string()).collect();
@@ -61,7 +73,9 @@ fn cross(
         }
         a
     };
-    let ctx_args = args(&places[0], &["ctx", "--dial-line", "--dial-ms", &ms]);
+    let mut ctx_role = vec!["ctx", "--dial-line", "--dial-ms", &ms];
+    ctx_role.extend_from_slice(ctx_extra);
+    let ctx_args = args(&places[0], &ctx_role);
     let ctx_refs: Vec<&str> = ctx_args.iter().map(String::as_str).collect();
     let mut ctx = spawn(places[0].ns, &ctx_refs);
     let ctx_addr = ctx.expect_addr();
@@ -225,4 +239,57 @@ fn a_crossing_cut_by_a_partition_ends_by_the_deadline_on_both_sides() {
                 && net.iptables_b(&["-D", "OUTPUT", "-j", "DROP"])
         );
     }
+}
+
+/// A crossing whose tie-winning dial (the context rank's: the lower rank wins) has its
+/// connection broken as it wins, before its handshake ends (the `break_won_tie` fault). The
+/// generation rank's dial was refused for that tie, so no connection is left: the context
+/// rank's `connect` dials once more, proving the broken dial's session (the generation rank may
+/// still hold that connection bound), and the generation rank's `connect` waits for that dial.
+/// Both return the other rank, a request completes, and neither counts a refusal. Crossings
+/// that end without a tie leave the fault unfired; rounds go on until it has fired three times.
+#[test]
+fn a_won_tie_whose_connection_breaks_is_healed_by_a_redial() {
+    let (mut fired, mut rounds) = (0u32, 0u32);
+    while fired < 3 && rounds < 60 {
+        let apart = Duration::from_micros(u64::from(rounds % 4) * 100);
+        let ctx_first = rounds % 2 == 0;
+        let (mut ctx, mut gen) = cross_with(
+            "tcp",
+            here("tcp"),
+            10_000,
+            ctx_first,
+            apart,
+            &["--break-won-tie"],
+        );
+        let dialled = ctx.expect_one_of(&["DIALED ", "DIAL-ERROR "]);
+        let broken = ctx.expect("WON-TIE-BROKEN ");
+        let connected = gen.expect_one_of(&["CONNECTED", "CONNECT-ERROR "]);
+        println!(
+            "round {rounds} (ctx first: {ctx_first}, {apart:?} apart): {dialled}; {broken}; \
+             {connected}"
+        );
+        assert_eq!(
+            dialled, "DIALED 1",
+            "round {rounds}: the context rank's connect"
+        );
+        assert_eq!(
+            connected, "CONNECTED",
+            "round {rounds}: the generation rank's"
+        );
+        gen.send("REQ 1");
+        let line = gen.expect("GEN 1 ");
+        assert_eq!(field(&line, "end"), "Completed", "round {rounds}: {line}");
+        assert_eq!(field(&line, "verified"), "true", "round {rounds}: {line}");
+        for p in [&mut ctx, &mut gen] {
+            let line = p.expect("TRUST ");
+            for counter in ["rank", "by_peer", "auth"] {
+                assert_eq!(field(&line, counter), "0", "round {rounds}: {line}");
+            }
+        }
+        fired += u32::from(broken == "WON-TIE-BROKEN 1");
+        rounds += 1;
+    }
+    println!("the fault fired in {fired} of {rounds} crossings");
+    assert!(fired >= 1, "no crossing in {rounds} was a tie");
 }

@@ -10,7 +10,8 @@
 //!   With `--dial-line` it first reads `DIAL <address>` from stdin, connects there (deadline
 //!   `--dial-ms`, default 10000) and prints
 //!   `DIALED <rank>` or `DIAL-ERROR <kind> late_ms=<ms>` (so that two ranks can dial each other
-//!   at once).
+//!   at once); with `--break-won-tie` that dial's connection breaks if it wins the crossing,
+//!   and `WON-TIE-BROKEN <0|1>` follows.
 //! `kvlink-engine-peer gen --transport tcp|sm --to ADDR --sizes 4K,64M,.. [--timeout-ms N]`
 //!   connects, prints `CONNECTED`, then for every stdin line `REQ <id>` advertises one request
 //!   with one buffer per size, prints `ADV <id>`, waits for its end and prints
@@ -45,6 +46,7 @@ use kvlink::error::ErrorKind;
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
 use kvlink::transport::{Agent, AgentOptions, TransportKind};
 use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -95,6 +97,10 @@ enum Rank {
         /// The deadline of that connect, in milliseconds from its start.
         #[arg(long = "dial-ms", default_value_t = 10_000)]
         dial_ms: u64,
+        /// The `break_won_tie` fault: that dial's connection breaks if it wins a crossing;
+        /// `WON-TIE-BROKEN <n>` follows the dial's line.
+        #[arg(long = "break-won-tie")]
+        break_won_tie: bool,
     },
     /// The generation (receiving) rank: one request per `REQ <id>` line on stdin.
     Gen(GenOpts),
@@ -246,6 +252,7 @@ fn main() {
             region_mb,
             dial_line,
             dial_ms,
+            break_won_tie,
         } => ctx(
             &args,
             transport,
@@ -253,7 +260,7 @@ fn main() {
             *suppress,
             *hold,
             *region_mb,
-            dial_line.then_some(*dial_ms),
+            dial_line.then_some((*dial_ms, *break_won_tie)),
         ),
         Rank::Gen(opts) => {
             // The engine is dropped inside `gen`, before the exit: its UCX resources are freed
@@ -316,12 +323,16 @@ fn ctx(
     suppress: Option<u64>,
     hold: bool,
     region_mb: Option<usize>,
-    dial_line: Option<u64>,
+    dial_line: Option<(u64, bool)>,
 ) {
     let by_address = setting.0.by_worker_address();
     let mut cfg = config(args, "ctx", CTX, setting);
     // The lost-completion fault: this request's data is "sent" without moving.
     cfg.faults.suppress_data_of_request = suppress;
+    let won_tie_broken = Arc::new(AtomicU64::new(0));
+    if dial_line.is_some_and(|(_, b)| b) {
+        cfg.faults.break_won_tie = Some(won_tie_broken.clone());
+    }
     if let Some(l) = listen {
         cfg.listen = Some(l.parse().expect("--listen ip:port"));
     } else if !by_address {
@@ -338,7 +349,7 @@ fn ctx(
     }
     let region_base = region.map(|r| (r.as_mut_ptr(), r.len()));
     let mut stdin = std::io::stdin().lock().lines();
-    if let Some(ms) = dial_line {
+    if let Some((ms, break_won_tie)) = dial_line {
         let to = dial_address(&mut stdin);
         let deadline = Instant::now() + Duration::from_millis(ms);
         match engine.connect(&to, deadline) {
@@ -348,6 +359,12 @@ fn ctx(
                 e.kind,
                 late_ms(deadline)
             )),
+        }
+        if break_won_tie {
+            say(format!(
+                "WON-TIE-BROKEN {}",
+                won_tie_broken.load(Ordering::Acquire)
+            ));
         }
     }
     loop {

@@ -103,6 +103,9 @@ pub(crate) struct Core {
     /// Tags of receives that ended without their data: data arriving later under one is
     /// `late`, not `foreign` (for RETIRED_FOR).
     pub retired: Aged<u64, ()>,
+    /// Endpoints the `break_won_tie` fault cut: what arrives on them is dropped, as if the
+    /// connection had broken at once, until their failure is reported.
+    pub fault_cut: Vec<PeerId>,
     last_prune: Instant,
 }
 
@@ -164,6 +167,7 @@ impl Core {
             waiters: Waiters::default(),
             counters: Counters::default(),
             retired: Aged::new(RETIRED_FOR, AGED_CAP),
+            fault_cut: Vec::new(),
             last_prune: Instant::now(),
         }
     }
@@ -264,6 +268,23 @@ impl Inner {
         true
     }
 
+    /// The `break_won_tie` fault: once, force-closes the dials to `rank` that just won a tie.
+    fn fault_break_won_tie(&self, core: &mut Core, rank: RankId) {
+        let Some(count) = &self.faults.break_won_tie else {
+            return;
+        };
+        let dials = core.peers.won_tie_dials(rank);
+        if dials.is_empty() || count.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        tracing::warn!("fault: breaking the connection of a dial that won a crossing with {rank}");
+        for p in dials {
+            let _ = self.agent.close_peer(p);
+            core.fault_cut.push(p);
+        }
+        count.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// One handshake message from `peer` (see [`crate::proto::handshake`]): the peer table
     /// decides (`Peers::on_handshake`: bind, refuse, or give way to a crossing dial), this
     /// carries it out.
@@ -294,11 +315,14 @@ impl Inner {
                 ),
                 A::Refused(reason, _) => tracing::warn!("refused a peer: {reason:?}"),
                 A::RefusedByPeer(reason) => tracing::warn!("a peer refused this rank: {reason:?}"),
-                A::Crossed(rank) => tracing::info!(
-                    peer = rank.0,
-                    "{rank} dialled this side while this side's dial to it ran: this side's dial \
-                     is the pair's connection, its dial is refused"
-                ),
+                A::Crossed(rank) => {
+                    tracing::info!(
+                        peer = rank.0,
+                        "{rank} dialled this side while this side's dial to it ran: this side's \
+                         dial is the pair's connection, its dial is refused"
+                    );
+                    self.fault_break_won_tie(core, rank);
+                }
                 A::Unbound(rank) => core.waiters.wake(WaitKey::Peer(rank)),
                 A::GaveWay(rank) => {
                     tracing::info!(
@@ -389,8 +413,10 @@ impl Inner {
                      will be dialled back"
                 );
             }
+            Event::Control(peer, _) if core.fault_cut.contains(&peer) => {}
             Event::Control(peer, bytes) => self.on_control(core, now, peer, &bytes),
             Event::PeerFailed(peer) => {
+                core.fault_cut.retain(|&p| p != peer);
                 // Its refusal (if one was going out) is failed with it: polled, never dropped
                 // unfinished here (that would wait for progress this pass holds up).
                 if let Some(op) = core.refusal_ops.remove(&peer) {

@@ -61,7 +61,7 @@ use glue::{Core, Inner, OnReap, RecvOp};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use waiters::{sleep, WaitKey};
@@ -131,6 +131,10 @@ pub struct Faults {
     /// Impersonation: introduce this engine with another process's instance nonce (which any
     /// peer it answered has seen). It must buy nothing: the instance is not a credential.
     pub instance: Option<u64>,
+    /// A dial of `connect` that wins a crossing of dials has its connection force-closed as it
+    /// wins, before its handshake ends: the window in which `connect` dials once more and the
+    /// other side waits for that (see [`Engine::connect`]). Once, counted here.
+    pub break_won_tie: Option<Arc<AtomicU64>>,
 }
 
 /// One buffer a generation rank offers for a request.

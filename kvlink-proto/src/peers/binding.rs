@@ -296,6 +296,13 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.won_tie.extend(won);
     }
 
+    /// The dials of `connect` to `rank` that won a tie and are not yet bound, refused or
+    /// taken ([`Peers::take_won_tie`]).
+    pub fn won_tie_dials(&self, rank: RankId) -> Vec<P> {
+        let won = self.won_tie.iter().filter(|(_, w)| w.rank == rank);
+        won.map(|(p, _)| *p).collect()
+    }
+
     /// If the dial on `peer` won a tie and then failed before the rank was bound: the rank it
     /// was for. The peer's dial was refused for this one, so neither connection is left; the
     /// pair is connected only if this side dials again (`connect` does, within its deadline).
