@@ -910,8 +910,6 @@ fn every_wait_returns_by_its_deadline_whatever_the_deadline() {
     );
 }
 
-/// 4096 requests of 4 KiB in flight at once, twice in a row on the same engines, every byte
-/// checked.
 /// `connect` returns by its deadline while this rank's progress thread is stuck (a test fault
 /// holds it, before and inside the dial's command), with a typed error and no rank bound; once
 /// the thread runs again the next `connect` connects and a request completes.
@@ -920,10 +918,9 @@ fn connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
         let (ctx, gen) = unconnected(kind.clone(), Duration::from_secs(5), None);
         for at_next_connect in [false, true] {
-            gen.fault_stall_progress(Duration::from_millis(700), at_next_connect)
+            gen.fault_stall_progress(Duration::from_millis(1000), at_next_connect)
                 .unwrap();
-            std::thread::sleep(Duration::from_millis(50)); // the stall has begun
-            let deadline = Instant::now() + Duration::from_millis(200);
+            let deadline = Instant::now() + Duration::from_millis(400);
             let e = gen.connect(&ctx.address(), deadline).unwrap_err();
             let late = Instant::now().saturating_duration_since(deadline);
             println!("{kind:?} (stuck in the dial: {at_next_connect}): {late:?} late: {e}");
@@ -933,7 +930,7 @@ fn connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
                 gen.peer_state(RankId(CTX)),
                 kvlink::connection::PeerState::Unknown
             );
-            std::thread::sleep(Duration::from_millis(800));
+            std::thread::sleep(Duration::from_millis(900));
         }
         let r = gen
             .connect(&ctx.address(), Instant::now() + Duration::from_secs(5))
@@ -951,6 +948,8 @@ fn connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
     }
 }
 
+/// 4096 requests of 4 KiB in flight at once, twice in a row on the same engines, every byte
+/// checked.
 #[test]
 fn four_thousand_requests_in_flight_complete_twice() {
     const N: u64 = 4096;
@@ -1127,7 +1126,6 @@ fn a_wait_while_its_own_progress_thread_is_stuck_returns_by_the_deadline_rule() 
         ctx.accept(key, adv.from, true).unwrap();
         assert_eq!(gen.recv_ready(key, dl, None), Some(true));
         gen.fault_stall_progress(STALL, false).unwrap();
-        std::thread::sleep(Duration::from_millis(50)); // the stall has begun
         let stalled = Instant::now();
         let deadline = stalled + Duration::from_millis(300);
         let o = gen.wait(key, Role::Receiver, deadline, None).unwrap();
@@ -1138,7 +1136,8 @@ fn a_wait_while_its_own_progress_thread_is_stuck_returns_by_the_deadline_rule() 
             h.unsettled_returns, h.buffers_leased
         );
         assert_eq!(o, Outcome::TimedOut);
-        assert!(late <= BOUND + Duration::from_millis(100), "{late:?}");
+        // The rule's "few milliseconds" are 30 (`SETTLE_SLACK`); 100 more for a busy machine.
+        assert!(late <= BOUND + Duration::from_millis(130), "{late:?}");
         assert_eq!((h.unsettled_returns, h.buffers_leased), (1, 1), "{kind:?}");
         std::thread::sleep((stalled + STALL + BOUND).saturating_duration_since(Instant::now()));
         let h = gen.health();

@@ -413,7 +413,7 @@ class Engine {
   /// sides do not hold the same secret, `RankInUse` if the peer (or this rank) has that rank bound
   /// to another live process, `Protocol` (at once) if the two speak different wire versions,
   /// `Transport` if this rank's progress thread was too busy (or stuck) to make the endpoint by
-  /// `deadline` (one it makes later is closed unused). Two ranks may dial each other at once, or dial a rank already connected to them: the pair
+  /// `deadline`, or within 10 s (one it makes later is closed unused). Two ranks may dial each other at once, or dial a rank already connected to them: the pair
   /// keeps one connection and both calls return the other's rank. A dial that won such a
   /// crossing and whose connection broke before the handshake ended is made once more, within
   /// `deadline` (proving the broken dial's session, so a peer still holding that connection

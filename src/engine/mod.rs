@@ -399,8 +399,8 @@ impl Engine {
     /// deployment secret), `RankInUse` (the peer, or this side, has that rank bound to another
     /// live process) or `Protocol` (the two speak different wire versions: returned as soon as
     /// the refusal arrives, not at the deadline). `Transport` if this side's progress thread
-    /// was too busy (or stuck) to make the endpoint by `deadline` (one it makes later is closed
-    /// unused: `Agent::connect_by`). Two ranks that dial each other at once (two
+    /// was too busy (or stuck) to make the endpoint by `deadline`, or within 10 s (one it makes
+    /// later is closed unused: `Agent::connect_by`). Two ranks that dial each other at once (two
     /// tcp connections) end on one connection, and both `connect`s return the other's rank; a
     /// `connect` to a rank already connected (the same process, by either side's dial) returns
     /// its rank (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the

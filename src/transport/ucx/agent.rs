@@ -133,10 +133,14 @@ impl Agent {
     /// `at_next_connect`, in the next connect command just before it makes its endpoint.
     #[doc(hidden)]
     pub fn fault_stall_progress(&self, stall: Duration, at_next_connect: bool) -> Result<()> {
+        let armed = Reply::new();
         self.shared.submit(Cmd::FaultStall {
             stall,
             at_next_connect,
-        })
+            armed: armed.clone(),
+        })?;
+        // Returns once the stall has begun (or is armed): what is queued after it waits.
+        armed.wait(Instant::now() + ANSWER_WAIT)
     }
 
     /// The bound listen address (with the real port when 0 was asked for).
@@ -160,7 +164,8 @@ impl Agent {
 
     /// [`Agent::connect`], returning by `deadline` (and within 10 s): a `Transport` error if
     /// the progress thread has not made the endpoint by then (it is busy, or stuck). An
-    /// endpoint it makes after that is closed again, unused.
+    /// endpoint it makes after that is closed again, unused (its failure is reported as
+    /// [`Event::PeerFailed`] of an id this call never returned).
     pub fn connect_by(&self, addr: SocketAddr, deadline: Instant) -> Result<PeerId> {
         let r = Reply::new();
         self.shared.submit(Cmd::Connect(addr, r.clone()))?;

@@ -102,7 +102,7 @@ pub(super) struct Progress {
     /// the progress thread sleeps this long after its next pass, holding the worker (so that no
     /// caller drives it meanwhile either); the next connect command stalls this long before it
     /// makes its endpoint.
-    pub(super) stall: Option<Duration>,
+    pub(super) stall: Option<(Duration, Arc<Reply<()>>)>,
     pub(super) connect_stall: Option<Duration>,
 }
 
@@ -286,7 +286,8 @@ fn run(shared: &Shared) {
         if p.shutdown {
             return;
         }
-        if let Some(stall) = p.stall.take() {
+        if let Some((stall, armed)) = p.stall.take() {
+            armed.set(Ok(()));
             std::thread::sleep(stall);
             continue;
         }
@@ -973,11 +974,16 @@ impl Progress {
             Cmd::FaultStall {
                 stall,
                 at_next_connect: false,
-            } => self.stall = Some(stall),
+                armed,
+            } => self.stall = Some((stall, armed)),
             Cmd::FaultStall {
                 stall,
                 at_next_connect: true,
-            } => self.connect_stall = Some(stall),
+                armed,
+            } => {
+                self.connect_stall = Some(stall);
+                armed.set(Ok(()));
+            }
             Cmd::PeerTransports(peer, reply) => reply.set(self.peer_transports(peer)),
             Cmd::Connect(addr, reply) => {
                 self.connect_for(&reply, false, |p| p.connect(Target::Sock(addr)))
@@ -997,7 +1003,11 @@ impl Progress {
             Cmd::Post { peer, bytes } => self.send_internal(peer, AM_CONTROL_ID, bytes),
             Cmd::CancelOp { id, at } => self.cancel_op(id, at),
             Cmd::Map { addr, len, reply } => {
-                // A mapping whose caller gave up waiting (10 s) is undone at once.
+                // Not made for a caller that gave up waiting (10 s); undone if it gave up
+                // meanwhile.
+                if reply.given_up() {
+                    return;
+                }
                 if let Some(Ok((id, _))) = reply.offer(self.map(addr, len)) {
                     self.unmap(id);
                 }
@@ -1008,6 +1018,9 @@ impl Progress {
                 packed,
                 reply,
             } => {
+                if reply.given_up() {
+                    return;
+                }
                 if let Some(Ok(id)) = reply.offer(self.unpack_rkey(peer, &packed)) {
                     self.destroy_rkey(id);
                 }

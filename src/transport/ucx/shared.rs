@@ -76,10 +76,12 @@ pub(super) enum Cmd {
     PeerTransports(PeerId, Arc<Reply<Option<Vec<String>>>>),
     /// A fault for tests: act as if the probe had found the receive queue stuck.
     FaultStuck,
-    /// A fault for tests: the progress thread sleeps, now or in the next connect command.
+    /// A fault for tests: the progress thread sleeps, after its next pass or in the next
+    /// connect command; `armed` is answered when the sleep begins, or is armed.
     FaultStall {
         stall: Duration,
         at_next_connect: bool,
+        armed: Arc<Reply<()>>,
     },
     Shutdown,
 }
@@ -521,8 +523,8 @@ impl Shared {
             | Cmd::Unmap(_)
             | Cmd::DestroyRkey(_)
             | Cmd::FaultStuck
-            | Cmd::FaultStall { .. }
             | Cmd::Shutdown => {}
+            Cmd::FaultStall { armed, .. } => armed.set(Err(shutdown())),
         }
     }
 
