@@ -947,14 +947,16 @@ impl Progress {
         make: impl FnOnce(&mut Self) -> Result<PeerId>,
     ) {
         if reply.given_up() {
-            tracing::info!("a connect whose caller had given up was not started");
+            // The progress thread was too busy (or stuck) to start it by the caller's deadline:
+            // worth an operator's notice.
+            tracing::warn!("a connect whose caller had given up was not started");
             return;
         }
         if let Some(stall) = self.connect_stall.take() {
             std::thread::sleep(stall);
         }
         if let Some(Ok(peer)) = reply.offer(make(self)) {
-            tracing::info!(
+            tracing::warn!(
                 peer = peer.0,
                 "closing the endpoint of a connect whose caller gave up"
             );
