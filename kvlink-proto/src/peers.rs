@@ -87,6 +87,9 @@ pub(crate) struct Rank<P> {
     /// The session of the pair (kept after a failure: a redial proves it holds it) and the
     /// keys of the tags between us, derived from it.
     pub session: Option<SessionKey>,
+    /// The session the bound process proved when it was last rebound by a redial (see
+    /// [`Peers::held_sessions`]); None after a bind without one.
+    proved: Option<SessionKey>,
     pub keys: Option<TagKeys>,
     tries: u32,
     next_try: Option<Instant>,
@@ -269,6 +272,25 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.ranks.get(&rank).and_then(|r| r.session)
     }
 
+    /// The sessions a redial from `rank`'s process may prove to be taken as that process coming
+    /// back: the pair's session, and, if a redial rebound the rank, the one that redial proved.
+    /// A dialler whose redial's `Welcome` was lost (the redial's connection broke after its
+    /// `Proof` arrived here) still holds the session it proved, not the one the redial made,
+    /// and proves it again on its next try.
+    pub(crate) fn held_sessions(&self, rank: RankId) -> [Option<SessionKey>; 2] {
+        self.ranks
+            .get(&rank)
+            .map_or([None, None], |r| [r.session, r.proved])
+    }
+
+    /// `rank` was just rebound by a redial that proved `proved` (see
+    /// [`Peers::held_sessions`]).
+    pub(crate) fn rebound_proving(&mut self, rank: RankId, proved: SessionKey) {
+        if let Some(r) = self.ranks.get_mut(&rank) {
+            r.proved = Some(proved);
+        }
+    }
+
     /// A handshake starts on `peer` at `now` (dialled here, or the first message of a dialler).
     pub fn handshake_started(&mut self, peer: P, now: Instant) {
         self.pending.entry(peer).or_insert(now);
@@ -305,6 +327,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             answered: false,
             bound_at: None,
             session: None,
+            proved: None,
             keys: None,
             tries: 0,
             next_try: None,
@@ -328,6 +351,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         r.peer = Some(peer);
         r.name = info.name;
         r.session = Some(session);
+        r.proved = None;
         r.keys = Some(TagKeys {
             inbound: session.tag_key(rank, me),
             outbound: session.tag_key(me, rank),

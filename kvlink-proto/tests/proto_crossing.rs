@@ -10,9 +10,13 @@
 //! keepalive), and one connection broken mid-crossing. Its property is safety: the pair ends
 //! bound on both sides to one connection, or on neither, and every `connect` ends.
 //!
-//! What neither models: reconnect rounds and worker moves (resume proofs), shared memory's
-//! single connection (`tests/crossing_dials.rs` runs that between two processes), and the
-//! waiters' wake-ups (a `connect` here is looked at after every step).
+//! The third breaks the pair's connection once the crossing has settled, and runs the reconnect
+//! rounds (`Peers::due`, as the engine's background redials): the pair ends bound again, on a
+//! new connection, with nothing refused, whichever side's close and however late it is heard.
+//!
+//! What none models: worker moves, shared memory's single connection
+//! (`tests/crossing_dials.rs` runs that between two processes), and the waiters' wake-ups (a
+//! `connect` here is looked at after every step).
 use kvlink_proto::peers::{HandshakeAction, PeerState, Peers};
 use kvlink_proto::{Handshake, Identity, Message, RankId, Secret};
 use std::collections::VecDeque;
@@ -77,6 +81,11 @@ struct Net {
     faulted: bool,
     /// Messages the closes dropped.
     dropped: usize,
+    /// Reconnect rounds run: a rank `Reconnecting` is dialled again when due (the engine's
+    /// background redial), on a connection of its own.
+    reconnect: bool,
+    /// Reconnect dials made, by side.
+    redials: [u32; 2],
 }
 
 impl Net {
@@ -107,6 +116,8 @@ impl Net {
             fault_at: None,
             faulted: false,
             dropped: 0,
+            reconnect: false,
+            redials: [0; 2],
         }
     }
 
@@ -117,8 +128,16 @@ impl Net {
         (self.rng % n as u64) as usize
     }
 
-    /// Side `s` dials the other, on a new connection (the first two are 0 and 1).
+    /// Side `s`'s `connect` dials the other, on a new connection (the first two are 0 and 1).
     fn dial(&mut self, s: usize) {
+        let c = self.open_connection(s);
+        let side = &mut self.sides[s];
+        side.conn = c;
+        side.dial = Dial::Running;
+    }
+
+    /// Side `s` opens a new connection to the other and says `Hello` on it; returns it.
+    fn open_connection(&mut self, s: usize) -> usize {
         let c = self.q.len();
         self.q.push(Default::default());
         self.dialer.push(s);
@@ -128,11 +147,26 @@ impl Net {
         side.peers.handshakes.insert(ep(c), hs);
         side.peers.handshake_started(ep(c), self.now);
         side.open.push(true);
-        side.conn = c;
-        side.dial = Dial::Running;
         self.sides[1 - s].open.push(true);
         self.q[c][s].push_back(Item::Accept);
         self.q[c][s].push_back(Item::Msg(hello));
+        c
+    }
+
+    /// The reconnect rounds due now on each side (`Peers::due`): each dials on a connection of
+    /// its own, as the engine's background redial does (`Peers::dialled`, then `Hello`).
+    fn reconnect_rounds(&mut self) {
+        for s in 0..2 {
+            let now = self.now;
+            for (rank, _address) in self.sides[s].peers.due(now) {
+                let c = self.open_connection(s);
+                self.sides[s].peers.dialled(rank, ep(c));
+                self.redials[s] += 1;
+                if std::env::var("TRACE").is_ok() {
+                    println!("side {s}: reconnect round dials {rank} on conn {c}");
+                }
+            }
+        }
     }
 
     /// Every (connection, direction) with something on the way.
@@ -234,6 +268,8 @@ impl Net {
             side.dial = match side.dial.clone() {
                 Dial::Running => {
                     if let Some(r) = side.peers.rank_of(dial) {
+                        // `connect` keeps the address for reconnect rounds.
+                        side.peers.set_dial(r, "the other side");
                         Dial::Done(Ok(r))
                     } else if let Some(r) = side.peers.take_gave_way(dial) {
                         Dial::WaitingFor(r)
@@ -277,6 +313,9 @@ impl Net {
                 self.close(s, (p - 10) as usize);
             }
         }
+        if self.reconnect {
+            self.reconnect_rounds();
+        }
     }
 
     /// Runs to quiet: side `first` dials, the other after `stagger` steps (or once all is
@@ -317,6 +356,42 @@ impl Net {
             self.follow_dials();
             steps += 1;
             assert!(steps < 10_000, "no end");
+        }
+    }
+
+    /// Delivers in random order, 1 ms a step, and lets time pass when nothing is on the way,
+    /// until nothing is left to happen: no message, no close to be heard, no reconnect round
+    /// waiting for its next try.
+    fn run_to_quiet(&mut self) {
+        let mut steps = 0;
+        loop {
+            if Some(steps) == self.fault_at {
+                self.fault_at = None;
+                let (c, s) = (self.rand(self.q.len()), self.rand(2));
+                if std::env::var("TRACE").is_ok() {
+                    println!("FAULT: side {s} closes conn {c}");
+                }
+                self.faulted = self.close(s, c);
+            }
+            let ready = self.busy();
+            if ready.is_empty() {
+                let rounds = (0..2).any(|s| {
+                    let other = RankId(1 - s as u32);
+                    self.sides[s].peers.state(other) == PeerState::Reconnecting
+                });
+                if self.delayed.is_empty() && !rounds {
+                    return;
+                }
+                self.tick(Duration::from_millis(50));
+                self.follow_dials();
+            } else {
+                let (c, d) = ready[self.rand(ready.len())];
+                self.deliver(c, d);
+                self.tick(Duration::from_millis(1));
+                self.follow_dials();
+            }
+            steps += 1;
+            assert!(steps < 100_000, "no end");
         }
     }
 
@@ -731,4 +806,102 @@ fn a_dial_that_gave_way_waits_a_while_for_the_redial_of_a_dial_that_broke() {
     // A bind of the rank, or time, forgets it.
     net.tick(Duration::from_secs(11));
     assert!(!net.sides[1].peers.redial_was_expected(RankId(0)));
+}
+
+#[test]
+fn a_broken_pair_is_bound_again_by_the_reconnect_round_of_the_side_whose_dial_it_kept() {
+    // The crossing settles (no fault); then the pair's connection breaks, closed from a random
+    // side, with what that side had queued dropped, and heard at the other end at once or up
+    // to 12 s later (keepalive). The side whose dial the pair kept runs its reconnect rounds
+    // (the other side only answers); the pair ends bound again on both sides, to one new
+    // connection, one failure counted on each side and nothing refused. Where the dialler's
+    // redial reaches a side that still holds the broken connection bound, its resume proof
+    // rebinds the rank (the same process coming back).
+    let (mut resumed, mut second_breaks) = (0, 0);
+    let mut rounds_taken: std::collections::BTreeMap<u32, u32> = Default::default();
+    for seed in std::env::var("SEED").map_or(0..2000u64, |s| {
+        let s: u64 = s.parse().unwrap();
+        s..s + 1
+    }) {
+        let mut net = Net::new(seed, [77, 88]);
+        net.drops = true;
+        net.reconnect = true;
+        let first = (seed % 2) as usize;
+        let stagger = net.rand(12);
+        net.run(first, Some(stagger));
+        net.settle();
+        let ctx = format!("seed {seed}, side {first} first, the other after {stagger} steps");
+        assert_eq!(binding_outcome(&net, &ctx), "bound on both sides");
+        let kept = (net.sides[0].peers.endpoint(RankId(1)).unwrap() - 10) as usize;
+        let dialler = net.dialer[kept];
+        // The break: from either side, heard at once or late.
+        if seed % 3 != 0 {
+            net.late_fail = Some(Duration::from_secs(12));
+        }
+        let closer = net.rand(2);
+        // In half the orders a second break, of a random connection at a random step of the
+        // reconnect (the redial's own, often): the round tries again.
+        if seed % 2 == 1 {
+            net.fault_at = Some(net.rand(8));
+        }
+        let ctx = format!(
+            "{ctx}: conn {kept} (side {dialler}'s dial) closed by side {closer}, then a fault at \
+             step {:?}",
+            net.fault_at
+        );
+        assert!(net.close(closer, kept), "{ctx}");
+        // While the other end has not heard: does it still hold the broken connection bound?
+        let answerer = &net.sides[1 - dialler];
+        let held = answerer.peers.endpoint(RankId(dialler as u32)) == Some(ep(kept));
+        net.run_to_quiet();
+        net.settle();
+        assert_eq!(binding_outcome(&net, &ctx), "bound on both sides", "{ctx}");
+        let now_kept = (net.sides[0].peers.endpoint(RankId(1)).unwrap() - 10) as usize;
+        assert_ne!(now_kept, kept, "{ctx}: bound to the broken connection");
+        assert_eq!(
+            net.dialer[now_kept], dialler,
+            "{ctx}: not the dialler's redial"
+        );
+        assert_eq!(
+            net.redials[1 - dialler],
+            0,
+            "{ctx}: the answering side dialled"
+        );
+        for (s, other) in [(&net.sides[0], 1), (&net.sides[1], 0)] {
+            assert_eq!(s.peers.state(RankId(other)), PeerState::Connected, "{ctx}");
+            assert_eq!(
+                s.peers.refusals.rank_in_use + s.peers.refusals.by_peer,
+                0,
+                "{ctx}: a refusal"
+            );
+        }
+        // The closing side's endpoint failed at once: one failure. The other side counts one
+        // too, unless the redial's resume proof rebound the rank before it heard of the break.
+        let failures = |s: usize| net.sides[s].peers.failures;
+        if !net.faulted {
+            assert_eq!(failures(closer), 1, "{ctx}");
+            let rebound = failures(1 - closer) == 0;
+            assert!(failures(1 - closer) <= 1, "{ctx}");
+            assert!(
+                !rebound || held && closer == dialler,
+                "{ctx}: rebound, but how?"
+            );
+            resumed += u32::from(rebound);
+        }
+        second_breaks += u32::from(net.faulted);
+        *rounds_taken.entry(net.redials[dialler]).or_insert(0) += 1;
+    }
+    println!(
+        "reconnect dials per order: {rounds_taken:?}; {second_breaks} with a second break; in \
+         {resumed} of the others the redial's resume proof rebound a side that still held the \
+         broken connection"
+    );
+    // Deterministic: docs/RELIABILITY.md quotes these (update it with them).
+    assert_eq!((resumed, second_breaks), (497, 315));
+    let two = rounds_taken.get(&2).copied();
+    assert_eq!(
+        (rounds_taken.len(), two),
+        (2, Some(180)),
+        "{rounds_taken:?}"
+    );
 }

@@ -131,8 +131,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             } => {
                 // A rank still bound to a live endpoint is rebound only to the same session
                 // coming back (the dialler proves it holds it).
-                let old = self.session(info.rank);
-                let resumed = resume.is_some_and(|r| old.is_some_and(|o| hs.resumes(&o, &r)));
+                let proved = resume.and_then(|r| {
+                    let held = self.held_sessions(info.rank).into_iter().flatten();
+                    held.into_iter().find(|o| hs.resumes(o, &r))
+                });
+                let resumed = proved.is_some();
                 let tie = me.rank < info.rank
                     && self.shaking_hands(Handshake::dialled_peer, info.rank, Some(info.instance));
                 // A dial of ours that bound the rank after this one started crossed it.
@@ -141,7 +144,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                         .is_some_and(|(answered, at)| !answered && at.is_some_and(|b| b >= started))
                 });
                 if !tie && (resumed || self.may_bind(&info, peer)) {
+                    let rank = info.rank;
                     out.extend(self.bind_step(me, &mut hs, info, peer, session, now));
+                    if let Some(p) = proved {
+                        self.rebound_proving(rank, p);
+                    }
                 } else if tie || crossed {
                     // Our dial to the same process wins the tie, or already won it.
                     if tie {
