@@ -137,21 +137,27 @@ fn crossings(transport: &str, rounds: u32) {
             "round {round}: the generation rank's connect"
         );
         // One connection on both sides: data under the session's tags lands.
-        gen.send("REQ 1");
-        let line = gen.expect("GEN 1 ");
-        assert_eq!(field(&line, "end"), "Completed", "round {round}: {line}");
-        assert_eq!(field(&line, "verified"), "true", "round {round}: {line}");
+        let line = served_without_refusals(&mut ctx, &mut gen, &format!("round {round}"));
         assert_eq!(field(&line, "peers_failed"), "0", "round {round}: {line}");
-        let line = ctx.expect("CTX 1 ");
-        assert_eq!(field(&line, "end"), "Completed", "round {round}: {line}");
-        // Settling the crossing is not a refusal, on either side.
-        for p in [&mut ctx, &mut gen] {
-            let line = p.expect("TRUST ");
-            for counter in ["rank", "by_peer", "auth"] {
-                assert_eq!(field(&line, counter), "0", "round {round}: {line}");
-            }
+    }
+}
+
+/// Request 1 completes with every byte checked, and (the crossing settled) neither side has
+/// counted a refusal. Returns the generation rank's line.
+fn served_without_refusals(ctx: &mut Proc, gen: &mut Proc, what: &str) -> String {
+    gen.send("REQ 1");
+    let line = gen.expect("GEN 1 ");
+    assert_eq!(field(&line, "end"), "Completed", "{what}: {line}");
+    assert_eq!(field(&line, "verified"), "true", "{what}: {line}");
+    let c = ctx.expect("CTX 1 ");
+    assert_eq!(field(&c, "end"), "Completed", "{what}: {c}");
+    for p in [ctx, gen] {
+        let trust = p.expect("TRUST ");
+        for counter in ["rank", "by_peer", "auth"] {
+            assert_eq!(field(&trust, counter), "0", "{what}: {trust}");
         }
     }
+    line
 }
 
 #[test]
@@ -277,16 +283,7 @@ fn a_won_tie_whose_connection_breaks_is_healed_by_a_redial() {
             connected, "CONNECTED",
             "round {rounds}: the generation rank's"
         );
-        gen.send("REQ 1");
-        let line = gen.expect("GEN 1 ");
-        assert_eq!(field(&line, "end"), "Completed", "round {rounds}: {line}");
-        assert_eq!(field(&line, "verified"), "true", "round {rounds}: {line}");
-        for p in [&mut ctx, &mut gen] {
-            let line = p.expect("TRUST ");
-            for counter in ["rank", "by_peer", "auth"] {
-                assert_eq!(field(&line, counter), "0", "round {rounds}: {line}");
-            }
-        }
+        served_without_refusals(&mut ctx, &mut gen, &format!("round {rounds}"));
         fired += u32::from(broken == "WON-TIE-BROKEN 1");
         rounds += 1;
     }

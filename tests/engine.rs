@@ -12,14 +12,19 @@ const GEN: u32 = 1;
 
 fn engines(kind: TransportKind, timeout: Duration, suppress: Option<u64>) -> (Engine, Engine) {
     let (ctx, gen) = unconnected(kind, timeout, suppress);
+    connect_pair(&ctx, &gen);
+    assert_eq!(ctx.peer_name(RankId(GEN)).as_deref(), Some("gen"));
+    (ctx, gen)
+}
+
+/// The generation rank connects to the context rank; both see the other.
+fn connect_pair(ctx: &Engine, gen: &Engine) {
     let r = gen
         .connect(&ctx.address(), Instant::now() + Duration::from_secs(5))
         .unwrap();
     assert_eq!(r, RankId(CTX));
     ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
         .unwrap();
-    assert_eq!(ctx.peer_name(RankId(GEN)).as_deref(), Some("gen"));
-    (ctx, gen)
 }
 
 /// The two engines of [`engines`], not yet connected.
@@ -932,12 +937,7 @@ fn connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
             );
             std::thread::sleep(Duration::from_millis(900));
         }
-        let r = gen
-            .connect(&ctx.address(), Instant::now() + Duration::from_secs(5))
-            .unwrap();
-        assert_eq!(r, RankId(CTX));
-        ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
-            .unwrap();
+        connect_pair(&ctx, &gen);
         let (g, c, ok) = run(&ctx, &gen, RequestKey::new(7, 0), &[4096, 1 << 20]);
         assert_eq!(
             (g, c, ok),

@@ -318,6 +318,18 @@ impl Net {
         }
     }
 
+    /// The planned fault, if due at this step: a random connection closed from a random side.
+    fn fault_if_due(&mut self, steps: usize) {
+        if Some(steps) == self.fault_at {
+            self.fault_at = None;
+            let (c, s) = (self.rand(self.q.len()), self.rand(2));
+            if std::env::var("TRACE").is_ok() {
+                println!("FAULT: side {s} closes conn {c}");
+            }
+            self.faulted = self.close(s, c);
+        }
+    }
+
     /// Runs to quiet: side `first` dials, the other after `stagger` steps (or once all is
     /// quiet; never with None).
     fn run(&mut self, first: usize, stagger: Option<usize>) {
@@ -328,14 +340,7 @@ impl Net {
             if Some(steps) == stagger && second(self) {
                 self.dial(1 - first);
             }
-            if Some(steps) == self.fault_at {
-                self.fault_at = None;
-                let (c, s) = (self.rand(self.q.len()), self.rand(2));
-                if std::env::var("TRACE").is_ok() {
-                    println!("FAULT: side {s} closes conn {c}");
-                }
-                self.faulted = self.close(s, c);
-            }
+            self.fault_if_due(steps);
             let ready = self.busy();
             if ready.is_empty() {
                 if second(self) {
@@ -365,14 +370,7 @@ impl Net {
     fn run_to_quiet(&mut self) {
         let mut steps = 0;
         loop {
-            if Some(steps) == self.fault_at {
-                self.fault_at = None;
-                let (c, s) = (self.rand(self.q.len()), self.rand(2));
-                if std::env::var("TRACE").is_ok() {
-                    println!("FAULT: side {s} closes conn {c}");
-                }
-                self.faulted = self.close(s, c);
-            }
+            self.fault_if_due(steps);
             let ready = self.busy();
             if ready.is_empty() {
                 let rounds = (0..2).any(|s| {
