@@ -272,15 +272,32 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.ranks.get(&rank).and_then(|r| r.session)
     }
 
-    /// The sessions a redial from `rank`'s process may prove to be taken as that process coming
-    /// back: the pair's session, and, if a redial rebound the rank, the one that redial proved.
-    /// A dialler whose redial's `Welcome` was lost (the redial's connection broke after its
-    /// `Proof` arrived here) still holds the session it proved, not the one the redial made,
-    /// and proves it again on its next try.
-    pub(crate) fn held_sessions(&self, rank: RankId) -> [Option<SessionKey>; 2] {
-        self.ranks
-            .get(&rank)
-            .map_or([None, None], |r| [r.session, r.proved])
+    /// The sessions a redial from `rank`'s process, whose handshake here began at `started`,
+    /// may prove to be taken as that process coming back: the pair's session, and the one
+    /// proved by the redial that last rebound the rank ([`Peers::rebound_proving`]). A dialler
+    /// whose redial's `Welcome` was lost (the redial's connection broke after its `Proof`
+    /// arrived here) still holds the session it proved, not the one the redial made, and
+    /// proves it again on its next try. That one is taken only from a handshake begun since
+    /// the rebind (an older one is a dial of the process that lost to the dial that rebound:
+    /// [`Peers::proves_replaced`]) and within [`HANDSHAKE_LIMIT`] of it.
+    pub(crate) fn held_sessions(
+        &self,
+        rank: RankId,
+        started: Option<Instant>,
+        now: Instant,
+    ) -> [Option<SessionKey>; 2] {
+        let Some(r) = self.ranks.get(&rank) else {
+            return [None, None];
+        };
+        let fresh = r.bound_at.is_some_and(|b| {
+            started.is_some_and(|s| s >= b) && now.saturating_duration_since(b) < HANDSHAKE_LIMIT
+        });
+        [r.session, r.proved.filter(|_| fresh)]
+    }
+
+    /// The session proved by the redial that last rebound `rank`, if any.
+    pub(crate) fn proved_session(&self, rank: RankId) -> Option<SessionKey> {
+        self.ranks.get(&rank).and_then(|r| r.proved)
     }
 
     /// `rank` was just rebound by a redial that proved `proved` (see

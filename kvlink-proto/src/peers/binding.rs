@@ -131,11 +131,19 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             } => {
                 // A rank still bound to a live endpoint is rebound only to the same session
                 // coming back (the dialler proves it holds it).
-                let proved = resume.and_then(|r| {
-                    let held = self.held_sessions(info.rank).into_iter().flatten();
-                    held.into_iter().find(|o| hs.resumes(o, &r))
-                });
+                let started = self.pending.get(&peer).copied();
+                let held = self.held_sessions(info.rank, started, now);
+                let proved =
+                    resume.and_then(|r| held.into_iter().flatten().find(|o| hs.resumes(o, &r)));
                 let resumed = proved.is_some();
+                // A dial of the bound process begun before its redial rebound the rank, proving
+                // what that redial proved: it lost to that dial (the process's `connect` and its
+                // reconnect round ran at once), and is refused without a count.
+                let replaced = !resumed
+                    && resume.is_some_and(|r| {
+                        self.proved_session(info.rank)
+                            .is_some_and(|o| hs.resumes(&o, &r))
+                    });
                 let tie = me.rank < info.rank
                     && self.shaking_hands(Handshake::dialled_peer, info.rank, Some(info.instance));
                 // A dial of ours that bound the rank after this one started crossed it.
@@ -149,14 +157,17 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                     if let Some(p) = proved {
                         self.rebound_proving(rank, p);
                     }
-                } else if tie || crossed {
-                    // Our dial to the same process wins the tie, or already won it.
+                } else if tie || crossed || replaced {
+                    // Our dial to the same process wins the tie, or already won it; or the
+                    // process's other dial did.
                     if tie {
                         self.mark_won_tie(&info, now);
                     }
                     let m = hs.refuse(Refusal::RankInUse);
                     out.push(A::Send(m));
-                    out.push(A::Crossed(info.rank));
+                    if !replaced {
+                        out.push(A::Crossed(info.rank));
+                    }
                     self.end_refused(peer, Refusal::RankInUse, false, now);
                 } else {
                     refuse = Some((Refusal::RankInUse, info.rank));
@@ -333,12 +344,25 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.gave_way.remove(&peer).map(|(rank, _)| rank)
     }
 
-    /// Does `rank` still shake hands with this side on a connection it dialled, or is its
-    /// redial expected at `now`? (A dial that gave way to it waits while it does; see
+    /// Does `rank` still shake hands with this side on a connection it dialled, or does another
+    /// dial of ours to it, or does this side's reconnect round redial it, or is its redial
+    /// expected at `now`? (A dial that gave way to it waits while it does; see
     /// [`Peers::redial_expected_until`].)
     pub fn waiting_for_crossing(&self, rank: RankId, now: Instant) -> bool {
         self.shaking_hands(Handshake::answered_peer, rank, None)
+            || self.dialling_to(rank, None)
+            || self.state(rank) == crate::peers::PeerState::Reconnecting
             || self.redial_expected_until(rank, now).is_some()
+    }
+
+    /// Does another dial of ours to `rank` (and `instance`, if given) still shake hands, not
+    /// refused?
+    fn dialling_to(&self, rank: RankId, instance: Option<u64>) -> bool {
+        self.handshakes
+            .values()
+            .filter(|h| h.refused().is_none())
+            .filter_map(Handshake::dialled_peer)
+            .any(|p| p.rank == rank && instance.is_none_or(|i| p.instance == i))
     }
 
     /// Until when `rank`'s redial is waited for, if that is after `now`: [`REDIAL_WAIT`] after
@@ -366,7 +390,12 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         info: &PeerInfo,
         now: Instant,
     ) -> Option<(RankId, bool)> {
-        if self.crossing_from(info) {
+        let ours = self.binding_of(info).is_some_and(|(answered, _)| !answered)
+            || self.dialling_to(info.rank, Some(info.instance));
+        if self.crossing_from(info) || ours {
+            // Or the rank is bound, or being bound, to that process through another dial of
+            // ours (this side's `connect` ran beside its reconnect round): it refused this
+            // one for that.
             Some((info.rank, false))
         } else if info.rank < me.rank && self.lost_answer_from(info, now) {
             Some((info.rank, true))
