@@ -277,9 +277,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// proved by the redial that last rebound the rank ([`Peers::rebound_proving`]). A dialler
     /// whose redial's `Welcome` was lost (the redial's connection broke after its `Proof`
     /// arrived here) still holds the session it proved, not the one the redial made, and
-    /// proves it again on its next try. That one is taken only from a handshake begun since
-    /// the rebind (an older one is a dial of the process that lost to the dial that rebound:
-    /// [`Peers::proves_replaced`]) and within [`HANDSHAKE_LIMIT`] of it.
+    /// proves it again on its next try. That one is taken only from a handshake begun here
+    /// after the rebind (strictly: a pass's events share one clock read) and within
+    /// [`HANDSHAKE_LIMIT`] of it. One begun before: [`Peers::lost_to_rebind`].
     pub(crate) fn held_sessions(
         &self,
         rank: RankId,
@@ -290,14 +290,23 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             return [None, None];
         };
         let fresh = r.bound_at.is_some_and(|b| {
-            started.is_some_and(|s| s >= b) && now.saturating_duration_since(b) < HANDSHAKE_LIMIT
+            started.is_some_and(|s| s > b) && now.saturating_duration_since(b) < HANDSHAKE_LIMIT
         });
         [r.session, r.proved.filter(|_| fresh)]
     }
 
-    /// The session proved by the redial that last rebound `rank`, if any.
-    pub(crate) fn proved_session(&self, rank: RankId) -> Option<SessionKey> {
-        self.ranks.get(&rank).and_then(|r| r.proved)
+    /// The session proved by the redial that last rebound `rank`, if a handshake begun here at
+    /// `started` began no later than that rebind: a dial of that process which proves it lost
+    /// to the dial that rebound (the process's `connect` and its reconnect round dialled at
+    /// once), and is refused without a count.
+    pub(crate) fn lost_to_rebind(
+        &self,
+        rank: RankId,
+        started: Option<Instant>,
+    ) -> Option<SessionKey> {
+        let r = self.ranks.get(&rank)?;
+        let before = started.zip(r.bound_at).is_some_and(|(s, b)| s <= b);
+        r.proved.filter(|_| before)
     }
 
     /// `rank` was just rebound by a redial that proved `proved` (see

@@ -290,6 +290,9 @@ impl Inner {
     /// carries it out.
     fn on_handshake(&self, core: &mut Core, now: Instant, peer: PeerId, msg: Message) {
         use crate::proto::peers::HandshakeAction as A;
+        // A dial of ours with its proof out: if it is refused, a dial that gave way to it waits.
+        let dialled = core.peers.handshakes.get(&peer);
+        let dialled = dialled.and_then(|h| h.dialled_peer()).map(|p| p.rank);
         let actions = core
             .peers
             .on_handshake(&self.identity, peer, msg, now, crate::random::u64());
@@ -314,7 +317,12 @@ impl Inner {
                     "refused {rank}: it is bound to another live endpoint"
                 ),
                 A::Refused(reason, _) => tracing::warn!("refused a peer: {reason:?}"),
-                A::RefusedByPeer(reason) => tracing::warn!("a peer refused this rank: {reason:?}"),
+                A::RefusedByPeer(reason) => {
+                    tracing::warn!("a peer refused this rank: {reason:?}");
+                    if let Some(rank) = dialled {
+                        core.waiters.wake(WaitKey::Peer(rank));
+                    }
+                }
                 A::Crossed(rank) => {
                     tracing::info!(
                         peer = rank.0,
@@ -422,9 +430,11 @@ impl Inner {
                 if let Some(op) = core.refusal_ops.remove(&peer) {
                     core.control_ops.push_back(op);
                 }
-                // A dial of ours that gave way to this one waits for it: tell it it ended.
+                // A dial of ours that gave way to this one (the rank's, or another of ours)
+                // waits for it: tell it it ended.
                 let crossing = core.peers.handshakes.get(&peer);
-                if let Some(rank) = crossing.and_then(|h| h.answered_peer()).map(|p| p.rank) {
+                let rank = crossing.and_then(|h| h.answered_peer().or(h.dialled_peer()));
+                if let Some(rank) = rank.map(|p| p.rank) {
                     core.waiters.wake(WaitKey::Peer(rank));
                 }
                 if let Some(rank) = core.peers.on_failed(peer, now) {

@@ -411,7 +411,9 @@ impl Engine {
     /// process coming back), and the other side's `connect` waits for that dial, up to 5 s
     /// after that connection broke (`kvlink_proto::peers::REDIAL_WAIT`). Either ends `PeerLost`
     /// when that does not connect the pair: the redial refused, or no redial in time (connect
-    /// again).
+    /// again). A `connect` whose dial meets this side's reconnect round, or another dial of
+    /// this side, to the same rank: if its own dial gives way, it waits for the other and
+    /// returns the rank when that binds (`PeerLost` if the round gives up).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         if Instant::now() >= deadline {
             return Err(Error::new(
@@ -1460,9 +1462,9 @@ impl Drop for Engine {
     }
 }
 
-/// `connect`'s wait after its dial gave way to `rank`'s dial the other way: until that one is
-/// bound, or ends, or (when its connection broke) `REDIAL_WAIT` passes without the redial, and
-/// by `deadline`.
+/// `connect`'s wait after its dial gave way to `rank`'s dial the other way (or to another dial
+/// of this side, or to this side's reconnect round): until that one is bound, or ends, or (when
+/// its connection broke) `REDIAL_WAIT` passes without the redial, and by `deadline`.
 fn wait_for_crossing(
     core: &mut MutexGuard<'_, Core>,
     rank: RankId,
@@ -1493,12 +1495,22 @@ fn wait_for_crossing(
                      again)"
                 ),
             )
+        } else if core.peers.state(rank) == PeerState::Failed {
+            // The connection it gave way to (the rank's dial, another of ours, or this side's
+            // reconnect round) ended without binding the rank.
+            Error::new(
+                ErrorKind::PeerLost,
+                format!(
+                    "{address}: this dial gave way to another connection to {rank}, which \
+                     failed (connect again)"
+                ),
+            )
         } else {
             Error::new(
                 ErrorKind::RankInUse,
                 format!(
-                    "{address}: {rank} dialled this side at the same time, and this dial gave way \
-                     to its, which did not complete"
+                    "{address}: this dial gave way to another connection to {rank} (its dial \
+                     the other way, or another of this side's), which did not complete"
                 ),
             )
         });

@@ -19,10 +19,23 @@
 //! - **A dial that finds the pair connected gives way.** A dialler that learns, from the
 //!   answer, that the rank is already bound to the same process (by either side's dial) does
 //!   not go on: the pair is connected, its `connect` returns that rank, and the dial is closed.
-//!   A second `connect` to a connected rank returns it too.
+//!   A second `connect` to a connected rank returns it too. If the pair's connection is the
+//!   peer's dial and breaks before that `connect` has looked, it waits [`REDIAL_WAIT`] for the
+//!   peer's redial (its reconnect round).
 //! - **A dial refused for a crossing gives way.** A dial refused with `RankInUse` while the
 //!   same process's dial the other way is bound here, or still shaking hands, waits for that
-//!   one instead: its `connect` returns the rank once it is bound.
+//!   one instead: its `connect` returns the rank once it is bound. So does a dial refused
+//!   while another dial of this side to that process is bound or has its proof out (this
+//!   side's `connect` ran beside its reconnect round), and a dial that gave way also waits
+//!   while this side's reconnect round redials the rank.
+//!
+//! # A redial's `Welcome` lost
+//! A rank rebound by a redial's resume proof also takes, from a handshake begun here after
+//! that rebind and within [`HANDSHAKE_LIMIT`](super::HANDSHAKE_LIMIT), a proof of the session
+//! that redial proved: a dialler whose redial's connection broke after its `Proof` arrived
+//! still holds that session, not the redial's. A dial of that process begun before the rebind
+//! that proves it lost to the redial, and is refused without a count
+//! (`Peers::lost_to_rebind`).
 //!
 //! The lower rank's dial that won a tie and then fails before it binds (its connection broke)
 //! leaves the pair with no connection: the dial it won over was refused. Its `connect` dials
@@ -99,7 +112,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             // and its close is still on the way): nothing is left to refuse.
             return out;
         }
-        self.handshake_started(peer, now);
+        // When a handshake began is taken once, at its first message (or its endpoint's
+        // accept): a later frame must not make an old one look new.
+        if !self.handshakes.contains_key(&peer) {
+            self.handshake_started(peer, now);
+        }
         let mut hs = self
             .handshakes
             .remove(&peer)
@@ -116,8 +133,13 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                     if let Some(proof) = hs.accept(me, held.as_ref()) {
                         out.push(A::Send(proof));
                     }
-                } else if self.binding_of(&info).is_some() {
+                } else if let Some((answered, _)) = self.binding_of(&info) {
                     self.give_way(peer, info.rank, now);
+                    if answered {
+                        // The pair's connection is the peer's dial: if it breaks, the peer's
+                        // round redials, and this dial's `connect` waits a while for that.
+                        self.gave_way_to.insert(info.rank, now);
+                    }
                     out.push(A::GaveWay(info.rank));
                     out.push(A::Close(peer));
                 } else {
@@ -137,12 +159,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                     resume.and_then(|r| held.into_iter().flatten().find(|o| hs.resumes(o, &r)));
                 let resumed = proved.is_some();
                 // A dial of the bound process begun before its redial rebound the rank, proving
-                // what that redial proved: it lost to that dial (the process's `connect` and its
-                // reconnect round ran at once), and is refused without a count.
+                // what that redial proved: it lost to that dial (`Peers::lost_to_rebind`).
                 let replaced = !resumed
                     && resume.is_some_and(|r| {
-                        self.proved_session(info.rank)
-                            .is_some_and(|o| hs.resumes(&o, &r))
+                        let lost = self.lost_to_rebind(info.rank, started);
+                        lost.is_some_and(|o| hs.resumes(&o, &r))
                     });
                 let tie = me.rank < info.rank
                     && self.shaking_hands(Handshake::dialled_peer, info.rank, Some(info.instance));
@@ -382,8 +403,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     }
 
     /// Whether a `RankInUse` refusal from `info`'s process is its side of a crossing: its dial
-    /// is bound or shaking hands here, or (the lower rank, which wins ties) its dial here broke
-    /// lately. The rank, and whether its dial broke (its redial is then to be waited for).
+    /// is bound or shaking hands here, or another dial of ours to it is bound or has its proof
+    /// out, or (the lower rank, which wins ties) its dial here broke lately. The rank, and
+    /// whether its dial broke (its redial is then to be waited for).
     fn refused_for_crossing(
         &self,
         me: &Identity,
