@@ -821,6 +821,29 @@ fn a_dial_that_gave_way_waits_a_while_for_the_redial_of_a_dial_that_broke() {
     assert!(!net.sides[1].peers.redial_was_expected(RankId(0)));
 }
 
+/// For the reconnect tests: a crossing settled with reconnect rounds on (no fault), and how its
+/// connection will break: (the net, the order's text, the kept connection, the side that dialled
+/// it, the side that will close it). Closes are heard at once or (in two orders of three) up to
+/// 12 s late.
+fn settled_then_to_break(seed: u64) -> (Net, String, usize, usize, usize) {
+    let mut net = Net::new(seed, [77, 88]);
+    net.drops = true;
+    net.reconnect = true;
+    let first = (seed % 2) as usize;
+    let stagger = net.rand(12);
+    net.run(first, Some(stagger));
+    net.settle();
+    let ctx = format!("seed {seed}, side {first} first, the other after {stagger} steps");
+    assert_eq!(binding_outcome(&net, &ctx), "bound on both sides");
+    let kept = (net.sides[0].peers.endpoint(RankId(1)).unwrap() - 10) as usize;
+    let dialler = net.dialer[kept];
+    if seed % 3 != 0 {
+        net.late_fail = Some(Duration::from_secs(12));
+    }
+    let closer = net.rand(2);
+    (net, ctx, kept, dialler, closer)
+}
+
 #[test]
 fn a_broken_pair_is_bound_again_by_the_reconnect_round_of_the_side_whose_dial_it_kept() {
     // The crossing settles (no fault); then the pair's connection breaks, closed from a random
@@ -836,22 +859,7 @@ fn a_broken_pair_is_bound_again_by_the_reconnect_round_of_the_side_whose_dial_it
         let s: u64 = s.parse().unwrap();
         s..s + 1
     }) {
-        let mut net = Net::new(seed, [77, 88]);
-        net.drops = true;
-        net.reconnect = true;
-        let first = (seed % 2) as usize;
-        let stagger = net.rand(12);
-        net.run(first, Some(stagger));
-        net.settle();
-        let ctx = format!("seed {seed}, side {first} first, the other after {stagger} steps");
-        assert_eq!(binding_outcome(&net, &ctx), "bound on both sides");
-        let kept = (net.sides[0].peers.endpoint(RankId(1)).unwrap() - 10) as usize;
-        let dialler = net.dialer[kept];
-        // The break: from either side, heard at once or late.
-        if seed % 3 != 0 {
-            net.late_fail = Some(Duration::from_secs(12));
-        }
-        let closer = net.rand(2);
+        let (mut net, ctx, kept, dialler, closer) = settled_then_to_break(seed);
         // In half the orders a second break, of a random connection at a random step of the
         // reconnect (the redial's own, often): the round tries again.
         if seed % 2 == 1 {
@@ -933,21 +941,7 @@ fn a_connect_by_hand_during_a_reconnect_round_ends_on_one_connection() {
         let s: u64 = s.parse().unwrap();
         s..s + 1
     }) {
-        let mut net = Net::new(seed, [77, 88]);
-        net.drops = true;
-        net.reconnect = true;
-        let first = (seed % 2) as usize;
-        let stagger = net.rand(12);
-        net.run(first, Some(stagger));
-        net.settle();
-        let ctx = format!("seed {seed}, side {first} first, the other after {stagger} steps");
-        assert_eq!(binding_outcome(&net, &ctx), "bound on both sides");
-        let kept = (net.sides[0].peers.endpoint(RankId(1)).unwrap() - 10) as usize;
-        let dialler = net.dialer[kept];
-        if seed % 3 != 0 {
-            net.late_fail = Some(Duration::from_secs(12));
-        }
-        let closer = net.rand(2);
+        let (mut net, ctx, kept, dialler, closer) = settled_then_to_break(seed);
         // Within the round's first steps (it takes seven when the break is heard at once).
         let at = net.rand(7);
         let hand = if seed % 4 < 2 { 1 - dialler } else { dialler };
