@@ -172,8 +172,9 @@ pub struct Peers<P> {
     /// after the bind): rank -> (instance, when). Kept for HANDSHAKE_LIMIT, at most
     /// LOST_ANSWERS_MAX of them (see `binding`).
     lost_answers: HashMap<RankId, (u64, Instant)>,
-    /// Ranks a dial of ours gave way to after the rank refused it (see `binding`), since when:
-    /// cleared by a bind of the rank, kept for HANDSHAKE_LIMIT.
+    /// Ranks a dial of ours gave way to after the rank refused it, or because the pair's
+    /// connection is the rank's dial (see `binding`), since when: cleared by a bind of the
+    /// rank, kept for HANDSHAKE_LIMIT.
     gave_way_to: HashMap<RankId, Instant>,
     /// Ranks whose dial here, which a dial of ours gave way to or which refused ours for a
     /// tie, broke: they dial again (the tie's winner in its `connect`, a bound dialler in its
@@ -1043,5 +1044,54 @@ mod tests {
         q.accepted(12, Some("ucx:x".into()), t0);
         q.on_failed(12, t0);
         assert!(q.came_from.is_empty());
+    }
+
+    #[test]
+    fn the_session_a_redial_proved_is_taken_only_after_its_rebind_and_for_a_while() {
+        let t = Instant::now();
+        let ms = |n| t + Duration::from_millis(n);
+        let mut p = dialled_and_bound(t);
+        // A redial rebound R at t, proving session 9.
+        p.ranks.get_mut(&R).unwrap().bound_at = Some(t);
+        p.rebound_proving(R, session(9));
+        let older = |p: &Peers<u64>, started, now| p.held_sessions(R, Some(started), now)[1];
+        // A handshake seen in the same pass as the rebind (one clock read) is not after it: it
+        // lost to the redial.
+        assert!(older(&p, t, t).is_none());
+        assert!(p.lost_to_rebind(R, Some(t)).is_some());
+        // One begun after it may prove it, within HANDSHAKE_LIMIT of the rebind.
+        assert!(older(&p, ms(1), ms(1)).is_some());
+        assert!(p.lost_to_rebind(R, Some(ms(1))).is_none());
+        assert!(older(&p, ms(1), t + HANDSHAKE_LIMIT).is_none());
+        // The pair's own session is always taken.
+        assert!(p.held_sessions(R, Some(ms(1)), ms(1))[0].is_some());
+        // A bind without a redial's proof forgets it.
+        p.bind(info(R), 11, ME, session(3));
+        p.ranks.get_mut(&R).unwrap().bound_at = Some(ms(2));
+        assert!(older(&p, ms(3), ms(3)).is_none());
+        assert!(p.lost_to_rebind(R, Some(ms(1))).is_none());
+    }
+
+    #[test]
+    fn a_handshake_frame_on_a_bound_endpoint_does_not_get_it_closed_later() {
+        // The handshake's start is taken at its first message: a later frame (here a `Hello`
+        // on the bound endpoint, which only the peer can send) must not make the handshake
+        // look new, or the handshake limit would close the live endpoint.
+        let t = Instant::now();
+        let mut p: Peers<u64> = Peers::default();
+        p.accepted(10, None, t);
+        p.handshakes.insert(10, crate::Handshake::answer(1));
+        p.bind(info(R), 10, ME, session(1));
+        let id = |rank, instance| crate::Identity {
+            rank,
+            name: "r".into(),
+            instance,
+            secret: Secret::none(),
+        };
+        let (_, hello) = crate::Handshake::dial(&id(R, 42), 5);
+        let later = t + Duration::from_secs(1);
+        let _ = p.on_handshake(&id(ME, 1), 10, hello, later, 7);
+        assert!(p.due_closes(t + HANDSHAKE_LIMIT * 2).is_empty());
+        assert_eq!(p.endpoint(R), Some(10));
     }
 }

@@ -33,8 +33,8 @@
 //! A rank rebound by a redial's resume proof also takes, from a handshake begun here after
 //! that rebind and within [`HANDSHAKE_LIMIT`](super::HANDSHAKE_LIMIT), a proof of the session
 //! that redial proved: a dialler whose redial's connection broke after its `Proof` arrived
-//! still holds that session, not the redial's. A dial of that process begun before the rebind
-//! that proves it lost to the redial, and is refused without a count
+//! still holds that session, not the redial's. A dial of that process begun here no later than
+//! the rebind that proves it lost to the redial, and is refused without a count
 //! (`Peers::lost_to_rebind`).
 //!
 //! The lower rank's dial that won a tie and then fails before it binds (its connection broke)
