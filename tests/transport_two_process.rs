@@ -127,7 +127,17 @@ fn suppressed_completion_times_out_at_deadline_without_spinning() {
             elapsed <= deadline_ms + 100.0,
             "ended {elapsed} ms after a {deadline_ms} ms deadline"
         );
-        assert!(share < 2.0, "waiting used {share:.2}% of a core");
+        // Issue 8's bound, 2% of a core, is for the build users run (the cargo-test step).
+        // The sanitizer's instrumented build runs the same idle loops several times slower,
+        // and scripts/sanitize.sh passes a looser bound for it.
+        let bound: f64 = std::env::var("KVLINK_IDLE_CPU_PCT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2.0);
+        assert!(
+            share < bound,
+            "waiting used {share:.2}% of a core (bound {bound}%)"
+        );
         let stats = recv.expect("STATS");
         assert!(
             stats.contains("in_flight=0 unreaped=0"),
