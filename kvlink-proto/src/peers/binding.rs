@@ -301,6 +301,12 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .any(|p| p.rank == rank && instance.is_none_or(|i| p.instance == i))
     }
 
+    /// Is `info`'s process connected to this side by its own dial, or shaking hands on one?
+    fn crossing_from(&self, info: &PeerInfo) -> bool {
+        self.binding_of(info).is_some_and(|(answered, _)| answered)
+            || self.shaking_hands(Handshake::answered_peer, info.rank, Some(info.instance))
+    }
+
     /// This side's dial on `peer` gave way to `rank`'s dial the other way.
     fn give_way(&mut self, peer: P, rank: RankId, now: Instant) {
         self.dialling.remove(&peer);
@@ -365,9 +371,19 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// [`Peers::redial_expected_until`].)
     pub fn waiting_for_crossing(&self, rank: RankId, now: Instant) -> bool {
         self.shaking_hands(Handshake::answered_peer, rank, None)
-            || self.shaking_hands(Handshake::dialled_peer, rank, None)
+            || self.dialling_to(rank, None)
             || self.state(rank) == crate::peers::PeerState::Reconnecting
             || self.redial_expected_until(rank, now).is_some()
+    }
+
+    /// Does another dial of ours to `rank` (and `instance`, if given) still shake hands, not
+    /// refused?
+    fn dialling_to(&self, rank: RankId, instance: Option<u64>) -> bool {
+        self.handshakes
+            .values()
+            .filter(|h| h.refused().is_none())
+            .filter_map(Handshake::dialled_peer)
+            .any(|p| p.rank == rank && instance.is_none_or(|i| p.instance == i))
     }
 
     /// Until when `rank`'s redial is waited for, if that is after `now`: [`REDIAL_WAIT`] after
@@ -396,12 +412,12 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         info: &PeerInfo,
         now: Instant,
     ) -> Option<(RankId, bool)> {
-        // Bound here, or shaking hands, on either side's dial (ours too: this side's `connect`
-        // ran beside its reconnect round).
-        let other = self.binding_of(info).is_some()
-            || self.shaking_hands(Handshake::answered_peer, info.rank, Some(info.instance))
-            || self.shaking_hands(Handshake::dialled_peer, info.rank, Some(info.instance));
-        if other {
+        let ours = self.binding_of(info).is_some_and(|(answered, _)| !answered)
+            || self.dialling_to(info.rank, Some(info.instance));
+        if self.crossing_from(info) || ours {
+            // Or the rank is bound, or being bound, to that process through another dial of
+            // ours (this side's `connect` ran beside its reconnect round): it refused this
+            // one for that.
             Some((info.rank, false))
         } else if info.rank < me.rank && self.lost_answer_from(info, now) {
             Some((info.rank, true))
