@@ -948,6 +948,66 @@ fn connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
     }
 }
 
+/// The generation side's endpoint to the context side breaks (a forced close), and its
+/// application calls `connect` again while the engine's reconnect round runs: before the
+/// round's first dial (50 ms after the failure), about when it dials, and after. That `connect`
+/// joins the round's dial or dials in its place, never beside it, so the pair is bound again
+/// once: `connect` returns the rank, no refusal is counted on either side, each side counts at
+/// most the one failure, and the next request completes with every byte checked.
+#[test]
+fn a_connect_during_the_reconnect_round_joins_it_or_dials_in_its_place() {
+    use kvlink::connection::PeerState;
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
+        for (i, delay_ms) in [0u64, 30, 45, 50, 55, 60, 80, 150].into_iter().enumerate() {
+            let (g0, c0) = (gen.health(), ctx.health());
+            gen.fault_close_peer(RankId(CTX)).unwrap();
+            let seen_by = Instant::now() + Duration::from_secs(2);
+            while gen.peer_state(RankId(CTX)) == PeerState::Connected {
+                assert!(Instant::now() < seen_by, "{kind:?}: the close was not seen");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(delay_ms));
+            let t = Instant::now();
+            let r = gen.connect(&ctx.address(), t + Duration::from_secs(5));
+            let took = t.elapsed();
+            ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
+                .unwrap();
+            let (g, c) = (gen.health(), ctx.health());
+            println!(
+                "{kind:?}, connect {delay_ms} ms after the failure: {r:?} in {took:?}; round \
+                 dials {}, failures seen: gen {}, ctx {}",
+                g.reconnects - g0.reconnects,
+                g.peers_failed - g0.peers_failed,
+                c.peers_failed - c0.peers_failed
+            );
+            assert_eq!(r.unwrap(), RankId(CTX), "{kind:?}, {delay_ms} ms");
+            for (h, side) in [(&g, "gen"), (&c, "ctx")] {
+                let refused = h.refused_rank_in_use + h.refused_by_peer + h.refused_auth;
+                assert_eq!(refused, 0, "{kind:?}, {delay_ms} ms: {side} refused");
+            }
+            assert_eq!(
+                g.peers_failed - g0.peers_failed,
+                1,
+                "{kind:?}, {delay_ms} ms"
+            );
+            assert!(
+                c.peers_failed - c0.peers_failed <= 1,
+                "{kind:?}, {delay_ms} ms"
+            );
+            assert!(g.reconnects - g0.reconnects <= 1, "{kind:?}, {delay_ms} ms");
+            let key = RequestKey::new(100 + i as u64, 0);
+            let (go, co, ok) = run(&ctx, &gen, key, &[4096, 1 << 20]);
+            assert_eq!(
+                (go, co, ok),
+                (Outcome::Completed, Outcome::Completed, true),
+                "{kind:?}, {delay_ms} ms"
+            );
+            assert_eq!(gen.health().peers_reconnecting, 0, "{kind:?}");
+        }
+    }
+}
+
 /// 4096 requests of 4 KiB in flight at once, twice in a row on the same engines, every byte
 /// checked.
 #[test]

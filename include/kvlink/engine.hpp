@@ -419,7 +419,9 @@ class Engine {
   /// `deadline` (proving the broken dial's session, so a peer still holding that connection
   /// takes it as the same process coming back), and the other rank's call waits for it (up to
   /// 5 s after that connection broke; then `PeerLost`, as when the dial made again does not
-  /// connect: connect again).
+  /// connect: connect again). A call to an address that this rank's reconnect round is dialling
+  /// (after a connection failed) waits for that dial and returns the rank when it binds (if it
+  /// fails, the call dials in its place); the round does not dial while a call's dial runs.
   std::uint32_t connect(std::string_view address, Deadline deadline) {
     return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
   }

@@ -66,6 +66,17 @@ pub enum PeerState {
     Failed = 3,
 }
 
+impl<P> Rank<P> {
+    /// The address a reconnect round dials it at.
+    fn round_address(&self) -> Option<&String> {
+        if self.by_dial_back {
+            self.dial_back.as_ref()
+        } else {
+            self.dial.as_ref()
+        }
+    }
+}
+
 pub(crate) struct Rank<P> {
     pub peer: Option<P>,
     pub name: String,
@@ -181,6 +192,12 @@ pub struct Peers<P> {
     /// reconnect round), and a dial of ours that gave way waits for that. Since when; cleared
     /// by a bind of the rank, kept for HANDSHAKE_LIMIT.
     expect_redial: HashMap<RankId, Instant>,
+    /// Addresses a `connect` is running for, and how many ([`Peers::connect_begins`]): a
+    /// reconnect round holds off dialling a rank at one of them.
+    connects: HashMap<String, u32>,
+    /// Ranks a reconnect round has handed out to be dialled ([`Peers::due`]) whose dial is not
+    /// yet made ([`Peers::dialled`]) or given up ([`Peers::round_dial_void`]).
+    round_starting: HashMap<RankId, Instant>,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
@@ -205,6 +222,8 @@ impl<P> Default for Peers<P> {
             lost_answers: HashMap::new(),
             gave_way_to: HashMap::new(),
             expect_redial: HashMap::new(),
+            connects: HashMap::new(),
+            round_starting: HashMap::new(),
             refusals: Refusals::default(),
             reconnects: 0,
             failures: 0,
@@ -483,6 +502,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         expire(&mut self.lost_answers, now, HANDSHAKE_LIMIT, |&(_, t)| t);
         expire(&mut self.gave_way_to, now, HANDSHAKE_LIMIT, |&t| t);
         expire(&mut self.expect_redial, now, HANDSHAKE_LIMIT, |&t| t);
+        // A dial handed out is made or given up within its wait (10 s); this only keeps a lost
+        // report from holding the rank's rounds off for good.
+        expire(&mut self.round_starting, now, HANDSHAKE_LIMIT, |&t| t);
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;
         let mut out: Vec<P> = due.into_iter().map(|(p, _)| p).collect();
@@ -505,7 +527,52 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// [`Peers::due`] gave; the rank's own addresses are not changed here: a bind may have
     /// updated them meanwhile).
     pub fn dialled(&mut self, rank: RankId, peer: P) {
+        self.round_starting.remove(&rank);
         self.dialling.insert(peer, rank);
+    }
+
+    /// The dial a reconnect round handed out for `rank` ([`Peers::due`]) was not made (the
+    /// transport refused it, or its endpoint failed before it was recorded).
+    pub fn round_dial_void(&mut self, rank: RankId) {
+        self.round_starting.remove(&rank);
+    }
+
+    /// The rank a reconnect round's dial on `peer` is for, while that dial runs.
+    pub fn round_dial(&self, peer: P) -> Option<RankId> {
+        self.dialling.get(&peer).copied()
+    }
+
+    /// A `connect` to `address` begins: until [`Peers::connect_ends`], no reconnect round
+    /// dials a rank at that address, so that this side never has two dials out to one rank (the
+    /// other side would bind one and then, taking the other as the same process proving the
+    /// session again, rebind to it, while this side bound the first: one more round). Call
+    /// [`Peers::round_dialling`] next: a round's dial already out is joined, not doubled.
+    pub fn connect_begins(&mut self, address: &str) {
+        *self.connects.entry(address.to_string()).or_insert(0) += 1;
+    }
+
+    /// The `connect` to `address` that [`Peers::connect_begins`] counted has returned.
+    pub fn connect_ends(&mut self, address: &str) {
+        if let Some(n) = self.connects.get_mut(address) {
+            *n -= 1;
+            if *n == 0 {
+                self.connects.remove(address);
+            }
+        }
+    }
+
+    /// The rank a reconnect round is dialling at `address` now (its dial handed out or
+    /// running): a `connect` to that address waits for that dial instead of making its own.
+    pub fn round_dialling(&self, address: &str) -> Option<RankId> {
+        let dialling = |rank: &RankId| {
+            self.round_starting.contains_key(rank) || self.dialling.values().any(|r| r == rank)
+        };
+        self.ranks
+            .iter()
+            .filter(|(_, r)| r.state == PeerState::Reconnecting)
+            .filter(|(_, r)| r.round_address().is_some_and(|a| a == address))
+            .map(|(rank, _)| *rank)
+            .find(dialling)
     }
 
     /// After `connect` learned the rank behind an address.
@@ -612,7 +679,13 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             if r.state != PeerState::Reconnecting || r.next_try.is_none_or(|t| t > now) {
                 continue;
             }
-            if busy.contains(rank) {
+            // A `connect` to its address dials it instead (`Peers::connect_begins`); neither
+            // is the try counted.
+            let connecting = || {
+                r.round_address()
+                    .is_some_and(|a| self.connects.contains_key(a.as_str()))
+            };
+            if busy.contains(rank) || self.round_starting.contains_key(rank) || connecting() {
                 r.next_try = Some(now + FIRST_BACKOFF);
                 continue;
             }
@@ -625,13 +698,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             }
             r.tries += 1;
             r.next_try = Some(now + FIRST_BACKOFF * (1 << (r.tries - 1).min(8)));
-            let address = if r.by_dial_back {
-                &r.dial_back
-            } else {
-                &r.dial
-            };
-            if let Some(a) = address {
+            if let Some(a) = r.round_address() {
                 out.push((*rank, a.clone()));
+                self.round_starting.insert(*rank, now);
             }
         }
         self.reconnects += out.len() as u64;
@@ -769,6 +838,57 @@ mod tests {
         // A later failure starts from the first back-off again.
         p.on_failed(11, t2);
         assert_eq!(p.next_due(), Some(t2 + FIRST_BACKOFF));
+    }
+
+    #[test]
+    fn a_connect_holds_the_round_off_and_joins_a_dial_the_round_has_out() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        p.on_failed(10, t0);
+        let t1 = t0 + FIRST_BACKOFF;
+        // A `connect` to the rank's address runs: the round neither dials nor counts a try.
+        p.connect_begins("addr");
+        assert_eq!(p.round_dialling("addr"), None);
+        assert!(p.due(t1).is_empty());
+        assert_eq!(p.reconnects, 0);
+        p.connect_ends("addr");
+        let t2 = p.next_due().unwrap();
+        assert_eq!(t2, t1 + FIRST_BACKOFF);
+        // The round hands its dial out: from then a `connect` to that address joins it.
+        assert_eq!(p.due(t2), vec![(R, "addr".to_string())]);
+        assert_eq!(p.round_dialling("addr"), Some(R));
+        assert_eq!(p.round_dialling("elsewhere"), None);
+        p.dialled(R, 11);
+        assert_eq!(
+            (p.round_dialling("addr"), p.round_dial(11)),
+            (Some(R), Some(R))
+        );
+        // It fails: nothing is dialling until the next try.
+        assert_eq!(p.on_failed(11, t2), None);
+        assert_eq!(p.round_dialling("addr"), None);
+        // A dial handed out but never made (the transport refused it) ends the same way.
+        let t3 = p.next_due().unwrap();
+        assert_eq!(p.due(t3).len(), 1);
+        assert_eq!(p.round_dialling("addr"), Some(R));
+        assert!(
+            p.due(p.next_due().unwrap()).is_empty(),
+            "one dial at a time"
+        );
+        p.round_dial_void(R);
+        assert_eq!(p.round_dialling("addr"), None);
+        // Two `connect`s: the round waits for both to end.
+        p.connect_begins("addr");
+        p.connect_begins("addr");
+        p.connect_ends("addr");
+        assert!(p.due(p.next_due().unwrap()).is_empty());
+        p.connect_ends("addr");
+        assert_eq!(p.due(p.next_due().unwrap()).len(), 1);
+        // A bind by the round's dial ends the round.
+        p.dialled(R, 12);
+        p.handshake_started(12, t3);
+        p.bind(info(R), 12, ME, session(3));
+        assert_eq!(p.round_dialling("addr"), None);
+        assert_eq!(p.state(R), PeerState::Connected);
     }
 
     #[test]

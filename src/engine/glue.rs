@@ -293,9 +293,15 @@ impl Inner {
         // A dial of ours with its proof out: if it is refused, a dial that gave way to it waits.
         let dialled = core.peers.handshakes.get(&peer);
         let dialled = dialled.and_then(|h| h.dialled_peer()).map(|p| p.rank);
+        let round = core.peers.round_dial(peer);
         let actions = core
             .peers
             .on_handshake(&self.identity, peer, msg, now, crate::random::u64());
+        if let Some(rank) = round.filter(|_| core.peers.round_dial(peer).is_none()) {
+            // A reconnect dial that a `connect` may wait for has ended (bound, refused or
+            // given way): that `connect` looks again.
+            core.waiters.wake(WaitKey::Peer(rank));
+        }
         for action in actions {
             match action {
                 A::Send(m) => {
@@ -348,7 +354,8 @@ impl Inner {
 
     /// Redials `rank` at `address` on a short-lived thread of its own: a dial waits for the
     /// progress thread, where the sink runs, so it cannot run there. Reconnects are rare.
-    fn redial(self: &Arc<Self>, rank: RankId, address: String) {
+    /// False if no thread could be made.
+    fn redial(self: &Arc<Self>, rank: RankId, address: String) -> bool {
         let weak = Arc::downgrade(self);
         let spawned = std::thread::Builder::new()
             .name(format!("kvlink-redial-{}", rank.0))
@@ -363,6 +370,7 @@ impl Inner {
                     // Failed before we got here: its failure, already handled, found no dial
                     // to end, and the round's next try is due anyway.
                     Ok(peer) if inner.agent.peer_state(peer).is_err() => {
+                        core.peers.round_dial_void(rank);
                         tracing::debug!("reconnect to {rank} at {address}: failed at once");
                     }
                     Ok(peer) => {
@@ -372,13 +380,17 @@ impl Inner {
                         }
                         tracing::info!("reconnecting to {rank} at {address}");
                     }
-                    Err(e) => tracing::debug!("reconnect to {rank} at {address}: {e}"),
+                    Err(e) => {
+                        core.peers.round_dial_void(rank);
+                        tracing::debug!("reconnect to {rank} at {address}: {e}");
+                    }
                 }
                 core.waiters.wake(WaitKey::Peer(rank));
             });
-        if let Err(e) = spawned {
+        if let Err(e) = &spawned {
             tracing::warn!("reconnect to {rank}: no thread: {e}");
         }
+        spawned.is_ok()
     }
 
     /// Results nobody came for are dropped after RETENTION: memory stays bounded over
@@ -435,6 +447,10 @@ impl Inner {
                 let crossing = core.peers.handshakes.get(&peer);
                 let rank = crossing.and_then(|h| h.answered_peer().or(h.dialled_peer()));
                 if let Some(rank) = rank.map(|p| p.rank) {
+                    core.waiters.wake(WaitKey::Peer(rank));
+                }
+                if let Some(rank) = core.peers.round_dial(peer) {
+                    // A `connect` may wait for this reconnect dial: it dials in its place.
                     core.waiters.wake(WaitKey::Peer(rank));
                 }
                 if let Some(rank) = core.peers.on_failed(peer, now) {
@@ -801,7 +817,9 @@ impl EventSink for Sink {
             core.ep.handle_timeout(now);
         }
         for (rank, address) in core.peers.due(now) {
-            inner.redial(rank, address);
+            if !inner.redial(rank, address) {
+                core.peers.round_dial_void(rank);
+            }
         }
         for rank in core.peers.take_given_up() {
             // `advertise` waits for a reconnect round: it ended.

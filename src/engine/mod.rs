@@ -411,9 +411,13 @@ impl Engine {
     /// process coming back), and the other side's `connect` waits for that dial, up to 5 s
     /// after that connection broke (`kvlink_proto::peers::REDIAL_WAIT`). Either ends `PeerLost`
     /// when that does not connect the pair: the redial refused, or no redial in time (connect
-    /// again). A `connect` whose dial meets this side's reconnect round, or another dial of
-    /// this side, to the same rank: if its own dial gives way, it waits for the other and
-    /// returns the rank when that binds (`PeerLost` if the round gives up).
+    /// again). This side never has two dials out to one rank: a `connect` to an address this
+    /// side's reconnect round is dialling waits for that dial and returns the rank when it
+    /// binds (if it ends without binding, the `connect` dials in its place), and no round
+    /// dials an address while a `connect`'s dial to it runs. A `connect` whose dial meets
+    /// another dial of this side to the same rank, through another address: if its own dial
+    /// gives way, it waits for the other and returns the rank when that binds (`PeerLost` if
+    /// the round gives up).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
         if Instant::now() >= deadline {
             return Err(Error::new(
@@ -421,6 +425,44 @@ impl Engine {
                 format!("{address}: the deadline had passed; nothing was dialled"),
             ));
         }
+        let mut dialling = Connecting::begin(&self.inner, address);
+        let mut core = self.inner.core.lock();
+        let mut joined = None;
+        while let Some(rank) = core.peers.round_dialling(address) {
+            // This side's reconnect round is dialling the rank: wait for its dial.
+            if core.peers.state(rank) == PeerState::Connected {
+                return Ok(rank);
+            }
+            if joined.replace(rank).is_none() {
+                tracing::info!(
+                    peer = rank.0,
+                    "{address}: the reconnect round is dialling {rank}; connect waits for its dial"
+                );
+            }
+            if !sleep(&mut core, WaitKey::Peer(rank), deadline) && Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorKind::PeerLost,
+                    format!(
+                        "{address}: this side's reconnect round was dialling {rank}, and its dial \
+                         had not bound by the deadline"
+                    ),
+                ));
+            }
+        }
+        drop(core);
+        let r = self.dial_and_bind(address, deadline, &mut dialling);
+        drop(dialling);
+        r
+    }
+
+    /// [`Engine::connect`]'s own dial, from the dial to its end: `dialling` is ended when it
+    /// gives way (what it waits for then may be the round's dial).
+    fn dial_and_bind(
+        &self,
+        address: &str,
+        deadline: Instant,
+        dialling: &mut Connecting<'_>,
+    ) -> Result<RankId> {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address, deadline)?;
         let mut core = self.inner.core.lock();
@@ -435,6 +477,7 @@ impl Engine {
                 // The rank dialled this side while this dial ran, and the pair keeps its
                 // connection (`Peers::on_handshake`): connected once that one is bound.
                 // Its address is not kept for redials: the side whose dial was kept redials.
+                dialling.end(&mut core);
                 return wait_for_crossing(&mut core, rank, address, deadline);
             }
             if let Some(reason) = core.peers.refusal(peer) {
@@ -1301,6 +1344,15 @@ impl Engine {
             .fault_stall_progress(stall, at_next_connect)
     }
 
+    /// A fault for tests: force-closes this side's endpoint to `rank` (as a connection that
+    /// broke). `UnknownPeer` if no endpoint serves it.
+    #[doc(hidden)]
+    pub fn fault_close_peer(&self, rank: RankId) -> Result<()> {
+        let peer = self.inner.core.lock().peers.endpoint(rank);
+        let peer = peer.ok_or_else(|| Error::new(ErrorKind::UnknownPeer, format!("{rank}")))?;
+        self.inner.agent.close_peer(peer)
+    }
+
     /// The progress snapshot.
     pub fn health(&self) -> Health {
         let s = self.inner.agent.stats();
@@ -1459,6 +1511,38 @@ impl Drop for Engine {
         // Stop the progress thread (where the core's sink runs) while this engine still owns
         // the agent, so the sink is never the one to drop it.
         self.inner.agent.shutdown();
+    }
+}
+
+/// A `connect` dialling an address ([`kvlink_proto::peers::Peers::connect_begins`]): no
+/// reconnect round dials that address until it ends, when its dial gives way or it returns.
+struct Connecting<'a> {
+    inner: &'a Inner,
+    address: Option<&'a str>,
+}
+
+impl<'a> Connecting<'a> {
+    fn begin(inner: &'a Inner, address: &'a str) -> Self {
+        inner.core.lock().peers.connect_begins(address);
+        Connecting {
+            inner,
+            address: Some(address),
+        }
+    }
+
+    fn end(&mut self, core: &mut Core) {
+        if let Some(a) = self.address.take() {
+            core.peers.connect_ends(a);
+        }
+    }
+}
+
+impl Drop for Connecting<'_> {
+    /// Takes the core's lock: drop it where the lock is not held.
+    fn drop(&mut self) {
+        if let Some(a) = self.address.take() {
+            self.inner.core.lock().peers.connect_ends(a);
+        }
     }
 }
 

@@ -25,9 +25,11 @@
 //! - **A dial refused for a crossing gives way.** A dial refused with `RankInUse` while the
 //!   same process's dial the other way is bound here, or still shaking hands, waits for that
 //!   one instead: its `connect` returns the rank once it is bound. So does a dial refused
-//!   while another dial of this side to that process is bound or has its proof out (this
-//!   side's `connect` ran beside its reconnect round), and a dial that gave way also waits
-//!   while this side's reconnect round redials the rank.
+//!   while another dial of this side to that process is bound or has its proof out, and a dial
+//!   that gave way also waits while this side's reconnect round redials the rank. (A `connect`
+//!   to the address its round dials joins the round's dial, and the round holds off while a
+//!   `connect`'s dial runs: [`Peers::connect_begins`]. Two dials of this side to one process
+//!   remain possible through two addresses of it, a listener and a worker address.)
 //!
 //! # A redial's `Welcome` lost
 //! A rank rebound by a redial's resume proof also takes, from a handshake begun here after
@@ -416,8 +418,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             || self.dialling_to(info.rank, Some(info.instance));
         if self.crossing_from(info) || ours {
             // Or the rank is bound, or being bound, to that process through another dial of
-            // ours (this side's `connect` ran beside its reconnect round): it refused this
-            // one for that.
+            // ours (to another of its addresses): it refused this one for that.
             Some((info.rank, false))
         } else if info.rank < me.rank && self.lost_answer_from(info, now) {
             Some((info.rank, true))
