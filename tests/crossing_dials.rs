@@ -15,7 +15,9 @@ use std::time::Duration;
 const PEER: &str = env!("CARGO_BIN_EXE_kvlink-engine-peer");
 
 /// `kvlink-engine-peer ARGS`, in network namespace `ns` if given.
-fn spawn(ns: Option<&str>, args: &[&str]) -> Proc {
+/// `log`: the child logs kvlink's info lines to this test's stderr (shown whether or not the
+/// test passes), so that a rare failure says what each side did.
+fn spawn(ns: Option<&str>, args: &[&str], log: bool) -> Proc {
     let mut c = match ns {
         Some(ns) => {
             let mut c = Command::new("ip");
@@ -26,6 +28,9 @@ fn spawn(ns: Option<&str>, args: &[&str]) -> Proc {
     };
     c.args(args);
     c.env_remove("KVLINK_SECRET");
+    if log {
+        c.env("KVLINK_LOG", "kvlink=info");
+    }
     Proc::spawn(c)
 }
 
@@ -77,7 +82,9 @@ fn cross_with(
     ctx_role.extend_from_slice(ctx_extra);
     let ctx_args = args(&places[0], &ctx_role);
     let ctx_refs: Vec<&str> = ctx_args.iter().map(String::as_str).collect();
-    let mut ctx = spawn(places[0].ns, &ctx_refs);
+    // The won tie's redial runs in a window of about a millisecond: its rounds log.
+    let log = ctx_extra.contains(&"--break-won-tie");
+    let mut ctx = spawn(places[0].ns, &ctx_refs, log);
     let ctx_addr = ctx.expect_addr();
     let gen_role = [
         "gen",
@@ -91,7 +98,7 @@ fn cross_with(
     let mut gen_args = args(&places[1], &gen_role);
     gen_args.extend(["--connect-ms".to_string(), ms]);
     let gen_refs: Vec<&str> = gen_args.iter().map(String::as_str).collect();
-    let mut gen = spawn(places[1].ns, &gen_refs);
+    let mut gen = spawn(places[1].ns, &gen_refs, log);
     let gen_addr = gen.expect_addr();
     let (to_ctx, to_gen) = (format!("DIAL {gen_addr}"), format!("DIAL {ctx_addr}"));
     if ctx_first {
