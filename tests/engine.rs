@@ -950,60 +950,75 @@ fn connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
 
 /// The generation side's endpoint to the context side breaks (a forced close), and its
 /// application calls `connect` again while the engine's reconnect round runs: before the
-/// round's first dial (50 ms after the failure), about when it dials, and after. That `connect`
-/// joins the round's dial or dials in its place, never beside it, so the pair is bound again
-/// once: `connect` returns the rank, no refusal is counted on either side, each side counts at
-/// most the one failure, and the next request completes with every byte checked.
+/// round's first dial (50 ms after the failure), about when it dials, and after; and once
+/// while the round's dial is held in this side's stuck progress thread (a test fault), so that
+/// the `connect` surely finds it out. That `connect` joins the round's dial or dials in its
+/// place, never beside it: one dial in all after the failure, `connect` returns the rank, no
+/// refusal is counted on either side, each side counts at most the one failure, and the next
+/// request completes with every byte checked.
 #[test]
 fn a_connect_during_the_reconnect_round_joins_it_or_dials_in_its_place() {
     use kvlink::connection::PeerState;
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
         let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
-        for (i, delay_ms) in [0u64, 30, 45, 50, 55, 60, 80, 150].into_iter().enumerate() {
-            let (g0, c0) = (gen.health(), ctx.health());
+        let delays = [0u64, 30, 45, 50, 55, 60, 80, 150];
+        for (i, delay_ms) in delays.into_iter().map(Some).chain([None]).enumerate() {
+            let case = match delay_ms {
+                Some(ms) => format!("{kind:?}, connect {ms} ms after the failure"),
+                None => format!("{kind:?}, connect while the round's dial is held"),
+            };
+            let (g0, c0, d0) = (gen.health(), ctx.health(), gen.dials_begun());
             gen.fault_close_peer(RankId(CTX)).unwrap();
             let seen_by = Instant::now() + Duration::from_secs(2);
             while gen.peer_state(RankId(CTX)) == PeerState::Connected {
-                assert!(Instant::now() < seen_by, "{kind:?}: the close was not seen");
+                assert!(Instant::now() < seen_by, "{case}: the close was not seen");
                 std::thread::sleep(Duration::from_millis(1));
             }
-            std::thread::sleep(Duration::from_millis(delay_ms));
+            let held = Duration::from_millis(300);
+            match delay_ms {
+                Some(ms) => std::thread::sleep(Duration::from_millis(ms)),
+                None => {
+                    // The round's dial (due 50 ms after the failure) holds the progress thread.
+                    gen.fault_stall_progress(held, true).unwrap();
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
             let t = Instant::now();
             let r = gen.connect(&ctx.address(), t + Duration::from_secs(5));
             let took = t.elapsed();
             ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
                 .unwrap();
             let (g, c) = (gen.health(), ctx.health());
+            let dials = gen.dials_begun() - d0;
+            let rounds = g.reconnects - g0.reconnects;
             println!(
-                "{kind:?}, connect {delay_ms} ms after the failure: {r:?} in {took:?}; round \
-                 dials {}, failures seen: gen {}, ctx {}",
-                g.reconnects - g0.reconnects,
+                "{case}: {r:?} in {took:?}; dials {dials} (the round's {rounds}), failures \
+                 seen: gen {}, ctx {}",
                 g.peers_failed - g0.peers_failed,
                 c.peers_failed - c0.peers_failed
             );
-            assert_eq!(r.unwrap(), RankId(CTX), "{kind:?}, {delay_ms} ms");
+            assert_eq!(r.unwrap(), RankId(CTX), "{case}");
+            assert_eq!(dials, 1, "{case}: dials after the failure");
+            assert!(rounds <= 1, "{case}");
+            if delay_ms.is_none() {
+                // It waited for the held dial, which bound the rank.
+                assert_eq!(rounds, 1, "{case}");
+                assert!(took >= held / 2, "{case}: returned in {took:?}");
+            }
             for (h, side) in [(&g, "gen"), (&c, "ctx")] {
                 let refused = h.refused_rank_in_use + h.refused_by_peer + h.refused_auth;
-                assert_eq!(refused, 0, "{kind:?}, {delay_ms} ms: {side} refused");
+                assert_eq!(refused, 0, "{case}: {side} refused");
             }
-            assert_eq!(
-                g.peers_failed - g0.peers_failed,
-                1,
-                "{kind:?}, {delay_ms} ms"
-            );
-            assert!(
-                c.peers_failed - c0.peers_failed <= 1,
-                "{kind:?}, {delay_ms} ms"
-            );
-            assert!(g.reconnects - g0.reconnects <= 1, "{kind:?}, {delay_ms} ms");
+            assert_eq!(g.peers_failed - g0.peers_failed, 1, "{case}");
+            assert!(c.peers_failed - c0.peers_failed <= 1, "{case}");
             let key = RequestKey::new(100 + i as u64, 0);
             let (go, co, ok) = run(&ctx, &gen, key, &[4096, 1 << 20]);
             assert_eq!(
                 (go, co, ok),
                 (Outcome::Completed, Outcome::Completed, true),
-                "{kind:?}, {delay_ms} ms"
+                "{case}"
             );
-            assert_eq!(gen.health().peers_reconnecting, 0, "{kind:?}");
+            assert_eq!(gen.health().peers_reconnecting, 0, "{case}");
         }
     }
 }

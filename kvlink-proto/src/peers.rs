@@ -198,6 +198,8 @@ pub struct Peers<P> {
     /// Ranks a reconnect round has handed out to be dialled ([`Peers::due`]) whose dial is not
     /// yet made ([`Peers::dialled`]) or given up ([`Peers::round_dial_void`]).
     round_starting: HashMap<RankId, Instant>,
+    /// Ranks whose reconnect dial was closed unanswered ([`Peers::take_round_ended`]).
+    round_ended: Vec<RankId>,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
@@ -224,6 +226,7 @@ impl<P> Default for Peers<P> {
             expect_redial: HashMap::new(),
             connects: HashMap::new(),
             round_starting: HashMap::new(),
+            round_ended: Vec::new(),
             refusals: Refusals::default(),
             reconnects: 0,
             failures: 0,
@@ -502,9 +505,10 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         expire(&mut self.lost_answers, now, HANDSHAKE_LIMIT, |&(_, t)| t);
         expire(&mut self.gave_way_to, now, HANDSHAKE_LIMIT, |&t| t);
         expire(&mut self.expect_redial, now, HANDSHAKE_LIMIT, |&t| t);
-        // A dial handed out is made or given up within its wait (10 s); this only keeps a lost
-        // report from holding the rank's rounds off for good.
-        expire(&mut self.round_starting, now, HANDSHAKE_LIMIT, |&t| t);
+        // A dial handed out is made or given up within its wait (the engine's is 10 s, from
+        // when its thread starts); this only keeps a lost report from holding the rank's rounds
+        // off for good, so it waits twice that.
+        expire(&mut self.round_starting, now, 2 * HANDSHAKE_LIMIT, |&t| t);
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;
         let mut out: Vec<P> = due.into_iter().map(|(p, _)| p).collect();
@@ -516,11 +520,20 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .collect();
         for p in stale {
             self.pending.remove(&p);
-            self.dialling.remove(&p);
+            if let Some(rank) = self.dialling.remove(&p) {
+                // A `connect` may wait for this dial (`Peers::round_dialling`): it is told.
+                self.round_ended.push(rank);
+            }
             self.came_from.remove(&p);
             out.push(p);
         }
         out
+    }
+
+    /// Ranks whose reconnect dial [`Peers::due_closes`] closed unanswered since the last call:
+    /// a `connect` waiting for that dial looks again (and dials in its place).
+    pub fn take_round_ended(&mut self) -> Vec<RankId> {
+        std::mem::take(&mut self.round_ended)
     }
 
     /// Remembers that a reconnect round dialled `rank` through `peer` (at the address
@@ -559,6 +572,16 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 self.connects.remove(address);
             }
         }
+    }
+
+    /// The rank connected now that this side dials at `address` (a `connect` to it returns
+    /// the rank without dialling again).
+    pub fn connected_at(&self, address: &str) -> Option<RankId> {
+        self.ranks
+            .iter()
+            .filter(|(_, r)| r.state == PeerState::Connected)
+            .find(|(_, r)| r.dial.as_deref() == Some(address))
+            .map(|(rank, _)| *rank)
     }
 
     /// The rank a reconnect round is dialling at `address` now (its dial handed out or
@@ -882,7 +905,16 @@ mod tests {
         p.connect_ends("addr");
         assert!(p.due(p.next_due().unwrap()).is_empty());
         p.connect_ends("addr");
-        assert_eq!(p.due(p.next_due().unwrap()).len(), 1);
+        // A round's dial left unanswered is closed at the handshake limit, and said so (a
+        // `connect` waiting for it dials in its place).
+        let t4 = p.next_due().unwrap();
+        assert_eq!(p.due(t4).len(), 1);
+        p.dialled(R, 13);
+        p.handshake_started(13, t4);
+        assert_eq!(p.due_closes(t4 + HANDSHAKE_LIMIT), vec![13]);
+        assert_eq!(p.take_round_ended(), vec![R]);
+        assert!(p.take_round_ended().is_empty());
+        assert_eq!(p.round_dialling("addr"), None);
         // A bind by the round's dial ends the round.
         p.dialled(R, 12);
         p.handshake_started(12, t3);

@@ -137,6 +137,8 @@ pub(crate) struct Counters {
     pub last_fault: Option<Instant>,
     /// Entries of the memories of ended requests that went early (full), as last logged.
     pub aged_evicted_logged: u64,
+    /// Handshakes this side began as the dialler: `connect`'s dials and reconnect rounds'.
+    pub dials: u64,
 }
 
 impl HasWaiters for Core {
@@ -220,6 +222,7 @@ impl Inner {
             return Ok(());
         }
         let (hs, hello) = Handshake::dial(&self.identity, crate::random::u64());
+        core.counters.dials += 1;
         core.peers.handshakes.insert(peer, hs);
         core.peers.handshake_started(peer, Instant::now());
         self.send_msg(core, peer, &hello)
@@ -827,6 +830,10 @@ impl EventSink for Sink {
         }
         for peer in core.peers.due_closes(now) {
             let _ = inner.agent.close_peer(peer);
+        }
+        for rank in core.peers.take_round_ended() {
+            // A `connect` waiting for that reconnect dial dials in its place.
+            core.waiters.wake(WaitKey::Peer(rank));
         }
         inner.prune(&mut core, now);
         inner.flush_via(&mut core, None, now);

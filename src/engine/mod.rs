@@ -403,7 +403,7 @@ impl Engine {
     /// later is closed unused: `Agent::connect_by`). Two ranks that dial each other at once (two
     /// tcp connections) end on one connection, and both `connect`s return the other's rank; a
     /// `connect` to a rank already connected (the same process, by either side's dial) returns
-    /// its rank (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the
+    /// its rank (at once, dialling nothing, when the address is the one this side dialled it at) (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the
     /// pair kept redials it when that connection fails. A dial that won such a crossing and
     /// whose connection broke before it bound is dialled once more, within the deadline (the
     /// other side's dial was refused for it, so no connection would be left; the redial proves
@@ -411,11 +411,12 @@ impl Engine {
     /// process coming back), and the other side's `connect` waits for that dial, up to 5 s
     /// after that connection broke (`kvlink_proto::peers::REDIAL_WAIT`). Either ends `PeerLost`
     /// when that does not connect the pair: the redial refused, or no redial in time (connect
-    /// again). This side never has two dials out to one rank: a `connect` to an address this
-    /// side's reconnect round is dialling waits for that dial and returns the rank when it
-    /// binds (if it ends without binding, the `connect` dials in its place), and no round
-    /// dials an address while a `connect`'s dial to it runs. A `connect` whose dial meets
-    /// another dial of this side to the same rank, through another address: if its own dial
+    /// again). This side never has two dials out to one address of a rank: a `connect` to the
+    /// address this side's reconnect round is dialling waits for that dial and returns the rank
+    /// when it binds (if it ends without binding, the `connect` dials in its place), and no
+    /// round dials an address while a `connect`'s dial to it runs. A `connect` whose dial meets
+    /// another dial of this side to the same rank through another of its addresses (the round
+    /// dials a peer that moved to a new worker at its worker address, say): if its own dial
     /// gives way, it waits for the other and returns the rank when that binds (`PeerLost` if
     /// the round gives up).
     pub fn connect(&self, address: &str, deadline: Instant) -> Result<RankId> {
@@ -427,12 +428,18 @@ impl Engine {
         }
         let mut dialling = Connecting::begin(&self.inner, address);
         let mut core = self.inner.core.lock();
-        let mut joined = None;
-        while let Some(rank) = core.peers.round_dialling(address) {
-            // This side's reconnect round is dialling the rank: wait for its dial.
-            if core.peers.state(rank) == PeerState::Connected {
+        let mut joined: Option<RankId> = None;
+        loop {
+            if let Some(rank) = core.peers.connected_at(address) {
+                // Connected already (by the round's dial this waited for, perhaps): no new
+                // dial, whose handshake would only give way to that connection.
                 return Ok(rank);
             }
+            // This side's reconnect round is dialling the rank: wait for its dial (if that
+            // ends unbound, or there is none, dial).
+            let Some(rank) = core.peers.round_dialling(address) else {
+                break;
+            };
             if joined.replace(rank).is_none() {
                 tracing::info!(
                     peer = rank.0,
@@ -1342,6 +1349,13 @@ impl Engine {
         self.inner
             .agent
             .fault_stall_progress(stall, at_next_connect)
+    }
+
+    /// For tests: how many handshakes this side has begun as the dialler (`connect`'s dials
+    /// and its reconnect rounds').
+    #[doc(hidden)]
+    pub fn dials_begun(&self) -> u64 {
+        self.inner.core.lock().counters.dials
     }
 
     /// A fault for tests: force-closes this side's endpoint to `rank` (as a connection that
