@@ -421,8 +421,7 @@ class Engine {
   /// 5 s after that connection broke; then `PeerLost`, as when the dial made again does not
   /// connect: connect again). A call to an address that this rank's reconnect round is dialling
   /// (after a connection failed) waits for that dial and returns the rank when it binds (if it
-  /// fails, the call dials in its place); the round does not dial while a call's dial runs. A
-  /// call to the address of a rank connected through it returns that rank at once.
+  /// fails, the call dials in its place); the round does not dial while a call's dial runs.
   std::uint32_t connect(std::string_view address, Deadline deadline) {
     return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
   }

@@ -574,16 +574,6 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
     }
 
-    /// The rank connected now that this side dials at `address` (a `connect` to it returns
-    /// the rank without dialling again).
-    pub fn connected_at(&self, address: &str) -> Option<RankId> {
-        self.ranks
-            .iter()
-            .filter(|(_, r)| r.state == PeerState::Connected)
-            .find(|(_, r)| r.dial.as_deref() == Some(address))
-            .map(|(rank, _)| *rank)
-    }
-
     /// The rank a reconnect round is dialling at `address` now (its dial handed out or
     /// running): a `connect` to that address waits for that dial instead of making its own.
     pub fn round_dialling(&self, address: &str) -> Option<RankId> {

@@ -403,7 +403,7 @@ impl Engine {
     /// later is closed unused: `Agent::connect_by`). Two ranks that dial each other at once (two
     /// tcp connections) end on one connection, and both `connect`s return the other's rank; a
     /// `connect` to a rank already connected (the same process, by either side's dial) returns
-    /// its rank (at once, dialling nothing, when the address is the one this side dialled it at) (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the
+    /// its rank (`kvlink_proto::peers` `binding` has the rules). Only the side whose dial the
     /// pair kept redials it when that connection fails. A dial that won such a crossing and
     /// whose connection broke before it bound is dialled once more, within the deadline (the
     /// other side's dial was refused for it, so no connection would be left; the redial proves
@@ -411,9 +411,9 @@ impl Engine {
     /// process coming back), and the other side's `connect` waits for that dial, up to 5 s
     /// after that connection broke (`kvlink_proto::peers::REDIAL_WAIT`). Either ends `PeerLost`
     /// when that does not connect the pair: the redial refused, or no redial in time (connect
-    /// again). This side never has two dials out to one address of a rank: a `connect` to the
-    /// address this side's reconnect round is dialling waits for that dial and returns the rank
-    /// when it binds (if it ends without binding, the `connect` dials in its place), and no
+    /// again). A `connect` and this side's reconnect round never dial one address side by side:
+    /// a `connect` to the address the round is dialling waits for that dial and returns the
+    /// rank when it binds (if it ends without binding, the `connect` dials in its place), and no
     /// round dials an address while a `connect`'s dial to it runs. A `connect` whose dial meets
     /// another dial of this side to the same rank through another of its addresses (the round
     /// dials a peer that moved to a new worker at its worker address, say): if its own dial
@@ -430,9 +430,8 @@ impl Engine {
         let mut core = self.inner.core.lock();
         let mut joined: Option<RankId> = None;
         loop {
-            if let Some(rank) = core.peers.connected_at(address) {
-                // Connected already (by the round's dial this waited for, perhaps): no new
-                // dial, whose handshake would only give way to that connection.
+            if let Some(rank) = joined.filter(|r| core.peers.state(*r) == PeerState::Connected) {
+                // The round's dial this waited for bound it (or another dial did meanwhile).
                 return Ok(rank);
             }
             // This side's reconnect round is dialling the rank: wait for its dial (if that
