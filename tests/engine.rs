@@ -1031,6 +1031,54 @@ fn a_connect_during_the_reconnect_round_joins_it_or_dials_in_its_place() {
     }
 }
 
+/// As above, with the context side's progress thread stuck (a test fault) from before the
+/// close: the round's dial gets no answer, and a `connect` that waits for it returns
+/// `PeerLost` by its deadline. Once the context side runs again, the round's dial binds the
+/// pair, with nothing refused, and the next request completes.
+#[test]
+fn a_connect_waiting_for_the_rounds_dial_returns_by_its_deadline_when_the_peer_is_stuck() {
+    use kvlink::connection::PeerState;
+    const STALL: Duration = Duration::from_millis(1500);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
+        let (g0, d0) = (gen.health(), gen.dials_begun());
+        ctx.fault_stall_progress(STALL, false).unwrap();
+        let stalled = Instant::now();
+        gen.fault_close_peer(RankId(CTX)).unwrap();
+        let by = Instant::now() + Duration::from_secs(1);
+        while gen.peer_state(RankId(CTX)) == PeerState::Connected
+            || gen.health().reconnects == g0.reconnects
+        {
+            assert!(Instant::now() < by, "{kind:?}: no round dial");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let deadline = Instant::now() + Duration::from_millis(300);
+        let e = gen.connect(&ctx.address(), deadline).unwrap_err();
+        let late = Instant::now().saturating_duration_since(deadline);
+        println!("{kind:?}: {late:?} past the deadline: {e}");
+        assert_eq!(e.kind, kvlink::ErrorKind::PeerLost, "{kind:?}: {e}");
+        assert!(late < Duration::from_millis(100), "{kind:?}: {late:?}");
+        assert!(stalled.elapsed() < STALL, "{kind:?}: the stall ended first");
+        // The connect made no dial of its own beside the round's.
+        assert_eq!(gen.dials_begun() - d0, 1, "{kind:?}");
+        gen.wait_peer(RankId(CTX), stalled + STALL + Duration::from_secs(5))
+            .unwrap();
+        ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
+            .unwrap();
+        let (g, c) = (gen.health(), ctx.health());
+        for (h, side) in [(&g, "gen"), (&c, "ctx")] {
+            let refused = h.refused_rank_in_use + h.refused_by_peer + h.refused_auth;
+            assert_eq!(refused, 0, "{kind:?}: {side} refused");
+        }
+        let (go, co, ok) = run(&ctx, &gen, RequestKey::new(200, 0), &[4096, 1 << 20]);
+        assert_eq!(
+            (go, co, ok),
+            (Outcome::Completed, Outcome::Completed, true),
+            "{kind:?}"
+        );
+    }
+}
+
 /// 4096 requests of 4 KiB in flight at once, twice in a row on the same engines, every byte
 /// checked.
 #[test]
