@@ -23,7 +23,9 @@
 //!
 //! Sans-IO like the rest of the core: the table is generic over the transport's endpoint id
 //! (`P`), takes the time as an argument and only says what to do (endpoints to close, ranks to
-//! dial); the engine carries it out. The tests at the bottom drive it deterministically.
+//! dial, ranks whose waiters to wake: [`Peers::take_wakes`]); the engine carries it out. The
+//! tests at the bottom drive it deterministically, and `tests/proto_crossing.rs` checks that a
+//! sleeping `connect` never needs a wake the table did not name.
 use foldhash::{HashMap, HashMapExt};
 use std::collections::VecDeque;
 use std::hash::Hash;
@@ -152,9 +154,9 @@ pub struct Peers<P> {
     /// address the peer gave, or through a listener: None), until their handshake binds or
     /// fails.
     came_from: HashMap<P, Option<String>>,
-    /// Ranks whose reconnect round ran out of tries since [`Peers::take_given_up`] (their
-    /// waiters are told).
-    given_up: Vec<RankId>,
+    /// Ranks whose connection facts changed since [`Peers::take_wakes`]: their waiters look
+    /// again.
+    wakes: Vec<RankId>,
     /// The handshake of every endpoint not yet failed (done ones included: a late handshake
     /// message on a bound endpoint is answered as out of order).
     pub handshakes: HashMap<P, Handshake>,
@@ -198,8 +200,6 @@ pub struct Peers<P> {
     /// Ranks a reconnect round has handed out to be dialled ([`Peers::due`]) whose dial is not
     /// yet made ([`Peers::dialled`]) or given up ([`Peers::round_dial_void`]).
     round_starting: HashMap<RankId, Instant>,
-    /// Ranks whose reconnect dial was closed unanswered ([`Peers::take_round_ended`]).
-    round_ended: Vec<RankId>,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
@@ -212,7 +212,7 @@ impl<P> Default for Peers<P> {
             rank_of: HashMap::new(),
             dialling: HashMap::new(),
             came_from: HashMap::new(),
-            given_up: Vec::new(),
+            wakes: Vec::new(),
             handshakes: HashMap::new(),
             refused: HashMap::new(),
             refused_order: VecDeque::new(),
@@ -226,7 +226,6 @@ impl<P> Default for Peers<P> {
             expect_redial: HashMap::new(),
             connects: HashMap::new(),
             round_starting: HashMap::new(),
-            round_ended: Vec::new(),
             refusals: Refusals::default(),
             reconnects: 0,
             failures: 0,
@@ -424,6 +423,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             close.push(old);
         }
         self.rank_of.insert(peer, rank);
+        self.wake(rank);
         close
     }
 
@@ -471,6 +471,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             r.peer = None;
             r.state = PeerState::Failed;
         }
+        self.wake(rank);
         Some(rank)
     }
 
@@ -522,7 +523,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             self.pending.remove(&p);
             if let Some(rank) = self.dialling.remove(&p) {
                 // A `connect` may wait for this dial (`Peers::round_dialling`): it is told.
-                self.round_ended.push(rank);
+                self.wake(rank);
             }
             self.came_from.remove(&p);
             out.push(p);
@@ -530,10 +531,19 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         out
     }
 
-    /// Ranks whose reconnect dial [`Peers::due_closes`] closed unanswered since the last call:
-    /// a `connect` waiting for that dial looks again (and dials in its place).
-    pub fn take_round_ended(&mut self) -> Vec<RankId> {
-        std::mem::take(&mut self.round_ended)
+    /// The ranks whose connection facts changed since the last call, for the engine to wake
+    /// their waiters (`WaitKey::Peer`): a rank bound, unbound, lost, given way to, or given up
+    /// by its reconnect round; a dial of ours refused; a reconnect dial made, not made, ended
+    /// or closed unanswered. Every change a waiting `connect`, `wait_peer` or `advertise`
+    /// looks for is here, so the engine wakes nothing else for the peer table.
+    pub fn take_wakes(&mut self) -> Vec<RankId> {
+        std::mem::take(&mut self.wakes)
+    }
+
+    fn wake(&mut self, rank: RankId) {
+        if self.wakes.last() != Some(&rank) {
+            self.wakes.push(rank);
+        }
     }
 
     /// Remembers that a reconnect round dialled `rank` through `peer` (at the address
@@ -542,12 +552,14 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     pub fn dialled(&mut self, rank: RankId, peer: P) {
         self.round_starting.remove(&rank);
         self.dialling.insert(peer, rank);
+        self.wake(rank);
     }
 
     /// The dial a reconnect round handed out for `rank` ([`Peers::due`]) was not made (the
     /// transport refused it, or its endpoint failed before it was recorded).
     pub fn round_dial_void(&mut self, rank: RankId) {
         self.round_starting.remove(&rank);
+        self.wake(rank);
     }
 
     /// The rank a reconnect round's dial on `peer` is for, while that dial runs.
@@ -609,10 +621,19 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// The transport reported `peer` failed. Returns the rank that lost its live endpoint.
     pub fn on_failed(&mut self, peer: P, now: Instant) -> Option<RankId> {
         self.redial_of.remove(&peer);
-        let answered = self
-            .handshakes
-            .remove(&peer)
-            .and_then(|h| h.answered_peer().cloned());
+        let hs = self.handshakes.remove(&peer);
+        // A handshake's rank (a dial that gave way to it waits), a reconnect dial's (a
+        // `connect` may wait for it), and below the rank that lost its endpoint.
+        let shaking = hs
+            .as_ref()
+            .and_then(|h| h.answered_peer().or(h.dialled_peer()));
+        if let Some(rank) = shaking.map(|p| p.rank) {
+            self.wake(rank);
+        }
+        if let Some(rank) = self.round_dial(peer) {
+            self.wake(rank);
+        }
+        let answered = hs.and_then(|h| h.answered_peer().cloned());
         if let Some(p) = answered {
             // Unproven (a `Hello` alone; docs/SECURITY.md says what a stranger can do with it).
             self.note_lost_answer(p.rank, p.instance, now);
@@ -630,6 +651,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         r.peer = None;
         self.failures += 1;
+        self.wakes.push(rank);
         // The peer's own dial was the bound connection: noted below.
         let lost_answer = r.instance.filter(|_| r.answered);
         if r.dial.is_some() || r.by_dial_back {
@@ -661,11 +683,6 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             }
         }
         n
-    }
-
-    /// Ranks whose reconnect round ran out of tries since the last call (`Failed` now).
-    pub fn take_given_up(&mut self) -> Vec<RankId> {
-        std::mem::take(&mut self.given_up)
     }
 
     /// Starts a fresh reconnect round for a `Failed` rank this side can dial. True if it did.
@@ -706,7 +723,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 r.state = PeerState::Failed;
                 r.next_try = None;
                 r.by_dial_back = false;
-                self.given_up.push(*rank);
+                self.wakes.push(*rank);
                 continue;
             }
             r.tries += 1;
@@ -901,9 +918,10 @@ mod tests {
         assert_eq!(p.due(t4).len(), 1);
         p.dialled(R, 13);
         p.handshake_started(13, t4);
+        p.take_wakes();
         assert_eq!(p.due_closes(t4 + HANDSHAKE_LIMIT), vec![13]);
-        assert_eq!(p.take_round_ended(), vec![R]);
-        assert!(p.take_round_ended().is_empty());
+        assert_eq!(p.take_wakes(), vec![R]);
+        assert!(p.take_wakes().is_empty());
         assert_eq!(p.round_dialling("addr"), None);
         // A bind by the round's dial ends the round.
         p.dialled(R, 12);
@@ -1106,11 +1124,11 @@ mod tests {
             assert_eq!(p.on_failed(10 + try_no as u64, now), None);
             now = p.next_due().unwrap();
         }
-        assert!(p.take_given_up().is_empty(), "not yet");
+        p.take_wakes();
         assert!(p.due(now).is_empty());
         assert_eq!(p.state(R), PeerState::Failed);
-        assert_eq!(p.take_given_up(), vec![R]);
-        assert!(p.take_given_up().is_empty());
+        assert_eq!(p.take_wakes(), vec![R], "given up: its waiters are told");
+        assert!(p.take_wakes().is_empty());
         // The next move does not dial it: it had failed already.
         assert_eq!(p.moving(), 0);
     }

@@ -19,9 +19,13 @@
 //! connection, that `connect` returning the rank, nothing refused. The fifth breaks the round's
 //! dial while that side's `connect` waits for it: the `connect` dials in its place.
 //!
-//! What none models: worker moves, shared memory's single connection
-//! (`tests/crossing_dials.rs` runs that between two processes), and the waiters' wake-ups (a
-//! `connect` here is looked at after every step).
+//! A `connect` here is looked at after every step, but one asleep (waiting for a crossing, or
+//! for its round's dial) may move on only in a step whose peer table named its rank
+//! (`Peers::take_wakes`, what the engine wakes its waiters by) or when its timer is due: every
+//! test fails on a move without such a wake.
+//!
+//! What none models: worker moves, and shared memory's single connection
+//! (`tests/crossing_dials.rs` runs that between two processes).
 use kvlink_proto::peers::{HandshakeAction, PeerState, Peers};
 use kvlink_proto::{Handshake, Identity, Message, RankId, Secret};
 use std::collections::VecDeque;
@@ -49,6 +53,17 @@ enum Dial {
     Done(Result<RankId, String>),
 }
 
+/// One look of `connect`'s wait for `rank` after its dial gave way (`wait_for_crossing`).
+fn waiting_for(peers: &Peers<u64>, rank: RankId, now: Instant) -> Dial {
+    if peers.state(rank) == PeerState::Connected {
+        Dial::Done(Ok(rank))
+    } else if !peers.waiting_for_crossing(rank, now) {
+        Dial::Done(Err("gave way to a dial that did not complete".into()))
+    } else {
+        Dial::WaitingFor(rank)
+    }
+}
+
 /// The address each side's `connect` dials the other at.
 const ADDR: &str = "the other side";
 
@@ -66,6 +81,9 @@ struct Side {
     began: &'static str,
     /// The dials this side's last `connect` made itself.
     own_dials: u32,
+    /// Until when a `connect` waiting for a crossing sleeps if nobody wakes it (the engine's
+    /// `wait_for_crossing`: a redial's wait), if not to its deadline.
+    wait_until: Option<Instant>,
     /// The most dials this side has had out at once (open here, neither bound nor refused).
     most_dials_out: usize,
     lost: u32,
@@ -130,6 +148,7 @@ impl Net {
             redialled: false,
             began: "",
             own_dials: 0,
+            wait_until: None,
             most_dials_out: 0,
             lost: 0,
         };
@@ -327,8 +346,20 @@ impl Net {
             self.sides[s].most_dials_out = self.sides[s].most_dials_out.max(out);
         }
         for s in 0..2 {
+            // The engine wakes a sleeping `connect` only for the ranks the peer table names
+            // (`Peers::take_wakes`, drained at the end of each pass), or at its timer: one that
+            // would move on without either would sleep on in the engine.
+            let wakes = self.sides[s].peers.take_wakes();
+            let before = self.sides[s].dial.clone();
+            let asleep_for = match before {
+                Dial::Joined(r) | Dial::WaitingFor(r) => Some(r),
+                _ => None,
+            };
+            let timer = matches!(before, Dial::WaitingFor(_))
+                && self.sides[s].wait_until.is_some_and(|t| self.now >= t);
+            let woken = asleep_for.is_some_and(|r| wakes.contains(&r)) || timer;
             if let Dial::Joined(_) = self.sides[s].dial {
-                // Woken: bound by the round's dial, or that dial ended and `connect` dials.
+                // Bound by the round's dial, or that dial ended and `connect` dials.
                 self.connect_looks(s);
             }
             let side = &mut self.sides[s];
@@ -352,7 +383,8 @@ impl Net {
                         side.peers.set_dial(r, ADDR);
                         Dial::Done(Ok(r))
                     } else if let Some(r) = side.peers.take_gave_way(dial) {
-                        Dial::WaitingFor(r)
+                        // `wait_for_crossing` looks before it sleeps.
+                        waiting_for(&side.peers, r, self.now)
                     } else if let Some(reason) = side.peers.refusal(dial) {
                         Dial::Done(Err(format!("refused: {reason:?}")))
                     } else if !side.open[side.conn] {
@@ -361,20 +393,23 @@ impl Net {
                         Dial::Running
                     }
                 }
-                Dial::WaitingFor(r) => {
-                    if side.peers.state(r) == PeerState::Connected {
-                        Dial::Done(Ok(r))
-                    } else if !side.peers.waiting_for_crossing(r, self.now) {
-                        Dial::Done(Err("gave way to a dial that did not complete".into()))
-                    } else {
-                        Dial::WaitingFor(r)
-                    }
-                }
+                Dial::WaitingFor(r) => waiting_for(&side.peers, r, self.now),
                 d => d,
             };
             if was_dialling && matches!(side.dial, Dial::WaitingFor(_) | Dial::Done(_)) {
                 // Its dial is over: a round may dial again (one it waits for, perhaps).
                 side.peers.connect_ends(ADDR);
+            }
+            if asleep_for.is_some() && side.dial != before {
+                assert!(
+                    woken,
+                    "side {s}'s connect ({before:?} -> {:?}) was not woken: the peer table \
+                     named only {wakes:?}",
+                    side.dial
+                );
+            }
+            if let Dial::WaitingFor(r) = side.dial {
+                side.wait_until = side.peers.redial_expected_until(r, self.now);
             }
         }
     }

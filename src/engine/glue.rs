@@ -293,18 +293,10 @@ impl Inner {
     /// carries it out.
     fn on_handshake(&self, core: &mut Core, now: Instant, peer: PeerId, msg: Message) {
         use crate::proto::peers::HandshakeAction as A;
-        // A dial of ours with its proof out: if it is refused, a dial that gave way to it waits.
-        let dialled = core.peers.handshakes.get(&peer);
-        let dialled = dialled.and_then(|h| h.dialled_peer()).map(|p| p.rank);
-        let round = core.peers.round_dial(peer);
+        // The waiters it concerns are woken at the end of the pass (`Peers::take_wakes`).
         let actions = core
             .peers
             .on_handshake(&self.identity, peer, msg, now, crate::random::u64());
-        if let Some(rank) = round.filter(|_| core.peers.round_dial(peer).is_none()) {
-            // A reconnect dial that a `connect` may wait for has ended (bound, refused or
-            // given way): that `connect` looks again.
-            core.waiters.wake(WaitKey::Peer(rank));
-        }
         for action in actions {
             match action {
                 A::Send(m) => {
@@ -315,12 +307,8 @@ impl Inner {
                 }
                 A::Bound(rank, name) => {
                     tracing::info!(peer = rank.0, "{rank} ({name}) connected");
-                    core.waiters.wake(WaitKey::Peer(rank));
                 }
-                A::Lost(rank) => {
-                    core.ep.handle_peer_lost(now, rank);
-                    core.waiters.wake(WaitKey::Peer(rank));
-                }
+                A::Lost(rank) => core.ep.handle_peer_lost(now, rank),
                 A::Refused(Refusal::RankInUse, Some(rank)) => tracing::warn!(
                     peer = rank.0,
                     "refused {rank}: it is bound to another live endpoint"
@@ -328,9 +316,6 @@ impl Inner {
                 A::Refused(reason, _) => tracing::warn!("refused a peer: {reason:?}"),
                 A::RefusedByPeer(reason) => {
                     tracing::warn!("a peer refused this rank: {reason:?}");
-                    if let Some(rank) = dialled {
-                        core.waiters.wake(WaitKey::Peer(rank));
-                    }
                 }
                 A::Crossed(rank) => {
                     tracing::info!(
@@ -340,14 +325,13 @@ impl Inner {
                     );
                     self.fault_break_won_tie(core, rank);
                 }
-                A::Unbound(rank) => core.waiters.wake(WaitKey::Peer(rank)),
+                A::Unbound(_) => {}
                 A::GaveWay(rank) => {
                     tracing::info!(
                         peer = rank.0,
                         "{rank} is connected to this side already (it dialled too): the pair \
                          keeps that connection, this dial closes"
                     );
-                    core.waiters.wake(WaitKey::Peer(rank));
                 }
                 A::BadFrame => core.counters.bad_frames += 1,
             }
@@ -388,7 +372,10 @@ impl Inner {
                         tracing::debug!("reconnect to {rank} at {address}: {e}");
                     }
                 }
-                core.waiters.wake(WaitKey::Peer(rank));
+                // `advertise` may wait for the round, a `connect` for this dial.
+                for rank in core.peers.take_wakes() {
+                    core.waiters.wake(WaitKey::Peer(rank));
+                }
             });
         if let Err(e) = &spawned {
             tracing::warn!("reconnect to {rank}: no thread: {e}");
@@ -445,22 +432,12 @@ impl Inner {
                 if let Some(op) = core.refusal_ops.remove(&peer) {
                     core.control_ops.push_back(op);
                 }
-                // A dial of ours that gave way to this one (the rank's, or another of ours)
-                // waits for it: tell it it ended.
-                let crossing = core.peers.handshakes.get(&peer);
-                let rank = crossing.and_then(|h| h.answered_peer().or(h.dialled_peer()));
-                if let Some(rank) = rank.map(|p| p.rank) {
-                    core.waiters.wake(WaitKey::Peer(rank));
-                }
-                if let Some(rank) = core.peers.round_dial(peer) {
-                    // A `connect` may wait for this reconnect dial: it dials in its place.
-                    core.waiters.wake(WaitKey::Peer(rank));
-                }
+                // The waiters it concerns (a dial that gave way to this one, a `connect`
+                // waiting for this reconnect dial, the rank's) are woken at the end of the pass.
                 if let Some(rank) = core.peers.on_failed(peer, now) {
                     tracing::warn!("{rank}: connection failed");
                     core.counters.last_fault = Some(now);
                     core.ep.handle_peer_lost(now, rank);
-                    core.waiters.wake(WaitKey::Peer(rank));
                 }
                 core.waiters.wake(WaitKey::Dial(peer));
             }
@@ -824,15 +801,12 @@ impl EventSink for Sink {
                 core.peers.round_dial_void(rank);
             }
         }
-        for rank in core.peers.take_given_up() {
-            // `advertise` waits for a reconnect round: it ended.
-            core.waiters.wake(WaitKey::Peer(rank));
-        }
         for peer in core.peers.due_closes(now) {
             let _ = inner.agent.close_peer(peer);
         }
-        for rank in core.peers.take_round_ended() {
-            // A `connect` waiting for that reconnect dial dials in its place.
+        // Whatever this pass changed in the peer table wakes the waiters it concerns: a rank
+        // bound or lost, a round given up, a dial refused or ended (`Peers::take_wakes`).
+        for rank in core.peers.take_wakes() {
             core.waiters.wake(WaitKey::Peer(rank));
         }
         inner.prune(&mut core, now);

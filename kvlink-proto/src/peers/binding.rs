@@ -125,6 +125,8 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .unwrap_or_else(|| Handshake::answer(challenge));
         let dialled = hs.dialled_peer().cloned();
         let answered = hs.answered_peer().map(|p| p.rank);
+        let round = self.round_dial(peer);
+        let dialled_rank = dialled.as_ref().map(|d| d.rank);
         let mut refuse = None;
         match hs.handle(me, msg) {
             Step::Reply(m) => out.push(A::Send(m)),
@@ -246,7 +248,37 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             out.push(A::Unbound(rank));
         }
         self.handshakes.insert(peer, hs);
+        self.wake_for(&out, dialled_rank, round, peer);
         out
+    }
+
+    /// The waiters a handshake step concerns ([`Peers::take_wakes`]) beyond those its bind,
+    /// refusal or give-way woke: the rank of an answered handshake refused; our dial's rank
+    /// when the peer refused it (a dial that gave way to it waits); a reconnect dial's rank when
+    /// that dial ended (a `connect` may wait for it).
+    fn wake_for(
+        &mut self,
+        out: &[HandshakeAction<P>],
+        dialled: Option<RankId>,
+        round: Option<RankId>,
+        peer: P,
+    ) {
+        use HandshakeAction as A;
+        for action in out {
+            match action {
+                // (A bind, a loss and a give-way wake their rank where they are made.)
+                A::Unbound(r) => self.wake(*r),
+                A::RefusedByPeer(_) => {
+                    if let Some(r) = dialled {
+                        self.wake(r);
+                    }
+                }
+                _ => {}
+            }
+        }
+        if let Some(r) = round.filter(|_| self.round_dial(peer).is_none()) {
+            self.wake(r);
+        }
     }
 
     /// Binds a proven peer's rank to `peer`: the endpoints it replaces are closed, and an
@@ -314,6 +346,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.dialling.remove(&peer);
         self.pending.remove(&peer);
         self.gave_way.insert(peer, (rank, now));
+        self.wake(rank);
     }
 
     /// `connect`'s dials to `info`'s process won a tie: the peer's dial was refused for them.
