@@ -24,14 +24,15 @@
 //! Sans-IO like the rest of the core: the table is generic over the transport's endpoint id
 //! (`P`), takes the time as an argument and only says what to do (endpoints to close, ranks to
 //! dial, ranks whose waiters to wake: [`Peers::take_wakes`]); the engine carries it out. The
-//! tests at the bottom drive it deterministically, and `tests/proto_crossing.rs` checks that a
-//! sleeping `connect` never needs a wake the table did not name.
+//! tests at the bottom drive it deterministically, and `tests/proto_crossing.rs` checks, over
+//! the orders it runs, that a sleeping `connect` never moves on without a wake the table named
+//! (or its timer).
 use foldhash::{HashMap, HashMapExt};
 use std::collections::VecDeque;
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
-use crate::{Handshake, PeerInfo, RankId, Refusal, SessionKey, TagKey};
+use crate::{Handshake, Message, PeerInfo, RankId, Refusal, SessionKey, TagKey};
 
 mod binding;
 pub use binding::{HandshakeAction, REDIAL_WAIT};
@@ -462,7 +463,10 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         // a moment to reach the peer first.
         let at = if by_peer { now } else { now + REFUSE_LINGER };
         self.closing.push((peer, at));
-        self.dialling.remove(&peer);
+        if let Some(rank) = self.dialling.remove(&peer) {
+            // A `connect` may wait for this reconnect dial.
+            self.wake(rank);
+        }
         self.pending.remove(&peer);
         self.came_from.remove(&peer);
         let rank = self.rank_of.remove(&peer)?;
@@ -508,8 +512,19 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         expire(&mut self.expect_redial, now, HANDSHAKE_LIMIT, |&t| t);
         // A dial handed out is made or given up within its wait (the engine's is 10 s, from
         // when its thread starts); this only keeps a lost report from holding the rank's rounds
-        // off for good, so it waits twice that.
-        expire(&mut self.round_starting, now, 2 * HANDSHAKE_LIMIT, |&t| t);
+        // off for good, so it waits twice that (and a `connect` waiting for it is told).
+        if !self.round_starting.is_empty() {
+            let lost: Vec<RankId> = self
+                .round_starting
+                .iter()
+                .filter(|&(_, &t)| now.saturating_duration_since(t) >= 2 * HANDSHAKE_LIMIT)
+                .map(|(r, _)| *r)
+                .collect();
+            for rank in lost {
+                self.round_starting.remove(&rank);
+                self.wake(rank);
+            }
+        }
         let (due, keep): (Vec<_>, Vec<_>) = self.closing.iter().partition(|(_, t)| *t <= now);
         self.closing = keep;
         let mut out: Vec<P> = due.into_iter().map(|(p, _)| p).collect();
@@ -531,11 +546,30 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         out
     }
 
+    /// Refuses the handshake on `peer` for a frame of another wire version (not bound, not
+    /// refused yet): returns the refusal to send, in the one frame every version reads. The
+    /// endpoint is closed after the refusal's linger, as for any refusal of ours.
+    pub fn refuse_version(&mut self, peer: P, challenge: u64, now: Instant) -> Message {
+        let mut hs = self
+            .handshakes
+            .remove(&peer)
+            .unwrap_or_else(|| Handshake::answer(challenge));
+        // A dial of ours that gave way to this handshake waits for it.
+        let rank = hs.answered_peer().or(hs.dialled_peer()).map(|p| p.rank);
+        let refusal = hs.refuse(Refusal::WireVersion);
+        self.handshakes.insert(peer, hs);
+        self.refuse(peer, Refusal::WireVersion, false, now);
+        if let Some(rank) = rank {
+            self.wake(rank);
+        }
+        refusal
+    }
+
     /// The ranks whose connection facts changed since the last call, for the engine to wake
     /// their waiters (`WaitKey::Peer`): a rank bound, unbound, lost, given way to, or given up
     /// by its reconnect round; a dial of ours refused; a reconnect dial made, not made, ended
-    /// or closed unanswered. Every change a waiting `connect`, `wait_peer` or `advertise`
-    /// looks for is here, so the engine wakes nothing else for the peer table.
+    /// or closed unanswered, or its hand-out lost. The engine wakes its waiters on a rank
+    /// (`connect`, `wait_peer`, `advertise`) from this alone.
     pub fn take_wakes(&mut self) -> Vec<RankId> {
         std::mem::take(&mut self.wakes)
     }
@@ -651,7 +685,6 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         r.peer = None;
         self.failures += 1;
-        self.wakes.push(rank);
         // The peer's own dial was the bound connection: noted below.
         let lost_answer = r.instance.filter(|_| r.answered);
         if r.dial.is_some() || r.by_dial_back {
@@ -666,6 +699,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         if let Some(instance) = lost_answer {
             self.note_lost_answer(rank, instance, now);
         }
+        self.wake(rank);
         Some(rank)
     }
 
@@ -701,7 +735,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// The ranks due for a dial attempt at `now`, with their addresses; each attempt is counted
     /// and the next one scheduled (or the rank given up as `Failed`).
     pub fn due(&mut self, now: Instant) -> Vec<(RankId, String)> {
-        let mut out = Vec::new();
+        let (mut out, mut given_up) = (Vec::new(), Vec::new());
         // One dial at a time per rank: attempts that pile up behind a partition would all
         // connect when it heals, and each would replace the one before.
         let busy: std::collections::HashSet<RankId> = self.dialling.values().copied().collect();
@@ -723,7 +757,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 r.state = PeerState::Failed;
                 r.next_try = None;
                 r.by_dial_back = false;
-                self.wakes.push(*rank);
+                given_up.push(*rank);
                 continue;
             }
             r.tries += 1;
@@ -734,6 +768,10 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             }
         }
         self.reconnects += out.len() as u64;
+        for rank in given_up {
+            // `advertise` waits for a round: it ended.
+            self.wake(rank);
+        }
         out
     }
 
@@ -929,6 +967,42 @@ mod tests {
         p.bind(info(R), 12, ME, session(3));
         assert_eq!(p.round_dialling("addr"), None);
         assert_eq!(p.state(R), PeerState::Connected);
+    }
+
+    #[test]
+    fn every_end_of_a_round_dial_names_its_rank_to_wake() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        assert_eq!(p.take_wakes(), vec![R], "bound");
+        p.on_failed(10, t0);
+        assert_eq!(p.take_wakes(), vec![R], "lost");
+        let mut now = t0 + FIRST_BACKOFF;
+        // Handed out, and its report lost: it expires (after twice the handshake limit).
+        assert_eq!(p.due(now).len(), 1);
+        assert!(p.take_wakes().is_empty());
+        p.due_closes(now + HANDSHAKE_LIMIT);
+        assert!(p.take_wakes().is_empty(), "not yet");
+        now += 2 * HANDSHAKE_LIMIT;
+        p.due_closes(now);
+        assert_eq!(p.take_wakes(), vec![R], "expired");
+        assert_eq!(p.round_dialling("addr"), None);
+        // Made, then refused by the peer.
+        now = p.next_due().unwrap();
+        assert_eq!(p.due(now).len(), 1);
+        p.dialled(R, 11);
+        assert_eq!(p.take_wakes(), vec![R], "made");
+        p.refuse(11, Refusal::AuthFailed, true, now);
+        assert_eq!(p.take_wakes(), vec![R], "refused");
+        assert_eq!(p.due_closes(now), vec![11]);
+        // Made, then refused by this side for a frame of another wire version.
+        now = p.next_due().unwrap();
+        assert_eq!(p.due(now).len(), 1);
+        p.dialled(R, 12);
+        p.take_wakes();
+        let m = p.refuse_version(12, 5, now);
+        assert!(matches!(m, Message::Refuse { .. }), "{m:?}");
+        assert_eq!(p.take_wakes(), vec![R], "refused for its version");
+        assert_eq!(p.refusal(12), Some(Refusal::WireVersion));
     }
 
     #[test]

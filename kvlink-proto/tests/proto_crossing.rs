@@ -21,8 +21,9 @@
 //!
 //! A `connect` here is looked at after every step, but one asleep (waiting for a crossing, or
 //! for its round's dial) may move on only in a step whose peer table named its rank
-//! (`Peers::take_wakes`, what the engine wakes its waiters by) or when its timer is due: every
-//! test fails on a move without such a wake.
+//! (`Peers::take_wakes`, what the engine wakes its waiters by) or when its timer is due (its
+//! timer taken, as the engine's, only when it looks): every test that runs the network through
+//! `Net::follow_dials` fails on a move without such a wake.
 //!
 //! What none models: worker moves, and shared memory's single connection
 //! (`tests/crossing_dials.rs` runs that between two processes).
@@ -408,8 +409,12 @@ impl Net {
                     side.dial
                 );
             }
+            // The engine computes its timer when it looks: on its first look, and when woken.
+            let looked = woken || !matches!(before, Dial::WaitingFor(_));
             if let Dial::WaitingFor(r) = side.dial {
-                side.wait_until = side.peers.redial_expected_until(r, self.now);
+                if looked {
+                    side.wait_until = side.peers.redial_expected_until(r, self.now);
+                }
             }
         }
     }
@@ -1211,5 +1216,28 @@ fn a_connect_that_waits_for_the_rounds_dial_dials_in_its_place_when_that_dial_br
         (in_place, bound_first, outcomes.len()),
         (805, 195, 2),
         "{outcomes:?}"
+    );
+}
+
+/// A `connect` whose dial gave way sleeps (to its deadline: no redial is expected yet). The
+/// dial it gave way to then breaks, and its redial is expected for `REDIAL_WAIT`: the engine's
+/// sleeper learns that only if it is woken (the failure wakes the handshake's rank). None comes,
+/// and the `connect` ends at the end of that wait, not at its deadline.
+#[test]
+fn a_connect_asleep_is_woken_when_the_dial_it_gave_way_to_breaks() {
+    let mut net = tie_won();
+    net.follow_dials();
+    net.deliver(0, 0); // the tie's refusal reaches rank 1: its dial gives way
+    net.follow_dials();
+    assert_eq!(net.sides[1].dial, Dial::WaitingFor(RankId(0)));
+    assert_eq!(net.sides[1].wait_until, None, "sleeps to its deadline");
+    net.close(1, 1); // rank 0's dial breaks at rank 1: its redial is expected
+    net.follow_dials();
+    net.tick(Duration::from_secs(6)); // no redial comes
+    net.follow_dials();
+    assert!(
+        matches!(net.sides[1].dial, Dial::Done(Err(_))),
+        "{:?}",
+        net.sides[1].dial
     );
 }

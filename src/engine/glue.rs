@@ -254,19 +254,12 @@ impl Inner {
         // starts one (a frame in this version's `Hello` included); it is closed after the
         // refusal's linger. The refusal goes as a waited control message, never in a batch
         // (which a release before batches could not read).
-        let mut hs = core
-            .peers
-            .handshakes
-            .remove(&peer)
-            .unwrap_or_else(|| Handshake::answer(crate::random::u64()));
-        let refusal = hs.refuse(Refusal::WireVersion);
-        core.peers.handshakes.insert(peer, hs);
+        let refusal = core.peers.refuse_version(peer, crate::random::u64(), now);
         let _ = self.send_msg(core, peer, &refusal);
         tracing::warn!(
             "refused endpoint {}: it speaks wire version {version}, this side {VERSION}",
             peer.0
         );
-        core.peers.refuse(peer, Refusal::WireVersion, false, now);
         core.waiters.wake(WaitKey::Dial(peer));
         true
     }
