@@ -463,10 +463,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         // a moment to reach the peer first.
         let at = if by_peer { now } else { now + REFUSE_LINGER };
         self.closing.push((peer, at));
-        if let Some(rank) = self.dialling.remove(&peer) {
-            // A `connect` may wait for this reconnect dial.
-            self.wake(rank);
-        }
+        self.end_round_dial(peer);
         self.pending.remove(&peer);
         self.came_from.remove(&peer);
         let rank = self.rank_of.remove(&peer)?;
@@ -536,10 +533,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .collect();
         for p in stale {
             self.pending.remove(&p);
-            if let Some(rank) = self.dialling.remove(&p) {
-                // A `connect` may wait for this dial (`Peers::round_dialling`): it is told.
-                self.wake(rank);
-            }
+            self.end_round_dial(p);
             self.came_from.remove(&p);
             out.push(p);
         }
@@ -594,6 +588,14 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     pub fn round_dial_void(&mut self, rank: RankId) {
         self.round_starting.remove(&rank);
         self.wake(rank);
+    }
+
+    /// Ends the reconnect round's dial on `peer`, if it is one: its rank, named to wake (a
+    /// `connect` may wait for that dial, [`Peers::round_dialling`]).
+    fn end_round_dial(&mut self, peer: P) -> Option<RankId> {
+        let rank = self.dialling.remove(&peer)?;
+        self.wake(rank);
+        Some(rank)
     }
 
     /// The rank a reconnect round's dial on `peer` is for, while that dial runs.
@@ -664,9 +666,6 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         if let Some(rank) = shaking.map(|p| p.rank) {
             self.wake(rank);
         }
-        if let Some(rank) = self.round_dial(peer) {
-            self.wake(rank);
-        }
         let answered = hs.and_then(|h| h.answered_peer().cloned());
         if let Some(p) = answered {
             // Unproven (a `Hello` alone; docs/SECURITY.md says what a stranger can do with it).
@@ -674,7 +673,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         self.pending.remove(&peer);
         self.came_from.remove(&peer);
-        if self.dialling.remove(&peer).is_some() {
+        if self.end_round_dial(peer).is_some() {
             // A reconnect attempt failed; the next try is already scheduled.
             return None;
         }

@@ -54,6 +54,39 @@ enum Dial {
     Done(Result<RankId, String>),
 }
 
+/// The seeds a test runs: 0..n, or the one in `SEED` (to trace it: `TRACE=1`).
+fn seeds(n: u64) -> std::ops::Range<u64> {
+    std::env::var("SEED").map_or(0..n, |s| {
+        let s: u64 = s.parse().unwrap();
+        s..s + 1
+    })
+}
+
+/// Orders counted by their outcome, each with the first seed that gave it (to rerun alone).
+#[derive(Debug, Default)]
+struct Tally(std::collections::BTreeMap<String, (u32, u64)>);
+
+impl Tally {
+    fn add(&mut self, outcome: String, seed: u64) {
+        self.0.entry(outcome).or_insert((0, seed)).0 += 1;
+    }
+
+    /// The orders whose outcome `f` picks.
+    fn count(&self, f: &dyn Fn(&str) -> bool) -> u32 {
+        self.0
+            .iter()
+            .filter(|(k, _)| f(k))
+            .map(|(_, (n, _))| n)
+            .sum()
+    }
+
+    fn print(&self) {
+        for (k, (n, seed)) in &self.0 {
+            println!("{n:5} {k} (the first: seed {seed})");
+        }
+    }
+}
+
 /// One look of `connect`'s wait for `rank` after its dial gave way (`wait_for_crossing`).
 fn waiting_for(peers: &Peers<u64>, rank: RankId, now: Instant) -> Dial {
     if peers.state(rank) == PeerState::Connected {
@@ -563,10 +596,7 @@ impl Net {
 #[test]
 fn crossing_dials_settle_on_one_connection_in_every_order() {
     let mut endings = [0u32; 2];
-    for seed in std::env::var("SEED").map_or(0..4000u64, |s| {
-        let s: u64 = s.parse().unwrap();
-        s..s + 1
-    }) {
+    for seed in seeds(4000) {
         let mut net = Net::new(seed, [77, 88]);
         let first = (seed % 2) as usize;
         let stagger = net.rand(12);
@@ -770,14 +800,11 @@ fn drops_late_failures_and_a_broken_connection_never_leave_a_half_open_pair() {
     // change nothing: every order ends as in the first test. With one connection broken at a
     // random step (closed from a random side), the pair may end unbound (that is the fault),
     // but never bound on one side only or on two connections, and every `connect` ends.
-    let mut outcomes: std::collections::BTreeMap<String, (u32, u64)> = Default::default();
+    let mut outcomes = Tally::default();
     let (mut healed, mut refused) = (0, 0);
     let (mut quiet_drops, mut quiet_late, mut fault_drops) = (0, 0, 0);
     let mut answered: std::collections::BTreeMap<String, u32> = Default::default();
-    for seed in std::env::var("SEED").map_or(0..4000u64, |s| {
-        let s: u64 = s.parse().unwrap();
-        s..s + 1
-    }) {
+    for seed in seeds(4000) {
         let mut net = Net::new(seed, [77, 88]);
         net.drops = true;
         if (seed / 4) % 2 == 1 {
@@ -852,19 +879,11 @@ fn drops_late_failures_and_a_broken_connection_never_leave_a_half_open_pair() {
             }
         }
         let ok = |d: &Dial| matches!(d, Dial::Done(Ok(_)));
-        outcomes
-            .entry(format!(
-                "{} {outcome}, connects ok: {} {}",
-                if fault { "fault:" } else { "no fault:" },
-                ok(&a.dial),
-                ok(&b.dial)
-            ))
-            .or_insert((0, seed))
-            .0 += 1;
+        let fault = if fault { "fault:" } else { "no fault:" };
+        let (a, b) = (ok(&a.dial), ok(&b.dial));
+        outcomes.add(format!("{fault} {outcome}, connects ok: {a} {b}"), seed);
     }
-    for (k, (n, seed)) in &outcomes {
-        println!("{n:5} {k} (the first: seed {seed})");
-    }
+    outcomes.print();
     println!("redialled: {healed} orders connected by it, {refused} refused");
     println!("  the other side's connect in those it connected: {answered:?}");
     println!(
@@ -993,10 +1012,7 @@ fn a_broken_pair_is_bound_again_by_the_reconnect_round_of_the_side_whose_dial_it
     // rebinds the rank (the same process coming back).
     let (mut resumed, mut second_breaks, mut early_closes) = (0, 0, 0);
     let mut rounds_taken: std::collections::BTreeMap<u32, u32> = Default::default();
-    for seed in std::env::var("SEED").map_or(0..2000u64, |s| {
-        let s: u64 = s.parse().unwrap();
-        s..s + 1
-    }) {
+    for seed in seeds(2000) {
         let (mut net, ctx, kept, dialler, closer) = settled_then_to_break(seed);
         // In half the orders a second break, of a random connection at a random step of the
         // reconnect (the redial's own, often): the round tries again.
@@ -1076,11 +1092,8 @@ fn a_connect_by_hand_during_a_reconnect_round_ends_on_one_connection() {
     // place (the round holds off while it does): that side never has two dials out to the
     // rank. The pair ends bound on both sides to one connection in every order, that `connect`
     // returning the rank, with nothing refused.
-    let mut outcomes: std::collections::BTreeMap<String, (u32, u64)> = Default::default();
-    for seed in std::env::var("SEED").map_or(0..2000u64, |s| {
-        let s: u64 = s.parse().unwrap();
-        s..s + 1
-    }) {
+    let mut outcomes = Tally::default();
+    for seed in seeds(2000) {
         let (mut net, ctx, kept, dialler, closer) = settled_then_to_break(seed);
         net.sides[dialler].most_dials_out = 0;
         // Within the round's first steps (it takes seven when the break is heard at once).
@@ -1116,26 +1129,18 @@ fn a_connect_by_hand_during_a_reconnect_round_ends_on_one_connection() {
             let own = net.sides[hand].own_dials;
             format!("the redialling side ({began}, {own} own dials; {rounds} round dials)")
         };
-        let e = outcomes
-            .entry(format!("{who}: {outcome}, {dial:?}, refused {refused}"))
-            .or_insert((0, seed));
-        e.0 += 1;
+        outcomes.add(
+            format!("{who}: {outcome}, {dial:?}, refused {refused}"),
+            seed,
+        );
     }
-    for (k, (n, seed)) in &outcomes {
-        println!("{n:5} {k} (the first: seed {seed})");
-    }
+    outcomes.print();
     // Deterministic: docs/RELIABILITY.md quotes these (update it with them). Before the
     // redialling side kept to one dial, five orders ended `RankInUse` there: its two dials
     // both reached the other side, which bound the round's and then, taking the `connect`'s
     // as the same process proving the session again, that one; this side bound the round's
     // first, refused the other's `Welcome`, and the pair went through one more round.
-    let count = |f: &dyn Fn(&str) -> bool| -> u32 {
-        outcomes
-            .iter()
-            .filter(|(k, _)| f(k))
-            .map(|(_, (n, _))| n)
-            .sum()
-    };
+    let count = |f: &dyn Fn(&str) -> bool| outcomes.count(f);
     assert_eq!(count(&|k| k.contains("Err")), 0, "{outcomes:?}");
     assert_eq!(count(&|k| !k.ends_with("refused 0")), 0, "{outcomes:?}");
     // How the redialling side's `connect` went: it waited for the round's dial, which bound the
@@ -1162,11 +1167,8 @@ fn a_connect_that_waits_for_the_rounds_dial_dials_in_its_place_when_that_dial_br
     // when the round's dial ends unbound, or returns the rank when it bound first; the pair ends
     // bound on one connection, that `connect` returning the rank, nothing refused, never two
     // dials out on that side.
-    let mut outcomes: std::collections::BTreeMap<String, (u32, u64)> = Default::default();
-    for seed in std::env::var("SEED").map_or(0..1000u64, |s| {
-        let s: u64 = s.parse().unwrap();
-        s..s + 1
-    }) {
+    let mut outcomes = Tally::default();
+    for seed in seeds(1000) {
         let (mut net, ctx, kept, dialler, closer) = settled_then_to_break(seed);
         net.sides[dialler].most_dials_out = 0;
         let after = net.rand(6);
@@ -1200,20 +1202,18 @@ fn a_connect_that_waits_for_the_rounds_dial_dials_in_its_place_when_that_dial_br
         // at all when it had bound first (a later round dial bound the pair again after its
         // break).
         let (own, rounds) = (net.sides[dialler].own_dials, net.redials[dialler]);
-        let e = outcomes
-            .entry(format!("connect's own dials {own}, round dials {rounds}"))
-            .or_insert((0, seed));
-        e.0 += 1;
+        outcomes.add(
+            format!("connect's own dials {own}, round dials {rounds}"),
+            seed,
+        );
     }
-    for (k, (n, seed)) in &outcomes {
-        println!("{n:5} {k} (the first: seed {seed})");
-    }
+    outcomes.print();
     // Deterministic: docs/RELIABILITY.md quotes these (update it with them).
-    let n = |k: &str| outcomes.get(k).map_or(0, |(n, _)| *n);
+    let n = |key: &str| outcomes.count(&|k| k == key);
     let in_place = n("connect's own dials 1, round dials 1");
     let bound_first = n("connect's own dials 0, round dials 2");
     assert_eq!(
-        (in_place, bound_first, outcomes.len()),
+        (in_place, bound_first, outcomes.0.len()),
         (805, 195, 2),
         "{outcomes:?}"
     );

@@ -125,7 +125,6 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .unwrap_or_else(|| Handshake::answer(challenge));
         let dialled = hs.dialled_peer().cloned();
         let answered = hs.answered_peer().map(|p| p.rank);
-        let round = self.round_dial(peer);
         let dialled_rank = dialled.as_ref().map(|d| d.rank);
         let mut refuse = None;
         match hs.handle(me, msg) {
@@ -248,21 +247,15 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             out.push(A::Unbound(rank));
         }
         self.handshakes.insert(peer, hs);
-        self.wake_for(&out, dialled_rank, round, peer);
+        self.wake_for(&out, dialled_rank);
         out
     }
 
     /// The waiters a handshake step concerns ([`Peers::take_wakes`]) beyond those its bind,
-    /// refusal or give-way woke: the rank of an answered handshake refused; our dial's rank
-    /// when the peer refused it (a dial that gave way to it waits); a reconnect dial's rank when
-    /// that dial ended (a `connect` may wait for it).
-    fn wake_for(
-        &mut self,
-        out: &[HandshakeAction<P>],
-        dialled: Option<RankId>,
-        round: Option<RankId>,
-        peer: P,
-    ) {
+    /// refusal or give-way woke (a reconnect dial ended among them): the rank of an answered
+    /// handshake refused; our dial's rank when the peer refused it (a dial that gave way to it
+    /// waits).
+    fn wake_for(&mut self, out: &[HandshakeAction<P>], dialled: Option<RankId>) {
         use HandshakeAction as A;
         for action in out {
             match action {
@@ -275,9 +268,6 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 }
                 _ => {}
             }
-        }
-        if let Some(r) = round.filter(|_| self.round_dial(peer).is_none()) {
-            self.wake(r);
         }
     }
 
@@ -343,7 +333,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
 
     /// This side's dial on `peer` gave way to `rank`'s dial the other way.
     fn give_way(&mut self, peer: P, rank: RankId, now: Instant) {
-        self.dialling.remove(&peer);
+        self.end_round_dial(peer);
         self.pending.remove(&peer);
         self.gave_way.insert(peer, (rank, now));
         self.wake(rank);
