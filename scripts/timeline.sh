@@ -5,6 +5,9 @@
 # stage marks (scripts/timeline.py). A mark costs 30-50 ns: the path reads about half a
 # microsecond longer than the bench's row.
 #   bash scripts/timeline.sh [TRANSPORT [SIZE [REQUESTS]]]      # default: sm 4KiB 4000
+# As kvlink-bench's rows (`--pin`), each process runs on CPUs of its own where this machine
+# lets us use two or more (cores 0..N-1): the context side on the first half, the generation
+# side on the second; PIN=0 leaves placement to the scheduler.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 transport="${1:-sm}" size="${2:-4KiB}" requests="${3:-4000}"
@@ -16,8 +19,17 @@ out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 args=(--transport "$transport" --size "$size" --inflight 1 --rounds "$requests" --warmup 1000)
 
+pin_ctx=() pin_gen=()
+allowed="$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/self/status)"
+n="$(nproc)"
+if [[ "${PIN:-1}" != 0 && $n -ge 2 && "$allowed" == "0-$((n - 1))" ]] && command -v taskset >/dev/null; then
+    half=$(((n + 1) / 2))
+    pin_ctx=(taskset -c "0-$((half - 1))")
+    pin_gen=(taskset -c "$half-$((n - 1))")
+fi
+
 mkfifo "$out/addr"
-KVLINK_TIMELINE="$out/ctx" "$bin" peer --role ctx "${args[@]}" >"$out/addr" 2>"$out/ctx.err" &
+KVLINK_TIMELINE="$out/ctx" "${pin_ctx[@]}" "$bin" peer --role ctx "${args[@]}" >"$out/addr" 2>"$out/ctx.err" &
 ctx=$!
 exec 3<"$out/addr"
 addr=""
@@ -30,7 +42,7 @@ if [[ -z "$addr" ]]; then
     exit 1
 fi
 status=0
-KVLINK_TIMELINE="$out/gen" "$bin" peer --role gen "${args[@]}" --peer "$addr" >"$out/gen.out" 2>"$out/gen.err" || status=$?
+KVLINK_TIMELINE="$out/gen" "${pin_gen[@]}" "$bin" peer --role gen "${args[@]}" --peer "$addr" >"$out/gen.out" 2>"$out/gen.err" || status=$?
 cat <&3 >/dev/null || true
 wait "$ctx" || status=$?
 if [[ $status -ne 0 || ! -s "$out/gen" || ! -s "$out/ctx" ]]; then

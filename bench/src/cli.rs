@@ -157,6 +157,16 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub tr_buffers: u64,
 
+    /// Each process of a pair on CPUs of its own, `ucx_perftest`'s pairs and kvlink's alike:
+    /// the listening side (`ucx_perftest`'s server, the context side, the transport row's
+    /// receiver) on the first half of the CPUs this process may use, the other side on the
+    /// second half. In serving the two engines run on different hosts; on loopback, unpinned,
+    /// the scheduler moves the threads of both processes across the same cores, which costs
+    /// kvlink (a progress thread beside its callers) more than the single-threaded baseline.
+    /// `auto` pins when there are two CPUs or more; `off` leaves placement to the scheduler.
+    #[arg(long, value_enum, default_value_t = Pin::Auto)]
+    pub pin: Pin,
+
     /// Time limit of one row in seconds: requests not done by then count as failed (the
     /// "failed" column counts the whole row, warm-up included), and both processes are stopped
     /// [default: 60, --quick: 10].
@@ -327,6 +337,17 @@ impl Transport {
             Transport::Sm => "posix,sysv,self",
         }
     }
+}
+
+/// Where the processes of a pair run (`--pin`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Pin {
+    /// Pinned when this process may use two CPUs or more.
+    Auto,
+    /// Pinned; an error below two CPUs.
+    On,
+    /// Where the scheduler puts them.
+    Off,
 }
 
 /// The transport row's send buffer (`--tr-source`).

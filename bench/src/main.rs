@@ -13,6 +13,7 @@ mod copy_rate;
 mod core_cost;
 mod hugebuf;
 mod perftest;
+mod pin;
 mod plot;
 mod procs;
 mod report;
@@ -38,6 +39,13 @@ fn main() -> ExitCode {
         return ExitCode::from(copy_rate::run(c).clamp(0, 255) as u8);
     }
     let args = cli.run;
+    let pin = match pin::split(args.pin) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("kvlink-bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let settings = serde_json::json!({
         "transports": args.transports.iter().map(|t| t.name()).collect::<Vec<_>>(),
         "sizes": args.sizes,
@@ -61,8 +69,9 @@ fn main() -> ExitCode {
         "tr_buffers": args.tr_buffers,
         "row_timeout_s": args.row_timeout().as_secs(),
         "quick": args.quick,
+        "pin": pin::label(pin.as_ref()),
     });
-    let mut runner = match run::Runner::new(args.clone()) {
+    let mut runner = match run::Runner::new(args.clone(), pin) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvlink-bench: cannot find its own executable: {e}");

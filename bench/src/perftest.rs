@@ -1,5 +1,6 @@
 //! The raw UCX baseline: `ucx_perftest` server and client on loopback, same transport.
 use crate::cli::Transport;
+use crate::pin::Split;
 use std::io::Read;
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -64,13 +65,15 @@ pub fn warmup_of(iters: u64) -> u64 {
     (iters / 10).max(3)
 }
 
-/// Runs one ucx_perftest pair; gives up (killing both) at `limit`.
+/// Runs one ucx_perftest pair, each side on its CPUs when `pin` splits them; gives up (killing
+/// both) at `limit`.
 pub fn run(
     test: Test,
     t: Transport,
     size: u64,
     iters: u64,
     limit: Duration,
+    pin: Option<&Split>,
 ) -> Result<Figures, String> {
     let deadline = Instant::now() + limit;
     let mut args: Vec<String> = vec![
@@ -97,7 +100,11 @@ pub fn run(
         let port = free_port().map_err(|e| format!("no free port: {e}"))?;
         let mut both = args.clone();
         both.extend(["-p".into(), port.to_string()]);
-        let server = tool("ucx_perftest")
+        let mut server = tool("ucx_perftest");
+        if let Some(p) = pin {
+            crate::pin::apply(&mut server, &p.listener);
+        }
+        let server = server
             .args(&both)
             .env("UCX_TLS", t.ucx_tls())
             .stdin(Stdio::null())
@@ -110,7 +117,11 @@ pub fn run(
             last_err = "the ucx_perftest server did not start listening".into();
             continue;
         }
-        let client = tool("ucx_perftest")
+        let mut client = tool("ucx_perftest");
+        if let Some(p) = pin {
+            crate::pin::apply(&mut client, &p.active);
+        }
+        let client = client
             .arg("127.0.0.1")
             .args(&both)
             .env("UCX_TLS", t.ucx_tls())

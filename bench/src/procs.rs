@@ -26,8 +26,13 @@ pub enum NoLine {
 }
 
 impl Proc {
-    pub fn spawn(exe: &Path, args: &[String]) -> std::io::Result<Proc> {
-        let mut child = Command::new(exe)
+    /// Starts `exe` with `args`, on `cpus` only when given ([`crate::pin`]).
+    pub fn spawn(exe: &Path, args: &[String], cpus: Option<&[usize]>) -> std::io::Result<Proc> {
+        let mut cmd = Command::new(exe);
+        if let Some(cpus) = cpus {
+            crate::pin::apply(&mut cmd, cpus);
+        }
+        let mut child = cmd
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -2,6 +2,7 @@
 //! in fresh peer processes with a time limit.
 use crate::cli::{PeerRole, RunArgs, Transport};
 use crate::perftest::{self, Test};
+use crate::pin::Split;
 use crate::procs::{NoLine, Proc};
 use crate::report::{self, sig3, size_label, Kind, PeerResult, Row};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -32,6 +33,8 @@ enum Step {
 
 pub struct Runner {
     args: RunArgs,
+    /// Each side's CPUs (`--pin`); None: not pinned.
+    pin: Option<Split>,
     exe: PathBuf,
     pb: ProgressBar,
     to_stderr: bool,
@@ -39,7 +42,7 @@ pub struct Runner {
 }
 
 impl Runner {
-    pub fn new(args: RunArgs) -> std::io::Result<Runner> {
+    pub fn new(args: RunArgs, pin: Option<Split>) -> std::io::Result<Runner> {
         let exe = std::env::current_exe()?;
         let to_stderr = args.json.as_deref() == Some(std::path::Path::new("-"));
         let pb = if args.no_progress {
@@ -54,6 +57,7 @@ impl Runner {
         );
         Ok(Runner {
             args,
+            pin,
             exe,
             pb,
             to_stderr,
@@ -123,9 +127,16 @@ impl Runner {
             (None, None) => "every row as many requests as ucx_perftest at its size".into(),
         };
         self.print(&format!(
-            "kvlink-bench: two processes on loopback per row; {per_row}, row limit {} s. \
+            "kvlink-bench: two processes on loopback per row ({}); {per_row}, row limit {} s. \
              GB/s = 1e9 bytes/s; x tag_bw = GB/s / tag_bw; x tag_lat = us/req p50 / tag_lat \
              one-way p50; x -O N = GB/s / tag_bw -O N, N the row's in-flight count.",
+            match &self.pin {
+                Some(p) => format!(
+                    "each on CPUs of its own, listening side | other: {}",
+                    p.label()
+                ),
+                None => "not pinned".into(),
+            },
             a.row_timeout().as_secs()
         ));
         self.print(&format!(
@@ -200,7 +211,7 @@ impl Runner {
                 ));
                 let iters = a.perftest_iters(size);
                 let mut row = Row::new(t.name(), kind, size, outstanding);
-                match perftest::run(test, t, size, iters, a.row_timeout()) {
+                match perftest::run(test, t, size, iters, a.row_timeout(), self.pin.as_ref()) {
                     Ok(f) => {
                         row.measured = f.iterations;
                         row.completed = f.iterations;
@@ -323,7 +334,11 @@ impl Runner {
             ..PairOut::default()
         };
         let listener_started = Instant::now();
-        let mut listener = match Proc::spawn(&self.exe, &common(listener_role)) {
+        let mut listener = match Proc::spawn(
+            &self.exe,
+            &common(listener_role),
+            self.pin.as_ref().map(|p| &p.listener[..]),
+        ) {
             Ok(p) => p,
             Err(e) => {
                 out.notes.push(format!("cannot start a peer: {e}"));
@@ -353,13 +368,14 @@ impl Runner {
         if let (PeerRole::Gen, Some(m)) = (active_role, &self.args.metrics_listen) {
             args.extend(["--metrics-listen".into(), m.clone()]);
         }
-        let mut active = match Proc::spawn(&self.exe, &args) {
-            Ok(p) => p,
-            Err(e) => {
-                out.notes.push(format!("cannot start a peer: {e}"));
-                return out;
-            }
-        };
+        let mut active =
+            match Proc::spawn(&self.exe, &args, self.pin.as_ref().map(|p| &p.active[..])) {
+                Ok(p) => p,
+                Err(e) => {
+                    out.notes.push(format!("cannot start a peer: {e}"));
+                    return out;
+                }
+            };
         let kill_at = Instant::now() + limit + KILL_AFTER;
         let base_msg = self.pb.message();
         loop {
