@@ -24,8 +24,9 @@ pub struct EngineHandle {
     engine: Engine,
 }
 
-/// The longest wait this boundary passes on: a year. A C++ `time_point::max()` lands here.
-const MAX_MS: u64 = 365 * 24 * 3600 * 1000;
+/// The longest wait this boundary passes on: a year ([`crate::connection::LONGEST_WAIT`]). A
+/// C++ `time_point::max()` lands here.
+const MAX_MS: u64 = crate::connection::LONGEST_WAIT.as_millis() as u64;
 
 fn deadline(timeout_ms: u64) -> Instant {
     // Saturate far in the future rather than overflow: "no bound" is never offered.

@@ -1292,3 +1292,102 @@ fn a_wait_while_its_own_progress_thread_is_stuck_returns_by_the_deadline_rule() 
         assert_eq!(ctx.health().buffers_leased + gen.health().buffers_leased, 0);
     }
 }
+
+/// The CPU ticks (1/100 s) this process's thread named `comm` has used so far.
+fn thread_ticks(comm: &str) -> Option<u64> {
+    for t in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let name = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if name.trim_end() != comm {
+            continue;
+        }
+        let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+        // After the ")" that ends the name: state is field 3, utime and stime fields 14 and 15.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        return Some(f[11].parse::<u64>().ok()? + f[12].parse::<u64>().ok()?);
+    }
+    None
+}
+
+/// "Forever" as an engine's timeout (`u64::MAX` ms, `Duration::MAX`, what C++'s
+/// `milliseconds::max()` becomes) is taken as a year. Its deadline used to wrap in the
+/// progress thread's timer into the past, so that the sink ran on every pass: a request waiting
+/// for its second segment spun that thread at a whole core. Now the thread sleeps, a request
+/// with `Duration::MAX` as its own timeout starts, and a request still completes.
+#[test]
+fn an_engine_whose_timeout_is_forever_sleeps_while_a_request_waits_for_data() {
+    for forever in [Duration::from_millis(u64::MAX), Duration::MAX] {
+        let mut c = EngineConfig::new("ctx", CTX, TransportKind::Tcp);
+        c.listen = Some("127.0.0.1:0".parse().unwrap());
+        let ctx = Engine::new(c).unwrap();
+        // The progress thread's name is "kvlink-ucx-" and the engine's, cut to 15 bytes.
+        let mut g = EngineConfig::new("fore", GEN, TransportKind::Tcp);
+        g.timeout = forever;
+        g.agreement_bound = forever;
+        g.wedge_window = forever;
+        g.degraded_window = forever;
+        let gen = Engine::new(g).unwrap();
+        connect_pair(&ctx, &gen);
+        let (mut b0, mut b1) = (vec![0u8; 4096], vec![0u8; 4096]);
+        let spec = |segment, b: &mut Vec<u8>| BufferSpec {
+            kind: BufferKind::Kv,
+            segment,
+            addr: b.as_mut_ptr() as u64,
+            len: 4096,
+            device_id: -1,
+        };
+        let specs = vec![spec(0, &mut b0), spec(1, &mut b1)];
+        let key = RequestKey::new(1, 0);
+        // SAFETY: both buffers outlive the request, which is cancelled and waited for below.
+        unsafe { gen.advertise(key, vec![RankId(GEN)], vec![(RankId(CTX), specs)], vec![]) }
+            .unwrap();
+        let soon = || Instant::now() + Duration::from_secs(5);
+        let a = ctx.next_advertisement(soon(), None).unwrap();
+        ctx.accept(a.key, a.from, true).unwrap();
+        let data = fill(3, 4096);
+        assert_eq!(
+            ctx.send(key, RankId(GEN), 0, &data, soon(), None).unwrap(),
+            Outcome::Completed
+        );
+        // Segment 1 never comes: the request's next timer is its deadline, a year away.
+        std::thread::sleep(Duration::from_millis(300));
+        let t0 = thread_ticks("kvlink-ucx-fore").expect("the progress thread by its name");
+        std::thread::sleep(Duration::from_secs(1));
+        let used = thread_ticks("kvlink-ucx-fore").unwrap() - t0;
+        println!("{forever:?}: the progress thread used {used} ticks of 100 in 1 s");
+        assert!(used < 20, "{forever:?}: {used} ticks of 100: it spins");
+        gen.cancel(key).unwrap();
+        let o = gen.wait(key, Role::Receiver, soon(), None).unwrap();
+        assert_ne!(o, Outcome::Completed);
+        // A request with a timeout of its own of `Duration::MAX` starts and completes.
+        let mut buf = vec![0u8; 8192];
+        let spec = BufferSpec {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: buf.as_mut_ptr() as u64,
+            len: buf.len() as u64,
+            device_id: -1,
+        };
+        let key = RequestKey::new(2, 0);
+        // SAFETY: `buf` outlives the request, waited for below.
+        unsafe {
+            gen.advertise_with(
+                key,
+                vec![RankId(GEN)],
+                vec![(RankId(CTX), vec![spec])],
+                vec![],
+                Some(Duration::MAX),
+            )
+        }
+        .unwrap();
+        let a = ctx.next_advertisement(soon(), None).unwrap();
+        ctx.accept(a.key, a.from, true).unwrap();
+        let data = fill(5, 8192);
+        ctx.send(key, RankId(GEN), 0, &data, soon(), None).unwrap();
+        assert_eq!(
+            gen.wait(key, Role::Receiver, soon(), None).unwrap(),
+            Outcome::Completed
+        );
+        assert_eq!(buf, data, "{forever:?}");
+    }
+}

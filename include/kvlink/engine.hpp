@@ -120,6 +120,8 @@ struct EngineConfig {
   /// transport).
   std::string listen;
   /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Must be positive.
+  /// This and the three durations below are taken as a year where they are longer
+  /// (`milliseconds::max()` included).
   std::chrono::milliseconds timeout{60000};
   /// Extra time past a deadline for the ranks of a request to agree on the verdict; a rank with
   /// no verdict by then ends with its own failure and fences what is still unsafe. Zero means

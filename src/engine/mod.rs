@@ -66,6 +66,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use waiters::{sleep, WaitKey};
 
+/// The longest timeout, bound or window the engine takes: a year. "Forever" (a C++
+/// `milliseconds::max()`, `u64::MAX` ms, `Duration::MAX`) lands here: past it a deadline is not
+/// representable everywhere it is used (an `Instant`, a timer's nanoseconds), and a year is
+/// longer than any transfer.
+pub const LONGEST_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// Configuration of one rank's engine.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -78,7 +84,8 @@ pub struct EngineConfig {
     pub net_devices: Option<String>,
     /// tcp: listen here (`ip:port`, port 0 picks one). Shared memory connects by worker address.
     pub listen: Option<SocketAddr>,
-    /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`.
+    /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Any of
+    /// these four durations longer than [`LONGEST_WAIT`] (a year) is taken as a year.
     pub timeout: Duration,
     /// How long past a deadline the ranks may spend agreeing before each ends on its own.
     pub agreement_bound: Duration,
@@ -302,7 +309,15 @@ pub(crate) fn dial(agent: &Agent, address: &str, deadline: Instant) -> Result<Pe
 }
 
 impl Engine {
-    pub fn new(cfg: EngineConfig) -> Result<Engine> {
+    pub fn new(mut cfg: EngineConfig) -> Result<Engine> {
+        for d in [
+            &mut cfg.timeout,
+            &mut cfg.agreement_bound,
+            &mut cfg.wedge_window,
+            &mut cfg.degraded_window,
+        ] {
+            *d = (*d).min(LONGEST_WAIT);
+        }
         if cfg.timeout.is_zero() {
             return Err(Error::invalid("timeout must be positive"));
         }
@@ -628,7 +643,7 @@ impl Engine {
         timeout: Option<Duration>,
     ) -> Result<()> {
         let _span = timeline::span(Stage::AdvertiseCalled, Stage::AdvertiseReturned);
-        let timeout = timeout.unwrap_or(self.timeout);
+        let timeout = timeout.unwrap_or(self.timeout).min(LONGEST_WAIT);
         if timeout.is_zero() {
             return Err(key_err(ErrorKind::InvalidArgument, key, "zero timeout"));
         }

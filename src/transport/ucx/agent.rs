@@ -68,7 +68,7 @@ impl Agent {
     /// Makes sure the sink is called by `at`: wakes the progress thread if it would otherwise
     /// sleep past it (an owner's timer moved earlier).
     pub fn wake_by(&self, at: Instant) {
-        let at_ns = at.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
+        let at_ns = self.shared.ns_at(at);
         let was = self.shared.sink_due_ns.fetch_min(at_ns, Ordering::AcqRel);
         // `u64::MAX`: a pass is delivering to the sink right now; it keeps the earlier time when
         // it ends and sleeps (or wakes the progress thread) by it, so no wake-up is needed.

@@ -845,7 +845,7 @@ impl Progress {
         let Some(sink) = self.shared.sink.get().cloned() else {
             return false;
         };
-        let now_ns = now.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
+        let now_ns = self.shared.ns_at(now);
         let mut evs = std::mem::take(&mut self.ev_spare);
         std::mem::swap(&mut evs, &mut *self.shared.events.lock());
         if evs.is_empty() && now_ns < self.shared.sink_due_ns.load(Ordering::Acquire) {
@@ -868,7 +868,7 @@ impl Progress {
                 now + SINK_IDLE
             }
         };
-        let next_ns = next.saturating_duration_since(self.shared.epoch).as_nanos() as u64;
+        let next_ns = self.shared.ns_at(next);
         self.shared.sink_due_ns.fetch_min(next_ns, Ordering::AcqRel);
         // The sink drains what it is given; what a panic left is dropped, as said above.
         evs.clear();

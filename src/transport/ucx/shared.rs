@@ -618,9 +618,18 @@ impl Shared {
         self.note_progress_at(Instant::now());
     }
 
+    /// `at` in nanoseconds since `epoch`: 0 before it, and a time past 584 years from it (a
+    /// timer set "forever") taken as `u64::MAX - 1`, never done, where a wrapped cast would
+    /// land in the past and make the sink due on every pass. `u64::MAX` stays the sink's
+    /// "delivering" mark.
+    pub(super) fn ns_at(&self, at: Instant) -> u64 {
+        let ns = at.saturating_duration_since(self.epoch).as_nanos();
+        u64::try_from(ns).map_or(u64::MAX - 1, |n| n.min(u64::MAX - 1))
+    }
+
     /// [`Shared::note_progress`] with the caller's clock read.
     pub(super) fn note_progress_at(&self, now: Instant) {
-        let ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        let ns = self.ns_at(now);
         self.last_progress_ns.store(ns, Ordering::Release);
     }
 
