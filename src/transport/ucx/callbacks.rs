@@ -98,12 +98,19 @@ thread_local! {
     static IN_SINK: Cell<*const Shared> = const { Cell::new(std::ptr::null()) };
 }
 
-/// Runs `f` (the owner's sink) marked as inside `shared`'s sink on this thread.
+/// Runs `f` (the owner's sink) marked as inside `shared`'s sink on this thread. The mark is
+/// taken off however `f` ends: a sink that panics is caught above this (`run_sink`), and a
+/// thread left marked would from then on only queue what it submits, never start it or wake
+/// the progress thread for it.
 pub(super) fn in_sink<R>(shared: &Shared, f: impl FnOnce() -> R) -> R {
-    let prev = IN_SINK.with(|c| c.replace(shared as *const Shared));
-    let r = f();
-    IN_SINK.with(|c| c.set(prev));
-    r
+    struct Restore(*const Shared);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            IN_SINK.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(IN_SINK.with(|c| c.replace(shared as *const Shared)));
+    f()
 }
 
 /// Whether this thread is running `shared`'s sink now: the pass that called it drains the
@@ -127,10 +134,16 @@ pub(super) fn set_shared(shared: &Arc<Shared>) {
 /// of work on an agent's worker by a caller (driving it, or starting its commands), possibly
 /// from inside the sink of another agent this thread drives.
 pub(super) fn entered<R>(shared: &Arc<Shared>, f: impl FnOnce() -> R) -> R {
-    let prev = SHARED.with(|s| s.borrow_mut().replace(shared.clone()));
-    let r = f();
-    SHARED.with(|s| *s.borrow_mut() = prev);
-    r
+    // Put back however `f` ends (as `in_sink`).
+    struct Restore(Option<Arc<Shared>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let prev = self.0.take();
+            SHARED.with(|s| *s.borrow_mut() = prev);
+        }
+    }
+    let _restore = Restore(SHARED.with(|s| s.borrow_mut().replace(shared.clone())));
+    f()
 }
 
 pub(super) fn with_shared(f: impl FnOnce(&Shared)) {

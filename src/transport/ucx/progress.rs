@@ -892,18 +892,28 @@ impl Progress {
     /// Runs queued commands; returns whether there were any. A `Shutdown` stops it and sets
     /// `self.shutdown`: what is still queued is failed by the teardown.
     pub(super) fn drain_commands(&mut self) -> bool {
-        self.drain_while(|_| true)
+        self.drain_while(|_, _| true)
     }
 
-    /// Runs queued commands from the front for as long as `take` accepts the next one (and no
-    /// `Shutdown` was taken); returns whether any ran.
-    fn drain_while(&mut self, take: impl Fn(&Cmd) -> bool) -> bool {
+    /// Runs queued commands from the front up to number `end` (see [`super::shared::CmdQueue::taken`]): a
+    /// caller's own, started on its thread.
+    pub(super) fn drain_to(&mut self, end: u64) -> bool {
+        self.drain_while(|taken, _| taken < end)
+    }
+
+    /// Runs queued commands from the front for as long as `take` accepts the next one (given
+    /// its number and itself; and no `Shutdown` was taken); returns whether any ran.
+    fn drain_while(&mut self, take: impl Fn(u64, &Cmd) -> bool) -> bool {
         let mut did = false;
         while !self.shutdown && self.shared.cmds_maybe_pending() {
             let cmd = {
                 let mut q = self.shared.cmds.lock();
+                let taken = q.taken;
                 match q.items.front() {
-                    Some(c) if take(c) => q.items.pop_front(),
+                    Some(c) if take(taken, c) => {
+                        q.taken += 1;
+                        q.items.pop_front()
+                    }
                     Some(_) => None,
                     None => {
                         self.shared.cmds_queued.store(false, Ordering::Release);
@@ -931,7 +941,7 @@ impl Progress {
     /// The first half of [`Self::drain_after_sink`]: the control messages at the front of the
     /// queue, then the sink told.
     fn send_after_sink(&mut self) {
-        self.drain_while(|c| matches!(c, Cmd::Post { .. } | Cmd::Control { .. }));
+        self.drain_while(|_, c| matches!(c, Cmd::Post { .. } | Cmd::Control { .. }));
         if let Some(sink) = self.shared.sink.get() {
             sink.delivered();
         }
@@ -1071,7 +1081,7 @@ impl Progress {
         let leftovers: Vec<Cmd> = {
             let mut q = self.shared.cmds.lock();
             q.closed = true;
-            q.items.drain(..).collect()
+            q.take_all()
         };
         for cmd in leftovers {
             self.shared.fail_cmd(cmd);
@@ -1611,5 +1621,132 @@ mod tests {
             assert_eq!(got, [&b"first"[..], b"second", b"after"], "{kind:?}");
             assert_eq!(b.stats().control_malformed, 2, "{kind:?}");
         }
+    }
+
+    /// Notes which thread ran the sink, and when.
+    struct ThreadWatch {
+        seen: Mutex<Vec<(std::thread::ThreadId, Instant)>>,
+    }
+
+    impl EventSink for ThreadWatch {
+        fn deliver(&self, events: &mut VecDeque<Event>, now: Instant) -> Option<Instant> {
+            events.clear();
+            self.seen.lock().push((std::thread::current().id(), now));
+            None
+        }
+    }
+
+    /// A caller that starts its command on its own thread (`submit_now`) runs that command
+    /// only. Here its command is a connect held 300 ms (a test stall); another thread queues a
+    /// command whose run calls the sink (`FaultStuck`, report-only here) 100 ms in. That one is
+    /// the progress thread's: run on the caller, under whatever locks the caller holds (the
+    /// engine's core lock, which its sink takes), it would deadlock or hold the caller.
+    #[test]
+    fn a_caller_starting_its_command_here_runs_no_other_threads_command() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (a, b, _ab) = accepted_pair(&TransportKind::Tcp, deadline);
+        let sink = Arc::new(ThreadWatch {
+            seen: Mutex::new(Vec::new()),
+        });
+        assert!(a.set_sink(sink.clone()));
+        std::thread::sleep(Duration::from_millis(50));
+        a.fault_stall_progress(Duration::from_millis(300), true)
+            .unwrap();
+        let sh = a.shared.clone();
+        let other = {
+            let sh = sh.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                sh.submit(Cmd::FaultStuck).unwrap();
+            })
+        };
+        let me = std::thread::current().id();
+        let r = Reply::new();
+        let t0 = Instant::now();
+        sh.submit_now(Cmd::Connect(b.listen_address().unwrap(), r.clone()))
+            .unwrap();
+        let t1 = Instant::now();
+        other.join().unwrap();
+        r.wait(deadline).unwrap();
+        // The other thread's command ran, on the progress thread, once the caller let go.
+        let until = Instant::now() + Duration::from_secs(5);
+        while sink
+            .seen
+            .lock()
+            .iter()
+            .all(|(_, at)| *at < t0 + Duration::from_millis(100))
+            && Instant::now() < until
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let seen = sink.seen.lock().clone();
+        let on_caller: Vec<_> = seen
+            .iter()
+            .filter(|(t, at)| *t == me && *at >= t0 && *at <= t1)
+            .collect();
+        println!(
+            "submit_now held the caller {:?}; sink runs after it began: {:?}",
+            t1 - t0,
+            seen.iter()
+                .filter(|(_, at)| *at >= t0)
+                .map(|(t, at)| (*t == me, at.duration_since(t0)))
+                .collect::<Vec<_>>()
+        );
+        assert!(
+            on_caller.is_empty(),
+            "the sink ran on the caller inside submit_now"
+        );
+        assert!(
+            seen.iter()
+                .any(|(t, at)| *t != me && *at >= t0 + Duration::from_millis(100)),
+            "the other thread's command ran elsewhere"
+        );
+    }
+
+    struct PanicOnce(std::sync::atomic::AtomicBool);
+
+    impl EventSink for PanicOnce {
+        fn deliver(&self, events: &mut VecDeque<Event>, _now: Instant) -> Option<Instant> {
+            events.clear();
+            if !self.0.swap(true, Ordering::AcqRel) {
+                panic!("a sink bug, on purpose");
+            }
+            None
+        }
+    }
+
+    /// A sink that panics in a caller's pass is caught there, and the caller's thread is no
+    /// longer marked as inside the sink (or driving the agent) afterwards: marked, everything it
+    /// submitted would only be queued, never started or woken for.
+    #[test]
+    fn a_caught_sink_panic_leaves_the_thread_unmarked() {
+        let a = Agent::new(AgentOptions::new("p", TransportKind::Tcp)).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let sink = Arc::new(PanicOnce(Default::default()));
+        {
+            let mut g = a.shared.driver.lock();
+            assert!(a.shared.sink.set(sink.clone()).is_ok());
+            a.shared.sink_due_ns.store(0, Ordering::Release);
+            let p = g.as_mut().unwrap();
+            callbacks::entered(&a.shared, || p.pass());
+        }
+        assert!(
+            sink.0.load(Ordering::Acquire),
+            "the sink ran here, and panicked"
+        );
+        assert!(
+            !callbacks::in_sink_of(&a.shared),
+            "still marked as inside the sink"
+        );
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            callbacks::entered(&a.shared, || panic!("a bug inside a caller's stretch"))
+        }));
+        assert!(r.is_err());
+        let mut after = None;
+        callbacks::with_shared(|sh| after = Some(sh as *const Shared));
+        assert_eq!(
+            after, None,
+            "the thread's agent was put back after the panic"
+        );
     }
 }

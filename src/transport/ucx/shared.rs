@@ -19,8 +19,28 @@ use std::time::{Duration, Instant};
 #[derive(Default)]
 pub(super) struct CmdQueue {
     pub(super) items: VecDeque<Cmd>,
+    /// Commands ever queued and ever taken from the front: the front command is number
+    /// `taken`, so a caller that queued commands up to number `end` runs exactly its own while
+    /// `taken < end` ([`Shared::run_here`]).
+    pub(super) queued: u64,
+    pub(super) taken: u64,
     /// Set by the progress thread's teardown: nothing is queued after it.
     pub(super) closed: bool,
+}
+
+impl CmdQueue {
+    /// Takes every queued command (counted as taken).
+    pub(super) fn take_all(&mut self) -> Vec<Cmd> {
+        self.taken += self.items.len() as u64;
+        self.items.drain(..).collect()
+    }
+
+    /// Drops every queued command (counted as taken): for tests that play the progress thread.
+    #[cfg(test)]
+    pub(super) fn clear(&mut self) {
+        self.taken += self.items.len() as u64;
+        self.items.clear();
+    }
 }
 
 /// What the owner's threads ask of the progress thread.
@@ -354,14 +374,22 @@ impl Shared {
     /// Queues `cmd` and, when the queue held nothing else and no other thread drives, runs the
     /// queue here. True if it ran and left nothing for the progress thread to handle.
     fn start_here(self: &Arc<Self>, cmd: Cmd) -> Result<bool> {
-        let alone = self.enqueue(cmd)?;
-        self.run_here(alone)
+        let mine = self.enqueue(cmd)?;
+        self.run_here(mine)
     }
 
-    /// Runs the queue here when it held nothing but what this caller just queued (`alone`) and
-    /// no other thread drives. True if it ran and left nothing for the progress thread.
-    fn run_here(self: &Arc<Self>, alone: bool) -> Result<bool> {
-        if !alone || self.poll_window.is_zero() {
+    /// Runs this caller's commands here when the queue held nothing else as it queued them
+    /// (`mine`: up to which number they go, see [`Shared::enqueue_all`]) and no other thread
+    /// drives. Only its own: what other threads queue meanwhile (a `ForceClose`, a `Connect`,
+    /// a command whose end runs the sink) is the progress thread's, which their submitters woke;
+    /// run here it would hold this caller, which may hold its own locks, for as long as it takes
+    /// (and a sink run here could take a lock this caller holds). True if its commands ran and
+    /// left nothing for the progress thread.
+    fn run_here(self: &Arc<Self>, mine: Option<u64>) -> Result<bool> {
+        let Some(end) = mine else {
+            return Ok(false);
+        };
+        if self.poll_window.is_zero() {
             return Ok(false);
         }
         let Some(mut guard) = self.driver.try_lock() else {
@@ -370,7 +398,7 @@ impl Shared {
         let Some(p) = guard.as_mut() else {
             return Ok(false);
         };
-        callbacks::entered(self, || p.drain_commands());
+        callbacks::entered(self, || p.drain_to(end));
         // Whatever the commands left for a pass (callback reports) or ended (a shutdown) is
         // the progress thread's to handle.
         let more = p.shutdown || !self.cb_events.lock().is_empty();
@@ -408,11 +436,11 @@ impl Shared {
         cmds: impl IntoIterator<Item = Cmd>,
         needs_pass: impl FnOnce() -> bool,
     ) -> Result<()> {
-        let alone = self.enqueue_all(cmds)?;
+        let mine = self.enqueue_all(cmds)?;
         if callbacks::in_sink_of(self) {
             return Ok(());
         }
-        if !self.run_here(alone)? {
+        if !self.run_here(mine)? {
             self.nudge();
         } else if needs_pass() {
             self.owe_pass();
@@ -467,13 +495,14 @@ impl Shared {
     }
 
     /// Queues `cmd`; true if the queue held nothing else.
-    fn enqueue(&self, cmd: Cmd) -> Result<bool> {
+    fn enqueue(&self, cmd: Cmd) -> Result<Option<u64>> {
         self.enqueue_all(std::iter::once(cmd))
     }
 
-    /// Queues `cmds` in their order under one lock (no pass takes the queue between them); true
-    /// if the queue held nothing else.
-    pub(super) fn enqueue_all(&self, cmds: impl IntoIterator<Item = Cmd>) -> Result<bool> {
+    /// Queues `cmds` in their order under one lock (no pass takes the queue between them). When
+    /// the queue held nothing else, the number just past the last of them (see
+    /// [`CmdQueue::taken`]); None otherwise.
+    pub(super) fn enqueue_all(&self, cmds: impl IntoIterator<Item = Cmd>) -> Result<Option<u64>> {
         let mut q = self.cmds.lock();
         let alone = q.items.is_empty();
         let stopping = self.stopping.load(Ordering::Acquire);
@@ -483,14 +512,16 @@ impl Shared {
                 refused.push(cmd);
             } else {
                 q.items.push_back(cmd);
+                q.queued += 1;
             }
         }
         if !q.items.is_empty() {
             self.cmds_queued.store(true, Ordering::Release);
         }
+        let end = q.queued;
         drop(q);
         if refused.is_empty() {
-            return Ok(alone);
+            return Ok(alone.then_some(end));
         }
         // Whatever waits on these commands learns now: no slot or reply is left pending.
         for cmd in refused {
@@ -1133,7 +1164,7 @@ mod tests {
         .unwrap();
         assert!(!sh.about_to_sleep(later()));
         assert_eq!(sh.sleeping_until_ns.load(Ordering::Acquire), 0);
-        sh.cmds.lock().items.clear();
+        sh.cmds.lock().clear();
         sh.cb_events
             .lock()
             .push(CbEvent::EpError(1, sys::UCS_ERR_CANCELED));
