@@ -1391,3 +1391,127 @@ fn an_engine_whose_timeout_is_forever_sleeps_while_a_request_waits_for_data() {
         assert_eq!(buf, data, "{forever:?}");
     }
 }
+
+/// A receiver of a request with two receivers whose coordinator stays silent (here a rank
+/// nobody runs): its caller cancels while the sender, which accepted, has sent nothing yet.
+/// With no verdict by its bound, the receiver ends `Cancelled`, asking at once for its
+/// unmatched receive's cancel and its fence. The cancel releases that receive; the endpoint to
+/// the sender, a sound pair, used to be force-closed all the same (failing every other request
+/// on it). Now it stays up: nothing failed or reconnects, and the next request completes.
+#[test]
+fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() {
+    // The coordinator is the lowest receiving rank: the silent one, below this pair's.
+    const SILENT: RankId = RankId(3);
+    const SENDER: u32 = 5;
+    const RECEIVER: u32 = 9;
+    let deadline = || Instant::now() + Duration::from_secs(5);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let mut c = EngineConfig::new("ctx", SENDER, kind.clone());
+        if !kind.by_worker_address() {
+            c.listen = Some("127.0.0.1:0".parse().unwrap());
+        }
+        c.agreement_bound = Duration::from_millis(500);
+        let ctx = Engine::new(c).unwrap();
+        let mut g = EngineConfig::new("gen", RECEIVER, kind.clone());
+        g.agreement_bound = Duration::from_millis(500);
+        let gen = Engine::new(g).unwrap();
+        assert_eq!(
+            gen.connect(&ctx.address(), deadline()).unwrap(),
+            RankId(SENDER)
+        );
+        ctx.wait_peer(RankId(RECEIVER), deadline()).unwrap();
+        let mut buf = vec![0u8; 4096];
+        let spec = BufferSpec {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: buf.as_mut_ptr() as u64,
+            len: buf.len() as u64,
+            device_id: -1,
+        };
+        let key = RequestKey::new(1, 0);
+        // SAFETY: `buf` outlives the request, waited for below.
+        unsafe {
+            gen.advertise_with(
+                key,
+                vec![SILENT, RankId(RECEIVER)],
+                vec![(RankId(SENDER), vec![spec])],
+                vec![],
+                Some(Duration::from_secs(10)),
+            )
+        }
+        .unwrap();
+        // The context rank accepts and sends nothing (a prefill still running): the receive
+        // stays unmatched.
+        let a = ctx.next_advertisement(deadline(), None).unwrap();
+        assert_eq!(a.key, key);
+        ctx.accept(a.key, a.from, true).unwrap();
+        // The caller waits 100 ms, far less than the request's 10 s, and gives up.
+        let start = Instant::now();
+        let o = gen
+            .wait(
+                key,
+                Role::Receiver,
+                start + Duration::from_millis(100),
+                None,
+            )
+            .unwrap();
+        let took = start.elapsed();
+        let h = gen.health();
+        println!(
+            "{kind:?}: {o:?} after {took:?}; peers_failed {}, reconnects {}, fenced {}, \
+             leased {}",
+            h.peers_failed, h.reconnects, h.buffers_fenced, h.buffers_leased
+        );
+        println!("{kind:?}: {o:?}");
+        // Its deadline plus the agreement bound (500 ms here), plus the rule's slack.
+        assert!(
+            took <= Duration::from_millis(100 + 500 + 130),
+            "{kind:?}: {took:?}"
+        );
+        assert_eq!(
+            (h.peers_failed, h.reconnects, h.buffers_leased),
+            (0, 0, 0),
+            "{kind:?}: the sound pair was closed, or a buffer is held: {h:?}"
+        );
+        assert_eq!(
+            gen.peer_state(RankId(SENDER)),
+            kvlink::connection::PeerState::Connected
+        );
+        // The next request on the pair completes, bytes checked.
+        let key = RequestKey::new(2, 0);
+        let mut buf = vec![0u8; 8192];
+        let spec = BufferSpec {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: buf.as_mut_ptr() as u64,
+            len: buf.len() as u64,
+            device_id: -1,
+        };
+        // SAFETY: `buf` outlives the request, waited for below.
+        unsafe {
+            gen.advertise(
+                key,
+                vec![RankId(RECEIVER)],
+                vec![(RankId(SENDER), vec![spec])],
+                vec![],
+            )
+        }
+        .unwrap();
+        let a = ctx.next_advertisement(deadline(), None).unwrap();
+        ctx.accept(a.key, a.from, true).unwrap();
+        let data = fill(9, 8192);
+        ctx.send(key, RankId(RECEIVER), 0, &data, deadline(), None)
+            .unwrap();
+        assert_eq!(
+            gen.wait(key, Role::Receiver, deadline(), None).unwrap(),
+            Outcome::Completed,
+            "{kind:?}"
+        );
+        assert_eq!(buf, data, "{kind:?}");
+        assert_eq!(
+            (gen.health().peers_failed, ctx.health().peers_failed),
+            (0, 0),
+            "{kind:?}"
+        );
+    }
+}

@@ -32,6 +32,13 @@ use crate::transport::cuda::Staging;
 use crate::transport::ucx::Held;
 use crate::transport::{Agent, Event, EventSink, Op, PeerId};
 
+/// How long a fenced plain-memory receive's cancel may take before its endpoint is
+/// force-closed. An unmatched receive is released by the cancel's next progress pass (well
+/// under a millisecond, a woken progress thread included); this is short enough that the wait
+/// it holds still returns within its slack past the agreement bound (`SETTLE_SLACK`, 30 ms)
+/// when the endpoint must be closed after all.
+const FENCE_CANCEL_GRACE: Duration = Duration::from_millis(10);
+
 /// How long an outcome nobody came for is kept, and a finished key is refused as a replay.
 pub(crate) const RETENTION: Duration = Duration::from_secs(600);
 /// The most entries each of the engine's memories of ended requests (`terminals`, `finished`,
@@ -93,6 +100,10 @@ pub(crate) struct Core {
     /// Receiver ends held back until their fenced receives are released by UCX.
     pub deferred: HashMap<RequestKey, Outcome>,
     pub fencing: HashMap<RequestKey, HashSet<u64>>,
+    /// Fenced plain-memory receives whose endpoint is force-closed at the time given unless
+    /// the cancel released them first ([`FENCE_CANCEL_GRACE`]), oldest first: (when, receive
+    /// op, its endpoint).
+    pub fence_closes: VecDeque<(Instant, u64, PeerId)>,
     /// Keys that ended here: a replay of one is refused, a late advertisement of one dropped
     /// (for RETENTION).
     pub finished: Aged<(RequestKey, Option<RankId>), ()>,
@@ -163,6 +174,7 @@ impl Core {
             terminals: Aged::new(RETENTION, AGED_CAP),
             deferred: HashMap::new(),
             fencing: HashMap::new(),
+            fence_closes: VecDeque::new(),
             finished: Aged::new(RETENTION, AGED_CAP),
             notes: HashMap::new(),
             control_ops: VecDeque::new(),
@@ -639,6 +651,23 @@ impl Inner {
         if let Some(t) = core.ep.poll_timeout() {
             self.agent.wake_by(t);
         }
+        if let Some(&(t, _, _)) = core.fence_closes.front() {
+            self.agent.wake_by(t);
+        }
+    }
+
+    /// Force-closes the endpoints of fenced receives whose cancel grace is over and that UCX
+    /// still holds (see [`Core::fence_closes`]).
+    fn close_unreleased_fences(&self, core: &mut Core, now: Instant) {
+        while let Some(&(at, id, peer)) = core.fence_closes.front() {
+            if at > now {
+                break;
+            }
+            core.fence_closes.pop_front();
+            if core.recv_ops.contains_key(&id) {
+                let _ = self.agent.close_peer(peer);
+            }
+        }
     }
 
     fn apply(&self, core: &mut Core, a: Action) {
@@ -682,7 +711,14 @@ impl Inner {
                         // range is refused to new requests until UCX releases the receive. The
                         // pair and its other requests are not touched.
                         if !core.regions.fence(id) {
-                            let _ = self.agent.close_peer(peer);
+                            // Plain memory: the cancel gets a short grace first. A receive no
+                            // data has matched is released by it at once (the core often asks
+                            // for the cancel and the fence in one go: a receiver whose verdict
+                            // never came by its bound), and closing its endpoint then would fail
+                            // every other request of a sound pair. One that data is landing in
+                            // cannot be recalled: its endpoint is closed at the grace's end.
+                            let at = Instant::now() + FENCE_CANCEL_GRACE;
+                            core.fence_closes.push_back((at, id, peer));
                             core.fencing.entry(key).or_default().insert(id);
                         }
                     }
@@ -797,6 +833,7 @@ impl EventSink for Sink {
         for peer in core.peers.due_closes(now) {
             let _ = inner.agent.close_peer(peer);
         }
+        inner.close_unreleased_fences(&mut core, now);
         // Whatever this pass changed in the peer table wakes the waiters it concerns: a rank
         // bound or lost, a round given up, a dial refused or ended (`Peers::take_wakes`).
         for rank in core.peers.take_wakes() {
@@ -805,10 +842,14 @@ impl EventSink for Sink {
         inner.prune(&mut core, now);
         inner.flush_via(&mut core, None, now);
         timeline::mark(Stage::SinkFlushed);
-        let next = [core.ep.poll_timeout(), core.peers.next_due()]
-            .into_iter()
-            .flatten()
-            .min();
+        let next = [
+            core.ep.poll_timeout(),
+            core.peers.next_due(),
+            core.fence_closes.front().map(|&(t, _, _)| t),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         // Handed to `delivered` (which runs after this sink returns), in a vector that keeps its
         // room: no allocation per delivery.
         core.waiters.unhold_into(&inner.held_wakes);
