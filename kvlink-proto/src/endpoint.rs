@@ -667,6 +667,18 @@ impl Endpoint {
             self.note_tomb_gone(id);
         }
         self.tomb_expiry.push(tomb.0, id);
+        // Bounded: past the cap the tombstone that expires first goes now (an entry whose
+        // tombstone was replaced is skipped, as at its expiry).
+        while self.tombs.len() > self.config.tomb_cap {
+            let Some((at, old)) = self.tomb_expiry.pop_first() else {
+                break;
+            };
+            if self.tombs.get(&old).is_some_and(|t| t.0 == at) {
+                self.tombs.remove(&old);
+                self.note_tomb_gone(old);
+                self.out.stats.tombs_evicted += 1;
+            }
+        }
     }
 
     /// [`Endpoint::note_forgotten`] for the request whose tombstone `id` is gone.

@@ -154,3 +154,68 @@ fn a_stale_advertisement_right_after_a_completed_retry_starts_nothing() {
         Some(Event::Advertised { key, .. }) if key == old
     ));
 }
+
+/// Tombstones are bounded ([`kvlink_proto::Config::tomb_cap`]): past the cap the one that
+/// expires first goes early and is counted. With long deadlines they would otherwise grow with
+/// the request rate times the deadline. The kept ones still answer as tombstones (a repeated
+/// verdict is a duplicate); an evicted one's late message is dropped as unknown.
+#[test]
+fn tombstones_past_the_cap_go_earliest_expiry_first() {
+    let t = Instant::now();
+    let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
+    let mut gen = Endpoint::new(
+        g2,
+        kvlink_proto::Config {
+            tomb_cap: 2,
+            ..config()
+        },
+    );
+    let mut pool = BufferPool::new(8);
+    let mut tokens = TokenAllocator::default();
+    let verdict = |key| Message::Verdict {
+        key,
+        outcome: Outcome::Completed,
+    };
+    let keys: Vec<RequestKey> = (0..4).map(|i| RequestKey::new(20 + i, 0)).collect();
+    for (i, &key) in keys.iter().enumerate() {
+        let at = t + ms(10 * i as u64);
+        gen.start_receive(
+            at,
+            ReceiveSpec {
+                key,
+                receivers: vec![g1, g2],
+                flows: vec![ReceiveFlow {
+                    sender: c,
+                    buffers: vec![(
+                        pool.lease(key).unwrap(),
+                        kv_desc(tokens.allocate().unwrap()),
+                    )],
+                }],
+                request_info: vec![],
+                timeout: Some(ms(700)),
+            },
+        )
+        .unwrap();
+        gen.handle_segment_landed(at + ms(1), key, 0).unwrap();
+        gen.handle_message(at + ms(2), g1, verdict(key)).unwrap();
+        gen.handle_timeout(at + ms(3));
+        drain(&mut gen);
+    }
+    assert_eq!((gen.known(), gen.tombstones()), (0, 2));
+    assert_eq!(gen.stats().tombs_evicted, 2);
+    let before = *gen.stats();
+    gen.handle_message(t + ms(60), g1, verdict(keys[3]))
+        .unwrap();
+    assert_eq!(
+        gen.stats().duplicates,
+        before.duplicates + 1,
+        "the newest is kept"
+    );
+    gen.handle_message(t + ms(60), g1, verdict(keys[0]))
+        .unwrap();
+    assert_eq!(
+        gen.stats().unknown_dropped,
+        before.unknown_dropped + 1,
+        "the oldest went first"
+    );
+}

@@ -59,7 +59,17 @@ pub struct Config {
     /// duplicates and recognise stale messages. A `Completed` one is forgotten at its end:
     /// nothing confirms a `Completed` verdict, and its tombstone answers what may still come.
     pub linger: Duration,
+    /// The most tombstones kept (see `Endpoint::tombstones`). Each lives for its request's
+    /// deadline plus the agreement bound, so with long deadlines their number grows with the
+    /// request rate times the deadline; past this the one that expires first goes early (a late
+    /// message for it is then dropped as unknown, and a replay of its key is no longer known
+    /// here: the engine keeps its own record of ended keys). Counted in
+    /// [`Stats::tombs_evicted`].
+    pub tomb_cap: usize,
 }
+
+/// [`Config::tomb_cap`] by default: about 100 bytes each, some 100 MiB at most.
+pub const TOMB_CAP: usize = 1 << 20;
 
 impl Default for Config {
     fn default() -> Self {
@@ -68,6 +78,7 @@ impl Default for Config {
             agreement_bound: Duration::from_millis(50),
             retransmit: Duration::from_millis(200),
             linger: Duration::from_secs(5),
+            tomb_cap: TOMB_CAP,
         }
     }
 }
@@ -188,6 +199,8 @@ pub struct Stats {
     pub completed: u64,
     pub failed: u64,
     pub fenced_buffers: u64,
+    /// Tombstones dropped before their expiry to keep their number at [`Config::tomb_cap`].
+    pub tombs_evicted: u64,
 }
 
 /// Output queues shared by all state machines of one endpoint.

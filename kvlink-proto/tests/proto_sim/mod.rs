@@ -25,6 +25,7 @@ pub fn config() -> Config {
         agreement_bound: ms(500),
         retransmit: ms(50),
         linger: ms(500),
+        ..Config::default()
     }
 }
 
