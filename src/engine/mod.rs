@@ -668,14 +668,24 @@ impl Engine {
             usize::try_from(b.len).map_err(|_| Error::invalid("buffer too large"))?;
         }
         let mut core = self.inner.core.lock();
-        if core.finished.contains_key(&(key, None)) || core.ep.knows_receive(key) {
-            return Err(key_err(
-                ErrorKind::InvalidArgument,
-                key,
-                "has already run here: a retry needs the next generation",
-            ));
+        let ran_here = |core: &Core| {
+            (core.finished.contains_key(&(key, None)) || core.ep.knows_receive(key)).then(|| {
+                key_err(
+                    ErrorKind::InvalidArgument,
+                    key,
+                    "has already run here: a retry needs the next generation",
+                )
+            })
+        };
+        if let Some(e) = ran_here(&core) {
+            return Err(e);
         }
         let peers = self.senders_connected(&mut core, &flows, deadline)?;
+        // Waiting for a sender to reconnect lets go of the lock: another advertise of the same
+        // key may have run meanwhile.
+        if let Some(e) = ran_here(&core) {
+            return Err(e);
+        }
         // One clock read for the rest (the wait for senders above may have taken a while).
         let now = Instant::now();
         if core.pool.available() < total {
