@@ -121,7 +121,8 @@ struct EngineConfig {
   std::string listen;
   /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Must be positive.
   /// This and the three durations below are taken as a year where they are longer
-  /// (`milliseconds::max()` included).
+  /// (`milliseconds::max()` included). The sender learns what is left of a deadline in whole
+  /// milliseconds, at most 2^32 - 1 (about 49.7 days): a longer one ends the sender's side then.
   std::chrono::milliseconds timeout{60000};
   /// Extra time past a deadline for the ranks of a request to agree on the verdict; a rank with
   /// no verdict by then ends with its own failure and fences what is still unsafe. Zero means

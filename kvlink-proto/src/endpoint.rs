@@ -6,7 +6,7 @@
 //! each returns `None`; then sleep until `poll_timeout` (or the next input) and call
 //! `handle_timeout`. Deadlines fire from `handle_timeout` alone, so cleanup never depends on new
 //! requests arriving.
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -97,6 +97,10 @@ pub struct Endpoint {
     /// and a late duplicate advertisement never starts the request again. Expiries in due order.
     tombs: Map<TimerId, (Instant, Outcome)>,
     tomb_expiry: DueQueue<TimerId>,
+    /// The tombstones in the order they were buried, for the cap ([`Config::tomb_cap`]): the
+    /// one buried first goes (an entry whose tombstone has expired or been replaced is
+    /// skipped, and the list is compacted when such entries pile up).
+    tomb_order: VecDeque<(TimerId, Instant)>,
     /// The receives (`None`) and sends (`Some(receiver)`) known here, or forgotten with their
     /// tombstone still kept, whose generation is above 0 (a retry's), by request id: only those
     /// can be newer than a key's generation, so this answers [`Endpoint::newer_known`], and is
@@ -127,12 +131,13 @@ impl Endpoint {
     pub fn new(me: RankId, config: Config) -> Self {
         Endpoint {
             me,
-            config,
+            config: config.bounded(),
             recvs: Map::default(),
             sends: Map::default(),
             timers: TimerTable::default(),
             tombs: Map::default(),
             tomb_expiry: DueQueue::default(),
+            tomb_order: VecDeque::new(),
             retries: Map::default(),
             collective: None,
             out: Out::default(),
@@ -226,7 +231,9 @@ impl Endpoint {
             request_info,
             timeout,
         } = spec;
-        let timeout = timeout.unwrap_or(self.config.timeout);
+        let timeout = timeout
+            .unwrap_or(self.config.timeout)
+            .min(crate::request::LONGEST);
         if timeout.is_zero() {
             return Err(invalid(format!(
                 "{key}: the request's timeout must be positive"
@@ -667,10 +674,12 @@ impl Endpoint {
             self.note_tomb_gone(id);
         }
         self.tomb_expiry.push(tomb.0, id);
-        // Bounded: past the cap the tombstone that expires first goes now (an entry whose
-        // tombstone was replaced is skipped, as at its expiry).
+        self.tomb_order.push_back((id, tomb.0));
+        // Bounded: past the cap the tombstone buried first goes now, whatever its expiry (by
+        // expiry, a fresh one with a short deadline would go before old day-long ones). Its
+        // expiry entry finds it gone later, as for a replaced one.
         while self.tombs.len() > self.config.tomb_cap {
-            let Some((at, old)) = self.tomb_expiry.pop_first() else {
+            let Some((old, at)) = self.tomb_order.pop_front() else {
                 break;
             };
             if self.tombs.get(&old).is_some_and(|t| t.0 == at) {
@@ -678,6 +687,20 @@ impl Endpoint {
                 self.note_tomb_gone(old);
                 self.out.stats.tombs_evicted += 1;
             }
+        }
+        // Entries whose tombstone expired or was replaced: dropped from the front as they
+        // come, and all at once when they outnumber the live ones (amortized O(1) a burial).
+        while self
+            .tomb_order
+            .front()
+            .is_some_and(|&(old, at)| self.tombs.get(&old).is_none_or(|t| t.0 != at))
+        {
+            self.tomb_order.pop_front();
+        }
+        if self.tomb_order.len() > 2 * self.tombs.len() + 64 {
+            let tombs = &self.tombs;
+            self.tomb_order
+                .retain(|&(old, at)| tombs.get(&old).is_some_and(|t| t.0 == at));
         }
     }
 

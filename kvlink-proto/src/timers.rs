@@ -68,12 +68,6 @@ impl<T: Ord + Copy> DueQueue<T> {
         if e.0 > now {
             return None;
         }
-        self.pop_first()
-    }
-
-    /// Takes the earliest entry, due or not.
-    pub(crate) fn pop_first(&mut self) -> Option<(Instant, T)> {
-        let e = self.peek()?;
         if self.sorted.front() == Some(&e) {
             self.sorted.pop_front();
         } else {

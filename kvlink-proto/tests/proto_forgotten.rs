@@ -155,12 +155,14 @@ fn a_stale_advertisement_right_after_a_completed_retry_starts_nothing() {
     ));
 }
 
-/// Tombstones are bounded ([`kvlink_proto::Config::tomb_cap`]): past the cap the one that
-/// expires first goes early and is counted. With long deadlines they would otherwise grow with
-/// the request rate times the deadline. The kept ones still answer as tombstones (a repeated
-/// verdict is a duplicate); an evicted one's late message is dropped as unknown.
+/// Tombstones are bounded ([`kvlink_proto::Config::tomb_cap`]): past the cap the one buried
+/// first goes early and is counted. With long deadlines they would otherwise grow with the
+/// request rate times the deadline. The two oldest here have long deadlines and the two newest
+/// short ones, so the newest expire first: by expiry the cap would drop what just ended and
+/// keep the old. The kept ones still answer as tombstones (a repeated verdict is a duplicate);
+/// an evicted one's late message is dropped as unknown.
 #[test]
-fn tombstones_past_the_cap_go_earliest_expiry_first() {
+fn tombstones_past_the_cap_go_oldest_first() {
     let t = Instant::now();
     let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
     let mut gen = Endpoint::new(
@@ -192,7 +194,7 @@ fn tombstones_past_the_cap_go_earliest_expiry_first() {
                     )],
                 }],
                 request_info: vec![],
-                timeout: Some(ms(700)),
+                timeout: Some(if i < 2 { ms(5000) } else { ms(700) }),
             },
         )
         .unwrap();
@@ -204,18 +206,65 @@ fn tombstones_past_the_cap_go_earliest_expiry_first() {
     assert_eq!((gen.known(), gen.tombstones()), (0, 2));
     assert_eq!(gen.stats().tombs_evicted, 2);
     let before = *gen.stats();
-    gen.handle_message(t + ms(60), g1, verdict(keys[3]))
-        .unwrap();
+    for k in &keys[2..] {
+        gen.handle_message(t + ms(60), g1, verdict(*k)).unwrap();
+    }
     assert_eq!(
         gen.stats().duplicates,
-        before.duplicates + 1,
-        "the newest is kept"
+        before.duplicates + 2,
+        "the newest are kept"
     );
-    gen.handle_message(t + ms(60), g1, verdict(keys[0]))
-        .unwrap();
+    for k in &keys[..2] {
+        gen.handle_message(t + ms(60), g1, verdict(*k)).unwrap();
+    }
     assert_eq!(
         gen.stats().unknown_dropped,
-        before.unknown_dropped + 1,
+        before.unknown_dropped + 2,
         "the oldest went first"
     );
+}
+
+/// "Forever" in the core's configuration or a request's own timeout (`Duration::MAX`) is taken
+/// as a year ([`kvlink_proto::request::LONGEST`]): no deadline overflows an `Instant`, on
+/// either side, and the request still runs and completes.
+#[test]
+fn forever_as_a_timeout_is_a_year_and_the_request_completes() {
+    use std::time::Duration;
+    let t = Instant::now();
+    let forever = kvlink_proto::Config {
+        timeout: Duration::MAX,
+        agreement_bound: Duration::MAX,
+        linger: Duration::MAX,
+        ..config()
+    };
+    let (g, c) = (RankId(1), RankId(2));
+    let key = RequestKey::new(30, 0);
+    let mut gen = Endpoint::new(g, forever);
+    let mut ctx = Endpoint::new(c, forever);
+    let lease = BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    gen.start_receive(t, one_buffer(key, g, c, lease, desc, Some(Duration::MAX)))
+        .unwrap();
+    let next = gen.poll_timeout().expect("a timer");
+    assert!(next > t && next - t <= kvlink_proto::request::LONGEST);
+    while let Some(tx) = gen.poll_transmit() {
+        ctx.handle_message(t + ms(1), g, tx.message).unwrap();
+    }
+    ctx.accept(t + ms(2), key, g, true).unwrap();
+    assert_eq!(ctx.check_send(key, g, 0, 64).unwrap(), Ok(desc));
+    ctx.begin_send(key, g, 0);
+    ctx.handle_send_done(t + ms(3), key, g, 0, true).unwrap();
+    gen.handle_segment_landed(t + ms(3), key, 0).unwrap();
+    let ended = std::iter::from_fn(|| gen.poll_event()).any(|e| {
+        matches!(
+            e,
+            Event::Terminal {
+                role: Role::Receiver,
+                outcome: Outcome::Completed,
+                ..
+            }
+        )
+    });
+    assert!(ended, "the receiver completed");
+    gen.handle_timeout(t + ms(4));
 }

@@ -37,7 +37,7 @@ use crate::transport::{Agent, Event, EventSink, Op, PeerId};
 /// under a millisecond, a woken progress thread included); this is short enough that the wait
 /// it holds still returns within its slack past the agreement bound (`SETTLE_SLACK`, 30 ms)
 /// when the endpoint must be closed after all.
-const FENCE_CANCEL_GRACE: Duration = Duration::from_millis(10);
+const FENCE_CANCEL_GRACE: Duration = Duration::from_millis(5);
 
 /// How long an outcome nobody came for is kept, and a finished key is refused as a replay.
 pub(crate) const RETENTION: Duration = Duration::from_secs(600);

@@ -85,7 +85,9 @@ pub struct EngineConfig {
     /// tcp: listen here (`ip:port`, port 0 picks one). Shared memory connects by worker address.
     pub listen: Option<SocketAddr>,
     /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Any of
-    /// these four durations longer than [`LONGEST_WAIT`] (a year) is taken as a year.
+    /// these four durations longer than [`LONGEST_WAIT`] (a year) is taken as a year. The
+    /// sender learns what is left of a deadline in whole milliseconds, at most 2^32 - 1 (about
+    /// 49.7 days): a longer deadline ends the sender's side of the request then.
     pub timeout: Duration,
     /// How long past a deadline the ranks may spend agreeing before each ends on its own.
     pub agreement_bound: Duration,

@@ -61,15 +61,37 @@ pub struct Config {
     pub linger: Duration,
     /// The most tombstones kept (see `Endpoint::tombstones`). Each lives for its request's
     /// deadline plus the agreement bound, so with long deadlines their number grows with the
-    /// request rate times the deadline; past this the one that expires first goes early (a late
-    /// message for it is then dropped as unknown, and a replay of its key is no longer known
-    /// here: the engine keeps its own record of ended keys). Counted in
-    /// [`Stats::tombs_evicted`].
+    /// request rate times the deadline; past this the one buried first goes early, counted in
+    /// [`Stats::tombs_evicted`]. Its request is then unknown here: a late vote or verdict is
+    /// dropped as unknown (not answered with the verdict), and a late duplicate `Advertise`
+    /// would start a send flow again, so an owner that takes replays from the network keeps
+    /// its own bounded record of ended keys (the engine's refuses them for 10 minutes or the
+    /// last 2^20 keys).
     pub tomb_cap: usize,
 }
 
 /// [`Config::tomb_cap`] by default: about 100 bytes each, some 100 MiB at most.
 pub const TOMB_CAP: usize = 1 << 20;
+
+/// The longest duration the core computes a deadline from (a year): a timeout or a bound
+/// longer than this, `Duration::MAX` included, is taken as this, so that no `Instant`
+/// overflows.
+pub const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
+
+impl Config {
+    /// This configuration with every duration at most [`LONGEST`].
+    pub(crate) fn bounded(mut self) -> Self {
+        for d in [
+            &mut self.timeout,
+            &mut self.agreement_bound,
+            &mut self.retransmit,
+            &mut self.linger,
+        ] {
+            *d = (*d).min(LONGEST);
+        }
+        self
+    }
+}
 
 impl Default for Config {
     fn default() -> Self {

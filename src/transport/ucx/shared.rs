@@ -1227,7 +1227,7 @@ mod tests {
             let (sh, taken) = (sh.clone(), taken.clone());
             std::thread::spawn(move || {
                 while taken.load(Ordering::Acquire) < ROUNDS {
-                    let n = std::mem::take(&mut sh.cmds.lock().items).len();
+                    let n = sh.cmds.lock().take_all().len();
                     if n > 0 {
                         taken.fetch_add(n as u64, Ordering::AcqRel);
                         continue;
