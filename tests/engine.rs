@@ -52,23 +52,28 @@ fn fill(seed: u8, len: usize) -> Vec<u8> {
 
 /// Advertises `buf` as the single KV segment of `key` from the generation rank to the context rank.
 fn advertise_one(gen: &Engine, key: RequestKey, buf: &mut [u8]) {
-    let spec = BufferSpec {
-        kind: BufferKind::Kv,
-        segment: 0,
-        addr: buf.as_mut_ptr() as u64,
-        len: buf.len() as u64,
-        device_id: -1,
-    };
-    // SAFETY: every caller keeps `buf` until it has waited for the request's end.
-    unsafe {
-        gen.advertise(
-            key,
-            vec![RankId(GEN)],
-            vec![(RankId(CTX), vec![spec])],
-            vec![],
-        )
-    }
-    .unwrap();
+    advertise_buffers(
+        gen,
+        key,
+        vec![RankId(GEN)],
+        RankId(CTX),
+        vec![one_spec(buf, 0)],
+        None,
+    );
+}
+
+/// Advertises `specs` as request `key` (receivers `receivers`, all filled by `sender`), with its
+/// own `timeout` if given.
+fn advertise_buffers(
+    gen: &Engine,
+    key: RequestKey,
+    receivers: Vec<RankId>,
+    sender: RankId,
+    specs: Vec<BufferSpec>,
+    timeout: Option<Duration>,
+) {
+    // SAFETY: every caller keeps the buffers until it has waited for the request's end.
+    unsafe { gen.advertise_with(key, receivers, vec![(sender, specs)], vec![], timeout) }.unwrap();
 }
 
 /// Runs one request; returns (generation outcome, context outcome, data intact).
@@ -1329,18 +1334,10 @@ fn an_engine_whose_timeout_is_forever_sleeps_while_a_request_waits_for_data() {
         let gen = Engine::new(g).unwrap();
         connect_pair(&ctx, &gen);
         let (mut b0, mut b1) = (vec![0u8; 4096], vec![0u8; 4096]);
-        let spec = |segment, b: &mut Vec<u8>| BufferSpec {
-            kind: BufferKind::Kv,
-            segment,
-            addr: b.as_mut_ptr() as u64,
-            len: 4096,
-            device_id: -1,
-        };
-        let specs = vec![spec(0, &mut b0), spec(1, &mut b1)];
+        let specs = vec![one_spec(&mut b0, 0), one_spec(&mut b1, 1)];
         let key = RequestKey::new(1, 0);
-        // SAFETY: both buffers outlive the request, which is cancelled and waited for below.
-        unsafe { gen.advertise(key, vec![RankId(GEN)], vec![(RankId(CTX), specs)], vec![]) }
-            .unwrap();
+        // Both buffers outlive the request, which is cancelled and waited for below.
+        advertise_buffers(&gen, key, vec![RankId(GEN)], RankId(CTX), specs, None);
         let soon = || Instant::now() + Duration::from_secs(5);
         let a = ctx.next_advertisement(soon(), None).unwrap();
         ctx.accept(a.key, a.from, true).unwrap();
@@ -1361,25 +1358,17 @@ fn an_engine_whose_timeout_is_forever_sleeps_while_a_request_waits_for_data() {
         assert_ne!(o, Outcome::Completed);
         // A request with a timeout of its own of `Duration::MAX` starts and completes.
         let mut buf = vec![0u8; 8192];
-        let spec = BufferSpec {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: buf.as_mut_ptr() as u64,
-            len: buf.len() as u64,
-            device_id: -1,
-        };
         let key = RequestKey::new(2, 0);
-        // SAFETY: `buf` outlives the request, waited for below.
-        unsafe {
-            gen.advertise_with(
-                key,
-                vec![RankId(GEN)],
-                vec![(RankId(CTX), vec![spec])],
-                vec![],
-                Some(Duration::MAX),
-            )
-        }
-        .unwrap();
+        let specs = vec![one_spec(&mut buf, 0)];
+        // `buf` outlives the request, waited for below.
+        advertise_buffers(
+            &gen,
+            key,
+            vec![RankId(GEN)],
+            RankId(CTX),
+            specs,
+            Some(Duration::MAX),
+        );
         let a = ctx.next_advertisement(soon(), None).unwrap();
         ctx.accept(a.key, a.from, true).unwrap();
         let data = fill(5, 8192);
@@ -1421,25 +1410,16 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
         );
         ctx.wait_peer(RankId(RECEIVER), deadline()).unwrap();
         let mut buf = vec![0u8; 4096];
-        let spec = BufferSpec {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: buf.as_mut_ptr() as u64,
-            len: buf.len() as u64,
-            device_id: -1,
-        };
         let key = RequestKey::new(1, 0);
-        // SAFETY: `buf` outlives the request, waited for below.
-        unsafe {
-            gen.advertise_with(
-                key,
-                vec![SILENT, RankId(RECEIVER)],
-                vec![(RankId(SENDER), vec![spec])],
-                vec![],
-                Some(Duration::from_secs(10)),
-            )
-        }
-        .unwrap();
+        // `buf` outlives the request, waited for below.
+        advertise_buffers(
+            &gen,
+            key,
+            vec![SILENT, RankId(RECEIVER)],
+            RankId(SENDER),
+            vec![one_spec(&mut buf, 0)],
+            Some(Duration::from_secs(10)),
+        );
         // The context rank accepts and sends nothing (a prefill still running): the receive
         // stays unmatched.
         let a = ctx.next_advertisement(deadline(), None).unwrap();
@@ -1480,23 +1460,15 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
         // The next request on the pair completes, bytes checked.
         let key = RequestKey::new(2, 0);
         let mut buf = vec![0u8; 8192];
-        let spec = BufferSpec {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: buf.as_mut_ptr() as u64,
-            len: buf.len() as u64,
-            device_id: -1,
-        };
-        // SAFETY: `buf` outlives the request, waited for below.
-        unsafe {
-            gen.advertise(
-                key,
-                vec![RankId(RECEIVER)],
-                vec![(RankId(SENDER), vec![spec])],
-                vec![],
-            )
-        }
-        .unwrap();
+        // `buf` outlives the request, waited for below.
+        advertise_buffers(
+            &gen,
+            key,
+            vec![RankId(RECEIVER)],
+            RankId(SENDER),
+            vec![one_spec(&mut buf, 0)],
+            None,
+        );
         let a = ctx.next_advertisement(deadline(), None).unwrap();
         ctx.accept(a.key, a.from, true).unwrap();
         let data = fill(9, 8192);
