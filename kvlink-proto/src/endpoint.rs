@@ -647,7 +647,7 @@ impl Endpoint {
             }
         }
         while let Some((at, id)) = self.tomb_expiry.pop_due(now) {
-            if self.tombs.get(&id).is_some_and(|t| t.0 == at) {
+            if self.tomb_is(id, at) {
                 self.tombs.remove(&id);
                 // A newer generation stays known (stale detection) as long as its tombstone.
                 self.note_tomb_gone(id);
@@ -682,7 +682,7 @@ impl Endpoint {
             let Some((old, at)) = self.tomb_order.pop_front() else {
                 break;
             };
-            if self.tombs.get(&old).is_some_and(|t| t.0 == at) {
+            if self.tomb_is(old, at) {
                 self.tombs.remove(&old);
                 self.note_tomb_gone(old);
                 self.out.stats.tombs_evicted += 1;
@@ -690,18 +690,22 @@ impl Endpoint {
         }
         // Entries whose tombstone expired or was replaced: dropped from the front as they
         // come, and all at once when they outnumber the live ones (amortized O(1) a burial).
-        while self
-            .tomb_order
-            .front()
-            .is_some_and(|&(old, at)| self.tombs.get(&old).is_none_or(|t| t.0 != at))
-        {
+        while let Some(&(old, at)) = self.tomb_order.front() {
+            if self.tomb_is(old, at) {
+                break;
+            }
             self.tomb_order.pop_front();
         }
         if self.tomb_order.len() > 2 * self.tombs.len() + 64 {
-            let tombs = &self.tombs;
-            self.tomb_order
-                .retain(|&(old, at)| tombs.get(&old).is_some_and(|t| t.0 == at));
+            let mut order = std::mem::take(&mut self.tomb_order);
+            order.retain(|&(old, at)| self.tomb_is(old, at));
+            self.tomb_order = order;
         }
+    }
+
+    /// Whether `id`'s tombstone is the one that expires `at` (not expired, nor replaced since).
+    fn tomb_is(&self, id: TimerId, at: Instant) -> bool {
+        self.tombs.get(&id).is_some_and(|t| t.0 == at)
     }
 
     /// [`Endpoint::note_forgotten`] for the request whose tombstone `id` is gone.

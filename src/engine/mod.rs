@@ -66,11 +66,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use waiters::{sleep, WaitKey};
 
-/// The longest timeout, bound or window the engine takes: a year. "Forever" (a C++
-/// `milliseconds::max()`, `u64::MAX` ms, `Duration::MAX`) lands here: past it a deadline is not
-/// representable everywhere it is used (an `Instant`, a timer's nanoseconds), and a year is
-/// longer than any transfer.
-pub const LONGEST_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The longest timeout, bound or window the engine takes: a year, the core's own cap
+/// ([`crate::proto::request::LONGEST`]). "Forever" (a C++ `milliseconds::max()`, `u64::MAX` ms,
+/// `Duration::MAX`) lands here: past it a deadline is not representable everywhere it is used
+/// (an `Instant`, a timer's nanoseconds), and a year is longer than any transfer.
+pub const LONGEST_WAIT: Duration = crate::proto::request::LONGEST;
 
 /// Configuration of one rank's engine.
 #[derive(Clone, Debug)]

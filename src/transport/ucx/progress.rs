@@ -895,8 +895,8 @@ impl Progress {
         self.drain_while(|_, _| true)
     }
 
-    /// Runs queued commands from the front up to number `end` (see [`super::shared::CmdQueue::taken`]): a
-    /// caller's own, started on its thread.
+    /// Runs queued commands from the front up to number `end` (see
+    /// [`super::shared::CmdQueue::taken`]): a caller's own, started on its thread.
     pub(super) fn drain_to(&mut self, end: u64) -> bool {
         self.drain_while(|taken, _| taken < end)
     }

@@ -19,10 +19,9 @@ use std::time::{Duration, Instant};
 #[derive(Default)]
 pub(super) struct CmdQueue {
     pub(super) items: VecDeque<Cmd>,
-    /// Commands ever queued and ever taken from the front: the front command is number
-    /// `taken`, so a caller that queued commands up to number `end` runs exactly its own while
-    /// `taken < end` ([`Shared::run_here`]).
-    pub(super) queued: u64,
+    /// Commands ever taken from the front: the front command is number `taken`, and the last
+    /// queued number `taken + items.len() - 1`, so a caller whose commands end before number
+    /// `end` runs exactly its own while `taken < end` ([`Shared::run_here`]).
     pub(super) taken: u64,
     /// Set by the progress thread's teardown: nothing is queued after it.
     pub(super) closed: bool,
@@ -371,8 +370,8 @@ impl Shared {
         Ok(())
     }
 
-    /// Queues `cmd` and, when the queue held nothing else and no other thread drives, runs the
-    /// queue here. True if it ran and left nothing for the progress thread to handle.
+    /// Queues `cmd` and, when the queue held nothing else and no other thread drives, runs it
+    /// here. True if it ran and left nothing for the progress thread to handle.
     fn start_here(self: &Arc<Self>, cmd: Cmd) -> Result<bool> {
         let mine = self.enqueue(cmd)?;
         self.run_here(mine)
@@ -494,7 +493,7 @@ impl Shared {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 
-    /// Queues `cmd`; true if the queue held nothing else.
+    /// Queues `cmd` ([`Shared::enqueue_all`]).
     fn enqueue(&self, cmd: Cmd) -> Result<Option<u64>> {
         self.enqueue_all(std::iter::once(cmd))
     }
@@ -512,13 +511,12 @@ impl Shared {
                 refused.push(cmd);
             } else {
                 q.items.push_back(cmd);
-                q.queued += 1;
             }
         }
         if !q.items.is_empty() {
             self.cmds_queued.store(true, Ordering::Release);
         }
-        let end = q.queued;
+        let end = q.taken + q.items.len() as u64;
         drop(q);
         if refused.is_empty() {
             return Ok(alone.then_some(end));
