@@ -677,6 +677,51 @@ fn recv_ready_follows_a_timed_out_end_before_and_after_wait() {
     b[0] = 1;
 }
 
+/// One call waits for a request's end: a second `wait` for the same key and role, made while
+/// the first blocks, is refused at once (`InvalidArgument`), and the end goes whole to the first
+/// (before, both blocked, the first took the end and the second returned `TimedOut` at its
+/// deadline for a request that had completed, counted as an unsettled return).
+#[test]
+fn a_second_wait_while_one_blocks_is_refused_at_once_and_the_first_gets_the_end() {
+    use kvlink::ErrorKind;
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let key = RequestKey::new(41, 0);
+    let mut buf = vec![0u8; 4096];
+    advertise_one(&gen, key, &mut buf);
+    let dl = Instant::now() + Duration::from_secs(10);
+    let data = fill(4, 4096);
+    let first = std::thread::scope(|s| {
+        let first = s.spawn(|| gen.wait(key, Role::Receiver, dl, None));
+        // Give the first wait time to block (a thread start takes well under this).
+        std::thread::sleep(Duration::from_millis(300));
+        let t0 = Instant::now();
+        let refused = gen
+            .wait(key, Role::Receiver, dl, None)
+            .map_err(|e| (e, t0.elapsed()));
+        let refused = refused.expect_err("a second wait while the first blocks must be refused");
+        assert_eq!(refused.0.kind, ErrorKind::InvalidArgument, "{}", refused.0);
+        assert!(
+            refused.1 < Duration::from_millis(50),
+            "refused in {:?}",
+            refused.1
+        );
+        let adv = ctx.next_advertisement(dl, None).unwrap();
+        ctx.accept(key, adv.from, true).unwrap();
+        assert_eq!(
+            ctx.send(key, adv.from, 0, &data, dl, None).unwrap(),
+            Outcome::Completed
+        );
+        first.join().unwrap()
+    });
+    assert_eq!(first.unwrap(), Outcome::Completed);
+    assert_eq!(buf, data);
+    let h = gen.health();
+    assert_eq!((h.unsettled_returns, h.buffers_leased, h.failed), (0, 0, 0));
+    // Once the first has returned, the key is not running any more: the usual answer.
+    let e = gen.wait(key, Role::Receiver, dl, None).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::UnknownRequest, "{e}");
+}
+
 /// Misuse gets its typed error at once and fails nothing else: the same request then
 /// completes.
 #[test]

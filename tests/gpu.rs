@@ -119,3 +119,62 @@ fn engine_moves_device_memory_through_staging() {
         "device -> device through kvlink"
     );
 }
+
+/// A copy from the staging buffer to the device that fails (here: a device address no
+/// allocation holds) ends the request `Cancelled` on both ranks at once: the receive is told
+/// over without data, so the receiver does not wait out its agreement bound (5 s here) for a
+/// receive that had already ended.
+#[test]
+fn a_failed_copy_to_the_device_cancels_the_request_at_once() {
+    use kvlink::connection::{BufferSpec, Engine, EngineConfig};
+    use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
+    use kvlink::transport::TransportKind;
+    use kvlink::Outcome;
+    use std::time::{Duration, Instant};
+    if !driver_present() || CudaContext::device_count().unwrap_or(0) == 0 {
+        println!("SKIP a_failed_copy_to_the_device_cancels_the_request_at_once: no CUDA driver or GPU on this machine");
+        return;
+    }
+    let bound = Duration::from_secs(5);
+    let mut c = EngineConfig::new("ctx", 0, TransportKind::Tcp);
+    c.listen = Some("127.0.0.1:0".parse().unwrap());
+    c.agreement_bound = bound;
+    let sender = Engine::new(c).unwrap();
+    let mut g = EngineConfig::new("gen", 1, TransportKind::Tcp);
+    g.agreement_bound = bound;
+    let receiver = Engine::new(g).unwrap();
+    let dl = Instant::now() + Duration::from_secs(20);
+    receiver.connect(&sender.address(), dl).unwrap();
+    sender.wait_peer(RankId(1), dl).unwrap();
+    let key = RequestKey::new(2, 0);
+    let len = 1 << 16;
+    let spec = BufferSpec {
+        kind: BufferKind::Kv,
+        segment: 0,
+        // No allocation lives at the first page: the copy to it is refused by the driver.
+        addr: 0x10,
+        len: len as u64,
+        device_id: 0,
+    };
+    // SAFETY: nothing is ever written at the address: the driver refuses the copy.
+    unsafe { receiver.advertise(key, vec![RankId(1)], vec![(RankId(0), vec![spec])], vec![]) }
+        .unwrap();
+    let adv = sender.next_advertisement(dl, None).unwrap();
+    sender.accept(key, adv.from, true).unwrap();
+    let data = vec![7u8; len];
+    let _ = sender.send(key, adv.from, 0, &data, dl, None).unwrap();
+    let t0 = Instant::now();
+    let r = receiver.wait(key, Role::Receiver, dl, None).unwrap();
+    let took = t0.elapsed();
+    println!("receiver: {r:?} in {took:?}");
+    assert_eq!(r, Outcome::Cancelled);
+    assert!(
+        took < bound / 2,
+        "the receiver waited {took:?} (bound {bound:?})"
+    );
+    let s = sender
+        .wait(key, Role::Sender { receiver: adv.from }, dl, None)
+        .unwrap();
+    assert_ne!(s, Outcome::Completed, "the bytes never reached the device");
+    assert_eq!(receiver.health().buffers_leased, 0);
+}

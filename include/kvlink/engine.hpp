@@ -70,8 +70,8 @@
 //     empty `std::optional`. Faults (unknown peer, bad buffer, a key already in use, ...) throw
 //     `kvlink::Error` with a stable kind. Misuse throws at once and fails nothing else:
 //     `UnknownRequest` for a key not running here (never advertised, or already waited for),
-//     `InvalidArgument` for a send before accept, a segment never advertised or sent twice, or a
-//     size other than advertised.
+//     `InvalidArgument` for a send before accept, a segment never advertised or sent twice, a
+//     size other than advertised, or a wait for a key another thread is already waiting for.
 //
 // Connections
 //   - A rank this engine `connect`ed to is dialled again by the engine when its endpoint fails
@@ -593,7 +593,8 @@ class Engine {
   }
 
   /// Generation rank, blocks: the agreed end of `key`, taken (a second wait for it throws
-  /// UnknownRequest, as does a wait for a key never advertised here). Once it returns (any
+  /// UnknownRequest, as does a wait for a key never advertised here; one made while another
+  /// thread waits for it throws InvalidArgument at once). Once it returns (any
   /// outcome) the receive buffers are the caller's again, except fenced ranges of a region
   /// (`region_fenced_ranges`). If `deadline` or `cancel` comes first
   /// the request is given up and the verdict awaited for at most the agreement bound.

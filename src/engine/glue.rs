@@ -97,6 +97,9 @@ pub(crate) struct Core {
     pub adverts: VecDeque<Advertisement>,
     /// Ends waiting for their caller (for RETENTION).
     pub terminals: Aged<(RequestKey, Role), Outcome>,
+    /// The (request, role) pairs a `wait` call is blocked on: one caller each, so that the end
+    /// goes to that caller and a second concurrent wait is refused at once.
+    pub waited: HashSet<(RequestKey, Role)>,
     /// Receiver ends held back until their fenced receives are released by UCX.
     pub deferred: HashMap<RequestKey, Outcome>,
     pub fencing: HashMap<RequestKey, HashSet<u64>>,
@@ -182,6 +185,7 @@ impl Core {
             counters: Counters::default(),
             retired: Aged::new(RETIRED_FOR, AGED_CAP),
             fault_cut: Vec::new(),
+            waited: HashSet::default(),
             last_prune: Instant::now(),
         }
     }
@@ -563,8 +567,12 @@ impl Inner {
             Some(Ok(Outcome::Completed)) => {
                 match r.staged.as_mut().map(|(st, dev)| st.to_device(*dev, r.len)) {
                     Some(Err(e)) => {
+                        // The bytes did not reach the caller's memory: this rank gives up (the
+                        // cancel is agreed), and the receive is over without data, told at once
+                        // so that the core does not wait its bound for it.
                         tracing::error!(key = %r.key, "segment {}: copy to device failed: {e}", r.segment);
-                        core.ep.cancel(now, r.key)
+                        let _ = core.ep.cancel(now, r.key);
+                        core.ep.handle_receive_reaped(now, r.key, r.segment)
                     }
                     _ => {
                         // The first landing proves the sender accepted (the core notes it).

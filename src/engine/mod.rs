@@ -1257,7 +1257,8 @@ impl Engine {
     }
 
     /// Waits for the agreed end of `key` on this rank as `role`, and takes it (a second wait
-    /// for the same key and role is `UnknownRequest`). At `deadline` (or on `cancel()`) this
+    /// for the same key and role is `UnknownRequest`; one made while another call waits for it
+    /// is `InvalidArgument` at once). At `deadline` (or on `cancel()`) this
     /// rank gives up on the request (`TimedOut` / `Cancelled`, agreed with the other ranks
     /// within the agreement bound), so the call returns by the deadline plus that bound plus
     /// a few milliseconds, with buffers that nothing can write any more (outside the fenced
@@ -1287,10 +1288,21 @@ impl Engine {
                     "not running here in that role (never started, or already waited for)",
                 ));
             }
+            if !core.waited.insert((key, role)) {
+                return Err(key_err(
+                    ErrorKind::InvalidArgument,
+                    key,
+                    "another call is already waiting for it in that role (its end goes to that call)",
+                ));
+            }
             if role == Role::Receiver {
                 largest = core.ep.largest_receive_segment(key).unwrap_or(0);
             }
         }
+        let _owner = WaitOwner {
+            inner: &self.inner,
+            key: (key, role),
+        };
         let terminal = WaitKey::Terminal(key, role);
         if let Some(o) = self.block_for(largest, terminal, deadline, cancel, take) {
             return Ok(o);
@@ -1525,6 +1537,18 @@ impl Engine {
             };
             sleep(&mut core, key, until);
         }
+    }
+}
+
+/// The one `wait` call blocked on a (request, role): it lets the pair go when it returns.
+struct WaitOwner<'a> {
+    inner: &'a Inner,
+    key: (RequestKey, Role),
+}
+
+impl Drop for WaitOwner<'_> {
+    fn drop(&mut self) {
+        self.inner.core.lock().waited.remove(&self.key);
     }
 }
 
