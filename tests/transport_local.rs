@@ -766,3 +766,79 @@ fn a_connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
         assert_eq!(a.stats().peer_entries, 1, "{kind:?}");
     }
 }
+
+/// The send buffers of the data sockets this process holds, on tcp: `SO_SNDBUF` of every
+/// connected stream socket.
+fn connected_stream_sndbufs() -> Vec<i64> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        let Ok(fd) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let opt = |level: i32, name: i32| -> Option<i32> {
+            let mut v: i32 = 0;
+            let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+            // SAFETY: a read of an int option into an int; a closed or non-socket fd fails.
+            let r = unsafe {
+                libc::getsockopt(fd, level, name, &mut v as *mut i32 as *mut _, &mut len)
+            };
+            (r == 0).then_some(v)
+        };
+        if opt(libc::SOL_SOCKET, libc::SO_TYPE) != Some(libc::SOCK_STREAM)
+            || opt(libc::SOL_SOCKET, libc::SO_DOMAIN) != Some(libc::AF_INET)
+        {
+            continue;
+        }
+        let mut addr: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        // SAFETY: storage large enough for any address.
+        let connected =
+            unsafe { libc::getpeername(fd, &mut addr as *mut _ as *mut _, &mut len) } == 0;
+        if let (true, Some(b)) = (connected, opt(libc::SOL_SOCKET, libc::SO_SNDBUF)) {
+            out.push(i64::from(b));
+        }
+    }
+    out
+}
+
+/// An agent gives the tcp sockets UCX opens for it a fixed send buffer (`TCP_SNDBUF`, 256 KiB;
+/// the kernel reports twice what was set) instead of the kernel's autotuning, which on loopback
+/// under BBR halves the rate of large transfers (README). The setting goes to UCX by a name its
+/// transport's config table takes; one it does not take is dropped with a warning only, which
+/// this test catches: after 8 MiB the autotuned buffers have grown past it.
+#[test]
+fn the_tcp_sockets_of_an_agent_have_its_fixed_send_buffer() {
+    if std::env::var_os("UCX_TCP_SNDBUF").is_some() {
+        println!("SKIP the_tcp_sockets_of_an_agent_have_its_fixed_send_buffer: UCX_TCP_SNDBUF is set in the environment, which wins");
+        return;
+    }
+    let (a, b, ab, ba) = pair(TransportKind::Tcp);
+    let len = 8 << 20;
+    let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+    let mut buf = vec![0u8; len];
+    let dl = Instant::now() + Duration::from_secs(20);
+    for round in 0..2 {
+        let mut r = unsafe { b.post_recv(ba, 900 + round, buf.as_mut_ptr(), len) }.unwrap();
+        let mut s = unsafe { a.post_send(ab, 900 + round, data.as_ptr(), len) }.unwrap();
+        assert_eq!(s.wait(dl, None).unwrap(), Outcome::Completed);
+        assert_eq!(r.wait(dl, None).unwrap(), Outcome::Completed);
+    }
+    assert!(buf == data);
+    let set: i64 = kvlink::transport::ucx::TCP_SNDBUF
+        .trim_end_matches('K')
+        .parse::<i64>()
+        .unwrap()
+        * 1024;
+    // The kernel caps a set buffer at `net.core.wmem_max`, and doubles it.
+    let cap: i64 = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(i64::MAX);
+    let want = 2 * set.min(cap);
+    let bufs = connected_stream_sndbufs();
+    let fixed = bufs.iter().filter(|&&b| b == want).count();
+    assert!(
+        fixed >= 2,
+        "expected the data sockets of both agents at SO_SNDBUF {want}: {bufs:?}"
+    );
+}

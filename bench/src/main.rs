@@ -70,6 +70,7 @@ fn main() -> ExitCode {
         "row_timeout_s": args.row_timeout().as_secs(),
         "quick": args.quick,
         "pin": pin::label(pin.as_ref()),
+        "tcp_sndbuf": perftest::tcp_sndbuf(),
     });
     let mut runner = match run::Runner::new(args.clone(), pin) {
         Ok(r) => r,

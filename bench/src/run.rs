@@ -143,6 +143,10 @@ impl Runner {
             "transport rows send from {} memory (--tr-source); whole requests send checked patterns",
             a.tr_source.name()
         ));
+        self.print(&format!(
+            "tcp: UCX_TCP_SNDBUF={} for kvlink and ucx_perftest alike",
+            crate::perftest::tcp_sndbuf()
+        ));
         if a.tr_buffers > 1 {
             self.print(&format!(
                 "transport rows receive into {} buffers in turn (--tr-buffers)",

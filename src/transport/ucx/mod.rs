@@ -75,6 +75,13 @@ mod sys;
 mod tag;
 
 pub use agent::{Agent, MemHandle, RemoteKey};
+
+/// The send buffer an agent gives the tcp sockets UCX opens for it (`UCX_TCP_SNDBUF`), unless
+/// `UCX_TCP_SNDBUF` is set in the environment: a fixed 256 KiB instead of the kernel's
+/// autotuning. On loopback under BBR congestion control the autotuned buffer halves the rate of
+/// 16 and 64 MiB transfers, for `ucx_perftest` as for kvlink (README, "Loopback tcp and the
+/// send buffer"); under CUBIC the two are the same.
+pub const TCP_SNDBUF: &str = "256K";
 pub use held::Held;
 pub use op::Op;
 pub use resources::{memory_type_names, DevicePath};

@@ -123,7 +123,7 @@ pub(super) struct Pass {
 
 /// The UCX settings an agent forces, each with whether a refusal is an error: keepalive (a dead
 /// peer is found within about a second when no operation is pending), shared-memory lanes under
-/// peer error handling, the transports and the network devices. The transport and devices
+/// peer error handling, the tcp send buffer, the transports and the network devices. The transport and devices
 /// are checked against what the linked UCX has first. `UCX_TLS` / `UCX_NET_DEVICES` in the
 /// environment still win over the setting (they are checked all the same).
 fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>> {
@@ -151,6 +151,19 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
             opts.transport,
             resources::ucx_version()
         );
+    }
+    // A tcp socket's send buffer, fixed instead of left to the kernel's autotuning (which grows
+    // it to megabytes). The rendezvous of a tagged transfer over tcp is a zero-copy put: with a
+    // large buffer the kernel takes a whole 1 MiB transfer in one `sendmsg` and queues it at
+    // once, which on this host's loopback under BBR pacing reorders and retransmits, and halves
+    // the rate BBR then paces at (README, "Loopback tcp and the send buffer"); with 256 KiB
+    // the put goes out as the socket drains, as `ucx_perftest`'s fragments do. Measured faster
+    // at 1, 16 and 64 MiB. `UCX_TCP_SNDBUF` in the environment wins.
+    if opts.transport.may_use_network() && std::env::var_os("UCX_TCP_SNDBUF").is_none() {
+        // UCX 1.13 hands a cached key to a transport's config by the name within its table:
+        // `TCP_SNDBUF` is refused there ("invalid configuration"), `SNDBUF` is taken (the tcp
+        // interfaces' and the tcp connection manager's).
+        settings.push(("SNDBUF", super::TCP_SNDBUF.into(), false));
     }
     // UCX's newer protocol selection: on by default from some release up to 1.22, off and
     // experimental in 1.13, where turning it on (`UCX_PROTO_ENABLE=y`) ends the process on the
