@@ -542,3 +542,47 @@ TEST(TransportSetting, ABadNameOrDeviceIsInvalidArgumentNamingIt) {
 }
 
 }  // namespace
+
+// Review (rev-cpp): `kvlink::after(d)` is the documented way to make a Deadline, and the header
+// promises that `max()`-like deadlines are fine. A duration too long for the clock's nanoseconds
+// (milliseconds::max(), 300 years) must give a far-future deadline, not a wrapped one in the
+// past that makes every wait return at once; a hugely negative one must give a past deadline.
+TEST_P(EngineTest, AfterOfAHugeDurationSaturates) {
+  const auto now = kvlink::Clock::now();
+  EXPECT_GT(kvlink::after(std::chrono::milliseconds::max()), now);
+  EXPECT_GT(kvlink::after(std::chrono::hours(24 * 365 * 300)), now);
+  EXPECT_GT(kvlink::after(kvlink::Clock::duration::max()), now);
+  EXPECT_LT(kvlink::after(-std::chrono::milliseconds::max()), now);
+  EXPECT_LT(kvlink::after(kvlink::Clock::duration::min()), now);
+  // A notification sent 200 ms from now arrives within a wait whose deadline is after(max()).
+  std::thread later([&] {
+    std::this_thread::sleep_for(200ms);
+    ctx_->notify(kGen, {77, 0}, {1, 2, 3});
+  });
+  const auto n = gen_->wait_for_notification(kCtx, kvlink::after(std::chrono::milliseconds::max()));
+  later.join();
+  ASSERT_TRUE(n) << "after(milliseconds::max()) was a deadline in the past";
+  EXPECT_EQ(n->key.request, 77u);
+}
+
+// Review (rev-cpp): a send whose size cannot be a buffer (SIZE_MAX) is a typed error, not an
+// abort in Rust's slice::from_raw_parts precondition (debug) or undefined behaviour (release).
+TEST_P(EngineTest, SendOfAnImpossibleSizeIsATypedError) {
+  const std::uint8_t byte = 1;
+  for (const std::size_t size : {SIZE_MAX, SIZE_MAX / 2 + 1}) {
+    try {
+      ctx_->send({999, 0}, kGen, 0, &byte, size, kvlink::after(1s));
+      FAIL() << "send of " << size << " bytes";
+    } catch (const kvlink::Error& e) {
+      EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument) << e.what();
+    }
+  }
+  // A range that wraps the address space.
+  try {
+    ctx_->send({999, 0}, kGen, 0, reinterpret_cast<const void*>(UINTPTR_MAX - 15), 64, kvlink::after(1s));
+    FAIL() << "send of a range that wraps the address space";
+  } catch (const kvlink::Error& e) {
+    EXPECT_TRUE(e.kind() == kvlink::ErrorKind::InvalidArgument || e.kind() == kvlink::ErrorKind::OutOfBounds)
+        << e.what();
+  }
+}

@@ -287,6 +287,15 @@ impl EngineHandle {
                 ))
             });
         }
+        // `from_raw_parts` requires `len <= isize::MAX` (its debug check aborts the process, past
+        // any `catch_unwind`) and a range that does not wrap the address space.
+        if len > isize::MAX as usize || (data as usize).checked_add(len).is_none() {
+            return guard(|| {
+                Err(Error::invalid(format!(
+                    "send of {len} bytes at {data:p}: no buffer has that size"
+                )))
+            });
+        }
         // SAFETY: the caller promises `len` readable bytes at `data` for this call.
         let bytes = unsafe { std::slice::from_raw_parts(data, len) };
         guard(|| {

@@ -100,8 +100,20 @@ using Clock = std::chrono::steady_clock;
 /// A point in time by which a blocking call returns.
 using Deadline = Clock::time_point;
 
-/// The deadline `d` from now.
-inline Deadline after(Clock::duration d) { return Clock::now() + d; }
+/// The deadline `d` from now, for a duration in any unit. Saturates instead of overflowing: a
+/// duration past what the clock can hold (`milliseconds::max()`, centuries) is `Deadline::max()`,
+/// a hugely negative one `Deadline::min()` (the unit conversion and the addition are checked).
+template <typename Rep, typename Period>
+inline Deadline after(std::chrono::duration<Rep, Period> d) {
+  const Deadline now = Clock::now();
+  // In long double ticks nothing overflows; a 1 ms margin covers its rounding near the limits.
+  const long double at = static_cast<long double>(now.time_since_epoch().count()) +
+                         std::chrono::duration<long double, Clock::period>(d).count();
+  constexpr long double kMargin = 1e6L * Clock::period::den / (1000000000LL * Clock::period::num);
+  if (at >= static_cast<long double>(Clock::duration::max().count()) - kMargin) return Deadline::max();
+  if (at <= static_cast<long double>(Clock::duration::min().count()) + kMargin) return Deadline::min();
+  return now + std::chrono::duration_cast<Clock::duration>(d);
+}
 
 /// How to build one rank's engine.
 struct EngineConfig {
