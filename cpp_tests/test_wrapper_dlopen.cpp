@@ -62,6 +62,64 @@ TEST(WrapperFactory, ExportsOnlyTheFactoryAndRefusesBadOptions) {
   EXPECT_STRNE(err, "");
 }
 
+// Review (rev-cpp): a factory call that fails after registering the host's log hook (here: a
+// transport UCX does not have) must not leave that hook installed: the host gets NULL and may
+// free `log_user`, yet kvlink's later events (another manager's) would still be sent there.
+std::atomic<int> g_failed_factory_log_calls{0};
+TEST(WrapperFactory, AFailedFactoryLeavesNoLogHookBehind) {
+  Wrapper w;
+  KvlinkTrtllmOptions o = options("tcp");
+  o.transport = "carrier-pigeon";
+  o.log = [](void*, int, char const*, size_t) { g_failed_factory_log_calls.fetch_add(1); };
+  o.log_level = 5;
+  char err[256] = {0};
+  ASSERT_EQ(w.make(&o, err, sizeof err), nullptr);
+  g_failed_factory_log_calls.store(0);
+  // Managers made without a hook, connected to each other: whatever they log must not reach the
+  // hook of the factory call that failed.
+  auto a = make(w, options("tcp"));
+  auto b = make(w, options("tcp"));
+  ASSERT_EQ(b->getConnections(a->getCommState()).size(), 1u);
+  b.reset();
+  a.reset();
+  EXPECT_EQ(g_failed_factory_log_calls.load(), 0) << "the failed factory's log hook was still called";
+}
+
+// Review (rev-cpp): kv_transfer_timeout_ms far beyond a year (INT64_MAX: "no timeout") is taken
+// as a year by the engine (EngineConfig::timeout), but the wrapper's own deadlines
+// (`after(timeout)`, `deadline + grace`) must not overflow into the past: getConnections must
+// connect and a request must still run.
+TEST(WrapperFactory, AHugeTransferTimeoutDoesNotWrapIntoThePast) {
+  Wrapper w;
+  KvlinkTrtllmOptions o = options("tcp");
+  o.kv_transfer_timeout_ms = INT64_MAX;
+  auto ctx = make(w, o);
+  o.agreement_ms = UINT64_MAX / 4;
+  auto gen = make(w, o);
+  std::vector<kv::Connection const*> conns;
+  ASSERT_NO_THROW(conns = gen->getConnections(ctx->getCommState()));
+  ASSERT_EQ(conns.size(), 1u);
+  std::atomic<bool> never{false};
+  GenSide side{conns[0], Tags{true}};
+  constexpr uint64_t kId = 77;
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kId, 0, src.data(), src.size());
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx, never);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{side.tags.ready(kId)}, &ready, sizeof ready);
+    std::atomic<bool> cancel{false};
+    t.conn->send(kv::DataContext{side.tags.data(kId), cancel}, src.data(), src.size());
+  });
+  side.sendRequestInfo(kId);
+  EXPECT_TRUE(side.recvReady(kId, never));
+  std::atomic<bool> cancel{false};
+  EXPECT_NO_THROW(conns[0]->recv(kv::DataContext{side.tags.data(kId), cancel}, dst.data(), dst.size()));
+  EXPECT_NO_THROW(server.get());
+  EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
+}
+
 // getCommState() lists every rank of the instance (from the allgather) with selfIdx = rank:
 // what CacheSender / CacheReceiver check at construction and index connections by.
 TEST(WrapperFactory, CommStateCoversEveryRankWithSelfIdxTheRank) {

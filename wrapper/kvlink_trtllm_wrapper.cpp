@@ -922,10 +922,16 @@ extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionMana
     std::int64_t timeout = o->kv_transfer_timeout_ms;
     if (timeout <= 0) timeout = std::stoll(envOr(nullptr, "TRTLLM_KVLINK_TIMEOUT_MS", "60000"));
     if (timeout <= 0) return fail("kvlink: kv_transfer_timeout_ms must be positive");
-    c.timeout = std::chrono::milliseconds(timeout);
-    c.agreement_bound = std::chrono::milliseconds(o->agreement_ms);
+    // The engine takes longer durations as a year; so does the wrapper, whose own deadlines
+    // (`after(timeout)`, `deadline + grace`) would otherwise overflow the clock into the past.
+    constexpr std::int64_t kYearMs = 365LL * 24 * 3600 * 1000;
+    c.timeout = std::chrono::milliseconds(std::min<std::int64_t>(timeout, kYearMs));
+    c.agreement_bound =
+        std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(o->agreement_ms, kYearMs)));
     if (o->fault_suppress_request >= 0) c.fault_suppress_request = static_cast<std::uint64_t>(o->fault_suppress_request);
+    bool logHookSet = false;
     if (o->log != nullptr) {
+      logHookSet = true;
       int const level = o->log_level > 0 ? std::min(o->log_level, 5) : levelFromEnv();
       KvlinkLogFn const fn = o->log;
       void* const user = o->log_user;
@@ -936,7 +942,18 @@ extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionMana
         fn(user, static_cast<int>(r.level), line.data(), line.size());
       });
     }
-    std::unique_ptr<Manager> m = Manager::make(*o, c);
+    std::unique_ptr<Manager> m;
+    try {
+      m = Manager::make(*o, c);
+    } catch (...) {
+      // The hook registered above must not outlive this failed call (the host may free
+      // `log_user` once it has NULL): remove it unless a live manager holds the sink.
+      if (logHookSet) {
+        std::lock_guard<std::mutex> g(Manager::logMutex());
+        if (Manager::logHolders() == 0) clear_log_sink();
+      }
+      throw;
+    }
     if (o->log != nullptr) m->holdLogSink();
     return static_cast<::tensorrt_llm::executor::kv_cache::ConnectionManager*>(m.release());
   } catch (std::exception const& e) {
