@@ -2,6 +2,7 @@
 // that timed out, with its request id; metrics_text() counts it.
 #include "test_util.h"
 
+#include <atomic>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -114,6 +115,25 @@ TEST_P(ObserveTest, ASinkThatThrowsDoesNotHurt) {
   } catch (const kvlink::Error& e) {
     EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument);
   }
+}
+
+// Review (rev-cpp): a set_log_sink call that throws (a level outside the enum) changes nothing:
+// the sink registered before keeps the events, and the refused one never sees any.
+TEST_P(ObserveTest, ARefusedSinkDoesNotReplaceTheRegisteredOne) {
+  auto kept = std::make_shared<std::atomic<int>>(0);
+  auto refused = std::make_shared<std::atomic<int>>(0);
+  kvlink::set_log_sink(kvlink::LogLevel::Warn, [kept](const kvlink::LogRecord&) { kept->fetch_add(1); });
+  EXPECT_THROW(kvlink::set_log_sink(static_cast<kvlink::LogLevel>(9),
+                                    [refused](const kvlink::LogRecord&) { refused->fetch_add(1); }),
+               kvlink::Error);
+  const RequestKey key{45, 0};
+  std::vector<std::uint8_t> buf(4096);
+  gen_->advertise(key, {}, kCtx, {{kvlink::BufferKind::Kv, 0, buf.data(), buf.size()}}, {});
+  ASSERT_TRUE(ctx_->next_advertisement(kvlink::after(5s)));
+  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::TimedOut);
+  ctx_->wait_sender(key, kGen, kvlink::after(5s));
+  EXPECT_EQ(refused->load(), 0) << "the refused sink received events";
+  EXPECT_GT(kept->load(), 0) << "the registered sink lost its events";
 }
 
 TEST_P(ObserveTest, MetricsTextCountsOutcomesByRole) {

@@ -327,13 +327,25 @@ namespace kvlink {
 /// outside the enum.
 inline bool set_log_sink(LogLevel level, LogSink sink) {
   const bool on = level != LogLevel::Off && static_cast<bool>(sink);
+  std::shared_ptr<const LogSink> previous;
   {
     detail::LogSlot& slot = detail::log_slot();
     std::lock_guard<std::mutex> lock(slot.mutex);
-    if (on) slot.sink = std::make_shared<const LogSink>(std::move(sink));
+    if (on) previous = std::exchange(slot.sink, std::make_shared<const LogSink>(std::move(sink)));
   }
-  const bool ours = detail::call(ffi::set_log_sink, static_cast<std::uint8_t>(on ? level : LogLevel::Off),
-                                 on ? reinterpret_cast<std::size_t>(&kvlink_detail_log_trampoline) : std::size_t{0});
+  bool ours = false;
+  try {
+    ours = detail::call(ffi::set_log_sink, static_cast<std::uint8_t>(on ? level : LogLevel::Off),
+                        on ? reinterpret_cast<std::size_t>(&kvlink_detail_log_trampoline) : std::size_t{0});
+  } catch (...) {
+    // Refused (a level outside the enum): nothing changes, the sink registered before stays.
+    if (on) {
+      detail::LogSlot& slot = detail::log_slot();
+      std::lock_guard<std::mutex> lock(slot.mutex);
+      slot.sink = std::move(previous);
+    }
+    throw;
+  }
   if (!on) {
     detail::LogSlot& slot = detail::log_slot();
     std::lock_guard<std::mutex> lock(slot.mutex);
