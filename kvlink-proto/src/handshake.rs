@@ -214,7 +214,14 @@ impl Handshake {
             (_, Message::Refuse { reason }) => {
                 (State::Refused(reason), Step::RefusedByPeer(reason))
             }
-            (_, Message::Hello { rank, .. }) if rank == me.rank => refuse(Refusal::RankInUse),
+            // Only where a `Hello` is awaited: on a handshake already past it (bound, refused,
+            // or further on) any `Hello` is out of order, and refusing there would unbind a
+            // live rank or refuse a refused endpoint again.
+            (State::Dialled { .. } | State::Answering { .. }, Message::Hello { rank, .. })
+                if rank == me.rank =>
+            {
+                refuse(Refusal::RankInUse)
+            }
             // A dialler's Hello. On a connection this side dialled too, UCX made one connection
             // of the two: the higher rank answers, the lower waits for that answer.
             (State::Dialled { challenge }, Message::Hello { rank, .. })

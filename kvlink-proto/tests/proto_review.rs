@@ -1,0 +1,93 @@
+//! Faults found in review of the protocol core, each pinned by a deterministic test.
+use std::time::{Duration, Instant};
+
+use kvlink_proto::auth::Secret;
+use kvlink_proto::peers::{HandshakeAction, PeerState, Peers};
+use kvlink_proto::{Handshake, Identity, Message, RankId, Step};
+
+const ME: RankId = RankId(1);
+const R: RankId = RankId(7);
+
+fn identity(rank: RankId, instance: u64) -> Identity {
+    Identity {
+        rank,
+        name: format!("rank{}", rank.0),
+        instance,
+        secret: Secret::none(),
+    }
+}
+
+/// A table where rank `R` dialled this side on endpoint 10 and its handshake bound it.
+fn bound_by_its_dial(t: Instant) -> Peers<u64> {
+    let mut p: Peers<u64> = Peers::default();
+    let me = identity(ME, 1);
+    let them = identity(R, 42);
+    let (mut hs, hello) = Handshake::dial(&them, 5);
+    p.accepted(10, None, t);
+    let answer = sent(p.on_handshake(&me, 10, hello, t, 6));
+    assert!(matches!(hs.handle(&them, answer), Step::Verified { .. }));
+    let proof = hs.accept(&them, None).unwrap();
+    let out = p.on_handshake(&me, 10, proof, t, 7);
+    assert!(
+        out.contains(&HandshakeAction::Bound(R, "rank7".into())),
+        "{out:?}"
+    );
+    assert_eq!(p.endpoint(R), Some(10));
+    p
+}
+
+fn sent(out: Vec<HandshakeAction<u64>>) -> Message {
+    out.into_iter()
+        .find_map(|x| match x {
+            HandshakeAction::Send(m) => Some(m),
+            _ => None,
+        })
+        .unwrap()
+}
+
+/// A `Hello` that names this side's own rank, arriving on an endpoint whose handshake is done
+/// (the rank is bound to it), is a handshake message out of order, as any other late `Hello`:
+/// it must not refuse the endpoint and silently unbind the live rank (the table's
+/// `handshakes` field says "a late handshake message on a bound endpoint is answered as out of
+/// order"). Before the fix it unbound the rank without a `Lost`, so the requests on it were
+/// never told their peer was gone.
+#[test]
+fn a_late_hello_naming_our_rank_on_a_bound_endpoint_is_out_of_order() {
+    let t = Instant::now();
+    let mut p = bound_by_its_dial(t);
+    // The same late `Hello` with any other rank is out of order and changes nothing.
+    let (_, other) = Handshake::dial(&identity(RankId(9), 42), 5);
+    let out = p.on_handshake(&identity(ME, 1), 10, other, t, 7);
+    assert_eq!(out, vec![HandshakeAction::BadFrame]);
+    assert_eq!(p.endpoint(R), Some(10));
+    // Naming our rank: the same.
+    let (_, mine) = Handshake::dial(&identity(ME, 42), 5);
+    let out = p.on_handshake(&identity(ME, 1), 10, mine, t, 7);
+    assert_eq!(out, vec![HandshakeAction::BadFrame], "{out:?}");
+    assert_eq!(p.state(R), PeerState::Connected);
+    assert_eq!(p.endpoint(R), Some(10));
+    assert_eq!(p.refusals.rank_in_use, 0);
+    assert!(p.due_closes(t + Duration::from_secs(1)).is_empty());
+}
+
+/// A refused endpoint is not refused again (nor closed twice): a peer that keeps sending a
+/// `Hello` with this side's rank on an endpoint already refused is out of order.
+#[test]
+fn a_refused_endpoint_is_not_refused_again() {
+    let t = Instant::now();
+    let mut p: Peers<u64> = Peers::default();
+    p.accepted(20, None, t);
+    let (_, mine) = Handshake::dial(&identity(ME, 42), 5);
+    let out = p.on_handshake(&identity(ME, 1), 20, mine.clone(), t, 7);
+    assert!(out.contains(&HandshakeAction::Refused(
+        kvlink_proto::Refusal::RankInUse,
+        None
+    )));
+    assert_eq!(p.refusals.rank_in_use, 1);
+    for _ in 0..3 {
+        let out = p.on_handshake(&identity(ME, 1), 20, mine.clone(), t, 7);
+        assert_eq!(out, vec![HandshakeAction::BadFrame], "{out:?}");
+    }
+    assert_eq!(p.refusals.rank_in_use, 1);
+    assert_eq!(p.due_closes(t + Duration::from_secs(1)), vec![20]);
+}
