@@ -1,9 +1,14 @@
 //! Faults found in review of the protocol core, each pinned by a deterministic test.
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kvlink_proto::auth::Secret;
+use kvlink_proto::error::Outcome;
 use kvlink_proto::peers::{HandshakeAction, PeerState, Peers};
-use kvlink_proto::{Handshake, Identity, Message, RankId, Step};
+use kvlink_proto::{
+    BufferDesc, BufferKind, BufferPool, Collective, Config, Endpoint, Handshake, Identity, Message,
+    RankId, ReceiveFlow, ReceiveSpec, RequestKey, Step, Token,
+};
 
 const ME: RankId = RankId(1);
 const R: RankId = RankId(7);
@@ -90,4 +95,72 @@ fn a_refused_endpoint_is_not_refused_again() {
     }
     assert_eq!(p.refusals.rank_in_use, 1);
     assert_eq!(p.due_closes(t + Duration::from_secs(1)), vec![20]);
+}
+
+/// An external collective that never answers.
+struct Silent;
+
+impl Collective for Silent {
+    fn contribute(
+        &mut self,
+        _now: Instant,
+        _key: RequestKey,
+        _receivers: &[RankId],
+        _me: RankId,
+        _vote: Outcome,
+    ) {
+    }
+    fn poll_verdict(&mut self, _key: RequestKey) -> Option<Outcome> {
+        None
+    }
+}
+
+/// `handle_timeout` must return whatever the configuration: with a zero retransmit interval a
+/// request that wants a retransmission (here: polling its external collective) is due again at
+/// the very instant it fired, and the loop in `handle_timeout` popped it forever. (Without a
+/// collective the same spin queued an advertisement per turn, without bound.)
+#[test]
+fn a_zero_retransmit_interval_does_not_spin_handle_timeout() {
+    let (done, finished) = mpsc::channel();
+    std::thread::spawn(move || {
+        let cfg = Config {
+            retransmit: Duration::ZERO,
+            ..Config::default()
+        };
+        let t = Instant::now();
+        let mut ep = Endpoint::with_collective(ME, cfg, Box::new(Silent));
+        let key = RequestKey::new(5, 0);
+        let mut pool = BufferPool::new(4);
+        let lease = pool.lease(key).unwrap();
+        let desc = BufferDesc {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: 0x1000,
+            len: 64,
+            device_id: -1,
+            token: Token(11),
+        };
+        ep.start_receive(
+            t,
+            ReceiveSpec {
+                key,
+                receivers: vec![ME],
+                flows: vec![ReceiveFlow {
+                    sender: R,
+                    buffers: vec![(lease, desc)],
+                }],
+                request_info: vec![],
+                timeout: None,
+            },
+        )
+        .unwrap();
+        ep.cancel(t, key).unwrap();
+        while ep.poll_transmit().is_some() {}
+        ep.handle_timeout(t + Duration::from_millis(1));
+        let _ = done.send(ep.poll_timeout());
+    });
+    let next = finished
+        .recv_timeout(Duration::from_secs(10))
+        .expect("handle_timeout spun");
+    assert!(next.is_some());
 }

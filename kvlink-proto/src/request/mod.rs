@@ -46,7 +46,8 @@ pub struct Config {
     /// a rank ends with its own failure, or `TimedOut` (`PeerLost` when the transport reported
     /// the peer lost). Keep it well under the 100 ms a caller may wait past its deadline.
     pub agreement_bound: Duration,
-    /// Interval between retransmissions of an unanswered control message. An advertisement,
+    /// Interval between retransmissions of an unanswered control message (at least
+    /// [`SHORTEST_RETRANSMIT`]: zero is taken as that). An advertisement,
     /// which a busy sender may leave unanswered for long, and a failure verdict pushed to a
     /// sender that has not confirmed it, back off: 1, 2, 4 ... up to 32 intervals apart
     /// (`backed_off`); a sender does not depend on that push alone (it pulls the verdict when
@@ -78,8 +79,14 @@ pub const TOMB_CAP: usize = 1 << 20;
 /// overflows.
 pub const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// The shortest retransmit interval the core uses: a shorter one (zero) is taken as this. A
+/// machine that retransmits is due again `retransmit` after it fired; at zero that is the very
+/// instant it fired, and `handle_timeout` would pop it again for ever.
+pub const SHORTEST_RETRANSMIT: Duration = Duration::from_millis(1);
+
 impl Config {
-    /// This configuration with every duration at most [`LONGEST`].
+    /// This configuration with every duration at most [`LONGEST`], and the retransmit interval
+    /// at least [`SHORTEST_RETRANSMIT`].
     pub(crate) fn bounded(mut self) -> Self {
         for d in [
             &mut self.timeout,
@@ -89,6 +96,7 @@ impl Config {
         ] {
             *d = (*d).min(LONGEST);
         }
+        self.retransmit = self.retransmit.max(SHORTEST_RETRANSMIT);
         self
     }
 }
