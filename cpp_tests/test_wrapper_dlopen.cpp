@@ -62,7 +62,7 @@ TEST(WrapperFactory, ExportsOnlyTheFactoryAndRefusesBadOptions) {
   EXPECT_STRNE(err, "");
 }
 
-// Review (rev-cpp): a factory call that fails after registering the host's log hook (here: a
+// A factory call that fails after registering the host's log hook (here: a
 // transport UCX does not have) must not leave that hook installed: the host gets NULL and may
 // free `log_user`, yet kvlink's later events (another manager's) would still be sent there.
 std::atomic<int> g_failed_factory_log_calls{0};
@@ -85,7 +85,39 @@ TEST(WrapperFactory, AFailedFactoryLeavesNoLogHookBehind) {
   EXPECT_EQ(g_failed_factory_log_calls.load(), 0) << "the failed factory's log hook was still called";
 }
 
-// Review (rev-cpp): kv_transfer_timeout_ms far beyond a year (INT64_MAX: "no timeout") is taken
+// Two managers, each with its own hook: when the newer goes, the older's events reach the
+// older's hook again, never the hook of the manager that is gone (its host may have freed
+// `log_user`). Before, the sink stayed the newer's until the last manager went.
+std::atomic<int> g_hook_a_calls{0};
+std::atomic<int> g_hook_b_calls{0};
+TEST(WrapperFactory, TheLogSinkFollowsTheLiveManagersHooks) {
+  Wrapper w;
+  KvlinkTrtllmOptions oa = options("tcp");
+  oa.log = [](void*, int, char const*, size_t) { g_hook_a_calls.fetch_add(1); };
+  oa.log_level = 5;
+  auto a = make(w, oa);
+  KvlinkTrtllmOptions ob = options("tcp");
+  ob.log = [](void*, int, char const*, size_t) { g_hook_b_calls.fetch_add(1); };
+  ob.log_level = 5;
+  auto b = make(w, ob);
+  b.reset();
+  g_hook_a_calls.store(0);
+  g_hook_b_calls.store(0);
+  // A manager without a hook connects to `a`: what `a` and it log goes to `a`'s hook.
+  auto c = make(w, options("tcp"));
+  ASSERT_EQ(c->getConnections(a->getCommState()).size(), 1u);
+  c.reset();
+  EXPECT_EQ(g_hook_b_calls.load(), 0) << "a gone manager's hook was called";
+  EXPECT_GT(g_hook_a_calls.load(), 0) << "the live manager's hook was not called";
+  a.reset();
+  g_hook_a_calls.store(0);
+  auto d = make(w, options("tcp"));
+  auto e = make(w, options("tcp"));
+  ASSERT_EQ(e->getConnections(d->getCommState()).size(), 1u);
+  EXPECT_EQ(g_hook_a_calls.load() + g_hook_b_calls.load(), 0) << "no manager holds a hook: no hook is called";
+}
+
+// Kv_transfer_timeout_ms far beyond a year (INT64_MAX: "no timeout") is taken
 // as a year by the engine (EngineConfig::timeout), but the wrapper's own deadlines
 // (`after(timeout)`, `deadline + grace`) must not overflow into the past: getConnections must
 // connect and a request must still run.

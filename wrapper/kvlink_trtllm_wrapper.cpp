@@ -361,26 +361,57 @@ class Manager final : public kv::ConnectionManager {
   [[nodiscard]] kv::CommState const& getCommState() const override { return commState_; }
   [[nodiscard]] bool isRunning() const override { return running_.load(std::memory_order_acquire); }
 
-  /// This manager routes kvlink's logs to the host's hook; the last such manager to go removes
-  /// the sink, so no event reaches a hook whose owner may be gone.
-  void holdLogSink() {
+  /// The host's log hook of one factory call.
+  struct LogHook {
+    KvlinkLogFn fn;
+    void* user;
+    int level;
+  };
+
+  /// Routes kvlink's (process-wide) log sink to `h`. Called with `logMutex()` held.
+  static void installLogHook(LogHook const& h) {
+    set_log_sink(static_cast<LogLevel>(h.level), [fn = h.fn, user = h.user](LogRecord const& r) {
+      std::string line = "[kvlink] ";
+      line.append(r.target.data(), r.target.size()).append(": ").append(r.message.data(), r.message.size());
+      if (!r.fields.empty()) line.append(" ").append(r.fields.data(), r.fields.size());
+      fn(user, static_cast<int>(r.level), line.data(), line.size());
+    });
+  }
+
+  /// The sink goes to the hook of the newest live manager that has one, or nowhere. Called with
+  /// `logMutex()` held, whenever the set of holders changes or a hook installed for a factory
+  /// call that failed must go: no event reaches a hook whose owner may be gone.
+  static void reinstallLogHookLocked() {
+    auto const& v = logHooks();
+    if (v.empty()) {
+      clear_log_sink();
+    } else {
+      installLogHook(v.back().second);
+    }
+  }
+
+  /// This manager routes kvlink's logs to the host's hook `h` (installed by the factory already).
+  void holdLogSink(LogHook const& h) {
     std::lock_guard<std::mutex> g(logMutex());
-    ++logHolders();
+    logHooks().emplace_back(this, h);
     holdsLog_ = true;
   }
   void releaseLogSink() {
     if (!holdsLog_) return;
     std::lock_guard<std::mutex> g(logMutex());
     holdsLog_ = false;
-    if (--logHolders() == 0) clear_log_sink();
+    auto& v = logHooks();
+    v.erase(std::remove_if(v.begin(), v.end(), [this](auto const& e) { return e.first == this; }), v.end());
+    reinstallLogHookLocked();
   }
   static std::mutex& logMutex() {
     static std::mutex m;
     return m;
   }
-  static int& logHolders() {
-    static int n = 0;
-    return n;
+  /// The live managers with a hook, oldest first.
+  static std::vector<std::pair<Manager const*, LogHook>>& logHooks() {
+    static std::vector<std::pair<Manager const*, LogHook>> v;
+    return v;
   }
 
   Engine& engine() { return engine_; }
@@ -622,16 +653,23 @@ void KvlinkConnection::recvReady(kv::DataContext const& ctx, void* data, size_t 
   }
   if (r->settled) throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: ready signal already taken");
   Outcome const o = m_.engine().wait_receiver(r->envelope, r->deadline + m_.grace(), ctx.getTransferTerminate());
-  r->settled = true;
+  std::optional<bool> answer;
   if (o == Outcome::Completed) {
-    r->ready = *r->readyByte != 0;
+    answer = *r->readyByte != 0;
   } else if (o == Outcome::Rejected) {
-    r->ready = false;
-  } else {
+    answer = false;
+  }
+  {
+    // Under the lock: `recvData` on other threads (a formatter's helpers) reads `ready` there.
+    std::lock_guard<std::mutex> g(mu_);
+    r->settled = true;
+    if (answer) r->ready = answer;
+  }
+  if (!answer) {
     throw TransferError(static_cast<int>(o), r->id,
                         "kvlink: ready signal of request " + std::to_string(r->id) + " ended " + to_string(o));
   }
-  bool const ready = *r->ready;
+  bool const ready = *answer;
   std::memcpy(data, &ready, 1);
 }
 
@@ -929,32 +967,27 @@ extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionMana
     c.agreement_bound =
         std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(o->agreement_ms, kYearMs)));
     if (o->fault_suppress_request >= 0) c.fault_suppress_request = static_cast<std::uint64_t>(o->fault_suppress_request);
-    bool logHookSet = false;
+    // The hook is installed before the manager is made, so that what making it logs reaches
+    // the host too.
+    std::optional<Manager::LogHook> hook;
     if (o->log != nullptr) {
-      logHookSet = true;
-      int const level = o->log_level > 0 ? std::min(o->log_level, 5) : levelFromEnv();
-      KvlinkLogFn const fn = o->log;
-      void* const user = o->log_user;
-      set_log_sink(static_cast<LogLevel>(level), [fn, user](LogRecord const& r) {
-        std::string line = "[kvlink] ";
-        line.append(r.target.data(), r.target.size()).append(": ").append(r.message.data(), r.message.size());
-        if (!r.fields.empty()) line.append(" ").append(r.fields.data(), r.fields.size());
-        fn(user, static_cast<int>(r.level), line.data(), line.size());
-      });
+      hook = Manager::LogHook{o->log, o->log_user, o->log_level > 0 ? std::min(o->log_level, 5) : levelFromEnv()};
+      std::lock_guard<std::mutex> g(Manager::logMutex());
+      Manager::installLogHook(*hook);
     }
     std::unique_ptr<Manager> m;
     try {
       m = Manager::make(*o, c);
     } catch (...) {
-      // The hook registered above must not outlive this failed call (the host may free
-      // `log_user` once it has NULL): remove it unless a live manager holds the sink.
-      if (logHookSet) {
+      // The hook must not outlive this failed call (the host may free `log_user` once it has
+      // NULL): the sink goes back to a live manager's hook, or nowhere.
+      if (hook) {
         std::lock_guard<std::mutex> g(Manager::logMutex());
-        if (Manager::logHolders() == 0) clear_log_sink();
+        Manager::reinstallLogHookLocked();
       }
       throw;
     }
-    if (o->log != nullptr) m->holdLogSink();
+    if (hook) m->holdLogSink(*hook);
     return static_cast<::tensorrt_llm::executor::kv_cache::ConnectionManager*>(m.release());
   } catch (std::exception const& e) {
     return fail(e.what());
