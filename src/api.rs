@@ -85,8 +85,8 @@ fn outcome_code(o: Outcome) -> u8 {
 }
 
 impl EngineHandle {
-    pub fn address(&self) -> String {
-        self.engine.address()
+    pub fn address(&self) -> Result<String> {
+        guard(|| Ok(self.engine.address()))
     }
 
     pub fn rank(&self) -> u32 {
@@ -455,7 +455,11 @@ impl EngineHandle {
         }
     }
 
-    pub fn health(&self) -> HealthInfo {
+    pub fn health(&self) -> Result<HealthInfo> {
+        guard(|| Ok(self.health_info()))
+    }
+
+    fn health_info(&self) -> HealthInfo {
         let h = self.engine.health();
         HealthInfo {
             state: h.state as u8,
@@ -499,8 +503,8 @@ impl EngineHandle {
         guard(|| self.engine.metrics_text())
     }
 
-    pub fn peer_state(&self, rank: u32) -> u8 {
-        self.engine.peer_state(RankId(rank)) as u8
+    pub fn peer_state(&self, rank: u32) -> Result<u8> {
+        guard(|| Ok(self.engine.peer_state(RankId(rank)) as u8))
     }
 
     /// # Safety

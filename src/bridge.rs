@@ -1,5 +1,8 @@
 //! The only file that knows cxx: declarations and one-line forwarders. Every exported function
-//! goes through the single panic boundary (`boundary::guard`), in `api.rs` or here.
+//! that does more than read a field goes through the single panic boundary (`boundary::guard`),
+//! in `api.rs` or here; the others (`rank`, `device_path`, `version`, `error_kind_name`,
+//! `take_last_error_kind`, `ucx_version`, which reads a version UCX reported once) return a value
+//! read or formatted without any call that can panic.
 use crate::api::{engine_new, EngineHandle};
 use crate::boundary::{guard, take_last_error_kind};
 use crate::error::Error;
@@ -145,7 +148,7 @@ pub mod ffi {
         /// One rank's engine: UCX agent, protocol core, driver thread.
         type EngineHandle;
         fn engine_new(options: &EngineOptions) -> Result<Box<EngineHandle>>;
-        fn address(self: &EngineHandle) -> String;
+        fn address(self: &EngineHandle) -> Result<String>;
         fn rank(self: &EngineHandle) -> u32;
         fn connect(self: &EngineHandle, address: &str, timeout_ms: u64) -> Result<u32>;
         fn wait_peer(self: &EngineHandle, rank: u32, timeout_ms: u64) -> Result<()>;
@@ -239,11 +242,11 @@ pub mod ffi {
             timeout_ms: u64,
             cancel: usize,
         ) -> Result<NotificationInfo>;
-        fn health(self: &EngineHandle) -> HealthInfo;
+        fn health(self: &EngineHandle) -> Result<HealthInfo>;
         /// The engine's metrics in the Prometheus text format (version 0.0.4).
         fn metrics_text(self: &EngineHandle) -> Result<String>;
         /// The connection to `rank`: 0 unknown, 1 connected, 2 reconnecting, 3 failed.
-        fn peer_state(self: &EngineHandle, rank: u32) -> u8;
+        fn peer_state(self: &EngineHandle, rank: u32) -> Result<u8>;
         /// How CUDA memory moves with this engine's UCX, asked of it at start: 0 staged through
         /// pinned host buffers, 1 direct (UCX reports CUDA memory support).
         fn device_path(self: &EngineHandle) -> u8;

@@ -1118,7 +1118,7 @@ struct HealthInfo final {
 #define CXXBRIDGE1_STRUCT_kvlink$ffi$EngineHandle
 // One rank's engine: UCX agent, protocol core, driver thread.
 struct EngineHandle final : public ::rust::Opaque {
-  ::rust::String address() const noexcept;
+  ::rust::String address() const;
   ::std::uint32_t rank() const noexcept;
   ::std::uint32_t connect(::rust::Str address, ::std::uint64_t timeout_ms) const;
   void wait_peer(::std::uint32_t rank, ::std::uint64_t timeout_ms) const;
@@ -1140,13 +1140,13 @@ struct EngineHandle final : public ::rust::Opaque {
   void cancel(::std::uint64_t request, ::std::uint32_t generation) const;
   void notify(::std::uint32_t to_rank, ::std::uint64_t request, ::std::uint32_t generation, ::rust::Slice<::std::uint8_t const> payload) const;
   ::kvlink::ffi::NotificationInfo wait_for_notification(::std::uint32_t from_rank, ::std::uint64_t timeout_ms, ::std::size_t cancel) const;
-  ::kvlink::ffi::HealthInfo health() const noexcept;
+  ::kvlink::ffi::HealthInfo health() const;
 
   // The engine's metrics in the Prometheus text format (version 0.0.4).
   ::rust::String metrics_text() const;
 
   // The connection to `rank`: 0 unknown, 1 connected, 2 reconnecting, 3 failed.
-  ::std::uint8_t peer_state(::std::uint32_t rank) const noexcept;
+  ::std::uint8_t peer_state(::std::uint32_t rank) const;
 
   // How CUDA memory moves with this engine's UCX, asked of it at start: 0 staged through
   // pinned host buffers, 1 direct (UCX reports CUDA memory support).

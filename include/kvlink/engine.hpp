@@ -418,7 +418,9 @@ class Engine {
   Engine& operator=(Engine&&) noexcept = default;
 
   /// Where peers reach this rank: `ip:port` (tcp) or `ucx:<hex worker address>` (sm).
-  std::string address() const { return std::string(handle_->address()); }
+  std::string address() const {
+    return detail::call([&] { return std::string(handle_->address()); });
+  }
   std::uint32_t rank() const noexcept { return handle_->rank(); }
 
   /// Blocks: connects to the rank at `address` and runs the handshake (each side proves it holds
@@ -645,9 +647,10 @@ class Engine {
   /// How CUDA memory moves with this engine's UCX. Does not block.
   DevicePath device_path() const noexcept { return static_cast<DevicePath>(handle_->device_path()); }
 
-  /// The progress snapshot. Does not block (takes the engine's lock briefly).
-  Health health() const noexcept {
-    const ffi::HealthInfo h = handle_->health();
+  /// The progress snapshot. Does not block (takes the engine's lock briefly). Throws only
+  /// `kvlink::Error` of kind `Panic`, should kvlink fail inside.
+  Health health() const {
+    const ffi::HealthInfo h = detail::call([&] { return handle_->health(); });
     return {static_cast<HealthState>(h.state), h.since_last_fault_ms,
             h.peers,           h.peers_failed,   h.requests_known,  h.completed,
             h.failed,          h.stale_dropped,  h.bad_frames,      h.buffers_leased,
@@ -669,9 +672,10 @@ class Engine {
     return detail::call([&] { return std::string(handle_->metrics_text()); });
   }
 
-  /// The state of this rank's connection to `rank`. Does not block.
-  PeerState peer_state(std::uint32_t rank) const noexcept {
-    return static_cast<PeerState>(handle_->peer_state(rank));
+  /// The state of this rank's connection to `rank`. Does not block. Throws only
+  /// `kvlink::Error` of kind `Panic`, should kvlink fail inside.
+  PeerState peer_state(std::uint32_t rank) const {
+    return static_cast<PeerState>(detail::call([&] { return handle_->peer_state(rank); }));
   }
 
  private:
