@@ -543,7 +543,7 @@ TEST(TransportSetting, ABadNameOrDeviceIsInvalidArgumentNamingIt) {
 
 }  // namespace
 
-// Review (rev-cpp): `kvlink::after(d)` is the documented way to make a Deadline, and the header
+// `kvlink::after(d)` is the documented way to make a Deadline, and the header
 // promises that `max()`-like deadlines are fine. A duration too long for the clock's nanoseconds
 // (milliseconds::max(), 300 years) must give a far-future deadline, not a wrapped one in the
 // past that makes every wait return at once; a hugely negative one must give a past deadline.
@@ -565,7 +565,7 @@ TEST_P(EngineTest, AfterOfAHugeDurationSaturates) {
   EXPECT_EQ(n->key.request, 77u);
 }
 
-// Review (rev-cpp): a send whose size cannot be a buffer (SIZE_MAX) is a typed error, not an
+// A send whose size cannot be a buffer (SIZE_MAX) is a typed error, not an
 // abort in Rust's slice::from_raw_parts precondition (debug) or undefined behaviour (release).
 TEST_P(EngineTest, SendOfAnImpossibleSizeIsATypedError) {
   const std::uint8_t byte = 1;

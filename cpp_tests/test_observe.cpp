@@ -117,7 +117,7 @@ TEST_P(ObserveTest, ASinkThatThrowsDoesNotHurt) {
   }
 }
 
-// Review (rev-cpp): a set_log_sink call that throws (a level outside the enum) changes nothing:
+// A set_log_sink call that throws (a level outside the enum) changes nothing:
 // the sink registered before keeps the events, and the refused one never sees any.
 TEST_P(ObserveTest, ARefusedSinkDoesNotReplaceTheRegisteredOne) {
   auto kept = std::make_shared<std::atomic<int>>(0);

@@ -1,4 +1,5 @@
-//! Faults found in review of the protocol core, each pinned by a deterministic test.
+//! Edges of the handshake and of the core's configuration that reviews found faulty, each pinned
+//! by a deterministic test.
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
