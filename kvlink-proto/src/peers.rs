@@ -172,6 +172,10 @@ pub struct Peers<P> {
     /// Dials that gave way to the same process's dial the other way (see `binding`): the rank
     /// they reached, and since when. `connect` takes its entry; others go after REFUSED_KEEP.
     gave_way: HashMap<P, (RankId, Instant)>,
+    /// Endpoints handed to the engine to close because their handshake ran past
+    /// HANDSHAKE_LIMIT, until their failure is reported (or REFUSED_KEEP): what still arrives on
+    /// them is dropped, so a late `Proof` cannot bind a rank to an endpoint being closed.
+    timed_out: HashMap<P, Instant>,
     /// `connect`'s dials whose proof was out to a process when this side refused that
     /// process's dial the other way for a tie (see `binding`). Such a dial that fails before
     /// it binds owes the pair another dial, unless the rank got bound otherwise (`connect`
@@ -220,6 +224,7 @@ impl<P> Default for Peers<P> {
             closing: Vec::new(),
             pending: HashMap::new(),
             gave_way: HashMap::new(),
+            timed_out: HashMap::new(),
             won_tie: HashMap::new(),
             redial_of: HashMap::new(),
             lost_answers: HashMap::new(),
@@ -503,6 +508,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     pub fn due_closes(&mut self, now: Instant) -> Vec<P> {
         self.expire_refusals(now);
         expire(&mut self.gave_way, now, REFUSED_KEEP, |&(_, t)| t);
+        expire(&mut self.timed_out, now, REFUSED_KEEP, |&t| t);
         expire(&mut self.won_tie, now, REFUSED_KEEP, |w| w.at);
         expire(&mut self.lost_answers, now, HANDSHAKE_LIMIT, |&(_, t)| t);
         expire(&mut self.gave_way_to, now, HANDSHAKE_LIMIT, |&t| t);
@@ -535,6 +541,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             self.pending.remove(&p);
             self.end_round_dial(p);
             self.came_from.remove(&p);
+            // Its handshake stays as it is until the failure is reported (`on_failed` reads it
+            // for whom to wake), but takes no more frames.
+            self.timed_out.insert(p, now);
             out.push(p);
         }
         out
@@ -657,6 +666,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// The transport reported `peer` failed. Returns the rank that lost its live endpoint.
     pub fn on_failed(&mut self, peer: P, now: Instant) -> Option<RankId> {
         self.redial_of.remove(&peer);
+        self.timed_out.remove(&peer);
         let hs = self.handshakes.remove(&peer);
         // A handshake's rank (a dial that gave way to it waits), a reconnect dial's (a
         // `connect` may wait for it), and below the rank that lost its endpoint.

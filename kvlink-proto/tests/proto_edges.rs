@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use kvlink_proto::auth::Secret;
 use kvlink_proto::error::Outcome;
-use kvlink_proto::peers::{HandshakeAction, PeerState, Peers};
+use kvlink_proto::peers::{HandshakeAction, PeerState, Peers, HANDSHAKE_LIMIT};
 use kvlink_proto::{
     BufferDesc, BufferKind, BufferPool, Collective, Config, Endpoint, Handshake, Identity, Message,
     RankId, ReceiveFlow, ReceiveSpec, RequestKey, Step, Token,
@@ -40,6 +40,48 @@ fn bound_by_its_dial(t: Instant) -> Peers<u64> {
     );
     assert_eq!(p.endpoint(R), Some(10));
     p
+}
+
+/// An answered dial whose `Proof` comes only after its handshake ran past HANDSHAKE_LIMIT and
+/// its endpoint was handed out to be closed: the `Proof` binds nothing (before, it bound the
+/// rank to the endpoint being closed, and its failure then cost a spurious loss). Once the
+/// failure is reported, the rank's next dial binds as usual.
+#[test]
+fn a_proof_after_the_handshake_limit_does_not_bind_the_endpoint_being_closed() {
+    let t = Instant::now();
+    let mut p: Peers<u64> = Peers::default();
+    let me = identity(ME, 1);
+    let them = identity(R, 42);
+    let (mut hs, hello) = Handshake::dial(&them, 5);
+    p.accepted(10, None, t);
+    let answer = sent(p.on_handshake(&me, 10, hello, t, 6));
+    assert!(matches!(hs.handle(&them, answer), Step::Verified { .. }));
+    let proof = hs.accept(&them, None).unwrap();
+    let late = t + HANDSHAKE_LIMIT;
+    assert_eq!(
+        p.due_closes(late),
+        vec![10],
+        "the stale handshake's endpoint is closed"
+    );
+    let out = p.on_handshake(&me, 10, proof, late, 7);
+    assert!(
+        !out.iter().any(|a| matches!(a, HandshakeAction::Bound(..))),
+        "{out:?}"
+    );
+    assert_eq!(p.endpoint(R), None);
+    p.on_failed(10, late);
+    // The dialler tries again on a new endpoint: bound.
+    let (mut hs, hello) = Handshake::dial(&them, 8);
+    p.accepted(11, None, late);
+    let answer = sent(p.on_handshake(&me, 11, hello, late, 9));
+    assert!(matches!(hs.handle(&them, answer), Step::Verified { .. }));
+    let proof = hs.accept(&them, None).unwrap();
+    let out = p.on_handshake(&me, 11, proof, late, 10);
+    assert!(
+        out.contains(&HandshakeAction::Bound(R, "rank7".into())),
+        "{out:?}"
+    );
+    assert_eq!(p.endpoint(R), Some(11));
 }
 
 fn sent(out: Vec<HandshakeAction<u64>>) -> Message {

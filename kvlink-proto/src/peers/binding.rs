@@ -109,6 +109,10 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     ) -> Vec<HandshakeAction<P>> {
         use HandshakeAction as A;
         let mut out = Vec::new();
+        if self.timed_out.contains_key(&peer) {
+            // Handed out to be closed for a handshake past its limit: nothing on it binds now.
+            return out;
+        }
         if matches!(msg, Message::Refuse { .. }) && !self.handshakes.contains_key(&peer) {
             // A refusal of a handshake this side already dropped (a bind closed the endpoint,
             // and its close is still on the way): nothing is left to refuse.
