@@ -191,6 +191,37 @@ TEST(WrapperFactory, CommStateCoversEveryRankWithSelfIdxTheRank) {
   EXPECT_NE(conns[0], conns[1]);
 }
 
+// A send from a null pointer with a size is a typed error, on every kind of tag, and the
+// connection then serves a request (before, the request-info tag copied from the null pointer).
+TEST_P(WrapperTest, ASendFromNullIsATypedErrorAndTheConnectionServesOn) {
+  for (int tag : {int(bm::TransceiverTag::kID_TAG), int(bm::TransceiverTag::kINFO_TAG), Tags{}.ready(7), Tags{}.data(7)}) {
+    try {
+      toCtx_->send(kv::DataContext{tag}, nullptr, 16);
+      ADD_FAILURE() << "tag " << tag << ": a send of 16 bytes from null was taken";
+    } catch (std::exception const& e) {
+      EXPECT_NE(std::string(e.what()).find("InvalidArgument"), std::string::npos) << tag << ": " << e.what();
+    }
+  }
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 4343;
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kId, 0, src.data(), src.size());
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    std::atomic<bool> cancel{false};
+    t.conn->send(kv::DataContext{gen.tags.data(kId), cancel}, src.data(), src.size());
+  });
+  gen.sendRequestInfo(kId);
+  EXPECT_TRUE(gen.recvReady(kId, never_));
+  std::atomic<bool> cancel{false};
+  toCtx_->recv(kv::DataContext{gen.tags.data(kId), cancel}, dst.data(), dst.size());
+  server.get();
+  EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
+}
+
 // The generic path, with the older releases' tags (12-bit data tag, fixed ready tag 42):
 // request info round trip, ready, and three KV-shaped segments checked byte for byte.
 TEST_P(WrapperTest, GenericPathMovesARequestByteForByte) {

@@ -541,6 +541,9 @@ void KvlinkConnection::settle(GenRequest& r) const {
 }
 
 void KvlinkConnection::send(kv::DataContext const& ctx, void const* data, size_t size) const {
+  if (data == nullptr && size != 0) {
+    throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: send of " + std::to_string(size) + " bytes from null");
+  }
   int const tag = ctx.getTag();
   if (isEnvelopeTag(tag)) {
     std::vector<Message> done;
