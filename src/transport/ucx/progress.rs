@@ -123,12 +123,23 @@ pub(super) struct Pass {
 
 /// The UCX settings an agent forces, each with whether a refusal is an error: keepalive (a dead
 /// peer is found within about a second when no operation is pending), shared-memory lanes under
-/// peer error handling, the tcp send buffer, the transports and the network devices. The transport and devices
-/// are checked against what the linked UCX has first. `UCX_TLS` / `UCX_NET_DEVICES` in the
-/// environment still win over the setting (they are checked all the same).
+/// peer error handling, the tcp send buffer, the transports and the network devices. The
+/// transport and devices are checked against what the linked UCX has first. `UCX_TLS`,
+/// `UCX_NET_DEVICES`, `UCX_TCP_SNDBUF` and `UCX_KEEPALIVE_INTERVAL` in the environment win over
+/// the agent's values (the first two are checked all the same); a setting pushed here is applied
+/// after UCX read the environment, so one not skipped would override it.
 fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>> {
-    let keepalive = format!("{}ms", opts.keepalive.as_millis().max(1));
-    let mut settings = vec![("KEEPALIVE_INTERVAL", keepalive, false)];
+    let mut settings = Vec::new();
+    match std::env::var("UCX_KEEPALIVE_INTERVAL") {
+        Ok(env) => tracing::info!(
+            "{}: UCX_KEEPALIVE_INTERVAL={env} from the environment",
+            opts.name
+        ),
+        Err(_) => {
+            let keepalive = format!("{}ms", opts.keepalive.as_millis().max(1));
+            settings.push(("KEEPALIVE_INTERVAL", keepalive, false));
+        }
+    }
     // Without MM_ERROR_HANDLING UCX refuses shared-memory lanes (posix, sysv) under peer error
     // handling. UCX 1.13 with both tcp and shared-memory lanes fails every active message over
     // 100 bytes ("Invalid am_short_iov length", measured); 1.22 does not. Below 1.22 (what lies
