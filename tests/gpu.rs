@@ -58,11 +58,68 @@ fn device_memory_round_trip_through_staging() {
     );
 }
 
+/// A context engine (rank 0, listening) and a generation engine (rank 1) over tcp, connected,
+/// with the given agreement bound (None: the default).
+fn device_pair(
+    bound: Option<std::time::Duration>,
+) -> (kvlink::connection::Engine, kvlink::connection::Engine) {
+    use kvlink::connection::{Engine, EngineConfig};
+    use kvlink::proto::RankId;
+    use kvlink::transport::TransportKind;
+    use std::time::{Duration, Instant};
+    let config = |name: &str, rank| {
+        let mut c = EngineConfig::new(name, rank, TransportKind::Tcp);
+        if let Some(b) = bound {
+            c.agreement_bound = b;
+        }
+        c
+    };
+    let mut c = config("ctx", 0);
+    c.listen = Some("127.0.0.1:0".parse().unwrap());
+    let sender = Engine::new(c).unwrap();
+    let receiver = Engine::new(config("gen", 1)).unwrap();
+    let dl = Instant::now() + Duration::from_secs(20);
+    receiver.connect(&sender.address(), dl).unwrap();
+    sender.wait_peer(RankId(1), dl).unwrap();
+    (sender, receiver)
+}
+
+/// The receiver advertises `len` bytes of device 0 at `addr` as segment 0 of `key`; the sender
+/// takes the advertisement and accepts it. Returns the receiving rank as the sender names it.
+///
+/// # Safety
+/// `addr` stays valid device memory of `len` bytes until the request's end is waited for, or
+/// is memory the driver refuses to copy to.
+unsafe fn advertise_device(
+    sender: &kvlink::connection::Engine,
+    receiver: &kvlink::connection::Engine,
+    key: kvlink::proto::RequestKey,
+    addr: u64,
+    len: usize,
+) -> kvlink::proto::RankId {
+    use kvlink::connection::BufferSpec;
+    use kvlink::proto::{BufferKind, RankId};
+    use std::time::{Duration, Instant};
+    let spec = BufferSpec {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr,
+        len: len as u64,
+        device_id: 0,
+    };
+    receiver
+        .advertise(key, vec![RankId(1)], vec![(RankId(0), vec![spec])], vec![])
+        .unwrap();
+    let adv = sender
+        .next_advertisement(Instant::now() + Duration::from_secs(20), None)
+        .unwrap();
+    sender.accept(key, adv.from, true).unwrap();
+    adv.from
+}
+
 #[test]
 fn engine_moves_device_memory_through_staging() {
-    use kvlink::connection::{BufferSpec, Engine, EngineConfig};
-    use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
-    use kvlink::transport::TransportKind;
+    use kvlink::proto::{RequestKey, Role};
     use kvlink::Outcome;
     use std::time::{Duration, Instant};
     if !driver_present() || CudaContext::device_count().unwrap_or(0) == 0 {
@@ -79,31 +136,16 @@ fn engine_moves_device_memory_through_staging() {
     let (dst_ptr, g2) = d_dst.device_ptr(&stream);
     stream.synchronize().unwrap();
 
-    let mut c = EngineConfig::new("ctx", 0, TransportKind::Tcp);
-    c.listen = Some("127.0.0.1:0".parse().unwrap());
-    let sender = Engine::new(c).unwrap();
-    let receiver = Engine::new(EngineConfig::new("gen", 1, TransportKind::Tcp)).unwrap();
+    let (sender, receiver) = device_pair(None);
     let dl = Instant::now() + Duration::from_secs(20);
-    receiver.connect(&sender.address(), dl).unwrap();
-    sender.wait_peer(RankId(1), dl).unwrap();
     let key = RequestKey::new(1, 0);
-    let spec = BufferSpec {
-        kind: BufferKind::Kv,
-        segment: 0,
-        addr: dst_ptr,
-        len: len as u64,
-        device_id: 0,
-    };
     // SAFETY: d_dst outlives the request (waited below).
-    unsafe { receiver.advertise(key, vec![RankId(1)], vec![(RankId(0), vec![spec])], vec![]) }
-        .unwrap();
-    let adv = sender.next_advertisement(dl, None).unwrap();
-    sender.accept(key, adv.from, true).unwrap();
+    let to = unsafe { advertise_device(&sender, &receiver, key, dst_ptr, len) };
     // Another request's staging is held for the whole transfer: this one must not wait for it.
     let held = kvlink::transport::cuda::Staging::new(0, len).unwrap();
     assert_eq!(
         sender
-            .send_device(key, adv.from, 0, 0, src_ptr, len, dl, None)
+            .send_device(key, to, 0, 0, src_ptr, len, dl, None)
             .unwrap(),
         Outcome::Completed
     );
@@ -126,9 +168,7 @@ fn engine_moves_device_memory_through_staging() {
 /// receive that had already ended.
 #[test]
 fn a_failed_copy_to_the_device_cancels_the_request_at_once() {
-    use kvlink::connection::{BufferSpec, Engine, EngineConfig};
-    use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
-    use kvlink::transport::TransportKind;
+    use kvlink::proto::{RequestKey, Role};
     use kvlink::Outcome;
     use std::time::{Duration, Instant};
     if !driver_present() || CudaContext::device_count().unwrap_or(0) == 0 {
@@ -136,33 +176,15 @@ fn a_failed_copy_to_the_device_cancels_the_request_at_once() {
         return;
     }
     let bound = Duration::from_secs(5);
-    let mut c = EngineConfig::new("ctx", 0, TransportKind::Tcp);
-    c.listen = Some("127.0.0.1:0".parse().unwrap());
-    c.agreement_bound = bound;
-    let sender = Engine::new(c).unwrap();
-    let mut g = EngineConfig::new("gen", 1, TransportKind::Tcp);
-    g.agreement_bound = bound;
-    let receiver = Engine::new(g).unwrap();
+    let (sender, receiver) = device_pair(Some(bound));
     let dl = Instant::now() + Duration::from_secs(20);
-    receiver.connect(&sender.address(), dl).unwrap();
-    sender.wait_peer(RankId(1), dl).unwrap();
     let key = RequestKey::new(2, 0);
     let len = 1 << 16;
-    let spec = BufferSpec {
-        kind: BufferKind::Kv,
-        segment: 0,
-        // No allocation lives at the first page: the copy to it is refused by the driver.
-        addr: 0x10,
-        len: len as u64,
-        device_id: 0,
-    };
-    // SAFETY: nothing is ever written at the address: the driver refuses the copy.
-    unsafe { receiver.advertise(key, vec![RankId(1)], vec![(RankId(0), vec![spec])], vec![]) }
-        .unwrap();
-    let adv = sender.next_advertisement(dl, None).unwrap();
-    sender.accept(key, adv.from, true).unwrap();
+    // SAFETY: nothing is ever written at the first page: no allocation lives there, and the
+    // driver refuses the copy to it.
+    let to = unsafe { advertise_device(&sender, &receiver, key, 0x10, len) };
     let data = vec![7u8; len];
-    let _ = sender.send(key, adv.from, 0, &data, dl, None).unwrap();
+    let _ = sender.send(key, to, 0, &data, dl, None).unwrap();
     let t0 = Instant::now();
     let r = receiver.wait(key, Role::Receiver, dl, None).unwrap();
     let took = t0.elapsed();
@@ -173,7 +195,7 @@ fn a_failed_copy_to_the_device_cancels_the_request_at_once() {
         "the receiver waited {took:?} (bound {bound:?})"
     );
     let s = sender
-        .wait(key, Role::Sender { receiver: adv.from }, dl, None)
+        .wait(key, Role::Sender { receiver: to }, dl, None)
         .unwrap();
     assert_ne!(s, Outcome::Completed, "the bytes never reached the device");
     assert_eq!(receiver.health().buffers_leased, 0);

@@ -23,22 +23,33 @@ fn identity(rank: RankId, instance: u64) -> Identity {
     }
 }
 
-/// A table where rank `R` dialled this side on endpoint 10 and its handshake bound it.
-fn bound_by_its_dial(t: Instant) -> Peers<u64> {
-    let mut p: Peers<u64> = Peers::default();
+/// Rank `R` dials this side on `endpoint` at `t`: its `Hello` answered here; returns its
+/// `Proof` (not yet handled). `n` makes the challenges differ between dials.
+fn dial_to_proof(p: &mut Peers<u64>, endpoint: u64, t: Instant, n: u64) -> Message {
     let me = identity(ME, 1);
     let them = identity(R, 42);
-    let (mut hs, hello) = Handshake::dial(&them, 5);
-    p.accepted(10, None, t);
-    let answer = sent(p.on_handshake(&me, 10, hello, t, 6));
+    let (mut hs, hello) = Handshake::dial(&them, n);
+    p.accepted(endpoint, None, t);
+    let answer = sent(p.on_handshake(&me, endpoint, hello, t, n + 1));
     assert!(matches!(hs.handle(&them, answer), Step::Verified { .. }));
-    let proof = hs.accept(&them, None).unwrap();
-    let out = p.on_handshake(&me, 10, proof, t, 7);
+    hs.accept(&them, None).unwrap()
+}
+
+/// Handles `R`'s `Proof` on `endpoint`: the rank is bound there.
+fn bind_by_proof(p: &mut Peers<u64>, endpoint: u64, proof: Message, t: Instant) {
+    let out = p.on_handshake(&identity(ME, 1), endpoint, proof, t, 99);
     assert!(
         out.contains(&HandshakeAction::Bound(R, "rank7".into())),
         "{out:?}"
     );
-    assert_eq!(p.endpoint(R), Some(10));
+    assert_eq!(p.endpoint(R), Some(endpoint));
+}
+
+/// A table where rank `R` dialled this side on endpoint 10 and its handshake bound it.
+fn bound_by_its_dial(t: Instant) -> Peers<u64> {
+    let mut p: Peers<u64> = Peers::default();
+    let proof = dial_to_proof(&mut p, 10, t, 5);
+    bind_by_proof(&mut p, 10, proof, t);
     p
 }
 
@@ -50,20 +61,14 @@ fn bound_by_its_dial(t: Instant) -> Peers<u64> {
 fn a_proof_after_the_handshake_limit_does_not_bind_the_endpoint_being_closed() {
     let t = Instant::now();
     let mut p: Peers<u64> = Peers::default();
-    let me = identity(ME, 1);
-    let them = identity(R, 42);
-    let (mut hs, hello) = Handshake::dial(&them, 5);
-    p.accepted(10, None, t);
-    let answer = sent(p.on_handshake(&me, 10, hello, t, 6));
-    assert!(matches!(hs.handle(&them, answer), Step::Verified { .. }));
-    let proof = hs.accept(&them, None).unwrap();
+    let proof = dial_to_proof(&mut p, 10, t, 5);
     let late = t + HANDSHAKE_LIMIT;
     assert_eq!(
         p.due_closes(late),
         vec![10],
         "the stale handshake's endpoint is closed"
     );
-    let out = p.on_handshake(&me, 10, proof, late, 7);
+    let out = p.on_handshake(&identity(ME, 1), 10, proof, late, 7);
     assert!(
         !out.iter().any(|a| matches!(a, HandshakeAction::Bound(..))),
         "{out:?}"
@@ -71,17 +76,8 @@ fn a_proof_after_the_handshake_limit_does_not_bind_the_endpoint_being_closed() {
     assert_eq!(p.endpoint(R), None);
     p.on_failed(10, late);
     // The dialler tries again on a new endpoint: bound.
-    let (mut hs, hello) = Handshake::dial(&them, 8);
-    p.accepted(11, None, late);
-    let answer = sent(p.on_handshake(&me, 11, hello, late, 9));
-    assert!(matches!(hs.handle(&them, answer), Step::Verified { .. }));
-    let proof = hs.accept(&them, None).unwrap();
-    let out = p.on_handshake(&me, 11, proof, late, 10);
-    assert!(
-        out.contains(&HandshakeAction::Bound(R, "rank7".into())),
-        "{out:?}"
-    );
-    assert_eq!(p.endpoint(R), Some(11));
+    let proof = dial_to_proof(&mut p, 11, late, 8);
+    bind_by_proof(&mut p, 11, proof, late);
 }
 
 fn sent(out: Vec<HandshakeAction<u64>>) -> Message {
