@@ -2,7 +2,10 @@
 """The README's speed table from kvlink-bench JSON runs (`--json runN.json`).
 
 One run on a small shared machine swings by 2-5x in single cells, so each cell is the median of
-that cell over the runs given. Rows a run did not measure are left out.
+that cell over the runs given. Rows a run did not measure are left out, and so are rows whose
+status is not "ok": a kvlink row with failed requests still carries figures, taken over the rounds
+that completed (the slow or stuck ones dropped), which would flatter it. How many were left out is
+printed at the end.
 
     python3 scripts/bench-table.py run1.json run2.json run3.json
 """
@@ -12,6 +15,22 @@ import sys
 
 K, M = 4096, 1 << 20
 SIZES = [(K, "4 KiB"), (M, "1 MiB"), (16 * M, "16 MiB"), (64 * M, "64 MiB")]
+
+
+def usable(r):
+    """Whether a row's figures go into a cell: its status is "ok" (rows written before the field
+    existed count as ok)."""
+    return r.get("status", "ok") == "ok"
+
+
+def left_out(runs):
+    """`transport kind size in_flight: status` of each row that `usable` refuses, over the runs."""
+    return [
+        f"{r['transport']} {r['kind']} {r['size']} x{r['in_flight']}: {r.get('status')}"
+        for run in runs
+        for r in run["rows"]
+        if not usable(r)
+    ]
 
 
 def main(paths):
@@ -29,6 +48,7 @@ def main(paths):
             for r in run["rows"]
             if (r["transport"], r["kind"], r["size"], r["in_flight"]) == (tl, kind, size, n)
             and r.get(field) is not None
+            and usable(r)
         ]
         return statistics.median(vals) if vals else None
 
@@ -87,10 +107,14 @@ def main(paths):
 
 
     targets(runs)
+    out = left_out(runs)
+    if out:
+        print(f"\nLeft out, status not ok ({len(out)} rows): " + "; ".join(out))
 
 
 def quartiles(vals):
-    """Median and the middle half (25th-75th percentile) of `vals`."""
+    """Median and the middle half (25th-75th percentile) of `vals`; under four values, the
+    median and the whole range."""
     if len(vals) < 4:
         return statistics.median(vals), min(vals), max(vals)
     q = statistics.quantiles(vals, n=4)
@@ -106,7 +130,7 @@ def targets(runs):
         for run in runs:
             for r in run["rows"]:
                 if (r["transport"], r["kind"], r["size"], r["in_flight"]) == (tl, kind, size, n):
-                    if r.get(field) is not None:
+                    if r.get(field) is not None and usable(r):
                         out.append(r[field])
         return out
 
@@ -119,6 +143,7 @@ def targets(runs):
                 for r in run["rows"]
                 if (r["transport"], r["kind"], r["size"]) == (tl, "kvlink_request", K)
                 and r.get("us_p50")
+                and usable(r)
             }
             if 64 in us and 4096 in us:
                 out.append(us[4096] / us[64])

@@ -3,9 +3,10 @@
 #   install-deps, cargo fmt --check, cargo clippy (workspace: library and bench, all targets,
 #   -D warnings), the fuzz targets' clippy on stable, the API docs of the two library crates
 #   (cargo doc, -D warnings), cargo test (workspace), the timeline
-#   feature's test, CMake configure + build (Ninja) + ctest, the package check (Release line,
-#   all-off install, installed consumer), header drift check, AddressSanitizer run, bounded fuzz
-#   run, and the same crate against a second UCX generation (ucx122: the PyPI wheel's UCX 1.22).
+#   feature's test, bench-table.py's unit tests, CMake configure + build (Ninja) + ctest, the
+#   package check (Release line, all-off install, installed consumer), header drift check,
+#   AddressSanitizer run, bounded fuzz run, and the same crate against a second UCX generation
+#   (ucx122: the PyPI wheel's UCX 1.22).
 # Rust is compiled once: CMake's cargo step uses the same target dir and profile (dev) as
 # `cargo test`, so it only links. Later steps still run after a failure, so one run shows all
 # problems; a step whose prerequisite failed is reported as skipped.
@@ -43,6 +44,8 @@ step cargo-test -- cargo test --locked --workspace --no-fail-fast
 # The stage timeline (src/timeline.rs) records only with its feature, off in every other build:
 # its recording test runs here, so the feature's code is built and checked in CI.
 step timeline -- cargo test --locked --lib --features timeline timeline::
+# The README table's script: medians over runs, rows whose status is not ok left out.
+step bench-table -- python3 "$root/scripts/test_bench_table.py"
 step cmake-configure -- cmake -S "$root" -B "$build_dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
     -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="${KVLINK_UCX_ROOT:-}"

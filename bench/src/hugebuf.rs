@@ -33,6 +33,9 @@ pub struct HugeBuf {
     ptr: *mut u8,
     len: usize,
     map_len: usize,
+    /// Advised onto huge pages (read by the tests).
+    #[cfg_attr(not(test), allow(dead_code))]
+    huge: bool,
 }
 
 // SAFETY: the mapping is owned by this value alone, like a `Vec<u8>`'s allocation.
@@ -46,7 +49,15 @@ impl HugeBuf {
     /// thousands of 4 KiB request buffers do not take 2 MiB each. Panics if the kernel
     /// refuses the mapping, as `vec![0; len]` aborts when out of memory.
     pub fn zeroed(len: usize) -> HugeBuf {
-        let huge = on_huge_pages(len);
+        HugeBuf::zeroed_as(len, len)
+    }
+
+    /// A zeroed buffer of `len` bytes on the pages [`on_huge_pages`] gives a buffer of `like`
+    /// bytes: a source of `like`-byte transfers with a byte or so more (the patterns' base)
+    /// lies where UCX would put `ucx_perftest`'s buffer of that size. Without this, 1 MiB + 1
+    /// goes on a huge page where UCX leaves 1 MiB on small ones.
+    pub fn zeroed_as(len: usize, like: usize) -> HugeBuf {
+        let huge = on_huge_pages(like);
         let unit = if huge { HUGE } else { page_size() };
         let map_len = len.max(1).div_ceil(unit) * unit;
         // Over-map by one huge page, then trim both ends so the buffer starts on a 2 MiB
@@ -88,7 +99,14 @@ impl HugeBuf {
             ptr: start as *mut u8,
             len,
             map_len,
+            huge,
         }
+    }
+
+    /// Whether the mapping was advised onto huge pages (the kernel may still refuse them).
+    #[cfg(test)]
+    pub fn huge(&self) -> bool {
+        self.huge
     }
 }
 

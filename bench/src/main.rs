@@ -98,7 +98,9 @@ fn main() -> ExitCode {
         let report = report::Report {
             tool: "kvlink-bench",
             version: env!("CARGO_PKG_VERSION"),
-            units: "GB = 1e9 bytes; us/req = round wall time / requests in the round; \
+            units: "GB = 1e9 bytes; us/req = round wall time / requests in the round \
+                    (transport rows: one transfer, post to completion on the sender; \
+                    ucx_tag_bw rows: ucx_perftest's median time per message); \
                     tag_lat is one-way (half the round trip)",
             settings,
             host: report::Host {

@@ -174,7 +174,8 @@ impl Row {
 pub struct Report {
     pub tool: &'static str,
     pub version: &'static str,
-    /// GB = 1e9 bytes; µs per request is wall time of a round divided by its requests.
+    /// GB = 1e9 bytes; µs per request is wall time of a round divided by its requests (the
+    /// transport row: one transfer, post to completion on the sender).
     pub units: &'static str,
     pub settings: serde_json::Value,
     pub host: Host,

@@ -160,7 +160,8 @@ fn linger() {
 /// bytes, each different from the next (their lowest bits alternate). One buffer serves both
 /// patterns, so the sending side keeps one source per size hot, as `ucx_perftest` does.
 pub fn pattern_base(len: usize) -> HugeBuf {
-    let mut base = HugeBuf::zeroed(len + 1);
+    // On the pages of a buffer of `len`, as `ucx_perftest`'s source of that size.
+    let mut base = HugeBuf::zeroed_as(len + 1, len);
     for (i, b) in base.iter_mut().enumerate() {
         *b = ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u8 & 0xfe | (i & 1) as u8;
     }
@@ -772,7 +773,7 @@ fn tr_send(a: &PeerArgs) -> i32 {
     // Never written when untouched: the kernel's copies read the huge zero page, as they do
     // for ucx_perftest's sender (`--tr-source`).
     let base = match a.tr_source {
-        Source::Untouched => HugeBuf::zeroed(size + 1),
+        Source::Untouched => HugeBuf::zeroed_as(size + 1, size),
         Source::Pattern => pattern_base(size),
     };
     let data = cut(&base, 0);
@@ -928,5 +929,15 @@ mod tests {
         }
         let base = pattern_base(4096);
         assert_ne!(base[..256], base[256..512], "position-dependent");
+    }
+
+    #[test]
+    fn a_source_lies_on_the_pages_of_its_transfer_size_not_one_byte_more() {
+        // UCX leaves ucx_perftest's 1 MiB buffers on small pages (a huge page would double
+        // them); the pattern base is one byte longer and must not tip over onto a huge page.
+        assert!(!pattern_base(1 << 20).huge());
+        assert!(!HugeBuf::zeroed_as((1 << 20) + 1, 1 << 20).huge());
+        assert!(pattern_base(16 << 20).huge());
+        assert!(!pattern_base(4096).huge());
     }
 }
