@@ -351,6 +351,20 @@ impl RecvRequest {
             return;
         };
         flow.answered = true;
+        if let Some(v) = self.verdict {
+            // A refusal sent again is the refusing sender's pull of the verdict (as a `Vote`
+            // is a failing sender's): answer it now, as the tombstone does once the request
+            // is forgotten, rather than leave the sender to the backed-off push alone.
+            out.stats.duplicates += 1;
+            out.send(
+                from,
+                Message::Verdict {
+                    key: self.key,
+                    outcome: v,
+                },
+            );
+            return;
+        }
         if ready {
             self.answer.get_or_insert(true);
         } else {
