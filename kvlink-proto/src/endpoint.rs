@@ -701,6 +701,14 @@ impl Endpoint {
             order.retain(|&(old, at)| self.tomb_is(old, at));
             self.tomb_order = order;
         }
+        // The same for the expiry queue: an evicted (or replaced) tombstone's expiry stays
+        // there until its instant, a deadline away, so without this the queue grew with the
+        // request rate times the deadline whatever the cap.
+        if self.tomb_expiry.len() > 2 * self.tombs.len() + 64 {
+            let tombs = &self.tombs;
+            self.tomb_expiry
+                .retain(|at, id| tombs.get(&id).is_some_and(|t| t.0 == at));
+        }
     }
 
     /// Whether `id`'s tombstone is the one that expires `at` (not expired, nor replaced since).
@@ -758,6 +766,12 @@ impl Endpoint {
     /// Entries in the timer table, live and superseded (kept within twice the live timers).
     pub fn timer_entries(&self) -> usize {
         self.timers.entries()
+    }
+
+    /// Entries in the queue of tombstone expiries, live and stale (those of tombstones evicted
+    /// by the cap or replaced; kept within twice the tombstones).
+    pub fn tomb_entries(&self) -> usize {
+        self.tomb_expiry.len()
     }
 
     /// The external collective has news: pick up its verdicts now rather than at the next

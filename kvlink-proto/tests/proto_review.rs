@@ -100,3 +100,62 @@ fn a_refusal_sent_again_after_the_verdict_is_answered_with_the_verdict() {
         "the sender must end with the receiver's verdict"
     );
 }
+
+/// Tombstones are capped (`Config::tomb_cap`) so that the core's memory does not grow with the
+/// request rate times the deadline; past the cap the oldest goes early. Its entry in the queue
+/// of tombstone expiries stayed until its expiry, though (the request's deadline plus bound plus
+/// linger: here an hour), so that queue grew by one entry per request, cap or not. The queue
+/// now drops entries whose tombstone is gone once they outnumber the live ones.
+#[test]
+fn evicted_tombstones_do_not_pile_up_in_the_expiry_queue() {
+    let t = Instant::now();
+    let cfg = Config {
+        timeout: ms(3_600_000),
+        tomb_cap: 4,
+        ..config()
+    };
+    let (g, c) = (RankId(1), RankId(2));
+    let mut gen = Endpoint::new(g, cfg);
+    let mut ctx = Endpoint::new(c, cfg);
+    let mut pool = BufferPool::new(4);
+    let mut tokens = TokenAllocator::default();
+    for i in 0..2000u64 {
+        let now = t + ms(i);
+        let key = RequestKey::new(i, 0);
+        let lease = pool.lease(key).unwrap();
+        let desc = kv_desc(tokens.allocate().unwrap());
+        gen.start_receive(now, one_buffer(key, g, c, lease, desc, None))
+            .unwrap();
+        for (_, m) in transmits(&mut gen) {
+            ctx.handle_message(now, g, m).unwrap();
+        }
+        ctx.accept(now, key, g, true).unwrap();
+        assert_eq!(ctx.check_send(key, g, 0, 64).unwrap(), Ok(desc));
+        ctx.begin_send(key, g, 0);
+        ctx.handle_send_done(now, key, g, 0, true).unwrap();
+        gen.handle_segment_landed(now, key, 0).unwrap();
+        for (_, m) in transmits(&mut gen) {
+            ctx.handle_message(now, g, m).unwrap();
+        }
+        transmits(&mut ctx);
+        while let Some(a) = gen.poll_action() {
+            if let kvlink_proto::Action::Release { lease, .. } = a {
+                pool.release(lease).unwrap();
+            }
+        }
+        while ctx.poll_action().is_some() {}
+        while gen.poll_event().is_some() {}
+        while ctx.poll_event().is_some() {}
+        gen.handle_timeout(now);
+        ctx.handle_timeout(now);
+    }
+    for ep in [&gen, &ctx] {
+        assert_eq!((ep.known(), ep.tombstones()), (0, 4));
+        assert!(
+            ep.tomb_entries() <= 2 * 4 + 64,
+            "{} entries kept for {} tombstones",
+            ep.tomb_entries(),
+            ep.tombstones()
+        );
+    }
+}
