@@ -159,3 +159,61 @@ fn evicted_tombstones_do_not_pile_up_in_the_expiry_queue() {
         );
     }
 }
+
+/// With an external collective a receiver that has voted polls the collective for the verdict at
+/// the retransmit interval ("a verdict is otherwise noticed within one retransmit interval").
+/// Its vote did not set the retransmit timer, though: the poll came when the advertisement's
+/// backed-off resend would have (up to 32 intervals later), so a verdict the other ranks had
+/// reached waited that long, or until the bound, for a request whose every byte had landed.
+#[test]
+fn an_external_vote_polls_the_collective_within_one_retransmit_interval() {
+    use kvlink_proto::{Collective, ReceiveFlow, ReceiveSpec};
+    let t = Instant::now();
+    let cfg = config();
+    let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
+    let collective = MemCollective::default();
+    let mut gen = Endpoint::with_collective(g1, cfg, Box::new(collective.clone()));
+    let key = RequestKey::new(5, 0);
+    let lease = BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    gen.start_receive(
+        t,
+        ReceiveSpec {
+            key,
+            receivers: vec![g1, g2],
+            flows: vec![ReceiveFlow {
+                sender: c,
+                buffers: vec![(lease, desc)],
+            }],
+            request_info: vec![],
+            timeout: None,
+        },
+    )
+    .unwrap();
+    // A busy sender: the advertisement goes out again, backed off, three times.
+    let mut now = t;
+    for _ in 0..3 {
+        now = gen.poll_timeout().unwrap();
+        gen.handle_timeout(now);
+    }
+    transmits(&mut gen);
+    // Then its data lands: this rank votes `Completed`.
+    let voted = now + ms(10);
+    gen.handle_segment_landed(voted, key, 0).unwrap();
+    assert!(gen.running(key, Role::Receiver));
+    // The other receiver votes `Completed` a moment later; nothing else reaches this rank.
+    let mut other = collective.clone();
+    other.contribute(voted + ms(1), key, &[g1, g2], g2, Outcome::Completed);
+    let next = gen.poll_timeout().unwrap();
+    assert!(
+        next <= voted + cfg.retransmit,
+        "the collective is polled {:?} after the vote, the retransmit interval is {:?}",
+        next - voted,
+        cfg.retransmit
+    );
+    gen.handle_timeout(next);
+    assert_eq!(
+        terminal(&mut gen, key, Role::Receiver),
+        Some(Outcome::Completed)
+    );
+}

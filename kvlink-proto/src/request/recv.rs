@@ -233,6 +233,9 @@ impl RecvRequest {
         self.local_vote = Some(vote);
         if self.external {
             self.pending_contribution = Some(vote);
+            // From now on the collective is polled at the retransmit interval: not at the
+            // advertisement's backed-off resend, up to 32 intervals away.
+            self.next_retx = now + self.retransmit;
         } else if self.is_coordinator() {
             self.votes.insert(self.me, vote);
             self.try_decide(now, out);
