@@ -353,12 +353,15 @@ impl RecvRequest {
             out.stats.unknown_dropped += 1;
             return;
         };
-        flow.answered = true;
+        let again = std::mem::replace(&mut flow.answered, true);
         if let Some(v) = self.verdict {
             // A refusal sent again is the refusing sender's pull of the verdict (as a `Vote`
             // is a failing sender's): answer it now, as the tombstone does once the request
-            // is forgotten, rather than leave the sender to the backed-off push alone.
-            out.stats.duplicates += 1;
+            // is forgotten, rather than leave the sender to the backed-off push alone. A first
+            // answer that comes after the verdict gets it too.
+            if again {
+                out.stats.duplicates += 1;
+            }
             out.send(
                 from,
                 Message::Verdict {

@@ -1,4 +1,5 @@
-//! Faults a review of the request state machines found, each pinned by a deterministic test.
+//! Edges of the request state machines that a review found faulty, each pinned by a
+//! deterministic test.
 mod proto_sim;
 
 use kvlink_proto::error::Outcome;
