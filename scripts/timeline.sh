@@ -6,8 +6,8 @@
 # microsecond longer than the bench's row.
 #   bash scripts/timeline.sh [TRANSPORT [SIZE [REQUESTS]]]      # default: sm 4KiB 4000
 # As kvlink-bench's rows (`--pin`), each process runs on CPUs of its own where this machine
-# lets us use two or more (cores 0..N-1): the context side on the first half, the generation
-# side on the second; PIN=0 leaves placement to the scheduler.
+# lets us use two or more (cores 0..N-1): the generation side (receiving) on the first half,
+# the context side (sending) on the second; PIN=0 leaves placement to the scheduler.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 transport="${1:-sm}" size="${2:-4KiB}" requests="${3:-4000}"
@@ -24,8 +24,10 @@ allowed="$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/self/status)"
 n="$(nproc)"
 if [[ "${PIN:-1}" != 0 && $n -ge 2 && "$allowed" == "0-$((n - 1))" ]] && command -v taskset >/dev/null; then
     half=$(((n + 1) / 2))
-    pin_ctx=(taskset -c "0-$((half - 1))")
-    pin_gen=(taskset -c "$half-$((n - 1))")
+    # The receiving side (generation) on the first half, the sending side on the second, as
+    # kvlink-bench pins its pairs.
+    pin_gen=(taskset -c "0-$((half - 1))")
+    pin_ctx=(taskset -c "$half-$((n - 1))")
 fi
 
 mkfifo "$out/addr"

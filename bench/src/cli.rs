@@ -331,6 +331,15 @@ impl Transport {
         }
     }
     /// `UCX_TLS` for ucx_perftest: the transports kvlink's agent selects for this kind.
+    /// The memory of the bench's buffers on this transport: where UCX would put
+    /// `ucx_perftest`'s (see [`crate::hugebuf`]).
+    pub fn backing(self) -> crate::hugebuf::Backing {
+        match self {
+            Transport::Tcp => crate::hugebuf::Backing::Thp,
+            Transport::Sm => crate::hugebuf::Backing::Shm,
+        }
+    }
+
     pub fn ucx_tls(self) -> &'static str {
         match self {
             Transport::Tcp => "tcp",

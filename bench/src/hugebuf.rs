@@ -9,6 +9,13 @@
 //! perftest on equal memory.
 //! A kernel with THP off, or one that refuses the advice, leaves ordinary pages, as it does for
 //! perftest.
+//!
+//! On shared memory (`UCX_TLS=posix,sysv,self`) UCX's first method is the sysv memory domain
+//! instead: `ucx_perftest`'s buffers are System V segments (`/SYSV00000000` in
+//! `/proc/PID/smaps`) on 4 KiB pages, and its never-written send buffer is read-faulted into
+//! real pages (16 MiB resident at 16 MiB), not onto the zero page. The bench's buffers for a
+//! shared-memory row are the same kind of memory ([`Backing::Shm`]): a shared anonymous
+//! mapping, which is shmem as a System V segment is, on small pages.
 
 use std::ops::{Deref, DerefMut};
 
@@ -26,6 +33,17 @@ fn on_huge_pages(len: usize) -> bool {
 fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
+}
+
+/// What a buffer's memory is, as UCX would allocate `ucx_perftest`'s for the row's transport.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// A private anonymous mapping, advised onto huge pages where [`on_huge_pages`] says so
+    /// (UCX's `thp` method: tcp). Never-written pages read as the shared zero page.
+    Thp,
+    /// A shared anonymous mapping on small pages (UCX's sysv memory domain: shared memory).
+    /// Reading a never-written page allocates it, as for a System V segment.
+    Shm,
 }
 
 /// A zeroed buffer of `len` bytes in its own anonymous mapping.
@@ -57,19 +75,29 @@ impl HugeBuf {
     /// lies where UCX would put `ucx_perftest`'s buffer of that size. Without this, 1 MiB + 1
     /// goes on a huge page where UCX leaves 1 MiB on small ones.
     pub fn zeroed_as(len: usize, like: usize) -> HugeBuf {
-        let huge = on_huge_pages(like);
+        HugeBuf::zeroed_on(len, like, Backing::Thp)
+    }
+
+    /// [`HugeBuf::zeroed_as`] on the memory `backing` names: with [`Backing::Shm`] a shared
+    /// anonymous mapping on small pages, whatever the size.
+    pub fn zeroed_on(len: usize, like: usize, backing: Backing) -> HugeBuf {
+        let huge = backing == Backing::Thp && on_huge_pages(like);
+        let share = match backing {
+            Backing::Thp => libc::MAP_PRIVATE,
+            Backing::Shm => libc::MAP_SHARED,
+        };
         let unit = if huge { HUGE } else { page_size() };
         let map_len = len.max(1).div_ceil(unit) * unit;
         // Over-map by one huge page, then trim both ends so the buffer starts on a 2 MiB
         // boundary: an unaligned start would keep its first and last pieces on small pages.
         let over = if huge { map_len + HUGE } else { map_len };
-        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
         let raw = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 over,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                share | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             )
@@ -187,6 +215,23 @@ mod tests {
         assert!(
             grown < (64 << 20),
             "1024 buffers of 4 KiB made {grown} bytes resident"
+        );
+    }
+
+    #[test]
+    fn a_shared_memory_buffer_is_on_small_pages_and_reading_it_makes_it_resident() {
+        // As a System V segment of ucx_perftest's on shared memory: no huge pages, and a read
+        // of a never-written page allocates it (no zero page to read from).
+        let len = 16 << 20;
+        let before = resident_bytes();
+        let b = HugeBuf::zeroed_on(len, len, Backing::Shm);
+        assert!(!b.huge());
+        assert_eq!(b.as_ptr() as usize % page_size(), 0);
+        assert!(b.iter().step_by(4096).all(|&x| x == 0));
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(
+            grown >= len - (1 << 20),
+            "reading 16 MiB of shared memory made only {grown} bytes resident"
         );
     }
 

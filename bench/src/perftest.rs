@@ -110,7 +110,8 @@ pub fn run(
         both.extend(["-p".into(), port.to_string()]);
         let mut server = tool("ucx_perftest");
         if let Some(p) = pin {
-            crate::pin::apply(&mut server, &p.listener);
+            // The server receives (the client sends and times).
+            crate::pin::apply(&mut server, &p.receiver);
         }
         let server = server
             .args(&both)
@@ -128,7 +129,7 @@ pub fn run(
         }
         let mut client = tool("ucx_perftest");
         if let Some(p) = pin {
-            crate::pin::apply(&mut client, &p.active);
+            crate::pin::apply(&mut client, &p.sender);
         }
         let client = client
             .arg("127.0.0.1")

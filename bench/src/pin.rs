@@ -6,9 +6,10 @@
 //! scheduler moves their threads across both: a kvlink process has a progress thread beside
 //! its callers, `ucx_perftest` one thread, so the moves cost kvlink's rows more than the
 //! baseline's and say more about the scheduler than about either (README, "Tests and
-//! figures"). Pinned, the listening side of every pair (`ucx_perftest`'s server, the context
-//! side, the transport row's receiver) gets the first half of the CPUs this process may use,
-//! the other side the second half.
+//! figures"). Pinned, the receiving side of every pair (`ucx_perftest`'s server, the
+//! generation side, the transport row's receiver) gets the first half of the CPUs this process
+//! may use, the sending side the second half, so that the data moves the same way across the
+//! cores in every row.
 use crate::cli::Pin;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
@@ -16,12 +17,14 @@ use std::process::Command;
 /// The CPUs of the two sides of a pair.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Split {
-    pub listener: Vec<usize>,
-    pub active: Vec<usize>,
+    /// The receiving side's CPUs: the first half.
+    pub receiver: Vec<usize>,
+    /// The sending side's CPUs: the second half.
+    pub sender: Vec<usize>,
 }
 
 impl Split {
-    /// Halves `cpus` (in their order; the listening side gets the odd one out); None for fewer
+    /// Halves `cpus` (in their order; the receiving side gets the odd one out); None for fewer
     /// than two.
     pub fn halve(cpus: &[usize]) -> Option<Split> {
         if cpus.len() < 2 {
@@ -29,12 +32,12 @@ impl Split {
         }
         let (l, a) = cpus.split_at(cpus.len().div_ceil(2));
         Some(Split {
-            listener: l.to_vec(),
-            active: a.to_vec(),
+            receiver: l.to_vec(),
+            sender: a.to_vec(),
         })
     }
 
-    /// "0 | 1": the listening side's CPUs, then the other side's.
+    /// "0 | 1": the receiving side's CPUs, then the sending side's.
     pub fn label(&self) -> String {
         let list = |v: &[usize]| {
             v.iter()
@@ -42,7 +45,7 @@ impl Split {
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        format!("{} | {}", list(&self.listener), list(&self.active))
+        format!("{} | {}", list(&self.receiver), list(&self.sender))
     }
 }
 
@@ -114,7 +117,7 @@ mod tests {
     fn the_listening_side_gets_the_first_half_and_the_odd_one_out() {
         assert_eq!(Split::halve(&[3]), None, "one CPU cannot be split");
         let two = Split::halve(&[0, 1]).unwrap();
-        assert_eq!((two.listener, two.active), (vec![0], vec![1]));
+        assert_eq!((two.receiver, two.sender), (vec![0], vec![1]));
         let five = Split::halve(&[0, 2, 4, 6, 8]).unwrap();
         assert_eq!(five.label(), "0,2,4 | 6,8");
         assert_eq!(label(None), "off");
@@ -130,7 +133,7 @@ mod tests {
         };
         let mut cmd = Command::new("sh");
         cmd.args(["-c", "grep Cpus_allowed_list /proc/self/status"]);
-        apply(&mut cmd, &s.active);
+        apply(&mut cmd, &s.sender);
         let out = cmd.output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         let list = text.split(':').nth(1).unwrap().trim().to_string();
@@ -141,7 +144,7 @@ mod tests {
                 None => seen.push(part.parse().unwrap()),
             }
         }
-        assert_eq!(seen, s.active, "the child's allowed CPUs: {list}");
+        assert_eq!(seen, s.sender, "the child's allowed CPUs: {list}");
     }
 
     #[test]

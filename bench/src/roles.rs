@@ -14,7 +14,7 @@
 //! side) or `CTX`/`TR` (listening side). A watchdog ends the process at its time limit with
 //! what it has counted so far: no engine wait can keep it past the row's limit.
 use crate::cli::{PeerArgs, PeerRole, Source, Transport};
-use crate::hugebuf::HugeBuf;
+use crate::hugebuf::{Backing, HugeBuf};
 use crate::report::{percentile, PeerResult, Round};
 use kvlink::connection::{BufferSpec, Engine, EngineConfig};
 use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
@@ -159,9 +159,9 @@ fn linger() {
 /// What the transfers of `len` bytes are cut from ([`cut`]): `len + 1` position-dependent
 /// bytes, each different from the next (their lowest bits alternate). One buffer serves both
 /// patterns, so the sending side keeps one source per size hot, as `ucx_perftest` does.
-pub fn pattern_base(len: usize) -> HugeBuf {
+pub fn pattern_base(len: usize, backing: Backing) -> HugeBuf {
     // On the pages of a buffer of `len`, as `ucx_perftest`'s source of that size.
-    let mut base = HugeBuf::zeroed_as(len + 1, len);
+    let mut base = HugeBuf::zeroed_on(len + 1, len, backing);
     for (i, b) in base.iter_mut().enumerate() {
         *b = ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u8 & 0xfe | (i & 1) as u8;
     }
@@ -230,8 +230,11 @@ fn gen(a: &PeerArgs) -> i32 {
         return finish(2);
     };
     // Declared before the engine, so dropped after it: by then nothing is posted into them.
-    let mut bufs: Vec<HugeBuf> = (0..n).map(|_| HugeBuf::zeroed(size)).collect();
-    let base = pattern_base(size);
+    let mem = a.transport.backing();
+    let mut bufs: Vec<HugeBuf> = (0..n)
+        .map(|_| HugeBuf::zeroed_on(size, size, mem))
+        .collect();
+    let base = pattern_base(size, mem);
     let patterns = [cut(&base, 0), cut(&base, 1)];
     let mut cfg = EngineConfig::new("bench-gen", GEN_RANK, a.transport.kind());
     cfg.timeout = limit;
@@ -571,6 +574,7 @@ fn ctx(a: &PeerArgs) -> i32 {
     let planned = a.planned();
     let taken = Arc::new(AtomicU64::new(0));
     let patterns: Arc<PatternCache> = Arc::default();
+    let mem = a.transport.backing();
     let (tx, rx) = mpsc::channel::<(RequestKey, RankId)>();
     let senders: Vec<_> = (0..a.senders.max(1))
         .map(|_| {
@@ -600,7 +604,7 @@ fn ctx(a: &PeerArgs) -> i32 {
                         let base = {
                             let mut p = patterns.lock().unwrap_or_else(|p| p.into_inner());
                             p.entry(d.len)
-                                .or_insert_with(|| Arc::new(pattern_base(d.len as usize)))
+                                .or_insert_with(|| Arc::new(pattern_base(d.len as usize, mem)))
                                 .clone()
                         };
                         let data = cut(&base, ix);
@@ -679,7 +683,7 @@ fn tr_recv(a: &PeerArgs) -> i32 {
     // warm-up is only a few transfers, fewer than the buffers may be).
     let mut bufs: Vec<HugeBuf> = (0..a.tr_buffers.max(1))
         .map(|_| {
-            let mut b = HugeBuf::zeroed(size);
+            let mut b = HugeBuf::zeroed_on(size, size, a.transport.backing());
             b.fill(0);
             b
         })
@@ -773,8 +777,8 @@ fn tr_send(a: &PeerArgs) -> i32 {
     // Never written when untouched: the kernel's copies read the huge zero page, as they do
     // for ucx_perftest's sender (`--tr-source`).
     let base = match a.tr_source {
-        Source::Untouched => HugeBuf::zeroed_as(size + 1, size),
-        Source::Pattern => pattern_base(size),
+        Source::Untouched => HugeBuf::zeroed_on(size + 1, size, a.transport.backing()),
+        Source::Pattern => pattern_base(size, a.transport.backing()),
     };
     let data = cut(&base, 0);
     let agent = match agent("bench-tr-send", a.transport, false) {
@@ -896,7 +900,7 @@ mod tests {
 
     #[test]
     fn a_sampled_check_catches_stale_data_a_missing_page_and_a_short_tail() {
-        let base = pattern_base(1 << 20);
+        let base = pattern_base(1 << 20, Backing::Thp);
         let want = cut(&base, 0).to_vec();
         assert!(holds(&want.clone(), &want, false));
         // The previous request's data (the other pattern), left where nothing landed.
@@ -921,13 +925,13 @@ mod tests {
     #[test]
     fn the_two_patterns_differ_everywhere_and_are_cut_from_one_base() {
         for len in [1, 2, 7, 4096, 1 << 20] {
-            let base = pattern_base(len);
+            let base = pattern_base(len, Backing::Thp);
             let (a, b) = (cut(&base, 0), cut(&base, 1));
             assert_eq!((a.len(), b.len()), (len, len));
             assert!(a.iter().zip(b).all(|(x, y)| x != y), "len {len}");
             assert_eq!(a.as_ptr_range().end, b.as_ptr_range().end.wrapping_sub(1));
         }
-        let base = pattern_base(4096);
+        let base = pattern_base(4096, Backing::Thp);
         assert_ne!(base[..256], base[256..512], "position-dependent");
     }
 
@@ -935,9 +939,9 @@ mod tests {
     fn a_source_lies_on_the_pages_of_its_transfer_size_not_one_byte_more() {
         // UCX leaves ucx_perftest's 1 MiB buffers on small pages (a huge page would double
         // them); the pattern base is one byte longer and must not tip over onto a huge page.
-        assert!(!pattern_base(1 << 20).huge());
+        assert!(!pattern_base(1 << 20, Backing::Thp).huge());
         assert!(!HugeBuf::zeroed_as((1 << 20) + 1, 1 << 20).huge());
-        assert!(pattern_base(16 << 20).huge());
-        assert!(!pattern_base(4096).huge());
+        assert!(pattern_base(16 << 20, Backing::Thp).huge());
+        assert!(!pattern_base(4096, Backing::Thp).huge());
     }
 }

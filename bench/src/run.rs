@@ -132,7 +132,7 @@ impl Runner {
              one-way p50; x -O N = GB/s / tag_bw -O N, N the row's in-flight count.",
             match &self.pin {
                 Some(p) => format!(
-                    "each on CPUs of its own, listening side | other: {}",
+                    "each on CPUs of its own, receiving side | sending side: {}",
                     p.label()
                 ),
                 None => "not pinned".into(),
@@ -337,12 +337,17 @@ impl Runner {
             },
             ..PairOut::default()
         };
+        // The receiving side of the pair on the first half of the CPUs, the sending side on the
+        // second (`pin`): the context side listens but sends.
+        let (listener_cpus, active_cpus) = match self.pin.as_ref() {
+            Some(p) if listener_role == PeerRole::Ctx => {
+                (Some(&p.sender[..]), Some(&p.receiver[..]))
+            }
+            Some(p) => (Some(&p.receiver[..]), Some(&p.sender[..])),
+            None => (None, None),
+        };
         let listener_started = Instant::now();
-        let mut listener = match Proc::spawn(
-            &self.exe,
-            &common(listener_role),
-            self.pin.as_ref().map(|p| &p.listener[..]),
-        ) {
+        let mut listener = match Proc::spawn(&self.exe, &common(listener_role), listener_cpus) {
             Ok(p) => p,
             Err(e) => {
                 out.notes.push(format!("cannot start a peer: {e}"));
@@ -372,14 +377,13 @@ impl Runner {
         if let (PeerRole::Gen, Some(m)) = (active_role, &self.args.metrics_listen) {
             args.extend(["--metrics-listen".into(), m.clone()]);
         }
-        let mut active =
-            match Proc::spawn(&self.exe, &args, self.pin.as_ref().map(|p| &p.active[..])) {
-                Ok(p) => p,
-                Err(e) => {
-                    out.notes.push(format!("cannot start a peer: {e}"));
-                    return out;
-                }
-            };
+        let mut active = match Proc::spawn(&self.exe, &args, active_cpus) {
+            Ok(p) => p,
+            Err(e) => {
+                out.notes.push(format!("cannot start a peer: {e}"));
+                return out;
+            }
+        };
         let kill_at = Instant::now() + limit + KILL_AFTER;
         let base_msg = self.pb.message();
         loop {
