@@ -426,32 +426,39 @@ class Manager final : public kv::ConnectionManager {
  private:
   void dispatch() {
     while (!stop_.load(std::memory_order_acquire)) {
-      std::optional<Advertisement> adv;
       try {
-        adv = engine_.next_advertisement(after(200ms), stop_);
-      } catch (std::exception const&) {
-        adv.reset();
+        dispatchOne();
+      } catch (...) {
+        // An advertisement that could not be taken or queued (an engine that refuses the call,
+        // memory exhausted): not the end of the dispatcher, which no exception may leave (it
+        // would end the process), and no spin on an error that repeats either.
+        std::this_thread::sleep_for(10ms);
       }
-      if (!adv) continue;
-      auto h = decode(adv->request_info);
-      if (!h) {
-        refuse(*adv);
-        continue;
+    }
+  }
+
+  /// Takes the next advertisement (waiting up to 200 ms) and hands it to its connection.
+  void dispatchOne() {
+    std::optional<Advertisement> adv = engine_.next_advertisement(after(200ms), stop_);
+    if (!adv) return;
+    auto h = decode(adv->request_info);
+    if (!h) {
+      refuse(*adv);
+      return;
+    }
+    if (h->kind == Kind::Envelope) {
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        envelopes_.emplace_back(std::move(*adv), std::move(*h));
       }
-      if (h->kind == Kind::Envelope) {
-        {
-          std::lock_guard<std::mutex> g(mu_);
-          envelopes_.emplace_back(std::move(*adv), std::move(*h));
-        }
-        envelopeCv_.notify_all();
-      } else {
-        KvlinkConnection* c = nullptr;
-        {
-          std::unique_lock<std::mutex> g(mu_);
-          c = connectionFor(adv->from_rank, g);
-        }
-        c->queueData(std::move(*adv), std::move(*h));
+      envelopeCv_.notify_all();
+    } else {
+      KvlinkConnection* c = nullptr;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        c = connectionFor(adv->from_rank, g);
       }
+      c->queueData(std::move(*adv), std::move(*h));
     }
   }
 
