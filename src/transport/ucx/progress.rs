@@ -173,8 +173,14 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
     if opts.transport.may_use_network() && std::env::var_os("UCX_TCP_SNDBUF").is_none() {
         // UCX 1.13 hands a cached key to a transport's config by the name within its table:
         // `TCP_SNDBUF` is refused there ("invalid configuration"), `SNDBUF` is taken (the tcp
-        // interfaces' and the tcp connection manager's).
-        settings.push(("SNDBUF", super::TCP_SNDBUF.into(), false));
+        // interfaces' and the tcp connection manager's). 1.22 takes the full name and refuses
+        // the short one (what lies between is untested). The test reads the sockets' buffers.
+        let key = if resources::ucx_minor() >= 22 {
+            "TCP_SNDBUF"
+        } else {
+            "SNDBUF"
+        };
+        settings.push((key, super::TCP_SNDBUF.into(), false));
     }
     // UCX's newer protocol selection: on by default from some release up to 1.22, off and
     // experimental in 1.13, where turning it on (`UCX_PROTO_ENABLE=y`) ends the process on the
