@@ -394,14 +394,14 @@ class Manager final : public kv::ConnectionManager {
   void holdLogSink(LogHook const& h) {
     std::lock_guard<std::mutex> g(logMutex());
     logHooks().emplace_back(this, h);
-    holdsLog_ = true;
   }
+  /// This manager's hook, if it holds one, goes; the sink follows the hooks left.
   void releaseLogSink() {
-    if (!holdsLog_) return;
     std::lock_guard<std::mutex> g(logMutex());
-    holdsLog_ = false;
     auto& v = logHooks();
-    v.erase(std::remove_if(v.begin(), v.end(), [this](auto const& e) { return e.first == this; }), v.end());
+    auto const mine = std::remove_if(v.begin(), v.end(), [this](auto const& e) { return e.first == this; });
+    if (mine == v.end()) return;
+    v.erase(mine, v.end());
     reinstallLogHookLocked();
   }
   static std::mutex& logMutex() {
@@ -493,7 +493,6 @@ class Manager final : public kv::ConnectionManager {
   Engine engine_;
   kv::CommState commState_;
   CudaPointers cuda_;
-  bool holdsLog_ = false;
   std::atomic<bool> running_{true};
   std::atomic<bool> stop_{false};
   std::atomic<std::uint32_t> generation_{1};

@@ -272,24 +272,12 @@ impl RecvRequest {
         if self.is_coordinator() {
             // Push rather than wait for each receiver's next vote; votes still pull it again.
             for r in self.receivers.iter().filter(|r| **r != self.me) {
-                out.send(
-                    *r,
-                    Message::Verdict {
-                        key: self.key,
-                        outcome: verdict,
-                    },
-                );
+                out.send(*r, verdict_to_send(self.key, verdict));
             }
         }
         for (sender, flow) in self.flows.iter_mut() {
             if !flow.lost {
-                out.send(
-                    *sender,
-                    Message::Verdict {
-                        key: self.key,
-                        outcome: verdict,
-                    },
-                );
+                out.send(*sender, verdict_to_send(self.key, verdict));
             }
             for seg in flow.segs.values_mut() {
                 if seg.state == SegState::Posted {
@@ -362,13 +350,7 @@ impl RecvRequest {
             if again {
                 out.stats.duplicates += 1;
             }
-            out.send(
-                from,
-                Message::Verdict {
-                    key: self.key,
-                    outcome: v,
-                },
-            );
+            out.send(from, verdict_to_send(self.key, v));
             return;
         }
         if ready {
@@ -388,23 +370,14 @@ impl RecvRequest {
                 // It has not heard the verdict yet: answer now rather than at the next tick.
                 out.send(
                     from,
-                    Message::Verdict {
-                        key: self.key,
-                        outcome: self.verdict.unwrap_or(vote),
-                    },
+                    verdict_to_send(self.key, self.verdict.unwrap_or(vote)),
                 );
             } else if !vote.is_completed() {
                 self.set_local_vote(now, vote, out);
             }
         } else if self.is_coordinator() && self.receivers.contains(&from) {
             if let Some(v) = self.verdict {
-                out.send(
-                    from,
-                    Message::Verdict {
-                        key: self.key,
-                        outcome: v,
-                    },
-                );
+                out.send(from, verdict_to_send(self.key, v));
                 return;
             }
             if self.votes.insert(from, vote).is_some() {
@@ -596,13 +569,7 @@ impl RecvRequest {
                 every = super::backed_off(every, self.verdict_resends);
                 for (sender, flow) in &self.flows {
                     if !flow.quiesced && !flow.lost {
-                        out.send(
-                            *sender,
-                            Message::Verdict {
-                                key: self.key,
-                                outcome: v,
-                            },
-                        );
+                        out.send(*sender, verdict_to_send(self.key, v));
                     }
                 }
             }
@@ -654,4 +621,9 @@ impl Machine for RecvRequest {
     fn lingers(&self) -> bool {
         self.terminal.is_some()
     }
+}
+
+/// The `Verdict` of `key`: `outcome`, as this rank sends it to a sender or another receiver.
+fn verdict_to_send(key: RequestKey, outcome: Outcome) -> Message {
+    Message::Verdict { key, outcome }
 }

@@ -75,6 +75,11 @@ mod sys;
 mod tag;
 
 pub use agent::{Agent, MemHandle, RemoteKey};
+pub use held::Held;
+pub use op::Op;
+pub use resources::{memory_type_names, DevicePath};
+pub(crate) use shared::{CancelPace, CANCEL_POLL};
+pub use shared::{Driving, EventSink};
 
 /// The send buffer an agent gives the tcp sockets UCX opens for it (`UCX_TCP_SNDBUF`), unless
 /// `UCX_TCP_SNDBUF` is set in the environment: a fixed 256 KiB instead of the kernel's
@@ -82,11 +87,6 @@ pub use agent::{Agent, MemHandle, RemoteKey};
 /// 16 and 64 MiB transfers, for `ucx_perftest` as for kvlink (README, "Loopback tcp and the
 /// send buffer"); under CUBIC the two are the same.
 pub const TCP_SNDBUF: &str = "256K";
-pub use held::Held;
-pub use op::Op;
-pub use resources::{memory_type_names, DevicePath};
-pub(crate) use shared::{CancelPace, CANCEL_POLL};
-pub use shared::{Driving, EventSink};
 
 use crate::error::{Error, ErrorKind, Result};
 use std::net::SocketAddr;

@@ -130,15 +130,9 @@ pub(super) struct Pass {
 /// after UCX read the environment, so one not skipped would override it.
 fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>> {
     let mut settings = Vec::new();
-    match std::env::var("UCX_KEEPALIVE_INTERVAL") {
-        Ok(env) => tracing::info!(
-            "{}: UCX_KEEPALIVE_INTERVAL={env} from the environment",
-            opts.name
-        ),
-        Err(_) => {
-            let keepalive = format!("{}ms", opts.keepalive.as_millis().max(1));
-            settings.push(("KEEPALIVE_INTERVAL", keepalive, false));
-        }
+    if !env_wins(opts, "UCX_KEEPALIVE_INTERVAL") {
+        let keepalive = format!("{}ms", opts.keepalive.as_millis().max(1));
+        settings.push(("KEEPALIVE_INTERVAL", keepalive, false));
     }
     // Without MM_ERROR_HANDLING UCX refuses shared-memory lanes (posix, sysv) under peer error
     // handling. UCX 1.13 with both tcp and shared-memory lanes fails every active message over
@@ -170,7 +164,7 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
     // the rate BBR then paces at (README, "Loopback tcp and the send buffer"); with 256 KiB
     // the put goes out as the socket drains, as `ucx_perftest`'s fragments do. Measured faster
     // at 1, 16 and 64 MiB. `UCX_TCP_SNDBUF` in the environment wins.
-    if opts.transport.may_use_network() && std::env::var_os("UCX_TCP_SNDBUF").is_none() {
+    if opts.transport.may_use_network() && !env_wins(opts, "UCX_TCP_SNDBUF") {
         // UCX 1.13 hands a cached key to a transport's config by the name within its table:
         // `TCP_SNDBUF` is refused there ("invalid configuration"), `SNDBUF` is taken (the tcp
         // interfaces' and the tcp connection manager's). 1.22 takes the full name and refuses
@@ -222,18 +216,30 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
             resources::check_devices(d, have)?;
         }
     }
-    match (tls, std::env::var("UCX_TLS")) {
-        (_, Ok(env)) => tracing::info!("{}: UCX_TLS={env} from the environment", opts.name),
-        (Some(tls), Err(_)) => settings.push(("TLS", tls.to_string(), true)),
-        (None, Err(_)) => {}
+    if !env_wins(opts, "UCX_TLS") {
+        if let Some(tls) = tls {
+            settings.push(("TLS", tls.to_string(), true));
+        }
     }
     if let Some(d) = &opts.net_devices {
-        match std::env::var("UCX_NET_DEVICES") {
-            Ok(env) => tracing::info!("{}: UCX_NET_DEVICES={env} from the environment", opts.name),
-            Err(_) => settings.push(("NET_DEVICES", d.clone(), true)),
+        if !env_wins(opts, "UCX_NET_DEVICES") {
+            settings.push(("NET_DEVICES", d.clone(), true));
         }
     }
     Ok(settings)
+}
+
+/// Whether `var` is set in the environment, which then wins over the agent's own value for it
+/// (said at info level): the settings above are applied after UCX read the environment, so one
+/// pushed anyway would override it.
+fn env_wins(opts: &AgentOptions, var: &str) -> bool {
+    match std::env::var(var) {
+        Ok(env) => {
+            tracing::info!("{}: {var}={env} from the environment", opts.name);
+            true
+        }
+        Err(_) => false,
+    }
 }
 
 /// Whether peers' endpoints may use shared-memory lanes (see `ucx_settings`): by the
