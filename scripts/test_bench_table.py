@@ -68,6 +68,32 @@ class LeftOut(unittest.TestCase):
         self.assertTrue(bench_table.usable(r))
         self.assertFalse(bench_table.usable(row("sm", "kvlink_request", M, 1, "error")))
 
+    def test_paced_rows_are_counted_and_the_unpaced_runs_get_a_figure_of_their_own(self):
+        # Four runs at 16 MiB: in two the kvlink row was paced (slow), in one the baseline was.
+        S = 16 * M
+        spec = [(0.95, 3, 2), (0.62, 3000, 4), (0.64, 4000, 1500), (0.97, 0, 0)]
+        runs = [
+            run(
+                row("tcp", "ucx_tag_bw", S, 1, gbps=8.0, pacing_kicks=b),
+                row("tcp", "kvlink_transport", S, 1, x_tag_bw=x, pacing_kicks=k),
+            )
+            for x, k, b in spec
+        ]
+        out = self.table(runs)
+        self.assertIn("- 16 MiB: tag_bw 1/4, transport 2/4", out)
+        # All four: median 0.79 (of 0.795), not met; the two runs where neither was paced: 0.96.
+        self.assertIn(
+            "- tcp transport 16 MiB x tag_bw >= 0.95: 0.79 (0.62-0.97) not met; "
+            "neither side paced: 0.96 over 2 of the 4 runs",
+            out,
+        )
+
+    def test_runs_that_did_not_count_pacing_get_no_pacing_lines(self):
+        runs = [run(row("tcp", "ucx_tag_bw", M, 1, gbps=6.0),
+                    row("tcp", "kvlink_transport", M, 1, x_tag_bw=0.9))]
+        out = self.table(runs)
+        self.assertNotIn("paced", out)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -8,7 +8,9 @@ Each dump holds `nanoseconds stage` lines (CLOCK_MONOTONIC, one clock for both p
 request is the span from one `AdvertiseCalled` of the generation side to the next. Within it the
 script follows the path below, taking each stage's first mark after the previous stage's; a span
 where a stage is missing (a warm-up or the end) is left out. Per stage it prints the median
-and the quartiles of the time since the previous stage, and the median of the whole path; the
+and the quartiles of the time since the previous stage, its 90th percentile and its mean (the
+bench's GB/s is a mean: a stage whose mean stands far above its median holds the row's tail), and
+the same of the whole path; the
 stages off the path (the receive's post, the send's completion, the calls' returns) are given
 as medians from the span's start.
 """
@@ -44,9 +46,11 @@ def load(path, side):
             yield int(t), side, stage
 
 
-def quartiles(v):
+def spread(v):
+    """p25, p50, p75, p90 and the mean of `v`."""
     v = sorted(v)
-    return v[len(v) // 4], statistics.median(v), v[(3 * len(v)) // 4]
+    at = lambda q: v[min(len(v) - 1, int(q * len(v)))]
+    return at(0.25), statistics.median(v), at(0.75), at(0.9), statistics.fmean(v)
 
 
 def main():
@@ -79,12 +83,13 @@ def main():
     if not totals:
         sys.exit("no complete request in the dumps (one request in flight, both sides marked?)")
     print(f"{len(totals)} requests of {len(starts) - 1} complete; us from the previous stage")
-    print(f"  {'side':4} {'stage':19} {'p25':>6} {'p50':>6} {'p75':>6}")
+    cols = ("p25", "p50", "p75", "p90", "mean")
+    print(f"  {'side':4} {'stage':19} " + " ".join(f"{c:>6}" for c in cols))
     for (side, stage, what), v in zip(PATH[1:], steps):
-        lo, mid, hi = (x / 1000 for x in quartiles(v))
-        print(f"  {side:4} {stage:19} {lo:6.2f} {mid:6.2f} {hi:6.2f}  {what}")
-    lo, mid, hi = (x / 1000 for x in quartiles(totals))
-    print(f"  path, advertise called to wait returned: p25 {lo:.2f} p50 {mid:.2f} p75 {hi:.2f} us")
+        row = " ".join(f"{x / 1000:6.2f}" for x in spread(v))
+        print(f"  {side:4} {stage:19} {row}  {what}")
+    row = ", ".join(f"{c} {x / 1000:.2f}" for c, x in zip(cols, spread(totals)))
+    print(f"  path, advertise called to wait returned: {row} us")
     print("  off the path, p50 us from advertise called:")
     for (side, stage), v in aside.items():
         if v:

@@ -330,7 +330,6 @@ impl Transport {
             Transport::Sm => kvlink::transport::TransportKind::SharedMemory,
         }
     }
-    /// `UCX_TLS` for ucx_perftest: the transports kvlink's agent selects for this kind.
     /// The memory of the bench's buffers on this transport: where UCX would put
     /// `ucx_perftest`'s (see [`crate::hugebuf`]).
     pub fn backing(self) -> crate::hugebuf::Backing {
@@ -340,6 +339,7 @@ impl Transport {
         }
     }
 
+    /// `UCX_TLS` for ucx_perftest: the transports kvlink's agent selects for this kind.
     pub fn ucx_tls(self) -> &'static str {
         match self {
             Transport::Tcp => "tcp",

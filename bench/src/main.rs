@@ -12,6 +12,7 @@ mod cli;
 mod copy_rate;
 mod core_cost;
 mod hugebuf;
+mod pacing;
 mod perftest;
 mod pin;
 mod plot;

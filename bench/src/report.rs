@@ -1,5 +1,6 @@
 //! What a run measured: the result rows, the line each peer process reports, and the ways
 //! they are written out (table, JSON, CSV).
+use crate::pacing::PACED;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -133,6 +134,9 @@ pub struct Row {
     pub health: Vec<String>,
     /// Wall time of the whole row, processes included.
     pub secs: f64,
+    /// `HRTIMER` softirqs on the whole machine over the row: on a tcp row under BBR, the kicks
+    /// of the kernel's pacing timer ([`crate::pacing`]). None where they cannot be counted.
+    pub pacing_kicks: Option<u64>,
 }
 
 impl Row {
@@ -159,6 +163,7 @@ impl Row {
             rounds: Vec::new(),
             health: Vec::new(),
             secs: 0.0,
+            pacing_kicks: None,
         }
     }
 
@@ -281,6 +286,12 @@ pub fn table_line(r: &Row) -> String {
     if !r.note.is_empty() {
         status.push_str(": ");
         status.push_str(&r.note);
+    }
+    if let Some(k) = r
+        .pacing_kicks
+        .filter(|&k| r.transport == "tcp" && k >= PACED)
+    {
+        status.push_str(&format!(" [paced: {k} pacing-timer kicks]"));
     }
     line(&[
         r.transport.clone(),

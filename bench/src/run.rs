@@ -164,8 +164,12 @@ impl Runner {
             let first = self.rows.len();
             for &step in &plan {
                 let t0 = Instant::now();
+                let kicks = crate::pacing::hrtimer_softirqs();
                 let mut row = self.step(t, step);
                 row.secs = t0.elapsed().as_secs_f64();
+                row.pacing_kicks = kicks
+                    .zip(crate::pacing::hrtimer_softirqs())
+                    .map(|(a, b)| b.saturating_sub(a));
                 self.rows.push(row);
                 fill_ratios(&mut self.rows[first..]);
                 let line = report::table_line(&self.rows[self.rows.len() - 1]);
