@@ -26,8 +26,11 @@ PATH = [
     ("ctx", "AcceptReturned", "accept returns"),
     ("ctx", "SendPosted", "data send handed to UCX"),
     ("gen", "DataLanded", "data lands (UCX callback)"),
+    ("gen", "SinkEntered", "the pass calls the engine's sink"),
     ("gen", "LandingHandled", "core has handled the landing"),
+    ("gen", "TimersHandled", "... the other events and due timers"),
     ("gen", "SinkFlushed", "sink has flushed (verdict queued, lease back)"),
+    ("gen", "ControlSent", "the verdict handed to UCX (tcp: sendmsg)"),
     ("gen", "WaitReturned", "wait returns Completed"),
 ]
 ASIDE = [

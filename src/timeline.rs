@@ -46,11 +46,18 @@ pub enum Stage {
     /// The engine sink has flushed the core's output (control messages queued for UCX, actions
     /// applied, events recorded) and lets go of the core.
     SinkFlushed,
+    /// The engine sink is called with a progress pass's events.
+    SinkEntered,
+    /// The engine sink has handled its events and the core's due timers.
+    TimersHandled,
+    /// A pass that ran the sink has handed the control messages it queued to UCX (on tcp, their
+    /// `sendmsg`).
+    ControlSent,
 }
 
 impl Stage {
     /// Every stage, in the order of their numbers (1, 2, ...).
-    pub const ALL: [Stage; 16] = [
+    pub const ALL: [Stage; 19] = [
         Stage::AdvertiseCalled,
         Stage::AdvertiseSent,
         Stage::RecvPosted,
@@ -67,6 +74,9 @@ impl Stage {
         Stage::DataLanded,
         Stage::LandingHandled,
         Stage::SinkFlushed,
+        Stage::SinkEntered,
+        Stage::TimersHandled,
+        Stage::ControlSent,
     ];
 }
 

@@ -819,6 +819,7 @@ pub(crate) struct Sink(pub std::sync::Weak<Inner>);
 
 impl EventSink for Sink {
     fn deliver(&self, events: &mut VecDeque<Event>, now: Instant) -> Option<Instant> {
+        timeline::mark(Stage::SinkEntered);
         let inner = self.0.upgrade()?;
         if inner.stopping.load(Ordering::Acquire) {
             return None;
@@ -833,6 +834,7 @@ impl EventSink for Sink {
         if core.ep.poll_timeout().is_some_and(|t| t <= now) {
             core.ep.handle_timeout(now);
         }
+        timeline::mark(Stage::TimersHandled);
         for (rank, address) in core.peers.due(now) {
             if !inner.redial(rank, address) {
                 core.peers.round_dial_void(rank);

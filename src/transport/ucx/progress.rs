@@ -14,6 +14,7 @@ use super::{
     AM_DRAIN_ID, AM_PROBE_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
+use crate::timeline::{self, Stage};
 use foldhash::{HashMap, HashMapExt};
 use std::collections::VecDeque;
 use std::ffi::CString;
@@ -783,6 +784,7 @@ impl Progress {
             // What the sink queued (control messages, cancels) leaves now: a caller whose wait
             // the sink just ended returns without another pass, and nobody else may be awake.
             self.drain_after_sink();
+            timeline::mark(Stage::ControlSent);
         }
         Pass {
             progressed,
