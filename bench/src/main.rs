@@ -72,6 +72,7 @@ fn main() -> ExitCode {
         "quick": args.quick,
         "pin": pin::label(pin.as_ref()),
         "tcp_sndbuf": perftest::tcp_sndbuf(),
+        "tcp_congestion_control": pacing::congestion_control(),
     });
     let mut runner = match run::Runner::new(args.clone(), pin) {
         Ok(r) => r,

@@ -25,6 +25,12 @@ fn parse(softirqs: &str) -> Option<u64> {
     counts.map(|c| c.parse::<u64>().ok()).sum()
 }
 
+/// The host's tcp congestion control (`net.ipv4.tcp_congestion_control`), if readable.
+pub fn congestion_control() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").ok()?;
+    Some(s.trim().to_string()).filter(|s| !s.is_empty())
+}
+
 /// From this many kicks in a row on, the table says the row was paced. Unpaced rows count 0 to
 /// a dozen; a 16 MiB row that ran a third slower, thousands (800-1300 left it as fast).
 pub const PACED: u64 = 1000;

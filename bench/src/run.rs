@@ -144,8 +144,11 @@ impl Runner {
             a.tr_source.name()
         ));
         self.print(&format!(
-            "tcp: UCX_TCP_SNDBUF={} for kvlink and ucx_perftest alike",
-            crate::perftest::tcp_sndbuf()
+            "tcp: UCX_TCP_SNDBUF={} for kvlink and ucx_perftest alike; congestion control {} \
+             (a row with {} or more of the kernel's pacing-timer kicks is marked paced)",
+            crate::perftest::tcp_sndbuf(),
+            crate::pacing::congestion_control().unwrap_or_else(|| "unknown".into()),
+            crate::pacing::PACED
         ));
         if a.tr_buffers > 1 {
             self.print(&format!(
