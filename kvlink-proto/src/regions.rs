@@ -213,7 +213,10 @@ impl Regions {
     }
 
     /// Records transfer `op` (a receive if `writes`) with `peer` over `[addr, addr + len)` of
-    /// region `id` (as [`Regions::check`] or [`Regions::find`] found it).
+    /// region `id` (as [`Regions::check`] or [`Regions::find`] found it). Refused, changing
+    /// nothing: an `op` already tracked (`InvalidArgument`: it is released by [`Regions::done`]
+    /// first), a range not wholly inside the region (`OutOfBounds`), a region being
+    /// deregistered (`InvalidArgument`).
     pub fn track(
         &mut self,
         op: u64,
@@ -223,8 +226,33 @@ impl Regions {
         addr: u64,
         len: u64,
     ) -> Result<()> {
+        if self.by_op.contains_key(&op) {
+            return Err(Error::invalid(format!(
+                "transfer {op} is already tracked in a region"
+            )));
+        }
         let start = self.start(id)?;
-        self.region_mut(id)?.uses.insert(
+        let r = self.by_start.get_mut(&start).expect("indexed");
+        let inside = addr >= start
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| len != 0 && end <= start + r.len);
+        if !inside {
+            return Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!(
+                    "transfer at {addr:#x}, {len} bytes is not inside region {} ({start:#x}, {} bytes)",
+                    id.0, r.len
+                ),
+            ));
+        }
+        if r.closing > 0 {
+            return Err(Error::invalid(format!(
+                "region {} is being deregistered",
+                id.0
+            )));
+        }
+        r.uses.insert(
             op,
             Use {
                 addr,
@@ -515,6 +543,69 @@ mod tests {
         // A new registration of the same memory gets a new id.
         let again = t.register(A, 100).unwrap();
         assert_ne!(again, r);
+    }
+
+    /// `track` is the table's only way in for a transfer: what it takes must keep the table
+    /// whole. A second `track` of an op still held (it replaced the first, fenced, one and left
+    /// the region's fenced count behind: `begin_remove` then underflowed), a range outside the
+    /// region (`fenced_ranges` underflowed on it), an empty one, or one in a region being
+    /// deregistered are refused, typed, and change nothing.
+    #[test]
+    fn track_refuses_what_would_corrupt_the_table() {
+        let mut t = Regions::new();
+        let r = t.register(A, 100).unwrap();
+        let other = t.register(A + 1000, 100).unwrap();
+        t.track(1, 7, true, r, A, 10).unwrap();
+        t.fence(1);
+        for (id, addr) in [(r, A + 20), (other, A + 1000)] {
+            assert_eq!(
+                t.track(1, 7, true, id, addr, 10).unwrap_err().kind,
+                ErrorKind::InvalidArgument,
+                "op 1 is still held"
+            );
+        }
+        for (addr, len) in [
+            (A - 1, 10),
+            (A + 95, 10),
+            (A + 100, 1),
+            (A, 0),
+            (u64::MAX, 2),
+            (A + 1000, 10),
+        ] {
+            assert_eq!(
+                t.track(2, 7, true, r, addr, len).unwrap_err().kind,
+                ErrorKind::OutOfBounds,
+                "{addr:#x}+{len}"
+            );
+        }
+        assert_eq!(t.fenced_ranges(r).unwrap(), vec![(0, 10)]);
+        let i = t.info(r).unwrap();
+        assert_eq!(
+            (i.transfers, i.fenced_transfers, i.fenced_bytes),
+            (1, 1, 10)
+        );
+        assert_eq!(t.info(other).unwrap().transfers, 0);
+        assert_eq!(t.done(1), Some(r));
+        assert_eq!(t.done(1), None);
+        assert_eq!(
+            t.info(r).unwrap(),
+            RegionInfo {
+                addr: A,
+                len: 100,
+                ..RegionInfo::default()
+            }
+        );
+        assert_eq!(t.begin_remove(r).unwrap(), Vec::<u64>::new());
+        assert_eq!(
+            t.track(3, 7, false, r, A, 10).unwrap_err().kind,
+            ErrorKind::InvalidArgument,
+            "being deregistered"
+        );
+        t.finish_remove(r).unwrap();
+        // The other region was never touched: it goes at once.
+        t.begin_remove(other).unwrap();
+        t.finish_remove(other).unwrap();
+        assert!(t.is_empty());
     }
 
     #[test]
