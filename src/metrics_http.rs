@@ -2,33 +2,53 @@
 //! (`kvlink-demo --metrics-listen`, `kvlink-bench run --metrics-listen`). The library opens no
 //! port by itself: only a caller of [`serve`] does.
 use crate::engine::Engine;
+use crate::error::Result;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Weak;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Answers each HTTP request at `listener` with the engine's metrics text, one short connection
 /// at a time on a thread of its own, for as long as the engine lives.
 pub fn serve(engine: Weak<Engine>, listener: TcpListener) {
     std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Some(engine) = engine.upgrade() else {
-                return;
-            };
-            if let Ok(s) = stream {
-                let _ = answer(&engine, s);
-            }
-        }
+        run(
+            listener.incoming(),
+            || engine.upgrade(),
+            |e: &std::sync::Arc<Engine>| e.metrics_text(),
+        )
     });
 }
 
-/// One HTTP/1.1 exchange, bounded: a request head of at most 8 KiB, 2 s to read and to write.
-fn answer(engine: &Engine, mut s: TcpStream) -> std::io::Result<()> {
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    s.set_write_timeout(Some(Duration::from_secs(2)))?;
+/// The accept loop of [`serve`]: `engine` is `None` once the engine is gone (then it ends),
+/// `text` the metrics text of a live one.
+fn run<E>(
+    incoming: impl IntoIterator<Item = std::io::Result<TcpStream>>,
+    engine: impl Fn() -> Option<E>,
+    text: impl Fn(&E) -> Result<String>,
+) {
+    for stream in incoming {
+        let Some(engine) = engine() else {
+            return;
+        };
+        if let Ok(s) = stream {
+            let _ = answer(s, || text(&engine));
+        }
+    }
+}
+
+/// How long one exchange may take, reading the request and writing the answer each.
+const LIMIT: Duration = Duration::from_secs(2);
+
+/// One HTTP/1.1 exchange, bounded: a request head of at most 8 KiB, 2 s in all to read it and
+/// 2 s in all to write the answer (a socket timeout bounds one call only: a client that sends
+/// or reads a byte at a time would otherwise hold the server for as long as it likes).
+fn answer(mut s: TcpStream, text: impl FnOnce() -> Result<String>) -> std::io::Result<()> {
+    let by = Instant::now() + LIMIT;
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
+        s.set_read_timeout(Some(left(by)?))?;
         let n = s.read(&mut buf)?;
         if n == 0 {
             break;
@@ -42,15 +62,111 @@ fn answer(engine: &Engine, mut s: TcpStream) -> std::io::Result<()> {
             "GET only\n".to_string(),
         )
     } else {
-        match engine.metrics_text() {
+        match text() {
             Ok(text) => ("200 OK", crate::metrics::CONTENT_TYPE, text),
             Err(e) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
         }
     };
-    write!(
-        s,
+    let reply = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
-    )?;
-    s.flush()
+    );
+    let by = Instant::now() + LIMIT;
+    let mut rest = reply.as_bytes();
+    while !rest.is_empty() {
+        s.set_write_timeout(Some(left(by)?))?;
+        match s.write(rest) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The time left until `by` (a socket timeout cannot be zero), or `TimedOut`.
+fn left(by: Instant) -> std::io::Result<Duration> {
+    let d = by.saturating_duration_since(Instant::now());
+    if d.is_zero() {
+        return Err(std::io::ErrorKind::TimedOut.into());
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::SocketAddr;
+
+    /// A server on a loopback port that answers `body` to every GET.
+    fn server(body: String) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        std::thread::spawn(move || run(l.incoming(), || Some(()), move |_| Ok(body.clone())));
+        at
+    }
+
+    /// A whole exchange, and how long it took.
+    fn get(at: SocketAddr) -> (Duration, Vec<u8>) {
+        let t = Instant::now();
+        let mut s = TcpStream::connect(at).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).unwrap();
+        (t.elapsed(), out)
+    }
+
+    /// A client that sends its request head one byte at a time, each well within the read
+    /// timeout, holds the one-at-a-time server for 2 s in all, not for as long as it trickles.
+    #[test]
+    fn a_client_trickling_its_request_holds_the_server_2s_at_most() {
+        let at = server("up 1\n".into());
+        let slow = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(at).unwrap();
+            let t = Instant::now();
+            for b in b"GET /metrics HTTP/1.1\r\nX: "
+                .iter()
+                .chain([b'x'; 64].iter())
+            {
+                if s.write_all(&[*b]).is_err() || t.elapsed() > Duration::from_secs(12) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(400));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let (took, reply) = get(at);
+        assert!(reply.starts_with(b"HTTP/1.1 200 OK\r\n"));
+        assert!(reply.ends_with(b"\r\n\r\nup 1\n"));
+        assert!(took < Duration::from_secs(5), "answered after {took:?}");
+        slow.join().unwrap();
+    }
+
+    /// A client that reads its answer slowly (a little more than a window, every 100 ms: each
+    /// write makes progress within its timeout) holds the server for 2 s in all.
+    #[test]
+    fn a_client_reading_slowly_holds_the_server_2s_at_most() {
+        let body = "x".repeat(64 << 20);
+        let at = server(body.clone());
+        let slow = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(at).unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+            let t = Instant::now();
+            let mut buf = vec![0u8; 256 << 10];
+            while t.elapsed() < Duration::from_secs(12) {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => std::thread::sleep(Duration::from_millis(100)),
+                }
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let (took, reply) = get(at);
+        assert!(reply.starts_with(b"HTTP/1.1 200 OK\r\n"));
+        assert!(reply.ends_with(body.as_bytes()));
+        assert!(took < Duration::from_secs(6), "answered after {took:?}");
+        slow.join().unwrap();
+    }
 }
