@@ -28,11 +28,13 @@ fn run<E>(
     text: impl Fn(&E) -> Result<String>,
 ) {
     for stream in incoming {
-        let Some(engine) = engine() else {
+        if engine().is_none() {
             return;
-        };
+        }
         if let Ok(s) = stream {
-            let _ = answer(s, || text(&engine));
+            // The engine is held for its text only, not across the client's reads and writes:
+            // else a client that takes its time keeps an engine its host has dropped alive.
+            let _ = answer(s, || engine().map(|e| text(&e)));
         }
     }
 }
@@ -42,8 +44,9 @@ const LIMIT: Duration = Duration::from_secs(2);
 
 /// One HTTP/1.1 exchange, bounded: a request head of at most 8 KiB, 2 s in all to read it and
 /// 2 s in all to write the answer (a socket timeout bounds one call only: a client that sends
-/// or reads a byte at a time would otherwise hold the server for as long as it likes).
-fn answer(mut s: TcpStream, text: impl FnOnce() -> Result<String>) -> std::io::Result<()> {
+/// or reads a byte at a time would otherwise hold the server for as long as it likes). `text`
+/// is `None` once the engine is gone: then the connection is closed unanswered.
+fn answer(mut s: TcpStream, text: impl FnOnce() -> Option<Result<String>>) -> std::io::Result<()> {
     let by = Instant::now() + LIMIT;
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
@@ -63,8 +66,9 @@ fn answer(mut s: TcpStream, text: impl FnOnce() -> Result<String>) -> std::io::R
         )
     } else {
         match text() {
-            Ok(text) => ("200 OK", crate::metrics::CONTENT_TYPE, text),
-            Err(e) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
+            None => return Ok(()),
+            Some(Ok(text)) => ("200 OK", crate::metrics::CONTENT_TYPE, text),
+            Some(Err(e)) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
         }
     };
     let reply = format!(
@@ -116,6 +120,22 @@ mod tests {
         let mut out = Vec::new();
         s.read_to_end(&mut out).unwrap();
         (t.elapsed(), out)
+    }
+
+    /// A client that connects and says nothing does not keep the engine alive: an engine the
+    /// host drops meanwhile is dropped then, on the host's thread, not when the client is done.
+    #[test]
+    fn a_silent_client_does_not_keep_the_engine_alive() {
+        let engine = std::sync::Arc::new(());
+        let weak = std::sync::Arc::downgrade(&engine);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let w = weak.clone();
+        std::thread::spawn(move || run(l.incoming(), || w.upgrade(), |_| Ok(String::new())));
+        let _silent = TcpStream::connect(at).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        drop(engine);
+        assert_eq!(weak.strong_count(), 0, "held by the metrics thread");
     }
 
     /// A client that sends its request head one byte at a time, each well within the read
