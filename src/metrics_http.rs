@@ -31,13 +31,21 @@ fn run<E>(
         if engine().is_none() {
             return;
         }
-        if let Ok(s) = stream {
+        match stream {
             // The engine is held for its text only, not across the client's reads and writes:
             // else a client that takes its time keeps an engine its host has dropped alive.
-            let _ = answer(s, || engine().map(|e| text(&e)));
+            Ok(s) => {
+                let _ = answer(s, || engine().map(|e| text(&e)));
+            }
+            // Out of file descriptors (or buffers), accept fails at once for as long as that
+            // lasts, the connection still queued: without a pause the loop would spin a core.
+            Err(_) => std::thread::sleep(ACCEPT_PAUSE),
         }
     }
 }
+
+/// The pause after a failed accept.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
 /// How long one exchange may take, reading the request and writing the answer each.
 const LIMIT: Duration = Duration::from_secs(2);
@@ -136,6 +144,33 @@ mod tests {
         std::thread::sleep(Duration::from_millis(300));
         drop(engine);
         assert_eq!(weak.strong_count(), 0, "held by the metrics thread");
+    }
+
+    /// An accept that keeps failing (the process out of file descriptors: the connection
+    /// stays queued and every accept fails at once) does not spin the thread.
+    #[test]
+    fn failing_accepts_are_backed_off() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let tries = Arc::new(AtomicUsize::new(0));
+        let alive = Arc::new(AtomicBool::new(true));
+        let (t, a) = (tries.clone(), alive.clone());
+        let server = std::thread::spawn(move || {
+            let failing = std::iter::repeat_with(move || {
+                t.fetch_add(1, Ordering::Relaxed);
+                Err(std::io::Error::from_raw_os_error(24)) // EMFILE
+            });
+            run(
+                failing,
+                || a.load(Ordering::Relaxed).then_some(()),
+                |_| Ok(String::new()),
+            )
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        alive.store(false, Ordering::Relaxed);
+        server.join().unwrap();
+        let n = tries.load(Ordering::Relaxed);
+        assert!(n <= 10, "{n} accepts in 0.5 s");
     }
 
     /// A client that sends its request head one byte at a time, each well within the read
