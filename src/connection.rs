@@ -2,5 +2,5 @@
 //! [`crate::engine`].
 pub use crate::engine::{
     Advertisement, BufferSpec, Engine, EngineConfig, Faults, Health, HealthState, PeerState,
-    LONGEST_WAIT,
+    LONGEST_WAIT, MAX_POOL_SLOTS,
 };

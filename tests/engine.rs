@@ -168,6 +168,19 @@ fn run(ctx: &Engine, gen: &Engine, key: RequestKey, sizes: &[usize]) -> (Outcome
 }
 
 #[test]
+fn a_pool_of_no_slots_or_of_more_than_the_most_is_refused_not_allocated() {
+    for slots in [0, kvlink::connection::MAX_POOL_SLOTS + 1, u32::MAX] {
+        let mut c = EngineConfig::new("pool", CTX, TransportKind::Tcp);
+        c.pool_slots = slots;
+        let e = Engine::new(c).err().expect("refused");
+        assert_eq!(e.kind, kvlink::ErrorKind::InvalidArgument, "{slots}: {e}");
+    }
+    let mut c = EngineConfig::new("pool", CTX, TransportKind::Tcp);
+    c.pool_slots = kvlink::connection::MAX_POOL_SLOTS;
+    Engine::new(c).expect("the most is allowed");
+}
+
+#[test]
 fn request_lifecycle_over_tcp_and_shared_memory() {
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
         let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);

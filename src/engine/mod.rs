@@ -100,7 +100,8 @@ pub struct EngineConfig {
     /// empty: no secret); `Some(empty)` is no secret whatever the environment says.
     pub secret: Option<Vec<u8>>,
     /// Receive buffers that may be posted at once, over all requests: past this `advertise`
-    /// fails with `QueueFull` (and changes nothing) until earlier requests end.
+    /// fails with `QueueFull` (and changes nothing) until earlier requests end. 1 to
+    /// [`MAX_POOL_SLOTS`]; `Engine::new` refuses others with `InvalidArgument`.
     pub pool_slots: u32,
     /// When this process's shared-memory receive queue is found stuck
     /// ([`Health::receive_stuck`]): fail every peer at once and move to a new worker with a
@@ -271,6 +272,10 @@ pub struct Health {
 }
 
 const POOL_SLOTS: u32 = 1 << 16;
+/// The most receive buffers an engine may have posted at once ([`EngineConfig::pool_slots`]):
+/// its slot table is allocated whole at start, and `u32::MAX` slots (tens of GB) would end the
+/// process in the allocator instead of returning an error.
+pub const MAX_POOL_SLOTS: u32 = 1 << 20;
 /// After a caller gives up: what the wait allows past the agreement bound for the fence (a
 /// force-closed endpoint's receives are released by UCX within a few milliseconds).
 const SETTLE_SLACK: Duration = Duration::from_millis(30);
@@ -323,8 +328,11 @@ impl Engine {
         if cfg.timeout.is_zero() {
             return Err(Error::invalid("timeout must be positive"));
         }
-        if cfg.pool_slots == 0 {
-            return Err(Error::invalid("pool_slots must be positive"));
+        if cfg.pool_slots == 0 || cfg.pool_slots > MAX_POOL_SLOTS {
+            return Err(Error::invalid(format!(
+                "pool_slots must be 1 to {MAX_POOL_SLOTS}, not {}",
+                cfg.pool_slots
+            )));
         }
         let shared_memory = cfg.transport.may_use_mm();
         let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
