@@ -861,6 +861,23 @@ fn misuse_is_refused_at_once_with_a_typed_error_and_fails_nothing() {
         assert_eq!(e.kind, ErrorKind::OutOfBounds, "{e}");
         let e = unsafe {
             gen.advertise(
+                RequestKey::new(80, 0),
+                vec![RankId(GEN)],
+                vec![(
+                    RankId(CTX),
+                    vec![BufferSpec {
+                        device_id: -2,
+                        ..one_spec(&mut again, 0)
+                    }],
+                )],
+                vec![],
+            )
+        }
+        .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains("device id"), "{e}");
+        let e = unsafe {
+            gen.advertise(
                 RequestKey::new(79, 0),
                 vec![RankId(GEN)],
                 vec![(RankId(42), vec![one_spec(&mut again, 0)])],

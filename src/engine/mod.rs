@@ -676,6 +676,15 @@ impl Engine {
                 ));
             }
             usize::try_from(b.len).map_err(|_| Error::invalid("buffer too large"))?;
+            // Checked here as the core checks it, before a receive is posted for the buffer
+            // (below -1 would be taken for host memory there, then refused after the post).
+            if b.device_id < -1 {
+                return Err(key_err(
+                    ErrorKind::InvalidArgument,
+                    key,
+                    &format!("bad device id {} (-1 for host memory)", b.device_id),
+                ));
+            }
         }
         let mut core = self.inner.core.lock();
         let ran_here = |core: &Core| {
