@@ -113,9 +113,15 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             // Handed out to be closed for a handshake past its limit: nothing on it binds now.
             return out;
         }
-        if matches!(msg, Message::Refuse { .. }) && !self.handshakes.contains_key(&peer) {
+        if matches!(msg, Message::Refuse { .. })
+            && self
+                .handshakes
+                .get(&peer)
+                .is_none_or(|h| h.refused().is_some())
+        {
             // A refusal of a handshake this side already dropped (a bind closed the endpoint,
-            // and its close is still on the way): nothing is left to refuse.
+            // and its close is still on the way), or already refused either way: nothing is
+            // left to refuse, and the refusal recorded (the one `connect` reports) stays.
             return out;
         }
         // When a handshake began is taken once, at its first message (or its endpoint's
