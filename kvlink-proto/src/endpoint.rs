@@ -623,7 +623,7 @@ impl Endpoint {
                             c.forget(key);
                         }
                     } else {
-                        self.timers.arm(id, r, now);
+                        self.timers.rearm(id, r, now);
                     }
                 }
                 TimerId::Send(key, to) => {
@@ -641,7 +641,7 @@ impl Endpoint {
                         self.forget_flow(key, to);
                         self.bury(id, tomb);
                     } else {
-                        self.timers.arm(id, f, now);
+                        self.timers.rearm(id, f, now);
                     }
                 }
             }

@@ -107,6 +107,10 @@ pub(crate) struct Timed<T> {
     machine: T,
 }
 
+/// How much later a machine's timer fires again when it is still due right after it fired
+/// ([`TimerTable::rearm`]).
+pub(crate) const REFIRE_FLOOR: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// A machine that was never armed has no stamp slot.
 const NO_SLOT: u32 = u32::MAX;
 
@@ -184,6 +188,22 @@ impl TimerTable {
     pub(crate) fn arm<M: Machine>(&mut self, id: TimerId, m: &mut Timed<M>, now: Instant) {
         m.machine.settle(now);
         let at = m.machine.next_timeout();
+        self.arm_at(id, m, at);
+    }
+
+    /// [`TimerTable::arm`] for a machine whose timer has just fired at `now`: if it is still
+    /// due (its `on_timeout` did not move its next deadline past `now`, a machine's fault), its
+    /// new entry is put [`REFIRE_FLOOR`] later instead. Each `handle_timeout` then fires each
+    /// machine once at most: a machine that never moves on costs a firing per millisecond, not
+    /// a loop that never ends with the core's lock held (and every wait with it).
+    pub(crate) fn rearm<M: Machine>(&mut self, id: TimerId, m: &mut Timed<M>, now: Instant) {
+        m.machine.settle(now);
+        let at = m.machine.next_timeout();
+        let floor = now.checked_add(REFIRE_FLOOR).unwrap_or(now);
+        self.arm_at(id, m, if at <= now { floor } else { at });
+    }
+
+    fn arm_at<M: Machine>(&mut self, id: TimerId, m: &mut Timed<M>, at: Instant) {
         let lane = if m.machine.lingers() {
             Lane::Lingering
         } else {
@@ -349,6 +369,39 @@ mod tests {
         fn lingers(&self) -> bool {
             self.lingers
         }
+    }
+
+    /// A machine still due right after it fired (its timeout did not move it on) is not fired
+    /// again in the same `handle_timeout` loop: its next entry is a millisecond on.
+    #[test]
+    fn a_machine_still_due_after_it_fired_fires_again_a_millisecond_later_not_at_once() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let id = TimerId::Recv(crate::RequestKey::new(1, 0));
+        let mut t = TimerTable::default();
+        let mut stuck = Timed::boxed(Fake {
+            next: t0,
+            lingers: false,
+        });
+        t.arm(id, &mut stuck, t0);
+        let now = t0 + ms(5);
+        let (at, lane, _) = t.pop_due(now).expect("due");
+        assert!(t.fired(&mut stuck, at, lane));
+        // `arm` would put it back due at once, and the loop would pop it for ever.
+        t.rearm(id, &mut stuck, now);
+        assert_eq!(t.pop_due(now), None, "not again in this loop");
+        assert_eq!(t.next_due(), Some(now + REFIRE_FLOOR));
+        assert!(
+            t.pop_due(now + REFIRE_FLOOR).is_some(),
+            "but a millisecond later"
+        );
+        // A machine that did move on is armed where it says.
+        let mut fine = Timed::boxed(Fake {
+            next: now + ms(200),
+            lingers: false,
+        });
+        t.rearm(id, &mut fine, now);
+        assert_eq!(t.next_due(), Some(now + ms(200)));
     }
 
     /// Superseded entries are told by their stamp alone: they never come out of `pop_due`,
