@@ -549,10 +549,19 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         out
     }
 
-    /// Refuses the handshake on `peer` for a frame of another wire version (not bound, not
-    /// refused yet): returns the refusal to send, in the one frame every version reads. The
-    /// endpoint is closed after the refusal's linger, as for any refusal of ours.
-    pub fn refuse_version(&mut self, peer: P, challenge: u64, now: Instant) -> Message {
+    /// Refuses the handshake on `peer` for a frame of another wire version: returns the refusal
+    /// to send, in the one frame every version reads. The endpoint is closed after the
+    /// refusal's linger, as for any refusal of ours. None (nothing changes, the frame is a bad
+    /// one) where there is no handshake to refuse: the endpoint is bound, refused already, or
+    /// handed out to be closed for running past [`HANDSHAKE_LIMIT`] (as `on_handshake` drops
+    /// every frame there).
+    pub fn refuse_version(&mut self, peer: P, challenge: u64, now: Instant) -> Option<Message> {
+        if self.rank_of(peer).is_some()
+            || self.refusal(peer).is_some()
+            || self.timed_out.contains_key(&peer)
+        {
+            return None;
+        }
         let mut hs = self
             .handshakes
             .remove(&peer)
@@ -565,7 +574,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         if let Some(rank) = rank {
             self.wake(rank);
         }
-        refusal
+        Some(refusal)
     }
 
     /// The ranks whose connection facts changed since the last call, for the engine to wake
@@ -1009,7 +1018,7 @@ mod tests {
         p.dialled(R, 12);
         p.take_wakes();
         let m = p.refuse_version(12, 5, now);
-        assert!(matches!(m, Message::Refuse { .. }), "{m:?}");
+        assert!(matches!(m, Some(Message::Refuse { .. })), "{m:?}");
         assert_eq!(p.take_wakes(), vec![R], "refused for its version");
         assert_eq!(p.refusal(12), Some(Refusal::WireVersion));
     }

@@ -80,6 +80,32 @@ fn a_proof_after_the_handshake_limit_does_not_bind_the_endpoint_being_closed() {
     bind_by_proof(&mut p, 11, proof, late);
 }
 
+/// A frame of another wire version on an endpoint handed out to be closed for a handshake past
+/// HANDSHAKE_LIMIT is dropped as every frame there is: no version refusal (before, it was
+/// refused: a refusal counted for a stranger already being closed, and its endpoint handed out
+/// for closing a second time). A fresh endpoint is still refused for its version.
+#[test]
+fn a_frame_of_another_version_after_the_handshake_limit_is_not_refused_again() {
+    let t = Instant::now();
+    let mut p: Peers<u64> = Peers::default();
+    let _proof = dial_to_proof(&mut p, 10, t, 5);
+    let late = t + HANDSHAKE_LIMIT;
+    assert_eq!(p.due_closes(late), vec![10]);
+    assert_eq!(p.refuse_version(10, 3, late), None);
+    assert_eq!(p.refusal(10), None);
+    assert!(
+        p.due_closes(late + Duration::from_secs(1)).is_empty(),
+        "not closed twice"
+    );
+    p.accepted(11, None, late);
+    assert!(matches!(
+        p.refuse_version(11, 3, late),
+        Some(Message::Refuse { .. })
+    ));
+    // A second frame on the refused endpoint: nothing to refuse.
+    assert_eq!(p.refuse_version(11, 4, late), None);
+}
+
 fn sent(out: Vec<HandshakeAction<u64>>) -> Message {
     out.into_iter()
         .find_map(|x| match x {

@@ -261,16 +261,17 @@ impl Inner {
     /// A frame of another wire version from an endpoint with no rank bound (a rank of another
     /// kvlink release dialling, or answering our dial): refuse it in the one frame every version
     /// reads, so that it learns why at once, and close the endpoint after the refusal's linger.
-    /// Returns false (the frame is counted as bad) for a bound peer or one refused already.
+    /// Returns false (the frame is counted as bad) for a bound peer, one refused already, or one
+    /// being closed for a handshake past its limit.
     fn refuse_version(&self, core: &mut Core, now: Instant, peer: PeerId, version: u16) -> bool {
-        if core.peers.rank_of(peer).is_some() || core.peers.refusal(peer).is_some() {
-            return false;
-        }
         // The handshake ends refused, as any other refusal: nothing more from this endpoint
         // starts one (a frame in this version's `Hello` included); it is closed after the
         // refusal's linger. The refusal goes as a waited control message, never in a batch
-        // (which a release before batches could not read).
-        let refusal = core.peers.refuse_version(peer, crate::random::u64(), now);
+        // (which a release before batches could not read). None: bound, refused already, or
+        // being closed for a handshake past its limit.
+        let Some(refusal) = core.peers.refuse_version(peer, crate::random::u64(), now) else {
+            return false;
+        };
         let _ = self.send_msg(core, peer, &refusal);
         tracing::warn!(
             "refused endpoint {}: it speaks wire version {version}, this side {VERSION}",
