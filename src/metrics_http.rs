@@ -9,15 +9,52 @@ use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 /// Answers each HTTP request at `listener` with the engine's metrics text, one short connection
-/// at a time on a thread of its own, for as long as the engine lives.
+/// at a time on a thread of its own, for as long as the engine lives: within [`IDLE_TICK`] of the
+/// engine's end the thread ends and the port is closed, connection or not.
 pub fn serve(engine: Weak<Engine>, listener: TcpListener) {
     std::thread::spawn(move || {
         run(
-            listener.incoming(),
+            polled(listener),
             || engine.upgrade(),
             |e: &std::sync::Arc<Engine>| e.metrics_text(),
         )
     });
+}
+
+/// How long the accept loop waits for a connection before it looks whether the engine still
+/// lives.
+const IDLE_TICK: Duration = Duration::from_millis(200);
+
+/// The listener's connections, each wait for one bounded by [`IDLE_TICK`]: a tick with none
+/// comes out as `WouldBlock`. A blocking `accept` would keep the thread, and the port, until
+/// the next connection after the engine's end.
+fn polled(listener: TcpListener) -> impl Iterator<Item = std::io::Result<TcpStream>> {
+    use std::os::fd::AsRawFd;
+    let set = listener.set_nonblocking(true);
+    std::iter::from_fn(move || {
+        if let Err(e) = &set {
+            return Some(Err(std::io::Error::new(e.kind(), e.to_string())));
+        }
+        let mut p = libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the listener, which outlives the call.
+        let n = unsafe { libc::poll(&mut p, 1, IDLE_TICK.as_millis() as libc::c_int) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            return Some(match e.kind() {
+                std::io::ErrorKind::Interrupted => Err(std::io::ErrorKind::WouldBlock.into()),
+                _ => Err(e),
+            });
+        }
+        // A connection already gone again reads as WouldBlock too.
+        Some(listener.accept().and_then(|(s, _)| {
+            s.set_nonblocking(false)?;
+            Ok(s)
+        }))
+    })
 }
 
 /// The accept loop of [`serve`]: `engine` is `None` once the engine is gone (then it ends),
@@ -37,6 +74,8 @@ fn run<E>(
             Ok(s) => {
                 let _ = answer(s, || engine().map(|e| text(&e)));
             }
+            // No connection within a tick: look at the engine again.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             // Out of file descriptors (or buffers), accept fails at once for as long as that
             // lasts, the connection still queued: without a pause the loop would spin a core.
             Err(_) => std::thread::sleep(ACCEPT_PAUSE),
@@ -128,6 +167,28 @@ mod tests {
         let mut out = Vec::new();
         s.read_to_end(&mut out).unwrap();
         (t.elapsed(), out)
+    }
+
+    /// Once the engine is gone the thread ends and the port is closed within a tick or two,
+    /// though no client ever connects again (a blocking accept waited for the next one).
+    #[test]
+    fn the_port_is_closed_soon_after_the_engine_ends_without_a_connection() {
+        let engine = std::sync::Arc::new(());
+        let weak = std::sync::Arc::downgrade(&engine);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let (done, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            run(polled(l), || weak.upgrade(), |_| Ok("up 1\n".to_string()));
+            let _ = done.send(());
+        });
+        let (_, reply) = get(at);
+        assert!(reply.ends_with(b"\r\n\r\nup 1\n"), "served while it lives");
+        drop(engine);
+        ended
+            .recv_timeout(Duration::from_secs(3))
+            .expect("the accept loop ended without a new connection");
+        assert!(TcpStream::connect(at).is_err(), "the port is closed");
     }
 
     /// A client that connects and says nothing does not keep the engine alive: an engine the
