@@ -1562,3 +1562,44 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
         );
     }
 }
+
+/// A cancel check runs under none of the engine's locks, so it may call into the engine (or
+/// take a lock that another thread holds while it calls into the engine). A send given such a
+/// check returns as usual: before, the send asked its check once more under the engine's lock
+/// after its transfer had ended, and a check that called the engine deadlocked it for good.
+#[test]
+fn a_send_whose_cancel_check_calls_into_the_engine_returns() {
+    use std::sync::{mpsc, Arc};
+    // Declared first, dropped last: the receive lands in it.
+    let mut buf = vec![0u8; 4096];
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let ctx = Arc::new(ctx);
+    let key = RequestKey::new(52, 0);
+    advertise_one(&gen, key, &mut buf);
+    let dl = Instant::now() + Duration::from_secs(10);
+    let adv = ctx.next_advertisement(dl, None).unwrap();
+    ctx.accept(key, adv.from, true).unwrap();
+    let data = fill(52, 4096);
+    let (tx, rx) = mpsc::channel();
+    let (c, d, from) = (ctx.clone(), data.clone(), adv.from);
+    // Not scoped: a send stuck for good must fail the test, not hang it.
+    std::thread::spawn(move || {
+        let cancel = || c.health().peers == 0;
+        let _ = tx.send(c.send(key, from, 0, &d, dl, Some(&cancel)));
+    });
+    let sent = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the send did not return: its cancel check ran under the engine's lock");
+    assert_eq!(sent.unwrap(), Outcome::Completed);
+    assert_eq!(
+        gen.wait(key, Role::Receiver, dl, None).unwrap(),
+        Outcome::Completed
+    );
+    assert_eq!(
+        ctx.wait(key, Role::Sender { receiver: from }, dl, None)
+            .unwrap(),
+        Outcome::Completed
+    );
+    assert_eq!(buf, data);
+    assert_eq!(gen.health().buffers_leased, 0);
+}

@@ -1212,6 +1212,12 @@ impl Engine {
         // Each op has ended here (waited for, or stopped and reaped): let them go before the
         // core's lock is taken again.
         drop(ops);
+        // Asked here, before the core's lock is taken: the check may take other locks (the
+        // engine's among them). Only a send that did not complete needs its answer.
+        let cancelled = results
+            .iter()
+            .any(|(_, r, _, _)| !matches!(r, Ok(Outcome::Completed)))
+            && cancel.is_some_and(|c| c());
         let mut core = inner.core.lock();
         let now = Instant::now();
         let mut outcome = if segments.len() > results.len() {
@@ -1230,7 +1236,7 @@ impl Engine {
             // This rank's reason goes first: the core takes a failed send with no reason given
             // as a lost peer.
             let why = match r {
-                _ if cancel.is_some_and(|c| c()) => Some(Outcome::Cancelled),
+                _ if cancelled => Some(Outcome::Cancelled),
                 Ok(o @ (Outcome::TimedOut | Outcome::Cancelled)) => Some(o),
                 // A loss learned only after the deadline (a frozen rank resuming) does not
                 // change why the request failed here.
