@@ -1603,3 +1603,75 @@ fn a_send_whose_cancel_check_calls_into_the_engine_returns() {
     assert_eq!(buf, data);
     assert_eq!(gen.health().buffers_leased, 0);
 }
+
+/// The end of a request goes to the call that waits for it, even when it comes while that call
+/// is awake (here: in its cancel check, which runs without the engine's lock) rather than
+/// asleep: a second `wait` made then is refused at once (`InvalidArgument`), and does not take
+/// the end. Before, the second call took the end, and the first waited out its deadline for a
+/// request that had completed and returned `TimedOut` (an unsettled return).
+#[test]
+fn a_second_wait_made_while_the_first_is_in_its_cancel_check_does_not_take_the_end() {
+    use kvlink::ErrorKind;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut buf = vec![0u8; 4096];
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let key = RequestKey::new(53, 0);
+    advertise_one(&gen, key, &mut buf);
+    let dl = Instant::now() + Duration::from_secs(10);
+    let data = fill(53, 4096);
+    let (slow, in_check) = (AtomicBool::new(false), AtomicBool::new(false));
+    let first_dl = Instant::now() + Duration::from_secs(3);
+    let (first, second) = std::thread::scope(|s| {
+        let first = s.spawn(|| {
+            // Once asked to, one check takes a while (as a check that waits for a lock might).
+            let cancel = || {
+                if slow.swap(false, Ordering::AcqRel) {
+                    in_check.store(true, Ordering::Release);
+                    std::thread::sleep(Duration::from_millis(1000));
+                }
+                false
+            };
+            let t0 = Instant::now();
+            (
+                gen.wait(key, Role::Receiver, first_dl, Some(&cancel)),
+                t0.elapsed(),
+            )
+        });
+        // The first wait sleeps between its checks (past its poll window).
+        std::thread::sleep(Duration::from_millis(300));
+        slow.store(true, Ordering::Release);
+        while !in_check.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let adv = ctx.next_advertisement(dl, None).unwrap();
+        ctx.accept(key, adv.from, true).unwrap();
+        assert_eq!(
+            ctx.send(key, adv.from, 0, &data, dl, None).unwrap(),
+            Outcome::Completed
+        );
+        assert_eq!(
+            ctx.wait(key, Role::Sender { receiver: adv.from }, dl, None)
+                .unwrap(),
+            Outcome::Completed
+        );
+        // The receiver's end is in by now; the first call is still in its check.
+        std::thread::sleep(Duration::from_millis(200));
+        let t0 = Instant::now();
+        let second = gen.wait(key, Role::Receiver, dl, None);
+        let second = (second, t0.elapsed());
+        (first.join().unwrap(), second)
+    });
+    let (second, took) = second;
+    let e = second.expect_err("a second wait while the first waits must be refused");
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+    assert!(took < Duration::from_millis(100), "refused in {took:?}");
+    let (first, took) = first;
+    assert_eq!(first.unwrap(), Outcome::Completed, "after {took:?}");
+    assert!(
+        took < Duration::from_millis(2000),
+        "the first returned {took:?} after it began, not at its end"
+    );
+    assert_eq!(buf, data);
+    let h = gen.health();
+    assert_eq!((h.unsettled_returns, h.buffers_leased), (0, 0));
+}

@@ -1299,6 +1299,18 @@ impl Engine {
         let mut largest = 0;
         {
             let mut core = self.inner.core.lock();
+            let busy = || {
+                key_err(
+                    ErrorKind::InvalidArgument,
+                    key,
+                    "another call is already waiting for it in that role (its end goes to that call)",
+                )
+            };
+            // Looked at before the end is taken: an end that came while the waiting call was
+            // awake (driving progress, or in its cancel check) is that call's.
+            if core.waited.contains(&(key, role)) {
+                return Err(busy());
+            }
             if let Some(o) = take(&mut core) {
                 return Ok(o);
             }
@@ -1311,13 +1323,7 @@ impl Engine {
                     "not running here in that role (never started, or already waited for)",
                 ));
             }
-            if !core.waited.insert((key, role)) {
-                return Err(key_err(
-                    ErrorKind::InvalidArgument,
-                    key,
-                    "another call is already waiting for it in that role (its end goes to that call)",
-                ));
-            }
+            core.waited.insert((key, role));
             if role == Role::Receiver {
                 largest = core.ep.largest_receive_segment(key).unwrap_or(0);
             }
