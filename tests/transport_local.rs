@@ -842,3 +842,48 @@ fn the_tcp_sockets_of_an_agent_have_its_fixed_send_buffer() {
         "expected the data sockets of both agents at SO_SNDBUF {want}: {bufs:?}"
     );
 }
+
+/// The `OpDone` events for op `id` still queued on `agent`.
+fn op_done_events(agent: &Agent, id: u64) -> usize {
+    let mut n = 0;
+    while let Some(ev) = agent.next_event(Instant::now(), None) {
+        if matches!(ev, Event::OpDone(i) if i == id) {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// A held receive is in flight from its post, before its release: the end of the worker (a
+/// shutdown, or a move to a new worker) ends it with the rest. Dropped unreleased afterwards,
+/// it must not end a second time: counted once as failed, one `OpDone`.
+#[test]
+fn a_held_receive_ended_with_its_worker_then_dropped_ends_once() {
+    let mut buf = vec![0u8; 4096];
+    for moved in [false, true] {
+        let (_a, b, _ab, ba) = pair(TransportKind::SharedMemory);
+        let before = b.stats().ops_failed;
+        let mut held = b.hold();
+        let mut op =
+            unsafe { held.post_recv_with(ba, 7, buf.as_mut_ptr(), buf.len(), true) }.unwrap();
+        if moved {
+            b.fault_stuck_receive_queue().unwrap();
+            let until = Instant::now() + Duration::from_secs(10);
+            while b.stats().worker_renewals == 0 {
+                assert!(Instant::now() < until, "the agent never moved");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        } else {
+            b.shutdown();
+        }
+        assert!(op.is_quiesced(), "moved {moved}: ended with the worker");
+        drop(held);
+        assert_eq!(
+            b.stats().ops_failed - before,
+            1,
+            "moved {moved}: the op counted once"
+        );
+        assert_eq!(op_done_events(&b, op.id()), 1, "moved {moved}: one OpDone");
+        assert!(op.poll().is_some());
+    }
+}

@@ -54,7 +54,10 @@ pub(super) fn take_events(shared: &Shared, mut spare: Vec<CbEvent>) -> Vec<CbEve
 }
 
 /// Ends an op once: counts it, takes it out of the ops in flight, wakes its waiter and, when it
-/// asked for it, reports [`Event::OpDone`].
+/// asked for it, reports [`Event::OpDone`]. An op already ended is left as it is: more than one
+/// path can reach the same op (the end of a worker fails every op in flight, a held receive not
+/// yet released and a queued command's op included, and that receive's `Held` dropped, or that
+/// command run, ends it again), and each op is counted and reported once.
 pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_status_t, len: usize) {
     if slot.id == 0 {
         // An internal drain receive: not user work, not counted.
@@ -63,6 +66,11 @@ pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_statu
     if slot.control {
         shared.untrack_op(slot);
         return slot.complete(status, len);
+    }
+    // Under the state's lock until it is set: of two ends, only the first counts.
+    let mut state = slot.state.lock();
+    if state.is_some() {
+        return;
     }
     if status == sys::UCS_OK {
         shared.stats.ops_completed.fetch_add(1, Ordering::Relaxed);
@@ -79,7 +87,9 @@ pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_statu
         shared.stats.ops_failed.fetch_add(1, Ordering::Relaxed);
     }
     shared.untrack_op(slot);
-    slot.complete(status, len);
+    *state = Some((status, len));
+    drop(state);
+    slot.cv.notify_all();
     if slot.notify {
         shared.push_event(Event::OpDone(slot.id));
     }
