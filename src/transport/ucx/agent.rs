@@ -61,7 +61,12 @@ impl Agent {
     /// them for [`Agent::next_event`]. Once per agent; false if one was set already.
     pub fn set_sink(&self, sink: Arc<dyn EventSink>) -> bool {
         let ok = self.shared.sink.set(sink).is_ok();
-        self.wake_by(Instant::now());
+        if ok {
+            // Due at once (its timer starts at 0). The progress thread may be asleep for up to
+            // 100 ms, on a sleep reckoned without a sink: woken, it calls it now. `wake_by`
+            // would wake nobody: nothing is earlier than a timer already due.
+            self.shared.wake();
+        }
         ok
     }
 

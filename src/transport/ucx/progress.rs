@@ -1741,6 +1741,55 @@ mod tests {
         );
     }
 
+    /// Notes when it was first called.
+    struct FirstCall(Mutex<Option<Instant>>);
+
+    impl EventSink for FirstCall {
+        fn deliver(&self, events: &mut VecDeque<Event>, now: Instant) -> Option<Instant> {
+            events.clear();
+            self.0.lock().get_or_insert(now);
+            None
+        }
+    }
+
+    /// A sink is due at once when it is set: the progress thread, asleep (up to 100 ms) on a
+    /// sleep reckoned without one, is woken to call it. It used to sleep on: `set_sink`'s
+    /// `wake_by(now)` found the timer at 0, nothing later to move earlier, and woke nobody, so
+    /// the first call (and every `wake_by` before it) waited for the end of that sleep.
+    #[test]
+    fn a_sink_just_set_is_called_without_waiting_out_the_progress_threads_sleep() {
+        let mut delays = Vec::new();
+        for _ in 0..3 {
+            let a = Agent::new(AgentOptions::new("sinkless", TransportKind::Tcp)).unwrap();
+            std::thread::sleep(Duration::from_millis(30));
+            // Just after a wake-up the thread begins a new sleep of 100 ms.
+            let woke = a.shared.stats.wakeups.load(Ordering::Relaxed);
+            let until = Instant::now() + Duration::from_secs(2);
+            while a.shared.stats.wakeups.load(Ordering::Relaxed) == woke {
+                assert!(Instant::now() < until, "the idle thread never woke");
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            let sink = Arc::new(FirstCall(Mutex::new(None)));
+            let t0 = Instant::now();
+            assert!(a.set_sink(sink.clone()));
+            let until = t0 + Duration::from_secs(2);
+            let first = loop {
+                if let Some(t) = *sink.0.lock() {
+                    break t;
+                }
+                assert!(Instant::now() < until, "the sink was never called");
+                std::thread::sleep(Duration::from_micros(200));
+            };
+            delays.push(first.saturating_duration_since(t0));
+        }
+        println!("first sink calls after set_sink: {delays:?}");
+        let best = delays.iter().min().unwrap();
+        assert!(
+            *best < Duration::from_millis(40),
+            "the sink waited out the sleep: {delays:?}"
+        );
+    }
+
     struct PanicOnce(std::sync::atomic::AtomicBool);
 
     impl EventSink for PanicOnce {
