@@ -98,6 +98,8 @@ impl Drop for Held<'_> {
     /// held starts, so no receive is left posted into memory that nobody will cancel; each
     /// held op ends `Cancelled` at once and its payloads go.
     fn drop(&mut self) {
+        let shared = &self.agent.shared;
+        let mut reported = false;
         for cmd in self.posts.drain(..).chain(self.transfers.drain(..)) {
             if let Cmd::Tag { slot, .. } = &cmd {
                 let _ = slot.stop_reason.compare_exchange(
@@ -106,8 +108,14 @@ impl Drop for Held<'_> {
                     Ordering::AcqRel,
                     Ordering::Acquire,
                 );
-                callbacks::finish_slot(&self.agent.shared, slot, sys::UCS_ERR_CANCELED, 0);
+                callbacks::finish_slot(shared, slot, sys::UCS_ERR_CANCELED, 0);
+                reported |= slot.notify;
             }
+        }
+        if reported {
+            // Their `OpDone` events were queued here, outside any pass: an owner's sink hears
+            // of them in the next pass, which a sleeping progress thread must be woken for.
+            shared.owe_pass();
         }
     }
 }

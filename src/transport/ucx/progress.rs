@@ -1790,6 +1790,70 @@ mod tests {
         );
     }
 
+    /// Notes when it is called, and when it is handed an `OpDone`.
+    struct DoneWatch {
+        calls: std::sync::atomic::AtomicU64,
+        done: Mutex<Option<Instant>>,
+    }
+
+    impl EventSink for DoneWatch {
+        fn deliver(&self, events: &mut VecDeque<Event>, now: Instant) -> Option<Instant> {
+            for ev in events.drain(..) {
+                if let Event::OpDone(_) = ev {
+                    self.done.lock().get_or_insert(now);
+                }
+            }
+            self.calls.fetch_add(1, Ordering::AcqRel);
+            None
+        }
+    }
+
+    /// A `Held` dropped unreleased ends its receives on the caller's thread; one reported as an
+    /// event is the sink's to hear at once, not at the sink's next idle call (up to 100 ms
+    /// later, which is when it used to hear of it: nothing woke the sleeping progress thread).
+    #[test]
+    fn a_held_receive_dropped_unreleased_is_reported_to_the_sink_at_once() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (a, _b, ab) = accepted_pair(&TransportKind::Tcp, deadline);
+        let sink = Arc::new(DoneWatch {
+            calls: Default::default(),
+            done: Mutex::new(None),
+        });
+        assert!(a.set_sink(sink.clone()));
+        let mut buf = vec![0u8; 4096];
+        let mut delays = Vec::new();
+        for _ in 0..3 {
+            *sink.done.lock() = None;
+            let mut held = a.hold();
+            // SAFETY: `buf` outlives the op, which never starts.
+            let _op = unsafe { held.post_recv_with(ab, 0x4E1D, buf.as_mut_ptr(), buf.len(), true) }
+                .unwrap();
+            // Just after an idle call the sink's next one is 100 ms away.
+            std::thread::sleep(Duration::from_millis(20));
+            let calls = sink.calls.load(Ordering::Acquire);
+            while sink.calls.load(Ordering::Acquire) == calls {
+                assert!(Instant::now() < deadline, "the sink is never called");
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            let t0 = Instant::now();
+            drop(held);
+            let done = loop {
+                if let Some(t) = *sink.done.lock() {
+                    break t;
+                }
+                assert!(Instant::now() < deadline, "the OpDone never came");
+                std::thread::sleep(Duration::from_micros(200));
+            };
+            delays.push(done.saturating_duration_since(t0));
+        }
+        println!("OpDone handed to the sink after the drop: {delays:?}");
+        let best = delays.iter().min().unwrap();
+        assert!(
+            *best < Duration::from_millis(40),
+            "the sink heard of the ended receive only at its next idle call: {delays:?}"
+        );
+    }
+
     struct PanicOnce(std::sync::atomic::AtomicBool);
 
     impl EventSink for PanicOnce {
