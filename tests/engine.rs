@@ -491,6 +491,43 @@ fn cancel_on_the_generation_side_is_agreed_with_the_context_side() {
     assert_eq!(gen.health().buffers_leased, 0);
 }
 
+/// A cancel check that answers true once (an edge, as a host's "cancel requested" event that
+/// is consumed when read) cancels the wait: the wait reports `Cancelled`, agreed with the
+/// sender, not `TimedOut` (before, the wait asked the check a second time to learn why it had
+/// stopped, got false, and gave up as timed out).
+#[test]
+fn a_cancel_check_that_answers_true_once_cancels_the_wait() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let key = RequestKey::new(4096 + 6, 0);
+    let mut buf = vec![0u8; 4096];
+    advertise_one(&gen, key, &mut buf);
+    let dl = Instant::now() + Duration::from_secs(5);
+    let adv = ctx.next_advertisement(dl, None).unwrap();
+    ctx.accept(key, adv.from, true).unwrap();
+    // Raised 100 ms in; taken (and so lowered) by the first look at it.
+    let t0 = Instant::now();
+    let raised = AtomicBool::new(true);
+    let once =
+        || t0.elapsed() >= Duration::from_millis(100) && raised.swap(false, Ordering::AcqRel);
+    let g = gen.wait(key, Role::Receiver, dl, Some(&once)).unwrap();
+    let took = t0.elapsed();
+    let c = ctx
+        .wait(
+            key,
+            Role::Sender {
+                receiver: RankId(GEN),
+            },
+            dl,
+            None,
+        )
+        .unwrap();
+    println!("one-shot cancel: gen {g:?} after {took:?}, ctx {c:?}");
+    assert_eq!((g, c), (Outcome::Cancelled, Outcome::Cancelled));
+    assert!(took < Duration::from_secs(2), "returned after {took:?}");
+    assert_eq!(gen.health().buffers_leased, 0);
+}
+
 #[test]
 fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
     if kvlink::transport::cuda::driver_present() {

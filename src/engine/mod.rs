@@ -1170,6 +1170,8 @@ impl Engine {
         drop(core);
         let mut results: SmallVec<[_; 2]> = SmallVec::with_capacity(ops.len());
         let told = std::cell::Cell::new(false);
+        // The check said so (once is enough: it is not asked again for the verdict below).
+        let asked_off = std::cell::Cell::new(false);
         // Once one send is given up, the rest of the request's sends are asked to stop at once
         // and share its grace (their receiver drains them meanwhile), instead of waiting a grace
         // each in turn: a request may have many.
@@ -1185,6 +1187,7 @@ impl Engine {
                 if !cancel.is_some_and(|c| c()) {
                     return false;
                 }
+                asked_off.set(true);
                 // Tell the receiver before the send is stopped: stopping a send the receiver
                 // cannot drain closes the endpoint, and the vote must get there first.
                 if !told.replace(true) {
@@ -1217,7 +1220,7 @@ impl Engine {
         let cancelled = results
             .iter()
             .any(|(_, r, _, _)| !matches!(r, Ok(Outcome::Completed)))
-            && cancel.is_some_and(|c| c());
+            && (asked_off.get() || cancel.is_some_and(|c| c()));
         let mut core = inner.core.lock();
         let now = Instant::now();
         let mut outcome = if segments.len() > results.len() {
@@ -1333,13 +1336,14 @@ impl Engine {
             key: (key, role),
         };
         let terminal = WaitKey::Terminal(key, role);
-        if let Some(o) = self.block_for(largest, terminal, deadline, cancel, take) {
-            return Ok(o);
-        }
-        let why = if cancel.is_some_and(|c| c()) {
-            Outcome::Cancelled
-        } else {
-            Outcome::TimedOut
+        let why = match self.block_for(largest, terminal, deadline, cancel, take) {
+            Ok(o) => return Ok(o),
+            // The check said so once: a check that answers true only once (an edge, not a
+            // flag) is not asked again here.
+            Err(Ended::Cancelled) => Outcome::Cancelled,
+            // At the deadline (or the engine's stop), a cancel raised meanwhile still counts.
+            Err(_) if cancel.is_some_and(|c| c()) => Outcome::Cancelled,
+            Err(_) => Outcome::TimedOut,
         };
         self.give_up(key, why);
         let settle = Instant::now() + self.inner.agreement_bound + SETTLE_SLACK;
@@ -1513,11 +1517,12 @@ impl Engine {
         cancel: Option<&dyn Fn() -> bool>,
         f: impl FnMut(&mut Core) -> Option<T>,
     ) -> Option<T> {
-        self.block_for(0, key, deadline, cancel, f)
+        self.block_for(0, key, deadline, cancel, f).ok()
     }
 
     /// [`Engine::block`] for a wait whose largest single transfer is `transfer` bytes (a bulk
-    /// one is left to the progress thread: [`Agent::driving`](crate::transport::Agent::driving)).
+    /// one is left to the progress thread: [`Agent::driving`](crate::transport::Agent::driving)),
+    /// saying why it ended without `f`'s answer.
     fn block_for<T>(
         &self,
         transfer: u64,
@@ -1525,7 +1530,7 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
         mut f: impl FnMut(&mut Core) -> Option<T>,
-    ) -> Option<T> {
+    ) -> std::result::Result<T, Ended> {
         let transfer = usize::try_from(transfer).unwrap_or(usize::MAX);
         let mut driving = self.inner.agent.driving(transfer);
         let mut polling = true;
@@ -1533,23 +1538,23 @@ impl Engine {
         let mut core = self.inner.core.lock();
         loop {
             if let Some(v) = f(&mut core) {
-                return Some(v);
+                return Ok(v);
             }
             if self.inner.stopping.load(Ordering::Acquire) {
-                return None;
+                return Err(Ended::Stopping);
             }
             let now = Instant::now();
             if now >= deadline {
-                return None;
+                return Err(Ended::Deadline);
             }
             if let Some(c) = cancel.filter(|_| pace.due(now, polling)) {
                 // The check may take other locks: never call it under ours.
                 if MutexGuard::unlocked(&mut core, c) {
-                    return None;
+                    return Err(Ended::Cancelled);
                 }
                 // The lock was released for the check: a wake in between must not be lost.
                 if let Some(v) = f(&mut core) {
-                    return Some(v);
+                    return Ok(v);
                 }
             }
             // Within the poll window, run the progress pass here instead of sleeping: the event
@@ -1567,6 +1572,15 @@ impl Engine {
             sleep(&mut core, key, until);
         }
     }
+}
+
+/// Why [`Engine::block_for`] ended without its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ended {
+    Deadline,
+    Cancelled,
+    /// The engine is stopping.
+    Stopping,
 }
 
 /// The one `wait` call blocked on a (request, role): it lets the pair go when it returns.
