@@ -827,47 +827,19 @@ impl EventSink for Sink {
         }
         let mut core = inner.core.lock();
         core.waiters.hold();
-        for ev in events.drain(..) {
-            inner.on_event(&mut core, now, ev);
-        }
-        // The pass's clock read serves the whole delivery: its events take microseconds, and a
-        // timer that falls due meanwhile is handled by the next pass.
-        if core.ep.poll_timeout().is_some_and(|t| t <= now) {
-            core.ep.handle_timeout(now);
-        }
-        timeline::mark(Stage::TimersHandled);
-        for (rank, address) in core.peers.due(now) {
-            if !inner.redial(rank, address) {
-                core.peers.round_dial_void(rank);
-            }
-        }
-        for peer in core.peers.due_closes(now) {
-            let _ = inner.agent.close_peer(peer);
-        }
-        inner.close_unreleased_fences(&mut core, now);
-        // Whatever this pass changed in the peer table wakes the waiters it concerns: a rank
-        // bound or lost, a round given up, a dial refused or ended (`Peers::take_wakes`).
-        for rank in core.peers.take_wakes() {
-            core.waiters.wake(WaitKey::Peer(rank));
-        }
-        inner.prune(&mut core, now);
-        inner.flush_via(&mut core, None, now);
-        timeline::mark(Stage::SinkFlushed);
-        let next = [
-            core.ep.poll_timeout(),
-            core.peers.next_due(),
-            core.fence_closes.front().map(|&(t, _, _)| t),
-        ]
-        .into_iter()
-        .flatten()
-        .min();
+        // Whatever happens in between, the wakes held from here are let go below: a panic in the
+        // core's handling (caught by the transport, which drops the events) must not leave
+        // `hold` on, with every wake made meanwhile waiting for the next delivery.
+        let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Self::deliver_held(&inner, &mut core, events, now)
+        }));
         // Handed to `delivered` (which runs after this sink returns), in a vector that keeps its
         // room: no allocation per delivery.
         core.waiters.unhold_into(&inner.held_wakes);
         drop(core);
         // Never the last owner here: `Engine::drop` stops this thread before it lets go.
         drop(inner);
-        next
+        next.unwrap_or_else(|p| std::panic::resume_unwind(p))
     }
 
     /// The callers that `deliver` woke run only now, after the control messages it queued (a
@@ -885,5 +857,51 @@ impl EventSink for Sink {
         for cv in woken {
             cv.notify_one();
         }
+    }
+}
+
+impl Sink {
+    /// [`Sink::deliver`]'s work, with the core's wakes held: the events, due timers, redials
+    /// and closes, fences, pruning and the flush. Returns when the sink next wants a call.
+    fn deliver_held(
+        inner: &Arc<Inner>,
+        core: &mut Core,
+        events: &mut VecDeque<Event>,
+        now: Instant,
+    ) -> Option<Instant> {
+        for ev in events.drain(..) {
+            inner.on_event(core, now, ev);
+        }
+        // The pass's clock read serves the whole delivery: its events take microseconds, and a
+        // timer that falls due meanwhile is handled by the next pass.
+        if core.ep.poll_timeout().is_some_and(|t| t <= now) {
+            core.ep.handle_timeout(now);
+        }
+        timeline::mark(Stage::TimersHandled);
+        for (rank, address) in core.peers.due(now) {
+            if !inner.redial(rank, address) {
+                core.peers.round_dial_void(rank);
+            }
+        }
+        for peer in core.peers.due_closes(now) {
+            let _ = inner.agent.close_peer(peer);
+        }
+        inner.close_unreleased_fences(core, now);
+        // Whatever this pass changed in the peer table wakes the waiters it concerns: a rank
+        // bound or lost, a round given up, a dial refused or ended (`Peers::take_wakes`).
+        for rank in core.peers.take_wakes() {
+            core.waiters.wake(WaitKey::Peer(rank));
+        }
+        inner.prune(core, now);
+        inner.flush_via(core, None, now);
+        timeline::mark(Stage::SinkFlushed);
+        [
+            core.ep.poll_timeout(),
+            core.peers.next_due(),
+            core.fence_closes.front().map(|&(t, _, _)| t),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 }
