@@ -113,6 +113,29 @@ fn cancel_flag_ends_waiting_recv_and_send_within_50ms() {
     }
 }
 
+/// `next_event`'s cancel check is called without the agent's event queue locked: a check that
+/// looks at the agent's events itself (or takes a lock a thread holds while it does) returns
+/// instead of deadlocking the wait (before, the check ran under that lock).
+#[test]
+fn next_events_cancel_check_may_call_into_the_agent() {
+    let a = Arc::new(Agent::new(AgentOptions::new("lone", TransportKind::Tcp)).unwrap());
+    let (done, ended) = std::sync::mpsc::channel();
+    let waiter = a.clone();
+    std::thread::spawn(move || {
+        let inner = waiter.clone();
+        let check = move || {
+            let _ = inner.next_event(Instant::now(), None);
+            true
+        };
+        let got = waiter.next_event(Instant::now() + Duration::from_secs(30), Some(&check));
+        let _ = done.send(got.is_none());
+    });
+    let none = ended
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the wait returned (no deadlock in its cancel check)");
+    assert!(none, "cancelled, no event");
+}
+
 #[test]
 fn bad_input_is_a_typed_error() {
     let (a, b, ab, _ba) = pair(TransportKind::Tcp);

@@ -545,8 +545,18 @@ impl Agent {
                 return Some(ev);
             }
             let now = Instant::now();
-            if now >= deadline || cancel.is_some_and(|c| c()) {
+            if now >= deadline {
                 return None;
+            }
+            if let Some(c) = cancel {
+                // The check may take other locks (or call into this agent): never under ours.
+                if parking_lot::MutexGuard::unlocked(&mut q, c) {
+                    return None;
+                }
+                // An event may have come while the lock was let go.
+                if let Some(ev) = q.pop_front() {
+                    return Some(ev);
+                }
             }
             let until = if cancel.is_some() {
                 deadline.min(now + Duration::from_millis(5))
