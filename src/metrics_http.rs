@@ -9,7 +9,7 @@ use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 /// Answers each HTTP request at `listener` with the engine's metrics text, one short connection
-/// at a time on a thread of its own, for as long as the engine lives: within [`IDLE_TICK`] of the
+/// at a time on a thread of its own, for as long as the engine lives: within 200 ms of the
 /// engine's end the thread ends and the port is closed, connection or not.
 pub fn serve(engine: Weak<Engine>, listener: TcpListener) {
     std::thread::spawn(move || {
