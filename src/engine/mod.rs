@@ -782,11 +782,20 @@ impl Engine {
                         ))
                     }
                     state => {
-                        if state == PeerState::Failed && !core.peers.revive(*rank, Instant::now()) {
-                            return Err(Error::new(
-                                ErrorKind::PeerLost,
-                                format!("{rank}: connection failed and cannot be redialled here"),
-                            ));
+                        if state == PeerState::Failed {
+                            let now = Instant::now();
+                            if !core.peers.revive(*rank, now) {
+                                return Err(Error::new(
+                                    ErrorKind::PeerLost,
+                                    format!(
+                                        "{rank}: connection failed and cannot be redialled here"
+                                    ),
+                                ));
+                            }
+                            // The round's first dial is due now, and only the sink makes it: a
+                            // progress thread asleep would reach it at its next timer, up to
+                            // 100 ms on.
+                            self.inner.agent.wake_by(now);
                         }
                         if !sleep(core, WaitKey::Peer(*rank), deadline)
                             && Instant::now() >= deadline
