@@ -193,6 +193,19 @@ impl Progress {
         for s in &slots {
             self.stop_slot(s, STOP_PEER);
         }
+        // Its remote keys were unpacked on the endpoint: destroyed before it, as a worker's
+        // move does with all of them (`handles.rs`), their ids kept as lost so that a transfer
+        // still asked with one ends as the peer's loss.
+        let keys: Vec<u64> = self
+            .rkeys
+            .iter()
+            .filter(|(_, (p, _))| *p == peer)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in keys {
+            drop(self.rkeys.remove(&id));
+            self.lost_rkeys.insert(id);
+        }
         if let Some(ep) = ep {
             // Dropping the endpoint force-closes it: every send still on it ends.
             self.ep_to_peer.remove(&(ep.ep as usize));
