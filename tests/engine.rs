@@ -594,6 +594,55 @@ fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
     );
 }
 
+/// A CUDA buffer whose length no pinned staging buffer can have (past half the address space)
+/// is `InvalidArgument`, with or without a driver, and takes back the receive posted before it:
+/// it used to panic in the size class (a debug build) or in cudarc's pinned allocation, with the
+/// host buffer's receive left posted and leased, or to post a receive of that length into a
+/// 64 KiB buffer (the class wrapped to 0 in a release build).
+#[test]
+fn a_cuda_buffer_no_staging_buffer_holds_is_invalid_and_leaves_nothing_posted() {
+    let (_ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(5), None);
+    let mut host = vec![0u8; 4096];
+    for (i, len) in [(1u64 << 62) + 1, 1 << 63, u64::MAX - 0x1_0000]
+        .into_iter()
+        .enumerate()
+    {
+        let specs = vec![
+            BufferSpec {
+                kind: BufferKind::Kv,
+                segment: 0,
+                addr: host.as_mut_ptr() as u64,
+                len: 4096,
+                device_id: -1,
+            },
+            BufferSpec {
+                kind: BufferKind::Kv,
+                segment: 1,
+                addr: 0x1000,
+                len,
+                device_id: 0,
+            },
+        ];
+        let key = RequestKey::new(90 + i as u64, 0);
+        let e =
+            unsafe { gen.advertise(key, vec![RankId(GEN)], vec![(RankId(CTX), specs)], vec![]) }
+                .unwrap_err();
+        assert_eq!(e.kind, kvlink::ErrorKind::InvalidArgument, "{len}: {e}");
+    }
+    let until = Instant::now() + Duration::from_secs(2);
+    while (gen.health().buffers_leased, gen.health().ops_in_flight) != (0, 0)
+        && Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let h = gen.health();
+    assert_eq!(
+        (h.buffers_leased, h.ops_in_flight),
+        (0, 0),
+        "the host buffers' receives were taken back"
+    );
+}
+
 #[test]
 fn two_context_ranks_fill_one_request() {
     let mk_ctx = |rank: u32| {

@@ -62,15 +62,21 @@ impl<B> BufferPool<B> {
         }
     }
 
-    /// The size class that holds `len` bytes.
-    pub fn class(len: usize) -> usize {
-        len.max(1).next_power_of_two().max(MIN_CLASS)
+    /// The size class that holds `len` bytes: `InvalidArgument` past the largest class, half
+    /// the address space (no power of two above it is an allocation size: `isize::MAX` bounds
+    /// every allocation, and the next power of two of a larger `len` overflows).
+    pub fn class(len: usize) -> Result<usize> {
+        len.max(1)
+            .checked_next_power_of_two()
+            .filter(|c| *c <= isize::MAX as usize)
+            .map(|c| c.max(MIN_CLASS))
+            .ok_or_else(|| Error::invalid(format!("no staging buffer holds {len} bytes")))
     }
 
     /// A buffer of `len`'s class: a free one if there is one, else `alloc(class)` (called
-    /// without the lock held).
+    /// without the lock held). `InvalidArgument` for a `len` no class holds.
     pub fn take(&self, len: usize, alloc: impl FnOnce(usize) -> Result<B>) -> Result<(usize, B)> {
-        let class = Self::class(len);
+        let class = Self::class(len)?;
         {
             let mut free = self.free.lock();
             if let Some(i) = free.0.iter().position(|(c, _)| *c == class) {
@@ -145,7 +151,10 @@ impl Drop for Staging {
 }
 
 impl Staging {
+    /// A buffer of at least `len` bytes on `device`: `InvalidArgument` for a `len` no buffer
+    /// can have (checked first: a bad size is the caller's, whatever the device).
     pub fn new(device: i32, len: usize) -> Result<Staging> {
+        BufferPool::<PinnedHostSlice<u8>>::class(len)?;
         let pool = device_pool(device)?;
         let ctx = pool.ctx.clone();
         let (class, buf) = pool.pool.take(len, |class| {
@@ -271,6 +280,25 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind, ErrorKind::Cuda);
         assert_eq!(pool.cached(), (2, MIN_CLASS + (2 << 20)));
+    }
+
+    #[test]
+    fn a_length_no_class_holds_is_refused_not_wrapped() {
+        // Past half the address space the next power of two overflows (a panic in a debug
+        // build, 0 in a release build: a 64 KiB buffer for a receive posted at `len` bytes), and
+        // 2^63 itself is past `isize::MAX`, which cudarc's pinned allocation asserts against.
+        let pool: BufferPool<Vec<u8>> = BufferPool::new(1 << 30);
+        for len in [(1usize << 62) + 1, 1 << 63, (1 << 63) + 1, usize::MAX] {
+            let e = pool
+                .take(len, |c| panic!("allocated {c} bytes for {len}"))
+                .unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{len}: {e}");
+            // Before any device is asked: the same error with or without a driver.
+            let e = Staging::new(0, len).err().unwrap();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{len}: {e}");
+        }
+        assert_eq!(BufferPool::<Vec<u8>>::class(1 << 62).unwrap(), 1 << 62);
+        assert_eq!(pool.cached(), (0, 0));
     }
 
     #[test]
