@@ -200,3 +200,59 @@ fn a_failed_copy_to_the_device_cancels_the_request_at_once() {
     assert_ne!(s, Outcome::Completed, "the bytes never reached the device");
     assert_eq!(receiver.health().buffers_leased, 0);
 }
+
+/// Staging makes device 0's context current for its copies (cudarc binds it before each call):
+/// the caller's thread must have its own current context back after every call, error paths
+/// included, or the caller's next CUDA runtime call goes to kvlink's context (another device's,
+/// on a multi-GPU node) instead of its own.
+#[test]
+fn staging_leaves_the_callers_current_context_alone() {
+    use cudarc::driver::{result::ctx, sys};
+    if !driver_present() || CudaContext::device_count().unwrap_or(0) == 0 {
+        println!("SKIP staging_leaves_the_callers_current_context_alone: no CUDA driver or GPU on this machine");
+        return;
+    }
+    let primary = CudaContext::new(0).unwrap();
+    let stream = primary.default_stream();
+    let len = 1 << 20;
+    let src: Vec<u8> = (0..len).map(|i| (i * 11 % 253) as u8).collect();
+    let d_src = stream.clone_htod(&src).unwrap();
+    let d_dst = stream.alloc_zeros::<u8>(len).unwrap();
+    let (src_ptr, g1) = d_src.device_ptr(&stream);
+    let (dst_ptr, g2) = d_dst.device_ptr(&stream);
+    stream.synchronize().unwrap();
+    // A context of the caller's own on device 0 (not its primary one, which kvlink uses).
+    let mut dev = 0;
+    let mut own = std::ptr::null_mut();
+    // SAFETY: plain driver calls with out-pointers to locals.
+    unsafe {
+        sys::cuDeviceGet(&mut dev, 0).result().unwrap();
+        sys::cuCtxCreate_v2(&mut own, 0, dev).result().unwrap();
+    }
+    for want in [Some(own), None] {
+        // SAFETY: `own` lives until destroyed below; null pops the thread's context stack
+        // (primary, own), once per context on it.
+        while ctx::get_current().unwrap() != want {
+            unsafe { ctx::set_current(want.unwrap_or(std::ptr::null_mut())) }.unwrap();
+        }
+        let check = |after: &str| assert_eq!(ctx::get_current().unwrap(), want, "after {after}");
+        let mut st = Staging::new(0, len).unwrap();
+        check("Staging::new");
+        st.from_device(src_ptr, len).unwrap();
+        check("from_device");
+        st.host_ptr().unwrap();
+        check("host_ptr");
+        st.host_slice(len).unwrap();
+        check("host_slice");
+        st.to_device(dst_ptr, len).unwrap();
+        check("to_device");
+        assert!(st.to_device(0x10, len).is_err(), "no allocation at 0x10");
+        check("a failed to_device");
+        drop(st);
+        check("drop");
+    }
+    // SAFETY: `own` was made above and is used no more.
+    unsafe { sys::cuCtxDestroy_v2(own).result().unwrap() };
+    drop((g1, g2));
+    assert_eq!(stream.clone_dtoh(&d_dst).unwrap(), src);
+}

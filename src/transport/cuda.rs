@@ -6,6 +6,9 @@
 //! reports CUDA memory support: `DevicePath::Staged`). The pinned buffers come from a pool per
 //! device, allocated on first use per size class and reused, instead of one allocation (and one
 //! context creation) per buffer per request.
+//!
+//! Every call leaves the calling thread's current CUDA context as it found it: cudarc makes the
+//! device's primary context current for its work, and `send_device` runs on the caller's thread.
 use crate::error::{Error, ErrorKind, Result};
 use cudarc::driver::{sys, CudaContext, PinnedHostSlice};
 use parking_lot::Mutex;
@@ -113,6 +116,31 @@ struct DevicePool {
     pool: BufferPool<PinnedHostSlice<u8>>,
 }
 
+/// The calling thread's current CUDA context, made current again when this is dropped. cudarc
+/// makes a device's context current before its calls (`bind_to_thread`: `cuCtxSetCurrent`) and
+/// leaves it so; staging runs on the caller's threads (`send_device`), where the current context
+/// (another device's, or one of the caller's own) decides where the caller's next CUDA runtime
+/// call goes. Made only once the driver is loaded and initialised (a device was checked): before
+/// `cuInit` nothing is current, and there is nothing to put back.
+struct KeepCurrent(Option<sys::CUcontext>);
+
+impl KeepCurrent {
+    fn new() -> Self {
+        let current = cudarc::driver::result::ctx::get_current();
+        KeepCurrent(current.ok().map(|c| c.unwrap_or(std::ptr::null_mut())))
+    }
+}
+
+impl Drop for KeepCurrent {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0 {
+            // SAFETY: `ctx` was current on this thread when this was made (or is null: none
+            // was), and nothing in between destroys a context.
+            let _ = unsafe { cudarc::driver::result::ctx::set_current(ctx) };
+        }
+    }
+}
+
 fn pools() -> &'static Mutex<HashMap<i32, Arc<DevicePool>>> {
     static POOLS: OnceLock<Mutex<HashMap<i32, Arc<DevicePool>>>> = OnceLock::new();
     POOLS.get_or_init(|| Mutex::new(HashMap::new()))
@@ -124,6 +152,7 @@ fn device_pool(device: i32) -> Result<Arc<DevicePool>> {
         return Ok(p.clone());
     }
     check_device(device)?;
+    let _keep = KeepCurrent::new();
     let ctx = CudaContext::new(device as usize).map_err(|e| cuda_err("cuCtxCreate", e))?;
     let made = Arc::new(DevicePool {
         ctx,
@@ -145,7 +174,10 @@ impl Drop for Staging {
     fn drop(&mut self) {
         if let Some(b) = self.buf.take() {
             // Over the pool's cap it comes back and is freed here, outside the pool's lock.
-            drop(self.pool.pool.give(self.class, b));
+            if let Some(b) = self.pool.pool.give(self.class, b) {
+                let _keep = KeepCurrent::new();
+                drop(b);
+            }
         }
     }
 }
@@ -156,6 +188,7 @@ impl Staging {
     pub fn new(device: i32, len: usize) -> Result<Staging> {
         BufferPool::<PinnedHostSlice<u8>>::class(len)?;
         let pool = device_pool(device)?;
+        let _keep = KeepCurrent::new();
         let ctx = pool.ctx.clone();
         let (class, buf) = pool.pool.take(len, |class| {
             // SAFETY: the bytes are uninitialised until a copy fills them; they are only read
@@ -184,6 +217,7 @@ impl Staging {
 
     /// The pinned buffer, for UCX to send from or receive into.
     pub fn host_ptr(&mut self) -> Result<*mut u8> {
+        let _keep = KeepCurrent::new();
         self.buf_mut()?
             .as_mut_ptr()
             .map_err(|e| cuda_err("pinned buffer", e))
@@ -191,6 +225,7 @@ impl Staging {
 
     /// The pinned buffer's bytes (what a send of staged device data reads).
     pub fn host_slice(&self, len: usize) -> Result<&[u8]> {
+        let _keep = KeepCurrent::new();
         let all = self
             .buf()?
             .as_slice()
@@ -201,6 +236,7 @@ impl Staging {
 
     /// Copies `len` bytes from device address `src` into the pinned buffer.
     pub fn from_device(&mut self, src: u64, len: usize) -> Result<()> {
+        let _keep = KeepCurrent::new();
         self.pool
             .ctx
             .bind_to_thread()
@@ -220,6 +256,7 @@ impl Staging {
 
     /// Copies `len` bytes from the pinned buffer to device address `dst`.
     pub fn to_device(&mut self, dst: u64, len: usize) -> Result<()> {
+        let _keep = KeepCurrent::new();
         self.pool
             .ctx
             .bind_to_thread()
