@@ -567,8 +567,10 @@ fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
         0,
         "the host buffer's lease was returned"
     );
-    let e = ctx
-        .send_device(
+    // A send on a request the context side does not know is that misuse, whatever the memory:
+    // told before anything is staged.
+    let send_device = |key| {
+        ctx.send_device(
             key,
             RankId(GEN),
             0,
@@ -578,8 +580,28 @@ fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
             Instant::now() + Duration::from_secs(1),
             None,
         )
-        .unwrap_err();
-    assert_eq!(e.kind, kvlink::ErrorKind::Cuda);
+    };
+    let e = send_device(key).unwrap_err();
+    assert_eq!(e.kind, kvlink::ErrorKind::UnknownRequest, "{e}");
+    // On a request it may send, the missing driver is the error; the request is then
+    // cancelled and agreed as usual.
+    let k2 = RequestKey::new(79, 0);
+    let mut host2 = vec![0u8; 4096];
+    advertise_one(&gen, k2, &mut host2);
+    let dl = Instant::now() + Duration::from_secs(5);
+    let adv = ctx.next_advertisement(dl, None).unwrap();
+    ctx.accept(k2, adv.from, true).unwrap();
+    let e = send_device(k2).unwrap_err();
+    assert_eq!(e.kind, kvlink::ErrorKind::Cuda, "{e}");
+    gen.cancel(k2).unwrap();
+    assert_eq!(
+        gen.wait(k2, Role::Receiver, dl, None).unwrap(),
+        Outcome::Cancelled
+    );
+    let sender = Role::Sender {
+        receiver: RankId(GEN),
+    };
+    assert_eq!(ctx.wait(k2, sender, dl, None).unwrap(), Outcome::Cancelled);
     // The engine still serves host requests.
     let (g, c, ok) = run(&ctx, &gen, RequestKey::new(78, 0), &[4096]);
     assert_eq!((g, c, ok), (Outcome::Completed, Outcome::Completed, true));

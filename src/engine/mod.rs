@@ -1273,7 +1273,8 @@ impl Engine {
 
     /// [`Engine::send`] for data in CUDA device memory: staged through a pinned host buffer
     /// (device -> host copy, then the tagged send), since the system UCX cannot read device
-    /// memory. `ErrorKind::Cuda` where no driver or no such device exists.
+    /// memory. `ErrorKind::Cuda` where no driver or no such device exists. Misuse is told as for
+    /// [`Engine::send`], before anything is staged or copied.
     #[allow(clippy::too_many_arguments)]
     pub fn send_device(
         &self,
@@ -1286,6 +1287,17 @@ impl Engine {
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
+        // The request's checks first (unknown, not accepted, segment, size): a misuse is not a
+        // CUDA error, and costs no pinned buffer and no copy. `send` checks again.
+        if let Err(ended) = self
+            .inner
+            .core
+            .lock()
+            .ep
+            .check_send(key, to, segment, len as u64)?
+        {
+            return Ok(ended);
+        }
         let mut staging = Staging::new(device, len)?;
         staging.from_device(device_addr, len)?;
         self.send(key, to, segment, staging.host_slice(len)?, deadline, cancel)
