@@ -248,8 +248,10 @@ impl Staging {
         let dst = dst
             .get_mut(..len)
             .ok_or_else(|| Error::new(ErrorKind::OutOfBounds, "staging buffer too small"))?;
-        // SAFETY: `src` is a device address inside a region registered by its owner for `len`
-        // bytes (checked by the caller against the registry).
+        // SAFETY: `dst` is host memory of ours, `len` bytes long (checked above). `src` is the
+        // caller's device address, not checked here against anything: the driver reads device
+        // memory only, and an address it does not know for `len` bytes is an error it returns
+        // (`CUDA_ERROR_INVALID_VALUE`), never a host access.
         unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, src) }
             .map_err(|e| cuda_err("cuMemcpyDtoH", e))
     }
