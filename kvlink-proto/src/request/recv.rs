@@ -362,7 +362,8 @@ impl RecvRequest {
     }
 
     /// A vote from one of this request's senders (its own failure) or, at the coordinator, from
-    /// another receiver.
+    /// another receiver. This rank's own vote never comes as a message (`set_local_vote` records
+    /// it): one that names this rank is dropped, as `on_verdict` drops a verdict from it.
     pub(crate) fn on_vote(&mut self, now: Instant, from: RankId, vote: Outcome, out: &mut Out) {
         if let Some(flow) = self.flows.get_mut(&from) {
             flow.answered = true;
@@ -375,7 +376,7 @@ impl RecvRequest {
             } else if !vote.is_completed() {
                 self.set_local_vote(now, vote, out);
             }
-        } else if self.is_coordinator() && self.receivers.contains(&from) {
+        } else if self.is_coordinator() && from != self.me && self.receivers.contains(&from) {
             if let Some(v) = self.verdict {
                 out.send(from, verdict_to_send(self.key, v));
                 return;

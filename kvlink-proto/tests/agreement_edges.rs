@@ -1,0 +1,84 @@
+//! Edges of the cross-rank agreement (`agreement.rs`, the votes and verdicts of
+//! `request/recv.rs`) that a review found faulty, each pinned by a deterministic test.
+mod proto_sim;
+
+use kvlink_proto::error::Outcome;
+use kvlink_proto::{
+    BufferPool, Endpoint, Event, Message, RankId, ReceiveSpec, RequestKey, Role, TokenAllocator,
+};
+use proto_sim::*;
+use std::time::Instant;
+
+/// The outcomes of every terminal event `ep` has queued for `key` in `role`, draining them.
+fn terminals(ep: &mut Endpoint, key: RequestKey, role: Role) -> Vec<Outcome> {
+    std::iter::from_fn(|| ep.poll_event())
+        .filter_map(|e| match e {
+            Event::Terminal {
+                key: k,
+                role: r,
+                outcome,
+                ..
+            } if k == key && r == role => Some(outcome),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A rank's own vote never comes over the wire: the coordinator records it itself. A `Vote`
+/// that names the coordinator's own rank as its sender (a transport or a caller that routes a
+/// message to the wrong rank) was taken as that rank's vote, replacing the real one: a
+/// `Completed` from "itself" made the coordinator decide `Completed` with none of its own
+/// segments landed, and end `Completed` once the cancelled receive was reaped, breaking
+/// "`Completed` iff every byte of every segment landed". `on_verdict` already refuses a verdict
+/// from its own rank; a vote from it is now dropped the same way.
+#[test]
+fn a_vote_naming_the_coordinators_own_rank_is_not_its_vote() {
+    let t = Instant::now();
+    let cfg = config();
+    let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
+    let mut gen = Endpoint::new(g1, cfg);
+    let key = RequestKey::new(11, 0);
+    let lease = BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    // Two receivers: g1 is the coordinator, its one segment from `c` has not landed.
+    let spec = ReceiveSpec {
+        receivers: vec![g1, g2],
+        ..one_buffer(key, g1, c, lease, desc, None)
+    };
+    gen.start_receive(t, spec).unwrap();
+    let dropped = gen.stats().unknown_dropped;
+    // The other receiver's data landed: its vote is `Completed`.
+    gen.handle_message(
+        t + ms(1),
+        g2,
+        Message::Vote {
+            key,
+            outcome: Outcome::Completed,
+        },
+    )
+    .unwrap();
+    // A `Completed` vote that names the coordinator itself.
+    gen.handle_message(
+        t + ms(2),
+        g1,
+        Message::Vote {
+            key,
+            outcome: Outcome::Completed,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        gen.verdict(key),
+        None,
+        "a vote from the coordinator's own rank decided the request"
+    );
+    assert_eq!(gen.stats().unknown_dropped, dropped + 1);
+    assert!(gen.running(key, Role::Receiver));
+    assert!(terminals(&mut gen, key, Role::Receiver).is_empty());
+    // Its own landing still completes it (both receivers have now voted `Completed`).
+    gen.handle_segment_landed(t + ms(4), key, 0).unwrap();
+    assert_eq!(
+        terminals(&mut gen, key, Role::Receiver),
+        vec![Outcome::Completed]
+    );
+}
