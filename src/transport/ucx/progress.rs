@@ -339,9 +339,12 @@ fn run(shared: &Shared) {
         }
         let callers = shared.caller_passes.load(Ordering::Acquire);
         let caller_drives = std::mem::replace(&mut seen_caller_passes, callers) != callers;
+        // A caller spinning for the lock (`Shared::spin_for_driver`) is let in: we sleep and it
+        // drives, taking its completion on its own core.
         if !window.is_zero()
             && pass.now.saturating_duration_since(last_progress) < window
             && !caller_drives
+            && shared.spinning.load(Ordering::Acquire) == 0
         {
             // Bounded: only within `window` of our last progress (a caller that drives polls
             // on its own; we do not compete with it).

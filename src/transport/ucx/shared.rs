@@ -265,6 +265,15 @@ pub(super) struct Shared {
     pub(super) sleeping_until_ns: AtomicU64,
     /// How long a thread keeps polling after the last progress before it sleeps.
     pub(super) poll_window: Duration,
+    /// How long a caller within its poll window spins for the driver lock when the progress
+    /// thread holds it ([`Shared::try_drive`]); zero where this process may run on one CPU only
+    /// (spinning would take the CPU from the very thread that holds the lock). See
+    /// [`drive_spin`].
+    pub(super) drive_spin: Duration,
+    /// Callers spinning for the driver lock now: the progress thread stops polling and sleeps
+    /// (letting go of the lock) while there are any, so that the caller drives and takes its
+    /// own completion without a wake-up from another core.
+    pub(super) spinning: AtomicUsize,
     /// The agent's transport is [`TransportKind::Tcp`] (sockets, which the kernel copies): a
     /// caller waits among bulk transfers in flight without polling (see
     /// [`Driving::for_transfer`]). An explicit list (`tcp,self`) or `auto` is left out.
@@ -333,6 +342,8 @@ impl Shared {
             last_progress_ns: AtomicU64::new(0),
             sleeping_until_ns: AtomicU64::new(0),
             poll_window: super::progress::poll_window(),
+            drive_spin: drive_spin(),
+            spinning: AtomicUsize::new(0),
             kernel_copies: opts.transport == TransportKind::Tcp,
             probe_seen: AtomicU64::new(0),
             probe_nonce: crate::random::u64(),
@@ -686,15 +697,18 @@ impl Shared {
         // The progress thread holds the lock only for a pass: a few yields usually get it. A
         // caller that is driving already wakes us when our fact changes.
         let mut tries = 0;
-        let mut guard = loop {
+        let got = loop {
             match self.driver.try_lock() {
-                Some(g) => break g,
+                Some(g) => break Some(g),
                 None if tries < 3 => {
                     tries += 1;
                     std::thread::yield_now();
                 }
-                None => return false,
+                None => break None,
             }
+        };
+        let Some(mut guard) = got.or_else(|| self.spin_for_driver()) else {
+            return false;
         };
         let Some(p) = guard.as_mut() else {
             return false;
@@ -709,6 +723,34 @@ impl Shared {
             self.wake();
         }
         true
+    }
+
+    /// Where another CPU may run the progress thread meanwhile: spins up to `drive_spin` for the
+    /// driver lock, the progress thread told to let go of it (`spinning`). On a core of its own
+    /// a caller that sleeps instead is woken from another core when its completion comes, and
+    /// such a wake-up costs tens of µs on a virtual machine whose idle CPUs halt: on a 16-CPU
+    /// host, each process on 8 of them, whole 4 KiB requests one at a time took 33-57 µs over
+    /// shared memory, against 9-10 µs with each process on one CPU (README, "Callers drive
+    /// progress").
+    fn spin_for_driver(&self) -> Option<parking_lot::MutexGuard<'_, Option<Box<Progress>>>> {
+        if self.drive_spin.is_zero() {
+            return None;
+        }
+        self.spinning.fetch_add(1, Ordering::AcqRel);
+        let until = Instant::now() + self.drive_spin;
+        let got = loop {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+            if let Some(g) = self.driver.try_lock() {
+                break Some(g);
+            }
+            if Instant::now() >= until {
+                break None;
+            }
+        };
+        self.spinning.fetch_sub(1, Ordering::AcqRel);
+        got
     }
 
     /// A caller stopped driving: if the progress thread sleeps, wake it, so it runs a pass and
@@ -842,6 +884,33 @@ impl CancelPace {
     }
 }
 
+/// How long a caller spins for the driver lock ([`Shared::try_drive`]): 50 µs where this
+/// process may run on [`SPIN_CPUS`] CPUs or more, none on fewer (`KVLINK_DRIVE_SPIN_US`
+/// overrides it; 0 turns spinning off). Read once, when the agent starts. Not on one CPU, where
+/// the spin would take the CPU from the thread that holds the lock, and not on two or three,
+/// where a process pair on one host (this project's test machines, two CPUs) would take each
+/// other's: there the threads of a process mostly share a core, and a wake-up is cheap.
+fn drive_spin() -> Duration {
+    spin_for(
+        std::env::var("KVLINK_DRIVE_SPIN_US").ok().as_deref(),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    )
+}
+
+/// [`drive_spin`] for the environment's value `env` and `cpus` CPUs.
+fn spin_for(env: Option<&str>, cpus: usize) -> Duration {
+    match env.and_then(|v| v.trim().parse::<u64>().ok()) {
+        Some(us) => Duration::from_micros(us),
+        None if cpus >= SPIN_CPUS => DRIVE_SPIN,
+        None => Duration::ZERO,
+    }
+}
+
+/// See [`drive_spin`].
+const DRIVE_SPIN: Duration = Duration::from_micros(50);
+/// See [`drive_spin`].
+const SPIN_CPUS: usize = 4;
+
 /// A waiting caller's turn at driving progress (`Shared::try_drive`). When it stops (paused
 /// before a sleep, or dropped), the progress thread takes over (`Shared::done_driving`).
 pub struct Driving<'a> {
@@ -953,6 +1022,20 @@ mod tests {
     use super::super::op::SlotKind;
     use super::*;
     use std::os::fd::AsRawFd;
+
+    /// Callers spin for the driver lock only where the process has four CPUs or more, unless
+    /// the environment says otherwise (a value that is not a number is ignored).
+    #[test]
+    fn callers_spin_for_the_driver_only_on_four_cpus_or_more() {
+        assert_eq!(spin_for(None, 1), Duration::ZERO);
+        assert_eq!(spin_for(None, 2), Duration::ZERO, "a two-CPU test machine");
+        assert_eq!(spin_for(None, 3), Duration::ZERO);
+        assert_eq!(spin_for(None, 4), DRIVE_SPIN);
+        assert_eq!(spin_for(None, 8), DRIVE_SPIN);
+        assert_eq!(spin_for(Some("0"), 8), Duration::ZERO, "turned off");
+        assert_eq!(spin_for(Some(" 20 "), 1), Duration::from_micros(20));
+        assert_eq!(spin_for(Some("lots"), 8), DRIVE_SPIN);
+    }
 
     /// The shared state alone: no progress thread, so the tests play it.
     fn shared() -> Arc<Shared> {
