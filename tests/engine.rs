@@ -528,6 +528,26 @@ fn a_cancel_check_that_answers_true_once_cancels_the_wait() {
     assert_eq!(gen.health().buffers_leased, 0);
 }
 
+/// Segment 0 in `host`, segment 1 of `len` bytes at `addr` on device 0.
+fn host_then_device(host: &mut [u8], addr: u64, len: u64) -> Vec<BufferSpec> {
+    vec![
+        BufferSpec {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: host.as_mut_ptr() as u64,
+            len: host.len() as u64,
+            device_id: -1,
+        },
+        BufferSpec {
+            kind: BufferKind::Kv,
+            segment: 1,
+            addr,
+            len,
+            device_id: 0,
+        },
+    ]
+}
+
 #[test]
 fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
     if kvlink::transport::cuda::driver_present() {
@@ -537,22 +557,7 @@ fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
     let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(5), None);
     let key = RequestKey::new(77, 0);
     let mut host = vec![0u8; 4096];
-    let specs = vec![
-        BufferSpec {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: host.as_mut_ptr() as u64,
-            len: 4096,
-            device_id: -1,
-        },
-        BufferSpec {
-            kind: BufferKind::Kv,
-            segment: 1,
-            addr: 0x7f00_0000_0000,
-            len: 4096,
-            device_id: 0,
-        },
-    ];
+    let specs = host_then_device(&mut host, 0x7f00_0000_0000, 4096);
     let e = unsafe { gen.advertise(key, vec![RankId(GEN)], vec![(RankId(CTX), specs)], vec![]) }
         .unwrap_err();
     assert_eq!(e.kind, kvlink::ErrorKind::Cuda);
@@ -629,22 +634,7 @@ fn a_cuda_buffer_no_staging_buffer_holds_is_invalid_and_leaves_nothing_posted() 
         .into_iter()
         .enumerate()
     {
-        let specs = vec![
-            BufferSpec {
-                kind: BufferKind::Kv,
-                segment: 0,
-                addr: host.as_mut_ptr() as u64,
-                len: 4096,
-                device_id: -1,
-            },
-            BufferSpec {
-                kind: BufferKind::Kv,
-                segment: 1,
-                addr: 0x1000,
-                len,
-                device_id: 0,
-            },
-        ];
+        let specs = host_then_device(&mut host, 0x1000, len);
         let key = RequestKey::new(90 + i as u64, 0);
         let e =
             unsafe { gen.advertise(key, vec![RankId(GEN)], vec![(RankId(CTX), specs)], vec![]) }
