@@ -82,3 +82,42 @@ fn a_vote_naming_the_coordinators_own_rank_is_not_its_vote() {
         vec![Outcome::Completed]
     );
 }
+
+/// A non-coordinating receiver takes a `Completed` verdict only once its own segments have all
+/// landed: before that a correct coordinator cannot have decided it (it needs this rank's
+/// `Completed` vote, sent only after the landings), so it is a faulty or forged verdict, and
+/// taking it ended this rank `Completed` with bytes missing. Dropped and counted as a bad
+/// message; after the landing the coordinator's real verdict is taken.
+#[test]
+fn a_completed_verdict_before_this_ranks_own_landings_is_refused() {
+    let t = Instant::now();
+    let cfg = config();
+    let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
+    // This side is g2; g1 coordinates.
+    let mut gen = Endpoint::new(g2, cfg);
+    let key = RequestKey::new(12, 0);
+    let lease = BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    let spec = ReceiveSpec {
+        receivers: vec![g1, g2],
+        ..one_buffer(key, g2, c, lease, desc, None)
+    };
+    gen.start_receive(t, spec).unwrap();
+    let bad = gen.stats().bad_frames;
+    let completed = Message::Verdict {
+        key,
+        outcome: Outcome::Completed,
+    };
+    gen.handle_message(t + ms(1), g1, completed.clone())
+        .unwrap();
+    assert_eq!(gen.verdict(key), None, "taken with nothing landed");
+    assert_eq!(gen.stats().bad_frames, bad + 1);
+    assert!(terminals(&mut gen, key, Role::Receiver).is_empty());
+    // Its segment lands; the coordinator's verdict now completes it.
+    gen.handle_segment_landed(t + ms(2), key, 0).unwrap();
+    gen.handle_message(t + ms(3), g1, completed).unwrap();
+    assert_eq!(
+        terminals(&mut gen, key, Role::Receiver),
+        vec![Outcome::Completed]
+    );
+}

@@ -399,7 +399,22 @@ impl RecvRequest {
             out.stats.duplicates += 1;
             return;
         }
+        // A coordinator decides `Completed` only once every receiver voted it, and this rank
+        // votes it only once all its segments landed: a `Completed` before that is a faulty
+        // coordinator's (or a forged one), and taking it would end this rank `Completed` with
+        // bytes missing. Dropped as a bad message; the rank goes on to its own end.
+        if v.is_completed() && !self.all_landed() {
+            out.stats.bad_frames += 1;
+            return;
+        }
         self.set_verdict(now, v, out);
+    }
+
+    /// Whether every segment of this rank's flows has landed.
+    fn all_landed(&self) -> bool {
+        self.flows
+            .values()
+            .all(|f| f.segs.values().all(|s| matches!(s.state, SegState::Landed)))
     }
 
     pub(crate) fn on_quiesced(&mut self, from: RankId, out: &mut Out) {
@@ -441,11 +456,7 @@ impl RecvRequest {
                 return true;
             }
         }
-        let all_landed = self
-            .flows
-            .values()
-            .all(|f| f.segs.values().all(|s| matches!(s.state, SegState::Landed)));
-        if all_landed {
+        if self.all_landed() {
             self.set_local_vote(now, Outcome::Completed, out);
         }
         self.try_finish(out);
