@@ -210,7 +210,7 @@ impl Metrics {
         );
         registry.register(
             "bad_frames",
-            "Control messages that failed to decode or came from an unknown peer",
+            "Control messages that failed to decode, came from an unknown peer, or could not be true (a Completed verdict before this rank's own landings)",
             m.bad.clone(),
         );
         registry.register(
