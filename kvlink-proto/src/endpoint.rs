@@ -429,6 +429,15 @@ impl Endpoint {
                         format!("{key}: advertise names {src_rank} but came from {from}"),
                     ));
                 }
+                // A rank receives a request or sends it, never both, and never to itself: such
+                // an advertisement would start a send flow that takes the verdicts meant for
+                // this rank's receive (they are routed to a send flow first).
+                if from == self.me || self.recvs.contains_key(&key) {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("{key}: an advertisement from {from} for a request this rank receives, or from itself"),
+                    ));
+                }
                 if let Some(f) = flow_mut(&mut self.sends, key, from) {
                     f.on_advertise_again(&mut self.out);
                 } else if let Some(&(_, ended)) = self.tombs.get(&TimerId::Send(key, from)) {

@@ -121,3 +121,59 @@ fn a_completed_verdict_before_this_ranks_own_landings_is_refused() {
         vec![Outcome::Completed]
     );
 }
+
+/// An `Advertise` for a key this rank receives (or one claiming to come from this very rank)
+/// is a protocol error: before, it started a send flow, and the coordinator's verdicts, routed to
+/// a send flow `(key, from)` first, went there instead of to the receive, which then ended
+/// unagreed at its bound.
+#[test]
+fn an_advertisement_for_a_key_this_rank_receives_is_a_protocol_error() {
+    let t = Instant::now();
+    let cfg = config();
+    let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
+    let mut gen = Endpoint::new(g2, cfg);
+    let key = RequestKey::new(13, 0);
+    let lease = BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    let spec = ReceiveSpec {
+        receivers: vec![g1, g2],
+        ..one_buffer(key, g2, c, lease, desc, None)
+    };
+    gen.start_receive(t, spec).unwrap();
+    for from in [g1, g2] {
+        let e = gen
+            .handle_message(
+                t + ms(1),
+                from,
+                Message::Advertise {
+                    key,
+                    src_rank: from,
+                    timeout_ms: 1000,
+                    request_info: vec![],
+                    buffers: vec![desc],
+                },
+            )
+            .unwrap_err();
+        assert_eq!(
+            e.kind,
+            kvlink_proto::error::ErrorKind::Protocol,
+            "{from}: {e}"
+        );
+    }
+    assert!(!gen.running(key, Role::Sender { receiver: g1 }));
+    // The coordinator's verdict still reaches the receive.
+    gen.handle_segment_landed(t + ms(2), key, 0).unwrap();
+    gen.handle_message(
+        t + ms(3),
+        g1,
+        Message::Verdict {
+            key,
+            outcome: Outcome::Completed,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        terminals(&mut gen, key, Role::Receiver),
+        vec![Outcome::Completed]
+    );
+}
