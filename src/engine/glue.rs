@@ -529,7 +529,10 @@ impl Inner {
             _ => None,
         };
         if let Err(e) = core.ep.handle_message(now, rank, msg) {
+            // A message that cannot be true (an advertisement naming another rank, or for a
+            // key this rank receives): the peer's mistake, counted with the undecodable ones.
             tracing::warn!("control message from {rank}: {e}");
+            core.counters.bad_frames += 1;
         }
         if let Some(key) = ready {
             core.waiters.wake(WaitKey::Ready(key));
