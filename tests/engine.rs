@@ -9,6 +9,10 @@ use std::time::{Duration, Instant};
 
 const CTX: u32 = 0;
 const GEN: u32 = 1;
+/// The context rank's role in a request for the generation rank.
+const TO_GEN: Role = Role::Sender {
+    receiver: RankId(GEN),
+};
 
 fn engines(kind: TransportKind, timeout: Duration, suppress: Option<u64>) -> (Engine, Engine) {
     let (ctx, gen) = unconnected(kind, timeout, suppress);
@@ -144,14 +148,7 @@ fn run(ctx: &Engine, gen: &Engine, key: RequestKey, sizes: &[usize]) -> (Outcome
         )
         .unwrap();
     let c = ctx
-        .wait(
-            key,
-            Role::Sender {
-                receiver: RankId(GEN),
-            },
-            Instant::now() + Duration::from_secs(10),
-            None,
-        )
+        .wait(key, TO_GEN, Instant::now() + Duration::from_secs(10), None)
         .unwrap();
     let _ = send_outcome;
     if g == Outcome::Completed {
@@ -460,16 +457,7 @@ fn cancel_on_the_generation_side_is_agreed_with_the_context_side() {
     let t0 = Instant::now();
     gen.cancel(key).unwrap();
     let g = gen.wait(key, Role::Receiver, dl, None).unwrap();
-    let c = ctx
-        .wait(
-            key,
-            Role::Sender {
-                receiver: RankId(GEN),
-            },
-            dl,
-            None,
-        )
-        .unwrap();
+    let c = ctx.wait(key, TO_GEN, dl, None).unwrap();
     println!("cancel: gen {g:?} ctx {c:?} in {:?}", t0.elapsed());
     assert_eq!((g, c), (Outcome::Cancelled, Outcome::Cancelled));
     // A send after the agreed cancel is refused with the verdict, never delivered.
@@ -512,16 +500,7 @@ fn a_cancel_check_that_answers_true_once_cancels_the_wait() {
         || t0.elapsed() >= Duration::from_millis(100) && raised.swap(false, Ordering::AcqRel);
     let g = gen.wait(key, Role::Receiver, dl, Some(&once)).unwrap();
     let took = t0.elapsed();
-    let c = ctx
-        .wait(
-            key,
-            Role::Sender {
-                receiver: RankId(GEN),
-            },
-            dl,
-            None,
-        )
-        .unwrap();
+    let c = ctx.wait(key, TO_GEN, dl, None).unwrap();
     println!("one-shot cancel: gen {g:?} after {took:?}, ctx {c:?}");
     assert_eq!((g, c), (Outcome::Cancelled, Outcome::Cancelled));
     assert!(took < Duration::from_secs(2), "returned after {took:?}");
@@ -603,10 +582,7 @@ fn cuda_buffers_without_a_driver_are_a_typed_error_and_leave_nothing_posted() {
         gen.wait(k2, Role::Receiver, dl, None).unwrap(),
         Outcome::Cancelled
     );
-    let sender = Role::Sender {
-        receiver: RankId(GEN),
-    };
-    assert_eq!(ctx.wait(k2, sender, dl, None).unwrap(), Outcome::Cancelled);
+    assert_eq!(ctx.wait(k2, TO_GEN, dl, None).unwrap(), Outcome::Cancelled);
     // The engine still serves host requests.
     let (g, c, ok) = run(&ctx, &gen, RequestKey::new(78, 0), &[4096]);
     assert_eq!((g, c, ok), (Outcome::Completed, Outcome::Completed, true));
@@ -1013,16 +989,7 @@ fn every_wait_returns_by_its_deadline_whatever_the_deadline() {
         .unwrap();
     assert_eq!(adv.key, key);
     let t0 = Instant::now();
-    let o = ctx
-        .wait(
-            key,
-            Role::Sender {
-                receiver: RankId(GEN),
-            },
-            past,
-            None,
-        )
-        .unwrap();
+    let o = ctx.wait(key, TO_GEN, past, None).unwrap();
     println!("sender, past deadline: {o:?} in {:?}", t0.elapsed());
     assert_ne!(o, Outcome::Completed);
     assert!(t0.elapsed() < bound);
@@ -1046,16 +1013,7 @@ fn every_wait_returns_by_its_deadline_whatever_the_deadline() {
     assert!(t0.elapsed() < Duration::from_secs(2) + bound);
     let adv = ctx.next_advertisement(far, None).unwrap();
     let t0 = Instant::now();
-    let o = ctx
-        .wait(
-            adv.key,
-            Role::Sender {
-                receiver: RankId(GEN),
-            },
-            far,
-            None,
-        )
-        .unwrap();
+    let o = ctx.wait(adv.key, TO_GEN, far, None).unwrap();
     println!(
         "far deadline, sender of a timed-out request: {o:?} after {:?}",
         t0.elapsed()
@@ -1458,14 +1416,7 @@ fn a_wait_while_its_own_progress_thread_is_stuck_returns_by_the_deadline_rule() 
             "{kind:?}"
         );
         // The sender learnt the first request's end: nothing of it is left on either side.
-        let c = ctx.wait(
-            key,
-            Role::Sender {
-                receiver: RankId(GEN),
-            },
-            dl,
-            None,
-        );
+        let c = ctx.wait(key, TO_GEN, dl, None);
         println!("{kind:?}: the context side's wait for the first request: {c:?}");
         assert_eq!(ctx.health().buffers_leased + gen.health().buffers_leased, 0);
     }

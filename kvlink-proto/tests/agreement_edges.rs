@@ -3,9 +3,7 @@
 mod proto_sim;
 
 use kvlink_proto::error::Outcome;
-use kvlink_proto::{
-    BufferPool, Endpoint, Event, Message, RankId, ReceiveSpec, RequestKey, Role, TokenAllocator,
-};
+use kvlink_proto::{BufferDesc, Endpoint, Event, Message, RankId, RequestKey, Role};
 use proto_sim::*;
 use std::time::Instant;
 
@@ -24,6 +22,20 @@ fn terminals(ep: &mut Endpoint, key: RequestKey, role: Role) -> Vec<Outcome> {
         .collect()
 }
 
+/// The two receiving ranks of these tests' requests (the first coordinates) and their one
+/// sender.
+const G1: RankId = RankId(1);
+const G2: RankId = RankId(2);
+const C: RankId = RankId(3);
+
+/// Rank `me`'s endpoint with request `key` started at `t`: receivers `G1` and `G2`, one buffer
+/// (segment 0, not landed) from `C`; returns the endpoint and that buffer's descriptor.
+fn receiving(me: RankId, key: RequestKey, t: Instant) -> (Endpoint, BufferDesc) {
+    let mut ep = Endpoint::new(me, config());
+    let desc = start_two_receiver_request(&mut ep, me, [G1, G2], C, key, t);
+    (ep, desc)
+}
+
 /// A rank's own vote never comes over the wire: the coordinator records it itself. A `Vote`
 /// that names the coordinator's own rank as its sender (a transport or a caller that routes a
 /// message to the wrong rank) was taken as that rank's vote, replacing the real one: a
@@ -34,23 +46,14 @@ fn terminals(ep: &mut Endpoint, key: RequestKey, role: Role) -> Vec<Outcome> {
 #[test]
 fn a_vote_naming_the_coordinators_own_rank_is_not_its_vote() {
     let t = Instant::now();
-    let cfg = config();
-    let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
-    let mut gen = Endpoint::new(g1, cfg);
     let key = RequestKey::new(11, 0);
-    let lease = BufferPool::new(4).lease(key).unwrap();
-    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
-    // Two receivers: g1 is the coordinator, its one segment from `c` has not landed.
-    let spec = ReceiveSpec {
-        receivers: vec![g1, g2],
-        ..one_buffer(key, g1, c, lease, desc, None)
-    };
-    gen.start_receive(t, spec).unwrap();
+    // Two receivers: G1 is the coordinator, its one segment from `C` has not landed.
+    let (mut gen, _) = receiving(G1, key, t);
     let dropped = gen.stats().unknown_dropped;
     // The other receiver's data landed: its vote is `Completed`.
     gen.handle_message(
         t + ms(1),
-        g2,
+        G2,
         Message::Vote {
             key,
             outcome: Outcome::Completed,
@@ -60,7 +63,7 @@ fn a_vote_naming_the_coordinators_own_rank_is_not_its_vote() {
     // A `Completed` vote that names the coordinator itself.
     gen.handle_message(
         t + ms(2),
-        g1,
+        G1,
         Message::Vote {
             key,
             outcome: Outcome::Completed,
@@ -91,31 +94,22 @@ fn a_vote_naming_the_coordinators_own_rank_is_not_its_vote() {
 #[test]
 fn a_completed_verdict_before_this_ranks_own_landings_is_refused() {
     let t = Instant::now();
-    let cfg = config();
-    let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
-    // This side is g2; g1 coordinates.
-    let mut gen = Endpoint::new(g2, cfg);
     let key = RequestKey::new(12, 0);
-    let lease = BufferPool::new(4).lease(key).unwrap();
-    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
-    let spec = ReceiveSpec {
-        receivers: vec![g1, g2],
-        ..one_buffer(key, g2, c, lease, desc, None)
-    };
-    gen.start_receive(t, spec).unwrap();
+    // This side is G2; G1 coordinates.
+    let (mut gen, _) = receiving(G2, key, t);
     let bad = gen.stats().bad_frames;
     let completed = Message::Verdict {
         key,
         outcome: Outcome::Completed,
     };
-    gen.handle_message(t + ms(1), g1, completed.clone())
+    gen.handle_message(t + ms(1), G1, completed.clone())
         .unwrap();
     assert_eq!(gen.verdict(key), None, "taken with nothing landed");
     assert_eq!(gen.stats().bad_frames, bad + 1);
     assert!(terminals(&mut gen, key, Role::Receiver).is_empty());
     // Its segment lands; the coordinator's verdict now completes it.
     gen.handle_segment_landed(t + ms(2), key, 0).unwrap();
-    gen.handle_message(t + ms(3), g1, completed).unwrap();
+    gen.handle_message(t + ms(3), G1, completed).unwrap();
     assert_eq!(
         terminals(&mut gen, key, Role::Receiver),
         vec![Outcome::Completed]
@@ -129,18 +123,9 @@ fn a_completed_verdict_before_this_ranks_own_landings_is_refused() {
 #[test]
 fn an_advertisement_for_a_key_this_rank_receives_is_a_protocol_error() {
     let t = Instant::now();
-    let cfg = config();
-    let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
-    let mut gen = Endpoint::new(g2, cfg);
     let key = RequestKey::new(13, 0);
-    let lease = BufferPool::new(4).lease(key).unwrap();
-    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
-    let spec = ReceiveSpec {
-        receivers: vec![g1, g2],
-        ..one_buffer(key, g2, c, lease, desc, None)
-    };
-    gen.start_receive(t, spec).unwrap();
-    for from in [g1, g2] {
+    let (mut gen, desc) = receiving(G2, key, t);
+    for from in [G1, G2] {
         let e = gen
             .handle_message(
                 t + ms(1),
@@ -160,12 +145,12 @@ fn an_advertisement_for_a_key_this_rank_receives_is_a_protocol_error() {
             "{from}: {e}"
         );
     }
-    assert!(!gen.running(key, Role::Sender { receiver: g1 }));
+    assert!(!gen.running(key, Role::Sender { receiver: G1 }));
     // The coordinator's verdict still reaches the receive.
     gen.handle_segment_landed(t + ms(2), key, 0).unwrap();
     gen.handle_message(
         t + ms(3),
-        g1,
+        G1,
         Message::Verdict {
             key,
             outcome: Outcome::Completed,

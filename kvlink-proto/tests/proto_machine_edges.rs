@@ -168,21 +168,15 @@ fn evicted_tombstones_do_not_pile_up_in_the_expiry_queue() {
 /// reached waited that long, or until the bound, for a request whose every byte had landed.
 #[test]
 fn an_external_vote_polls_the_collective_within_one_retransmit_interval() {
-    use kvlink_proto::{Collective, ReceiveSpec};
+    use kvlink_proto::Collective;
     let t = Instant::now();
     let cfg = config();
     let (g1, g2, c) = (RankId(1), RankId(2), RankId(3));
     let collective = MemCollective::default();
     let mut gen = Endpoint::with_collective(g1, cfg, Box::new(collective.clone()));
     let key = RequestKey::new(5, 0);
-    let lease = BufferPool::new(4).lease(key).unwrap();
-    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
     // One buffer from `c`, received by two ranks: the vote goes through the collective.
-    let spec = ReceiveSpec {
-        receivers: vec![g1, g2],
-        ..one_buffer(key, g1, c, lease, desc, None)
-    };
-    gen.start_receive(t, spec).unwrap();
+    start_two_receiver_request(&mut gen, g1, [g1, g2], c, key, t);
     // A busy sender: the advertisement goes out again, backed off, three times.
     let mut now = t;
     for _ in 0..3 {

@@ -62,6 +62,27 @@ pub fn one_buffer(
     }
 }
 
+/// Starts request `key` at `t` on `ep` (rank `me`) with two receiving ranks, `receivers` (the
+/// first coordinates), and one buffer (segment 0, not landed) from `sender`; returns that
+/// buffer's descriptor.
+pub fn start_two_receiver_request(
+    ep: &mut Endpoint,
+    me: RankId,
+    receivers: [RankId; 2],
+    sender: RankId,
+    key: RequestKey,
+    t: Instant,
+) -> BufferDesc {
+    let lease = BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    let spec = ReceiveSpec {
+        receivers: receivers.to_vec(),
+        ..one_buffer(key, me, sender, lease, desc, None)
+    };
+    ep.start_receive(t, spec).unwrap();
+    desc
+}
+
 /// xorshift64*: deterministic, seeded by the schedule.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
