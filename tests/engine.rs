@@ -1724,3 +1724,181 @@ fn a_second_wait_made_while_the_first_is_in_its_cancel_check_does_not_take_the_e
     let h = gen.health();
     assert_eq!((h.unsettled_returns, h.buffers_leased), (0, 0));
 }
+
+/// Two receiving ranks of one request that start it apart: the second (not the coordinator)
+/// starts first, its caller gives up while the coordinator has not started yet, and the
+/// coordinator starts after that rank has ended. The cancel's vote reached the coordinator
+/// before its start and was dropped as unknown; the coordinator then waited for data that would
+/// never come and ended `TimedOut` at its caller's deadline, against the other's `Cancelled`.
+/// Now the vote is kept for the start: the coordinator ends `Cancelled` at once, as does the
+/// sender of both, no buffer is held, and the pair's next request completes.
+#[test]
+fn a_cancel_before_the_coordinator_starts_ends_the_coordinator_cancelled_when_it_starts() {
+    const SENDER: u32 = 5;
+    const COORD: u32 = 1;
+    const OTHER: u32 = 2;
+    let soon = || Instant::now() + Duration::from_secs(5);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let engine = |name: &str, rank: u32| {
+            let mut c = EngineConfig::new(name, rank, kind.clone());
+            if !kind.by_worker_address() {
+                c.listen = Some("127.0.0.1:0".parse().unwrap());
+            }
+            Engine::new(c).unwrap()
+        };
+        let (ctx, coord, other) = (
+            engine("ctx", SENDER),
+            engine("coord", COORD),
+            engine("other", OTHER),
+        );
+        assert_eq!(
+            other.connect(&coord.address(), soon()).unwrap(),
+            RankId(COORD)
+        );
+        for (g, rank) in [(&coord, COORD), (&other, OTHER)] {
+            assert_eq!(g.connect(&ctx.address(), soon()).unwrap(), RankId(SENDER));
+            ctx.wait_peer(RankId(rank), soon()).unwrap();
+        }
+        coord.wait_peer(RankId(OTHER), soon()).unwrap();
+        let key = RequestKey::new(1, 0);
+        let receivers = vec![RankId(COORD), RankId(OTHER)];
+        let ten_s = Some(Duration::from_secs(10));
+        let mut buf_other = vec![0u8; 4096];
+        // `buf_other` outlives the request, waited for below.
+        advertise_buffers(
+            &other,
+            key,
+            receivers.clone(),
+            RankId(SENDER),
+            vec![one_spec(&mut buf_other, 0)],
+            ten_s,
+        );
+        let a = ctx.next_advertisement(soon(), None).unwrap();
+        assert_eq!((a.key, a.from), (key, RankId(OTHER)));
+        ctx.accept(a.key, a.from, true).unwrap();
+        // Its caller cancels it, 10 s before its deadline.
+        other.cancel(key).unwrap();
+        let o = other.wait(key, Role::Receiver, soon(), None).unwrap();
+        assert_eq!(o, Outcome::Cancelled, "{kind:?}");
+        // The coordinator starts only now.
+        let mut buf_coord = vec![0u8; 4096];
+        let start = Instant::now();
+        // `buf_coord` outlives the request, waited for below.
+        advertise_buffers(
+            &coord,
+            key,
+            receivers.clone(),
+            RankId(SENDER),
+            vec![one_spec(&mut buf_coord, 0)],
+            ten_s,
+        );
+        let o = coord
+            .wait(key, Role::Receiver, start + Duration::from_secs(3), None)
+            .unwrap();
+        let took = start.elapsed();
+        println!("{kind:?}: the late coordinator ended {o:?} after {took:?}");
+        assert_eq!(o, Outcome::Cancelled, "{kind:?}: after {took:?}");
+        assert!(took < Duration::from_secs(1), "{kind:?}: {took:?}");
+        for rank in [OTHER, COORD] {
+            let to = Role::Sender {
+                receiver: RankId(rank),
+            };
+            // The coordinator's `Advertise` and `Verdict` may still be on their way: a wait
+            // for a flow not known yet is `UnknownRequest` at once.
+            let until = soon();
+            let o = loop {
+                match ctx.wait(key, to, until, None) {
+                    Err(e)
+                        if e.kind == kvlink::ErrorKind::UnknownRequest
+                            && Instant::now() < until =>
+                    {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    o => break o,
+                }
+            };
+            assert!(
+                matches!(o, Ok(Outcome::Cancelled)),
+                "{kind:?}: sender to {rank}: {o:?}"
+            );
+        }
+        for g in [&coord, &other] {
+            assert_eq!(g.health().buffers_leased, 0, "{kind:?}");
+        }
+        // Both again, the other rank's data landing before the coordinator starts: its
+        // `Completed` vote, kept, counts once the coordinator's own data lands (before, the
+        // coordinator waited for the vote's resend, 200 ms at defaults).
+        let key = RequestKey::new(3, 0);
+        let mut bufs = [vec![0u8; 4096], vec![0u8; 4096]];
+        let data = fill(3, 4096);
+        let mut took = Duration::ZERO;
+        for (g, rank, buf) in [(&other, OTHER, 0), (&coord, COORD, 1)] {
+            let start = Instant::now();
+            // `bufs` outlives the request, waited for below.
+            advertise_buffers(
+                g,
+                key,
+                receivers.clone(),
+                RankId(SENDER),
+                vec![one_spec(&mut bufs[buf], 0)],
+                ten_s,
+            );
+            let a = loop {
+                let a = ctx.next_advertisement(soon(), None).unwrap();
+                if (a.key, a.from) == (key, RankId(rank)) {
+                    break a;
+                }
+            };
+            ctx.accept(a.key, a.from, true).unwrap();
+            ctx.send(key, RankId(rank), 0, &data, soon(), None).unwrap();
+            if rank == OTHER {
+                // Landed there (its vote is out) before the coordinator starts; the pause
+                // lets the vote reach the coordinator first (where it would be dropped).
+                assert_eq!(other.recv_ready(key, soon(), None), Some(true), "{kind:?}");
+                std::thread::sleep(Duration::from_millis(20));
+            } else {
+                let o = coord.wait(key, Role::Receiver, soon(), None).unwrap();
+                took = start.elapsed();
+                assert_eq!(o, Outcome::Completed, "{kind:?}");
+            }
+        }
+        println!("{kind:?}: the late coordinator completed {took:?} after its start");
+        // A dropped vote would have come again only with its resend, 200 ms after it was
+        // first sent (180 ms after this start): 182 ms here before the fix, 1 ms after.
+        assert!(took < Duration::from_millis(150), "{kind:?}: {took:?}");
+        assert_eq!(
+            other.wait(key, Role::Receiver, soon(), None).unwrap(),
+            Outcome::Completed,
+            "{kind:?}"
+        );
+        assert!(bufs.iter().all(|b| *b == data), "{kind:?}");
+        // The next request, the coordinator alone, completes.
+        let key = RequestKey::new(2, 0);
+        let mut buf = vec![0u8; 8192];
+        // `buf` outlives the request, waited for below.
+        advertise_buffers(
+            &coord,
+            key,
+            vec![RankId(COORD)],
+            RankId(SENDER),
+            vec![one_spec(&mut buf, 0)],
+            None,
+        );
+        let a = loop {
+            let a = ctx.next_advertisement(soon(), None).unwrap();
+            if a.key == key {
+                break a;
+            }
+        };
+        ctx.accept(a.key, a.from, true).unwrap();
+        let data = fill(7, 8192);
+        ctx.send(key, RankId(COORD), 0, &data, soon(), None)
+            .unwrap();
+        assert_eq!(
+            coord.wait(key, Role::Receiver, soon(), None).unwrap(),
+            Outcome::Completed,
+            "{kind:?}"
+        );
+        assert_eq!(buf, data, "{kind:?}");
+    }
+}

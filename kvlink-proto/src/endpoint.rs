@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 
 use super::agreement::Collective;
+use super::early::{self, Early, Kept};
 use super::id::{RankId, RequestKey};
 use super::pool::Lease;
 use super::request::{
@@ -108,6 +109,9 @@ pub struct Endpoint {
     /// tombstone, not only while its machine is kept (a completed one is forgotten at its end).
     retries: Map<u64, Retries>,
     collective: Option<Box<dyn Collective>>,
+    /// Votes and failure verdicts for requests not started here yet (see `early`), kept for
+    /// the default deadline plus the agreement bound after the first came.
+    early: Early,
     out: Out,
 }
 
@@ -129,9 +133,10 @@ fn invalid(msg: String) -> Error {
 impl Endpoint {
     /// An endpoint whose receivers agree over kvlink's own control messages.
     pub fn new(me: RankId, config: Config) -> Self {
+        let config = config.bounded();
         Endpoint {
             me,
-            config: config.bounded(),
+            config,
             recvs: Map::default(),
             sends: Map::default(),
             timers: TimerTable::default(),
@@ -140,6 +145,7 @@ impl Endpoint {
             tomb_order: VecDeque::new(),
             retries: Map::default(),
             collective: None,
+            early: Early::new(config.timeout.saturating_add(config.agreement_bound)),
             out: Out::default(),
         }
     }
@@ -306,6 +312,20 @@ impl Endpoint {
             &mut self.out,
         );
         let mut r = Timed::boxed(r);
+        // What other receivers said of it before it started here, in the order it came; only
+        // another receiver's vote (at the coordinator) and the coordinator's verdict count.
+        let (kept, lost) = self.early.take(now, key);
+        self.out.stats.unknown_dropped += lost as u64;
+        for (from, kind, outcome) in kept {
+            if from == self.me || !r.receivers.contains(&from) {
+                self.out.stats.unknown_dropped += 1;
+                continue;
+            }
+            match kind {
+                early::Kind::Vote => r.on_vote(now, from, outcome, &mut self.out),
+                early::Kind::Verdict => r.on_verdict(now, from, outcome, &mut self.out),
+            }
+        }
         self.timers.arm(TimerId::Recv(key), &mut r, now);
         self.note_known(key, None);
         self.recvs.insert(key, r);
@@ -475,7 +495,11 @@ impl Endpoint {
                     r.on_vote(now, from, outcome, &mut self.out);
                     self.timers.arm(TimerId::Recv(key), r, now);
                 }
-                None => self.answer_from_tomb(key, from),
+                None if self.tombs.contains_key(&TimerId::Recv(key)) => {
+                    self.answer_from_tomb(key, from)
+                }
+                // Another receiver's vote, for a request this rank has not started yet.
+                None => self.keep_early(now, key, (from, early::Kind::Vote, outcome)),
             },
             Message::Verdict { key, outcome } => {
                 if let Some(f) = flow_mut(&mut self.sends, key, from) {
@@ -490,6 +514,10 @@ impl Endpoint {
                 } else if self.tombs.contains_key(&TimerId::Recv(key)) {
                     // The coordinator's verdict again, for a receive forgotten here.
                     self.out.stats.duplicates += 1;
+                } else if !outcome.is_completed() {
+                    // The coordinator's failure, for a request this rank has not started yet.
+                    // (A `Completed` one cannot be right before this rank's own landings.)
+                    self.keep_early(now, key, (from, early::Kind::Verdict, outcome));
                 } else {
                     self.drop_unknown(key, Some(from));
                 }
@@ -749,6 +777,31 @@ impl Endpoint {
 
     /// A vote or ready answer for a receive forgotten here: answer with its verdict (a late
     /// voter has not heard it), else count and drop.
+    /// Keeps `msg`, a vote or failure verdict for `key`, which has not started here, for its
+    /// start (see `early`): not with an external collective (no votes travel then), nor when a
+    /// newer generation of the request is known here (it is stale).
+    fn keep_early(&mut self, now: Instant, key: RequestKey, msg: early::Msg) {
+        if self.collective.is_some() {
+            return self.drop_unknown(key, Some(msg.0));
+        }
+        if self.newer_known(key, None) {
+            self.out.stats.stale_dropped += 1;
+            return;
+        }
+        let (kept, lost) = self.early.keep(now, key, msg);
+        self.out.stats.unknown_dropped += lost as u64;
+        match kept {
+            Kept::New => self.out.stats.early_kept += 1,
+            Kept::Duplicate => self.out.stats.duplicates += 1,
+            Kept::Full => self.out.stats.unknown_dropped += 1,
+        }
+    }
+
+    /// Requests with votes or verdicts kept for their start here (see `early`).
+    pub fn early_requests(&self) -> usize {
+        self.early.len()
+    }
+
     fn answer_from_tomb(&mut self, key: RequestKey, from: RankId) {
         match self.tombs.get(&TimerId::Recv(key)) {
             Some(&(_, outcome)) => {

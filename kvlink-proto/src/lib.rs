@@ -37,6 +37,7 @@
 
 pub mod agreement;
 pub mod auth;
+mod early;
 pub mod endpoint;
 pub mod error;
 pub mod handshake;

@@ -162,3 +162,123 @@ fn an_advertisement_for_a_key_this_rank_receives_is_a_protocol_error() {
         vec![Outcome::Completed]
     );
 }
+
+/// Every `Verdict` `ep` has queued for `to`, draining its transmits.
+fn verdicts_to(ep: &mut Endpoint, to: RankId) -> Vec<Outcome> {
+    std::iter::from_fn(|| ep.poll_transmit())
+        .filter_map(|t| match t.message {
+            Message::Verdict { outcome, .. } if t.to == to => Some(outcome),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The vote of a receiver whose data came first can reach the coordinator before the
+/// coordinator has started the request (the ranks of a request start it apart: separate
+/// processes). It was dropped as unknown, and the coordinator, its own data landed, waited for
+/// the voter's resend (a retransmit interval, 200 ms at defaults) before it could decide. Now it
+/// is kept for the request's start and counts at once.
+#[test]
+fn a_vote_that_reaches_the_coordinator_before_it_starts_counts_when_it_starts() {
+    let t = Instant::now();
+    let key = RequestKey::new(14, 0);
+    let mut gen = Endpoint::new(G1, config());
+    let vote = Message::Vote {
+        key,
+        outcome: Outcome::Completed,
+    };
+    gen.handle_message(t, G2, vote.clone()).unwrap();
+    // Its resend, before the start too: the same vote, kept once.
+    gen.handle_message(t + ms(1), G2, vote).unwrap();
+    assert_eq!(gen.stats().unknown_dropped, 0);
+    start_two_receiver_request(&mut gen, G1, [G1, G2], C, key, t + ms(10));
+    assert_eq!(gen.verdict(key), None, "decided before its own data");
+    gen.handle_segment_landed(t + ms(11), key, 0).unwrap();
+    assert_eq!(gen.verdict(key), Some(Outcome::Completed));
+    assert_eq!(
+        terminals(&mut gen, key, Role::Receiver),
+        vec![Outcome::Completed]
+    );
+    assert!(verdicts_to(&mut gen, G2).contains(&Outcome::Completed));
+}
+
+/// A receiver that gives up before the coordinator has started: its cancel reached the
+/// coordinator first and was dropped, and the voter, at its bound, stops resending. The
+/// coordinator then ran to its deadline and ended `TimedOut` against the voter's `Cancelled`.
+/// Now the kept vote decides the request as soon as it starts: `Cancelled` on both.
+#[test]
+fn a_cancel_voted_before_the_coordinator_starts_ends_it_cancelled_when_it_starts() {
+    let t = Instant::now();
+    let key = RequestKey::new(15, 0);
+    let (mut g2, _) = receiving(G2, key, t);
+    g2.cancel(t + ms(1), key).unwrap();
+    let vote = std::iter::from_fn(|| g2.poll_transmit())
+        .find(|x| x.to == G1 && matches!(x.message, Message::Vote { .. }))
+        .expect("the cancel's vote to the coordinator");
+    let mut g1 = Endpoint::new(G1, config());
+    g1.handle_message(t + ms(2), G2, vote.message).unwrap();
+    start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + ms(20));
+    assert_eq!(g1.verdict(key), Some(Outcome::Cancelled));
+    assert!(verdicts_to(&mut g1, C).contains(&Outcome::Cancelled));
+    assert!(
+        std::iter::from_fn(|| g1.poll_action())
+            .any(|a| matches!(a, kvlink_proto::Action::CancelReceive { key: k, .. } if k == key)),
+        "its receive is not cancelled"
+    );
+    g1.handle_receive_reaped(t + ms(21), key, 0).unwrap();
+    assert_eq!(
+        terminals(&mut g1, key, Role::Receiver),
+        vec![Outcome::Cancelled]
+    );
+}
+
+/// The coordinator's failure verdict can reach another receiver before that one starts (the
+/// coordinator's own caller cancelled first). Kept the same way, it ends that receiver's request
+/// as soon as it starts. A `Completed` verdict before the start is never right (it needs this
+/// rank's landings) and is not kept; nor is what comes from a rank that is not the request's
+/// coordinator, nor what is older than the keep (the default deadline plus the agreement bound).
+#[test]
+fn what_reaches_a_receiver_before_it_starts_counts_only_from_the_right_rank_and_in_time() {
+    let t = Instant::now();
+    let verdict = |key, outcome| Message::Verdict { key, outcome };
+    // The coordinator's cancel, before G2 starts.
+    let key = RequestKey::new(16, 0);
+    let mut g2 = Endpoint::new(G2, config());
+    g2.handle_message(t, G1, verdict(key, Outcome::Cancelled))
+        .unwrap();
+    start_two_receiver_request(&mut g2, G2, [G1, G2], C, key, t + ms(5));
+    assert_eq!(g2.verdict(key), Some(Outcome::Cancelled));
+    // A `Completed` verdict, a failure verdict from the sender, a vote at a non-coordinator.
+    let key = RequestKey::new(17, 0);
+    g2.handle_message(t, G1, verdict(key, Outcome::Completed))
+        .unwrap();
+    g2.handle_message(t, C, verdict(key, Outcome::Cancelled))
+        .unwrap();
+    g2.handle_message(
+        t,
+        G1,
+        Message::Vote {
+            key,
+            outcome: Outcome::Cancelled,
+        },
+    )
+    .unwrap();
+    start_two_receiver_request(&mut g2, G2, [G1, G2], C, key, t + ms(5));
+    assert_eq!(g2.verdict(key), None);
+    assert!(g2.running(key, Role::Receiver));
+    // A vote older than the keep.
+    let key = RequestKey::new(18, 0);
+    let mut g1 = Endpoint::new(G1, config());
+    g1.handle_message(
+        t,
+        G2,
+        Message::Vote {
+            key,
+            outcome: Outcome::Cancelled,
+        },
+    )
+    .unwrap();
+    let keep = config().timeout + config().agreement_bound;
+    start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + keep + ms(1));
+    assert_eq!(g1.verdict(key), None, "a vote past the keep counted");
+}

@@ -62,6 +62,7 @@ fn plan() -> impl Strategy<Value = Plan> {
                     pool_capacity: 64,
                     external,
                     seed,
+                    late: vec![],
                 }
             },
         )
@@ -73,6 +74,57 @@ proptest! {
     #[test]
     fn random_fault_schedules_keep_every_invariant(plan in plan()) {
         let mut sim = Sim::new(plan);
+        sim.run();
+        let v = sim.check();
+        prop_assert!(v.is_empty(), "violations:\n{}", v.join("\n"));
+    }
+}
+
+/// Receivers that start a request far apart, with the default timing's ratio (an agreement
+/// bound shorter than the retransmit interval, 50 ms against 200): a vote or failure verdict
+/// that reaches a rank before its start must still count there. A reliable network and no
+/// deaths, so agreement must be exact; a non-coordinator's early cancel used to leave the late
+/// coordinator running to its deadline (`TimedOut` against `Cancelled`).
+fn late_plan() -> impl Strategy<Value = Plan> {
+    (
+        2usize..=3,
+        1usize..=2,
+        any::<u64>(),
+        prop::collection::vec(0u64..400, 3),
+        prop::option::of((0u64..300, 0usize..3)),
+    )
+        .prop_map(|(n_gen, n_ctx, seed, late, cancel)| {
+            let reqs = vec![ReqPlan {
+                id: 7,
+                start_ms: 0,
+                segs_per_flow: 1,
+                retry: false,
+            }];
+            let mut plan = Plan::simple(n_gen, n_ctx, reqs);
+            plan.seed = seed;
+            plan.late = late;
+            // The cancel is by a generation rank (indices below n_gen).
+            plan.cancels = cancel
+                .map(|(t, rank)| (t, rank % n_gen, 0))
+                .into_iter()
+                .collect();
+            plan
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn receivers_that_start_apart_agree_with_the_default_timing(plan in late_plan()) {
+        let cfg = kvlink_proto::Config {
+            timeout: ms(1000),
+            agreement_bound: ms(50),
+            retransmit: ms(200),
+            linger: ms(500),
+            ..kvlink_proto::Config::default()
+        };
+        let mut sim = Sim::with_config(plan, cfg);
         sim.run();
         let v = sim.check();
         prop_assert!(v.is_empty(), "violations:\n{}", v.join("\n"));

@@ -265,9 +265,10 @@ pub struct Health {
     /// answer): dropped, changing nothing.
     pub duplicates: u64,
     /// Messages for a request this rank does not know (forgotten, and its tombstone gone after
-    /// its deadline, the agreement bound and the linger; or never started here): dropped. Older
-    /// generations of a request still known (or remembered by its tombstone) count in
-    /// `stale_dropped` instead.
+    /// its deadline, the agreement bound and the linger; or never started here, except a vote
+    /// or failure verdict, kept for the request's start and counted here only if it goes
+    /// unused): dropped. Older generations of a request still known (or remembered by its
+    /// tombstone) count in `stale_dropped` instead.
     pub unknown_dropped: u64,
 }
 

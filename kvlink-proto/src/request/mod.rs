@@ -231,6 +231,10 @@ pub struct Stats {
     pub fenced_buffers: u64,
     /// Tombstones dropped before their expiry to keep their number at [`Config::tomb_cap`].
     pub tombs_evicted: u64,
+    /// Votes and failure verdicts that came for a request before it started here, kept for its
+    /// start (see `early`); those that went unused (past their keep, or over its caps) count
+    /// in `unknown_dropped` instead.
+    pub early_kept: u64,
 }
 
 /// Output queues shared by all state machines of one endpoint.

@@ -149,6 +149,9 @@ pub struct Plan {
     pub pool_capacity: u32,
     pub external: bool,
     pub seed: u64,
+    /// How much later (ms) each generation rank, by index, starts every request than planned
+    /// (none: 0): ranks that start apart, a late coordinator among them.
+    pub late: Vec<u64>,
 }
 
 impl Plan {
@@ -165,6 +168,7 @@ impl Plan {
             pool_capacity: 64,
             external: false,
             seed: 1,
+            late: vec![],
         }
     }
 }
@@ -363,8 +367,9 @@ impl Sim {
         for (i, r) in sim.plan.reqs.clone().iter().enumerate() {
             for g in 0..sim.plan.n_gen {
                 let jitter = sim.rng.below(5);
+                let late = sim.plan.late.get(g).copied().unwrap_or(0);
                 sim.schedule(
-                    ms(r.start_ms + jitter),
+                    ms(r.start_ms + jitter + late),
                     Item::Start {
                         node: gen_rank(g),
                         req: i,

@@ -1,0 +1,228 @@
+//! Agreement messages that reach a rank for a request it has not started yet.
+//!
+//! The receiving ranks of one request start it apart (separate processes, each when its own
+//! scheduler gets to it), so another receiver's vote can reach the coordinator, and the
+//! coordinator's failure verdict another receiver, before the request exists there. Dropped as
+//! unknown, a `Completed` vote cost the coordinator a retransmit interval once its own data had
+//! landed, and a failure was lost for good once its sender stopped resending (a receiver that
+//! gave up ends at its agreement bound): the late rank ran to its deadline and ended `TimedOut`
+//! against the other's `Cancelled`. [`Early`] keeps them, bounded in number and age, for the
+//! request's start, which applies those from the ranks that may send them.
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
+
+use crate::error::Outcome;
+use crate::id::{RankId, RequestKey};
+
+/// The most requests whose early messages are kept; past it the request kept longest goes.
+pub const EARLY_CAP: usize = 4096;
+/// The most messages kept for one request (one per rank and kind: a request has a few
+/// receivers).
+const PER_REQUEST: usize = 8;
+
+/// What kind of agreement message came early.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Another receiver's vote, for the coordinator.
+    Vote,
+    /// The coordinator's failure verdict, for another receiver.
+    Verdict,
+}
+
+/// One early message: who sent it, what kind, and its outcome.
+pub(crate) type Msg = (RankId, Kind, Outcome);
+
+/// What [`Early::keep`] did with a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kept {
+    /// Kept (or it replaced the same rank's message of the same kind).
+    New,
+    /// The same message again (a resend).
+    Duplicate,
+    /// Not kept: the request already holds [`PER_REQUEST`] messages.
+    Full,
+}
+
+#[derive(Debug)]
+struct Entry {
+    /// When the first message for the request came: the entry goes `keep` after it.
+    since: Instant,
+    msgs: SmallVec<[Msg; 2]>,
+}
+
+/// The early messages, by request, oldest first in `order`.
+#[derive(Debug)]
+pub(crate) struct Early {
+    keep: Duration,
+    by_key: HashMap<RequestKey, Entry, foldhash::fast::FixedState>,
+    /// (since, key) in the order entries were made; an entry taken or replaced leaves its line
+    /// behind, skipped when met and compacted when such lines pile up.
+    order: VecDeque<(Instant, RequestKey)>,
+}
+
+impl Early {
+    /// Keeps messages for `keep` after the first one of their request came.
+    pub(crate) fn new(keep: Duration) -> Self {
+        Early {
+            keep,
+            by_key: HashMap::default(),
+            order: VecDeque::new(),
+        }
+    }
+
+    /// Requests with messages kept.
+    pub(crate) fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// Keeps `msg` for `key`. Returns what it did, and how many kept messages went to make room
+    /// or because they were past their keep (they are lost: the caller counts them).
+    pub(crate) fn keep(&mut self, now: Instant, key: RequestKey, msg: Msg) -> (Kept, usize) {
+        let mut lost = self.expire(now);
+        let done = match self.by_key.get_mut(&key) {
+            Some(e) => {
+                let full = e.msgs.len() >= PER_REQUEST;
+                match e.msgs.iter_mut().find(|m| (m.0, m.1) == (msg.0, msg.1)) {
+                    // The same again, or a `Completed` after the rank's failure (a resend of an
+                    // earlier vote overtaken): the failure stands, as a rank never takes a
+                    // failure back.
+                    Some(m) if *m == msg || (msg.2.is_completed() && !m.2.is_completed()) => {
+                        Kept::Duplicate
+                    }
+                    Some(m) => {
+                        // A failure after the rank's `Completed` vote replaces it.
+                        *m = msg;
+                        Kept::New
+                    }
+                    None if full => Kept::Full,
+                    None => {
+                        e.msgs.push(msg);
+                        Kept::New
+                    }
+                }
+            }
+            None => {
+                while self.by_key.len() >= EARLY_CAP {
+                    let Some((since, old)) = self.order.pop_front() else {
+                        break;
+                    };
+                    lost += self.remove_if(old, since);
+                }
+                let mut msgs = SmallVec::new();
+                msgs.push(msg);
+                self.by_key.insert(key, Entry { since: now, msgs });
+                self.order.push_back((now, key));
+                Kept::New
+            }
+        };
+        if self.order.len() > 2 * self.by_key.len() + 16 {
+            let by_key = &self.by_key;
+            self.order
+                .retain(|(since, key)| by_key.get(key).is_some_and(|e| e.since == *since));
+        }
+        (done, lost)
+    }
+
+    /// Takes what was kept for `key`, in arrival order per rank, unless it is past its keep.
+    /// Also returns how many messages went past their keep (for `key` or any other).
+    pub(crate) fn take(&mut self, now: Instant, key: RequestKey) -> (SmallVec<[Msg; 2]>, usize) {
+        let lost = self.expire(now);
+        let msgs = self.by_key.remove(&key).map(|e| e.msgs).unwrap_or_default();
+        (msgs, lost)
+    }
+
+    /// Drops the entries past their keep at `now`; returns how many messages they held.
+    fn expire(&mut self, now: Instant) -> usize {
+        let mut lost = 0;
+        while let Some(&(since, key)) = self.order.front() {
+            if now.saturating_duration_since(since) < self.keep {
+                break;
+            }
+            self.order.pop_front();
+            lost += self.remove_if(key, since);
+        }
+        lost
+    }
+
+    /// Removes `key`'s entry if it is the one made at `since`; returns its message count.
+    fn remove_if(&mut self, key: RequestKey, since: Instant) -> usize {
+        match self.by_key.get(&key) {
+            Some(e) if e.since == since => self.by_key.remove(&key).map_or(0, |e| e.msgs.len()),
+            _ => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    const VOTE: Msg = (RankId(2), Kind::Vote, Outcome::Completed);
+
+    #[test]
+    fn a_message_is_kept_once_replaced_by_a_later_one_and_taken_once() {
+        let t = Instant::now();
+        let key = RequestKey::new(1, 0);
+        let mut e = Early::new(ms(100));
+        assert_eq!(e.keep(t, key, VOTE), (Kept::New, 0));
+        assert_eq!(e.keep(t + ms(1), key, VOTE), (Kept::Duplicate, 0));
+        let cancel = (RankId(2), Kind::Vote, Outcome::Cancelled);
+        assert_eq!(e.keep(t + ms(2), key, cancel), (Kept::New, 0));
+        // The earlier `Completed`, overtaken, does not take the failure back.
+        assert_eq!(e.keep(t + ms(3), key, VOTE), (Kept::Duplicate, 0));
+        let (msgs, lost) = e.take(t + ms(3), key);
+        assert_eq!((msgs.as_slice(), lost), (&[cancel][..], 0));
+        assert!(e.take(t + ms(4), key).0.is_empty());
+        assert_eq!(e.len(), 0);
+    }
+
+    #[test]
+    fn messages_go_at_their_keep_and_past_the_caps() {
+        let t = Instant::now();
+        let mut e = Early::new(ms(100));
+        e.keep(t, RequestKey::new(1, 0), VOTE);
+        // Past the keep: gone, and counted, when anything next happens.
+        let (msgs, lost) = e.take(t + ms(100), RequestKey::new(1, 0));
+        assert_eq!((msgs.len(), lost), (0, 1));
+        // Per request: PER_REQUEST ranks, then full.
+        let key = RequestKey::new(2, 0);
+        for r in 0..PER_REQUEST as u32 {
+            assert_eq!(
+                e.keep(t, key, (RankId(r), Kind::Vote, Outcome::Cancelled))
+                    .0,
+                Kept::New
+            );
+        }
+        assert_eq!(
+            e.keep(t, key, (RankId(99), Kind::Vote, Outcome::Cancelled))
+                .0,
+            Kept::Full
+        );
+        // Over all requests: EARLY_CAP, the oldest going first.
+        let mut lost = 0;
+        for i in 0..EARLY_CAP as u64 {
+            lost += e.keep(t + ms(1), RequestKey::new(100 + i, 0), VOTE).1;
+        }
+        assert_eq!((e.len(), lost), (EARLY_CAP, PER_REQUEST));
+        assert!(e.take(t + ms(2), key).0.is_empty(), "the oldest stayed");
+        assert!(e.order.len() <= 2 * e.len() + 16);
+    }
+
+    #[test]
+    fn the_order_stays_within_twice_the_entries_when_entries_are_taken() {
+        let t = Instant::now();
+        let mut e = Early::new(ms(100));
+        for i in 0..10_000 {
+            let key = RequestKey::new(i, 0);
+            e.keep(t, key, VOTE);
+            assert_eq!(e.take(t, key).0.len(), 1);
+        }
+        assert!(e.order.len() <= 16, "{}", e.order.len());
+    }
+}
