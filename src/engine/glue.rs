@@ -51,6 +51,24 @@ pub(crate) const AGED_CAP: usize = 1 << 20;
 pub(crate) const MAX_ADVERTS: usize = 16384;
 /// Notifications waiting per sending rank; past this they are dropped and counted.
 pub(crate) const MAX_NOTES: usize = 4096;
+/// The bytes that waiting advertisements may hold in all (their request info and buffer
+/// lists), and waiting notifications over every rank. Counts alone let peers fill them with
+/// 16384 advertisements of a 1 MiB request info each (16 GiB), or 4096 notifications of 64 KiB
+/// per rank (256 MiB a rank, and ranks without end); past this a new one is refused (an
+/// advertisement: the receiver sees `Rejected`) or dropped (a notification), and counted.
+pub(crate) const MAX_QUEUED_BYTES: usize = 256 << 20;
+
+/// What a waiting advertisement holds, in bytes (for [`MAX_QUEUED_BYTES`]).
+pub(crate) fn advert_bytes(a: &Advertisement) -> usize {
+    std::mem::size_of::<Advertisement>()
+        + a.request_info.len()
+        + std::mem::size_of_val(a.buffers.as_slice())
+}
+
+/// What a waiting notification holds, in bytes (for [`MAX_QUEUED_BYTES`]).
+pub(crate) fn note_bytes(payload: &[u8]) -> usize {
+    std::mem::size_of::<(RequestKey, Vec<u8>)>() + payload.len()
+}
 
 /// A posted receive: one segment of one request, into the caller's buffer (or a staging buffer).
 pub(crate) struct RecvOp {
@@ -95,6 +113,8 @@ pub(crate) struct Core {
     /// Abort flags of the sends in flight, by (request, receiver, segment).
     pub sends: HashMap<(RequestKey, RankId, u32), Arc<AtomicBool>>,
     pub adverts: VecDeque<Advertisement>,
+    /// What `adverts` holds, in bytes ([`advert_bytes`]; at most [`MAX_QUEUED_BYTES`]).
+    pub advert_bytes: usize,
     /// Ends waiting for their caller (for RETENTION).
     pub terminals: Aged<(RequestKey, Role), Outcome>,
     /// The (request, role) pairs a `wait` call is blocked on: one caller each, so that the end
@@ -110,7 +130,10 @@ pub(crate) struct Core {
     /// Keys that ended here: a replay of one is refused, a late advertisement of one dropped
     /// (for RETENTION).
     pub finished: Aged<(RequestKey, Option<RankId>), ()>,
+    /// Notifications waiting, by sending rank (a rank's queue goes when it empties).
     pub notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
+    /// What `notes` holds, in bytes ([`note_bytes`]; at most [`MAX_QUEUED_BYTES`]).
+    pub note_bytes: usize,
     pub control_ops: VecDeque<Op>,
     pub waiters: Waiters,
     pub counters: Counters,
@@ -174,12 +197,14 @@ impl Core {
             by_token: HashMap::new(),
             sends: HashMap::new(),
             adverts: VecDeque::new(),
+            advert_bytes: 0,
             terminals: Aged::new(RETENTION, AGED_CAP),
             deferred: HashMap::new(),
             fencing: HashMap::new(),
             fence_closes: VecDeque::new(),
             finished: Aged::new(RETENTION, AGED_CAP),
             notes: HashMap::new(),
+            note_bytes: 0,
             control_ops: VecDeque::new(),
             waiters: Waiters::default(),
             counters: Counters::default(),
@@ -749,28 +774,37 @@ impl Inner {
                 request_info,
                 buffers,
             } => {
-                if core.adverts.len() >= MAX_ADVERTS {
+                let a = Advertisement {
+                    key,
+                    from,
+                    deadline,
+                    request_info,
+                    buffers,
+                };
+                let bytes = advert_bytes(&a);
+                if core.adverts.len() >= MAX_ADVERTS || core.advert_bytes + bytes > MAX_QUEUED_BYTES
+                {
                     // Bounded: refuse rather than queue without end. The receiver sees
                     // `Rejected` at once instead of a timeout.
                     core.counters.adverts_refused += 1;
                     let _ = core.ep.accept(now, key, from, false);
                     return;
                 }
-                core.adverts.push_back(Advertisement {
-                    key,
-                    from,
-                    deadline,
-                    request_info,
-                    buffers,
-                });
+                core.advert_bytes += bytes;
+                core.adverts.push_back(a);
                 core.waiters.wake_one(WaitKey::Advert);
             }
             ProtoEvent::Notified { key, from, payload } => {
+                let bytes = note_bytes(&payload);
                 let q = core.notes.entry(from).or_default();
-                if q.len() >= MAX_NOTES {
+                if q.len() >= MAX_NOTES || core.note_bytes + bytes > MAX_QUEUED_BYTES {
                     core.counters.notes_dropped += 1;
+                    if q.is_empty() {
+                        core.notes.remove(&from);
+                    }
                     return;
                 }
+                core.note_bytes += bytes;
                 q.push_back((key, payload));
                 core.waiters.wake_one(WaitKey::Note(from));
             }

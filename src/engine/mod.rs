@@ -208,7 +208,8 @@ pub struct Health {
     pub stale_dropped: u64,
     pub bad_frames: u64,
     /// Advertisements refused because the queue for `next_advertisement` was full, and
-    /// notifications dropped because their queue was full.
+    /// notifications dropped because their queue was full (in number, or in bytes: 256 MiB
+    /// each, notifications over all peers).
     pub adverts_refused: u64,
     pub notes_dropped: u64,
     /// Receive buffers still leased to a request (0 when idle: anything else is a leak).
@@ -1013,7 +1014,9 @@ impl Engine {
         // A caller returns None only from a pass that found the queue empty, or after its
         // cancel check, during which it was not asleep (an arrival then woke another caller).
         self.block(WaitKey::Advert, deadline, cancel, |core| {
-            core.waiters.take(WaitKey::Advert, &mut core.adverts)
+            let a = core.waiters.take(WaitKey::Advert, &mut core.adverts)?;
+            core.advert_bytes -= glue::advert_bytes(&a);
+            Some(a)
         })
         .inspect(|_| timeline::mark(Stage::AdvertisementTaken))
     }
@@ -1424,7 +1427,13 @@ impl Engine {
         // As in `next_advertisement`: one sleeper woken per notification, the turn passed on.
         self.block(WaitKey::Note(from), deadline, cancel, |core| {
             let q = core.notes.get_mut(&from)?;
-            core.waiters.take(WaitKey::Note(from), q)
+            let note = core.waiters.take(WaitKey::Note(from), q)?;
+            if q.is_empty() {
+                // Ranks come and go: their empty queues must not pile up.
+                core.notes.remove(&from);
+            }
+            core.note_bytes -= glue::note_bytes(&note.1);
+            Some(note)
         })
     }
 
