@@ -52,6 +52,12 @@ const REFUSED_MAX: usize = 4096;
 /// The most processes remembered as having lost their dial to this side (`lost_answers`): more
 /// within HANDSHAKE_LIMIT are not remembered (their ties settle as before this rule).
 const LOST_ANSWERS_MAX: usize = 1024;
+/// How many `Failed` ranks that nobody here dials (ranks that dialled this side and then
+/// failed) are kept for certain; past twice this, the ones that failed first are forgotten
+/// down to it, as if never bound.
+/// Without it the table kept every rank ever bound, and any process that can connect could
+/// bind rank after rank (with a deployment secret, any member).
+pub const FAILED_KEPT: usize = 4096;
 /// An endpoint whose handshake is not done by then is closed.
 pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
@@ -107,6 +113,8 @@ pub(crate) struct Rank<P> {
     pub keys: Option<TagKeys>,
     tries: u32,
     next_try: Option<Instant>,
+    /// When it last became `Failed` with nobody here to dial it (see `Peers::forget_failed`).
+    failed_at: Option<Instant>,
 }
 
 /// The tag keys of one bound pair: for receives this side posts for the rank's data (`inbound`)
@@ -205,6 +213,12 @@ pub struct Peers<P> {
     /// Ranks a reconnect round has handed out to be dialled ([`Peers::due`]) whose dial is not
     /// yet made ([`Peers::dialled`]) or given up ([`Peers::round_dial_void`]).
     round_starting: HashMap<RankId, Instant>,
+    /// Ranks that became `Failed` with nobody here to dial them, and when, oldest first (an
+    /// entry whose rank was bound again or failed again since is skipped): the order in which
+    /// `Peers::forget_failed` forgets them.
+    failed_order: VecDeque<(RankId, Instant)>,
+    /// Ranks forgotten that way.
+    pub forgotten: u64,
     pub refusals: Refusals,
     pub reconnects: u64,
     pub failures: u64,
@@ -232,6 +246,8 @@ impl<P> Default for Peers<P> {
             expect_redial: HashMap::new(),
             connects: HashMap::new(),
             round_starting: HashMap::new(),
+            failed_order: VecDeque::new(),
+            forgotten: 0,
             refusals: Refusals::default(),
             reconnects: 0,
             failures: 0,
@@ -385,6 +401,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             keys: None,
             tries: 0,
             next_try: None,
+            failed_at: None,
         });
         r.answered = from.is_some();
         r.bound_at = None;
@@ -476,9 +493,54 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         if r.peer == Some(peer) {
             r.peer = None;
             r.state = PeerState::Failed;
+            self.failed(rank, now);
         }
         self.wake(rank);
         Some(rank)
+    }
+
+    /// `rank` has just become `Failed`: if nobody here dials it, it joins the ranks that
+    /// `Peers::forget_failed` may forget.
+    fn failed(&mut self, rank: RankId, now: Instant) {
+        let Some(r) = self.ranks.get_mut(&rank) else {
+            return;
+        };
+        if r.dial.is_some() || r.by_dial_back {
+            return;
+        }
+        r.failed_at = Some(now);
+        self.failed_order.push_back((rank, now));
+        self.forget_failed();
+    }
+
+    /// Bounds the `Failed` ranks that nobody here dials: once twice [`FAILED_KEPT`] have failed
+    /// since the last look, those still `Failed` beyond the newest [`FAILED_KEPT`] are forgotten
+    /// whole (name, addresses, session), the ones that failed first, as if never bound. Such a
+    /// rank's state reads `Unknown` from then on, and a process that dials in with it later
+    /// binds it afresh. Amortised O(1) a failure.
+    fn forget_failed(&mut self) {
+        if self.failed_order.len() <= 2 * FAILED_KEPT {
+            return;
+        }
+        let ranks = &self.ranks;
+        let dialling = &self.dialling;
+        let forgettable = |rank: &RankId, at: &Instant| {
+            ranks.get(rank).is_some_and(|r| {
+                r.state == PeerState::Failed
+                    && r.peer.is_none()
+                    && r.dial.is_none()
+                    && !r.by_dial_back
+                    && r.failed_at == Some(*at)
+            }) && !dialling.values().any(|d| d == rank)
+        };
+        self.failed_order.retain(|(rank, at)| forgettable(rank, at));
+        while self.failed_order.len() > FAILED_KEPT {
+            let Some((rank, _)) = self.failed_order.pop_front() else {
+                break;
+            };
+            self.ranks.remove(&rank);
+            self.forgotten += 1;
+        }
     }
 
     /// Why the handshake on `peer` was refused (either way), if it was, within REFUSED_KEEP.
@@ -713,6 +775,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             r.next_try = Some(now + FIRST_BACKOFF);
         } else {
             r.state = PeerState::Failed;
+            self.failed(rank, now);
         }
         if let Some(instance) = lost_answer {
             self.note_lost_answer(rank, instance, now);
@@ -788,6 +851,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.reconnects += out.len() as u64;
         for rank in given_up {
             // `advertise` waits for a round: it ended.
+            self.failed(rank, now);
             self.wake(rank);
         }
         out
@@ -847,6 +911,56 @@ mod tests {
         assert!(closed.is_empty());
         p.set_dial(R, "addr");
         p
+    }
+
+    /// Ranks that dial this side, bind and fail, one after another, without end (any process
+    /// that can connect, or any member with a secret, can do it): the table keeps at most twice
+    /// `FAILED_KEPT` of them, forgets the ones that failed first, and leaves ranks this side
+    /// dials and live ones alone. A forgotten rank reads `Unknown` and binds afresh.
+    #[test]
+    fn failed_ranks_nobody_dials_are_forgotten_past_a_bound_oldest_first() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        // A failed rank this side dials (being redialled), and a live answered rank.
+        assert_eq!(p.on_failed(10, t0), Some(R));
+        p.accepted(11, None, t0);
+        p.bind(info(RankId(8)), 11, ME, session(2));
+        let n = 3 * FAILED_KEPT as u64;
+        for i in 0..n {
+            let (peer, rank) = (100 + i, RankId(1000 + i as u32));
+            let t = t0 + Duration::from_micros(i);
+            p.accepted(peer, None, t);
+            p.bind(info(rank), peer, ME, session(3));
+            assert_eq!(p.on_failed(peer, t), Some(rank));
+            assert!(
+                p.ranks.len() <= 2 * FAILED_KEPT + 3,
+                "{i}: {}",
+                p.ranks.len()
+            );
+        }
+        assert!(p.forgotten >= n - 2 * FAILED_KEPT as u64, "{}", p.forgotten);
+        assert_eq!(p.state(RankId(1000)), PeerState::Unknown);
+        assert_eq!(p.name(RankId(1000)), None);
+        assert_eq!(p.state(RankId(1000 + n as u32 - 1)), PeerState::Failed);
+        assert_eq!(p.state(R), PeerState::Reconnecting);
+        assert_eq!(p.state(RankId(8)), PeerState::Connected);
+        // A forgotten rank that dials in again is bound afresh.
+        p.accepted(5, None, t0 + Duration::from_secs(1));
+        p.bind(info(RankId(1000)), 5, ME, session(4));
+        assert_eq!(p.state(RankId(1000)), PeerState::Connected);
+        // A rank failed and then bound again is not forgotten for its old failure.
+        let again = RankId(1000 + n as u32 - 1);
+        p.accepted(6, None, t0 + Duration::from_secs(1));
+        p.bind(info(again), 6, ME, session(5));
+        for i in 0..2 * FAILED_KEPT as u64 + 1 {
+            let (peer, rank) = (1_000_000 + i, RankId(1_000_000 + i as u32));
+            let t = t0 + Duration::from_secs(2);
+            p.accepted(peer, None, t);
+            p.bind(info(rank), peer, ME, session(3));
+            p.on_failed(peer, t);
+        }
+        assert_eq!(p.state(again), PeerState::Connected);
+        assert_eq!(p.state(RankId(1000)), PeerState::Connected);
     }
 
     #[test]
