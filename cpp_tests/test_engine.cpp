@@ -122,6 +122,9 @@ TEST_P(EngineTest, UnansweredAdvertisementIsResentAndCounted) {
   EXPECT_EQ(c.resends, 0u);
   EXPECT_EQ(g.unknown_dropped, 0u);
   EXPECT_EQ(c.unknown_dropped, 0u);
+  // Nothing came before its request started, and no rank was forgotten (fields of their own).
+  EXPECT_EQ(g.early_kept + c.early_kept, 0u);
+  EXPECT_EQ(g.ranks_forgotten + c.ranks_forgotten, 0u);
   EXPECT_NE(gen_->metrics_text().find("kvlink_control_resends_total"), std::string::npos);
   auto adv = ctx_->next_advertisement(kvlink::after(5s));
   ASSERT_TRUE(adv);

@@ -496,6 +496,8 @@ impl EngineHandle {
             resends: h.resends,
             duplicates: h.duplicates,
             unknown_dropped: h.unknown_dropped,
+            early_kept: h.early_kept,
+            ranks_forgotten: h.ranks_forgotten,
         }
     }
 

@@ -123,6 +123,10 @@ pub mod ffi {
         resends: u64,
         duplicates: u64,
         unknown_dropped: u64,
+        /// Votes and failure verdicts kept for a request not yet started here; ranks forgotten
+        /// to bound the peer table (see `kvlink::Health`).
+        early_kept: u64,
+        ranks_forgotten: u64,
     }
 
     extern "Rust" {

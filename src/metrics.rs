@@ -69,6 +69,8 @@ pub(crate) struct Metrics {
     resends: Counter,
     duplicates: Counter,
     unknown: Counter,
+    early: Counter,
+    forgotten: Counter,
     peer_failures: Counter,
     reconnects: Counter,
     foreign: Counter,
@@ -124,6 +126,8 @@ impl Metrics {
             resends: Counter::default(),
             duplicates: Counter::default(),
             unknown: Counter::default(),
+            early: Counter::default(),
+            forgotten: Counter::default(),
             peer_failures: Counter::default(),
             reconnects: Counter::default(),
             foreign: Counter::default(),
@@ -197,6 +201,16 @@ impl Metrics {
             "unknown_frames",
             "Messages for a request this rank does not know (forgotten with its tombstone expired, or never started here), dropped",
             m.unknown.clone(),
+        );
+        registry.register(
+            "early_frames",
+            "Votes and failure verdicts that came for a request before it had started here, kept for its start",
+            m.early.clone(),
+        );
+        registry.register(
+            "ranks_forgotten",
+            "Ranks that dialled this side and failed, forgotten to bound the peer table",
+            m.forgotten.clone(),
         );
         registry.register(
             "duplicate_frames",
@@ -296,6 +310,8 @@ impl Metrics {
         catch_up(&self.resends, h.resends);
         catch_up(&self.duplicates, h.duplicates);
         catch_up(&self.unknown, h.unknown_dropped);
+        catch_up(&self.early, h.early_kept);
+        catch_up(&self.forgotten, h.ranks_forgotten);
         catch_up(&self.peer_failures, h.peers_failed);
         catch_up(&self.reconnects, h.reconnects);
         catch_up(&self.foreign, h.foreign_data);
@@ -373,6 +389,8 @@ mod tests {
             resends: 11,
             duplicates: 12,
             unknown_dropped: 13,
+            early_kept: 14,
+            ranks_forgotten: 15,
             ..Health::default()
         };
         let t = m.text(&h).unwrap();
@@ -413,6 +431,8 @@ mod tests {
         assert_eq!(v("kvlink_control_resends_total"), 11.0);
         assert_eq!(v("kvlink_duplicate_frames_total"), 12.0);
         assert_eq!(v("kvlink_unknown_frames_total"), 13.0);
+        assert_eq!(v("kvlink_early_frames_total"), 14.0);
+        assert_eq!(v("kvlink_ranks_forgotten_total"), 15.0);
         assert_eq!(v("kvlink_peer_failures_total"), 1.0);
         assert_eq!(v("kvlink_reconnects_total"), 5.0);
         assert_eq!(v("kvlink_foreign_data_total"), 6.0);

@@ -1799,6 +1799,8 @@ fn a_cancel_before_the_coordinator_starts_ends_the_coordinator_cancelled_when_it
         println!("{kind:?}: the late coordinator ended {o:?} after {took:?}");
         assert_eq!(o, Outcome::Cancelled, "{kind:?}: after {took:?}");
         assert!(took < Duration::from_secs(1), "{kind:?}: {took:?}");
+        // The vote that came first was kept, and counted where operators see it.
+        assert_eq!(coord.health().early_kept, 1, "{kind:?}");
         for rank in [OTHER, COORD] {
             let to = Role::Sender {
                 receiver: RankId(rank),

@@ -1109,6 +1109,10 @@ struct HealthInfo final {
   ::std::uint64_t resends CXX_DEFAULT_VALUE(0);
   ::std::uint64_t duplicates CXX_DEFAULT_VALUE(0);
   ::std::uint64_t unknown_dropped CXX_DEFAULT_VALUE(0);
+  // Votes and failure verdicts kept for a request not yet started here; ranks forgotten
+  // to bound the peer table (see `kvlink::Health`).
+  ::std::uint64_t early_kept CXX_DEFAULT_VALUE(0);
+  ::std::uint64_t ranks_forgotten CXX_DEFAULT_VALUE(0);
 
   using IsRelocatable = ::std::true_type;
 };

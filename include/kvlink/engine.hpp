@@ -323,6 +323,13 @@ struct Health {
   /// its deadline, the agreement bound and the linger; or never started here), dropped; older
   /// generations of a known request count in `stale_dropped`.
   std::uint64_t unknown_dropped = 0;
+  /// Votes and failure verdicts that came for a request before it had started here (its ranks
+  /// start it apart), kept for its start: another rank's early cancel or landing counts as soon
+  /// as the request starts here, not at the voter's resend.
+  std::uint64_t early_kept = 0;
+  /// Ranks that dialled this side and failed, forgotten to bound the peer table (more than
+  /// 8192 such failures since; docs/SECURITY.md): each reads `Unknown` again.
+  std::uint64_t ranks_forgotten = 0;
 };
 
 /// A rank's connection as this engine sees it.
@@ -660,7 +667,8 @@ class Engine {
             h.late_data,       h.refused_auth,    h.refused_rank_in_use, h.refused_version,
             h.refused_by_peer,
             h.receive_stuck,   h.worker_renewals, h.region_fenced_bytes, h.region_fences,
-            h.resends,         h.duplicates,      h.unknown_dropped};
+            h.resends,         h.duplicates,      h.unknown_dropped,
+            h.early_kept,      h.ranks_forgotten};
   }
 
   /// This engine's metrics in the Prometheus text format (version 0.0.4): `kvlink_requests_total`

@@ -271,6 +271,13 @@ pub struct Health {
     /// unused): dropped. Older generations of a request still known (or remembered by its
     /// tombstone) count in `stale_dropped` instead.
     pub unknown_dropped: u64,
+    /// Votes and failure verdicts that came for a request before it had started here (its
+    /// ranks start it apart), kept for its start: another rank's early cancel or landing counts
+    /// as soon as the request starts here, not at the voter's resend.
+    pub early_kept: u64,
+    /// Ranks that dialled this side and failed, forgotten to bound the peer table (more than
+    /// 8192 such failures since; docs/SECURITY.md): each reads `Unknown` again.
+    pub ranks_forgotten: u64,
 }
 
 const POOL_SLOTS: u32 = 1 << 16;
@@ -1529,6 +1536,8 @@ impl Engine {
             resends: ps.retransmits,
             duplicates: ps.duplicates,
             unknown_dropped: ps.unknown_dropped,
+            early_kept: ps.early_kept,
+            ranks_forgotten: core.peers.forgotten,
         }
     }
 
