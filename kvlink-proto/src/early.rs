@@ -18,9 +18,9 @@ use crate::id::{RankId, RequestKey};
 
 /// The most requests whose early messages are kept; past it the request kept longest goes.
 pub const EARLY_CAP: usize = 4096;
-/// The most messages kept for one request (one per rank and kind: a request has a few
-/// receivers).
-const PER_REQUEST: usize = 8;
+/// The most messages kept for one request (one per rank and kind: a request has as many
+/// receivers as its generation side has ranks, 16 at most in common tensor-parallel layouts).
+const PER_REQUEST: usize = 64;
 
 /// What kind of agreement message came early.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
