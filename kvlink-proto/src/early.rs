@@ -41,7 +41,8 @@ pub(crate) enum Kept {
     New,
     /// The same message again (a resend).
     Duplicate,
-    /// Not kept: the request already holds [`PER_REQUEST`] messages.
+    /// Not kept: the request already holds [`PER_REQUEST`] messages (failures, or this one is
+    /// a `Completed`).
     Full,
 }
 
@@ -96,7 +97,18 @@ impl Early {
                         *m = msg;
                         Kept::New
                     }
-                    None if full => Kept::Full,
+                    // Full: a failure takes the place of a kept `Completed` vote, which it
+                    // makes moot (the coordinator decides at the first failure). Dropped, it
+                    // was lost for good with more receivers than the cap: the one message that
+                    // decides the request, kept out by the votes that do not.
+                    None if full => match e.msgs.iter_mut().find(|m| m.2.is_completed()) {
+                        Some(m) if !msg.2.is_completed() => {
+                            *m = msg;
+                            lost += 1;
+                            Kept::New
+                        }
+                        _ => Kept::Full,
+                    },
                     None => {
                         e.msgs.push(msg);
                         Kept::New

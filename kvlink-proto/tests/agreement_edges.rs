@@ -282,3 +282,47 @@ fn what_reaches_a_receiver_before_it_starts_counts_only_from_the_right_rank_and_
     start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + keep + ms(1));
     assert_eq!(g1.verdict(key), None, "a vote past the keep counted");
 }
+
+/// A request may have more receivers than the early store keeps messages for one request (8):
+/// the votes of eight ranks whose data landed first filled it, and the cancel of a ninth was
+/// dropped as `Full`, however it was the one message that decides the request. The late
+/// coordinator then waited for a vote that never came again (the voter ends at its bound) and
+/// ended `TimedOut` against the voter's `Cancelled`. A failure now takes the place of a kept
+/// `Completed` vote, which a failure makes moot (the coordinator decides at the first failure).
+#[test]
+fn an_early_cancel_is_kept_when_completed_votes_of_many_receivers_came_first() {
+    let t = Instant::now();
+    let key = RequestKey::new(19, 0);
+    let receivers: Vec<RankId> = (1..=10).map(RankId).collect();
+    let sender = RankId(50);
+    let mut g1 = Endpoint::new(receivers[0], config());
+    for (i, &r) in receivers[1..9].iter().enumerate() {
+        let vote = Message::Vote {
+            key,
+            outcome: Outcome::Completed,
+        };
+        g1.handle_message(t + ms(i as u64), r, vote).unwrap();
+    }
+    let cancel = Message::Vote {
+        key,
+        outcome: Outcome::Cancelled,
+    };
+    g1.handle_message(t + ms(10), receivers[9], cancel).unwrap();
+    let lease = kvlink_proto::BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(kvlink_proto::TokenAllocator::default().allocate().unwrap());
+    let spec = kvlink_proto::ReceiveSpec {
+        receivers: receivers.clone(),
+        ..one_buffer(key, receivers[0], sender, lease, desc, None)
+    };
+    g1.start_receive(t + ms(20), spec).unwrap();
+    assert_eq!(
+        g1.verdict(key),
+        Some(Outcome::Cancelled),
+        "the early cancel of the tenth receiver was lost"
+    );
+    g1.handle_receive_reaped(t + ms(21), key, 0).unwrap();
+    assert_eq!(
+        terminals(&mut g1, key, Role::Receiver),
+        vec![Outcome::Cancelled]
+    );
+}
