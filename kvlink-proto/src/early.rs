@@ -48,7 +48,7 @@ pub(crate) enum Kept {
 
 #[derive(Debug)]
 struct Entry {
-    /// When the first message for the request came: the entry goes `keep` after it.
+    /// When the last message kept for the request came: the entry goes `keep` after it.
     since: Instant,
     msgs: SmallVec<[Msg; 2]>,
 }
@@ -64,7 +64,7 @@ pub(crate) struct Early {
 }
 
 impl Early {
-    /// Keeps messages for `keep` after the first one of their request came.
+    /// Keeps messages for `keep` after the last one of their request was kept.
     pub(crate) fn new(keep: Duration) -> Self {
         Early {
             keep,
@@ -85,7 +85,7 @@ impl Early {
         let done = match self.by_key.get_mut(&key) {
             Some(e) => {
                 let full = e.msgs.len() >= PER_REQUEST;
-                match e.msgs.iter_mut().find(|m| (m.0, m.1) == (msg.0, msg.1)) {
+                let done = match e.msgs.iter_mut().find(|m| (m.0, m.1) == (msg.0, msg.1)) {
                     // The same again, or a `Completed` after the rank's failure (a resend of an
                     // earlier vote overtaken): the failure stands, as a rank never takes a
                     // failure back.
@@ -113,7 +113,14 @@ impl Early {
                         e.msgs.push(msg);
                         Kept::New
                     }
+                };
+                if done == Kept::New {
+                    // Kept for `keep` from now, as it would be alone: a failure that replaced a
+                    // `Completed` vote went with that vote's keep, up to a deadline sooner.
+                    e.since = now;
+                    self.order.push_back((now, key));
                 }
+                done
             }
             None => {
                 while self.by_key.len() >= EARLY_CAP {

@@ -110,7 +110,7 @@ pub struct Endpoint {
     retries: Map<u64, Retries>,
     collective: Option<Box<dyn Collective>>,
     /// Votes and failure verdicts for requests not started here yet (see `early`), kept for
-    /// the default deadline plus the agreement bound after the first came.
+    /// the default deadline plus the agreement bound after the last was kept.
     early: Early,
     out: Out,
 }

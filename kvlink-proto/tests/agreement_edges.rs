@@ -326,3 +326,43 @@ fn an_early_cancel_is_kept_when_completed_votes_of_many_receivers_came_first() {
         vec![Outcome::Cancelled]
     );
 }
+
+/// The early store keeps a request's messages for the default deadline plus the agreement
+/// bound after the first came. A failure that replaced an earlier `Completed` vote (the voter's
+/// data landed, then its caller, tired of waiting for a late coordinator, cancelled) went with
+/// the `Completed` vote's keep: up to a deadline sooner than the same cancel kept alone. A
+/// coordinator that started in between ran to its deadline and ended `TimedOut` against the
+/// voter's `Cancelled`. A replacing message now gets its own keep.
+#[test]
+fn an_early_cancel_that_replaces_a_completed_vote_is_kept_as_long_as_one_that_came_alone() {
+    let t = Instant::now();
+    let key = RequestKey::new(20, 0);
+    let keep = config().timeout + config().agreement_bound;
+    // G2: its data lands (a `Completed` vote), then its caller cancels (a `Cancelled` one).
+    let (mut g2, _) = receiving(G2, key, t);
+    let mut g1 = Endpoint::new(G1, config());
+    let votes_to_g1 = |g2: &mut Endpoint, g1: &mut Endpoint, at| {
+        while let Some(x) = g2.poll_transmit() {
+            if x.to == G1 && matches!(x.message, Message::Vote { .. }) {
+                g1.handle_message(at, G2, x.message).unwrap();
+            }
+        }
+    };
+    g2.handle_segment_landed(t + ms(10), key, 0).unwrap();
+    votes_to_g1(&mut g2, &mut g1, t + ms(10));
+    g2.cancel(t + ms(900), key).unwrap();
+    votes_to_g1(&mut g2, &mut g1, t + ms(900));
+    // G2 ends `Cancelled` at its bound (no verdict came).
+    g2.handle_timeout(t + ms(900) + config().agreement_bound);
+    assert_eq!(
+        terminals(&mut g2, key, Role::Receiver),
+        vec![Outcome::Cancelled]
+    );
+    // G1 starts past the first vote's keep, within the cancel's.
+    start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + ms(10) + keep + ms(10));
+    assert_eq!(
+        g1.verdict(key),
+        Some(Outcome::Cancelled),
+        "the cancel went with the keep of the Completed vote it replaced"
+    );
+}
