@@ -283,8 +283,8 @@ fn what_reaches_a_receiver_before_it_starts_counts_only_from_the_right_rank_and_
     assert_eq!(g1.verdict(key), None, "a vote past the keep counted");
 }
 
-/// A request may have more receivers than the early store keeps messages for one request (8):
-/// the votes of eight ranks whose data landed first filled it, and the cancel of a ninth was
+/// A request may have more receivers than the early store keeps messages for one request (64):
+/// the votes of 64 ranks whose data landed first filled it, and the cancel of one more was
 /// dropped as `Full`, however it was the one message that decides the request. The late
 /// coordinator then waited for a vote that never came again (the voter ends at its bound) and
 /// ended `TimedOut` against the voter's `Cancelled`. A failure now takes the place of a kept
@@ -293,10 +293,10 @@ fn what_reaches_a_receiver_before_it_starts_counts_only_from_the_right_rank_and_
 fn an_early_cancel_is_kept_when_completed_votes_of_many_receivers_came_first() {
     let t = Instant::now();
     let key = RequestKey::new(19, 0);
-    let receivers: Vec<RankId> = (1..=10).map(RankId).collect();
-    let sender = RankId(50);
+    let receivers: Vec<RankId> = (1..=66).map(RankId).collect();
+    let sender = RankId(500);
     let mut g1 = Endpoint::new(receivers[0], config());
-    for (i, &r) in receivers[1..9].iter().enumerate() {
+    for (i, &r) in receivers[1..65].iter().enumerate() {
         let vote = Message::Vote {
             key,
             outcome: Outcome::Completed,
@@ -307,20 +307,21 @@ fn an_early_cancel_is_kept_when_completed_votes_of_many_receivers_came_first() {
         key,
         outcome: Outcome::Cancelled,
     };
-    g1.handle_message(t + ms(10), receivers[9], cancel).unwrap();
+    g1.handle_message(t + ms(70), receivers[65], cancel)
+        .unwrap();
     let lease = kvlink_proto::BufferPool::new(4).lease(key).unwrap();
     let desc = kv_desc(kvlink_proto::TokenAllocator::default().allocate().unwrap());
     let spec = kvlink_proto::ReceiveSpec {
         receivers: receivers.clone(),
         ..one_buffer(key, receivers[0], sender, lease, desc, None)
     };
-    g1.start_receive(t + ms(20), spec).unwrap();
+    g1.start_receive(t + ms(80), spec).unwrap();
     assert_eq!(
         g1.verdict(key),
         Some(Outcome::Cancelled),
-        "the early cancel of the tenth receiver was lost"
+        "the early cancel of the last receiver was lost"
     );
-    g1.handle_receive_reaped(t + ms(21), key, 0).unwrap();
+    g1.handle_receive_reaped(t + ms(81), key, 0).unwrap();
     assert_eq!(
         terminals(&mut g1, key, Role::Receiver),
         vec![Outcome::Cancelled]
