@@ -163,6 +163,14 @@ fn an_advertisement_for_a_key_this_rank_receives_is_a_protocol_error() {
     );
 }
 
+/// `ep`'s receive of `key` (one segment, 0) has the verdict `Cancelled` (`why` if not) and ends
+/// `Cancelled` once its cancelled receive is reaped at `at`.
+fn ends_cancelled_once_reaped(ep: &mut Endpoint, key: RequestKey, at: Instant, why: &str) {
+    assert_eq!(ep.verdict(key), Some(Outcome::Cancelled), "{why}");
+    ep.handle_receive_reaped(at, key, 0).unwrap();
+    assert_eq!(terminals(ep, key, Role::Receiver), vec![Outcome::Cancelled]);
+}
+
 /// Every `Verdict` `ep` has queued for `to`, draining its transmits.
 fn verdicts_to(ep: &mut Endpoint, to: RankId) -> Vec<Outcome> {
     std::iter::from_fn(|| ep.poll_transmit())
@@ -218,18 +226,13 @@ fn a_cancel_voted_before_the_coordinator_starts_ends_it_cancelled_when_it_starts
     let mut g1 = Endpoint::new(G1, config());
     g1.handle_message(t + ms(2), G2, vote.message).unwrap();
     start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + ms(20));
-    assert_eq!(g1.verdict(key), Some(Outcome::Cancelled));
     assert!(verdicts_to(&mut g1, C).contains(&Outcome::Cancelled));
     assert!(
         std::iter::from_fn(|| g1.poll_action())
             .any(|a| matches!(a, kvlink_proto::Action::CancelReceive { key: k, .. } if k == key)),
         "its receive is not cancelled"
     );
-    g1.handle_receive_reaped(t + ms(21), key, 0).unwrap();
-    assert_eq!(
-        terminals(&mut g1, key, Role::Receiver),
-        vec![Outcome::Cancelled]
-    );
+    ends_cancelled_once_reaped(&mut g1, key, t + ms(21), "the early cancel was lost");
 }
 
 /// The coordinator's failure verdict can reach another receiver before that one starts (the
@@ -316,15 +319,11 @@ fn an_early_cancel_is_kept_when_completed_votes_of_many_receivers_came_first() {
         ..one_buffer(key, receivers[0], sender, lease, desc, None)
     };
     g1.start_receive(t + ms(80), spec).unwrap();
-    assert_eq!(
-        g1.verdict(key),
-        Some(Outcome::Cancelled),
-        "the early cancel of the last receiver was lost"
-    );
-    g1.handle_receive_reaped(t + ms(81), key, 0).unwrap();
-    assert_eq!(
-        terminals(&mut g1, key, Role::Receiver),
-        vec![Outcome::Cancelled]
+    ends_cancelled_once_reaped(
+        &mut g1,
+        key,
+        t + ms(81),
+        "the early cancel of the last receiver was lost",
     );
 }
 
