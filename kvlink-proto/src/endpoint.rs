@@ -248,6 +248,11 @@ impl Endpoint {
         if self.recvs.contains_key(&key) {
             return Err(invalid(format!("{key} is already running here")));
         }
+        if self.tombs.contains_key(&TimerId::Recv(key)) {
+            // Its tombstone still answers for the ended request: a second one under the same
+            // key would run beside it (a retry takes the next generation).
+            return Err(invalid(format!("{key} has already ended here")));
+        }
         if self.newer_known(key, None) {
             return Err(Error::new(
                 ErrorKind::StaleGeneration,

@@ -268,3 +268,36 @@ fn forever_as_a_timeout_is_a_year_and_the_request_completes() {
     assert!(ended, "the receiver completed");
     gen.handle_timeout(t + ms(4));
 }
+
+/// A key that ended here and is still remembered by its tombstone cannot be started again:
+/// `start_receive` took it, and the new request ran beside the tombstone that still answered
+/// the old one's votes and verdicts (the engine refuses such keys itself; the core did not).
+/// Now `InvalidArgument`, nothing taken; a retry takes the next generation.
+#[test]
+fn a_key_remembered_by_its_tombstone_cannot_be_started_again() {
+    let t = Instant::now();
+    let key = RequestKey::new(12, 0);
+    let (mut gen, _ctx, g) = completed_one_to_one(t, key);
+    gen.handle_timeout(t + ms(5));
+    assert_eq!(gen.known(), 0);
+    assert!(
+        gen.tombstones() > 0,
+        "the completed request left no tombstone"
+    );
+    let lease = BufferPool::new(4).lease(key).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    let e = gen
+        .start_receive(t + ms(5), one_buffer(key, g, RankId(2), lease, desc, None))
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+    assert!(!gen.running(key, Role::Receiver));
+    assert!(gen.poll_transmit().is_none(), "something was advertised");
+    let retry = RequestKey::new(12, 1);
+    let lease = BufferPool::new(4).lease(retry).unwrap();
+    gen.start_receive(
+        t + ms(6),
+        one_buffer(retry, g, RankId(2), lease, desc, None),
+    )
+    .unwrap();
+    assert!(gen.running(retry, Role::Receiver));
+}
