@@ -424,7 +424,8 @@ impl Endpoint {
     /// Decodes and handles one frame received from `from`.
     pub fn handle_frame(&mut self, now: Instant, from: RankId, bytes: &[u8]) -> Result<()> {
         match Message::decode(bytes) {
-            Ok(m) => self.handle_message(now, from, m),
+            // `decode` keeps the limits that `handle_message` checks.
+            Ok(m) => self.handle_checked(now, from, m),
             Err(e) => {
                 self.out.stats.bad_frames += 1;
                 Err(e.into())
@@ -435,6 +436,17 @@ impl Endpoint {
     /// Handles one decoded message from `from` (the rank the transport says sent it). Late,
     /// duplicated and stale messages are counted and dropped, not errors.
     pub fn handle_message(&mut self, now: Instant, from: RankId, msg: Message) -> Result<()> {
+        // A message handed over without a frame keeps the limits a frame is decoded under.
+        if let Err(reason) = msg.check() {
+            self.out.stats.bad_frames += 1;
+            return Err(wire::WireError { reason, offset: 0 }.into());
+        }
+        self.handle_checked(now, from, msg)
+    }
+
+    /// [`Endpoint::handle_message`] for a message within the wire's limits (decoded from a
+    /// frame, or checked).
+    fn handle_checked(&mut self, now: Instant, from: RankId, msg: Message) -> Result<()> {
         match msg {
             // The handshake is the engine's (see `handshake`): nothing for a request here.
             Message::Hello { .. }

@@ -270,8 +270,46 @@ impl Message {
     }
 
     /// The body of the frame, after the header (see [`Message::encode`]).
+    /// The limits a frame of this message must keep, as `decode` enforces them on what
+    /// arrives: a name of 1 to `MAX_NAME` bytes, an advertisement with a positive timeout, at
+    /// most `MAX_INFO` bytes of request info and 1 to `MAX_BUFFERS` valid buffers with distinct
+    /// segments and tokens, a notification of at most `MAX_PAYLOAD` bytes. `encode` refuses a
+    /// message that breaks them, and so does the endpoint when a message is handed to it
+    /// without a frame (`Endpoint::handle_message`).
+    pub fn check(&self) -> Result<(), WireReason> {
+        match self {
+            Message::Hello { agent_name, .. }
+                if agent_name.is_empty() || agent_name.len() > MAX_NAME =>
+            {
+                Err(WireReason::TooLarge)
+            }
+            Message::Advertise {
+                timeout_ms,
+                request_info,
+                buffers,
+                ..
+            } => {
+                if *timeout_ms == 0 {
+                    return Err(WireReason::ZeroTimeout);
+                }
+                if request_info.len() > MAX_INFO || buffers.len() > MAX_BUFFERS {
+                    return Err(WireReason::TooLarge);
+                }
+                if buffers.is_empty() {
+                    return Err(WireReason::NoBuffers);
+                }
+                check_descs(buffers)
+            }
+            Message::Notify { payload, .. } if payload.len() > MAX_PAYLOAD => {
+                Err(WireReason::TooLarge)
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn encode_body(&self, body: &mut Vec<u8>) -> Result<(), WireError> {
-        let bad = |reason| WireError { reason, offset: 0 };
+        self.check()
+            .map_err(|reason| WireError { reason, offset: 0 })?;
         match self {
             Message::Hello {
                 agent_name,
@@ -280,9 +318,6 @@ impl Message {
                 challenge,
                 proof,
             } => {
-                if agent_name.is_empty() || agent_name.len() > MAX_NAME {
-                    return Err(bad(WireReason::TooLarge));
-                }
                 body.extend_from_slice(&rank.0.to_le_bytes());
                 body.extend_from_slice(&instance.to_le_bytes());
                 body.extend_from_slice(&challenge.to_le_bytes());
@@ -297,16 +332,6 @@ impl Message {
                 request_info,
                 buffers,
             } => {
-                if *timeout_ms == 0 {
-                    return Err(bad(WireReason::ZeroTimeout));
-                }
-                if request_info.len() > MAX_INFO || buffers.len() > MAX_BUFFERS {
-                    return Err(bad(WireReason::TooLarge));
-                }
-                if buffers.is_empty() {
-                    return Err(bad(WireReason::NoBuffers));
-                }
-                check_descs(buffers).map_err(bad)?;
                 body.reserve(30 + request_info.len() + buffers.len() * 33);
                 put_key(body, key);
                 body.extend_from_slice(&src_rank.0.to_le_bytes());
@@ -328,9 +353,6 @@ impl Message {
                 body.push(*ready as u8);
             }
             Message::Notify { key, payload } => {
-                if payload.len() > MAX_PAYLOAD {
-                    return Err(bad(WireReason::TooLarge));
-                }
                 put_key(body, key);
                 body.extend_from_slice(&(payload.len() as u32).to_le_bytes());
                 body.extend_from_slice(payload);

@@ -229,3 +229,50 @@ fn a_zero_retransmit_interval_does_not_spin_handle_timeout() {
         .expect("handle_timeout spun");
     assert!(next.is_some());
 }
+
+/// A message handed to the endpoint without a frame (`handle_message`, the core's own API)
+/// keeps the limits a frame is decoded under: an advertisement with no buffers, two buffers
+/// under one token, or a zero timeout, and a notification past `MAX_PAYLOAD`, are protocol
+/// errors, counted as bad frames, that start and queue nothing. Before, only `handle_frame`
+/// (through the decoder) refused them, and such an advertisement started a send flow.
+#[test]
+fn a_message_without_a_frame_keeps_the_wire_limits() {
+    let t = Instant::now();
+    let key = RequestKey::new(1, 0);
+    let mut ctx = Endpoint::new(ME, Config::default());
+    let desc = |segment, token| BufferDesc {
+        kind: BufferKind::Kv,
+        segment,
+        addr: 0x1000 * (u64::from(segment) + 1),
+        len: 64,
+        device_id: -1,
+        token: Token(token),
+    };
+    let advertise = |timeout_ms, buffers| Message::Advertise {
+        key,
+        src_rank: R,
+        timeout_ms,
+        request_info: vec![],
+        buffers,
+    };
+    let bad = [
+        advertise(1000, vec![]),
+        advertise(1000, vec![desc(0, 5), desc(1, 5)]),
+        advertise(0, vec![desc(0, 5)]),
+        Message::Notify {
+            key,
+            payload: vec![0; kvlink_proto::wire::MAX_PAYLOAD + 1],
+        },
+    ];
+    for (i, m) in bad.into_iter().enumerate() {
+        let e = ctx.handle_message(t, R, m).unwrap_err();
+        assert_eq!(e.kind, kvlink_proto::error::ErrorKind::Protocol, "{i}: {e}");
+        assert_eq!(ctx.stats().bad_frames, i as u64 + 1);
+    }
+    assert_eq!(ctx.known(), 0, "a send flow was started");
+    assert!(ctx.poll_event().is_none() && ctx.poll_transmit().is_none());
+    // Within the limits, the same advertisement starts its flow.
+    ctx.handle_message(t, R, advertise(1000, vec![desc(0, 5), desc(1, 6)]))
+        .unwrap();
+    assert_eq!(ctx.known(), 1);
+}
