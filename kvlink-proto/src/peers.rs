@@ -113,8 +113,10 @@ pub(crate) struct Rank<P> {
     pub keys: Option<TagKeys>,
     tries: u32,
     next_try: Option<Instant>,
-    /// When it last became `Failed` with nobody here to dial it (see `Peers::forget_failed`).
-    failed_at: Option<Instant>,
+    /// The number of its last failure with nobody here to dial it (`Peers::failed_count`; see
+    /// `Peers::forget_failed`). A number, not the time: a pass's events share one clock read,
+    /// and a rank can fail twice in one pass.
+    failed_at: Option<u64>,
 }
 
 /// The tag keys of one bound pair: for receives this side posts for the rank's data (`inbound`)
@@ -213,10 +215,12 @@ pub struct Peers<P> {
     /// Ranks a reconnect round has handed out to be dialled ([`Peers::due`]) whose dial is not
     /// yet made ([`Peers::dialled`]) or given up ([`Peers::round_dial_void`]).
     round_starting: HashMap<RankId, Instant>,
-    /// Ranks that became `Failed` with nobody here to dial them, and when, oldest first (an
-    /// entry whose rank was bound again or failed again since is skipped): the order in which
-    /// `Peers::forget_failed` forgets them.
-    failed_order: VecDeque<(RankId, Instant)>,
+    /// Ranks that became `Failed` with nobody here to dial them, and the number of that
+    /// failure (`failed_count`), oldest first (an entry whose rank was bound again or failed
+    /// again since is skipped): the order in which `Peers::forget_failed` forgets them.
+    failed_order: VecDeque<(RankId, u64)>,
+    /// Failures pushed to `failed_order` so far: each entry's number.
+    failed_count: u64,
     /// Ranks forgotten that way.
     pub forgotten: u64,
     pub refusals: Refusals,
@@ -247,6 +251,7 @@ impl<P> Default for Peers<P> {
             connects: HashMap::new(),
             round_starting: HashMap::new(),
             failed_order: VecDeque::new(),
+            failed_count: 0,
             forgotten: 0,
             refusals: Refusals::default(),
             reconnects: 0,
@@ -493,7 +498,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         if r.peer == Some(peer) {
             r.peer = None;
             r.state = PeerState::Failed;
-            self.failed(rank, now);
+            self.failed(rank);
         }
         self.wake(rank);
         Some(rank)
@@ -501,15 +506,16 @@ impl<P: Copy + Eq + Hash> Peers<P> {
 
     /// `rank` has just become `Failed`: if nobody here dials it, it joins the ranks that
     /// `Peers::forget_failed` may forget.
-    fn failed(&mut self, rank: RankId, now: Instant) {
+    fn failed(&mut self, rank: RankId) {
         let Some(r) = self.ranks.get_mut(&rank) else {
             return;
         };
         if r.dial.is_some() || r.by_dial_back {
             return;
         }
-        r.failed_at = Some(now);
-        self.failed_order.push_back((rank, now));
+        self.failed_count += 1;
+        r.failed_at = Some(self.failed_count);
+        self.failed_order.push_back((rank, self.failed_count));
         self.forget_failed();
     }
 
@@ -524,7 +530,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         let ranks = &self.ranks;
         let dialling = &self.dialling;
-        let forgettable = |rank: &RankId, at: &Instant| {
+        let forgettable = |rank: &RankId, at: &u64| {
             ranks.get(rank).is_some_and(|r| {
                 r.state == PeerState::Failed
                     && r.peer.is_none()
@@ -775,7 +781,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             r.next_try = Some(now + FIRST_BACKOFF);
         } else {
             r.state = PeerState::Failed;
-            self.failed(rank, now);
+            self.failed(rank);
         }
         if let Some(instance) = lost_answer {
             self.note_lost_answer(rank, instance, now);
@@ -851,7 +857,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.reconnects += out.len() as u64;
         for rank in given_up {
             // `advertise` waits for a round: it ended.
-            self.failed(rank, now);
+            self.failed(rank);
             self.wake(rank);
         }
         out
@@ -961,6 +967,39 @@ mod tests {
         }
         assert_eq!(p.state(again), PeerState::Connected);
         assert_eq!(p.state(RankId(1000)), PeerState::Connected);
+    }
+
+    /// A progress pass reads the clock once, so one rank can bind, fail, bind again on a new
+    /// connection and fail again at the same instant: that is still one rank to forget. It
+    /// is forgotten, and counted in `forgotten`, once.
+    #[test]
+    fn a_rank_failed_twice_at_one_instant_is_forgotten_and_counted_once() {
+        let t0 = Instant::now();
+        let mut p: Peers<u64> = Peers::default();
+        let twice = RankId(500);
+        for peer in [1, 2] {
+            p.accepted(peer, None, t0);
+            p.bind(info(twice), peer, ME, session(3));
+            assert_eq!(p.on_failed(peer, t0), Some(twice));
+        }
+        let n = 2 * FAILED_KEPT as u64;
+        for i in 0..n {
+            let (peer, rank) = (100 + i, RankId(1000 + i as u32));
+            let t = t0 + Duration::from_micros(i + 1);
+            p.accepted(peer, None, t);
+            p.bind(info(rank), peer, ME, session(3));
+            assert_eq!(p.on_failed(peer, t), Some(rank));
+        }
+        let gone = (0..n)
+            .map(|i| RankId(1000 + i as u32))
+            .chain([twice])
+            .filter(|r| p.state(*r) == PeerState::Unknown)
+            .count() as u64;
+        assert_eq!(p.state(twice), PeerState::Unknown);
+        assert_eq!(p.forgotten, gone, "every rank forgotten counted once");
+        // The look came with the failure before the last: the newest FAILED_KEPT then, and
+        // the one failed since.
+        assert_eq!(p.ranks.len(), FAILED_KEPT + 1);
     }
 
     #[test]
