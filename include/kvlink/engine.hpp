@@ -309,8 +309,9 @@ struct Health {
   /// later needs the new `address()` (a listening engine keeps its `ip:port`).
   std::uint64_t worker_renewals = 0;
   /// Bytes of regions fenced now: transfers of ended requests that UCX still holds (refused to
-  /// new receives, `ErrorKind::Fenced`, until released); and transfers fenced that
-  /// way so far. Each cost its range for a while, never the pair.
+  /// new receives, `ErrorKind::Fenced`, until released), the sum of their lengths (two fenced
+  /// sends from the same bytes count them twice); and transfers fenced that way so far. Each
+  /// cost its range for a while, never the pair.
   std::uint64_t region_fenced_bytes = 0;
   std::uint64_t region_fences = 0;
   /// Control messages sent again because their answer had not come (unanswered advertisements

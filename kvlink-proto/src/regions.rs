@@ -48,6 +48,8 @@ pub struct RegionInfo {
     /// Of those, the ones whose request has ended: their ranges are refused to new receives
     /// (and, for a fenced receive, to new sends).
     pub fenced_transfers: usize,
+    /// The sum of the fenced transfers' lengths (sends from the same bytes may overlap: each
+    /// counts).
     pub fenced_bytes: u64,
 }
 

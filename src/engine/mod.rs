@@ -254,7 +254,8 @@ pub struct Health {
     /// its `ip:port`).
     pub worker_renewals: u64,
     /// Bytes of regions fenced now (transfers of ended requests that UCX still holds; refused
-    /// to new receives until released), and transfers fenced that way so far.
+    /// to new receives until released; the sum of their lengths, so two fenced sends from the
+    /// same bytes count them twice), and transfers fenced that way so far.
     pub region_fenced_bytes: u64,
     pub region_fences: u64,
     /// Control messages sent again because their answer had not come: unanswered
