@@ -100,6 +100,38 @@ TEST_P(EngineTest, FullRoundTripThroughTheFacade) {
   EXPECT_FALSE(ctx_->health().receive_stuck);
 }
 
+// Two generation ranks receive one request and start it apart: the second (rank 2, not the
+// coordinator) starts first and its caller cancels before the coordinator (the fixture's rank 1)
+// has started. The cancel's vote reaches the coordinator first and is kept for its start, so the
+// coordinator ends `Cancelled` as soon as it starts (it used to wait out its deadline and end
+// `TimedOut`), and `health().early_kept` counts that vote across the bridge.
+TEST_P(EngineTest, AVoteThatComesBeforeTheCoordinatorStartsCountsAtItsStart) {
+  constexpr std::uint32_t kOther = 2;
+  const RequestKey key{91, 0};
+  kvlink::Engine other(config(GetParam(), kOther, 10s));
+  ASSERT_EQ(other.connect(ctx_->address(), kvlink::after(5s)), kCtx);
+  ASSERT_EQ(other.connect(gen_->address(), kvlink::after(5s)), kGen);
+  ctx_->wait_peer(kOther, kvlink::after(5s));
+  gen_->wait_peer(kOther, kvlink::after(5s));
+  std::vector<std::uint8_t> buf_other(4096, 0), buf_coord(4096, 0);
+  other.advertise(key, {kGen, kOther}, kCtx, {{kvlink::BufferKind::Kv, 0, buf_other.data(), buf_other.size()}}, {});
+  auto adv = ctx_->next_advertisement(kvlink::after(5s));
+  ASSERT_TRUE(adv);
+  EXPECT_EQ(adv->from_rank, kOther);
+  ctx_->accept(key, kOther, true);
+  other.cancel(key);
+  EXPECT_EQ(other.wait_receiver(key, kvlink::after(5s)), Outcome::Cancelled);
+  EXPECT_EQ(gen_->health().early_kept, 1u);
+  const auto t0 = std::chrono::steady_clock::now();
+  gen_->advertise(key, {kGen, kOther}, kCtx, {{kvlink::BufferKind::Kv, 0, buf_coord.data(), buf_coord.size()}}, {});
+  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(3s)), Outcome::Cancelled);
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  EXPECT_LT(took.count(), 1000) << "the late coordinator waited for its deadline";
+  EXPECT_EQ(ctx_->wait_sender(key, kOther, kvlink::after(5s)), Outcome::Cancelled);
+  EXPECT_EQ(ctx_->health().ranks_forgotten + gen_->health().ranks_forgotten, 0u);
+  expect_no_leak(other, "other");
+}
+
 // A context rank that is alive but slow to take an advertisement: the generation rank resends
 // it (backed off) and the context rank drops the repeats; both counts reach health() across the
 // bridge, each in its own field, and the metrics text. The request completes once taken.
