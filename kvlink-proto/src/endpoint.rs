@@ -792,8 +792,6 @@ impl Endpoint {
         }
     }
 
-    /// A vote or ready answer for a receive forgotten here: answer with its verdict (a late
-    /// voter has not heard it), else count and drop.
     /// Keeps `msg`, a vote or failure verdict for `key`, which has not started here, for its
     /// start (see `early`): not with an external collective (no votes travel then), nor when a
     /// newer generation of the request is known here (it is stale).
@@ -819,6 +817,8 @@ impl Endpoint {
         self.early.len()
     }
 
+    /// A vote or ready answer for a receive forgotten here: answer with its verdict (a late
+    /// voter has not heard it), else count and drop.
     fn answer_from_tomb(&mut self, key: RequestKey, from: RankId) {
         match self.tombs.get(&TimerId::Recv(key)) {
             Some(&(_, outcome)) => {

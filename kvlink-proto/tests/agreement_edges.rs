@@ -199,7 +199,9 @@ fn a_vote_that_reaches_the_coordinator_before_it_starts_counts_when_it_starts() 
     // Its resend, before the start too: the same vote, kept once.
     gen.handle_message(t + ms(1), G2, vote).unwrap();
     assert_eq!(gen.stats().unknown_dropped, 0);
+    assert_eq!((gen.early_requests(), gen.stats().early_kept), (1, 1));
     start_two_receiver_request(&mut gen, G1, [G1, G2], C, key, t + ms(10));
+    assert_eq!(gen.early_requests(), 0, "taken at the start");
     assert_eq!(gen.verdict(key), None, "decided before its own data");
     gen.handle_segment_landed(t + ms(11), key, 0).unwrap();
     assert_eq!(gen.verdict(key), Some(Outcome::Completed));
