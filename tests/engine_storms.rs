@@ -279,48 +279,40 @@ fn an_exhausted_receive_pool_is_queue_full_at_once_and_loses_nothing() {
 fn queues_fed_by_peers_are_bounded_in_bytes() {
     let _turn = one_at_a_time();
     const QUEUED_MAX: usize = 256 << 20;
+    let soon = || Instant::now() + Duration::from_secs(30);
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
         let (ctx, gen) = engines(&kind, 1024);
-        let deadline = Instant::now() + Duration::from_secs(20);
         let n = 300;
         let info = vec![7u8; (1 << 20) - (8 << 10)];
-        let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 64]).collect();
+        let mut bufs: Vec<Vec<u8>> = (0..n + 2).map(|_| vec![0u8; 64]).collect();
+        let (bufs, markers) = bufs.split_at_mut(n);
         for (i, b) in bufs.iter_mut().enumerate() {
-            let spec = BufferSpec {
-                kind: BufferKind::Kv,
-                segment: 0,
-                addr: b.as_mut_ptr() as u64,
-                len: 64,
-                device_id: -1,
-            };
             // SAFETY: every request's end is waited for below.
-            unsafe {
-                gen.advertise(
-                    RequestKey::new(i as u64, 0),
-                    vec![RankId(GEN)],
-                    vec![(RankId(CTX), vec![spec])],
-                    info.clone(),
-                )
-            }
-            .unwrap();
+            unsafe { advertise_info(&gen, GEN, RequestKey::new(i as u64, 0), b, info.clone()) }
+                .unwrap();
         }
-        // The refused ones end `Rejected` at once; the rest wait in the context's queue. Once
-        // the refusals stop (all have arrived), the ended ones are found and waited for.
-        settled(|| ctx.health().adverts_refused);
+        // A notification sent after them arrives after them (one connection, in order): once
+        // it is here, every advertisement has been queued or refused.
+        gen.notify(RankId(CTX), RequestKey::new(9999, 0), b"end".to_vec())
+            .unwrap();
+        assert_eq!(
+            ctx.wait_for_notification(RankId(GEN), soon(), None),
+            Some((RequestKey::new(9999, 0), b"end".to_vec())),
+            "{kind:?}"
+        );
+        let refused = ctx.health().adverts_refused;
+        let mut queued = Vec::new();
+        while let Some(a) = ctx.next_advertisement(Instant::now(), None) {
+            assert_eq!(a.request_info, info);
+            queued.push(a);
+        }
+        // The refused ones have ended `Rejected` on the generation side.
         let mut ended = HashMap::new();
         for i in 0..n as u64 {
             let key = RequestKey::new(i, 0);
             if gen.recv_ready(key, Instant::now(), None) == Some(false) {
-                ended.insert(i, gen.wait(key, Role::Receiver, deadline, None).unwrap());
+                ended.insert(i, gen.wait(key, Role::Receiver, soon(), None).unwrap());
             }
-        }
-        let refused = ctx.health().adverts_refused;
-        let mut queued = Vec::new();
-        while let Some(a) =
-            ctx.next_advertisement(Instant::now() + Duration::from_millis(200), None)
-        {
-            assert_eq!(a.request_info, info);
-            queued.push(a);
         }
         let held: usize = queued.len() * info.len();
         println!(
@@ -340,78 +332,101 @@ fn queues_fed_by_peers_are_bounded_in_bytes() {
         // The queued ones are served: refused by the application this time.
         for a in &queued {
             ctx.accept(a.key, a.from, false).unwrap();
-            let o = gen.wait(a.key, Role::Receiver, deadline, None).unwrap();
+            let o = gen.wait(a.key, Role::Receiver, soon(), None).unwrap();
             assert_eq!(o, Outcome::Rejected, "{kind:?}");
         }
         assert_eq!(gen.health().buffers_leased, 0, "{kind:?}");
         // Notifications of 64 KiB from two ranks: the generation rank and a third engine.
-        let mut c3 = EngineConfig::new("third", 2, kind.clone());
+        const THIRD: u32 = 2;
+        let mut c3 = EngineConfig::new("third", THIRD, kind.clone());
         c3.timeout = Duration::from_secs(20);
         let third = Engine::new(c3).unwrap();
-        third.connect(&ctx.address(), deadline).unwrap();
-        ctx.wait_peer(RankId(2), deadline).unwrap();
+        third.connect(&ctx.address(), soon()).unwrap();
+        ctx.wait_peer(RankId(THIRD), soon()).unwrap();
         let per_rank = 3000u64;
-        for from in [&gen, &third] {
+        let marker = RequestKey::new(8888, 0);
+        for ((from, rank), buf) in [(&gen, GEN), (&third, THIRD)]
+            .into_iter()
+            .zip(markers.iter_mut())
+        {
             for i in 0..per_rank {
                 let mut payload = vec![0u8; 64 << 10];
                 payload[..8].copy_from_slice(&i.to_le_bytes());
                 from.notify(RankId(CTX), RequestKey::new(1000 + i, 0), payload)
                     .unwrap();
             }
+            // An advertisement after them marks their end (see above).
+            // SAFETY: its end is waited for below.
+            unsafe { advertise_info(from, rank, marker, buf, vec![]) }.unwrap();
         }
-        // Nothing is taken until the drops stop (all have arrived); then every note sent is
-        // either queued or dropped.
+        // Nothing is taken until both markers are here (every notification has been queued or
+        // dropped); then every one sent is either taken, whole and in order, or counted dropped.
+        for _ in 0..2 {
+            let a = ctx.next_advertisement(soon(), None).expect("a marker");
+            assert_eq!(a.key, marker, "{kind:?}");
+            ctx.accept(a.key, a.from, false).unwrap();
+        }
         let sent = 2 * per_rank;
-        settled(|| ctx.health().notes_dropped);
-        let until = Instant::now() + Duration::from_secs(15);
         let mut got = [0u64; 2];
-        let dropped = loop {
-            for (j, rank) in [GEN, 2].into_iter().enumerate() {
-                while let Some((key, p)) =
-                    ctx.wait_for_notification(RankId(rank), Instant::now(), None)
-                {
-                    // In the order sent, each whole.
-                    assert_eq!(p.len(), 64 << 10);
-                    assert_eq!(
-                        key.request.0 - 1000,
-                        u64::from_le_bytes(p[..8].try_into().unwrap())
-                    );
-                    got[j] += 1;
-                }
+        for (j, rank) in [GEN, THIRD].into_iter().enumerate() {
+            while let Some((key, p)) = ctx.wait_for_notification(RankId(rank), Instant::now(), None)
+            {
+                assert_eq!(p.len(), 64 << 10);
+                assert_eq!(
+                    key.request.0 - 1000,
+                    u64::from_le_bytes(p[..8].try_into().unwrap())
+                );
+                got[j] += 1;
             }
-            let dropped = ctx.health().notes_dropped;
-            if got[0] + got[1] + dropped >= sent || Instant::now() > until {
-                break dropped;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
+        }
+        let dropped = ctx.health().notes_dropped;
         println!("  NOTES sent={sent} taken={got:?} dropped={dropped}");
         assert_eq!(got[0] + got[1] + dropped, sent, "{kind:?}");
         assert!(dropped > 0, "{kind:?}: nothing dropped");
+        for g in [&gen, &third] {
+            assert_eq!(
+                g.wait(marker, Role::Receiver, soon(), None).unwrap(),
+                Outcome::Rejected
+            );
+        }
         // Taken, the queue serves again.
         gen.notify(RankId(CTX), RequestKey::new(1, 0), vec![1])
             .unwrap();
         assert_eq!(
-            ctx.wait_for_notification(RankId(GEN), deadline, None),
+            ctx.wait_for_notification(RankId(GEN), soon(), None),
             Some((RequestKey::new(1, 0), vec![1]))
         );
     }
 }
 
-/// The value of `count` once it is above zero and has not changed for 300 ms (15 s at most).
-fn settled(count: impl Fn() -> u64) -> u64 {
-    let until = Instant::now() + Duration::from_secs(15);
-    let mut last = (count(), Instant::now());
-    while Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(10));
-        let c = count();
-        if c != last.0 {
-            last = (c, Instant::now());
-        } else if c > 0 && last.1.elapsed() > Duration::from_millis(300) {
-            break;
-        }
+/// Advertises `buf` (one buffer) as request `key` from rank `rank` to the context rank, with
+/// `info` as its request info.
+///
+/// # Safety
+/// `buf` must stay untouched until the request's end has been waited for.
+unsafe fn advertise_info(
+    from: &Engine,
+    rank: u32,
+    key: RequestKey,
+    buf: &mut [u8],
+    info: Vec<u8>,
+) -> kvlink::Result<()> {
+    let spec = BufferSpec {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: buf.as_mut_ptr() as u64,
+        len: buf.len() as u64,
+        device_id: -1,
+    };
+    // SAFETY: forwarded.
+    unsafe {
+        from.advertise(
+            key,
+            vec![RankId(rank)],
+            vec![(RankId(CTX), vec![spec])],
+            info,
+        )
     }
-    last.0
 }
 
 const ENGINE_PEER: &str = env!("CARGO_BIN_EXE_kvlink-engine-peer");
