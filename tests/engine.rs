@@ -724,6 +724,47 @@ fn one_spec(buf: &mut [u8], segment: u32) -> BufferSpec {
     }
 }
 
+/// A request of one 8 KiB buffer, `key`, from rank `gen_rank` (its only receiver) to
+/// `ctx_rank`, with its own `timeout` if given: the context rank accepts it and sends pattern
+/// `seed`; the request must end `Completed` with every byte landed (`label` names the case).
+fn one_request_completes(
+    ctx: &Engine,
+    gen: &Engine,
+    (key, gen_rank, ctx_rank): (RequestKey, u32, u32),
+    timeout: Option<Duration>,
+    seed: u8,
+    label: &str,
+) {
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let mut buf = vec![0u8; 8192];
+    // `buf` outlives the request, waited for below.
+    advertise_buffers(
+        gen,
+        key,
+        vec![RankId(gen_rank)],
+        RankId(ctx_rank),
+        vec![one_spec(&mut buf, 0)],
+        timeout,
+    );
+    // Advertisements of requests that ended before their sender took them may still wait.
+    let a = loop {
+        let a = ctx.next_advertisement(soon(), None).unwrap();
+        if a.key == key {
+            break a;
+        }
+    };
+    ctx.accept(a.key, a.from, true).unwrap();
+    let data = fill(seed, 8192);
+    ctx.send(key, RankId(gen_rank), 0, &data, soon(), None)
+        .unwrap();
+    assert_eq!(
+        gen.wait(key, Role::Receiver, soon(), None).unwrap(),
+        Outcome::Completed,
+        "{label}"
+    );
+    assert_eq!(buf, data, "{label}");
+}
+
 /// `recv_ready` says the same before and after `wait` took a request's end: a request whose
 /// first segment landed and whose second never came ends `TimedOut`, and is not "ready" then,
 /// whether the end was taken or not.
@@ -1481,27 +1522,9 @@ fn an_engine_whose_timeout_is_forever_sleeps_while_a_request_waits_for_data() {
         let o = gen.wait(key, Role::Receiver, soon(), None).unwrap();
         assert_ne!(o, Outcome::Completed);
         // A request with a timeout of its own of `Duration::MAX` starts and completes.
-        let mut buf = vec![0u8; 8192];
-        let key = RequestKey::new(2, 0);
-        let specs = vec![one_spec(&mut buf, 0)];
-        // `buf` outlives the request, waited for below.
-        advertise_buffers(
-            &gen,
-            key,
-            vec![RankId(GEN)],
-            RankId(CTX),
-            specs,
-            Some(Duration::MAX),
-        );
-        let a = ctx.next_advertisement(soon(), None).unwrap();
-        ctx.accept(a.key, a.from, true).unwrap();
-        let data = fill(5, 8192);
-        ctx.send(key, RankId(GEN), 0, &data, soon(), None).unwrap();
-        assert_eq!(
-            gen.wait(key, Role::Receiver, soon(), None).unwrap(),
-            Outcome::Completed
-        );
-        assert_eq!(buf, data, "{forever:?}");
+        let label = format!("{forever:?}");
+        let request = (RequestKey::new(2, 0), GEN, CTX);
+        one_request_completes(&ctx, &gen, request, Some(Duration::MAX), 5, &label);
     }
 }
 
@@ -1582,28 +1605,8 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
             kvlink::connection::PeerState::Connected
         );
         // The next request on the pair completes, bytes checked.
-        let key = RequestKey::new(2, 0);
-        let mut buf = vec![0u8; 8192];
-        // `buf` outlives the request, waited for below.
-        advertise_buffers(
-            &gen,
-            key,
-            vec![RankId(RECEIVER)],
-            RankId(SENDER),
-            vec![one_spec(&mut buf, 0)],
-            None,
-        );
-        let a = ctx.next_advertisement(deadline(), None).unwrap();
-        ctx.accept(a.key, a.from, true).unwrap();
-        let data = fill(9, 8192);
-        ctx.send(key, RankId(RECEIVER), 0, &data, deadline(), None)
-            .unwrap();
-        assert_eq!(
-            gen.wait(key, Role::Receiver, deadline(), None).unwrap(),
-            Outcome::Completed,
-            "{kind:?}"
-        );
-        assert_eq!(buf, data, "{kind:?}");
+        let request = (RequestKey::new(2, 0), RECEIVER, SENDER);
+        one_request_completes(&ctx, &gen, request, None, 9, &format!("{kind:?}"));
         assert_eq!(
             (gen.health().peers_failed, ctx.health().peers_failed),
             (0, 0),
@@ -1875,32 +1878,7 @@ fn a_cancel_before_the_coordinator_starts_ends_the_coordinator_cancelled_when_it
         );
         assert!(bufs.iter().all(|b| *b == data), "{kind:?}");
         // The next request, the coordinator alone, completes.
-        let key = RequestKey::new(2, 0);
-        let mut buf = vec![0u8; 8192];
-        // `buf` outlives the request, waited for below.
-        advertise_buffers(
-            &coord,
-            key,
-            vec![RankId(COORD)],
-            RankId(SENDER),
-            vec![one_spec(&mut buf, 0)],
-            None,
-        );
-        let a = loop {
-            let a = ctx.next_advertisement(soon(), None).unwrap();
-            if a.key == key {
-                break a;
-            }
-        };
-        ctx.accept(a.key, a.from, true).unwrap();
-        let data = fill(7, 8192);
-        ctx.send(key, RankId(COORD), 0, &data, soon(), None)
-            .unwrap();
-        assert_eq!(
-            coord.wait(key, Role::Receiver, soon(), None).unwrap(),
-            Outcome::Completed,
-            "{kind:?}"
-        );
-        assert_eq!(buf, data, "{kind:?}");
+        let request = (RequestKey::new(2, 0), COORD, SENDER);
+        one_request_completes(&ctx, &coord, request, None, 7, &format!("{kind:?}"));
     }
 }

@@ -51,22 +51,8 @@ fn fill(id: u64, len: usize) -> Vec<u8> {
 /// # Safety
 /// `buf` must stay untouched until the request's end has been waited for.
 unsafe fn advertise(gen: &Engine, key: RequestKey, buf: &mut [u8]) -> kvlink::Result<()> {
-    let spec = BufferSpec {
-        kind: BufferKind::Kv,
-        segment: 0,
-        addr: buf.as_mut_ptr() as u64,
-        len: buf.len() as u64,
-        device_id: -1,
-    };
     // SAFETY: forwarded.
-    unsafe {
-        gen.advertise(
-            key,
-            vec![RankId(GEN)],
-            vec![(RankId(CTX), vec![spec])],
-            vec![],
-        )
-    }
+    unsafe { advertise_info(gen, GEN, key, buf, vec![]) }
 }
 
 /// 300 requests of 64 KiB in flight together. Every third one is cancelled by the generation
