@@ -621,3 +621,36 @@ TEST_P(EngineTest, SendOfAnImpossibleSizeIsATypedError) {
         << e.what();
   }
 }
+
+// A deadline in a coarser unit (a `steady_clock` time point in seconds or hours, which converts
+// to `Deadline` implicitly) is a deadline too, `max()` included: its conversion to nanoseconds
+// overflows (seconds::max() * 10^9 wraps to one second before the clock's epoch), which made
+// every wait "already past" and return at once.
+TEST_P(EngineTest, ACoarseDeadlineMaxWaitsInsteadOfWrappingIntoThePast) {
+  using Secs = std::chrono::time_point<kvlink::Clock, std::chrono::seconds>;
+  using Hours = std::chrono::time_point<kvlink::Clock, std::chrono::hours>;
+  std::uint64_t request = 500;
+  const auto waits_for_a_late_notification = [&](auto deadline, const char* what) {
+    const RequestKey key{request++, 0};
+    std::thread later([&] {
+      std::this_thread::sleep_for(200ms);
+      ctx_->notify(kGen, key, {1});
+    });
+    const auto n = gen_->wait_for_notification(kCtx, deadline);
+    later.join();
+    ASSERT_TRUE(n) << what << " was taken for a deadline in the past";
+    EXPECT_EQ(n->key, key) << what;
+  };
+  waits_for_a_late_notification(Secs::max(), "time_point<steady_clock, seconds>::max()");
+  waits_for_a_late_notification(Hours::max(), "time_point<steady_clock, hours>::max()");
+  // Still "do not wait" at the other end, and an ordinary coarse deadline is what it says.
+  const auto t0 = kvlink::Clock::now();
+  EXPECT_FALSE(gen_->wait_for_notification(kCtx, Secs::min()));
+  EXPECT_FALSE(gen_->wait_for_notification(kCtx, Hours::min()));
+  EXPECT_LT(kvlink::Clock::now() - t0, 100ms);
+  using FloatSecs = std::chrono::time_point<kvlink::Clock, std::chrono::duration<double>>;
+  const auto t1 = kvlink::Clock::now();
+  EXPECT_FALSE(gen_->wait_for_notification(kCtx, FloatSecs(t1.time_since_epoch()) + std::chrono::duration<double>(0.15)));
+  EXPECT_GE(kvlink::Clock::now() - t1, 150ms);
+  EXPECT_LT(kvlink::Clock::now() - t1, 1s);
+}

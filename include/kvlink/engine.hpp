@@ -42,7 +42,9 @@
 //     whatever the peer does (frozen, partitioned, dead). A deadline in the past means "do not
 //     wait" (a `wait_*` then gives the request up at once); `time_point::min()` and `max()` are
 //     fine (`max()` waits at most a year, and in practice until the request's own deadline).
-//     Deadlines are `std::chrono::steady_clock` points; `kvlink::after(d)` makes one.
+//     Deadlines are `std::chrono::steady_clock` points in any unit (a coarse one such as
+//     `time_point<steady_clock, seconds>::max()` is read as it is, never wrapped through
+//     nanoseconds); `kvlink::after(d)` makes one.
 //   - Every request also has its own deadline: `EngineConfig::timeout` (TensorRT-LLM's
 //     kv_transfer_timeout_ms), or the `timeout` given to `advertise`, counted from `advertise`.
 //     The advertisement carries what is left of it, so the context rank shares the same
@@ -89,6 +91,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -392,6 +395,25 @@ inline std::uint64_t ms_until(Deadline d) {
   return static_cast<std::uint64_t>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
 }
 
+/// The same for a `steady_clock` time point in another unit (seconds, hours, floating point).
+/// Never converted to `Deadline` first: `time_point<Clock, seconds>::max()` in nanoseconds
+/// overflows (and wraps into the past). In long double milliseconds nothing overflows; what is
+/// past (or NaN) is 0, what is too far is UINT64_MAX (Rust caps it at a year).
+template <typename Duration>
+inline std::uint64_t ms_until(std::chrono::time_point<Clock, Duration> d) {
+  if constexpr (std::is_same_v<Duration, Clock::duration>) {
+    return ms_until(Deadline(d));
+  } else {
+    using Ms = std::chrono::duration<long double, std::milli>;
+    const long double left =
+        Ms(d.time_since_epoch()).count() - Ms(Clock::now().time_since_epoch()).count();
+    if (!(left > 0)) return 0;
+    if (left >= 18446744073709551615.0L) return UINT64_MAX;
+    const auto whole = static_cast<std::uint64_t>(left);
+    return whole + (static_cast<long double>(whole) < left ? 1 : 0);
+  }
+}
+
 /// An owned `rust::String` copy of `s`; non-UTF-8 becomes our InvalidArgument.
 inline ::rust::String string(std::string_view s) {
   try {
@@ -447,12 +469,14 @@ class Engine {
   /// connect: connect again). A call to an address that this rank's reconnect round is dialling
   /// (after a connection failed) waits for that dial and returns the rank when it binds (if it
   /// fails, the call dials in its place); the round does not dial while a call's dial runs.
-  std::uint32_t connect(std::string_view address, Deadline deadline) {
+  template <typename Duration = Clock::duration>
+  std::uint32_t connect(std::string_view address, std::chrono::time_point<Clock, Duration> deadline) {
     return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
   }
 
   /// Blocks until rank `rank` has connected to this one. Throws `Error` UnknownPeer at the deadline.
-  void wait_peer(std::uint32_t rank, Deadline deadline) {
+  template <typename Duration = Clock::duration>
+  void wait_peer(std::uint32_t rank, std::chrono::time_point<Clock, Duration> deadline) {
     detail::call([&] { handle_->wait_peer(rank, detail::ms_until(deadline)); });
   }
 
@@ -548,14 +572,17 @@ class Engine {
   /// released them, or throws `Fenced` at the deadline with the region still registered (and
   /// usable again once no other deregistration of it is waiting). Of several concurrent calls
   /// for one region, any that ends after the region is gone returns normally.
-  void deregister_region(RegionId region, Deadline deadline) {
+  template <typename Duration = Clock::duration>
+  void deregister_region(RegionId region, std::chrono::time_point<Clock, Duration> deadline) {
     detail::call([&] { handle_->deregister_region(region, detail::ms_until(deadline)); });
   }
 
   /// Context rank, blocks: the next advertisement, or empty at the deadline or on cancel.
   /// Several threads may wait at once: each advertisement goes to exactly one of them, and
   /// wakes only one.
-  std::optional<Advertisement> next_advertisement(Deadline deadline, CancelRef cancel = {}) {
+  template <typename Duration = Clock::duration>
+  std::optional<Advertisement> next_advertisement(std::chrono::time_point<Clock, Duration> deadline,
+                                                  CancelRef cancel = {}) {
     ffi::AdvertInfo a = detail::call(
         [&] { return handle_->next_advertisement(detail::ms_until(deadline), cancel.address()); });
     if (!a.found) return std::nullopt;
@@ -581,7 +608,9 @@ class Engine {
   /// acceptance is not a message of its own) or the request completed, false if it refused, empty
   /// at the deadline, on cancel, or at once when the request ended otherwise. Asking is not
   /// consumed: once the request has ended the answer follows its end, before and after `wait`.
-  std::optional<bool> recv_ready(RequestKey key, Deadline deadline, CancelRef cancel = {}) {
+  template <typename Duration = Clock::duration>
+  std::optional<bool> recv_ready(RequestKey key, std::chrono::time_point<Clock, Duration> deadline,
+                                 CancelRef cancel = {}) {
     const std::int8_t r = detail::call([&] {
       return handle_->recv_ready(key.request, key.generation, detail::ms_until(deadline), cancel.address());
     });
@@ -594,8 +623,9 @@ class Engine {
   /// (`register_region`) must lie wholly inside it (OutOfBounds); a send of it that the receiver
   /// cannot drain is left to UCX when this returns, instead of its endpoint being closed. `Completed` when this rank's send is
   /// done; anything else ends the request (the verdict is agreed; read it with `wait_sender`).
+  template <typename Duration = Clock::duration>
   Outcome send(RequestKey key, std::uint32_t to_rank, std::uint32_t segment, const void* data,
-               std::size_t size, Deadline deadline, CancelRef cancel = {}) {
+               std::size_t size, std::chrono::time_point<Clock, Duration> deadline, CancelRef cancel = {}) {
     return detail::outcome_from_code(detail::call([&] {
       return handle_->send(key.request, key.generation, to_rank, segment,
                            static_cast<const std::uint8_t*>(data), size, detail::ms_until(deadline),
@@ -606,8 +636,10 @@ class Engine {
   /// Context rank, blocks: `send` of `size` bytes of CUDA device memory at `device_data` on
   /// `device` (staged through pinned host memory, never read on the host directly). Throws
   /// `Error` Cuda where no CUDA driver or no such device exists.
+  template <typename Duration = Clock::duration>
   Outcome send_device(RequestKey key, std::uint32_t to_rank, std::uint32_t segment, std::int32_t device,
-                      std::uint64_t device_data, std::size_t size, Deadline deadline, CancelRef cancel = {}) {
+                      std::uint64_t device_data, std::size_t size, std::chrono::time_point<Clock, Duration> deadline,
+                      CancelRef cancel = {}) {
     return detail::outcome_from_code(detail::call([&] {
       return handle_->send_device(key.request, key.generation, to_rank, segment, device, device_data, size,
                                   detail::ms_until(deadline), cancel.address());
@@ -620,13 +652,16 @@ class Engine {
   /// outcome) the receive buffers are the caller's again, except fenced ranges of a region
   /// (`region_fenced_ranges`). If `deadline` or `cancel` comes first
   /// the request is given up and the verdict awaited for at most the agreement bound.
-  Outcome wait_receiver(RequestKey key, Deadline deadline, CancelRef cancel = {}) {
-    return wait(key, true, 0, deadline, cancel);
+  template <typename Duration = Clock::duration>
+  Outcome wait_receiver(RequestKey key, std::chrono::time_point<Clock, Duration> deadline, CancelRef cancel = {}) {
+    return wait(key, true, 0, detail::ms_until(deadline), cancel);
   }
 
   /// Context rank, blocks: the agreed end of `key` as the sender to `receiver_rank`.
-  Outcome wait_sender(RequestKey key, std::uint32_t receiver_rank, Deadline deadline, CancelRef cancel = {}) {
-    return wait(key, false, receiver_rank, deadline, cancel);
+  template <typename Duration = Clock::duration>
+  Outcome wait_sender(RequestKey key, std::uint32_t receiver_rank, std::chrono::time_point<Clock, Duration> deadline,
+                      CancelRef cancel = {}) {
+    return wait(key, false, receiver_rank, detail::ms_until(deadline), cancel);
   }
 
   /// Cancels `key` on this rank; every rank of the request ends `Cancelled`. Does not block.
@@ -643,7 +678,9 @@ class Engine {
 
   /// Blocks: the next notification from `from_rank` in the order sent (each exactly once, to
   /// one waiting thread, waking only that one), or empty at the deadline or on cancel.
-  std::optional<Notification> wait_for_notification(std::uint32_t from_rank, Deadline deadline,
+  template <typename Duration = Clock::duration>
+  std::optional<Notification> wait_for_notification(std::uint32_t from_rank,
+                                                    std::chrono::time_point<Clock, Duration> deadline,
                                                     CancelRef cancel = {}) {
     ffi::NotificationInfo n = detail::call([&] {
       return handle_->wait_for_notification(from_rank, detail::ms_until(deadline), cancel.address());
@@ -710,9 +747,9 @@ class Engine {
     return detail::call([&] { return ffi::engine_new(o); });
   }
 
-  Outcome wait(RequestKey key, bool as_receiver, std::uint32_t peer, Deadline deadline, CancelRef cancel) {
+  Outcome wait(RequestKey key, bool as_receiver, std::uint32_t peer, std::uint64_t timeout_ms, CancelRef cancel) {
     return detail::outcome_from_code(detail::call([&] {
-      return handle_->wait(key.request, key.generation, as_receiver, peer, detail::ms_until(deadline),
+      return handle_->wait(key.request, key.generation, as_receiver, peer, timeout_ms,
                            cancel.address());
     }));
   }
