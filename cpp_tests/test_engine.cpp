@@ -654,3 +654,29 @@ TEST_P(EngineTest, ACoarseDeadlineMaxWaitsInsteadOfWrappingIntoThePast) {
   EXPECT_GE(kvlink::Clock::now() - t1, 150ms);
   EXPECT_LT(kvlink::Clock::now() - t1, 1s);
 }
+
+// A moved-from Engine holds no Rust engine (its rust::Box is null): a call on it must be a
+// typed error, not a null `&EngineHandle` handed to Rust (a crash, or undefined behaviour).
+TEST(EngineMove, AMovedFromEngineThrowsShutdownInsteadOfCrashing) {
+  kvlink::Engine a(config("tcp", 31));
+  const std::string address = a.address();
+  kvlink::Engine b(std::move(a));
+  EXPECT_EQ(b.address(), address) << "the move keeps the engine";
+  const auto expect_shutdown = [](const std::function<void()>& f, const char* what) {
+    try {
+      f();
+      ADD_FAILURE() << what << " on a moved-from engine did not throw";
+    } catch (const kvlink::Error& e) {
+      EXPECT_EQ(e.kind(), kvlink::ErrorKind::Shutdown) << what << ": " << e.what();
+    }
+  };
+  expect_shutdown([&] { (void)a.address(); }, "address");
+  expect_shutdown([&] { (void)a.rank(); }, "rank");
+  expect_shutdown([&] { (void)a.health(); }, "health");
+  expect_shutdown([&] { (void)a.wait_receiver({1, 0}, kvlink::after(10ms)); }, "wait_receiver");
+  expect_shutdown([&] { (void)a.device_path(); }, "device_path");
+  // Assigned a live engine again, it works; a moved-from one assigned away is harmless.
+  a = std::move(b);
+  EXPECT_EQ(a.address(), address);
+  expect_shutdown([&] { (void)b.metrics_text(); }, "metrics_text");
+}

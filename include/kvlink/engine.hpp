@@ -444,14 +444,16 @@ class Engine {
   /// block on any peer. Throws `Error` (InvalidArgument for a bad config, Transport for UCX).
   explicit Engine(const EngineConfig& config) : handle_(make(config)) {}
 
+  /// Moving hands the engine over; the moved-from `Engine` may be destroyed or assigned to,
+  /// and any other call on it throws `Error` Shutdown.
   Engine(Engine&&) noexcept = default;
   Engine& operator=(Engine&&) noexcept = default;
 
   /// Where peers reach this rank: `ip:port` (tcp) or `ucx:<hex worker address>` (sm).
   std::string address() const {
-    return detail::call([&] { return std::string(handle_->address()); });
+    return detail::call([&] { return std::string(handle()->address()); });
   }
-  std::uint32_t rank() const noexcept { return handle_->rank(); }
+  std::uint32_t rank() const { return handle()->rank(); }
 
   /// Blocks: connects to the rank at `address` and runs the handshake (each side proves it holds
   /// the deployment secret, see `EngineConfig::secret`); returns the peer's rank. Throws `Error`
@@ -471,13 +473,13 @@ class Engine {
   /// fails, the call dials in its place); the round does not dial while a call's dial runs.
   template <typename Duration = Clock::duration>
   std::uint32_t connect(std::string_view address, std::chrono::time_point<Clock, Duration> deadline) {
-    return detail::call([&] { return handle_->connect(detail::str(address), detail::ms_until(deadline)); });
+    return detail::call([&] { return handle()->connect(detail::str(address), detail::ms_until(deadline)); });
   }
 
   /// Blocks until rank `rank` has connected to this one. Throws `Error` UnknownPeer at the deadline.
   template <typename Duration = Clock::duration>
   void wait_peer(std::uint32_t rank, std::chrono::time_point<Clock, Duration> deadline) {
-    detail::call([&] { handle_->wait_peer(rank, detail::ms_until(deadline)); });
+    detail::call([&] { handle()->wait_peer(rank, detail::ms_until(deadline)); });
   }
 
   /// Generation rank: posts a receive for each buffer and advertises the request to `sender`.
@@ -513,7 +515,7 @@ class Engine {
       infos.push_back(i);
     }
     detail::call([&] {
-      handle_->advertise_flows(key.request, key.generation, detail::slice(receivers),
+      handle()->advertise_flows(key.request, key.generation, detail::slice(receivers),
                                detail::slice(senders), detail::slice(infos),
                                detail::slice(request_info),
                                timeout.count() > 0 ? static_cast<std::uint64_t>(timeout.count()) : 0);
@@ -533,7 +535,7 @@ class Engine {
   /// engine may write a fenced range after its request has ended.
   RegionId register_region(void* data, std::size_t size) {
     return detail::call(
-        [&] { return handle_->register_region(reinterpret_cast<std::uint64_t>(data), size); });
+        [&] { return handle()->register_region(reinterpret_cast<std::uint64_t>(data), size); });
   }
 
   /// A buffer of `size` bytes at `offset` in `region`. Throws OutOfBounds past the region's end,
@@ -544,14 +546,14 @@ class Engine {
     b.kind = kind;
     b.segment = segment;
     b.data = reinterpret_cast<void*>(
-        detail::call([&] { return handle_->region_address(region, offset, size); }));
+        detail::call([&] { return handle()->region_address(region, offset, size); }));
     b.size = size;
     return b;
   }
 
   /// The region's transfers and fenced bytes now. Does not block.
   RegionInfo region_info(RegionId region) const {
-    const ffi::RegionStatus s = detail::call([&] { return handle_->region_info(region); });
+    const ffi::RegionStatus s = detail::call([&] { return handle()->region_info(region); });
     return {s.addr, s.len, s.transfers, s.fenced_transfers, s.fenced_bytes};
   }
 
@@ -560,7 +562,7 @@ class Engine {
   /// block.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> region_fenced_ranges(RegionId region) const {
     const rust::Vec<std::uint64_t> flat =
-        detail::call([&] { return handle_->region_fenced_ranges(region); });
+        detail::call([&] { return handle()->region_fenced_ranges(region); });
     std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
     for (std::size_t i = 0; i + 1 < flat.size(); i += 2) out.emplace_back(flat[i], flat[i + 1]);
     return out;
@@ -574,7 +576,7 @@ class Engine {
   /// for one region, any that ends after the region is gone returns normally.
   template <typename Duration = Clock::duration>
   void deregister_region(RegionId region, std::chrono::time_point<Clock, Duration> deadline) {
-    detail::call([&] { handle_->deregister_region(region, detail::ms_until(deadline)); });
+    detail::call([&] { handle()->deregister_region(region, detail::ms_until(deadline)); });
   }
 
   /// Context rank, blocks: the next advertisement, or empty at the deadline or on cancel.
@@ -584,7 +586,7 @@ class Engine {
   std::optional<Advertisement> next_advertisement(std::chrono::time_point<Clock, Duration> deadline,
                                                   CancelRef cancel = {}) {
     ffi::AdvertInfo a = detail::call(
-        [&] { return handle_->next_advertisement(detail::ms_until(deadline), cancel.address()); });
+        [&] { return handle()->next_advertisement(detail::ms_until(deadline), cancel.address()); });
     if (!a.found) return std::nullopt;
     Advertisement out;
     out.key = {a.request, a.generation};
@@ -601,7 +603,7 @@ class Engine {
   /// Does not block. Throws UnknownRequest if no advertisement of `key` came from `from_rank`,
   /// InvalidArgument if it was already answered.
   void accept(RequestKey key, std::uint32_t from_rank, bool ready) {
-    detail::call([&] { handle_->accept(key.request, key.generation, from_rank, ready); });
+    detail::call([&] { handle()->accept(key.request, key.generation, from_rank, ready); });
   }
 
   /// Generation rank, blocks: the context rank's answer: true once its first segment landed (an
@@ -612,7 +614,7 @@ class Engine {
   std::optional<bool> recv_ready(RequestKey key, std::chrono::time_point<Clock, Duration> deadline,
                                  CancelRef cancel = {}) {
     const std::int8_t r = detail::call([&] {
-      return handle_->recv_ready(key.request, key.generation, detail::ms_until(deadline), cancel.address());
+      return handle()->recv_ready(key.request, key.generation, detail::ms_until(deadline), cancel.address());
     });
     if (r < 0) return std::nullopt;
     return r == 1;
@@ -627,7 +629,7 @@ class Engine {
   Outcome send(RequestKey key, std::uint32_t to_rank, std::uint32_t segment, const void* data,
                std::size_t size, std::chrono::time_point<Clock, Duration> deadline, CancelRef cancel = {}) {
     return detail::outcome_from_code(detail::call([&] {
-      return handle_->send(key.request, key.generation, to_rank, segment,
+      return handle()->send(key.request, key.generation, to_rank, segment,
                            static_cast<const std::uint8_t*>(data), size, detail::ms_until(deadline),
                            cancel.address());
     }));
@@ -641,7 +643,7 @@ class Engine {
                       std::uint64_t device_data, std::size_t size, std::chrono::time_point<Clock, Duration> deadline,
                       CancelRef cancel = {}) {
     return detail::outcome_from_code(detail::call([&] {
-      return handle_->send_device(key.request, key.generation, to_rank, segment, device, device_data, size,
+      return handle()->send_device(key.request, key.generation, to_rank, segment, device, device_data, size,
                                   detail::ms_until(deadline), cancel.address());
     }));
   }
@@ -669,11 +671,11 @@ class Engine {
   /// replay of its key is refused), is left as it ended and the call succeeds: a cancel that
   /// races the end is no error. Throws UnknownRequest if the key is not known here: it never ran,
   /// or it ended longer ago than replays are refused.
-  void cancel(RequestKey key) { detail::call([&] { handle_->cancel(key.request, key.generation); }); }
+  void cancel(RequestKey key) { detail::call([&] { handle()->cancel(key.request, key.generation); }); }
 
   /// Queues an ordered notification for `to_rank`. Does not block.
   void notify(std::uint32_t to_rank, RequestKey key, const std::vector<std::uint8_t>& payload) {
-    detail::call([&] { handle_->notify(to_rank, key.request, key.generation, detail::slice(payload)); });
+    detail::call([&] { handle()->notify(to_rank, key.request, key.generation, detail::slice(payload)); });
   }
 
   /// Blocks: the next notification from `from_rank` in the order sent (each exactly once, to
@@ -683,19 +685,19 @@ class Engine {
                                                     std::chrono::time_point<Clock, Duration> deadline,
                                                     CancelRef cancel = {}) {
     ffi::NotificationInfo n = detail::call([&] {
-      return handle_->wait_for_notification(from_rank, detail::ms_until(deadline), cancel.address());
+      return handle()->wait_for_notification(from_rank, detail::ms_until(deadline), cancel.address());
     });
     if (!n.found) return std::nullopt;
     return Notification{{n.request, n.generation}, std::vector<std::uint8_t>(n.payload.begin(), n.payload.end())};
   }
 
   /// How CUDA memory moves with this engine's UCX. Does not block.
-  DevicePath device_path() const noexcept { return static_cast<DevicePath>(handle_->device_path()); }
+  DevicePath device_path() const { return static_cast<DevicePath>(handle()->device_path()); }
 
   /// The progress snapshot. Does not block (takes the engine's lock briefly). Throws only
   /// `kvlink::Error` of kind `Panic`, should kvlink fail inside.
   Health health() const {
-    const ffi::HealthInfo h = detail::call([&] { return handle_->health(); });
+    const ffi::HealthInfo h = detail::call([&] { return handle()->health(); });
     return {static_cast<HealthState>(h.state), h.since_last_fault_ms,
             h.peers,           h.peers_failed,   h.requests_known,  h.completed,
             h.failed,          h.stale_dropped,  h.bad_frames,      h.buffers_leased,
@@ -715,13 +717,13 @@ class Engine {
   /// reconnect counters (README, "Metrics"). Serve it however the host serves its own metrics:
   /// kvlink opens no port. Does not block (takes the engine's lock briefly).
   std::string metrics_text() const {
-    return detail::call([&] { return std::string(handle_->metrics_text()); });
+    return detail::call([&] { return std::string(handle()->metrics_text()); });
   }
 
   /// The state of this rank's connection to `rank`. Does not block. Throws only
   /// `kvlink::Error` of kind `Panic`, should kvlink fail inside.
   PeerState peer_state(std::uint32_t rank) const {
-    return static_cast<PeerState>(detail::call([&] { return handle_->peer_state(rank); }));
+    return static_cast<PeerState>(detail::call([&] { return handle()->peer_state(rank); }));
   }
 
  private:
@@ -749,9 +751,19 @@ class Engine {
 
   Outcome wait(RequestKey key, bool as_receiver, std::uint32_t peer, std::uint64_t timeout_ms, CancelRef cancel) {
     return detail::outcome_from_code(detail::call([&] {
-      return handle_->wait(key.request, key.generation, as_receiver, peer, timeout_ms,
+      return handle()->wait(key.request, key.generation, as_receiver, peer, timeout_ms,
                            cancel.address());
     }));
+  }
+
+  /// The Rust engine; `Shutdown` on a moved-from `Engine`, whose box is null (a null
+  /// `&EngineHandle` must never reach Rust).
+  const ffi::EngineHandle* handle() const {
+    const ffi::EngineHandle* h = handle_.operator->();
+    if (h == nullptr) {
+      throw Error(ErrorKind::Shutdown, "kvlink Shutdown: this Engine was moved from; it holds no engine");
+    }
+    return h;
   }
 
   ::rust::Box<ffi::EngineHandle> handle_;
