@@ -222,6 +222,49 @@ TEST_P(WrapperTest, ASendFromNullIsATypedErrorAndTheConnectionServesOn) {
   EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
 }
 
+// A recv into a null pointer with a size is a typed error on every kind of tag (recvConnect's
+// id, the rest of the envelope, the ready signal, data), and takes nothing: the same request
+// then runs with real buffers (before, the envelope and ready tags copied into the null pointer).
+TEST_P(WrapperTest, ARecvIntoNullIsATypedErrorAndTheRequestRunsOn) {
+  auto const expect_invalid = [](auto&& f, char const* what) {
+    try {
+      f();
+      ADD_FAILURE() << what << ": a recv of bytes into null was taken";
+    } catch (std::exception const& e) {
+      EXPECT_NE(std::string(e.what()).find("InvalidArgument"), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 4344;
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kId, 0, src.data(), src.size());
+  auto server = std::async(std::launch::async, [&] {
+    bm::TransceiverTag::Id id{};
+    expect_invalid([&] { ctx_->recvConnect(kv::DataContext{bm::TransceiverTag::kID_TAG, never_}, nullptr, sizeof id); },
+                   "recvConnect");
+    kv::Connection const* conn = ctx_->recvConnect(kv::DataContext{bm::TransceiverTag::kID_TAG, never_}, &id, sizeof id);
+    if (conn == nullptr) throw std::runtime_error("no request taken");
+    uint64_t size = 0;
+    expect_invalid([&] { conn->recv(kv::DataContext{bm::TransceiverTag::kINFO_SIZE_TAG, never_}, nullptr, sizeof size); },
+                   "recv of the info size");
+    conn->recv(kv::DataContext{bm::TransceiverTag::kINFO_SIZE_TAG, never_}, &size, sizeof size);
+    std::string info(size, '\0');
+    conn->recv(kv::DataContext{bm::TransceiverTag::kINFO_TAG, never_}, info.data(), size);
+    bool const ready = true;
+    conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    std::atomic<bool> cancel{false};
+    conn->send(kv::DataContext{gen.tags.data(kId), cancel}, src.data(), src.size());
+  });
+  gen.sendRequestInfo(kId);
+  expect_invalid([&] { toCtx_->recv(kv::DataContext{gen.tags.ready(kId), never_}, nullptr, 1); }, "recv of the ready signal");
+  EXPECT_TRUE(gen.recvReady(kId, never_));
+  std::atomic<bool> cancel{false};
+  expect_invalid([&] { toCtx_->recv(kv::DataContext{gen.tags.data(kId), cancel}, nullptr, dst.size()); }, "recv of data");
+  toCtx_->recv(kv::DataContext{gen.tags.data(kId), cancel}, dst.data(), dst.size());
+  server.get();
+  EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
+}
+
 // The generic path, with the older releases' tags (12-bit data tag, fixed ready tag 42):
 // request info round trip, ready, and three KV-shaped segments checked byte for byte.
 TEST_P(WrapperTest, GenericPathMovesARequestByteForByte) {

@@ -319,6 +319,10 @@ class Manager final : public kv::ConnectionManager {
   }
 
   kv::Connection const* recvConnect(kv::DataContext const& ctx, void* data, size_t size) override {
+    if (data == nullptr && size != 0) {  // checked before an envelope is taken: none is lost
+      throw Error(ErrorKind::InvalidArgument,
+                  "kvlink InvalidArgument: recvConnect of " + std::to_string(size) + " bytes into null");
+    }
     std::atomic<bool> const& terminate = ctx.getTransferTerminate();
     std::unique_lock<std::mutex> g(mu_);
     for (;;) {
@@ -574,6 +578,10 @@ void KvlinkConnection::send(kv::DataContext const& ctx, void const* data, size_t
 
 void KvlinkConnection::recv(kv::DataContext const& ctx, void* data, size_t size) const {
   int const tag = ctx.getTag();
+  if (data == nullptr && size != 0) {  // before anything is taken: the recv can be made again
+    throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: recv of " + std::to_string(size) +
+                                                " bytes on tag " + std::to_string(tag) + " into null");
+  }
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = incoming_.find(std::this_thread::get_id());
