@@ -680,3 +680,20 @@ TEST(EngineMove, AMovedFromEngineThrowsShutdownInsteadOfCrashing) {
   EXPECT_EQ(a.address(), address);
   expect_shutdown([&] { (void)b.metrics_text(); }, "metrics_text");
 }
+
+// `advertise`'s own timeout in a coarser unit: seconds::max() is "as long as allowed" (a year),
+// not wrapped through milliseconds into a negative count and taken for "none given" (the
+// engine's 5 s here).
+TEST_P(EngineTest, AnAdvertiseTimeoutOfSecondsMaxIsLongNotTheDefault) {
+  const RequestKey key{6100, 0};
+  std::vector<std::uint8_t> buf(64);
+  gen_->advertise(key, {}, kCtx, {{kvlink::BufferKind::Kv, 0, buf.data(), buf.size()}}, {},
+                  std::chrono::seconds::max());
+  auto adv = ctx_->next_advertisement(kvlink::after(5s));
+  ASSERT_TRUE(adv);
+  EXPECT_GT(adv->deadline, kvlink::after(std::chrono::hours(24)))
+      << "the request got the engine's default timeout, not a long one";
+  gen_->cancel(key);
+  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Cancelled);
+  EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Cancelled);
+}

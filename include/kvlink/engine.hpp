@@ -385,6 +385,18 @@ class CancelRef {
 
 namespace detail {
 
+/// Whole milliseconds of `d`, rounded up: 0 for none (zero, negative, NaN), UINT64_MAX where
+/// more (Rust caps it at a year). In long double, so that `seconds::max()` does not wrap
+/// through milliseconds into a negative count.
+template <typename Rep, typename Period>
+inline std::uint64_t ms_of(std::chrono::duration<Rep, Period> d) {
+  const long double ms = std::chrono::duration<long double, std::milli>(d).count();
+  if (!(ms > 0)) return 0;
+  if (ms >= 18446744073709551615.0L) return UINT64_MAX;
+  const auto whole = static_cast<std::uint64_t>(ms);
+  return whole + (static_cast<long double>(whole) < ms ? 1 : 0);
+}
+
 /// Milliseconds left until `d`, rounded up, 0 if past.
 /// Compares before subtracting, so `Deadline::min()` (and anything before now) cannot overflow;
 /// `Deadline::max()` minus now is representable, and Rust caps it at a year.
@@ -405,12 +417,7 @@ inline std::uint64_t ms_until(std::chrono::time_point<Clock, Duration> d) {
     return ms_until(Deadline(d));
   } else {
     using Ms = std::chrono::duration<long double, std::milli>;
-    const long double left =
-        Ms(d.time_since_epoch()).count() - Ms(Clock::now().time_since_epoch()).count();
-    if (!(left > 0)) return 0;
-    if (left >= 18446744073709551615.0L) return UINT64_MAX;
-    const auto whole = static_cast<std::uint64_t>(left);
-    return whole + (static_cast<long double>(whole) < left ? 1 : 0);
+    return ms_of(Ms(d.time_since_epoch()) - Ms(Clock::now().time_since_epoch()));
   }
 }
 
@@ -488,20 +495,24 @@ class Engine {
   /// Throws `Error`: InvalidArgument if the key is already known here (a replay), UnknownPeer if
   /// `sender` is not connected, OutOfBounds for a null or empty buffer (or one straddling a
   /// region's edge), Fenced for one overlapping a fenced range of a region.
-  /// `timeout`: this request's own deadline from now (zero: `EngineConfig::timeout`).
+  /// `timeout`: this request's own deadline from now, in any unit (zero or negative:
+  /// `EngineConfig::timeout`; longer than a year, `seconds::max()` included: a year).
+  template <typename Rep = std::chrono::milliseconds::rep, typename Period = std::milli>
   void advertise(RequestKey key, const std::vector<std::uint32_t>& receivers, std::uint32_t sender,
                  const std::vector<Buffer>& buffers, const std::vector<std::uint8_t>& request_info,
-                 std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) {
+                 std::chrono::duration<Rep, Period> timeout = std::chrono::duration<Rep, Period>::zero()) {
     advertise_flows(key, receivers, std::vector<std::uint32_t>(buffers.size(), sender), buffers,
                     request_info, timeout);
   }
 
   /// Generation rank, one request filled by several context ranks: `senders[i]` sends
   /// `buffers[i]`. Otherwise as `advertise`; InvalidArgument if the two lists differ in length.
+  template <typename Rep = std::chrono::milliseconds::rep, typename Period = std::milli>
   void advertise_flows(RequestKey key, const std::vector<std::uint32_t>& receivers,
                        const std::vector<std::uint32_t>& senders, const std::vector<Buffer>& buffers,
                        const std::vector<std::uint8_t>& request_info,
-                       std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) {
+                       std::chrono::duration<Rep, Period> timeout = std::chrono::duration<Rep, Period>::zero()) {
+    const std::uint64_t timeout_ms = detail::ms_of(timeout);
     std::vector<ffi::BufferInfo> infos;
     infos.reserve(buffers.size());
     for (const Buffer& b : buffers) {
@@ -518,7 +529,7 @@ class Engine {
       handle()->advertise_flows(key.request, key.generation, detail::slice(receivers),
                                detail::slice(senders), detail::slice(infos),
                                detail::slice(request_info),
-                               timeout.count() > 0 ? static_cast<std::uint64_t>(timeout.count()) : 0);
+                               timeout_ms);
     });
   }
 
