@@ -62,6 +62,31 @@ TEST(WrapperFactory, ExportsOnlyTheFactoryAndRefusesBadOptions) {
   EXPECT_STRNE(err, "");
 }
 
+// TRTLLM_KVLINK_RANK_ID names this engine's 32-bit kvlink rank. A value that is not one (past
+// 2^32 - 1, negative, trailing junk) is refused, not cut to 32 bits: 4294967297 became rank 1,
+// the rank of another process configured with 1, and "-1" wrapped to 4294967295.
+TEST(WrapperFactory, ARankIdThatIsNotA32BitNumberIsRefused) {
+  Wrapper w;
+  KvlinkTrtllmOptions const o = options("tcp");
+  char err[256] = {0};
+  for (char const* bad : {"4294967297", "4294967296", "-1", "12abc", "99999999999999999999"}) {
+    setenv("TRTLLM_KVLINK_RANK_ID", bad, 1);
+    err[0] = '\0';
+    void* m = w.make(&o, err, sizeof err);
+    if (m != nullptr) {
+      delete static_cast<kv::ConnectionManager*>(m);
+      ADD_FAILURE() << "TRTLLM_KVLINK_RANK_ID=" << bad << " was taken";
+    } else {
+      EXPECT_NE(std::string(err).find("TRTLLM_KVLINK_RANK_ID"), std::string::npos) << bad << ": " << err;
+    }
+  }
+  setenv("TRTLLM_KVLINK_RANK_ID", "4294967295", 1);
+  void* m = w.make(&o, err, sizeof err);
+  unsetenv("TRTLLM_KVLINK_RANK_ID");
+  EXPECT_NE(m, nullptr) << "the largest 32-bit id was refused: " << err;
+  delete static_cast<kv::ConnectionManager*>(m);
+}
+
 // A factory call that fails after registering the host's log hook (here: a
 // transport UCX does not have) must not leave that hook installed: the host gets NULL and may
 // free `log_user`, yet kvlink's later events (another manager's) would still be sent there.

@@ -42,6 +42,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cctype>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -971,7 +973,19 @@ extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionMana
     // kvlink ranks must be unique across the context and generation instances, which TensorRT-LLM's
     // per-instance rank is not: a random 32-bit id (or TRTLLM_KVLINK_RANK_ID) names this engine.
     std::string const rankId = envOr(nullptr, "TRTLLM_KVLINK_RANK_ID", "");
-    c.rank = rankId.empty() ? randomRankId() : static_cast<std::uint32_t>(std::stoul(rankId));
+    if (rankId.empty()) {
+      c.rank = randomRankId();
+    } else {
+      // All digits and at most 2^32 - 1: never cut to 32 bits (4294967297 is not rank 1) nor
+      // wrapped from a sign (strtoul takes "-1").
+      errno = 0;
+      char* end = nullptr;
+      unsigned long long const v = std::strtoull(rankId.c_str(), &end, 10);
+      if (!std::isdigit(static_cast<unsigned char>(rankId[0])) || *end != '\0' || errno == ERANGE || v > UINT32_MAX) {
+        return fail("kvlink: TRTLLM_KVLINK_RANK_ID=" + rankId + " is not a number from 0 to 4294967295");
+      }
+      c.rank = static_cast<std::uint32_t>(v);
+    }
     c.transport = envOr(o->transport, "TRTLLM_KVLINK_TRANSPORT", "tcp");
     c.listen = c.transport == "tcp" ? envOr(o->listen, "TRTLLM_KVLINK_LISTEN", "0.0.0.0:0") : "";
     std::int64_t timeout = o->kv_transfer_timeout_ms;
