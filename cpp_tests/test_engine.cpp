@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <thread>
 #include <tuple>
@@ -589,6 +590,13 @@ TEST_P(EngineTest, AfterOfAHugeDurationSaturates) {
   EXPECT_GT(kvlink::after(kvlink::Clock::duration::max()), now);
   EXPECT_LT(kvlink::after(-std::chrono::milliseconds::max()), now);
   EXPECT_LT(kvlink::after(kvlink::Clock::duration::min()), now);
+  // Floating-point durations: infinity saturates; NaN means no time (it was converted to an
+  // integer, which is undefined: on x86 a deadline centuries in the past).
+  EXPECT_EQ(kvlink::after(std::chrono::duration<double>(HUGE_VAL)), kvlink::Deadline::max());
+  EXPECT_EQ(kvlink::after(std::chrono::duration<double>(-HUGE_VAL)), kvlink::Deadline::min());
+  const auto nan_at = kvlink::after(std::chrono::duration<double>(std::nan("")));
+  EXPECT_GE(nan_at, now);
+  EXPECT_LE(nan_at, kvlink::Clock::now());
   // A notification sent 200 ms from now arrives within a wait whose deadline is after(max()).
   std::thread later([&] {
     std::this_thread::sleep_for(200ms);

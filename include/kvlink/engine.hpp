@@ -105,7 +105,8 @@ using Deadline = Clock::time_point;
 
 /// The deadline `d` from now, for a duration in any unit. Saturates instead of overflowing: a
 /// duration past what the clock can hold (`milliseconds::max()`, centuries) is `Deadline::max()`,
-/// a hugely negative one `Deadline::min()` (the unit conversion and the addition are checked).
+/// a hugely negative one `Deadline::min()` (the unit conversion and the addition are checked), a
+/// floating-point NaN now (do not wait).
 template <typename Rep, typename Period>
 inline Deadline after(std::chrono::duration<Rep, Period> d) {
   const Deadline now = Clock::now();
@@ -113,6 +114,7 @@ inline Deadline after(std::chrono::duration<Rep, Period> d) {
   const long double at = static_cast<long double>(now.time_since_epoch().count()) +
                          std::chrono::duration<long double, Clock::period>(d).count();
   constexpr long double kMargin = 1e6L * Clock::period::den / (1000000000LL * Clock::period::num);
+  if (at != at) return now;  // a NaN duration: no time at all, never a conversion of NaN
   if (at >= static_cast<long double>(Clock::duration::max().count()) - kMargin) return Deadline::max();
   if (at <= static_cast<long double>(Clock::duration::min().count()) + kMargin) return Deadline::min();
   return now + std::chrono::duration_cast<Clock::duration>(d);
