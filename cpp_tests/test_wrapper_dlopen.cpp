@@ -177,6 +177,25 @@ TEST(WrapperFactory, AHugeTransferTimeoutDoesNotWrapIntoThePast) {
   EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
 }
 
+// The host's allgather fills each rank's record; one that does not end in NUL (a host that
+// packs records its own way, a corrupt peer) is a bad record, never read on into the next one:
+// before, rank 0's 8 KiB of 'x' ran into rank 1's record and made an agent of both.
+TEST(WrapperFactory, AnAllgatherRecordWithoutItsEndIsRefusedNotReadPast) {
+  Wrapper w;
+  KvlinkTrtllmOptions o = options("tcp", 0, 2);
+  o.allgather = [](void*, void const*, size_t size, void* all) {
+    auto* out = static_cast<char*>(all);
+    std::memset(out, 'x', size);  // rank 0: all of it, no NUL
+    std::memset(out + size, 0, size);
+    std::string const other = "peer\n127.0.0.1:1";
+    std::memcpy(out + size, other.data(), other.size());
+    return 0;
+  };
+  char err[256] = {0};
+  EXPECT_EQ(w.make(&o, err, sizeof err), nullptr);
+  EXPECT_NE(std::string(err).find("bad agent record from rank 0"), std::string::npos) << err;
+}
+
 // getCommState() lists every rank of the instance (from the allgather) with selfIdx = rank:
 // what CacheSender / CacheReceiver check at construction and index connections by.
 TEST(WrapperFactory, CommStateCoversEveryRankWithSelfIdxTheRank) {

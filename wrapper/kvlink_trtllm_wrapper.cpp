@@ -299,7 +299,9 @@ class Manager final : public kv::ConnectionManager {
         throw Error(ErrorKind::Transport, "kvlink: the allgather of agent addresses failed");
       }
       for (int r = 0; r < o.world_size; ++r) {
-        std::string s(all.data() + static_cast<size_t>(r) * kRecord);
+        // A record need not end in NUL (the host's allgather fills it): never read past it.
+        char const* rec = all.data() + static_cast<size_t>(r) * kRecord;
+        std::string s(rec, strnlen(rec, kRecord));
         auto const nl = s.find('\n');
         if (nl == std::string::npos) throw Error(ErrorKind::Protocol, "kvlink: bad agent record from rank " + std::to_string(r));
         agents.emplace_back(s.substr(0, nl), s.substr(nl + 1));
@@ -539,14 +541,15 @@ KvlinkConnection::~KvlinkConnection() {
 }
 
 void KvlinkConnection::settle(GenRequest& r) const {
+  // Runs in the destructor too: nothing may leave it (an exception there is std::terminate).
   try {
     m_.engine().cancel(r.envelope);
-  } catch (Error const&) {
-    // Already ended.
+  } catch (...) {
+    // Already ended (Error), or out of memory: the wait below still bounds the buffer's use.
   }
   try {
     (void)m_.engine().wait_receiver(r.envelope, after(m_.grace()));
-  } catch (Error const&) {
+  } catch (...) {
     // Already taken.
   }
   r.settled = true;
@@ -725,8 +728,9 @@ void KvlinkConnection::recvData(kv::DataContext const& ctx, void* data, size_t s
                                                " names no accepted request on this connection");
   }
   if (data == nullptr || size == 0) throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: empty recv");
-  auto const left = std::chrono::duration_cast<std::chrono::milliseconds>(r->deadline - Clock::now());
-  if (left.count() <= 0) {
+  // Not cut to whole milliseconds: with 0.7 ms left the recv is still made (advertise rounds up).
+  auto const left = r->deadline - Clock::now();
+  if (left <= Clock::duration::zero()) {
     throw TransferError(static_cast<int>(Outcome::TimedOut), r->id,
                         "kvlink: request " + std::to_string(r->id) + " passed its deadline before this recv");
   }
