@@ -1463,6 +1463,64 @@ fn a_wait_while_its_own_progress_thread_is_stuck_returns_by_the_deadline_rule() 
     }
 }
 
+/// A send of several segments while its own progress thread is stuck (a test fault holds it
+/// from before the posts): at the deadline each op is stopped, and nothing answers the cancel or
+/// the force-close. The ops share one grace (`Op::limit_grace`), and the wait for UCX after the
+/// close is bounded from its end (`FORCE_CLOSE_WAIT`), but each op used to wait a whole grace
+/// more for the progress thread to run its close: with six segments the send returned 350 ms
+/// past its deadline, against the rule's bound (50 ms) plus a few. Now the wait for the close
+/// ends with the shared one, and the call returns by the deadline rule.
+#[test]
+fn a_send_of_many_segments_while_its_own_progress_thread_is_stuck_returns_by_the_deadline_rule() {
+    const STALL: Duration = Duration::from_millis(1500);
+    const SEGMENTS: u32 = 6;
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        // The default agreement bound (50 ms): the stop's grace is the whole bound.
+        let mut c = EngineConfig::new("ctx", CTX, kind.clone());
+        if !kind.by_worker_address() {
+            c.listen = Some("127.0.0.1:0".parse().unwrap());
+        }
+        let bound = c.agreement_bound;
+        let ctx = Engine::new(c).unwrap();
+        let gen = Engine::new(EngineConfig::new("gen", GEN, kind.clone())).unwrap();
+        connect_pair(&ctx, &gen);
+        let key = RequestKey::new(1, 0);
+        let mut bufs: Vec<Vec<u8>> = (0..SEGMENTS).map(|_| vec![0u8; 64 << 10]).collect();
+        let specs = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| one_spec(b, i as u32))
+            .collect();
+        // The buffers outlive the request, waited for below.
+        advertise_buffers(&gen, key, vec![RankId(GEN)], RankId(CTX), specs, None);
+        let soon = || Instant::now() + Duration::from_secs(5);
+        let a = ctx.next_advertisement(soon(), None).unwrap();
+        ctx.accept(a.key, a.from, true).unwrap();
+        assert_eq!(gen.recv_ready(key, soon(), None), Some(true));
+        let data = fill(5, 64 << 10);
+        let segments: Vec<(u32, &[u8])> = (0..SEGMENTS).map(|s| (s, &data[..])).collect();
+        ctx.fault_stall_progress(STALL, false).unwrap();
+        let stalled = Instant::now();
+        let deadline = stalled + Duration::from_millis(200);
+        let o = ctx
+            .send_segments(key, RankId(GEN), &segments, deadline, None)
+            .unwrap();
+        let late = Instant::now().saturating_duration_since(deadline);
+        println!("{kind:?}: send of {SEGMENTS} segments {o:?}, {late:?} past its deadline");
+        assert_eq!(o, Outcome::TimedOut);
+        // The rule's "few milliseconds" are 30 (`FORCE_CLOSE_WAIT`), 2 more an op
+        // (`FORCE_CLOSE_FLOOR`); 100 more for a busy machine.
+        assert!(
+            late <= bound + Duration::from_millis(150),
+            "{kind:?}: {late:?}"
+        );
+        std::thread::sleep((stalled + STALL).saturating_duration_since(Instant::now()));
+        let o = gen.wait(key, Role::Receiver, soon(), None).unwrap();
+        assert_ne!(o, Outcome::Completed, "{kind:?}");
+        assert_eq!(gen.health().buffers_leased, 0, "{kind:?}");
+    }
+}
+
 /// The CPU ticks (1/100 s) this process's thread named `comm` has used so far.
 fn thread_ticks(comm: &str) -> Option<u64> {
     for t in std::fs::read_dir("/proc/self/task").ok()?.flatten() {

@@ -297,11 +297,11 @@ impl Op {
         let grace = self.shared.reap_grace;
         let cancel_until = cancel_ends(Instant::now(), grace, self.grace_until);
         // Stage 1: cancel (a send is drained by its receiver). Stage 2: force-close the
-        // endpoint, which ends every request on it, and wait for the close to run (as long as
-        // the grace) and then, bounded, for UCX to let the op go. The buffer is never handed
-        // back while UCX holds it, except past those bounds (a progress thread that does not
-        // run the close, a UCX that keeps the op past it, an agent shutting down meanwhile),
-        // and then the op is counted as unreaped.
+        // endpoint, which ends every request on it, and wait for the close to run and then for
+        // UCX to let the op go, both within `close_ends` (from the end of the shared grace).
+        // The buffer is never handed back while UCX holds it, except past those bounds (a
+        // progress thread that does not run the close, a UCX that keeps the op past it, an
+        // agent shutting down meanwhile), and then the op is counted as unreaped.
         if self.slot.state.lock().is_none() && self.shared.submit(self.slot.cancel_cmd()).is_ok() {
             self.wait_done(cancel_until);
             if self.slot.state.lock().is_none() {
@@ -311,7 +311,12 @@ impl Op {
                 }
                 let closed = Reply::new();
                 let cmd = Cmd::ForceClose(self.slot.peer, Some(closed.clone()));
-                if self.shared.submit(cmd).is_ok() && closed.wait(Instant::now() + grace).is_ok() {
+                // The close itself is waited for within the same bound as the release after it
+                // (counted from the end of the shared grace), not a grace of its own: with a
+                // progress thread that does not run it, a grace per op put a send of several
+                // segments a grace per segment past the deadline rule.
+                let close_by = close_ends(Instant::now(), cancel_until, grace);
+                if self.shared.submit(cmd).is_ok() && closed.wait(close_by).is_ok() {
                     self.wait_done(close_ends(Instant::now(), cancel_until, grace));
                 }
             }
