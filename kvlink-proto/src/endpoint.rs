@@ -880,8 +880,14 @@ impl Endpoint {
     /// When `handle_timeout` must next be called, if anything is pending.
     pub fn poll_timeout(&self) -> Option<Instant> {
         // The earliest entry may be a superseded one: then the caller wakes early, once, for
-        // nothing; `handle_timeout` pops it.
-        self.timers.next_due()
+        // nothing; `handle_timeout` pops it. Tombstone expiries count too: a driver calls
+        // `handle_timeout` only when this passes, and an idle endpoint kept every tombstone
+        // for ever otherwise (an evicted or replaced one's entry wakes it once, for nothing).
+        let tomb = self.tomb_expiry.peek().map(|(at, _)| at);
+        match (self.timers.next_due(), tomb) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// May the application start the tracked send of `segment` of `key` to `to`, with `len`

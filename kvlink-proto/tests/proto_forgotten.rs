@@ -301,3 +301,33 @@ fn a_key_remembered_by_its_tombstone_cannot_be_started_again() {
     .unwrap();
     assert!(gen.running(retry, Role::Receiver));
 }
+
+/// A driver sleeps until `poll_timeout` and calls `handle_timeout` only when it passes (the
+/// engine does exactly that). Tombstones expire in `handle_timeout`, but `poll_timeout` did not
+/// say when: once the last request was forgotten and its superseded timer entries popped,
+/// `poll_timeout` was `None` and an idle endpoint kept every tombstone (and the retry index
+/// entries behind them) for ever, not for their request's deadline plus the agreement bound.
+#[test]
+fn tombstones_expire_on_the_timers_poll_timeout_asks_for() {
+    let t = Instant::now();
+    for generation in [0, 1] {
+        let key = RequestKey::new(40, generation);
+        let (mut gen, mut ctx, _g) = completed_one_to_one(t, key);
+        for ep in [&mut gen, &mut ctx] {
+            let mut passes = 0;
+            while let Some(at) = ep.poll_timeout() {
+                ep.handle_timeout(at.max(t + ms(5)));
+                passes += 1;
+                assert!(passes < 1000, "poll_timeout never settles");
+            }
+            assert_eq!(ep.known(), 0);
+            assert_eq!(
+                ep.tombstones(),
+                0,
+                "{key} on {}: no timer left, yet a tombstone outlived its expiry",
+                ep.rank()
+            );
+            assert_eq!(ep.tomb_entries(), 0);
+        }
+    }
+}
