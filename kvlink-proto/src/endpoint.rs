@@ -248,6 +248,12 @@ impl Endpoint {
         if self.recvs.contains_key(&key) {
             return Err(invalid(format!("{key} is already running here")));
         }
+        if self.sends.contains_key(&key) {
+            // A rank receives a request or sends it, never both (as an advertisement for a key
+            // received here is refused): verdicts are routed to a send flow first, so this
+            // receive would never hear its own.
+            return Err(invalid(format!("{key} is sent from here")));
+        }
         if self.tombs.contains_key(&TimerId::Recv(key)) {
             // Its tombstone still answers for the ended request: a second one under the same
             // key would run beside it (a retry takes the next generation).

@@ -276,3 +276,66 @@ fn a_message_without_a_frame_keeps_the_wire_limits() {
         .unwrap();
     assert_eq!(ctx.known(), 1);
 }
+
+/// A rank receives a request or sends it, never both. An advertisement for a key this rank
+/// receives was refused; the reverse, `start_receive` of a key this rank is sending, started a
+/// receive whose verdicts went to the send flow (routed first). Now `InvalidArgument`, nothing
+/// taken or sent.
+#[test]
+fn a_key_sent_from_here_is_not_received_here_too() {
+    let t = Instant::now();
+    let key = RequestKey::new(3, 0);
+    let mut ep = Endpoint::new(ME, Config::default());
+    let desc = BufferDesc {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: 0x1000,
+        len: 64,
+        device_id: -1,
+        token: Token(9),
+    };
+    ep.handle_message(
+        t,
+        R,
+        Message::Advertise {
+            key,
+            src_rank: R,
+            timeout_ms: 1000,
+            request_info: vec![],
+            buffers: vec![desc],
+        },
+    )
+    .unwrap();
+    while ep.poll_event().is_some() {}
+    while ep.poll_transmit().is_some() {}
+    let mut pool = BufferPool::new(4);
+    let lease = pool.lease(key).unwrap();
+    let e = ep
+        .start_receive(
+            t,
+            ReceiveSpec {
+                key,
+                receivers: vec![ME],
+                flows: vec![ReceiveFlow {
+                    sender: RankId(8),
+                    buffers: vec![(
+                        lease,
+                        BufferDesc {
+                            token: Token(10),
+                            ..desc
+                        },
+                    )],
+                }],
+                request_info: vec![],
+                timeout: None,
+            },
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.kind,
+        kvlink_proto::error::ErrorKind::InvalidArgument,
+        "{e}"
+    );
+    assert_eq!(ep.known(), 1, "only the send flow");
+    assert!(ep.poll_transmit().is_none(), "an advertisement went out");
+}
