@@ -72,7 +72,7 @@ fn run<E>(
             // The engine is held for its text only, not across the client's reads and writes:
             // else a client that takes its time keeps an engine its host has dropped alive.
             Ok(s) => {
-                let _ = answer(s, || engine().map(|e| text(&e)));
+                let _ = answer(s, || engine().is_some(), || engine().map(|e| text(&e)));
             }
             // No connection within a tick: look at the engine again.
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -92,14 +92,31 @@ const LIMIT: Duration = Duration::from_secs(2);
 /// One HTTP/1.1 exchange, bounded: a request head of at most 8 KiB, 2 s in all to read it and
 /// 2 s in all to write the answer (a socket timeout bounds one call only: a client that sends
 /// or reads a byte at a time would otherwise hold the server for as long as it likes). `text`
-/// is `None` once the engine is gone: then the connection is closed unanswered.
-fn answer(mut s: TcpStream, text: impl FnOnce() -> Option<Result<String>>) -> std::io::Result<()> {
+/// is `None` once the engine is gone: then the connection is closed unanswered. No socket call
+/// waits longer than [`IDLE_TICK`]: between them `alive` says whether the engine still lives,
+/// and once it does not the exchange ends there, so that a client that says nothing (or
+/// reads nothing) keeps neither the thread nor the port past the engine's end by more than a
+/// tick.
+fn answer(
+    mut s: TcpStream,
+    alive: impl Fn() -> bool,
+    text: impl FnOnce() -> Option<Result<String>>,
+) -> std::io::Result<()> {
     let by = Instant::now() + LIMIT;
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-        s.set_read_timeout(Some(left(by)?))?;
-        let n = s.read(&mut buf)?;
+        s.set_read_timeout(Some(left(by)?.min(IDLE_TICK)))?;
+        let n = match s.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if waited(&e) || e.kind() == std::io::ErrorKind::Interrupted => {
+                if !alive() {
+                    return Ok(());
+                }
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if n == 0 {
             break;
         }
@@ -125,15 +142,28 @@ fn answer(mut s: TcpStream, text: impl FnOnce() -> Option<Result<String>>) -> st
     let by = Instant::now() + LIMIT;
     let mut rest = reply.as_bytes();
     while !rest.is_empty() {
-        s.set_write_timeout(Some(left(by)?))?;
+        s.set_write_timeout(Some(left(by)?.min(IDLE_TICK)))?;
         match s.write(rest) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(n) => rest = &rest[n..],
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if waited(&e) => {
+                if !alive() {
+                    return Ok(());
+                }
+            }
             Err(e) => return Err(e),
         }
     }
     Ok(())
+}
+
+/// Whether a socket call ended for its timeout (Linux says `WouldBlock`, others `TimedOut`).
+fn waited(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }
 
 /// The time left until `by` (a socket timeout cannot be zero), or `TimedOut`.
@@ -188,6 +218,35 @@ mod tests {
         ended
             .recv_timeout(Duration::from_secs(3))
             .expect("the accept loop ended without a new connection");
+        assert!(TcpStream::connect(at).is_err(), "the port is closed");
+    }
+
+    /// A client that connects and says nothing as the engine ends does not keep the thread,
+    /// and the port, for the rest of its 2 s: they still end within a tick or two of the engine.
+    #[test]
+    fn the_port_is_closed_soon_after_the_engine_ends_with_a_silent_client_connected() {
+        let engine = std::sync::Arc::new(());
+        let weak = std::sync::Arc::downgrade(&engine);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let (done, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            run(polled(l), || weak.upgrade(), |_| Ok("up 1\n".to_string()));
+            let _ = done.send(());
+        });
+        let _silent = TcpStream::connect(at).unwrap();
+        // Accepted by now, its request being waited for.
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        drop(engine);
+        ended
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the accept loop ended");
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_millis(700),
+            "ended {took:?} after the engine"
+        );
         assert!(TcpStream::connect(at).is_err(), "the port is closed");
     }
 
