@@ -565,6 +565,17 @@ impl Inner {
         timeline::mark(Stage::ControlHandled);
     }
 
+    /// Takes back the receives `ids` of a request that did not start: posted through a
+    /// [`Held`] that was dropped unreleased, so UCX never saw them and each has already ended
+    /// `Cancelled`. Their records, tokens, region transfers and leases go now.
+    pub fn take_back_unstarted(&self, core: &mut Core, now: Instant, ids: &[u64]) {
+        for &id in ids {
+            debug_assert!(core.recv_ops.get(&id).is_none_or(|r| r.op.is_quiesced()));
+            core.regions.done(id);
+            self.on_receive_done(core, now, id);
+        }
+    }
+
     fn on_receive_done(&self, core: &mut Core, now: Instant, id: u64) {
         let Some(mut r) = core.recv_ops.remove(&id) else {
             return;

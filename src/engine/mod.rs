@@ -747,27 +747,33 @@ impl Engine {
                         },
                     )
                 });
+        if let Err(e) = result {
+            // Nothing was started, and nothing was advertised: the receives posted for it never
+            // reach UCX. Dropping `held` unreleased ends each of them `Cancelled` at once (they
+            // were only held), so their leases, tokens and region transfers go back here, before
+            // the error is returned, not a progress pass or two later (started and then
+            // cancelled, they were still leased, posted and in use in their region when the
+            // call returned: a `deregister_region` right after was refused as in use by a
+            // running request). Their `OpDone`s, which follow, find nothing.
+            drop(held);
+            self.inner.take_back_unstarted(&mut core, now, &posted);
+            self.inner.flush_via(&mut core, None, now);
+            return Err(e);
+        }
         self.inner.flush_via(&mut core, Some(&mut held), now);
         timeline::mark(Stage::AdvertiseSent);
         // Started before anything below can cancel one of them (a cancel queued first would
         // find nothing to cancel).
         let released = held.release();
         for id in posted {
-            let Some(r) = core.recv_ops.get_mut(&id) else {
-                continue;
-            };
-            if result.is_ok() {
-                // Started: from here the core owns the lease.
+            // Started: from here the core owns the lease.
+            if let Some(r) = core.recv_ops.get_mut(&id) {
                 r.on_reap = None;
-            } else {
-                // Nothing was started: take back every posted receive. Its lease goes back
-                // (through `on_reap`) only once UCX has released the receive.
-                r.op.request_cancel();
             }
         }
         // Anything the bookkeeping above queued (nothing, usually).
         self.inner.flush_via(&mut core, None, now);
-        result.and(released)
+        released
     }
 
     /// The endpoint of every sender of a request, waiting (until `deadline`) for those being
