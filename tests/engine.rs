@@ -2044,3 +2044,36 @@ fn an_advertise_refused_midway_takes_back_every_receive_before_it_returns() {
         gen.deregister_region(region, dl).unwrap();
     }
 }
+
+/// A `send_segments` of no segment at all is misuse, typed like any other: `UnknownRequest` on
+/// a key nobody advertised, `InvalidArgument` on one that was; and it fails nothing. (It used
+/// to return `Completed` for any key, known or not, having sent nothing.)
+#[test]
+fn a_send_of_no_segments_is_refused_and_fails_nothing() {
+    use kvlink::ErrorKind;
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let dl = Instant::now() + Duration::from_secs(10);
+    let key = RequestKey::new(88, 0);
+    let e = ctx
+        .send_segments(key, RankId(GEN), &[], dl, None)
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::UnknownRequest, "{e}");
+    let mut buf = vec![0u8; 4096];
+    advertise_one(&gen, key, &mut buf);
+    let adv = ctx.next_advertisement(dl, None).unwrap();
+    ctx.accept(key, adv.from, true).unwrap();
+    let e = ctx.send_segments(key, adv.from, &[], dl, None).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+    let data = fill(8, 4096);
+    assert_eq!(
+        ctx.send(key, adv.from, 0, &data, dl, None).unwrap(),
+        Outcome::Completed
+    );
+    assert_eq!(
+        gen.wait(key, Role::Receiver, dl, None).unwrap(),
+        Outcome::Completed
+    );
+    assert_eq!(ctx.wait(key, TO_GEN, dl, None).unwrap(), Outcome::Completed);
+    assert_eq!(buf, data);
+    assert_eq!((ctx.health().failed, gen.health().buffers_leased), (0, 0));
+}

@@ -1096,8 +1096,8 @@ impl Engine {
     /// Returns by the earlier of `deadline` and the request's deadline (plus the drain bound).
     ///
     /// Misuse is an error at once and changes nothing: an unknown request (`UnknownRequest`), a
-    /// send before accept, a segment never advertised, a segment sent twice, or a size other
-    /// than advertised (`InvalidArgument`).
+    /// send before accept, no segment at all, a segment never advertised, a segment sent twice,
+    /// or a size other than advertised (`InvalidArgument`).
     pub fn send_segments(
         &self,
         key: RequestKey,
@@ -1109,6 +1109,19 @@ impl Engine {
         let _returned = timeline::on_return(Stage::SendReturned);
         let inner = &self.inner;
         let mut core = inner.core.lock();
+        if segments.is_empty() {
+            // Nothing to send is no send: without this, any key (known or not) came back
+            // `Completed` with nothing sent.
+            return Err(if core.ep.knows_send(key, to) {
+                key_err(ErrorKind::InvalidArgument, key, "no segment given")
+            } else {
+                key_err(
+                    ErrorKind::UnknownRequest,
+                    key,
+                    &format!("no advertisement from {to} is known here"),
+                )
+            });
+        }
         // Per segment, inline for the usual one or two: no allocation on this path but the
         // abort flag's.
         let mut descs: SmallVec<[_; 2]> = SmallVec::with_capacity(segments.len());
