@@ -2074,3 +2074,38 @@ fn a_send_of_no_segments_is_refused_and_fails_nothing() {
     assert_eq!(buf, data);
     assert_eq!((ctx.health().failed, gen.health().buffers_leased), (0, 0));
 }
+
+/// A sender this side dialled is gone for good (its engine dropped, its listener closed): the
+/// background round gives it up (`Failed`). An `advertise` to it is its next use: that starts
+/// one fresh round of at most `MAX_TRIES` dials, and when that gives up too the `advertise`
+/// fails `PeerLost` then. Before the fix it revived the rank again each time a round gave up,
+/// a round after round (six dials each, about 3 s) until the request's deadline, and only
+/// then returned.
+#[test]
+fn an_advertise_to_a_sender_gone_for_good_fails_after_one_fresh_round() {
+    use kvlink::connection::PeerState;
+    use kvlink::proto::peers::MAX_TRIES;
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(30), None);
+    drop(ctx);
+    let by = Instant::now() + Duration::from_secs(15);
+    while gen.peer_state(RankId(CTX)) != PeerState::Failed {
+        assert!(Instant::now() < by, "the round never gave up");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let r0 = gen.health().reconnects;
+    let mut buf = vec![0u8; 4096];
+    let flows = vec![(RankId(CTX), vec![one_spec(&mut buf, 0)])];
+    let key = RequestKey::new(90, 0);
+    let timeout = Duration::from_secs(20);
+    let t = Instant::now();
+    // SAFETY: `buf` outlives the call, which fails with nothing left posted.
+    let r = unsafe { gen.advertise_with(key, vec![RankId(GEN)], flows, vec![], Some(timeout)) };
+    let took = t.elapsed();
+    let dials = gen.health().reconnects - r0;
+    println!("advertise: {r:?} in {took:?}, {dials} dials");
+    assert_eq!(r.unwrap_err().kind, kvlink::ErrorKind::PeerLost);
+    assert!(dials <= MAX_TRIES as u64, "{dials} dials for one use");
+    assert!(took < timeout / 2, "returned at the deadline: {took:?}");
+    assert_eq!(gen.peer_state(RankId(CTX)), PeerState::Failed);
+    assert_eq!(gen.health().buffers_leased, 0);
+}

@@ -45,7 +45,7 @@ pub(crate) mod glue;
 mod waiters;
 
 pub use crate::proto::peers::PeerState;
-use crate::proto::peers::WORKER_ADDRESS_PREFIX;
+use crate::proto::peers::{MAX_TRIES, WORKER_ADDRESS_PREFIX};
 pub use crate::proto::regions::{RegionId, RegionInfo};
 
 use crate::error::{Error, ErrorKind, Outcome, Result};
@@ -647,7 +647,8 @@ impl Engine {
     /// rank of the request ends it by that deadline. `receivers` lists every generation rank
     /// of the request (this one included); `flows` gives, per context rank, the buffers it will
     /// fill. A sender whose connection is being re-established is waited for (up to the
-    /// request's deadline). A host buffer inside a region ([`Engine::register_region`])
+    /// request's deadline); one whose round gave up gets one fresh round, and the call fails
+    /// `PeerLost` if that gives up too. A host buffer inside a region ([`Engine::register_region`])
     /// must lie wholly inside it (`OutOfBounds`) and off its fenced ranges (`Fenced`). On error
     /// nothing stays posted or leased.
     ///
@@ -784,6 +785,9 @@ impl Engine {
         flows: &[(RankId, Vec<BufferSpec>)],
         deadline: Instant,
     ) -> Result<Vec<PeerId>> {
+        // The ranks this call revived: each gets one fresh round (`Peers::revive`); one that
+        // gives up is lost to this call, not revived again round after round to the deadline.
+        let mut revived: SmallVec<[RankId; 2]> = SmallVec::new();
         'again: loop {
             let mut peers = Vec::with_capacity(flows.len());
             for (rank, _) in flows {
@@ -799,6 +803,15 @@ impl Engine {
                     }
                     state => {
                         if state == PeerState::Failed {
+                            if revived.contains(rank) {
+                                return Err(Error::new(
+                                    ErrorKind::PeerLost,
+                                    format!(
+                                        "{rank}: connection failed, and the reconnect round this \
+                                         request started gave up ({MAX_TRIES} dials)"
+                                    ),
+                                ));
+                            }
                             let now = Instant::now();
                             if !core.peers.revive(*rank, now) {
                                 return Err(Error::new(
@@ -808,6 +821,7 @@ impl Engine {
                                     ),
                                 ));
                             }
+                            revived.push(*rank);
                             // The round's first dial is due now, and only the sink makes it: a
                             // progress thread asleep would reach it at its next timer, up to
                             // 100 ms on.
