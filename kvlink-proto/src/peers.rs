@@ -624,10 +624,14 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// handed out to be closed for running past [`HANDSHAKE_LIMIT`] (as `on_handshake` drops
     /// every frame there).
     pub fn refuse_version(&mut self, peer: P, challenge: u64, now: Instant) -> Option<Message> {
-        if self.rank_of(peer).is_some()
-            || self.refusal(peer).is_some()
-            || self.timed_out.contains_key(&peer)
-        {
+        // Refused already: its record (kept for a while, at most REFUSED_MAX) or, once a flood
+        // of refusals has pushed that out while the endpoint still lingers, its handshake.
+        let refused = self.refusal(peer).is_some()
+            || self
+                .handshakes
+                .get(&peer)
+                .is_some_and(|h| h.refused().is_some());
+        if self.rank_of(peer).is_some() || refused || self.timed_out.contains_key(&peer) {
             return None;
         }
         let mut hs = self

@@ -105,3 +105,32 @@ fn a_refuse_on_an_endpoint_already_refused_changes_nothing() {
     assert_eq!(q.refusal(20), Some(Refusal::AuthFailed));
     assert_eq!(q.due_closes(t), vec![20]);
 }
+
+/// A refused endpoint is refused once, even when a flood of refusals has pushed its record out
+/// of the bounded memory of refusals (past 4096 of them) while it still lingers: a frame of
+/// another wire version on it then is a bad frame, not a second version refusal. Before the
+/// fix `refuse_version` looked only at that record: the endpoint was refused again, its
+/// `Refuse` sent again, the refusal counted twice and its close scheduled twice.
+#[test]
+fn a_refused_endpoint_is_not_refused_again_after_a_flood_pushed_its_record_out() {
+    let t = Instant::now();
+    let mut p: Peers<u64> = Peers::default();
+    p.handshake_started(10, t);
+    assert!(p.refuse_version(10, 1, t).is_some());
+    assert_eq!(p.refusals.version, 1);
+    // Strangers, each refused on an endpoint of its own, within the refusal's linger.
+    for e in 1000..1000 + 4200 {
+        p.refuse(e, Refusal::AuthFailed, false, t);
+    }
+    let _ = p.due_closes(t);
+    assert_eq!(p.refusal(10), None, "pushed out by the flood");
+    // Endpoint 10 is still open (its close is due after the linger) and speaks again.
+    assert!(p.refuse_version(10, 2, t).is_none(), "refused twice");
+    assert_eq!(p.refusals.version, 1);
+    let closes = p.due_closes(t + Duration::from_secs(1));
+    assert_eq!(
+        closes.iter().filter(|&&e| e == 10).count(),
+        1,
+        "closed once"
+    );
+}
