@@ -78,7 +78,8 @@
 // Connections
 //   - A rank this engine `connect`ed to is dialled again by the engine when its endpoint fails
 //     (bounded tries with back-off), and `advertise` waits for a reconnect in progress (up to the
-//     request's deadline). A failure costs the requests on that endpoint, never the pair.
+//     request's deadline); to a rank whose round gave up it starts one fresh round, and throws
+//     `PeerLost` if that gives up too. A failure costs the requests on that endpoint, never the pair.
 //     `peer_state(rank)` says where it stands. A rank that dialled this engine is left to dial
 //     again, except after this engine moved to a new UCX worker (`Health::worker_renewals`):
 //     ranks that had dialled its old worker address are dialled back from the new one.
