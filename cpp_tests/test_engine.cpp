@@ -705,3 +705,28 @@ TEST_P(EngineTest, AnAdvertiseTimeoutOfSecondsMaxIsLongNotTheDefault) {
   EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::Cancelled);
   EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::Cancelled);
 }
+
+// A notification to a rank whose connection failed is `PeerLost` (its endpoint failed: "every
+// later operation on it fails the same way"), as an advertise to it is; `UnknownPeer` is for a
+// rank never connected. It was `UnknownPeer` for both, so a caller switching on the kind took a
+// lost peer for a wrong rank number.
+TEST(EngineNotify, ANotifyToALostPeerIsPeerLostAndToAStrangerUnknownPeer) {
+  kvlink::Engine gen(config("tcp", 41));
+  std::optional<kvlink::Engine> ctx(std::in_place, config("tcp", 40));
+  ASSERT_EQ(gen.connect(ctx->address(), kvlink::after(5s)), 40u);
+  ctx->wait_peer(41, kvlink::after(5s));
+  gen.notify(40, {1, 0}, {1});
+  ctx.reset();
+  ASSERT_TRUE(eventually([&] { return gen.peer_state(40) != kvlink::PeerState::Connected; }, 5000ms));
+  const auto kind_of = [&](std::uint32_t rank) {
+    try {
+      gen.notify(rank, {2, 0}, {2});
+    } catch (const kvlink::Error& e) {
+      return e.kind();
+    }
+    ADD_FAILURE() << "notify to rank " << rank << " did not throw";
+    return kvlink::ErrorKind::Internal;
+  };
+  EXPECT_EQ(kind_of(40), kvlink::ErrorKind::PeerLost) << "state " << static_cast<int>(gen.peer_state(40));
+  EXPECT_EQ(kind_of(77), kvlink::ErrorKind::UnknownPeer);
+}

@@ -687,7 +687,8 @@ class Engine {
   /// or it ended longer ago than replays are refused.
   void cancel(RequestKey key) { detail::call([&] { handle()->cancel(key.request, key.generation); }); }
 
-  /// Queues an ordered notification for `to_rank`. Does not block.
+  /// Queues an ordered notification for `to_rank`. Does not block. Throws UnknownPeer for a rank
+  /// never connected here, PeerLost for one whose connection failed (reconnecting or failed).
   void notify(std::uint32_t to_rank, RequestKey key, const std::vector<std::uint8_t>& payload) {
     detail::call([&] { handle()->notify(to_rank, key.request, key.generation, detail::slice(payload)); });
   }

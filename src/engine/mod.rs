@@ -1444,14 +1444,21 @@ impl Engine {
         self.inner.flush(&mut core);
     }
 
-    /// Sends an ordered notification to `to`.
+    /// Sends an ordered notification to `to`: `UnknownPeer` for a rank never connected here,
+    /// `PeerLost` for one whose connection failed (reconnecting, or failed for good), as for
+    /// an advertise.
     pub fn notify(&self, to: RankId, key: RequestKey, payload: Vec<u8>) -> Result<()> {
         let mut core = self.inner.core.lock();
         if core.peers.endpoint(to).is_none() {
-            return Err(Error::new(
-                ErrorKind::UnknownPeer,
-                format!("{to} is not connected"),
-            ));
+            return Err(match core.peers.state(to) {
+                PeerState::Unknown => {
+                    Error::new(ErrorKind::UnknownPeer, format!("{to} is not connected"))
+                }
+                state => Error::new(
+                    ErrorKind::PeerLost,
+                    format!("{to}: its connection failed ({state:?})"),
+                ),
+            });
         }
         core.ep.send_notify(key, to, payload)?;
         self.inner.flush(&mut core);
