@@ -169,3 +169,54 @@ TEST_P(ObserveTest, MetricsTextCountsOutcomesByRole) {
 INSTANTIATE_TEST_SUITE_P(Transports, ObserveTest, testing::ValuesIn(transports()), param_name);
 
 }  // namespace
+
+namespace {
+
+// set_log_sink may be called from several threads at once (a free function of kvlink.hpp): the
+// result must be that of some order of the calls. A refused call (a level outside the enum) that
+// raced a good one put back, on its way out, the sink it had found, silently undoing the good
+// registration that had come in between (and the two halves of the state, the C++ slot and the
+// level Rust holds, could likewise end from different calls).
+TEST(LogSink, ARefusedCallRacingAGoodOneNeverUndoesIt) {
+  constexpr int kRounds = 300;
+  int undone = 0;
+  for (int round = 0; round < kRounds && undone == 0; ++round) {
+    kvlink::clear_log_sink();
+    auto good_called = std::make_shared<std::atomic<int>>(0);
+    std::atomic<int> ready{0};
+    const auto go = [&] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+    };
+    std::thread refused([&] {
+      go();
+      try {
+        kvlink::set_log_sink(static_cast<kvlink::LogLevel>(9), [](const kvlink::LogRecord&) {});
+        ADD_FAILURE() << "level 9 was accepted";
+      } catch (const kvlink::Error&) {
+      }
+    });
+    std::thread good([&] {
+      go();
+      kvlink::set_log_sink(kvlink::LogLevel::Warn, [good_called](const kvlink::LogRecord&) { good_called->fetch_add(1); });
+    });
+    refused.join();
+    good.join();
+    // The only call that succeeded registered the good sink: it must be the one in place.
+    std::shared_ptr<const kvlink::LogSink> now;
+    {
+      auto& slot = kvlink::detail::log_slot();
+      std::lock_guard<std::mutex> lock(slot.mutex);
+      now = slot.sink;
+    }
+    if (now && *now) (*now)(kvlink::LogRecord{kvlink::LogLevel::Warn, "t", "m", ""});
+    if (good_called->load() != 1) {
+      undone = round + 1;
+    }
+  }
+  kvlink::clear_log_sink();
+  EXPECT_EQ(undone, 0) << "round " << undone << ": the good sink was not in place after the race";
+}
+
+}  // namespace

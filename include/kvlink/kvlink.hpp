@@ -287,6 +287,9 @@ namespace detail {
 struct LogSlot {
   std::mutex mutex;
   std::shared_ptr<const LogSink> sink;
+  /// Held through a whole `set_log_sink` (never by the trampoline): concurrent calls take
+  /// effect one after the other, the slot and the level Rust holds from the same call.
+  std::mutex setter;
 };
 inline LogSlot& log_slot() {
   static LogSlot* slot = new LogSlot();
@@ -326,7 +329,17 @@ namespace kvlink {
 /// it, and its events go there. Does not block. Throws `Error` InvalidArgument for a level
 /// outside the enum.
 inline bool set_log_sink(LogLevel level, LogSink sink) {
+  if (static_cast<std::uint8_t>(level) > static_cast<std::uint8_t>(LogLevel::Trace)) {
+    // Refused before the slot is touched: the refused sink never sees an event.
+    throw Error(ErrorKind::InvalidArgument,
+                "kvlink InvalidArgument: log level " + std::to_string(static_cast<unsigned>(level)) +
+                    ": use Off, Error .. Trace");
+  }
   const bool on = level != LogLevel::Off && static_cast<bool>(sink);
+  // One call at a time: otherwise a refused call could put back, on its way out, the sink it had
+  // found over one registered meanwhile, and an `Off` racing a registration could leave Rust on
+  // with an empty slot (events going nowhere, not even to stderr).
+  std::lock_guard<std::mutex> one_at_a_time(detail::log_slot().setter);
   std::shared_ptr<const LogSink> previous;
   {
     detail::LogSlot& slot = detail::log_slot();
