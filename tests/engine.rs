@@ -2109,3 +2109,53 @@ fn an_advertise_to_a_sender_gone_for_good_fails_after_one_fresh_round() {
     assert_eq!(gen.peer_state(RankId(CTX)), PeerState::Failed);
     assert_eq!(gen.health().buffers_leased, 0);
 }
+
+/// A worker address is handed to UCX only if this kvlink made it: UCX unpacks what it is given
+/// without bounds and asserts on what it cannot read, so `connect("ucx:ffff...")` aborted the
+/// whole process inside `ucp_address_unpack` ("addr version 15"), and a cut or altered address
+/// had UCX read past it. Now each is `InvalidArgument` at once (the address carries its length
+/// and a checksum, `src/transport/ucx/address.rs`), bare UCX bytes included, and the engine then
+/// connects to the real address and completes a request.
+#[test]
+fn a_worker_address_kvlink_did_not_make_is_refused_before_ucx_reads_it() {
+    let (ctx, gen) = unconnected(TransportKind::SharedMemory, Duration::from_secs(5), None);
+    let real = ctx.address();
+    let hex = real.strip_prefix("ucx:").unwrap();
+    let flip = |i: usize| {
+        let mut b = hex.as_bytes().to_vec();
+        b[i] = if b[i] == b'0' { b'1' } else { b'0' };
+        String::from_utf8(b).unwrap()
+    };
+    let cases = [
+        "ff".repeat(100),
+        "00".repeat(100),
+        hex[..hex.len() / 2].to_string(),
+        hex[..hex.len() - 2].to_string(),
+        format!("{hex}00"),
+        flip(hex.len() / 2),
+        flip(hex.len() - 1),
+        // UCX's own bytes without kvlink's 16-byte header.
+        hex[32..].to_string(),
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        let t = Instant::now();
+        let e = gen
+            .connect(&format!("ucx:{c}"), Instant::now() + Duration::from_secs(2))
+            .unwrap_err();
+        assert_eq!(e.kind, kvlink::ErrorKind::InvalidArgument, "case {i}: {e}");
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "case {i}: {:?}",
+            t.elapsed()
+        );
+    }
+    connect_pair(&ctx, &gen);
+    one_request_completes(
+        &ctx,
+        &gen,
+        (RequestKey::new(1, 0), GEN, CTX),
+        None,
+        7,
+        "after the refused addresses",
+    );
+}

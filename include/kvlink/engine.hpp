@@ -459,7 +459,8 @@ class Engine {
   Engine(Engine&&) noexcept = default;
   Engine& operator=(Engine&&) noexcept = default;
 
-  /// Where peers reach this rank: `ip:port` (tcp) or `ucx:<hex worker address>` (sm).
+  /// Where peers reach this rank: `ip:port` (tcp) or `ucx:<hex>` (sm: UCX's worker address
+  /// sealed with its length and a checksum; `connect` refuses one that is cut or altered).
   std::string address() const {
     return detail::call([&] { return std::string(handle()->address()); });
   }

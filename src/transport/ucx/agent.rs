@@ -187,6 +187,8 @@ impl Agent {
         if address.is_empty() || address.len() > 64 * 1024 {
             return Err(Error::invalid("worker address must be 1..=65536 bytes"));
         }
+        // Refused here, at once, rather than by the progress thread (which checks it again).
+        super::address::open(address)?;
         let r = Reply::new();
         self.shared
             .submit(Cmd::ConnectWorker(address.to_vec(), r.clone()))?;

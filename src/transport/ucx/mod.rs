@@ -59,6 +59,7 @@
 //! - `rma`: one-sided transfers, under the driver lock (put, get) and memory mapping.
 //! - `callbacks`: the `extern "C"` functions UCX calls, and how they report back.
 //! - `handles`, `sys`: owning UCX handles, raw bindings.
+mod address;
 mod agent;
 mod batch;
 mod callbacks;

@@ -81,7 +81,10 @@ impl Progress {
                     addrlen: len,
                 };
             }
-            Target::Worker(addr) => {
+            Target::Worker(sealed) => {
+                // Only an address this kvlink sealed reaches UCX, which does not check what it
+                // unpacks (`address.rs`): a dialled one, or a peer's `Bind`.
+                let addr = super::address::open(sealed)?;
                 params.field_mask |= sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64;
                 params.address = addr.as_ptr() as *const sys::ucp_address_t;
             }

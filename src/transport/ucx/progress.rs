@@ -666,7 +666,8 @@ impl Progress {
         let address =
             std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
         sys::ucp_worker_release_address(self.worker.0, attr.address);
-        *self.shared.worker_address.lock() = address.clone();
+        // Handed out sealed (`address.rs`); the probe below dials the raw one itself.
+        *self.shared.worker_address.lock() = super::address::seal(&address);
         if self.probe_wanted {
             // A new probe counts its pings from 1 again: what an earlier worker read must not
             // count as read here.
