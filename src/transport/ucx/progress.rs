@@ -985,7 +985,13 @@ impl Progress {
     fn send_after_sink(&mut self) {
         self.drain_while(|_, c| matches!(c, Cmd::Post { .. } | Cmd::Control { .. }));
         if let Some(sink) = self.shared.sink.get() {
-            sink.delivered();
+            // The owner's code, like `deliver` (`run_sink`): a panic in it must not unwind out
+            // of the pass, which would end the progress thread (or a caller's wait) with the
+            // worker never torn down.
+            let told = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink.delivered()));
+            if told.is_err() {
+                tracing::error!("the agent's event sink panicked in delivered");
+            }
         }
     }
 
@@ -1868,6 +1874,54 @@ mod tests {
             }
             None
         }
+    }
+
+    /// Counts its calls; panics the first time it is told its messages have left.
+    struct PanicInDelivered {
+        calls: std::sync::atomic::AtomicU64,
+        panicked: std::sync::atomic::AtomicBool,
+    }
+
+    impl EventSink for PanicInDelivered {
+        fn deliver(&self, events: &mut VecDeque<Event>, _now: Instant) -> Option<Instant> {
+            events.clear();
+            self.calls.fetch_add(1, Ordering::AcqRel);
+            None
+        }
+
+        fn delivered(&self) {
+            if !self.panicked.swap(true, Ordering::AcqRel) {
+                panic!("a bug in the sink's delivered, on purpose");
+            }
+        }
+    }
+
+    /// A panic in the sink's `delivered` (called in the same pass as `deliver`) is caught as
+    /// one in `deliver` is: the progress thread goes on calling the sink (every 100 ms when
+    /// idle). It used to unwind out of the pass and end the progress thread: no more passes,
+    /// and the shutdown found no thread to tear the worker down.
+    #[test]
+    fn a_panic_in_the_sinks_delivered_leaves_the_progress_thread_running() {
+        let a = Agent::new(AgentOptions::new("p", TransportKind::Tcp)).unwrap();
+        let sink = Arc::new(PanicInDelivered {
+            calls: Default::default(),
+            panicked: Default::default(),
+        });
+        assert!(a.set_sink(sink.clone()));
+        let until = Instant::now() + Duration::from_secs(5);
+        while !sink.panicked.load(Ordering::Acquire) {
+            assert!(Instant::now() < until, "delivered was never called");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let calls = sink.calls.load(Ordering::Acquire);
+        std::thread::sleep(Duration::from_millis(600));
+        let after = sink.calls.load(Ordering::Acquire);
+        assert!(
+            after >= calls + 3,
+            "the sink was called {} times in 600 ms after the panic: the progress thread \
+             stopped",
+            after - calls
+        );
     }
 
     /// A sink that panics in a caller's pass is caught there, and the caller's thread is no
