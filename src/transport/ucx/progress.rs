@@ -1134,6 +1134,11 @@ impl Progress {
         for cmd in leftovers {
             self.shared.fail_cmd(cmd);
         }
+        // A stall taken in the pass that took the shutdown never begins: its caller waits
+        // for that answer.
+        if let Some((_, armed)) = self.stall.take() {
+            armed.set(Err(Error::new(ErrorKind::Shutdown, "agent is shut down")));
+        }
         let held = self.release_worker(STOP_SHUTDOWN);
         self.maps.clear();
         let shared = self.shared.clone();
@@ -1874,6 +1879,36 @@ mod tests {
             }
             None
         }
+    }
+
+    /// A stall armed in the same pass as the shutdown never begins: its caller
+    /// (`Agent::fault_stall_progress`) is told so at the teardown, not left waiting for an
+    /// answer until its 10 s are up, which is what it used to do (the reply was dropped with
+    /// the progress state).
+    #[test]
+    fn a_stall_taken_with_the_shutdown_is_answered_at_the_teardown() {
+        let a = Agent::new(AgentOptions::new("p", TransportKind::Tcp)).unwrap();
+        let armed = Reply::new();
+        a.shared
+            .submit_all([
+                Cmd::FaultStall {
+                    stall: Duration::from_secs(1),
+                    at_next_connect: false,
+                    armed: armed.clone(),
+                },
+                Cmd::Shutdown,
+            ])
+            .unwrap();
+        let t0 = Instant::now();
+        let r = armed.wait(t0 + Duration::from_secs(3));
+        let waited = t0.elapsed();
+        a.shutdown();
+        let e = r.expect_err("the stall never began");
+        assert_eq!(
+            e.kind,
+            ErrorKind::Shutdown,
+            "told of the shutdown after {waited:?}, not left to its deadline: {e}"
+        );
     }
 
     /// Counts its calls; panics the first time it is told its messages have left.
