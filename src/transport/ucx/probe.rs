@@ -33,6 +33,12 @@ const PROBE_EVERY: Duration = Duration::from_millis(500);
 const PROBE_TIMEOUT: Duration = Duration::from_millis(1500);
 /// How many passes must have polled the worker meanwhile.
 const PROBE_PASSES: u64 = 10;
+/// A gap this long between two passes means the agent itself was held up (its process stopped
+/// or starved, its progress thread held): an idle thread runs a pass at least every 100 ms.
+/// The ping in flight then starts its wait over, counted from the pass that runs again: the
+/// time it waited meanwhile, and the few passes that follow at once (each reading a little
+/// of a queue that filled meanwhile, ahead of the ping), say nothing about the queue.
+const HELD_UP: Duration = Duration::from_millis(500);
 /// A ping: the agent's nonce, then the sequence number (little-endian).
 const PING_LEN: usize = 16;
 
@@ -72,6 +78,8 @@ pub(super) struct Probe {
     passes: u64,
     /// Passes in which the agent's worker read something.
     progress: u64,
+    /// When the last pass ran (see [`HELD_UP`]).
+    last_tick: Instant,
     stuck: bool,
 }
 
@@ -133,6 +141,7 @@ impl Probe {
             next_at: Instant::now(),
             passes: 0,
             progress: 0,
+            last_tick: Instant::now(),
             stuck: false,
         })
     }
@@ -142,6 +151,8 @@ impl Probe {
     /// worker has seen, and send the next one when due. Says when the queue is found stuck,
     /// and when it moves again.
     pub(super) fn tick(&mut self, shared: &Shared, read: bool, now: Instant) -> Verdict {
+        let held_up = now.saturating_duration_since(self.last_tick) >= HELD_UP;
+        self.last_tick = now;
         self.passes += 1;
         self.progress += u64::from(read);
         // SAFETY: the probe's worker is used only by the holder of the driver lock.
@@ -170,6 +181,12 @@ impl Probe {
                 ping.passes = self.passes;
                 ping.progress = self.progress;
             }
+        }
+        if held_up {
+            // The agent was held up: its wait starts over with this pass.
+            ping.since = now;
+            ping.passes = self.passes;
+            ping.progress = self.progress;
         }
         let seen = shared.probe_seen.load(Ordering::Acquire) >= ping.seq;
         if seen && ping.request.is_null() {
@@ -271,4 +288,89 @@ pub(super) unsafe extern "C" fn am_probe_cb(
         });
     }
     sys::UCS_OK
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Agent, AgentOptions, Event, EventSink, TransportKind};
+    use super::*;
+    use std::collections::VecDeque;
+    use std::sync::Arc;
+
+    /// Takes every event, as an engine's sink does: a pass whose burst reads a control message
+    /// then stops early, to hand it on.
+    struct Drain;
+
+    impl EventSink for Drain {
+        fn deliver(&self, events: &mut VecDeque<Event>, _now: Instant) -> Option<Instant> {
+            events.clear();
+            None
+        }
+    }
+
+    /// An agent that was itself held up (stopped, starved, or its progress thread held) for
+    /// longer than the probe's timeout, with its queue full of messages written before the
+    /// ping, is not judged stuck: once it runs again it reads the queue, in order, and the ping
+    /// with it. Every pass from then on reads; none of them is evidence of a stuck queue.
+    #[test]
+    fn an_agent_held_up_with_a_full_queue_is_not_judged_stuck() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let b = Agent::new(AgentOptions::new("held-up", TransportKind::SharedMemory)).unwrap();
+        assert!(b.set_sink(Arc::new(Drain)));
+        let a = Agent::new(AgentOptions::new("writer", TransportKind::SharedMemory)).unwrap();
+        let ab = a.connect_worker(&b.worker_address()).unwrap();
+        // Connected both ways, and the probe's first pings read.
+        a.send_control(ab, b"hello".to_vec())
+            .unwrap()
+            .wait(deadline, None)
+            .unwrap();
+        while b.shared.probe_seen.load(Ordering::Acquire) < 2 {
+            assert!(Instant::now() < deadline, "no ping was read");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        {
+            // `b` held up: nothing reads its queue.
+            let mut g = b.shared.driver.lock();
+            let p = g.as_mut().unwrap();
+            for i in 0..56u32 {
+                a.post_control(ab, i.to_le_bytes().repeat(4)).unwrap();
+            }
+            // Until the writer has written them all into the queue.
+            while a.push_pending() {
+                assert!(Instant::now() < deadline, "the messages never left");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            // A ping written behind them, as the last pass before the hold-up would have.
+            let probe = p.probe.as_mut().expect("a probe on shared memory");
+            probe.pending = None;
+            probe.send(Instant::now());
+            assert!(
+                probe.pending.as_ref().is_some_and(|p| p.request.is_null()),
+                "the ping was written into the queue"
+            );
+            std::thread::sleep(PROBE_TIMEOUT + Duration::from_millis(200));
+        }
+        let seq = b.shared.probe_seen.load(Ordering::Acquire);
+        let until = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let s = b.stats();
+        println!(
+            "after the hold-up: renewals {}, moves begun {}, pings read {seq} -> {}",
+            s.worker_renewals,
+            b.worker_moves_begun(),
+            b.shared.probe_seen.load(Ordering::Acquire)
+        );
+        assert_eq!(
+            (s.worker_renewals, b.worker_moves_begun()),
+            (0, 0),
+            "a queue that was being read was judged stuck: every peer failed and a move"
+        );
+        assert!(
+            b.shared.probe_seen.load(Ordering::Acquire) > seq,
+            "the ping was read once the agent ran again"
+        );
+    }
 }
