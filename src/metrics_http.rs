@@ -188,6 +188,25 @@ mod tests {
         at
     }
 
+    /// A polled server (as [`serve`] runs) that answers while the returned stand-in for the
+    /// engine lives; the receiver hears when its thread has ended.
+    fn served_while_alive() -> (
+        std::sync::Arc<()>,
+        SocketAddr,
+        std::sync::mpsc::Receiver<()>,
+    ) {
+        let engine = std::sync::Arc::new(());
+        let weak = std::sync::Arc::downgrade(&engine);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let (done, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            run(polled(l), || weak.upgrade(), |_| Ok("up 1\n".to_string()));
+            let _ = done.send(());
+        });
+        (engine, at, ended)
+    }
+
     /// A whole exchange, and how long it took.
     fn get(at: SocketAddr) -> (Duration, Vec<u8>) {
         let t = Instant::now();
@@ -203,15 +222,7 @@ mod tests {
     /// though no client ever connects again (a blocking accept waited for the next one).
     #[test]
     fn the_port_is_closed_soon_after_the_engine_ends_without_a_connection() {
-        let engine = std::sync::Arc::new(());
-        let weak = std::sync::Arc::downgrade(&engine);
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let at = l.local_addr().unwrap();
-        let (done, ended) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            run(polled(l), || weak.upgrade(), |_| Ok("up 1\n".to_string()));
-            let _ = done.send(());
-        });
+        let (engine, at, ended) = served_while_alive();
         let (_, reply) = get(at);
         assert!(reply.ends_with(b"\r\n\r\nup 1\n"), "served while it lives");
         drop(engine);
@@ -225,15 +236,7 @@ mod tests {
     /// and the port, for the rest of its 2 s: they still end within a tick or two of the engine.
     #[test]
     fn the_port_is_closed_soon_after_the_engine_ends_with_a_silent_client_connected() {
-        let engine = std::sync::Arc::new(());
-        let weak = std::sync::Arc::downgrade(&engine);
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let at = l.local_addr().unwrap();
-        let (done, ended) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            run(polled(l), || weak.upgrade(), |_| Ok("up 1\n".to_string()));
-            let _ = done.send(());
-        });
+        let (engine, at, ended) = served_while_alive();
         let _silent = TcpStream::connect(at).unwrap();
         // Accepted by now, its request being waited for.
         std::thread::sleep(Duration::from_millis(300));

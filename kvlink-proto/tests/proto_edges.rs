@@ -14,6 +14,18 @@ use kvlink_proto::{
 const ME: RankId = RankId(1);
 const R: RankId = RankId(7);
 
+/// A 64-byte host buffer for segment `segment` under `token`, at an address of its own.
+fn desc(segment: u32, token: u64) -> BufferDesc {
+    BufferDesc {
+        kind: BufferKind::Kv,
+        segment,
+        addr: 0x1000 * (u64::from(segment) + 1),
+        len: 64,
+        device_id: -1,
+        token: Token(token),
+    }
+}
+
 fn identity(rank: RankId, instance: u64) -> Identity {
     Identity {
         rank,
@@ -197,14 +209,7 @@ fn a_zero_retransmit_interval_does_not_spin_handle_timeout() {
         let key = RequestKey::new(5, 0);
         let mut pool = BufferPool::new(4);
         let lease = pool.lease(key).unwrap();
-        let desc = BufferDesc {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: 0x1000,
-            len: 64,
-            device_id: -1,
-            token: Token(11),
-        };
+        let desc = desc(0, 11);
         ep.start_receive(
             t,
             ReceiveSpec {
@@ -240,14 +245,6 @@ fn a_message_without_a_frame_keeps_the_wire_limits() {
     let t = Instant::now();
     let key = RequestKey::new(1, 0);
     let mut ctx = Endpoint::new(ME, Config::default());
-    let desc = |segment, token| BufferDesc {
-        kind: BufferKind::Kv,
-        segment,
-        addr: 0x1000 * (u64::from(segment) + 1),
-        len: 64,
-        device_id: -1,
-        token: Token(token),
-    };
     let advertise = |timeout_ms, buffers| Message::Advertise {
         key,
         src_rank: R,
@@ -286,14 +283,7 @@ fn a_key_sent_from_here_is_not_received_here_too() {
     let t = Instant::now();
     let key = RequestKey::new(3, 0);
     let mut ep = Endpoint::new(ME, Config::default());
-    let desc = BufferDesc {
-        kind: BufferKind::Kv,
-        segment: 0,
-        addr: 0x1000,
-        len: 64,
-        device_id: -1,
-        token: Token(9),
-    };
+    let desc = desc(0, 9);
     ep.handle_message(
         t,
         R,
