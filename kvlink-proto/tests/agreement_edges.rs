@@ -368,3 +368,45 @@ fn an_early_cancel_that_replaces_a_completed_vote_is_kept_as_long_as_one_that_ca
         "the cancel went with the keep of the Completed vote it replaced"
     );
 }
+
+/// A receiver that voted `Completed` and is then reported lost to the coordinator (the link
+/// between the two generation ranks failed; each side's transport reports the other lost) ends
+/// `PeerLost` at once: it has lost its coordinator and no verdict had come. The coordinator
+/// kept that receiver's earlier `Completed` vote, and once its own data landed decided
+/// `Completed` and told its senders so: a sender ended `Completed` while a live receiver of
+/// the same request ended `PeerLost`, although the coordinator knew, before it decided, that
+/// this receiver could no longer learn the verdict. A receiver lost before the verdict now
+/// counts as `PeerLost` whatever it voted.
+#[test]
+fn a_receiver_lost_before_the_verdict_is_not_counted_completed() {
+    let t = Instant::now();
+    let key = RequestKey::new(21, 0);
+    let (mut g1, _) = receiving(G1, key, t);
+    let (mut g2, _) = receiving(G2, key, t);
+    // G2's data lands: its `Completed` vote reaches the coordinator.
+    g2.handle_segment_landed(t + ms(5), key, 0).unwrap();
+    let vote = std::iter::from_fn(|| g2.poll_transmit())
+        .find(|x| x.to == G1 && matches!(x.message, Message::Vote { .. }))
+        .expect("G2's vote");
+    g1.handle_message(t + ms(6), G2, vote.message).unwrap();
+    // The link between the two receivers fails; each is told the other is lost.
+    g2.handle_peer_lost(t + ms(10), G1);
+    assert_eq!(
+        terminals(&mut g2, key, Role::Receiver),
+        vec![Outcome::PeerLost],
+        "a receiver whose coordinator is lost ends PeerLost at once"
+    );
+    g1.handle_peer_lost(t + ms(10), G2);
+    // The coordinator's own data lands afterwards.
+    g1.handle_segment_landed(t + ms(20), key, 0).unwrap();
+    let ends = terminals(&mut g1, key, Role::Receiver);
+    assert!(
+        !ends.contains(&Outcome::Completed) && g1.verdict(key) != Some(Outcome::Completed),
+        "the coordinator decided Completed though G2, lost before the verdict, ended PeerLost"
+    );
+    assert!(
+        !verdicts_to(&mut g1, C).contains(&Outcome::Completed),
+        "the sender is told Completed while a live receiver ended PeerLost"
+    );
+    assert_eq!(ends, vec![Outcome::PeerLost]);
+}

@@ -511,7 +511,10 @@ impl RecvRequest {
         if rank == self.coordinator {
             // Nobody is left to agree with: stop every write now, end PeerLost.
             self.set_verdict(now, Outcome::PeerLost, out);
-        } else if self.is_coordinator() && !self.votes.contains_key(&rank) {
+        } else if self.is_coordinator() && self.verdict.is_none() {
+            // Whatever it voted: a receiver lost before the verdict cannot learn it (it ends
+            // `PeerLost` at once if it is alive and lost this rank too), so its earlier
+            // `Completed` must not let this rank decide `Completed` for the senders.
             self.votes.insert(rank, Outcome::PeerLost);
             self.try_decide(now, out);
         }
