@@ -519,6 +519,42 @@ TEST_P(WrapperTest, IdsEqualMod4096NeverCrossAndAreRefusedWhenInFlightTogether) 
   server.get();
 }
 
+// Two threads that send requests 4096 apart AT THE SAME TIME: one of the two must be refused.
+// Before, the check against the other threads' requests and the recording of this thread's own
+// were two critical sections with the previous request's settle and the advertisement between
+// them, so both threads passed the check and both requests went out with the same data tags.
+TEST_P(WrapperTest, IdsEqualMod4096SentTogetherFromTwoThreadsAreNeverBothLetIn) {
+  GenSide gen{toCtx_, Tags{false}};
+  constexpr int kRounds = 20;
+  std::atomic<int> bothIn{0};
+  for (int round = 0; round < kRounds; ++round) {
+    // Each thread first holds a request of its own (nothing answers it), so that the next send
+    // settles one, as a request thread of TensorRT-LLM does from its second request on.
+    uint64_t const a = 1000 + 4 * static_cast<uint64_t>(round), b = a + 4096;
+    std::promise<void> go;
+    std::shared_future<void> start = go.get_future().share();
+    auto sendOne = [&](uint64_t warm, uint64_t id) {
+      gen.sendRequestInfo(warm);
+      start.wait();
+      try {
+        gen.sendRequestInfo(id);
+        return true;
+      } catch (kvlink::trtllm::AmbiguousTagError const&) {
+        return false;
+      }
+    };
+    auto fa = std::async(std::launch::async, sendOne, a + 1, a);
+    auto fb = std::async(std::launch::async, sendOne, a + 2, b);
+    std::this_thread::sleep_for(5ms);
+    go.set_value();
+    bool const inA = fa.get(), inB = fb.get();
+    EXPECT_FALSE(inA && inB) << "round " << round << ": requests " << a << " and " << b
+                             << " were both let in, in flight together on one connection";
+    if (inA && inB) ++bothIn;
+    if (bothIn.load() > 0) break;
+  }
+}
+
 /// The CUDA driver, loaded at run time (this binary links nothing of CUDA): device memory for
 /// the GPU test, or the reason there is none.
 struct Cuda {

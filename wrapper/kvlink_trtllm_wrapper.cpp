@@ -626,7 +626,14 @@ void KvlinkConnection::sendEnvelope(std::vector<Message>&& msgs) const {
   std::memcpy(&id, info.data(), sizeof id);  // RequestInfo::serialize writes the id first
   auto const self = std::this_thread::get_id();
   std::shared_ptr<GenRequest> previous;
+  auto r = std::make_shared<GenRequest>();
+  r->id = id;
+  r->deadline = after(m_.timeout());
   {
+    // The check and the recording of this thread's request are ONE critical section: two threads
+    // sending ids a tag cannot tell apart at the same time must not both pass the check (the
+    // settle and the advertisement below run unlocked). Not usable by any recv until its ready
+    // signal is taken; taken out again if it never goes out.
     std::lock_guard<std::mutex> g(mu_);
     auto const now = Clock::now();
     for (auto const& [thread, r] : gen_) {
@@ -642,22 +649,28 @@ void KvlinkConnection::sendEnvelope(std::vector<Message>&& msgs) const {
     }
     auto it = gen_.find(self);
     if (it != gen_.end()) previous = it->second;
+    r->envelope = RequestKey{id, m_.nextGeneration()};
+    gen_[self] = r;
   }
-  if (previous && !previous->settled) settle(*previous);
-
-  auto r = std::make_shared<GenRequest>();
-  r->id = id;
-  r->envelope = RequestKey{id, m_.nextGeneration()};
-  Header h;
-  h.kind = Kind::Envelope;
-  h.tag = kInfoTag;
-  h.closes = previous ? previous->id + 1 : 0;
-  h.messages = std::move(msgs);
-  std::vector<Buffer> ready{Buffer{BufferKind::Kv, 0, r->readyByte.get(), 1, -1}};
-  r->deadline = after(m_.timeout());
-  m_.engine().advertise(r->envelope, {}, remote_, ready, encode(h));
-  std::lock_guard<std::mutex> g(mu_);
-  gen_[self] = std::move(r);
+  try {
+    if (previous && !previous->settled) settle(*previous);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      r->deadline = after(m_.timeout());  // counted from when the request goes out
+    }
+    Header h;
+    h.kind = Kind::Envelope;
+    h.tag = kInfoTag;
+    h.closes = previous ? previous->id + 1 : 0;
+    h.messages = std::move(msgs);
+    std::vector<Buffer> ready{Buffer{BufferKind::Kv, 0, r->readyByte.get(), 1, -1}};
+    m_.engine().advertise(r->envelope, {}, remote_, ready, encode(h));
+  } catch (...) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = gen_.find(self);
+    if (it != gen_.end() && it->second == r) gen_.erase(it);
+    throw;
+  }
 }
 
 void KvlinkConnection::recvReady(kv::DataContext const& ctx, void* data, size_t size) const {
