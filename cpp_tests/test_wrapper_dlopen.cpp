@@ -555,6 +555,44 @@ TEST_P(WrapperTest, IdsEqualMod4096SentTogetherFromTwoThreadsAreNeverBothLetIn) 
   }
 }
 
+// The context manager destroyed while one of its connections' sends waits for the buffer the
+// generation rank has not advertised yet (TensorRT-LLM tearing a CacheTransceiver down with a
+// transfer open). Before, the destructor returned at once and freed the connection, its mutex
+// and the engine under the waiting send, which went on using them until its deadline. Now the
+// send ends Cancelled and the destructor returns only once it has left.
+TEST_P(WrapperTest, TheManagerGoesOnlyAfterASendBlockedInItHasLeft) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 31;
+  std::promise<void> sending;
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    std::vector<uint8_t> s(4096);
+    sending.set_value();
+    try {
+      t.conn->send(kv::DataContext{gen.tags.data(kId), never_}, s.data(), s.size());
+      return std::string("sent into a buffer never advertised");
+    } catch (kvlink::trtllm::TransferError const& e) {
+      return std::string(e.outcome() == 2 ? "" : "ended ") + (e.outcome() == 2 ? "" : e.what());
+    } catch (std::exception const& e) {
+      return std::string("threw ") + e.what();
+    }
+  });
+  gen.sendRequestInfo(kId);
+  ASSERT_TRUE(gen.recvReady(kId, never_));
+  sending.get_future().wait();
+  std::this_thread::sleep_for(100ms);  // inside the send's wait for an advertisement
+  auto const t0 = std::chrono::steady_clock::now();
+  ctx_.reset();
+  auto const ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(server.wait_for(0s), std::future_status::ready)
+      << "the manager was destroyed while a send was still blocked inside one of its connections";
+  EXPECT_EQ(server.get(), "");
+  EXPECT_LT(ms, 1000) << "the destructor waited for the send's deadline instead of ending it";
+}
+
 /// The CUDA driver, loaded at run time (this binary links nothing of CUDA): device memory for
 /// the GPU test, or the reason there is none.
 struct Cuda {

@@ -318,9 +318,45 @@ class Manager final : public kv::ConnectionManager {
     stop_.store(true, std::memory_order_release);
     envelopeCv_.notify_all();
     if (dispatcher_.joinable()) dispatcher_.join();
-    std::lock_guard<std::mutex> g(mu_);
-    connections_.clear();  // before the engine they use
+    {
+      // Calls still inside (a recvConnect, a send waiting for its buffer, a recv) see
+      // isRunning() false and leave, or end at their request's deadline: the connections, their
+      // locks and the engine stay until the last has left (the engine may not be destroyed with
+      // a thread inside it).
+      std::unique_lock<std::mutex> g(mu_);
+      for (auto& [rank, c] : connections_) {
+        (void)rank;
+        c->wake();
+      }
+      envelopeCv_.notify_all();
+      callsCv_.wait(g, [this] { return calls_ == 0; });
+    }
+    std::map<std::uint32_t, std::unique_ptr<KvlinkConnection>> gone;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      gone.swap(connections_);
+    }
+    gone.clear();  // before the engine they use; unlocked: their destructors wait (settle)
   }
+
+  /// Counts a call of the host's into this manager or one of its connections: the destructor
+  /// waits until none is left inside.
+  class Call {
+   public:
+    explicit Call(Manager& m) : m_(m) {
+      std::lock_guard<std::mutex> g(m_.mu_);
+      ++m_.calls_;
+    }
+    ~Call() {
+      std::lock_guard<std::mutex> g(m_.mu_);
+      if (--m_.calls_ == 0) m_.callsCv_.notify_all();
+    }
+    Call(Call const&) = delete;
+    Call& operator=(Call const&) = delete;
+
+   private:
+    Manager& m_;
+  };
 
   kv::Connection const* recvConnect(kv::DataContext const& ctx, void* data, size_t size) override {
     if (data == nullptr && size != 0) {  // checked before an envelope is taken: none is lost
@@ -328,6 +364,7 @@ class Manager final : public kv::ConnectionManager {
                   "kvlink InvalidArgument: recvConnect of " + std::to_string(size) + " bytes into null");
     }
     std::atomic<bool> const& terminate = ctx.getTransferTerminate();
+    Call const call(*this);
     std::unique_lock<std::mutex> g(mu_);
     for (;;) {
       if (!envelopes_.empty()) break;
@@ -359,6 +396,7 @@ class Manager final : public kv::ConnectionManager {
     if (!state.isAgentState()) {
       throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: the CommState is not kvlink's (agent state)");
     }
+    Call const call(*this);
     std::vector<kv::Connection const*> out;
     for (auto const& a : state.getAgentState()) {
       out.push_back(a.mConnectionInfo == engine_.address() ? nullptr : connectTo(a.mConnectionInfo));
@@ -506,6 +544,8 @@ class Manager final : public kv::ConnectionManager {
   std::atomic<std::uint32_t> generation_{1};
   std::mutex mu_;
   std::condition_variable envelopeCv_;
+  std::condition_variable callsCv_;
+  int calls_ = 0;  // host calls inside (Call), under mu_
   std::deque<std::pair<Advertisement, Header>> envelopes_;
   std::map<std::string, KvlinkConnection const*> byAddress_;
   std::map<std::uint32_t, std::unique_ptr<KvlinkConnection>> connections_;
@@ -559,6 +599,7 @@ void KvlinkConnection::send(kv::DataContext const& ctx, void const* data, size_t
   if (data == nullptr && size != 0) {
     throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: send of " + std::to_string(size) + " bytes from null");
   }
+  Manager::Call const call(m_);
   int const tag = ctx.getTag();
   if (isEnvelopeTag(tag)) {
     std::vector<Message> done;
@@ -587,6 +628,7 @@ void KvlinkConnection::recv(kv::DataContext const& ctx, void* data, size_t size)
     throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: recv of " + std::to_string(size) +
                                                 " bytes on tag " + std::to_string(tag) + " into null");
   }
+  Manager::Call const call(m_);
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = incoming_.find(std::this_thread::get_id());
@@ -893,7 +935,7 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
       break;
     }
     auto const self = ctx_.find(id);
-    if (terminate.load(std::memory_order_acquire) || self == ctx_.end() || !self->second.open) {
+    if (terminate.load(std::memory_order_acquire) || !m_.isRunning() || self == ctx_.end() || !self->second.open) {
       throw TransferError(static_cast<int>(Outcome::Cancelled), id, "kvlink: send of " + describe(id, tag) + " cancelled");
     }
     if (Clock::now() >= deadline) {
