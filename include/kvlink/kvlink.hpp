@@ -248,9 +248,10 @@ inline std::string version() { return detail::call(ffi::version); }
 /// against (`KVLINK_UCX_VERSION`) unless the loader found another.
 inline std::string ucx_version() { return detail::call(ffi::ucx_version); }
 
-/// Parses and checks an `ip:port` listen or connect address (IPv4, or `[IPv6]:port`) and returns
-/// its canonical form (e.g. " 127.0.0.1:5000" -> "127.0.0.1:5000"). Does not block, does not
-/// resolve names. Throws `Error` with `ErrorKind::InvalidArgument` on anything else.
+/// Parses and checks an IPv4 `ip:port` listen or connect address and returns its canonical form
+/// (e.g. " 127.0.0.1:5000" -> "127.0.0.1:5000"). Does not block, does not resolve names. Throws
+/// `Error` with `ErrorKind::InvalidArgument` on anything else, `[IPv6]:port` included: UCX's tcp
+/// transport corrupts memory on IPv6 connections (README, "Which UCX, which transport").
 inline std::string check_listen_address(std::string_view addr) {
   return detail::call(ffi::check_listen_address, detail::str(addr));
 }

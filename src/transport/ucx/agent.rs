@@ -26,9 +26,27 @@ pub struct Agent {
     name: String,
 }
 
+/// Refuses an IPv6 address to listen at or dial: UCX's tcp transport (1.13 and 1.22 alike)
+/// overflows a heap block when an endpoint is made through an IPv6 listener
+/// (`uct_tcp_ep_set_dest_addr` writes an IPv6 address into an endpoint sized for IPv4; measured
+/// with valgrind, the process then aborts in malloc), so an IPv6 address is an
+/// `InvalidArgument` here rather than a corrupted process later.
+pub(crate) fn ipv4_only(addr: SocketAddr) -> Result<()> {
+    if addr.is_ipv6() {
+        return Err(Error::invalid(format!(
+            "'{addr}' is an IPv6 address: UCX's tcp transport corrupts memory on IPv6 \
+             connections, use an IPv4 ip:port"
+        )));
+    }
+    Ok(())
+}
+
 impl Agent {
     /// Creates the agent and starts its progress thread.
     pub fn new(opts: AgentOptions) -> Result<Agent> {
+        if let Some(at) = opts.listen {
+            ipv4_only(at)?;
+        }
         let shared = Shared::new(&opts, fresh_uid())?;
         let init: Arc<Reply<Option<SocketAddr>>> = Reply::new();
         let (sh, ini, o) = (shared.clone(), init.clone(), opts.clone());
@@ -172,6 +190,7 @@ impl Agent {
     /// endpoint it makes after that is closed again, unused (its failure is reported as
     /// [`Event::PeerFailed`] of an id this call never returned).
     pub fn connect_by(&self, addr: SocketAddr, deadline: Instant) -> Result<PeerId> {
+        ipv4_only(addr)?;
         let r = Reply::new();
         self.shared.submit(Cmd::Connect(addr, r.clone()))?;
         wait_for_endpoint(&r, deadline)

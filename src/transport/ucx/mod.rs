@@ -75,6 +75,7 @@ mod shared;
 mod sys;
 mod tag;
 
+pub(crate) use agent::ipv4_only;
 pub use agent::{Agent, MemHandle, RemoteKey};
 pub use held::Held;
 pub use op::Op;
