@@ -316,6 +316,22 @@ fn key_err(kind: ErrorKind, key: RequestKey, what: &str) -> Error {
     Error::new(kind, format!("{key}: {what}"))
 }
 
+/// Whether `KVLINK_STUCK` asks for report-only mode: `report` (spaces around it aside) is yes;
+/// unset or empty is no; anything else is an `InvalidArgument` naming the variable.
+fn stuck_report_only() -> Result<bool> {
+    match std::env::var_os("KVLINK_STUCK") {
+        None => Ok(false),
+        Some(v) => match v.to_str().map(str::trim) {
+            Some("report") => Ok(true),
+            Some("") => Ok(false),
+            _ => Err(Error::invalid(format!(
+                "KVLINK_STUCK={v:?}: the one value is report (only report a stuck receive \
+                 queue); unset it for the default"
+            ))),
+        },
+    }
+}
+
 /// Dials `address` (`ip:port` or `ucx:<hex worker address>`): returns once the progress thread
 /// has made the endpoint, or by `deadline` (within 10 s) if it has not.
 pub(crate) fn dial(agent: &Agent, address: &str, deadline: Instant) -> Result<PeerId> {
@@ -355,11 +371,19 @@ impl Engine {
         opts.discard_unexpected = true;
         // `KVLINK_STUCK=report` turns the action off where the config cannot be reached (the
         // TensorRT-LLM wrapper builds its own).
-        opts.fail_peers_when_stuck = cfg.fail_peers_when_stuck
-            && std::env::var("KVLINK_STUCK").map_or(true, |v| v.trim() != "report");
+        // Any other value is refused rather than run as if unset (the action a `KVLINK_STUCK=
+        // Report` or `=1` meant to turn off would still fail every peer).
+        let report_only = stuck_report_only()?;
+        opts.fail_peers_when_stuck = cfg.fail_peers_when_stuck && !report_only;
         let secret = match cfg.secret {
             Some(s) => Secret::new(s),
-            None => Secret::new(std::env::var("KVLINK_SECRET").unwrap_or_default()),
+            // The variable's bytes as they are: a secret need not be UTF-8, and one that is not
+            // must not read as "no secret" (`std::env::var` fails on it).
+            None => Secret::new(
+                std::env::var_os("KVLINK_SECRET")
+                    .map(std::os::unix::ffi::OsStringExt::into_vec)
+                    .unwrap_or_default(),
+            ),
         };
         crate::log::init();
         let agent = Agent::new(opts)?;

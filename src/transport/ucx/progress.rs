@@ -52,11 +52,10 @@ const BUSY_SLEEP_MAX: Duration = Duration::from_millis(16);
 /// How often a listen that failed after a move to a new worker is tried again.
 const RELISTEN_EVERY: Duration = Duration::from_secs(1);
 
-pub(super) fn poll_window() -> Duration {
-    std::env::var("KVLINK_POLL_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .map_or(POLL_AFTER_PROGRESS, Duration::from_micros)
+/// The poll window: `KVLINK_POLL_US` when set (a value that is not a whole number of
+/// microseconds is an `InvalidArgument` naming it), else [`POLL_AFTER_PROGRESS`].
+pub(super) fn poll_window() -> Result<Duration> {
+    Ok(super::shared::env_micros("KVLINK_POLL_US")?.unwrap_or(POLL_AFTER_PROGRESS))
 }
 
 /// The progress thread's state. Field order is drop order: UCX handles made from others are

@@ -341,8 +341,8 @@ impl Shared {
             caller_passes: AtomicU64::new(0),
             last_progress_ns: AtomicU64::new(0),
             sleeping_until_ns: AtomicU64::new(0),
-            poll_window: super::progress::poll_window(),
-            drive_spin: drive_spin(),
+            poll_window: super::progress::poll_window()?,
+            drive_spin: drive_spin()?,
             spinning: AtomicUsize::new(0),
             kernel_copies: opts.transport == TransportKind::Tcp,
             probe_seen: AtomicU64::new(0),
@@ -886,24 +886,46 @@ impl CancelPace {
 
 /// How long a caller spins for the driver lock ([`Shared::try_drive`]): 50 µs where this
 /// process may run on [`SPIN_CPUS`] CPUs or more, none on fewer (`KVLINK_DRIVE_SPIN_US`
-/// overrides it; 0 turns spinning off). Read once, when the agent starts. Not on one CPU, where
+/// overrides it; 0 turns spinning off; a value that is not a whole number of microseconds is an
+/// `InvalidArgument` naming it). Read once, when the agent starts. Not on one CPU, where
 /// the spin would take the CPU from the thread that holds the lock, and not on two or three,
 /// where a process pair on one host (this project's test machines, two CPUs) would take each
 /// other's: there the threads of a process mostly share a core, and a wake-up is cheap.
-fn drive_spin() -> Duration {
-    spin_for(
-        std::env::var("KVLINK_DRIVE_SPIN_US").ok().as_deref(),
+fn drive_spin() -> Result<Duration> {
+    Ok(spin_for(
+        env_micros("KVLINK_DRIVE_SPIN_US")?,
         std::thread::available_parallelism().map_or(1, |n| n.get()),
-    )
+    ))
 }
 
 /// [`drive_spin`] for the environment's value `env` and `cpus` CPUs.
-fn spin_for(env: Option<&str>, cpus: usize) -> Duration {
-    match env.and_then(|v| v.trim().parse::<u64>().ok()) {
-        Some(us) => Duration::from_micros(us),
+fn spin_for(env: Option<Duration>, cpus: usize) -> Duration {
+    match env {
+        Some(d) => d,
         None if cpus >= SPIN_CPUS => DRIVE_SPIN,
         None => Duration::ZERO,
     }
+}
+
+/// A duration in whole microseconds from the environment variable `var`: None when it is unset.
+/// Anything else than a whole number (spaces around it aside) is an `InvalidArgument` naming the
+/// variable, not the default in silence: an operator's `KVLINK_POLL_US=100us` must not run as if
+/// it had not been set.
+pub(super) fn env_micros(var: &str) -> Result<Option<Duration>> {
+    parse_micros(var, std::env::var_os(var).as_deref())
+}
+
+/// [`env_micros`] for the value `value` of `var`.
+fn parse_micros(var: &str, value: Option<&std::ffi::OsStr>) -> Result<Option<Duration>> {
+    let Some(v) = value else { return Ok(None) };
+    v.to_str()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map(|us| Some(Duration::from_micros(us)))
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "{var}={v:?} is not a whole number of microseconds (0 turns it off)"
+            ))
+        })
 }
 
 /// See [`drive_spin`].
@@ -1027,14 +1049,19 @@ mod tests {
     /// the environment says otherwise (a value that is not a number is ignored).
     #[test]
     fn callers_spin_for_the_driver_only_on_four_cpus_or_more() {
+        let env = |v: &str| parse_micros("KVLINK_DRIVE_SPIN_US", Some(v.as_ref()));
         assert_eq!(spin_for(None, 1), Duration::ZERO);
         assert_eq!(spin_for(None, 2), Duration::ZERO, "a two-CPU test machine");
         assert_eq!(spin_for(None, 3), Duration::ZERO);
         assert_eq!(spin_for(None, 4), DRIVE_SPIN);
         assert_eq!(spin_for(None, 8), DRIVE_SPIN);
-        assert_eq!(spin_for(Some("0"), 8), Duration::ZERO, "turned off");
-        assert_eq!(spin_for(Some(" 20 "), 1), Duration::from_micros(20));
-        assert_eq!(spin_for(Some("lots"), 8), DRIVE_SPIN);
+        assert_eq!(spin_for(env("0").unwrap(), 8), Duration::ZERO, "turned off");
+        assert_eq!(spin_for(env(" 20 ").unwrap(), 1), Duration::from_micros(20));
+        for bad in ["lots", "50us", "-1", ""] {
+            let e = env(bad).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{bad:?}");
+            assert!(e.message.contains("KVLINK_DRIVE_SPIN_US"), "{}", e.message);
+        }
     }
 
     /// The shared state alone: no progress thread, so the tests play it.
