@@ -2159,3 +2159,133 @@ fn a_worker_address_kvlink_did_not_make_is_refused_before_ucx_reads_it() {
         "after the refused addresses",
     );
 }
+
+/// A send from a region while the sender's own progress thread is stuck: at the deadline the
+/// send cannot be stopped, so it is left to UCX with its range fenced and the call returns.
+/// The fence must be counted while UCX holds the send, refuse a deregistration that cannot be
+/// released in time (the region staying registered), lift once UCX lets go, and then the region
+/// deregisters at once.
+#[test]
+fn a_fenced_region_send_lifts_when_ucx_releases_it() {
+    use kvlink::ErrorKind;
+    const STALL: Duration = Duration::from_millis(1500);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
+        let mut mem = vec![7u8; 1 << 20];
+        let base = mem.as_mut_ptr() as u64;
+        // SAFETY: `mem` outlives every use (deregistered below, engines dropped before it).
+        let region = unsafe { ctx.register_region(base, mem.len() as u64) }.unwrap();
+        let key = RequestKey::new(1, 0);
+        let mut buf = vec![0u8; 1 << 20];
+        advertise_one(&gen, key, &mut buf);
+        let soon = || Instant::now() + Duration::from_secs(5);
+        let a = ctx.next_advertisement(soon(), None).unwrap();
+        ctx.accept(a.key, a.from, true).unwrap();
+        assert_eq!(gen.recv_ready(key, soon(), None), Some(true));
+        ctx.fault_stall_progress(STALL, false).unwrap();
+        let stalled = Instant::now();
+        let o = ctx
+            .send_segments(
+                key,
+                RankId(GEN),
+                &[(0, &mem[..])],
+                stalled + Duration::from_millis(200),
+                None,
+            )
+            .unwrap();
+        let (info, h) = (ctx.region_info(region).unwrap(), ctx.health());
+        println!(
+            "{kind:?}: send {o:?}, {info:?}, fenced {}",
+            h.region_fenced_bytes
+        );
+        if info.fenced_bytes > 0 {
+            assert_eq!(info.fenced_bytes, 1 << 20, "{kind:?}");
+            assert_eq!(h.region_fenced_bytes, 1 << 20, "{kind:?}");
+            assert_eq!(
+                ctx.region_fenced_ranges(region).unwrap(),
+                vec![(0, 1 << 20)]
+            );
+            let e = ctx
+                .deregister_region(region, Instant::now() + Duration::from_millis(50))
+                .unwrap_err();
+            assert_eq!(e.kind, ErrorKind::Fenced, "{kind:?}: {e}");
+        }
+        std::thread::sleep((stalled + STALL).saturating_duration_since(Instant::now()));
+        let until = Instant::now() + Duration::from_secs(5);
+        while ctx.region_info(region).unwrap().transfers > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let info = ctx.region_info(region).unwrap();
+        assert_eq!((info.transfers, info.fenced_bytes), (0, 0), "{kind:?}");
+        assert_eq!(ctx.health().region_fenced_bytes, 0, "{kind:?}");
+        let _ = gen.wait(key, Role::Receiver, soon(), None);
+        ctx.deregister_region(region, soon()).unwrap();
+        drop((ctx, gen));
+    }
+}
+
+/// A receive into a region while the receiver's own progress thread is stuck: its wait returns
+/// with the range fenced, a new receive overlapping it is refused `Fenced`, and the engine
+/// dropped with the fence outstanding returns (no hang) once its progress thread is torn down.
+#[test]
+fn a_fenced_region_receive_refuses_its_range_and_the_engine_drops_with_it() {
+    use kvlink::ErrorKind;
+    const STALL: Duration = Duration::from_millis(1500);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
+        let mut mem = vec![0u8; 2 << 20];
+        let base = mem.as_mut_ptr() as u64;
+        // SAFETY: `mem` outlives both engines.
+        let region = unsafe { gen.register_region(base, mem.len() as u64) }.unwrap();
+        let key = RequestKey::new(1, 0);
+        let spec = gen
+            .region_buffer(region, BufferKind::Kv, 0, 0, 1 << 20)
+            .unwrap();
+        advertise_buffers(&gen, key, vec![RankId(GEN)], RankId(CTX), vec![spec], None);
+        let soon = || Instant::now() + Duration::from_secs(5);
+        let a = ctx.next_advertisement(soon(), None).unwrap();
+        ctx.accept(a.key, a.from, true).unwrap();
+        assert_eq!(gen.recv_ready(key, soon(), None), Some(true));
+        gen.fault_stall_progress(STALL, false).unwrap();
+        let stalled = Instant::now();
+        let o = gen
+            .wait(
+                key,
+                Role::Receiver,
+                stalled + Duration::from_millis(300),
+                None,
+            )
+            .unwrap();
+        let info = gen.region_info(region).unwrap();
+        println!(
+            "{kind:?}: wait {o:?} after {:?}, {info:?}",
+            stalled.elapsed()
+        );
+        assert_eq!(info.fenced_bytes, 1 << 20, "{kind:?}");
+        let over = gen
+            .region_buffer(region, BufferKind::Kv, 0, 4096, 4096)
+            .unwrap();
+        // SAFETY: refused (or, if not, `mem` outlives the engine).
+        let e = unsafe {
+            gen.advertise(
+                RequestKey::new(2, 0),
+                vec![RankId(GEN)],
+                vec![(RankId(CTX), vec![over])],
+                vec![],
+            )
+        }
+        .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Fenced, "{kind:?}: {e}");
+        assert_eq!(
+            gen.deregister_region(region, Instant::now())
+                .unwrap_err()
+                .kind,
+            ErrorKind::Fenced
+        );
+        let t = Instant::now();
+        drop(gen);
+        println!("{kind:?}: dropped in {:?}", t.elapsed());
+        assert!(t.elapsed() < STALL + Duration::from_secs(3), "{kind:?}");
+        drop(ctx);
+    }
+}

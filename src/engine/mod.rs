@@ -1441,7 +1441,23 @@ impl Engine {
             return Ok(o);
         }
         tracing::error!(%key, "wait returns before the request settled");
-        self.inner.core.lock().counters.unsettled_returns += 1;
+        let mut core = self.inner.core.lock();
+        core.counters.unsettled_returns += 1;
+        if role == Role::Receiver {
+            // The request's receives that UCX still holds may still be written. In a region
+            // their ranges are fenced now (the `Fence` action that would do it has not run:
+            // the progress thread is stuck), or a new request would be handed memory UCX may
+            // still write, and the region counted in use by a running request.
+            let held: SmallVec<[u64; 16]> = core
+                .recv_ops
+                .iter()
+                .filter(|(_, r)| r.key == key)
+                .map(|(&id, _)| id)
+                .collect();
+            for id in held {
+                core.regions.fence(id);
+            }
+        }
         Ok(why)
     }
 
