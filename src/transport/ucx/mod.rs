@@ -388,8 +388,11 @@ fn ucx_err(status: sys::ucs_status_t, what: &str) -> Error {
     map_status(status, what)
 }
 
-/// The largest control message: control messages are small and always sent eagerly.
-pub const MAX_CONTROL: usize = 1 << 20;
+/// The largest control message: control messages are small and always sent eagerly. Every frame
+/// the codec emits must fit (an `Advertise` with `MAX_INFO` bytes of request info and
+/// `MAX_BUFFERS` buffers is over 1 MiB): one that does not is refused here and dropped by the
+/// receiver, and the core would resend it until its request timed out.
+pub const MAX_CONTROL: usize = crate::proto::wire::HEADER_LEN + crate::proto::wire::MAX_BODY;
 const AM_CONTROL_ID: u32 = 7;
 /// Internal: "I gave up on my send with this tag; drain it" (8-byte tag).
 const AM_DRAIN_ID: u32 = 8;
@@ -403,6 +406,38 @@ const AM_BATCH_ID: u32 = 11;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every frame the codec encodes (and so every frame an endpoint may emit) must fit one
+    /// control message, or the transport refuses to send it and the receiver drops it: the
+    /// request would be resent until it times out instead of failing or going through.
+    #[test]
+    fn the_largest_frame_the_codec_emits_fits_a_control_message() {
+        use crate::proto::wire::{BufferDesc, BufferKind, Message, MAX_BUFFERS, MAX_INFO};
+        use crate::proto::{RequestKey, Token};
+        let buffers = (0..MAX_BUFFERS as u32)
+            .map(|i| BufferDesc {
+                kind: BufferKind::Kv,
+                segment: i,
+                addr: 4096,
+                len: 4096,
+                device_id: -1,
+                token: Token(i as u64),
+            })
+            .collect();
+        let largest = Message::Advertise {
+            key: RequestKey::new(1, 1),
+            src_rank: crate::proto::RankId(0),
+            timeout_ms: 1,
+            request_info: vec![0; MAX_INFO],
+            buffers,
+        };
+        let bytes = largest.to_bytes().unwrap();
+        assert!(
+            bytes.len() <= MAX_CONTROL,
+            "{} > {MAX_CONTROL}",
+            bytes.len()
+        );
+    }
 
     #[test]
     fn transport_settings_parse_and_say_how_peers_connect() {
