@@ -229,7 +229,10 @@ pub(super) unsafe extern "C" fn am_drain_cb(
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    if header_length != 8 || length != 8 || data.is_null() {
+    // As the control and bind callbacks: data a peer forced through rendezvous is a descriptor,
+    // not the tag, and is not read.
+    let rndv = (*param).recv_attr & (sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64) != 0;
+    if header_length != 8 || length != 8 || data.is_null() || rndv {
         return sys::UCS_OK;
     }
     let uid = u64::from_le_bytes(
