@@ -25,6 +25,21 @@ fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::new(ErrorKind::Cuda, format!("{what}: {e:?}"))
 }
 
+/// Runs CUDA work that may panic: with dynamic loading, cudarc resolves each driver symbol at
+/// its first call and panics when the loaded `libcuda` lacks it (a stub, or a driver older
+/// than the API cudarc was built for). That is a CUDA error like any other, not an unwind
+/// through the engine (its lock held, posted receives never taken back) or the progress thread.
+fn no_panic<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let why = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panicked".to_string());
+        Err(cuda_err(what, why))
+    })
+}
+
 /// Checks that `device` exists on a machine with a CUDA driver.
 pub fn check_device(device: i32) -> Result<()> {
     if !driver_present() {
@@ -33,9 +48,9 @@ pub fn check_device(device: i32) -> Result<()> {
             "CUDA region, but no CUDA driver (libcuda) is present",
         ));
     }
-    let count = std::panic::catch_unwind(CudaContext::device_count)
-        .map_err(|_| cuda_err("cuDeviceGetCount", "panicked"))?
-        .map_err(|e| cuda_err("cuDeviceGetCount", e))?;
+    let count = no_panic("cuDeviceGetCount", || {
+        CudaContext::device_count().map_err(|e| cuda_err("cuDeviceGetCount", e))
+    })?;
     if device < 0 || device >= count {
         return Err(Error::invalid(format!(
             "CUDA device {device} does not exist ({count} present)"
@@ -126,7 +141,9 @@ struct KeepCurrent(Option<sys::CUcontext>);
 
 impl KeepCurrent {
     fn new() -> Self {
-        let current = cudarc::driver::result::ctx::get_current();
+        // A driver without `cuCtxGetCurrent` panics (see `no_panic`): then nothing is put back.
+        let current =
+            std::panic::catch_unwind(cudarc::driver::result::ctx::get_current).unwrap_or(Ok(None));
         KeepCurrent(current.ok().map(|c| c.unwrap_or(std::ptr::null_mut())))
     }
 }
@@ -136,7 +153,9 @@ impl Drop for KeepCurrent {
         if let Some(ctx) = self.0 {
             // SAFETY: `ctx` was current on this thread when this was made (or is null: none
             // was), and nothing in between destroys a context.
-            let _ = unsafe { cudarc::driver::result::ctx::set_current(ctx) };
+            let _ = std::panic::catch_unwind(|| unsafe {
+                cudarc::driver::result::ctx::set_current(ctx)
+            });
         }
     }
 }
@@ -152,8 +171,10 @@ fn device_pool(device: i32) -> Result<Arc<DevicePool>> {
         return Ok(p.clone());
     }
     check_device(device)?;
-    let _keep = KeepCurrent::new();
-    let ctx = CudaContext::new(device as usize).map_err(|e| cuda_err("cuCtxCreate", e))?;
+    let ctx = no_panic("cuCtxCreate", || {
+        let _keep = KeepCurrent::new();
+        CudaContext::new(device as usize).map_err(|e| cuda_err("cuCtxCreate", e))
+    })?;
     let made = Arc::new(DevicePool {
         ctx,
         pool: BufferPool::new(POOL_CAP),
@@ -175,8 +196,11 @@ impl Drop for Staging {
         if let Some(b) = self.buf.take() {
             // Over the pool's cap it comes back and is freed here, outside the pool's lock.
             if let Some(b) = self.pool.pool.give(self.class, b) {
-                let _keep = KeepCurrent::new();
-                drop(b);
+                // Never a panic out of a drop (an abort while unwinding).
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let _keep = KeepCurrent::new();
+                    drop(b);
+                }));
             }
         }
     }
@@ -188,13 +212,15 @@ impl Staging {
     pub fn new(device: i32, len: usize) -> Result<Staging> {
         BufferPool::<PinnedHostSlice<u8>>::class(len)?;
         let pool = device_pool(device)?;
-        let _keep = KeepCurrent::new();
         let ctx = pool.ctx.clone();
         let (class, buf) = pool.pool.take(len, |class| {
-            // SAFETY: the bytes are uninitialised until a copy fills them; they are only read
-            // after.
-            unsafe { ctx.alloc_pinned_with_flags::<u8>(class, 0) }
-                .map_err(|e| cuda_err("cuMemHostAlloc", e))
+            no_panic("cuMemHostAlloc", || {
+                let _keep = KeepCurrent::new();
+                // SAFETY: the bytes are uninitialised until a copy fills them; they are only
+                // read after.
+                unsafe { ctx.alloc_pinned_with_flags::<u8>(class, 0) }
+                    .map_err(|e| cuda_err("cuMemHostAlloc", e))
+            })
         })?;
         Ok(Staging {
             pool,
@@ -217,25 +243,30 @@ impl Staging {
 
     /// The pinned buffer, for UCX to send from or receive into.
     pub fn host_ptr(&mut self) -> Result<*mut u8> {
-        let _keep = KeepCurrent::new();
-        self.buf_mut()?
-            .as_mut_ptr()
-            .map_err(|e| cuda_err("pinned buffer", e))
+        let buf = self.buf_mut()?;
+        no_panic("pinned buffer", || {
+            let _keep = KeepCurrent::new();
+            buf.as_mut_ptr().map_err(|e| cuda_err("pinned buffer", e))
+        })
     }
 
     /// The pinned buffer's bytes (what a send of staged device data reads).
     pub fn host_slice(&self, len: usize) -> Result<&[u8]> {
-        let _keep = KeepCurrent::new();
-        let all = self
-            .buf()?
-            .as_slice()
-            .map_err(|e| cuda_err("pinned buffer", e))?;
+        let buf = self.buf()?;
+        let all = no_panic("pinned buffer", || {
+            let _keep = KeepCurrent::new();
+            buf.as_slice().map_err(|e| cuda_err("pinned buffer", e))
+        })?;
         all.get(..len)
             .ok_or_else(|| Error::new(ErrorKind::OutOfBounds, "staging buffer too small"))
     }
 
     /// Copies `len` bytes from device address `src` into the pinned buffer.
     pub fn from_device(&mut self, src: u64, len: usize) -> Result<()> {
+        no_panic("cuMemcpyDtoH", || self.copy_from_device(src, len))
+    }
+
+    fn copy_from_device(&mut self, src: u64, len: usize) -> Result<()> {
         let _keep = KeepCurrent::new();
         self.pool
             .ctx
@@ -258,6 +289,10 @@ impl Staging {
 
     /// Copies `len` bytes from the pinned buffer to device address `dst`.
     pub fn to_device(&mut self, dst: u64, len: usize) -> Result<()> {
+        no_panic("cuMemcpyHtoD", || self.copy_to_device(dst, len))
+    }
+
+    fn copy_to_device(&mut self, dst: u64, len: usize) -> Result<()> {
         let _keep = KeepCurrent::new();
         self.pool
             .ctx
@@ -370,6 +405,69 @@ mod tests {
             t0.elapsed()
         );
         assert_eq!(slow.join().unwrap().0, 1 << 20);
+    }
+
+    /// A `libcuda` that lacks a symbol cudarc calls (a stub, a driver older than the API cudarc
+    /// was built for): cudarc's dynamic loading panics at the call ("Missing symbol"). Staging
+    /// must turn that into `ErrorKind::Cuda`, not unwind through the engine (its lock held, its
+    /// posted receives' leases never taken back; `ErrorKind::Panic` at the C++ boundary, or the
+    /// progress thread killed by a copy on landing). Shown with a fake driver that has only
+    /// `cuInit` and `cuDeviceGetCount` (one device), in a child process whose loader finds it.
+    #[test]
+    fn a_driver_missing_a_symbol_is_a_cuda_error_not_a_panic() {
+        const CHILD: &str = "KVLINK_TEST_FAKE_LIBCUDA_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            assert!(driver_present(), "the fake libcuda is not found");
+            check_device(0).expect("the fake driver reports one device");
+            for len in [4096, 1 << 20] {
+                let e = Staging::new(0, len)
+                    .err()
+                    .expect("no context without a driver");
+                assert_eq!(e.kind, ErrorKind::Cuda, "{e}");
+            }
+            assert_eq!(staging_cached(0), (0, 0));
+            return;
+        }
+        if driver_present() {
+            println!("a CUDA driver is present: the fake one cannot be loaded instead");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("kvlink-fake-libcuda-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let src = dir.join("fake.c");
+        std::fs::write(
+            &src,
+            "int cuInit(unsigned f) { (void)f; return 0; }\n\
+             int cuDeviceGetCount(int *n) { *n = 1; return 0; }\n",
+        )
+        .unwrap();
+        let built = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(dir.join("libcuda.so"))
+            .arg(&src)
+            .status();
+        if !matches!(built, Ok(s) if s.success()) {
+            println!("SKIP: no C compiler to build the fake libcuda ({built:?})");
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "transport::cuda::tests::a_driver_missing_a_symbol_is_a_cuda_error_not_a_panic",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .env("LD_LIBRARY_PATH", &dir)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "child failed:\n{text}"
+        );
     }
 
     #[test]
