@@ -510,13 +510,7 @@ fn a_cancel_check_that_answers_true_once_cancels_the_wait() {
 /// Segment 0 in `host`, segment 1 of `len` bytes at `addr` on device 0.
 fn host_then_device(host: &mut [u8], addr: u64, len: u64) -> Vec<BufferSpec> {
     vec![
-        BufferSpec {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: host.as_mut_ptr() as u64,
-            len: host.len() as u64,
-            device_id: -1,
-        },
+        BufferSpec::host(0, host),
         BufferSpec {
             kind: BufferKind::Kv,
             segment: 1,
@@ -696,29 +690,14 @@ fn two_context_ranks_fill_one_request() {
     assert_eq!(halves[1], fill(1, 1 << 20));
     // The same key again is a replay: refused, whatever the core remembers.
     let mut b = vec![0u8; 16];
-    let again = vec![(
-        RankId(0),
-        vec![BufferSpec {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: b.as_mut_ptr() as u64,
-            len: 16,
-            device_id: -1,
-        }],
-    )];
+    let again = vec![(RankId(0), vec![BufferSpec::host(0, &mut b)])];
     let e = unsafe { gen.advertise(key, vec![RankId(GEN)], again, vec![]) }.unwrap_err();
     assert_eq!(e.kind, kvlink::ErrorKind::InvalidArgument);
     b[0] = 1;
 }
 
 fn one_spec(buf: &mut [u8], segment: u32) -> BufferSpec {
-    BufferSpec {
-        kind: BufferKind::Kv,
-        segment,
-        addr: buf.as_mut_ptr() as u64,
-        len: buf.len() as u64,
-        device_id: -1,
-    }
+    BufferSpec::host(segment, buf)
 }
 
 /// A request of one 8 KiB buffer, `key`, from rank `gen_rank` (its only receiver) to

@@ -6,7 +6,7 @@ mod common;
 
 use common::Proc;
 use kvlink::connection::{BufferSpec, Engine, EngineConfig};
-use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
+use kvlink::proto::{RankId, RequestKey, Role};
 use kvlink::transport::TransportKind;
 use kvlink::{ErrorKind, Outcome};
 use std::collections::HashMap;
@@ -397,13 +397,7 @@ unsafe fn advertise_info(
     buf: &mut [u8],
     info: Vec<u8>,
 ) -> kvlink::Result<()> {
-    let spec = BufferSpec {
-        kind: BufferKind::Kv,
-        segment: 0,
-        addr: buf.as_mut_ptr() as u64,
-        len: buf.len() as u64,
-        device_id: -1,
-    };
+    let spec = BufferSpec::host(0, buf);
     // SAFETY: forwarded.
     unsafe {
         from.advertise(

@@ -17,7 +17,7 @@ use crate::cli::{PeerArgs, PeerRole, Source, Transport};
 use crate::hugebuf::{Backing, HugeBuf};
 use crate::report::{percentile, PeerResult, Round};
 use kvlink::connection::{BufferSpec, Engine, EngineConfig};
-use kvlink::proto::{BufferKind, RankId, RequestKey, Role};
+use kvlink::proto::{RankId, RequestKey, Role};
 use kvlink::transport::{Agent, AgentOptions, Event, PeerId};
 use kvlink::Outcome;
 use std::collections::{HashMap, VecDeque};
@@ -350,13 +350,7 @@ impl Row<'_> {
     /// Nothing may touch `b` until `wait` for `key` has returned, and `b` must outlive the
     /// engine.
     unsafe fn advertise(&self, key: RequestKey, b: &mut [u8], ix: usize) -> Option<Instant> {
-        let spec = BufferSpec {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: b.as_mut_ptr() as u64,
-            len: b.len() as u64,
-            device_id: -1,
-        };
+        let spec = BufferSpec::host(0, b);
         let at = Instant::now();
         // SAFETY: as this function's contract.
         let r = unsafe {

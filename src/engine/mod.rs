@@ -158,6 +158,19 @@ pub struct BufferSpec {
     pub device_id: i32,
 }
 
+impl BufferSpec {
+    /// Segment `segment` of a request in host memory: all of `buf`, as KV cache.
+    pub fn host(segment: u32, buf: &mut [u8]) -> BufferSpec {
+        BufferSpec {
+            kind: BufferKind::Kv,
+            segment,
+            addr: buf.as_mut_ptr() as u64,
+            len: buf.len() as u64,
+            device_id: -1,
+        }
+    }
+}
+
 /// An advertisement received by a context rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Advertisement {
