@@ -152,6 +152,19 @@ impl Early {
         (msgs, lost)
     }
 
+    /// `rank` was reported lost: each vote kept from it becomes `PeerLost`, whatever it said,
+    /// as a running coordinator counts a receiver lost before the verdict (it cannot learn the
+    /// verdict: alive, it has lost this rank too and ended `PeerLost`). Its keep is unchanged.
+    pub(crate) fn peer_lost(&mut self, rank: RankId) {
+        for e in self.by_key.values_mut() {
+            for m in e.msgs.iter_mut() {
+                if (m.0, m.1) == (rank, Kind::Vote) {
+                    m.2 = Outcome::PeerLost;
+                }
+            }
+        }
+    }
+
     /// Drops the entries past their keep at `now`; returns how many messages they held.
     fn expire(&mut self, now: Instant) -> usize {
         let mut lost = 0;

@@ -644,6 +644,8 @@ impl Endpoint {
 
     /// The transport declared `rank` lost (its endpoint failed).
     pub fn handle_peer_lost(&mut self, now: Instant, rank: RankId) {
+        // What it voted before the requests started here came over the connection now lost.
+        self.early.peer_lost(rank);
         for (key, r) in self.recvs.iter_mut() {
             r.on_peer_lost(now, rank, &mut self.out);
             self.timers.arm(TimerId::Recv(*key), r, now);

@@ -1,0 +1,92 @@
+//! Request identity across attempts and connections: what a late message of an old attempt,
+//! of an ended request or of a lost connection may still do to a request. Each test drives
+//! endpoints directly, deterministically.
+mod proto_sim;
+
+use kvlink_proto::error::Outcome;
+use kvlink_proto::{Endpoint, Event, Message, RankId, RequestKey, Role};
+use proto_sim::*;
+use std::time::Instant;
+
+/// The two receiving ranks of these tests' requests (the first coordinates) and their sender.
+const G1: RankId = RankId(1);
+const G2: RankId = RankId(2);
+const C: RankId = RankId(3);
+
+/// The outcomes of every terminal event `ep` has queued for `key` in `role`, draining them.
+fn terminals(ep: &mut Endpoint, key: RequestKey, role: Role) -> Vec<Outcome> {
+    std::iter::from_fn(|| ep.poll_event())
+        .filter_map(|e| match e {
+            Event::Terminal {
+                key: k,
+                role: r,
+                outcome,
+                ..
+            } if k == key && r == role => Some(outcome),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The verdicts `ep` has queued for `to`, draining every transmit.
+fn verdicts_to(ep: &mut Endpoint, to: RankId) -> Vec<Outcome> {
+    std::iter::from_fn(|| ep.poll_transmit())
+        .filter_map(|x| match x.message {
+            Message::Verdict { outcome, .. } if x.to == to => Some(outcome),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The vote `ep` has queued for `to`, draining every transmit.
+fn vote_to(ep: &mut Endpoint, to: RankId) -> Message {
+    std::iter::from_fn(|| ep.poll_transmit())
+        .find(|x| x.to == to && matches!(x.message, Message::Vote { .. }))
+        .expect("a vote")
+        .message
+}
+
+/// A receiver's `Completed` vote that reached the coordinator before the coordinator started
+/// the request is kept for its start (`early`). When the connection between the two receivers
+/// then fails, the voter, told its coordinator is lost, ends `PeerLost` at once. The
+/// coordinator, told the voter is lost, changed nothing of what it kept: at its start it took
+/// the vote of the old connection as it came, decided `Completed` once its own data landed and
+/// told its sender so, while a live receiver of the same request had ended `PeerLost`. A
+/// running coordinator counts a receiver lost before the verdict as `PeerLost` whatever it
+/// voted; a kept vote of a rank lost since now counts the same.
+#[test]
+fn a_vote_kept_before_the_start_from_a_receiver_lost_since_is_not_counted_completed() {
+    let t = Instant::now();
+    let key = RequestKey::new(31, 0);
+    let mut g2 = Endpoint::new(G2, config());
+    start_two_receiver_request(&mut g2, G2, [G1, G2], C, key, t);
+    g2.handle_segment_landed(t + ms(5), key, 0).unwrap();
+    // G1 has not started the request: the vote is kept for its start.
+    let mut g1 = Endpoint::new(G1, config());
+    g1.handle_message(t + ms(6), G2, vote_to(&mut g2, G1))
+        .unwrap();
+    assert_eq!(g1.early_requests(), 1);
+    // The link between the two receivers fails; each is told the other is lost.
+    g2.handle_peer_lost(t + ms(10), G1);
+    assert_eq!(
+        terminals(&mut g2, key, Role::Receiver),
+        vec![Outcome::PeerLost]
+    );
+    g1.handle_peer_lost(t + ms(10), G2);
+    // G1 starts the request afterwards, and its own data lands.
+    start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + ms(20));
+    g1.handle_segment_landed(t + ms(21), key, 0).unwrap();
+    assert_ne!(
+        g1.verdict(key),
+        Some(Outcome::Completed),
+        "the coordinator counted the Completed vote of a receiver lost before its start"
+    );
+    assert!(
+        !verdicts_to(&mut g1, C).contains(&Outcome::Completed),
+        "the sender is told Completed while a live receiver ended PeerLost"
+    );
+    assert_eq!(
+        terminals(&mut g1, key, Role::Receiver),
+        vec![Outcome::PeerLost]
+    );
+}
