@@ -16,7 +16,8 @@ use smallvec::SmallVec;
 use crate::error::Outcome;
 use crate::id::{RankId, RequestKey};
 
-/// The most requests whose early messages are kept; past it the request kept longest goes.
+/// The most requests whose early messages are kept; past it the request kept longest goes,
+/// one that holds only `Completed` votes first (see [`Early::keep`]).
 pub const EARLY_CAP: usize = 4096;
 /// The most messages kept for one request (one per rank and kind: a request has as many
 /// receivers as its generation side has ranks, 16 at most in common tensor-parallel layouts).
@@ -61,6 +62,9 @@ pub(crate) struct Early {
     /// (since, key) in the order entries were made; an entry taken or replaced leaves its line
     /// behind, skipped when met and compacted when such lines pile up.
     order: VecDeque<(Instant, RequestKey)>,
+    /// The same lines for the entries that hold only `Completed` votes (a line goes stale as
+    /// `order`'s do, and when its entry takes a failure).
+    settled: VecDeque<(Instant, RequestKey)>,
 }
 
 impl Early {
@@ -70,6 +74,7 @@ impl Early {
             keep,
             by_key: HashMap::default(),
             order: VecDeque::new(),
+            settled: VecDeque::new(),
         }
     }
 
@@ -123,8 +128,13 @@ impl Early {
                 done
             }
             None => {
+                // Full: a request that holds only `Completed` votes goes first. Their voters
+                // send them again at every retransmit interval until the verdict, while a
+                // failure may go once (a caller that gives up waits only the agreement bound):
+                // pushed out by the votes of later requests, it was lost for good.
                 while self.by_key.len() >= EARLY_CAP {
-                    let Some((since, old)) = self.order.pop_front() else {
+                    let Some((since, old)) = self.pop_settled().or_else(|| self.order.pop_front())
+                    else {
                         break;
                     };
                     lost += self.remove_if(old, since);
@@ -136,12 +146,34 @@ impl Early {
                 Kept::New
             }
         };
+        if done == Kept::New && self.by_key[&key].msgs.iter().all(|m| m.2.is_completed()) {
+            self.settled.push_back((now, key));
+        }
+        let live = |by_key: &HashMap<RequestKey, Entry, _>,
+                    (since, key): &(Instant, RequestKey)| {
+            by_key.get(key).is_some_and(|e| e.since == *since)
+        };
         if self.order.len() > 2 * self.by_key.len() + 16 {
             let by_key = &self.by_key;
-            self.order
-                .retain(|(since, key)| by_key.get(key).is_some_and(|e| e.since == *since));
+            self.order.retain(|l| live(by_key, l));
+        }
+        if self.settled.len() > 2 * self.by_key.len() + 16 {
+            let by_key = &self.by_key;
+            self.settled.retain(|l| live(by_key, l));
         }
         (done, lost)
+    }
+
+    /// The line of the entry kept longest that holds only `Completed` votes, if any.
+    fn pop_settled(&mut self) -> Option<(Instant, RequestKey)> {
+        while let Some((since, key)) = self.settled.pop_front() {
+            // (A vote of a rank lost since is a failure now, though its line stays live.)
+            let settled = |e: &Entry| e.since == since && e.msgs.iter().all(|m| m.2.is_completed());
+            if self.by_key.get(&key).is_some_and(settled) {
+                return Some((since, key));
+            }
+        }
+        None
     }
 
     /// Takes what was kept for `key`, in arrival order per rank, unless it is past its keep.
@@ -236,14 +268,28 @@ mod tests {
                 .0,
             Kept::Full
         );
-        // Over all requests: EARLY_CAP, the oldest going first.
+        // Over all requests: EARLY_CAP, the oldest that holds only `Completed` votes going
+        // first (its voter sends it again), the failures after them.
         let mut lost = 0;
         for i in 0..EARLY_CAP as u64 {
             lost += e.keep(t + ms(1), RequestKey::new(100 + i, 0), VOTE).1;
         }
-        assert_eq!((e.len(), lost), (EARLY_CAP, PER_REQUEST));
-        assert!(e.take(t + ms(2), key).0.is_empty(), "the oldest stayed");
+        assert_eq!((e.len(), lost), (EARLY_CAP, 1));
+        assert!(e.take(t + ms(2), RequestKey::new(100, 0)).0.is_empty());
+        let cancel = (RankId(2), Kind::Vote, Outcome::Cancelled);
+        let mut lost = 0;
+        for i in 0..EARLY_CAP as u64 {
+            lost += e.keep(t + ms(3), RequestKey::new(10_000 + i, 0), cancel).1;
+        }
+        // The 4095 `Completed` ones left, then the oldest failure: `key`'s.
+        assert_eq!((e.len(), lost), (EARLY_CAP, EARLY_CAP - 1 + PER_REQUEST));
+        assert!(
+            e.take(t + ms(4), key).0.is_empty(),
+            "the oldest failure stayed"
+        );
+        assert_eq!(e.take(t + ms(4), RequestKey::new(10_000, 0)).0.len(), 1);
         assert!(e.order.len() <= 2 * e.len() + 16);
+        assert!(e.settled.len() <= 2 * e.len() + 16);
     }
 
     #[test]

@@ -90,3 +90,37 @@ fn a_vote_kept_before_the_start_from_a_receiver_lost_since_is_not_counted_comple
         vec![Outcome::PeerLost]
     );
 }
+
+/// The early store keeps the messages of at most 4096 requests (`early::EARLY_CAP`); past it
+/// the request kept longest went, whatever it held. A coordinator that lags behind the other
+/// receivers of a busy rank holds a `Completed` vote for each request they finished first, and
+/// those filled the store: a cancel voted before them was pushed out by votes that their
+/// voters send again at every retransmit interval until the verdict, while the cancel went
+/// once (a caller that gives up waits only the agreement bound). The coordinator then ran to
+/// its deadline and ended `TimedOut` against the voter's `Cancelled`. Requests that hold only
+/// `Completed` votes now go first.
+#[test]
+fn an_early_cancel_is_not_pushed_out_by_completed_votes_of_later_requests() {
+    let t = Instant::now();
+    let key = RequestKey::new(32, 0);
+    let mut g2 = Endpoint::new(G2, config());
+    start_two_receiver_request(&mut g2, G2, [G1, G2], C, key, t);
+    g2.cancel(t + ms(1), key).unwrap();
+    let mut g1 = Endpoint::new(G1, config());
+    g1.handle_message(t + ms(2), G2, vote_to(&mut g2, G1))
+        .unwrap();
+    // Twice the store's cap of later requests, each with G2's data landed first.
+    for id in 1000..1000 + 2 * 4096 {
+        let vote = Message::Vote {
+            key: RequestKey::new(id, 0),
+            outcome: Outcome::Completed,
+        };
+        g1.handle_message(t + ms(3), G2, vote).unwrap();
+    }
+    start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + ms(4));
+    assert_eq!(
+        g1.verdict(key),
+        Some(Outcome::Cancelled),
+        "the early cancel was pushed out by Completed votes"
+    );
+}
