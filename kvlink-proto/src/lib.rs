@@ -37,6 +37,7 @@
 
 pub mod agreement;
 pub mod auth;
+pub mod batch;
 mod early;
 pub mod endpoint;
 pub mod error;
@@ -50,6 +51,7 @@ pub mod request;
 mod timers;
 mod vecmap;
 pub mod wire;
+pub mod worker_address;
 
 pub use agreement::{reduce, Collective};
 pub use auth::{Secret, SessionKey, TagKey};
