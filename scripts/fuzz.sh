@@ -4,8 +4,11 @@
 # it prints a SKIP line and exits 0. Exits non-zero when a target crashes (panic, failed
 # assertion, overflow, or an input that runs longer than 10 s, or past its -rss_limit_mb).
 #
-#   wire_decode  every control frame: decode never panics, whatever decodes re-encodes to the
-#                very same bytes (fuzz/fuzz_targets/wire_decode.rs)
+#   wire_decode  every decoder of bytes a peer sends: a control frame (decode never panics,
+#                whatever decodes re-encodes to the very same bytes), a control batch (split
+#                never panics, accounts for every byte, each message checked as a frame) and a
+#                sealed worker address (open refuses with a typed error, what opens re-seals to
+#                the very same bytes) (fuzz/fuzz_targets/wire_decode.rs)
 #   handshake    Hello decode and encode/decode round trip, plus a whole request between two
 #                protocol endpoints while a peer neither knows (rank 7) injects frames built
 #                from the input: the request must still complete; and the same frames to a peer
@@ -14,7 +17,8 @@
 #
 # Both targets run at the same time, each for KVLINK_FUZZ_SECONDS (default 60), seeded from every
 # directory under kvlink-proto/tests/corpus/ (the malformed frames in wire/, valid frames of
-# every type in valid/, and any regression cases). libFuzzer runs each seed before it mutates, so every input
+# every type in valid/, batches of valid frames in batch/, a sealed worker address in
+# worker_address/, and any regression cases). libFuzzer runs each seed before it mutates, so every input
 # committed there is a regression test of both targets.
 #
 # A crash is left in fuzz/artifacts/<target>/ and printed as hex. To keep it as a regression:

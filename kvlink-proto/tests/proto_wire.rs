@@ -381,6 +381,41 @@ fn corpus_of_valid_frames_round_trips() {
     );
 }
 
+/// The batch seeds are batches of what the encoder writes: each splits whole, and every message
+/// in it decodes and encodes back to the very same bytes; the worker address seeds open.
+#[test]
+fn corpus_of_batches_and_worker_addresses_is_valid() {
+    let files = |sub: &str| {
+        let dir = format!("{}/tests/corpus/{sub}", env!("CARGO_MANIFEST_DIR"));
+        let mut v: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        v.sort();
+        v
+    };
+    let batches = files("batch");
+    assert!(!batches.is_empty());
+    for path in batches {
+        let bytes = std::fs::read(&path).unwrap();
+        let msgs = kvlink_proto::batch::split(&bytes)
+            .unwrap_or_else(|| panic!("{}: does not split", path.display()));
+        assert!(msgs.len() > 1, "{}: one message", path.display());
+        for m in msgs {
+            let d = Message::decode(m).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert_eq!(d.to_bytes().unwrap(), m, "{}", path.display());
+        }
+    }
+    let addresses = files("worker_address");
+    assert!(!addresses.is_empty());
+    for path in addresses {
+        let bytes = std::fs::read(&path).unwrap();
+        let raw = kvlink_proto::worker_address::open(&bytes)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert_eq!(kvlink_proto::worker_address::seal(raw), bytes);
+    }
+}
+
 /// A repeated segment or token is refused wherever it sits in the list, short or as long as
 /// the wire allows (checked by sorting beyond a few descriptors), on encode and on decode; a
 /// list without repeats passes both.
