@@ -236,7 +236,8 @@ impl Agent {
         r.wait(Instant::now() + ANSWER_WAIT)
     }
 
-    /// This agent's unique id, carried in the header of every control message it sends.
+    /// This agent's unique id (in logs). The header of the messages it sends is not this but
+    /// a voice of each endpoint's own (see `peers.rs`).
     pub fn uid(&self) -> u64 {
         self.shared.uid
     }
@@ -629,6 +630,7 @@ impl Agent {
             control_batches: s.control_batches.load(Ordering::Relaxed),
             control_batched: s.control_batched.load(Ordering::Relaxed),
             control_malformed: s.control_malformed.load(Ordering::Relaxed),
+            control_spoofed: s.control_spoofed.load(Ordering::Relaxed),
             stray_discarded: s.stray_discarded.load(Ordering::Relaxed),
             receive_stuck: self.shared.receive_stuck.load(Ordering::Acquire),
             worker_renewals: s.worker_renewals.load(Ordering::Relaxed),

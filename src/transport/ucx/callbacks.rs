@@ -95,10 +95,12 @@ pub(super) fn finish_slot(shared: &Shared, slot: &OpSlot, status: sys::ucs_statu
     }
 }
 
-/// What a control send hands to its callback: the slot, and the payload that must outlive the send.
+/// What a control send hands to its callback: the slot, and the payload and header that must
+/// outlive the send.
 pub(super) struct ControlSend {
     pub(super) slot: Arc<OpSlot>,
     pub(super) bytes: Vec<u8>,
+    pub(super) voice: super::peers::Voice,
 }
 
 thread_local! {
@@ -297,7 +299,7 @@ pub(super) const BATCH_ARG: *mut c_void = 1 as *mut c_void;
 
 /// A control message, or (`arg` is [`BATCH_ARG`]) several in one, split later under the driver
 /// lock. Control messages are sent eagerly, so the data is here now, with an 8-byte header (the
-/// sender's uid); anything else is dropped.
+/// sender's voice on this endpoint, see `peers.rs`); anything else is dropped.
 pub(super) unsafe extern "C" fn am_control_cb(
     arg: *mut c_void,
     header: *const c_void,

@@ -344,6 +344,10 @@ pub struct Stats {
     pub control_batched: u64,
     /// Batches received that did not split into whole control messages: dropped whole.
     pub control_malformed: u64,
+    /// Control messages and drains dropped because their header was not the one the peer's
+    /// first message on that endpoint carried: a process that made UCX name another peer's
+    /// endpoint as its own (see `peers.rs`).
+    pub control_spoofed: u64,
     /// Tagged messages discarded because no receive was posted for them: each progress pass
     /// with [`AgentOptions::discard_unexpected`]; otherwise those left unreceived when the agent
     /// leaves a worker (a move or the drop), logged once with their count.

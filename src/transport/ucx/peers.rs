@@ -1,7 +1,18 @@
 //! Peers on the progress thread: endpoints are created (connect, accept, bind back by worker
 //! address), looked up, and failed (the error callback or a forced close: its posted requests
 //! cancelled, its endpoint closed, the peer forgotten but for its id); a peer that gave up on a send
-//! asks us to drain it. Messages are told apart by the sender's uid, learned per endpoint.
+//! asks us to drain it. Messages are told apart by the endpoint they arrive on.
+//!
+//! # Voices
+//! UCX names that endpoint (an active message's reply endpoint) from an id the sender writes
+//! into the message, and the ids of a worker's endpoints are small sequential numbers: a
+//! process that rewrites the id in its own UCX can have its messages handed to us as another
+//! peer's. So the 8-byte header of every message we send on an endpoint is that endpoint's
+//! *voice*, drawn at random when it is made and sent on no other endpoint, and a message or
+//! drain is taken as a peer's only with the header the peer's first message on that endpoint
+//! carried (`PeerEntry::heard`); others are dropped and counted (`Stats::control_spoofed`).
+//! Only a process on the connection learns its voice (a kvlink of before voices sends its uid
+//! on every endpoint, which is one header per endpoint too).
 use super::callbacks::{ep_err_cb, internal_sent_cb, recv_cb};
 use super::handles::Endpoint;
 use super::op::{OpSlot, SlotKind, STOP_PEER, STOP_REMOTE_CANCEL};
@@ -17,6 +28,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The header of every message sent on one endpoint (see the module docs): shared with the
+/// sends UCX holds, which read it until they end.
+pub(super) type Voice = Arc<[u8; 8]>;
+
 /// How long a drain receive waits for the abandoned message before it is cancelled.
 const DRAIN_TTL: Duration = Duration::from_secs(60);
 
@@ -28,6 +43,10 @@ pub(super) struct PeerEntry {
     pub(super) held: u32,
     /// Control messages waiting for those to leave, to go as one (see `batch`).
     pub(super) batch: Vec<u8>,
+    /// The header of what we send on this endpoint (see the module docs).
+    pub(super) voice: Voice,
+    /// The header of the peer's first message on this endpoint: the only one taken from it.
+    pub(super) heard: Option<u64>,
 }
 
 impl PeerEntry {
@@ -105,6 +124,8 @@ impl Progress {
                 ep: Some(Endpoint::new(ep, self.worker.0)),
                 held: 0,
                 batch: Vec::new(),
+                voice: Arc::new(crate::random::u64().to_le_bytes()),
+                heard: None,
             },
         );
         self.ep_to_peer.insert(ep as usize, id);
@@ -119,7 +140,7 @@ impl Progress {
         let r = self.connect(Target::Worker(addr));
         if let Ok(peer) = &r {
             // The peer has no endpoint back to us yet: send it our address so it
-            // connects back and can tell our messages (by uid) from others'.
+            // connects back and can tell our messages (by endpoint) from others'.
             let me = self.shared.worker_address.lock().clone();
             self.send_internal(*peer, AM_BIND_ID, me);
         }
@@ -230,9 +251,9 @@ impl Progress {
         }
     }
 
-    /// A control message arrived on `ep` (UCX's reply endpoint: ours to the sending endpoint,
-    /// which a sender cannot choose). Hand it on as from that peer unless the peer has failed
-    /// (then it is stale and dropped). The header's uid is not trusted: any sender can write any.
+    /// A control message arrived on `ep` (UCX's reply endpoint, as the message names it) with
+    /// the header `uid`. Hand it on as from that peer unless the peer has failed (then it is
+    /// stale and dropped) or the header is not the peer's voice (see the module docs).
     pub(super) fn control_from(&mut self, ep: sys::ucp_ep_h, uid: u64, bytes: Vec<u8>) {
         if let Some(peer) = self.live_sender(ep, uid, 1) {
             self.shared.push_event(Event::Control(peer, bytes))
@@ -259,10 +280,11 @@ impl Progress {
     }
 
     /// The peer whose endpoint `ep` is, unless it has failed or there is none: then its `n`
-    /// control messages are stale, counted and dropped.
-    fn live_sender(&self, ep: sys::ucp_ep_h, uid: u64, n: u64) -> Option<PeerId> {
+    /// control messages are stale, counted and dropped. Also dropped (and counted as spoofed):
+    /// a header other than the peer's voice.
+    fn live_sender(&mut self, ep: sys::ucp_ep_h, uid: u64, n: u64) -> Option<PeerId> {
         match self.ep_to_peer.get(&(ep as usize)).copied() {
-            Some(peer) if self.peers.contains_key(&peer) => return Some(PeerId(peer)),
+            Some(peer) if self.peers.contains_key(&peer) => return self.in_voice(peer, uid, n),
             Some(_) => {}
             None => tracing::warn!(
                 uid,
@@ -272,6 +294,27 @@ impl Progress {
         self.shared
             .stats
             .stale_control_dropped
+            .fetch_add(n, Ordering::Relaxed);
+        None
+    }
+
+    /// `peer`, if `header` is its voice on its endpoint: the header its first message there
+    /// carried (this one's, when it is the first). Otherwise the `n` messages are another
+    /// process's that named this endpoint: dropped and counted.
+    fn in_voice(&mut self, peer: u64, header: u64, n: u64) -> Option<PeerId> {
+        let entry = self.peers.get_mut(&peer)?;
+        let heard = *entry.heard.get_or_insert(header);
+        if heard == header {
+            return Some(PeerId(peer));
+        }
+        tracing::warn!(
+            peer,
+            "a message named this peer's endpoint without its header: dropped (another \
+             process speaking as it)"
+        );
+        self.shared
+            .stats
+            .control_spoofed
             .fetch_add(n, Ordering::Relaxed);
         None
     }
@@ -350,11 +393,12 @@ impl Progress {
     /// `Shared::internal_queued` (and, for its peer, in `PeerEntry::held`) until it ends: it
     /// needs progress.
     pub(super) fn send_am(&mut self, peer: PeerId, id: u32, bytes: Vec<u8>) {
-        let Ok(ep) = self.ep_of(peer) else {
+        let (Ok(ep), Some(voice)) = (self.ep_of(peer), self.peers.get(&peer.0)) else {
             tracing::debug!("message for peer {}, which is gone: dropped", peer.0);
             return;
         };
-        let header = self.shared.uid_le.as_ptr() as *const c_void;
+        let voice = voice.voice.clone();
+        let header = voice.as_ptr() as *const c_void;
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS | sys::UCP_OP_ATTR_FIELD_CALLBACK,
             flags: sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY,
@@ -363,11 +407,11 @@ impl Progress {
         param.cb.send = Some(internal_sent_cb);
         // Counted before UCX can call back.
         self.shared.internal_queued.fetch_add(1, Ordering::AcqRel);
-        // SAFETY: the message's bytes stay where they are until UCX is done with them: dropped
-        // below when the send completed in the call, else kept (moving a vector leaves its
-        // bytes in place) in `queued_msgs` under the request until internal_sent_cb, which
-        // UCX calls from a later progress call on this worker, never from this one; the header
-        // lives in `shared`.
+        // SAFETY: the message's bytes and its header stay where they are until UCX is done
+        // with them: dropped below when the send completed in the call, else kept (moving a
+        // vector or an Arc leaves its bytes in place) in `queued_msgs` under the request until
+        // internal_sent_cb, which UCX calls from a later progress call on this worker, never
+        // from this one.
         let ptr = unsafe {
             sys::ucp_am_send_nbx(
                 ep,
@@ -385,7 +429,7 @@ impl Progress {
             if let Some(entry) = self.peers.get_mut(&peer.0) {
                 entry.held += 1;
             }
-            self.shared.hold_send(ptr as usize, peer.0, bytes);
+            self.shared.hold_send(ptr as usize, peer.0, bytes, voice);
             return;
         }
         self.shared.internal_sent();
@@ -398,10 +442,13 @@ impl Progress {
         }
     }
 
-    /// The peer behind `ep` (the endpoint the request arrived on) asked us to drain `tag`.
-    pub(super) fn drain_from(&mut self, ep: sys::ucp_ep_h, tag: u64) {
+    /// The peer behind `ep` (the endpoint the request arrived on, in its voice `header`)
+    /// asked us to drain `tag`.
+    pub(super) fn drain_from(&mut self, ep: sys::ucp_ep_h, header: u64, tag: u64) {
         if let Some(peer) = self.ep_to_peer.get(&(ep as usize)).copied() {
-            self.drain(peer, tag);
+            if let Some(PeerId(peer)) = self.in_voice(peer, header, 1) {
+                self.drain(peer, tag);
+            }
         }
     }
 

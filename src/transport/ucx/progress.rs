@@ -1111,7 +1111,7 @@ impl Progress {
                 CbEvent::ConnRequest(req) => self.accept(req),
                 CbEvent::EpError(peer, status) => self.fail_peer(peer, status, false),
                 CbEvent::Bind(_uid, address) => self.bind(&address),
-                CbEvent::Drain(ep, _uid, tag) => self.drain_from(ep, tag),
+                CbEvent::Drain(ep, header, tag) => self.drain_from(ep, header, tag),
                 CbEvent::Control(ep, uid, bytes) => self.control_from(ep, uid, bytes),
                 CbEvent::Batch(ep, uid, bytes) => self.batch_from(ep, uid, bytes),
                 CbEvent::HeldSent(peer) => self.held_sent(peer),
@@ -1672,6 +1672,62 @@ mod tests {
             let got = controls(&b, 3, deadline);
             assert_eq!(got, [&b"first"[..], b"second", b"after"], "{kind:?}");
             assert_eq!(b.stats().control_malformed, 2, "{kind:?}");
+        }
+    }
+
+    /// UCX names the endpoint an active message came on (the reply endpoint) from an id that
+    /// the sender writes into the message, and these ids are small sequential numbers: a
+    /// process that rewrites that id in its own UCX (seen with UCX 1.13.1: a client that set
+    /// its endpoint's remote id to another peer's had its `Refuse` taken as that peer's) is
+    /// handed to us as the other peer. What the callbacks then report is that peer's endpoint
+    /// with the forger's header: such a message, or a drain, must not count as the peer's,
+    /// even when the header is the peer's uid (public: the peer sends it to anyone it talks to).
+    #[test]
+    fn a_message_that_names_a_peers_endpoint_without_its_header_is_not_that_peers() {
+        for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let (a, b, ab) = accepted_pair(&kind, deadline);
+            a.post_control(ab, b"first".to_vec()).unwrap();
+            assert_eq!(controls(&b, 1, deadline), [b"first"]);
+            let (ep, ba) = {
+                let g = b.shared.driver.lock();
+                let p = g.as_ref().unwrap();
+                assert_eq!(p.ep_to_peer.len(), 1, "{kind:?}");
+                let (&ep, &peer) = p.ep_to_peer.iter().next().unwrap();
+                (ep as sys::ucp_ep_h, PeerId(peer))
+            };
+            const TAG: u64 = 0x5eed;
+            let mut buf = [0u8; 4];
+            // SAFETY: `buf` outlives the op: it is waited for below.
+            let mut recv = unsafe { b.post_recv(ba, TAG, buf.as_mut_ptr(), buf.len()) }.unwrap();
+            {
+                let mut g = b.shared.driver.lock();
+                let p = g.as_mut().unwrap();
+                let mut forged = Vec::new();
+                batch::push(&mut forged, b"forged in a batch");
+                b.shared.cb_events.lock().extend([
+                    CbEvent::Control(ep, a.uid(), b"forged".to_vec()),
+                    CbEvent::Batch(ep, a.uid(), forged),
+                    CbEvent::Drain(ep, a.uid(), TAG),
+                ]);
+                p.handle_callbacks();
+            }
+            a.post_control(ab, b"after".to_vec()).unwrap();
+            assert_eq!(controls(&b, 1, deadline), [b"after"], "{kind:?}");
+            let data = *b"data";
+            // SAFETY: `data` outlives the op: it is waited for below.
+            let mut send = unsafe { a.post_send(ab, TAG, data.as_ptr(), data.len()) }.unwrap();
+            assert_eq!(
+                recv.wait(deadline, None).unwrap(),
+                crate::Outcome::Completed,
+                "{kind:?}: a forged drain stopped the peer's receive"
+            );
+            assert_eq!(buf, data);
+            assert_eq!(
+                send.wait(deadline, None).unwrap(),
+                crate::Outcome::Completed
+            );
+            assert_eq!(b.stats().control_spoofed, 3, "{kind:?}");
         }
     }
 

@@ -4,6 +4,7 @@
 use super::agent::DIRECT_POST_MAX;
 use super::callbacks::{self, finish_slot, CbEvent};
 use super::op::{OpSlot, NOT_TRACKED, STOP_NONE, STOP_SHUTDOWN};
+use super::peers::Voice;
 use super::progress::Progress;
 use super::{sys, AgentOptions, Event, PeerId, TransportKind};
 use crate::error::{Error, ErrorKind, Result};
@@ -173,6 +174,9 @@ impl<T> Reply<T> {
     }
 }
 
+/// A send UCX holds queued: its peer, its bytes and its header.
+pub(super) type HeldSend = (u64, Vec<u8>, Voice);
+
 #[derive(Default)]
 pub(super) struct AtomicStats {
     pub(super) ops_started: AtomicU64,
@@ -188,6 +192,7 @@ pub(super) struct AtomicStats {
     pub(super) control_batches: AtomicU64,
     pub(super) control_batched: AtomicU64,
     pub(super) control_malformed: AtomicU64,
+    pub(super) control_spoofed: AtomicU64,
     pub(super) stray_discarded: AtomicU64,
     pub(super) worker_renewals: AtomicU64,
 }
@@ -241,8 +246,6 @@ pub(super) struct Shared {
     pub(super) epoch: Instant,
     pub(super) reap_grace: Duration,
     pub(super) uid: u64,
-    /// `uid` as little-endian bytes: the header of every control message we send.
-    pub(super) uid_le: [u8; 8],
     /// The owner's event sink, if it runs its logic on the progress thread.
     pub(super) sink: std::sync::OnceLock<Arc<dyn EventSink>>,
     /// When the progress thread will next call the sink unprompted (ns since `epoch`).
@@ -294,9 +297,9 @@ pub(super) struct Shared {
     /// Sends nobody waits on (`Progress::send_internal`) that UCX holds queued: while any is,
     /// the worker needs progress that no waiting caller gives.
     pub(super) internal_queued: AtomicUsize,
-    /// The bytes of those sends, by their UCX request, until UCX is done with them (the
-    /// send's callback, or the worker's end).
-    pub(super) queued_msgs: Mutex<HashMap<usize, (u64, Vec<u8>)>>,
+    /// The bytes of those sends and their header (the endpoint's voice), by their UCX
+    /// request, until UCX is done with them (the send's callback, or the worker's end).
+    pub(super) queued_msgs: Mutex<HashMap<usize, HeldSend>>,
     /// Passes owed to what callers started on their own threads: a send UCX queued, or an end
     /// that the sink must see ([`Shared::owe_pass`]). The progress thread does not sleep past a
     /// debt it has not seen (`owed_seen`, which only it writes, under the driver lock).
@@ -332,7 +335,6 @@ impl Shared {
             epoch: Instant::now(),
             reap_grace: opts.reap_grace,
             uid,
-            uid_le: uid.to_le_bytes(),
             sink: std::sync::OnceLock::new(),
             sink_due_ns: AtomicU64::new(0),
             memory_types: AtomicU64::new(0),
@@ -476,8 +478,10 @@ impl Shared {
 
     /// UCX holds the send `request` to `peer` queued: its bytes stay here until it ends
     /// ([`Shared::held_send_ended`]).
-    pub(super) fn hold_send(&self, request: usize, peer: u64, bytes: Vec<u8>) {
-        self.queued_msgs.lock().insert(request, (peer, bytes));
+    pub(super) fn hold_send(&self, request: usize, peer: u64, bytes: Vec<u8>, voice: Voice) {
+        self.queued_msgs
+            .lock()
+            .insert(request, (peer, bytes, voice));
     }
 
     /// The held send `request` has ended (UCX's callback): its bytes go, and it is counted out.
@@ -485,7 +489,7 @@ impl Shared {
     pub(super) fn held_send_ended(&self, request: usize) -> Option<u64> {
         let held = self.queued_msgs.lock().remove(&request);
         self.internal_sent();
-        held.map(|(peer, _bytes)| peer)
+        held.map(|(peer, _bytes, _voice)| peer)
     }
 
     /// The worker that held sends queued is gone, and they with it: none is counted, and their

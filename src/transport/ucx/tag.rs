@@ -140,17 +140,19 @@ impl Progress {
     pub(super) fn start_control(&mut self, peer: PeerId, bytes: Vec<u8>, slot: Arc<OpSlot>) {
         // What waits in the peer's batch was sent before this: it goes first.
         self.send_batch(peer);
-        let ep = match self.ep_of(peer) {
-            Ok(ep) => ep,
-            Err(_) => {
+        let (ep, voice) = match (self.ep_of(peer), self.peers.get(&peer.0)) {
+            (Ok(ep), Some(e)) => (ep, e.voice.clone()),
+            _ => {
                 slot.stop_reason.store(STOP_PEER, Ordering::Release);
                 return self.finish_slot(&slot, sys::UCS_ERR_NOT_CONNECTED, 0);
             }
         };
-        // The payload must outlive the send: it is kept in a box owned by the callback.
+        // The payload and the header must outlive the send: they are kept in a box owned by
+        // the callback.
         let ctx = Box::new(ControlSend {
             slot: slot.clone(),
             bytes,
+            voice,
         });
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK
@@ -162,10 +164,10 @@ impl Progress {
         };
         param.cb.send = Some(control_send_cb);
         let (data, len) = (ctx.bytes.as_ptr(), ctx.bytes.len());
+        let header = ctx.voice.as_ptr() as *const c_void;
         param.user_data = Box::into_raw(ctx) as *mut c_void;
-        let header = self.shared.uid_le.as_ptr() as *const c_void;
-        // SAFETY: `data` lives in the box until control_send_cb frees it (or below on error);
-        // the 8-byte header (our uid) lives in `shared` for the agent's life.
+        // SAFETY: `data` and the 8-byte header (the endpoint's voice, see `peers.rs`) live in
+        // the box until control_send_cb frees it (or below on error).
         let ptr = unsafe {
             sys::ucp_am_send_nbx(
                 ep,
