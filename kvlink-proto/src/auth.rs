@@ -16,7 +16,7 @@
 //! A bound pair shares a [`SessionKey`]: `HMAC-SHA256(S, "kvlink/session/v1" | both challenges |
 //! both instances | both ranks)`. The challenges are fresh per connection and cross only that
 //! connection, so a process that is not on it cannot compute the key even without a secret (and
-//! with a secret, not even a process that sees the traffic). A receive's [`Token`] goes to its
+//! with a secret, not even a process that sees the traffic, unless it holds the secret too). A receive's [`Token`] goes to its
 //! sender in the `Advertise`, but the receive is posted under `tag = SipHash-2-4(K, token)`
 //! with `K` derived from the session key and the direction ([`SessionKey::tag_key`]): a process
 //! that learns a token (by guessing, or from a log) cannot name its tag.
