@@ -1604,7 +1604,9 @@ impl Engine {
             completed: ps.completed,
             failed: ps.failed,
             stale_dropped: ps.stale_dropped + c.replays_dropped,
-            bad_frames: ps.bad_frames + c.bad_frames,
+            // The transport's too: batches that did not split, and messages on a peer's
+            // endpoint in another voice than its own (docs/SECURITY.md).
+            bad_frames: ps.bad_frames + c.bad_frames + s.control_malformed + s.control_spoofed,
             adverts_refused: c.adverts_refused,
             notes_dropped: c.notes_dropped,
             buffers_leased: core.pool.leased() as u64,
