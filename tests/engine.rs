@@ -1232,6 +1232,114 @@ fn a_connect_waiting_for_the_rounds_dial_returns_by_its_deadline_when_the_peer_i
     }
 }
 
+/// The generation side's endpoint to the context side is force-closed on its side only, with a
+/// request in flight each way: one the context side sends (its advertisement held, unanswered)
+/// and one it receives (its receive posted on the old connection, the generation side holding
+/// the advertisement). The generation side's reconnect round redials at once. Over shared
+/// memory the context side has nothing to break and has not seen the old connection fail: it
+/// takes the redial as the same process coming back, a new session whose tags the old
+/// requests' data can never match. (Over tcp on loopback the close reaches it first: there this
+/// checks the plain failure, for comparison; the line printed says which.) Every wait ends
+/// `PeerLost` well before the requests' deadline on both sides, and the context side's posted
+/// receive is reaped, its lease given back. (Before, the context side's send waited for its
+/// deadline after a rebind.)
+#[test]
+fn a_rebind_by_the_peers_redial_ends_the_old_sessions_requests_on_both_sides_at_once() {
+    use kvlink::connection::PeerState;
+    const DEADLINE: Duration = Duration::from_secs(4);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
+        let soon = || Instant::now() + Duration::from_secs(5);
+        let (sent, received) = (RequestKey::new(300, 0), RequestKey::new(301, 0));
+        let (mut b0, mut b1) = (vec![0u8; 8192], vec![0u8; 8192]);
+        let specs = |b: &mut Vec<u8>| vec![one_spec(b, 0)];
+        let started = Instant::now();
+        // Both buffers outlive their requests, waited for below.
+        advertise_buffers(
+            &gen,
+            sent,
+            vec![RankId(GEN)],
+            RankId(CTX),
+            specs(&mut b0),
+            Some(DEADLINE),
+        );
+        advertise_buffers(
+            &ctx,
+            received,
+            vec![RankId(CTX)],
+            RankId(GEN),
+            specs(&mut b1),
+            Some(DEADLINE),
+        );
+        let deadline = started + DEADLINE;
+        assert_eq!(ctx.next_advertisement(soon(), None).unwrap().key, sent);
+        assert_eq!(gen.next_advertisement(soon(), None).unwrap().key, received);
+        assert_eq!(
+            ctx.health().buffers_leased,
+            1,
+            "{kind:?}: the posted receive"
+        );
+        let c0 = ctx.health();
+        gen.fault_close_peer(RankId(CTX)).unwrap();
+        let by = Instant::now() + Duration::from_secs(2);
+        while gen.peer_state(RankId(CTX)) == PeerState::Connected {
+            assert!(Instant::now() < by, "{kind:?}: the close was not seen");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        gen.wait_peer(RankId(CTX), soon()).unwrap();
+        let rebound = ctx.health().peers_failed == c0.peers_failed;
+        println!(
+            "{kind:?}: reconnected {:?} after the start; the context side {}",
+            started.elapsed(),
+            if rebound {
+                "never saw the old connection fail: rebound"
+            } else {
+                "saw the old connection fail"
+            }
+        );
+        let waits = [
+            (&gen, sent, Role::Receiver, "gen receiving"),
+            (
+                &gen,
+                received,
+                Role::Sender {
+                    receiver: RankId(CTX),
+                },
+                "gen sending",
+            ),
+            (&ctx, received, Role::Receiver, "ctx receiving"),
+            (&ctx, sent, TO_GEN, "ctx sending"),
+        ];
+        for (engine, key, role, side) in waits {
+            let o = engine.wait(key, role, deadline + Duration::from_secs(2), None);
+            let took = started.elapsed();
+            println!("{kind:?}, {side}: {o:?} {took:?} after the start, deadline {DEADLINE:?}");
+            assert_eq!(o.unwrap(), Outcome::PeerLost, "{kind:?}, {side}");
+            assert!(
+                Instant::now() < deadline,
+                "{kind:?}, {side}: waited {took:?}"
+            );
+        }
+        let by = Instant::now() + Duration::from_secs(2);
+        while ctx.health().buffers_leased > 0 {
+            assert!(
+                Instant::now() < by,
+                "{kind:?}: the posted receive's lease stays"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The pair goes on: the next request completes.
+        one_request_completes(
+            &ctx,
+            &gen,
+            (RequestKey::new(302, 0), GEN, CTX),
+            None,
+            7,
+            "after",
+        );
+    }
+}
+
 /// 4096 requests of 4 KiB in flight at once, twice in a row on the same engines, every byte
 /// checked.
 #[test]

@@ -78,8 +78,9 @@ pub enum HandshakeAction<P> {
     Close(P),
     /// The rank is bound to the endpoint: it is connected.
     Bound(RankId, String),
-    /// The rank lost its endpoint (the peer refused the one it was bound to): its requests
-    /// are lost.
+    /// The rank lost its endpoint (the peer refused the one it was bound to, or its process
+    /// came back on a new connection while the old one looked alive here): its requests are
+    /// lost.
     Lost(RankId),
     /// This side refused the endpoint (for a rank, if it had proved one).
     Refused(Refusal, Option<RankId>),
@@ -293,6 +294,12 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         now: Instant,
     ) -> Vec<HandshakeAction<P>> {
         let (rank, name) = (info.rank, info.name.clone());
+        // A rank bound to another live endpoint: its process came back on a new connection
+        // (a redial's resume proof) before this side saw the old one fail. Its side failed the
+        // requests of the old session when it saw that; the new session's tag keys differ, so
+        // their data can never match here either. They are lost here too, at once, before
+        // anything of the new session arrives (not left to run to their deadline).
+        let replaced = self.endpoint(rank).is_some_and(|p| p != peer);
         // The same session came back on a new endpoint, or another dial for the rank is still
         // running: those endpoints are done.
         let mut out: Vec<_> = self
@@ -300,6 +307,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .into_iter()
             .map(HandshakeAction::Close)
             .collect();
+        if replaced {
+            out.push(HandshakeAction::Lost(rank));
+        }
         if let Some(r) = self.ranks.get_mut(&rank) {
             r.bound_at = Some(now);
         }

@@ -1,0 +1,156 @@
+//! A rank's process comes back on a new connection (its reconnect round's redial, proving the
+//! pair's session) while this side still holds the old connection bound: it never saw that one
+//! fail. The peer failed the old session's requests when it saw the failure, and the new
+//! session's tag keys differ, so their data can never match here. The rebind must report the
+//! rank lost here too, once, before anything of the new session, so that those requests end
+//! `PeerLost` at once, as on the peer's side (they ran to their deadline before).
+use std::time::{Duration, Instant};
+
+use kvlink_proto::error::Outcome;
+use kvlink_proto::peers::{HandshakeAction, PeerState, Peers};
+use kvlink_proto::{
+    BufferDesc, BufferKind, Config, Endpoint, Event, Handshake, Identity, Message, RankId,
+    RequestKey, Role, Secret, Token,
+};
+
+const ANSWERER: RankId = RankId(0);
+const DIALLER: RankId = RankId(1);
+
+fn identity(rank: RankId, instance: u64) -> Identity {
+    Identity {
+        rank,
+        name: format!("r{}", rank.0),
+        instance,
+        secret: Secret::none(),
+    }
+}
+
+/// The dialler opens endpoint `ep` (the same id on both sides) and the handshake runs to its
+/// end; returns the answerer's actions.
+fn handshake(
+    (a, me_a): (&mut Peers<u64>, &Identity),
+    (d, me_d): (&mut Peers<u64>, &Identity),
+    ep: u64,
+    now: Instant,
+) -> Vec<HandshakeAction<u64>> {
+    let (hs, hello) = Handshake::dial(me_d, 100 + ep);
+    d.handshakes.insert(ep, hs);
+    d.handshake_started(ep, now);
+    a.accepted(ep, None, now);
+    let mut answerer = Vec::new();
+    let mut to_answerer = vec![hello];
+    while let Some(m) = to_answerer.pop() {
+        let out = a.on_handshake(me_a, ep, m, now, 200 + ep);
+        let replies: Vec<Message> = out
+            .iter()
+            .filter_map(|x| match x {
+                HandshakeAction::Send(m) => Some(m.clone()),
+                _ => None,
+            })
+            .collect();
+        answerer.extend(out);
+        for r in replies {
+            for x in d.on_handshake(me_d, ep, r, now, 300 + ep) {
+                if let HandshakeAction::Send(m) = x {
+                    to_answerer.push(m);
+                }
+            }
+        }
+    }
+    answerer
+}
+
+fn losses(actions: &[HandshakeAction<u64>]) -> usize {
+    let lost = |x: &&HandshakeAction<u64>| matches!(x, HandshakeAction::Lost(r) if *r == DIALLER);
+    actions.iter().filter(lost).count()
+}
+
+#[test]
+fn a_rebind_by_the_peers_redial_reports_the_old_session_lost_once_and_first() {
+    let t = Instant::now();
+    let (me_a, me_d) = (identity(ANSWERER, 11), identity(DIALLER, 22));
+    let (mut a, mut d): (Peers<u64>, Peers<u64>) = (Peers::default(), Peers::default());
+    let first = handshake((&mut a, &me_a), (&mut d, &me_d), 10, t);
+    assert_eq!(losses(&first), 0, "a first bind loses nothing: {first:?}");
+    assert_eq!(a.endpoint(DIALLER), Some(10));
+    assert_eq!(d.endpoint(ANSWERER), Some(10));
+    d.set_dial(ANSWERER, "addr");
+    let old_keys = a.keys(DIALLER).unwrap();
+
+    // The answerer has a send in flight to the dialler: its advertisement came on the old
+    // connection, and its application has not answered it yet.
+    let mut ep = Endpoint::new(ANSWERER, Config::default());
+    let key = RequestKey::new(5, 0);
+    let buffer = BufferDesc {
+        kind: BufferKind::Kv,
+        segment: 0,
+        addr: 0x1000,
+        len: 64,
+        device_id: -1,
+        token: Token(1),
+    };
+    let advertise = Message::Advertise {
+        key,
+        src_rank: DIALLER,
+        timeout_ms: 60_000,
+        request_info: vec![],
+        buffers: vec![buffer],
+    };
+    ep.handle_message(t, DIALLER, advertise).unwrap();
+    while ep.poll_event().is_some() {}
+
+    // The dialler sees the connection fail (the answerer does not) and its round redials.
+    assert_eq!(d.on_failed(10, t), Some(ANSWERER));
+    assert_eq!(d.state(ANSWERER), PeerState::Reconnecting);
+    let t1 = t + Duration::from_millis(50);
+    assert_eq!(d.due(t1), vec![(ANSWERER, "addr".to_string())]);
+    d.dialled(ANSWERER, 12);
+    let rebind = handshake((&mut a, &me_a), (&mut d, &me_d), 12, t1);
+    assert_eq!(a.endpoint(DIALLER), Some(12), "rebound: {rebind:?}");
+    assert_eq!(d.endpoint(ANSWERER), Some(12));
+    assert_ne!(
+        a.keys(DIALLER).unwrap().inbound,
+        old_keys.inbound,
+        "a new session"
+    );
+    assert_eq!(
+        losses(&rebind),
+        1,
+        "the old session is lost here too: {rebind:?}"
+    );
+    let at = |f: &dyn Fn(&HandshakeAction<u64>) -> bool| rebind.iter().position(f).unwrap();
+    let lost = at(&|x| matches!(x, HandshakeAction::Lost(_)));
+    assert!(
+        lost < at(&|x| matches!(x, HandshakeAction::Bound(..))),
+        "{rebind:?}"
+    );
+    assert!(rebind.contains(&HandshakeAction::Close(10)), "{rebind:?}");
+    // The old endpoint's failure, heard later, is not a second loss.
+    assert_eq!(a.on_failed(10, t1), None);
+    assert_eq!(a.state(DIALLER), PeerState::Connected);
+
+    // As the engine carries it out: the request of the old session ends now, PeerLost.
+    ep.handle_peer_lost(t1, DIALLER);
+    let ended = std::iter::from_fn(|| ep.poll_event()).find_map(|e| match e {
+        Event::Terminal {
+            key: k,
+            role,
+            outcome,
+            ..
+        } if k == key => Some((role, outcome)),
+        _ => None,
+    });
+    let role = Role::Sender { receiver: DIALLER };
+    assert_eq!(ended, Some((role, Outcome::PeerLost)));
+
+    // A side that heard of the failure first reports its loss then; the redial's bind after
+    // it reports none.
+    assert_eq!(d.on_failed(12, t1), Some(ANSWERER));
+    assert_eq!(a.on_failed(12, t1), Some(DIALLER));
+    let t2 = t1 + Duration::from_millis(50);
+    assert_eq!(d.due(t2), vec![(ANSWERER, "addr".to_string())]);
+    d.dialled(ANSWERER, 14);
+    let after = handshake((&mut a, &me_a), (&mut d, &me_d), 14, t2);
+    assert_eq!(a.endpoint(DIALLER), Some(14), "{after:?}");
+    assert_eq!(losses(&after), 0, "lost once, when it failed: {after:?}");
+}
