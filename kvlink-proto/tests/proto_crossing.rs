@@ -121,6 +121,8 @@ struct Side {
     /// The most dials this side has had out at once (open here, neither bound nor refused).
     most_dials_out: usize,
     lost: u32,
+    /// Of those, the losses a bind reported: a live binding replaced by the peer's redial.
+    rebinds: u32,
 }
 
 /// Either side's endpoint id for connection `c` (in the order the dials made them).
@@ -185,6 +187,7 @@ impl Net {
             wait_until: None,
             most_dials_out: 0,
             lost: 0,
+            rebinds: 0,
         };
         Net {
             sides: [side(0), side(1)],
@@ -360,7 +363,10 @@ impl Net {
                         HandshakeAction::Close(p) => {
                             self.close(to, (p - 10) as usize);
                         }
-                        HandshakeAction::Lost(_) => self.sides[to].lost += 1,
+                        HandshakeAction::Lost(_) => {
+                            self.sides[to].lost += 1;
+                            self.sides[to].rebinds += 1;
+                        }
                         _ => {}
                     }
                 }
@@ -1048,13 +1054,15 @@ fn a_broken_pair_is_bound_again_by_the_reconnect_round_of_the_side_whose_dial_it
             );
         }
         // The closing side's endpoint failed at once: one failure. The other side counts one
-        // too, unless the redial's resume proof rebound the rank before it heard of the break.
+        // too: when it hears of the break, or when the redial's resume proof rebinds the rank
+        // before that (then the break heard later is not counted again).
         let failures = |s: usize| net.sides[s].peers.failures;
         // (Only the dialler's close leaves the other side holding the broken connection.)
         if !net.faulted {
             assert_eq!(failures(closer), 1, "{ctx}");
-            let rebound = failures(1 - closer) == 0;
-            assert!(failures(1 - closer) <= 1, "{ctx}");
+            assert_eq!(failures(1 - closer), 1, "{ctx}");
+            let rebound = net.sides[1 - closer].rebinds > 0;
+            assert!(net.sides[1 - closer].rebinds <= 1, "{ctx}");
             assert!(!rebound || closer == dialler, "{ctx}: rebound, but how?");
             resumed += u32::from(rebound);
         }

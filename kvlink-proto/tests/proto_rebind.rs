@@ -105,7 +105,9 @@ fn a_rebind_by_the_peers_redial_reports_the_old_session_lost_once_and_first() {
     let t1 = t + Duration::from_millis(50);
     assert_eq!(d.due(t1), vec![(ANSWERER, "addr".to_string())]);
     d.dialled(ANSWERER, 12);
+    let failures = a.failures;
     let rebind = handshake((&mut a, &me_a), (&mut d, &me_d), 12, t1);
+    assert_eq!(a.failures, failures + 1, "counted as the failure it is");
     assert_eq!(a.endpoint(DIALLER), Some(12), "rebound: {rebind:?}");
     assert_eq!(d.endpoint(ANSWERER), Some(12));
     assert_ne!(
@@ -128,6 +130,7 @@ fn a_rebind_by_the_peers_redial_reports_the_old_session_lost_once_and_first() {
     // The old endpoint's failure, heard later, is not a second loss.
     assert_eq!(a.on_failed(10, t1), None);
     assert_eq!(a.state(DIALLER), PeerState::Connected);
+    assert_eq!(a.failures, failures + 1, "and counted once");
 
     // As the engine carries it out: the request of the old session ends now, PeerLost.
     ep.handle_peer_lost(t1, DIALLER);
@@ -150,7 +153,9 @@ fn a_rebind_by_the_peers_redial_reports_the_old_session_lost_once_and_first() {
     let t2 = t1 + Duration::from_millis(50);
     assert_eq!(d.due(t2), vec![(ANSWERER, "addr".to_string())]);
     d.dialled(ANSWERER, 14);
+    let failures = a.failures;
     let after = handshake((&mut a, &me_a), (&mut d, &me_d), 14, t2);
+    assert_eq!(a.failures, failures, "no second count: {after:?}");
     assert_eq!(a.endpoint(DIALLER), Some(14), "{after:?}");
     assert_eq!(losses(&after), 0, "lost once, when it failed: {after:?}");
 }

@@ -343,7 +343,13 @@ impl Inner {
                 A::Bound(rank, name) => {
                     tracing::info!(peer = rank.0, "{rank} ({name}) connected");
                 }
-                A::Lost(rank) => core.ep.handle_peer_lost(now, rank),
+                A::Lost(rank) => {
+                    // Refused on its bound endpoint, or rebound by its process on a new
+                    // connection: a fault, as a failed connection is.
+                    tracing::warn!(peer = rank.0, "{rank}: connection lost");
+                    core.counters.last_fault = Some(now);
+                    core.ep.handle_peer_lost(now, rank);
+                }
                 A::Refused(Refusal::RankInUse, Some(rank)) => tracing::warn!(
                     peer = rank.0,
                     "refused {rank}: it is bound to another live endpoint"

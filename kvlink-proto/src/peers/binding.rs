@@ -308,6 +308,8 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .map(HandshakeAction::Close)
             .collect();
         if replaced {
+            // A connection of a bound rank was lost, as `on_failed` counts one it hears of.
+            self.failures += 1;
             out.push(HandshakeAction::Lost(rank));
         }
         if let Some(r) = self.ranks.get_mut(&rank) {
