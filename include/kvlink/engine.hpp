@@ -1,4 +1,4 @@
-// kvlink::Engine: one rank's transfer engine, the C++ face of src/connection.rs.
+// kvlink::Engine: one rank's transfer engine, the C++ face of src/engine/ (through src/api.rs).
 //
 // Included by <kvlink/kvlink.hpp>; may also be included on its own. The general contract
 // (ownership, threading, errors, panics) is the one at the top of kvlink.hpp; what is specific
@@ -249,8 +249,10 @@ enum class HealthState : std::uint8_t {
   Degraded = 1,
   /// Work is pending and no data has moved for longer than the wedge window: alive, not working.
   /// Also while this process's shared-memory receive queue is stuck (a peer process died or was
-  /// stopped while writing into it; docs/RELIABILITY.md): every peer was failed and connects are
-  /// refused meanwhile, and after a death only a new process recovers.
+  /// stopped while writing into it; docs/RELIABILITY.md). By default the engine then fails every
+  /// peer and moves to a new UCX worker at once (`Health::worker_renewals`), so this lasts only
+  /// in report-only mode (`KVLINK_STUCK=report`), where after a death only a new process
+  /// recovers, or if that move failed (connects are then refused).
   Wedged = 2,
 };
 
@@ -498,7 +500,8 @@ class Engine {
   /// on one verdict. Does not block. The buffers are borrowed until `wait_receiver(key)` returns.
   /// Throws `Error`: InvalidArgument if the key is already known here (a replay), UnknownPeer if
   /// `sender` is not connected, OutOfBounds for a null or empty buffer (or one straddling a
-  /// region's edge), Fenced for one overlapping a fenced range of a region.
+  /// region's edge), Fenced for one overlapping a fenced range of a region, QueueFull when the
+  /// receive pool (65536 buffers over all requests) has fewer free than `buffers` asks for.
   /// `timeout`: this request's own deadline from now, in any unit (zero or negative:
   /// `EngineConfig::timeout`; longer than a year, `seconds::max()` included: a year).
   template <typename Rep = std::chrono::milliseconds::rep, typename Period = std::milli>

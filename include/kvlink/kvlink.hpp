@@ -111,7 +111,10 @@ enum class ErrorKind : std::uint8_t {
   /// A request (key and role) this rank does not know: never advertised here, or already waited
   /// for and forgotten.
   UnknownRequest = 13,
-  /// A bounded queue fed by peers (advertisements, notifications) is full.
+  /// The receive pool is full: `advertise` asked for more receive buffers than are free (65536
+  /// by default). The bounded queues fed by peers (advertisements, notifications) do not throw
+  /// it: past their caps a new entry is refused or dropped and counted (`Health::adverts_refused`,
+  /// `notes_dropped`).
   QueueFull = 14,
   /// The handshake failed: one side holds the deployment secret and the other does not (or holds
   /// another). Reported on both sides; the connection is closed.
