@@ -4,7 +4,7 @@
 # ucx_perftest (the bench runs the tools of the UCX it is linked against), then one table side
 # by side. Each generation has its own cargo target dir (release builds). Arguments go to both
 # kvlink-bench runs (`--help` explains them); the default is a short run:
-#   bash scripts/bench-ucx.sh                       # --iters 30 --rounds 2, tcp and sm
+#   bash scripts/bench-ucx.sh                       # --iters 30 --rounds 2 --inflight 4KiB:64,1MiB:8, tcp and sm
 #   bash scripts/bench-ucx.sh --iters 100 --rounds 5
 # Output: <out>/ucx113.json, <out>/ucx122.json and the markdown table on stdout, where <out> is
 # KVLINK_BENCH_OUT (default <repo>/build-bench). Noisy on a shared 2-core machine: compare the

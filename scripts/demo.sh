@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: installs what it needs (Debian 12), builds the C++ demo against kvlink through
-# CMake (Release), and runs it. Arguments go to the demo: --transport tcp|sm (default tcp),
-# --timeout-ms N (default 2000).
+# CMake (Release), and runs it. Arguments go to the demo: --transport tcp|sm|auto|<UCX list>
+# [@devices] (default tcp), --timeout-ms N (default 2000), --metrics-file PATH.
 #
 # examples/kvlink_demo.cpp: a context process and a generation process on loopback hand over a
 # KV-cache-shaped request through kvlink's C++ API (advertisement, ready signal, multi-buffer

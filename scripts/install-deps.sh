@@ -53,7 +53,7 @@ else
 fi
 
 if [[ $need_rust -eq 1 ]]; then
-    # Debian's rustc (1.63) is older than the crate's rust-version (1.75): use rustup.
+    # Debian's rustc (1.63) is older than the crate's rust-version (1.82): use rustup.
     echo "install-deps: installing Rust (rustup, stable, with rustfmt and clippy)"
     curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs |
         sh -s -- -y --profile minimal --default-toolchain stable --component rustfmt,clippy

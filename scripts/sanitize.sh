@@ -5,8 +5,10 @@
 # line and exits 0. Exits non-zero if any step fails (a sanitizer report fails its step).
 #
 #   1. cargo +nightly test --target <host> with RUSTFLAGS=-Zsanitizer=address over
-#      tests/{transport_local,engine,transport_two_process,demo,trust,sm_kill_wedge}.rs (the helper binaries they
-#      spawn, kvlink-peer and kvlink-demo, are built the same way, so both processes are checked).
+#      tests/{transport_local,engine,transport_two_process,demo,trust,crossing_dials,sm_kill_wedge}.rs
+#      (the helper binaries they spawn, kvlink-peer, kvlink-engine-peer and kvlink-demo, are built
+#      the same way, so both processes are checked), then the region case of
+#      tests/engine_faults.rs (frozen_sender_into_a_region).
 #   2. CMake (Ninja, Debug) with -fsanitize=address; cargo is run through a generated wrapper so
 #      that the .a it links is the ASan build from step 1; then ctest over the GoogleTest
 #      binaries and the C++ demo. The consumer-project tests are left out: they rebuild kvlink

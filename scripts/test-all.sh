@@ -73,7 +73,8 @@ step fuzz -- env KVLINK_FUZZ_SECONDS="${KVLINK_FUZZ_SECONDS:-45}" bash "$root/sc
 # within about 6 minutes here: the library's unit tests (the UCX resource and transport checks), the
 # transport in one process and between two processes (tcp, sm, auto, an explicit list), the
 # engine in one process, the engine between two processes under real faults (engine_faults),
-# and the whole C++ suite with the installed and add_subdirectory consumers (ctest, ~1 min).
+# the stuck shared-memory queue (sm_kill_wedge), crossing dials (crossing_dials), and the whole
+# C++ suite with the installed and add_subdirectory consumers (ctest, ~1 min).
 ucx122() (
     local ucx_root
     ucx_root="$(bash "$root/scripts/ucx-wheel.sh")" || return 1
