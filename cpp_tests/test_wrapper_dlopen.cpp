@@ -3,6 +3,7 @@
 // (ConnectionManager / Connection, the stand-ins of cpp_tests/trtllm_shapes). This binary does
 // not link kvlink: every line of kvlink that runs comes out of the shared library.
 // Ranks here share one process; test_trtllm_callsites.cpp runs them in separate processes.
+#include "helpers/wrapper_probe.h"
 #include "trtllm_test_util.h"
 
 #include <gtest/gtest.h>
@@ -22,8 +23,10 @@ std::string param_name(testing::TestParamInfo<std::string> const& i) { return i.
 
 class WrapperTest : public testing::TestWithParam<std::string> {
  protected:
+  /// The build of the wrapper the test loads.
+  virtual char const* library() const { return KVLINK_WRAPPER_PATH; }
   void SetUp() override {
-    wrapper_ = std::make_unique<Wrapper>();
+    wrapper_ = std::make_unique<Wrapper>(library());
     ctx_ = make(*wrapper_, options(GetParam()));
     gen_ = make(*wrapper_, options(GetParam()));
     auto conns = gen_->getConnections(ctx_->getCommState());
@@ -593,6 +596,51 @@ TEST_P(WrapperTest, TheManagerGoesOnlyAfterASendBlockedInItHasLeft) {
   EXPECT_LT(ms, 1000) << "the destructor waited for the send's deadline instead of ending it";
 }
 
+/// The same, with the test build of the wrapper (helpers/wrapper_probe.cpp): what the wrapper and
+/// the engine hold behind a manager, which TensorRT-LLM's interface does not show.
+class WrapperStateTest : public WrapperTest {
+ protected:
+  char const* library() const override { return KVLINK_WRAPPER_PROBE_PATH; }
+  KvlinkProbeWrapperState state(kv::ConnectionManager& m) {
+    auto const fn = reinterpret_cast<KvlinkProbeWrapperStateFn>(dlsym(wrapper_->handle, KVLINK_PROBE_WRAPPER_STATE_SYMBOL));
+    KvlinkProbeWrapperState out{};
+    if (fn == nullptr || fn(&m, &out) != 0) ADD_FAILURE() << "no wrapper state probe for this manager";
+    return out;
+  }
+};
+
+// recvConnect whose terminate flag is already set returns nullptr (TensorRT-LLM's contract,
+// docs/TENSORRT_LLM.md) and takes nothing: an envelope already queued stays for the next
+// recvConnect, and its request runs. Before, a queued envelope was taken first and handed to a
+// caller that had given up; the request was then never answered.
+TEST_P(WrapperStateTest, RecvConnectWithItsTerminateFlagSetLeavesAQueuedEnvelope) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 0x7E57;
+  gen.sendRequestInfo(kId);
+  auto const until = Clock::now() + 5s;  // the request's deadline
+  while (state(*ctx_).envelopes_queued == 0 && Clock::now() < until) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(state(*ctx_).envelopes_queued, 1u) << "the envelope never reached the context rank's queue";
+  std::atomic<bool> const terminated{true};
+  bm::TransceiverTag::Id tag{};
+  ASSERT_EQ(ctx_->recvConnect(kv::DataContext{bm::TransceiverTag::kID_TAG, terminated}, &tag, sizeof tag), nullptr)
+      << "a recvConnect with its terminate flag set took the queued envelope";
+  EXPECT_EQ(state(*ctx_).envelopes_queued, 1u);
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kId, 0, src.data(), src.size());
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    if (t.info.getRequestId() != kId) throw std::runtime_error("another request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    t.conn->send(kv::DataContext{gen.tags.data(kId)}, src.data(), src.size());
+  });
+  EXPECT_TRUE(gen.recvReady(kId, never_));
+  toCtx_->recv(kv::DataContext{gen.tags.data(kId)}, dst.data(), dst.size());
+  server.get();
+  EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
+}
+
 /// The CUDA driver, loaded at run time (this binary links nothing of CUDA): device memory for
 /// the GPU test, or the reason there is none.
 struct Cuda {
@@ -668,5 +716,6 @@ TEST_P(WrapperTest, DeviceMemoryMovesThroughKvlinksDevicePath) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, WrapperTest, testing::Values("tcp", "sm"), param_name);
+INSTANTIATE_TEST_SUITE_P(Transports, WrapperStateTest, testing::Values("tcp", "sm"), param_name);
 
 }  // namespace

@@ -1,9 +1,10 @@
 // kvlink_trtllm_wrapper_probe.so, a test build of libkvlink_trtllm_wrapper.so: the wrapper's own
-// translation unit, included unchanged, plus one exported function that reads the health of the
-// kvlink engine behind a manager. The wrapper's interface is TensorRT-LLM's ConnectionManager /
-// Connection, which has no health or lease query, and the production library exports only its
-// factory (ctest kvlink.wrapper.exports_only_the_factory); a test that must show no buffer stays
-// leased loads this build instead. Everything else it runs is the production wrapper's code.
+// translation unit, included unchanged, plus exported functions that read the health of the
+// kvlink engine behind a manager and the wrapper's own queues. The wrapper's interface is
+// TensorRT-LLM's ConnectionManager / Connection, which has no health or lease query, and the
+// production library exports only its factory (ctest kvlink.wrapper.exports_only_the_factory); a
+// test that must show no buffer stays leased, or no envelope lost, loads this build instead.
+// Everything else it runs is the production wrapper's code.
 #include "../../wrapper/kvlink_trtllm_wrapper.cpp"
 
 #include "wrapper_probe.h"
@@ -17,5 +18,15 @@ extern "C" __attribute__((visibility("default"))) int kvlinkProbeHealth(void* ma
   *out = KvlinkProbeHealth{h.buffers_leased, h.buffers_fenced, h.ops_in_flight, h.unreaped_ops,
                            h.completed,      h.failed,         h.peers_failed,  h.receive_stuck ? 1u : 0u,
                            h.worker_renewals};
+  return 0;
+}
+
+extern "C" __attribute__((visibility("default"))) int kvlinkProbeWrapperState(void* manager,
+                                                                             KvlinkProbeWrapperState* out) {
+  if (manager == nullptr || out == nullptr) return -1;
+  auto* base = static_cast<::tensorrt_llm::executor::kv_cache::ConnectionManager*>(manager);
+  auto* m = dynamic_cast<kvlink::trtllm::Manager*>(base);
+  if (m == nullptr) return -1;
+  *out = KvlinkProbeWrapperState{m->envelopesQueued()};
   return 0;
 }

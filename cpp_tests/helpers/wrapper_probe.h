@@ -1,6 +1,6 @@
-// The one function kvlink_trtllm_wrapper_probe.so adds to the wrapper (helpers/wrapper_probe.cpp):
-// what a test needs of the engine behind a ConnectionManager, which TensorRT-LLM's interface does
-// not expose. Looked up with dlsym, like the factory; test builds only.
+// The functions kvlink_trtllm_wrapper_probe.so adds to the wrapper (helpers/wrapper_probe.cpp):
+// what a test needs of the engine and the wrapper behind a ConnectionManager, which TensorRT-LLM's
+// interface does not expose. Looked up with dlsym, like the factory; test builds only.
 #pragma once
 
 #include <cstdint>
@@ -24,3 +24,13 @@ struct KvlinkProbeHealth {
 /// Returns 0, or -1 when `manager` is not a manager made by this library.
 using KvlinkProbeHealthFn = int (*)(void* manager, KvlinkProbeHealth* out);
 #define KVLINK_PROBE_HEALTH_SYMBOL "kvlinkProbeHealth"
+
+/// What the wrapper holds outside the engine, where a lost envelope shows.
+struct KvlinkProbeWrapperState {
+  /// Envelopes (request advertisements) taken from the engine that no recvConnect has taken yet.
+  std::uint64_t envelopes_queued;
+};
+
+/// Fills `out` from the wrapper state of `manager`. Returns 0, or -1 as KvlinkProbeHealthFn.
+using KvlinkProbeWrapperStateFn = int (*)(void* manager, KvlinkProbeWrapperState* out);
+#define KVLINK_PROBE_WRAPPER_STATE_SYMBOL "kvlinkProbeWrapperState"
