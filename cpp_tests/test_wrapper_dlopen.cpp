@@ -607,7 +607,75 @@ class WrapperStateTest : public WrapperTest {
     if (fn == nullptr || fn(&m, &out) != 0) ADD_FAILURE() << "no wrapper state probe for this manager";
     return out;
   }
+  KvlinkProbeHealth health(kv::ConnectionManager& m) {
+    auto const fn = reinterpret_cast<KvlinkProbeHealthFn>(dlsym(wrapper_->handle, KVLINK_PROBE_HEALTH_SYMBOL));
+    KvlinkProbeHealth out{};
+    if (fn == nullptr || fn(&m, &out) != 0) ADD_FAILURE() << "no health probe for this manager";
+    return out;
+  }
 };
+
+// A host that runs each request on a thread of its own (upstream's CacheReceiver once ran each
+// request in a std::async; a thread pool made anew does the same): what the connection keeps per
+// thread goes with the thread, on both ranks: a finished request, a refused one whose envelope
+// was not read to its end, an envelope begun and never finished, and a request abandoned before
+// its ready signal, whose posted ready byte is given back too. Before, all of it was kept for
+// good, keyed by the ids of threads long gone, which the C library hands to new threads: a new
+// thread with a dead one's id took over its request.
+TEST_P(WrapperStateTest, PerThreadStateGoesWithItsThread) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kFirst = 0x1000;
+  constexpr int kRequests = 8;
+  uint64_t const refused = kFirst + kRequests;  // the last: its state is not overwritten by another's
+  auto server = std::async(std::launch::async, [&] {
+    for (uint64_t id = kFirst; id <= refused; ++id) {
+      std::thread([&, id] {
+        bm::TransceiverTag::Id tag{};
+        kv::Connection const* conn = ctx_->recvConnect(kv::DataContext{bm::TransceiverTag::kID_TAG, never_}, &tag, sizeof tag);
+        if (conn == nullptr) return ADD_FAILURE() << "request " << id << " not taken";
+        if (id == refused) {  // refused at once: the rest of its envelope is never read
+          bool const no = false;
+          return conn->send(kv::DataContext{gen.tags.ready(id)}, &no, sizeof no);
+        }
+        uint64_t size = 0;
+        conn->recv(kv::DataContext{bm::TransceiverTag::kINFO_SIZE_TAG, never_}, &size, sizeof size);
+        std::string info(size, '\0');
+        conn->recv(kv::DataContext{bm::TransceiverTag::kINFO_TAG, never_}, info.data(), size);
+        bool const yes = true;
+        conn->send(kv::DataContext{gen.tags.ready(id)}, &yes, sizeof yes);
+        std::vector<uint8_t> s(4096);
+        fill(id, 0, s.data(), s.size());
+        conn->send(kv::DataContext{gen.tags.data(id)}, s.data(), s.size());
+      }).join();
+    }
+  });
+  for (uint64_t id = kFirst; id <= refused; ++id) {
+    std::thread([&, id] {
+      gen.sendRequestInfo(id);
+      bool const ready = gen.recvReady(id, never_);
+      EXPECT_EQ(ready, id != refused) << id;
+      if (!ready) return;
+      std::vector<uint8_t> d(4096);
+      toCtx_->recv(kv::DataContext{gen.tags.data(id)}, d.data(), d.size());
+      EXPECT_EQ(check(id, 0, d.data(), d.size()), SIZE_MAX) << id;
+    }).join();
+  }
+  server.get();
+  std::thread([&] {  // an envelope begun, and the thread gone before its last part
+    auto const rid = bm::TransceiverTag::Id::REQUEST_SEND;
+    toCtx_->send(kv::DataContext{bm::TransceiverTag::kID_TAG}, &rid, sizeof rid);
+  }).join();
+  std::thread([&] { gen.sendRequestInfo(refused + 1); }).join();  // abandoned before its ready signal
+  EXPECT_EQ(state(*ctx_).thread_states, 0u) << "the context rank kept state of threads that are gone";
+  // The abandoned request is settled by the generation rank's dispatcher: within a round of it
+  // (200 ms) and the cancel's agreement, well inside the request's own deadline.
+  auto const until = Clock::now() + 5s;
+  while ((state(*gen_).thread_states != 0 || health(*gen_).buffers_leased != 0) && Clock::now() < until) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(state(*gen_).thread_states, 0u) << "the generation rank kept state of threads that are gone";
+  EXPECT_EQ(health(*gen_).buffers_leased, 0u) << "an abandoned request's ready byte is still posted";
+}
 
 // recvConnect whose terminate flag is already set returns nullptr (TensorRT-LLM's contract,
 // docs/TENSORRT_LLM.md) and takes nothing: an envelope already queued stays for the next

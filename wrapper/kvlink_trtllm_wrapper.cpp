@@ -53,6 +53,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -218,11 +219,50 @@ std::string describe(std::uint64_t id, int tag) {
 }
 
 class Manager;
+class KvlinkConnection;
+
+// --- Per-thread state ends with its thread -------------------------------------------------------
+// A connection keys the state of the request a host thread is running by that thread's id
+// (upstream has no request handle: a request's sends and recvs are tied only by their thread).
+// That state belongs to the thread: when the thread exits (a std::async per request, a thread
+// pool made anew), it goes. Kept past the thread, it piled up for good, and a new thread that got
+// the dead one's id (the C library reuses them) took over the dead thread's request. The request
+// itself is retired, not forgotten: it is in flight for the context rank until its deadline (no
+// next envelope of that thread will close it), so it still keeps a request with the same data
+// tags out until then, and the manager's dispatcher settles it if it still holds its posted
+// ready byte (the engine cannot be called from a thread's exit: its thread-locals are gone).
+
+/// The connections alive in this process, for a thread's exit to tell a live one from one
+/// destroyed since. Never destroyed: a thread may exit during static destruction.
+struct LiveConnections {
+  std::mutex mu;
+  std::set<KvlinkConnection const*> live;
+};
+LiveConnections& liveConnections() {
+  static auto* l = new LiveConnections;
+  return *l;
+}
+
+/// The connections this thread holds state on; its destructor, run at the thread's exit, drops
+/// that state on each that is still alive.
+struct ThreadStateOwner {
+  std::vector<KvlinkConnection const*> touched;
+  ~ThreadStateOwner();
+};
+/// This thread holds state on `c`: it goes when the thread exits.
+void ownThreadState(KvlinkConnection const* c) {
+  thread_local ThreadStateOwner owner;
+  if (std::find(owner.touched.begin(), owner.touched.end(), c) == owner.touched.end()) owner.touched.push_back(c);
+}
 
 /// One remote rank. Thread safe; holds per-thread state for the requests its callers run.
 class KvlinkConnection final : public kv::Connection {
  public:
-  KvlinkConnection(Manager& m, std::uint32_t remote) : m_(m), remote_(remote) {}
+  KvlinkConnection(Manager& m, std::uint32_t remote) : m_(m), remote_(remote) {
+    auto& l = liveConnections();
+    std::lock_guard<std::mutex> g(l.mu);
+    l.live.insert(this);
+  }
   ~KvlinkConnection() override;
 
   void send(kv::DataContext const& ctx, void const* data, size_t size) const override;
@@ -233,6 +273,17 @@ class KvlinkConnection final : public kv::Connection {
   void adoptEnvelope(Advertisement const& adv, Header&& h) const;
   void queueData(Advertisement&& adv, Header&& h) const;
   void wake() const { cv_.notify_all(); }
+  /// The calling thread is exiting: its state here goes, its request retired. Does not block,
+  /// calls nothing of the engine.
+  void threadEnded() const;
+  /// Settles the retired requests that still hold their posted ready byte and forgets those past
+  /// their deadline. The dispatcher's, the only thread that settles a retired request.
+  void tendRetired() const;
+  /// Per-thread entries held here (test build: helpers/wrapper_probe.cpp).
+  size_t threadStates() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return outgoing_.size() + incoming_.size() + gen_.size();
+  }
 
  private:
   struct GenRequest {  // generation side: one per calling thread
@@ -270,6 +321,7 @@ class KvlinkConnection final : public kv::Connection {
   mutable std::map<std::thread::id, std::vector<Message>> outgoing_;   // envelope being built
   mutable std::map<std::thread::id, std::vector<Message>> incoming_;   // envelope being read
   mutable std::map<std::thread::id, std::shared_ptr<GenRequest>> gen_;  // generation side
+  mutable std::vector<std::shared_ptr<GenRequest>> retired_;  // of exited threads
   mutable std::map<std::uint64_t, CtxRequest> ctx_;                   // context side, by id
   mutable std::deque<DataAdvert> data_;                               // context side
 };
@@ -472,10 +524,15 @@ class Manager final : public kv::ConnectionManager {
   CudaPointers const& cuda() const { return cuda_; }
 
   /// What the test build's probe reports (helpers/wrapper_probe.cpp): envelopes taken from the
-  /// engine that no recvConnect has taken yet.
+  /// engine that no recvConnect has taken yet, and per-thread entries over the connections.
   size_t envelopesQueued() {
     std::lock_guard<std::mutex> g(mu_);
     return envelopes_.size();
+  }
+  size_t threadStates() {
+    size_t n = 0;
+    for (auto const* c : connections()) n += c->threadStates();
+    return n;
   }
 
  private:
@@ -483,6 +540,7 @@ class Manager final : public kv::ConnectionManager {
     while (!stop_.load(std::memory_order_acquire)) {
       try {
         dispatchOne();
+        for (auto const* c : connections()) c->tendRetired();
       } catch (...) {
         // An advertisement that could not be taken or queued (an engine that refuses the call,
         // memory exhausted): not the end of the dispatcher, which no exception may leave (it
@@ -515,6 +573,17 @@ class Manager final : public kv::ConnectionManager {
       }
       c->queueData(std::move(*adv), std::move(*h));
     }
+  }
+
+  /// The connections, alive until this manager's destructor has seen the last call leave.
+  std::vector<KvlinkConnection const*> connections() {
+    std::vector<KvlinkConnection const*> out;
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto const& [rank, c] : connections_) {
+      (void)rank;
+      out.push_back(c.get());
+    }
+    return out;
   }
 
   void refuse(Advertisement const& adv) {
@@ -581,7 +650,47 @@ bool acceptOrEnded(Engine& e, RequestKey key, std::uint32_t from, bool ready, st
 
 // --- KvlinkConnection -------------------------------------------------------------------------
 
+ThreadStateOwner::~ThreadStateOwner() {
+  auto& l = liveConnections();
+  std::lock_guard<std::mutex> g(l.mu);  // a connection is not destroyed while its state goes
+  for (KvlinkConnection const* c : touched) {
+    if (l.live.count(c) != 0) c->threadEnded();  // else destroyed, its state with it
+  }
+}
+
+void KvlinkConnection::threadEnded() const {
+  auto const self = std::this_thread::get_id();
+  std::lock_guard<std::mutex> g(mu_);
+  outgoing_.erase(self);
+  incoming_.erase(self);
+  auto it = gen_.find(self);
+  if (it == gen_.end()) return;
+  if (it->second) retired_.push_back(std::move(it->second));
+  gen_.erase(it);
+}
+
+void KvlinkConnection::tendRetired() const {
+  std::vector<std::shared_ptr<GenRequest>> unsettled;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto const now = Clock::now();
+    auto const gone = [&](std::shared_ptr<GenRequest> const& r) { return r->settled && now > r->deadline + m_.grace(); };
+    retired_.erase(std::remove_if(retired_.begin(), retired_.end(), gone), retired_.end());
+    for (auto const& r : retired_) {
+      if (!r->settled) unsettled.push_back(r);
+    }
+  }
+  for (auto const& r : unsettled) settle(*r);
+}
+
 KvlinkConnection::~KvlinkConnection() {
+  {
+    std::lock_guard<std::mutex> g(liveConnections().mu);  // no thread's exit is inside from here on
+    liveConnections().live.erase(this);
+  }
+  for (auto& r : retired_) {
+    if (!r->settled) settle(*r);
+  }
   // Requests still holding a posted ready byte: settle them before the byte is freed.
   for (auto& [thread, r] : gen_) {
     (void)thread;
@@ -611,6 +720,7 @@ void KvlinkConnection::send(kv::DataContext const& ctx, void const* data, size_t
   Manager::Call const call(m_);
   int const tag = ctx.getTag();
   if (isEnvelopeTag(tag)) {
+    ownThreadState(this);  // the envelope being built, then the request it sends
     std::vector<Message> done;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -687,17 +797,22 @@ void KvlinkConnection::sendEnvelope(std::vector<Message>&& msgs) const {
     // signal is taken; taken out again if it never goes out.
     std::lock_guard<std::mutex> g(mu_);
     auto const now = Clock::now();
-    for (auto const& [thread, r] : gen_) {
+    auto const refuseIfShared = [&](std::shared_ptr<GenRequest> const& r) {
       // Another thread's request, open on this connection until that thread sends its next one
-      // or its deadline passes: their tags must stay distinct. Compared on the 12 id bits every
-      // upstream release puts in a tag (a newer release's 23 bits would tell more apart).
-      if (thread == self || !r || now > r->deadline + m_.grace()) continue;
+      // or its deadline passes (a retired one: its thread is gone): their tags must stay distinct.
+      // Compared on the 12 id bits every upstream release puts in a tag (a newer release's 23
+      // bits would tell more apart).
+      if (!r || now > r->deadline + m_.grace()) return;
       if (r->id == id || (r->id & 0xFFFu) == (id & 0xFFFu)) {
         throw AmbiguousTagError(static_cast<int>(((id & 0xFFFu) << 8) | 43u), id, r->id,
                                 "kvlink: request " + std::to_string(id) + " would share its data tags with request " +
                                     std::to_string(r->id) + ", in flight on the same connection; refused");
       }
+    };
+    for (auto const& [thread, r] : gen_) {
+      if (thread != self) refuseIfShared(r);
     }
+    for (auto const& r : retired_) refuseIfShared(r);
     auto it = gen_.find(self);
     if (it != gen_.end()) previous = it->second;
     r->envelope = RequestKey{id, m_.nextGeneration()};
@@ -844,7 +959,10 @@ void KvlinkConnection::adoptEnvelope(Advertisement const& adv, Header&& h) const
   r.envelope = adv.key;
   r.deadline = adv.deadline;
   ctx_[r.id] = r;
-  if (!h.messages.empty()) incoming_[std::this_thread::get_id()] = std::move(h.messages);
+  if (!h.messages.empty()) {
+    ownThreadState(this);
+    incoming_[std::this_thread::get_id()] = std::move(h.messages);
+  }
 }
 
 void KvlinkConnection::queueData(Advertisement&& adv, Header&& h) const {

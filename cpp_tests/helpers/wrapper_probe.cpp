@@ -3,8 +3,8 @@
 // kvlink engine behind a manager and the wrapper's own queues. The wrapper's interface is
 // TensorRT-LLM's ConnectionManager / Connection, which has no health or lease query, and the
 // production library exports only its factory (ctest kvlink.wrapper.exports_only_the_factory); a
-// test that must show no buffer stays leased, or no envelope lost, loads this build instead.
-// Everything else it runs is the production wrapper's code.
+// test that must show no buffer stays leased, no envelope lost or no state left behind loads this
+// build instead. Everything else it runs is the production wrapper's code.
 #include "../../wrapper/kvlink_trtllm_wrapper.cpp"
 
 #include "wrapper_probe.h"
@@ -27,6 +27,6 @@ extern "C" __attribute__((visibility("default"))) int kvlinkProbeWrapperState(vo
   auto* base = static_cast<::tensorrt_llm::executor::kv_cache::ConnectionManager*>(manager);
   auto* m = dynamic_cast<kvlink::trtllm::Manager*>(base);
   if (m == nullptr) return -1;
-  *out = KvlinkProbeWrapperState{m->envelopesQueued()};
+  *out = KvlinkProbeWrapperState{m->envelopesQueued(), m->threadStates()};
   return 0;
 }

@@ -25,10 +25,14 @@ struct KvlinkProbeHealth {
 using KvlinkProbeHealthFn = int (*)(void* manager, KvlinkProbeHealth* out);
 #define KVLINK_PROBE_HEALTH_SYMBOL "kvlinkProbeHealth"
 
-/// What the wrapper holds outside the engine, where a lost envelope shows.
+/// What the wrapper holds outside the engine, where a lost envelope or a leak of per-thread
+/// state shows.
 struct KvlinkProbeWrapperState {
   /// Envelopes (request advertisements) taken from the engine that no recvConnect has taken yet.
   std::uint64_t envelopes_queued;
+  /// Per-thread entries over the manager's connections: envelopes being built or read, and
+  /// generation requests, each keyed by the thread running it.
+  std::uint64_t thread_states;
 };
 
 /// Fills `out` from the wrapper state of `manager`. Returns 0, or -1 as KvlinkProbeHealthFn.
