@@ -596,6 +596,50 @@ TEST_P(WrapperTest, TheManagerGoesOnlyAfterASendBlockedInItHasLeft) {
   EXPECT_LT(ms, 1000) << "the destructor waited for the send's deadline instead of ending it";
 }
 
+// A context rank whose send is terminated while it waits for the generation rank's buffer ends
+// the request on both ranks: the generation rank's recv of that buffer ends at once with the
+// request's failure, not at its deadline. Before, the send threw Cancelled and left the request
+// open; the buffer advertised next was queued on the context rank with nobody to take or refuse
+// it, and the generation rank waited out the whole deadline to end TimedOut.
+TEST_P(WrapperTest, ASendTerminatedBeforeItsBufferCameEndsTheRecvOfIt) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 0x7E58;
+  std::promise<void> terminated;
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    std::atomic<bool> const stop{true};  // TensorRT-LLM gave the request up
+    std::vector<uint8_t> s(4096);
+    int outcome = -1;
+    try {
+      t.conn->send(kv::DataContext{gen.tags.data(kId), stop}, s.data(), s.size());
+    } catch (kvlink::trtllm::TransferError const& e) {
+      outcome = e.outcome();
+    }
+    terminated.set_value();
+    return outcome;
+  });
+  gen.sendRequestInfo(kId);
+  ASSERT_TRUE(gen.recvReady(kId, never_));
+  terminated.get_future().wait();
+  EXPECT_EQ(server.get(), 2) << "the terminated send did not end Cancelled";
+  std::vector<uint8_t> d(4096);
+  auto const t0 = Clock::now();
+  int outcome = -1;
+  try {
+    toCtx_->recv(kv::DataContext{gen.tags.data(kId), never_}, d.data(), d.size());
+  } catch (kvlink::trtllm::TransferError const& e) {
+    outcome = e.outcome();
+  }
+  auto const ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+  std::printf("the recv of the given-up request ended %d after %lld ms (deadline 5000 ms)\n", outcome,
+              static_cast<long long>(ms));
+  EXPECT_NE(outcome, -1) << "the recv completed from a request the context rank gave up";
+  EXPECT_NE(outcome, 1) << "the recv waited out its deadline (" << ms << " ms)";
+}
+
 /// The same, with the test build of the wrapper (helpers/wrapper_probe.cpp): what the wrapper and
 /// the engine hold behind a manager, which TensorRT-LLM's interface does not show.
 class WrapperStateTest : public WrapperTest {

@@ -313,6 +313,7 @@ class KvlinkConnection final : public kv::Connection {
   void recvData(kv::DataContext const& ctx, void* data, size_t size) const;
   void settle(GenRequest& r) const;  // with mu_ not held
   std::vector<CtxRequest*> openCtxNaming(int tag, bool answered) const;  // with mu_ held
+  void endCtx(std::uint64_t id) const;                                    // with mu_ held
 
   Manager& m_;
   std::uint32_t remote_;
@@ -931,25 +932,8 @@ void KvlinkConnection::recvData(kv::DataContext const& ctx, void* data, size_t s
 
 void KvlinkConnection::adoptEnvelope(Advertisement const& adv, Header&& h) const {
   std::lock_guard<std::mutex> g(mu_);
-  if (h.closes != 0) {
-    // The generation thread moved on: that request is over. A send of it still running here ends
-    // Cancelled (not UnknownRequest), and its queued advertisements go.
-    auto it = ctx_.find(h.closes - 1);
-    if (it != ctx_.end()) it->second.open = false;
-    for (auto d = data_.begin(); d != data_.end();) {
-      if (d->adv.key.request != h.closes - 1) {
-        ++d;
-        continue;
-      }
-      try {
-        m_.engine().accept(d->adv.key, remote_, false);
-      } catch (Error const&) {
-        // Already ended.
-      }
-      d = data_.erase(d);
-    }
-    cv_.notify_all();
-  }
+  // The generation thread moved on: that request is over.
+  if (h.closes != 0) endCtx(h.closes - 1);
   auto const now = Clock::now();
   for (auto it = ctx_.begin(); it != ctx_.end();) {  // forget requests past their deadline
     it = now > it->second.deadline + m_.grace() ? ctx_.erase(it) : std::next(it);
@@ -968,7 +952,38 @@ void KvlinkConnection::adoptEnvelope(Advertisement const& adv, Header&& h) const
 void KvlinkConnection::queueData(Advertisement&& adv, Header&& h) const {
   {
     std::lock_guard<std::mutex> g(mu_);
+    auto it = ctx_.find(adv.key.request);
+    if (it != ctx_.end() && !it->second.open && it->second.envelope.generation == h.envelopeGeneration) {
+      // A buffer of a request that already ended here: no send will fill it. Refused now, so the
+      // generation rank's recv ends at once instead of at its deadline.
+      try {
+        m_.engine().accept(adv.key, remote_, false);
+      } catch (Error const&) {
+        // Already ended.
+      }
+      return;
+    }
     data_.push_back(DataAdvert{std::move(adv), h.tag});
+  }
+  cv_.notify_all();
+}
+
+void KvlinkConnection::endCtx(std::uint64_t id) const {
+  // A send of it still running here ends Cancelled (not UnknownRequest); its buffers queued here
+  // are refused, as are those that come later (queueData).
+  auto it = ctx_.find(id);
+  if (it != ctx_.end()) it->second.open = false;
+  for (auto d = data_.begin(); d != data_.end();) {
+    if (d->adv.key.request != id) {
+      ++d;
+      continue;
+    }
+    try {
+      m_.engine().accept(d->adv.key, remote_, false);
+    } catch (Error const&) {
+      // Already ended.
+    }
+    d = data_.erase(d);
   }
   cv_.notify_all();
 }
@@ -1008,8 +1023,7 @@ void KvlinkConnection::sendReady(kv::DataContext const& ctx, void const* data, s
   Outcome ended = Outcome::Cancelled;
   if (!acceptOrEnded(m_.engine(), r.envelope, remote_, ready, m_.grace(), ended)) {
     std::lock_guard<std::mutex> g(mu_);
-    auto it = ctx_.find(r.id);
-    if (it != ctx_.end()) it->second.open = false;
+    endCtx(r.id);
     throw TransferError(static_cast<int>(ended), r.id,
                         "kvlink: request " + std::to_string(r.id) + " ended " + to_string(ended) + " before its ready signal");
   }
@@ -1021,8 +1035,7 @@ void KvlinkConnection::sendReady(kv::DataContext const& ctx, void const* data, s
                                                   o == Outcome::Completed ? CancelRef(terminate) : CancelRef());
   if (verdict != Outcome::Completed) {
     std::lock_guard<std::mutex> g(mu_);
-    auto it = ctx_.find(r.id);
-    if (it != ctx_.end()) it->second.open = false;
+    endCtx(r.id);
     throw TransferError(static_cast<int>(verdict), r.id,
                         "kvlink: ready signal of request " + std::to_string(r.id) + " ended " + to_string(verdict));
   }
@@ -1061,11 +1074,15 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
       data_.erase(it);
       break;
     }
+    // Given up before the buffer came: the request ends here, and the buffer it would have
+    // filled is refused when it comes, not left queued for its recv to wait out its deadline.
     auto const self = ctx_.find(id);
     if (terminate.load(std::memory_order_acquire) || !m_.isRunning() || self == ctx_.end() || !self->second.open) {
+      endCtx(id);
       throw TransferError(static_cast<int>(Outcome::Cancelled), id, "kvlink: send of " + describe(id, tag) + " cancelled");
     }
     if (Clock::now() >= deadline) {
+      endCtx(id);
       throw TransferError(static_cast<int>(Outcome::TimedOut), id,
                           "kvlink: send of " + describe(id, tag) + ": no buffer advertised by the deadline");
     }
@@ -1082,8 +1099,7 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
   Outcome ended = Outcome::Cancelled;
   if (!acceptOrEnded(m_.engine(), adv->key, remote_, true, m_.grace(), ended)) {
     std::lock_guard<std::mutex> lk(mu_);
-    auto it = ctx_.find(id);
-    if (it != ctx_.end()) it->second.open = false;
+    endCtx(id);
     throw TransferError(static_cast<int>(ended), id, "kvlink: send of " + describe(id, tag) + " ended " + to_string(ended));
   }
   int const device = m_.cuda().deviceOf(data);
@@ -1103,8 +1119,7 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
                                                   o == Outcome::Completed ? CancelRef(terminate) : CancelRef());
   if (verdict != Outcome::Completed) {
     std::lock_guard<std::mutex> lk(mu_);
-    auto it = ctx_.find(id);
-    if (it != ctx_.end()) it->second.open = false;
+    endCtx(id);
     throw TransferError(static_cast<int>(verdict), id, "kvlink: send of " + describe(id, tag) + " ended " + to_string(verdict));
   }
 }
