@@ -753,6 +753,51 @@ TEST_P(WrapperStateTest, RecvConnectWithItsTerminateFlagSetLeavesAQueuedEnvelope
   EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
 }
 
+// The context manager destroyed with one request taken by recvConnect and never answered, and
+// another queued that no recvConnect took: each generation rank's wait for its ready signal ends
+// then, with the request refused, not at its deadline. Before, over shared memory (whose
+// endpoints do not fail when the peer's engine goes), both waited out the whole deadline; over
+// tcp the closed endpoint ended them PeerLost.
+TEST_P(WrapperStateTest, AManagerDestroyedWithRequestsUnansweredRefusesThem) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kTaken = 0x7E5A, kQueued = 0x7E5B;
+  std::promise<void> destroyed;
+  std::shared_future<void> gone = destroyed.get_future().share();
+  std::promise<void> takenSent;
+  auto const ask = [&](uint64_t id, std::promise<void>* sent) {
+    gen.sendRequestInfo(id);
+    if (sent != nullptr) sent->set_value();
+    gone.wait();
+    auto const t0 = Clock::now();
+    int outcome = -1;
+    try {
+      outcome = gen.recvReady(id, never_) ? 0 : 4;
+    } catch (kvlink::trtllm::TransferError const& e) {
+      outcome = e.outcome();
+    }
+    std::printf("request %llx: ready wait ended %d after %lld ms (deadline 5000 ms)\n",
+                static_cast<unsigned long long>(id), outcome,
+                static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()));
+    return outcome;
+  };
+  auto taken = std::async(std::launch::async, ask, kTaken, &takenSent);
+  takenSent.get_future().wait();
+  Taken t = recvRequestInfo(*ctx_, never_);
+  ASSERT_NE(t.conn, nullptr);
+  EXPECT_EQ(t.info.getRequestId(), kTaken);
+  auto queued = std::async(std::launch::async, ask, kQueued, nullptr);
+  auto const until = Clock::now() + 5s;  // the request's deadline
+  while (state(*ctx_).envelopes_queued == 0 && Clock::now() < until) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(state(*ctx_).envelopes_queued, 1u) << "the second envelope never reached the context rank's queue";
+  ctx_.reset();
+  destroyed.set_value();
+  int const takenEnd = taken.get(), queuedEnd = queued.get();
+  EXPECT_NE(takenEnd, 1) << "the taken request's ready wait ran to its deadline";
+  EXPECT_NE(queuedEnd, 1) << "the queued request's ready wait ran to its deadline";
+  EXPECT_NE(takenEnd, 0);
+  EXPECT_NE(queuedEnd, 0);
+}
+
 /// The CUDA driver, loaded at run time (this binary links nothing of CUDA): device memory for
 /// the GPU test, or the reason there is none.
 struct Cuda {

@@ -384,10 +384,21 @@ class Manager final : public kv::ConnectionManager {
       envelopeCv_.notify_all();
       callsCv_.wait(g, [this] { return calls_ == 0; });
     }
+    // Requests no recvConnect took: refused, so that their generation ranks learn now, not at
+    // their deadline (a transport without endpoint failures, shared memory, tells them nothing).
+    std::deque<std::pair<Advertisement, Header>> untaken;
     std::map<std::uint32_t, std::unique_ptr<KvlinkConnection>> gone;
     {
       std::lock_guard<std::mutex> g(mu_);
+      untaken.swap(envelopes_);
       gone.swap(connections_);
+    }
+    for (auto const& e : untaken) {
+      try {
+        refuse(e.first);
+      } catch (...) {
+        // Out of memory: its deadline still ends it (nothing may leave a destructor).
+      }
     }
     gone.clear();  // before the engine they use; unlocked: their destructors wait (settle)
   }
@@ -696,6 +707,17 @@ KvlinkConnection::~KvlinkConnection() {
   for (auto& [thread, r] : gen_) {
     (void)thread;
     if (r && !r->settled) settle(*r);
+  }
+  // Context side: a request taken and never answered is refused, so that the generation rank's
+  // wait for its ready signal ends now, not at its deadline.
+  for (auto const& [id, r] : ctx_) {
+    (void)id;
+    if (r.answered) continue;
+    try {
+      m_.engine().accept(r.envelope, remote_, false);
+    } catch (...) {
+      // Already ended (Error), or out of memory: its deadline still ends it.
+    }
   }
 }
 
