@@ -798,6 +798,41 @@ TEST_P(WrapperStateTest, AManagerDestroyedWithRequestsUnansweredRefusesThem) {
   EXPECT_NE(queuedEnd, 0);
 }
 
+// A buffer the generation rank advertised that no send of the context rank ever takes (the
+// context host answered ready, then never sent, and its generation thread sends no next request
+// to close it) is forgotten on the context rank once its request's deadline has passed, not
+// kept for good. Short deadlines (500 ms) keep the test short.
+TEST_P(WrapperStateTest, ABufferNoSendTookIsForgottenAfterItsDeadline) {
+  KvlinkTrtllmOptions o = options(GetParam());
+  o.kv_transfer_timeout_ms = 500;
+  auto ctx = make(*wrapper_, o);
+  auto genMgr = make(*wrapper_, o);
+  kv::Connection const* conn = genMgr->getConnections(ctx->getCommState()).at(0);
+  GenSide gen{conn, Tags{true}};
+  constexpr uint64_t kId = 0x7E5C;
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx, never_);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);  // and no send
+  });
+  gen.sendRequestInfo(kId);
+  ASSERT_TRUE(gen.recvReady(kId, never_));
+  server.get();
+  std::vector<uint8_t> d(4096);
+  try {
+    conn->recv(kv::DataContext{gen.tags.data(kId), never_}, d.data(), d.size());
+    ADD_FAILURE() << "a recv completed that no send filled";
+  } catch (kvlink::trtllm::TransferError const& e) {
+    EXPECT_EQ(e.outcome(), 1) << e.what();  // TimedOut
+  }
+  // Its deadline has passed; the grace after it (agreement bound 200 ms + 1 s) and a dispatcher
+  // round (200 ms), with a margin, bound when it goes.
+  auto const until = Clock::now() + 3s;
+  while (state(*ctx).buffers_queued != 0 && Clock::now() < until) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(state(*ctx).buffers_queued, 0u) << "a buffer advertisement past its deadline was kept";
+}
+
 /// The CUDA driver, loaded at run time (this binary links nothing of CUDA): device memory for
 /// the GPU test, or the reason there is none.
 struct Cuda {

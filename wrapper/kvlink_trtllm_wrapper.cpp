@@ -276,13 +276,19 @@ class KvlinkConnection final : public kv::Connection {
   /// The calling thread is exiting: its state here goes, its request retired. Does not block,
   /// calls nothing of the engine.
   void threadEnded() const;
-  /// Settles the retired requests that still hold their posted ready byte and forgets those past
-  /// their deadline. The dispatcher's, the only thread that settles a retired request.
-  void tendRetired() const;
+  /// The dispatcher's round here, the only thread that settles a retired request: settles the
+  /// retired requests that still hold their posted ready byte and forgets those past their
+  /// deadline, and forgets buffer advertisements past theirs that no send took.
+  void tidy() const;
   /// Per-thread entries held here (test build: helpers/wrapper_probe.cpp).
   size_t threadStates() const {
     std::lock_guard<std::mutex> g(mu_);
     return outgoing_.size() + incoming_.size() + gen_.size();
+  }
+  /// Buffer advertisements queued for a send (test build: helpers/wrapper_probe.cpp).
+  size_t buffersQueued() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return data_.size();
   }
 
  private:
@@ -536,7 +542,8 @@ class Manager final : public kv::ConnectionManager {
   CudaPointers const& cuda() const { return cuda_; }
 
   /// What the test build's probe reports (helpers/wrapper_probe.cpp): envelopes taken from the
-  /// engine that no recvConnect has taken yet, and per-thread entries over the connections.
+  /// engine that no recvConnect has taken yet, per-thread entries and buffer advertisements
+  /// queued over the connections.
   size_t envelopesQueued() {
     std::lock_guard<std::mutex> g(mu_);
     return envelopes_.size();
@@ -546,13 +553,18 @@ class Manager final : public kv::ConnectionManager {
     for (auto const* c : connections()) n += c->threadStates();
     return n;
   }
+  size_t buffersQueued() {
+    size_t n = 0;
+    for (auto const* c : connections()) n += c->buffersQueued();
+    return n;
+  }
 
  private:
   void dispatch() {
     while (!stop_.load(std::memory_order_acquire)) {
       try {
         dispatchOne();
-        for (auto const* c : connections()) c->tendRetired();
+        for (auto const* c : connections()) c->tidy();
       } catch (...) {
         // An advertisement that could not be taken or queued (an engine that refuses the call,
         // memory exhausted): not the end of the dispatcher, which no exception may leave (it
@@ -681,13 +693,18 @@ void KvlinkConnection::threadEnded() const {
   gen_.erase(it);
 }
 
-void KvlinkConnection::tendRetired() const {
+void KvlinkConnection::tidy() const {
   std::vector<std::shared_ptr<GenRequest>> unsettled;
   {
     std::lock_guard<std::mutex> g(mu_);
     auto const now = Clock::now();
     auto const gone = [&](std::shared_ptr<GenRequest> const& r) { return r->settled && now > r->deadline + m_.grace(); };
     retired_.erase(std::remove_if(retired_.begin(), retired_.end(), gone), retired_.end());
+    // A buffer no send took by its request's deadline never will (the generation rank's recv of
+    // it has ended by then): only a next envelope of the same generation thread closed its
+    // request, and nothing else ever removed it.
+    auto const stale = [&](DataAdvert const& d) { return now > d.adv.deadline + m_.grace(); };
+    data_.erase(std::remove_if(data_.begin(), data_.end(), stale), data_.end());
     for (auto const& r : retired_) {
       if (!r->settled) unsettled.push_back(r);
     }

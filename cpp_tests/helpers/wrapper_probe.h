@@ -33,6 +33,9 @@ struct KvlinkProbeWrapperState {
   /// Per-thread entries over the manager's connections: envelopes being built or read, and
   /// generation requests, each keyed by the thread running it.
   std::uint64_t thread_states;
+  /// Buffer advertisements of the generation rank queued on the context rank's connections for
+  /// a send to fill.
+  std::uint64_t buffers_queued;
 };
 
 /// Fills `out` from the wrapper state of `manager`. Returns 0, or -1 as KvlinkProbeHealthFn.
