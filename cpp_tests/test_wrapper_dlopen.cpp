@@ -312,6 +312,41 @@ TEST_P(WrapperTest, ARecvIntoNullIsATypedErrorAndTheRequestRunsOn) {
   EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
 }
 
+// A recv of the rest of a taken envelope with the wrong size is a typed error and takes nothing,
+// as one into null is: the same recv with the right size then reads the message and the request
+// runs. Before, the message was taken out before its size was checked, so the right recv found
+// "no envelope taken" and the request was lost (its generation rank waited out its deadline).
+TEST_P(WrapperTest, ARecvOfTheEnvelopeWithTheWrongSizeTakesNothing) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 4345;
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kId, 0, src.data(), src.size());
+  auto server = std::async(std::launch::async, [&] {
+    bm::TransceiverTag::Id id{};
+    kv::Connection const* conn = ctx_->recvConnect(kv::DataContext{bm::TransceiverTag::kID_TAG, never_}, &id, sizeof id);
+    if (conn == nullptr) throw std::runtime_error("no request taken");
+    uint64_t size = 0;
+    uint32_t small = 0;
+    try {
+      conn->recv(kv::DataContext{bm::TransceiverTag::kINFO_SIZE_TAG, never_}, &small, sizeof small);
+      ADD_FAILURE() << "a recv of 4 bytes took the 8-byte info size";
+    } catch (std::exception const& e) {
+      EXPECT_NE(std::string(e.what()).find("InvalidArgument"), std::string::npos) << e.what();
+    }
+    conn->recv(kv::DataContext{bm::TransceiverTag::kINFO_SIZE_TAG, never_}, &size, sizeof size);
+    std::string info(size, '\0');
+    conn->recv(kv::DataContext{bm::TransceiverTag::kINFO_TAG, never_}, info.data(), size);
+    bool const ready = true;
+    conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    conn->send(kv::DataContext{gen.tags.data(kId)}, src.data(), src.size());
+  });
+  gen.sendRequestInfo(kId);
+  EXPECT_TRUE(gen.recvReady(kId, never_));
+  toCtx_->recv(kv::DataContext{gen.tags.data(kId)}, dst.data(), dst.size());
+  server.get();
+  EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
+}
+
 // The generic path, with the older releases' tags (12-bit data tag, fixed ready tag 42):
 // request info round trip, ready, and three KV-shaped segments checked byte for byte.
 TEST_P(WrapperTest, GenericPathMovesARequestByteForByte) {

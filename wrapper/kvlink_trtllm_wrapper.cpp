@@ -792,15 +792,16 @@ void KvlinkConnection::recv(kv::DataContext const& ctx, void* data, size_t size)
     std::lock_guard<std::mutex> g(mu_);
     auto it = incoming_.find(std::this_thread::get_id());
     if (it != incoming_.end() && !it->second.empty() && it->second.front().tag == tag) {
-      // The rest of the envelope that recvConnect took on this thread.
+      // The rest of the envelope that recvConnect took on this thread. Its size checked before it
+      // is taken: a wrong one takes nothing, and the recv can be made again.
+      if (it->second.front().bytes.size() != size) {
+        throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: recv of " + std::to_string(size) +
+                                                    " bytes on tag " + std::to_string(tag) + ", message has " +
+                                                    std::to_string(it->second.front().bytes.size()));
+      }
       Message m = std::move(it->second.front());
       it->second.erase(it->second.begin());
       if (it->second.empty()) incoming_.erase(it);
-      if (m.bytes.size() != size) {
-        throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: recv of " + std::to_string(size) +
-                                                    " bytes on tag " + std::to_string(tag) + ", message has " +
-                                                    std::to_string(m.bytes.size()));
-      }
       if (size > 0) std::memcpy(data, m.bytes.data(), size);
       return;
     }
