@@ -90,6 +90,33 @@ TEST(WrapperFactory, ARankIdThatIsNotA32BitNumberIsRefused) {
   delete static_cast<kv::ConnectionManager*>(m);
 }
 
+// TRTLLM_KVLINK_TIMEOUT_MS (used when the options leave kv_transfer_timeout_ms out) that is not a
+// positive number of milliseconds is refused with a message naming it. Before, "5s" was read as
+// 5 ms, "abc" and a number past 64 bits failed with std::stoll's bare "stoll", and "-1" or "0"
+// with a message about kv_transfer_timeout_ms, which the host had not set.
+TEST(WrapperFactory, ATimeoutFromTheEnvironmentThatIsNotANumberIsRefused) {
+  Wrapper w;
+  KvlinkTrtllmOptions o = options("tcp");
+  o.kv_transfer_timeout_ms = 0;
+  char err[256] = {0};
+  for (char const* bad : {"abc", "5s", "-1", "0", " 700", "99999999999999999999"}) {
+    setenv("TRTLLM_KVLINK_TIMEOUT_MS", bad, 1);
+    err[0] = '\0';
+    void* m = w.make(&o, err, sizeof err);
+    if (m != nullptr) {
+      delete static_cast<kv::ConnectionManager*>(m);
+      ADD_FAILURE() << "TRTLLM_KVLINK_TIMEOUT_MS=" << bad << " was taken";
+    } else {
+      EXPECT_NE(std::string(err).find("TRTLLM_KVLINK_TIMEOUT_MS"), std::string::npos) << bad << ": " << err;
+    }
+  }
+  setenv("TRTLLM_KVLINK_TIMEOUT_MS", "700", 1);
+  void* m = w.make(&o, err, sizeof err);
+  unsetenv("TRTLLM_KVLINK_TIMEOUT_MS");
+  EXPECT_NE(m, nullptr) << "a timeout of 700 ms was refused: " << err;
+  delete static_cast<kv::ConnectionManager*>(m);
+}
+
 // A factory call that fails after registering the host's log hook (here: a
 // transport UCX does not have) must not leave that hook installed: the host gets NULL and may
 // free `log_user`, yet kvlink's later events (another manager's) would still be sent there.

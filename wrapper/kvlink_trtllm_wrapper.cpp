@@ -1182,6 +1182,17 @@ std::string uniqueAgentName() {
   return std::string(host) + "_" + std::to_string(getpid()) + "_" + std::to_string(rd());
 }
 
+/// `s` as a whole decimal number: digits only (no sign, space or suffix), within 64 bits.
+std::optional<std::uint64_t> parseDigits(std::string const& s) {
+  if (s.empty() || !std::all_of(s.begin(), s.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) {
+    return std::nullopt;
+  }
+  errno = 0;
+  unsigned long long const v = std::strtoull(s.c_str(), nullptr, 10);
+  if (errno == ERANGE) return std::nullopt;
+  return v;
+}
+
 std::uint32_t randomRankId() {
   std::random_device rd;
   std::uint32_t r = 0;
@@ -1219,23 +1230,28 @@ extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionMana
     } else {
       // All digits and at most 2^32 - 1: never cut to 32 bits (4294967297 is not rank 1) nor
       // wrapped from a sign (strtoul takes "-1").
-      errno = 0;
-      char* end = nullptr;
-      unsigned long long const v = std::strtoull(rankId.c_str(), &end, 10);
-      if (!std::isdigit(static_cast<unsigned char>(rankId[0])) || *end != '\0' || errno == ERANGE || v > UINT32_MAX) {
+      std::optional<std::uint64_t> const v = parseDigits(rankId);
+      if (!v || *v > UINT32_MAX) {
         return fail("kvlink: TRTLLM_KVLINK_RANK_ID=" + rankId + " is not a number from 0 to 4294967295");
       }
-      c.rank = static_cast<std::uint32_t>(v);
+      c.rank = static_cast<std::uint32_t>(*v);
     }
     c.transport = envOr(o->transport, "TRTLLM_KVLINK_TRANSPORT", "tcp");
     c.listen = c.transport == "tcp" ? envOr(o->listen, "TRTLLM_KVLINK_LISTEN", "0.0.0.0:0") : "";
-    std::int64_t timeout = o->kv_transfer_timeout_ms;
-    if (timeout <= 0) timeout = std::stoll(envOr(nullptr, "TRTLLM_KVLINK_TIMEOUT_MS", "60000"));
-    if (timeout <= 0) return fail("kvlink: kv_transfer_timeout_ms must be positive");
     // The engine takes longer durations as a year; so does the wrapper, whose own deadlines
     // (`after(timeout)`, `deadline + grace`) would otherwise overflow the clock into the past.
     constexpr std::int64_t kYearMs = 365LL * 24 * 3600 * 1000;
-    c.timeout = std::chrono::milliseconds(std::min<std::int64_t>(timeout, kYearMs));
+    std::uint64_t timeout = o->kv_transfer_timeout_ms > 0 ? static_cast<std::uint64_t>(o->kv_transfer_timeout_ms) : 0;
+    if (timeout == 0) {
+      // Left out of the config: the environment, all digits and positive (never "5s" as 5 ms).
+      std::string const env = envOr(nullptr, "TRTLLM_KVLINK_TIMEOUT_MS", "60000");
+      std::optional<std::uint64_t> const v = parseDigits(env);
+      if (!v || *v == 0) {
+        return fail("kvlink: TRTLLM_KVLINK_TIMEOUT_MS=" + env + " is not a positive number of milliseconds");
+      }
+      timeout = *v;
+    }
+    c.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(timeout, kYearMs)));
     c.agreement_bound =
         std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(o->agreement_ms, kYearMs)));
     if (o->fault_suppress_request >= 0) c.fault_suppress_request = static_cast<std::uint64_t>(o->fault_suppress_request);
