@@ -81,7 +81,7 @@ pub mod ffi {
         payload: Vec<u8>,
     }
 
-    /// The progress snapshot (see `kvlink::Health` in kvlink.hpp).
+    /// The progress snapshot (see `kvlink::Health` in engine.hpp).
     #[derive(Default, Debug)]
     struct HealthInfo {
         /// 0 Healthy, 1 Degraded, 2 Wedged.

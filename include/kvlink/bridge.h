@@ -1068,7 +1068,7 @@ struct NotificationInfo final {
 
 #ifndef CXXBRIDGE1_STRUCT_kvlink$ffi$HealthInfo
 #define CXXBRIDGE1_STRUCT_kvlink$ffi$HealthInfo
-// The progress snapshot (see `kvlink::Health` in kvlink.hpp).
+// The progress snapshot (see `kvlink::Health` in engine.hpp).
 struct HealthInfo final {
   // 0 Healthy, 1 Degraded, 2 Wedged.
   ::std::uint8_t state CXX_DEFAULT_VALUE(0);

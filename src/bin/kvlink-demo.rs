@@ -3,7 +3,7 @@
 //! hook ends `TimedOut` at its deadline on both sides, and the same processes serve a third
 //! request. Exit status 0 only if every step went as stated.
 //!
-//! `kvlink-demo [--transport tcp|sm] [--timeout-ms N] [--metrics-listen IP:PORT
+//! `kvlink-demo [--transport tcp|sm|auto|<UCX list>[@devices]] [--timeout-ms N] [--metrics-listen IP:PORT
 //! [--metrics-linger-ms N]]` runs the generation side here and starts the context side as a
 //! second OS process (this binary with `--role context`).
 //!

@@ -330,7 +330,7 @@ fn key_err(kind: ErrorKind, key: RequestKey, what: &str) -> Error {
 }
 
 /// Whether `KVLINK_STUCK` asks for report-only mode: `report` (spaces around it aside) is yes;
-/// unset or empty is no; anything else is an `InvalidArgument` naming the variable.
+/// unset, empty or only spaces is no; anything else is an `InvalidArgument` naming the variable.
 fn stuck_report_only() -> Result<bool> {
     match std::env::var_os("KVLINK_STUCK") {
         None => Ok(false),

@@ -22,7 +22,7 @@
 //!
 //! Nothing spins without bound: polling only follows progress, for one window; after many
 //! wake-ups in a row that make no progress, the loop backs off (the tcp spin trap described in
-//! TOOLCHAIN.md). The progress thread yields the core between its polling passes (and between
+//! the project's toolchain notes, outside this repository). The progress thread yields the core between its polling passes (and between
 //! retries of a worker that cannot be armed): on a small machine the thread it has just woken is
 //! often queued on that very core. Callers that drive do not yield (measured: it doubles the
 //! back-to-back 4 KiB request).
@@ -115,7 +115,7 @@ impl TransportKind {
     fn tls(&self) -> Option<&str> {
         match self {
             TransportKind::Tcp => Some("tcp"),
-            // cma is left out: it is slower for large tag transfers here (TOOLCHAIN.md).
+            // cma is left out: it is slower for large tag transfers here (toolchain notes).
             TransportKind::SharedMemory => Some("posix,sysv,self"),
             TransportKind::Auto => None,
             TransportKind::List(l) => Some(l),

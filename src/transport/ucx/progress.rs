@@ -33,7 +33,7 @@ const SINK_IDLE: Duration = Duration::from_millis(100);
 
 /// After a pass that made progress, keep polling this long before arming the worker and
 /// sleeping: the next completion or command of a busy transfer usually comes within it, and a
-/// sleep/wake round costs 50-120 us here (TOOLCHAIN.md). Idle threads never poll: the window
+/// sleep/wake round costs 50-120 us here (the project's toolchain notes, outside this repository). Idle threads never poll: the window
 /// only follows progress. `KVLINK_POLL_US` overrides it (0 turns polling off).
 const POLL_AFTER_PROGRESS: Duration = Duration::from_micros(100);
 
