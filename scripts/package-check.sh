@@ -5,7 +5,10 @@
 #      prefix: the build must still produce the library, and the installed .a must carry no
 #      debug info (KVLINK_DEBUG_INFO is OFF by default);
 #   3. the consumer project (cpp_tests/consumer) against that prefix alone: find_package(kvlink)
-#      must report the version and the UCX it was built against, and the program must run.
+#      must report the version and the UCX it was built against, and the program must run;
+#   4. the same consumer with the environment variable KVLINK_UCX_ROOT naming another UCX prefix
+#      (links to the UCX of the build, so nothing else differs): it must link and load that one,
+#      as the build does with the same variable.
 # Both builds use the release profile and one cargo target dir, so Rust compiles at most once
 # (not at all when `cargo build --release` or scripts/bench.sh already ran on the same tree).
 # Steps whose prerequisite failed are reported as skipped; the exit status is non-zero if any
@@ -38,7 +41,8 @@ else
     ucx_version="$(pkg-config --modversion ucx)"
 fi
 
-rm -rf "$build_off" "$prefix" "$work/consumer"
+ucx_alias="$work/ucx-alias"
+rm -rf "$build_off" "$prefix" "$work/consumer" "$work/consumer-ucx-env" "$ucx_alias"
 if [[ "${KVLINK_PKG_FRESH:-0}" == "1" ]]; then rm -rf "$build_rel"; fi
 mkdir -p "$work"
 
@@ -78,5 +82,28 @@ step consumer requires=off-install -- cmake -DMODE=prefix -DPREFIX="$prefix" \
     -DCONSUMER_SOURCE_DIR="$root/cpp_tests/consumer" -DWORK_DIR="$work/consumer" \
     -DGENERATOR=Ninja -DCONFIG=Release -DEXPECTED_VERSION="$version" \
     -DEXPECTED_UCX_VERSION="$ucx_version" -P "$root/cpp_tests/consumer/run_consumer.cmake"
+
+# 4. A consumer that names its UCX in the environment, the way README's "Which UCX" sets it for
+# the build. That prefix is made of links to the UCX the package was built against.
+consumer_ucx_env() {
+    local inc lib d
+    if [[ -n "${KVLINK_UCX_ROOT:-}" ]]; then
+        inc="$KVLINK_UCX_ROOT/include"
+        lib="$(dirname "$(ls "$KVLINK_UCX_ROOT"/lib*/libucp.so | head -n1)")"
+    else
+        inc="$(pkg-config --variable=includedir ucx)"
+        lib="$(pkg-config --variable=libdir ucx)"
+    fi
+    mkdir -p "$ucx_alias/include" "$ucx_alias/lib"
+    for d in ucp uct ucs ucm; do ln -s "$inc/$d" "$ucx_alias/include/$d"; done
+    ln -s "$lib"/libuc[pstm]*.so* "$ucx_alias/lib/"
+    if [[ -d "$lib/ucx" ]]; then ln -s "$lib/ucx" "$ucx_alias/lib/ucx"; fi
+    KVLINK_UCX_ROOT="$ucx_alias" cmake -DMODE=prefix -DPREFIX="$prefix" \
+        -DCONSUMER_SOURCE_DIR="$root/cpp_tests/consumer" -DWORK_DIR="$work/consumer-ucx-env" \
+        -DGENERATOR=Ninja -DCONFIG=Release -DEXPECTED_VERSION="$version" \
+        -DEXPECTED_UCX_VERSION="$ucx_version" -DEXPECTED_UCX_LIBDIR="$ucx_alias/lib" \
+        -P "$root/cpp_tests/consumer/run_consumer.cmake"
+}
+step consumer-ucx-env requires=off-install -- consumer_ucx_env
 
 finish package-check "package-check summary (kvlink $version, UCX $ucx_version)"
