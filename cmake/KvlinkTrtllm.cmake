@@ -34,6 +34,10 @@ set_target_properties(kvlink_trtllm_wrapper PROPERTIES
 target_link_options(kvlink_trtllm_wrapper PRIVATE "LINKER:--exclude-libs,ALL" "LINKER:--no-undefined"
   "LINKER:--version-script=${PROJECT_SOURCE_DIR}/wrapper/exports.map")
 set_property(TARGET kvlink_trtllm_wrapper APPEND PROPERTY LINK_DEPENDS "${PROJECT_SOURCE_DIR}/wrapper/exports.map")
+# The release profile builds kvlink without debug info, but the Rust standard library inside
+# the .a brings its own (KvlinkInstall.cmake strips it from the installed .a): leave it out of the
+# .so too, unless debug info is kept (KVLINK_DEBUG_INFO, Debug, RelWithDebInfo).
+target_link_options(kvlink_trtllm_wrapper PRIVATE "$<$<NOT:${KVLINK_KEEP_DEBUG_INFO}>:LINKER:--strip-debug>")
 if(KVLINK_INSTALL)
   include(GNUInstallDirs)
   install(TARGETS kvlink_trtllm_wrapper LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks kvlink as a CMake package the way the README documents it, and prints a summary:
-#   1. the README's Release line (configure + build with every default), then ctest on it;
+#   1. the README's Release line (configure + build with every default), then ctest on it, and
+#      the TensorRT-LLM wrapper it built must carry no debug info;
 #   2. configure + build + `cmake --install` with tests, demo and wrapper all OFF, into a fresh
 #      prefix: the build must still produce the library, and the installed .a must carry no
 #      debug info (KVLINK_DEBUG_INFO is OFF by default);
@@ -49,6 +50,17 @@ mkdir -p "$work"
 # shellcheck source=scripts/steps.sh
 source "$root/scripts/steps.sh"
 
+# FILE exists and has no .debug_* sections (KVLINK_DEBUG_INFO is OFF by default).
+no_debug_info() {
+    local file="$1" debug_sections
+    if [[ ! -f "$file" ]]; then
+        echo "no $file"; return 1
+    fi
+    debug_sections="$(readelf -S -W "$file" | grep -c ' \.debug_' || true)"
+    echo "$file: $(stat -c %s "$file") bytes, $debug_sections debug sections"
+    [[ "$debug_sections" == 0 ]]
+}
+
 # The installed library: present, and without .debug_* sections unless asked for.
 check_installed_lib() {
     local lib
@@ -56,10 +68,7 @@ check_installed_lib() {
     if [[ -z "$lib" ]]; then
         echo "no libkvlink.a under $prefix"; return 1
     fi
-    local debug_sections
-    debug_sections="$(readelf -S -W "$lib" | grep -c ' \.debug_' || true)"
-    echo "$lib: $(stat -c %s "$lib") bytes, $debug_sections debug sections"
-    [[ "$debug_sections" == 0 ]]
+    no_debug_info "$lib"
 }
 
 # 1. The README's line, word for word but for the cargo target dir (shared, so Rust builds once).
@@ -68,6 +77,8 @@ step release-build -- bash -c "cmake -S '$root' -B '$build_rel' -G Ninja -DCMAKE
     && cmake --build '$build_rel' -j $jobs"
 step release-ctest requires=release-build -- \
     ctest --test-dir "$build_rel" --output-on-failure -j "$jobs" --repeat until-pass:2  # see test-all.sh
+# The TensorRT-LLM wrapper carries the same Rust standard library: no debug info either.
+step release-wrapper requires=release-build -- no_debug_info "$build_rel/libkvlink_trtllm_wrapper.so"
 
 # 2. Every option OFF but the install rules: build must still run cargo, install must find the .a.
 step off-configure -- cmake -S "$root" -B "$build_off" -G Ninja -DCMAKE_BUILD_TYPE=Release \
