@@ -895,6 +895,52 @@ TEST_P(WrapperStateTest, ABufferNoSendTookIsForgottenAfterItsDeadline) {
   EXPECT_EQ(state(*ctx).buffers_queued, 0u) << "a buffer advertisement past its deadline was kept";
 }
 
+// Requests the context rank took (one completed, one refused) are forgotten once their deadline
+// and its grace have passed, whether or not new work comes: no next envelope arrives here.
+// Before, only the next envelope's arrival swept them out, so a context rank that got no more
+// requests kept them for good. Short deadlines (500 ms) keep the test short.
+TEST_P(WrapperStateTest, ContextRequestsAreForgottenAfterTheirDeadlineWithoutNewWork) {
+  KvlinkTrtllmOptions o = options(GetParam());
+  o.kv_transfer_timeout_ms = 500;
+  auto ctx = make(*wrapper_, o);
+  auto genMgr = make(*wrapper_, o);
+  kv::Connection const* conn = genMgr->getConnections(ctx->getCommState()).at(0);
+  GenSide gen{conn, Tags{true}};
+  constexpr uint64_t kDone = 0x7E5D, kRefused = 0x7E5E;
+  auto server = std::async(std::launch::async, [&] {
+    for (int i = 0; i < 2; ++i) {
+      Taken t = recvRequestInfo(*ctx, never_);
+      if (t.conn == nullptr) throw std::runtime_error("no request taken");
+      uint64_t const id = t.info.getRequestId();
+      bool const ready = id == kDone;
+      t.conn->send(kv::DataContext{gen.tags.ready(id)}, &ready, sizeof ready);
+      if (!ready) continue;
+      std::vector<uint8_t> s(4096);
+      fill(id, 0, s.data(), s.size());
+      t.conn->send(kv::DataContext{gen.tags.data(id)}, s.data(), s.size());
+    }
+  });
+  // Each on a thread of its own: neither request's envelope closes the other.
+  std::thread([&] {
+    gen.sendRequestInfo(kDone);
+    EXPECT_TRUE(gen.recvReady(kDone, never_));
+    std::vector<uint8_t> d(4096);
+    conn->recv(kv::DataContext{gen.tags.data(kDone)}, d.data(), d.size());
+    EXPECT_EQ(check(kDone, 0, d.data(), d.size()), SIZE_MAX);
+  }).join();
+  std::thread([&] {
+    gen.sendRequestInfo(kRefused);
+    EXPECT_FALSE(gen.recvReady(kRefused, never_));
+  }).join();
+  server.get();
+  EXPECT_EQ(state(*ctx).context_requests, 2u) << "the context rank did not hold the requests it took";
+  // Their deadline (500 ms), the grace after it (agreement bound 200 ms + 1 s) and a dispatcher
+  // round (200 ms), with a margin, bound when they go.
+  auto const until = Clock::now() + 3s;
+  while (state(*ctx).context_requests != 0 && Clock::now() < until) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(state(*ctx).context_requests, 0u) << "requests past their deadline were kept with no new work";
+}
+
 /// The CUDA driver, loaded at run time (this binary links nothing of CUDA): device memory for
 /// the GPU test, or the reason there is none.
 struct Cuda {

@@ -278,7 +278,8 @@ class KvlinkConnection final : public kv::Connection {
   void threadEnded() const;
   /// The dispatcher's round here, the only thread that settles a retired request: settles the
   /// retired requests that still hold their posted ready byte and forgets those past their
-  /// deadline, and forgets buffer advertisements past theirs that no send took.
+  /// deadline, forgets buffer advertisements past theirs that no send took, and forgets the
+  /// context-side requests past theirs.
   void tidy() const;
   /// Per-thread entries held here (test build: helpers/wrapper_probe.cpp).
   size_t threadStates() const {
@@ -289,6 +290,11 @@ class KvlinkConnection final : public kv::Connection {
   size_t buffersQueued() const {
     std::lock_guard<std::mutex> g(mu_);
     return data_.size();
+  }
+  /// Context-side requests held here (test build: helpers/wrapper_probe.cpp).
+  size_t contextRequests() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return ctx_.size();
   }
 
  private:
@@ -542,8 +548,8 @@ class Manager final : public kv::ConnectionManager {
   CudaPointers const& cuda() const { return cuda_; }
 
   /// What the test build's probe reports (helpers/wrapper_probe.cpp): envelopes taken from the
-  /// engine that no recvConnect has taken yet, per-thread entries and buffer advertisements
-  /// queued over the connections.
+  /// engine that no recvConnect has taken yet, per-thread entries, buffer advertisements queued
+  /// and context-side requests held over the connections.
   size_t envelopesQueued() {
     std::lock_guard<std::mutex> g(mu_);
     return envelopes_.size();
@@ -556,6 +562,11 @@ class Manager final : public kv::ConnectionManager {
   size_t buffersQueued() {
     size_t n = 0;
     for (auto const* c : connections()) n += c->buffersQueued();
+    return n;
+  }
+  size_t contextRequests() {
+    size_t n = 0;
+    for (auto const* c : connections()) n += c->contextRequests();
     return n;
   }
 
@@ -705,6 +716,11 @@ void KvlinkConnection::tidy() const {
     // request, and nothing else ever removed it.
     auto const stale = [&](DataAdvert const& d) { return now > d.adv.deadline + m_.grace(); };
     data_.erase(std::remove_if(data_.begin(), data_.end(), stale), data_.end());
+    // Context-side requests past their deadline: every wait on them has ended. Forgotten here,
+    // not when a next envelope comes (a context rank that gets no more work kept them for good).
+    for (auto it = ctx_.begin(); it != ctx_.end();) {
+      it = now > it->second.deadline + m_.grace() ? ctx_.erase(it) : std::next(it);
+    }
     for (auto const& r : retired_) {
       if (!r->settled) unsettled.push_back(r);
     }
@@ -974,10 +990,6 @@ void KvlinkConnection::adoptEnvelope(Advertisement const& adv, Header&& h) const
   std::lock_guard<std::mutex> g(mu_);
   // The generation thread moved on: that request is over.
   if (h.closes != 0) endCtx(h.closes - 1);
-  auto const now = Clock::now();
-  for (auto it = ctx_.begin(); it != ctx_.end();) {  // forget requests past their deadline
-    it = now > it->second.deadline + m_.grace() ? ctx_.erase(it) : std::next(it);
-  }
   CtxRequest r;
   r.id = adv.key.request;
   r.envelope = adv.key;

@@ -27,6 +27,7 @@ extern "C" __attribute__((visibility("default"))) int kvlinkProbeWrapperState(vo
   auto* base = static_cast<::tensorrt_llm::executor::kv_cache::ConnectionManager*>(manager);
   auto* m = dynamic_cast<kvlink::trtllm::Manager*>(base);
   if (m == nullptr) return -1;
-  *out = KvlinkProbeWrapperState{m->envelopesQueued(), m->threadStates(), m->buffersQueued()};
+  *out = KvlinkProbeWrapperState{m->envelopesQueued(), m->threadStates(), m->buffersQueued(),
+                                 m->contextRequests()};
   return 0;
 }

@@ -36,6 +36,9 @@ struct KvlinkProbeWrapperState {
   /// Buffer advertisements of the generation rank queued on the context rank's connections for
   /// a send to fill.
   std::uint64_t buffers_queued;
+  /// Requests the context rank's connections hold, each taken by a recvConnect (open, answered
+  /// or ended), until they are closed or forgotten past their deadline.
+  std::uint64_t context_requests;
 };
 
 /// Fills `out` from the wrapper state of `manager`. Returns 0, or -1 as KvlinkProbeHealthFn.
