@@ -860,6 +860,45 @@ TEST_P(WrapperStateTest, AManagerDestroyedWithRequestsUnansweredRefusesThem) {
   EXPECT_NE(queuedEnd, 0);
 }
 
+// The context manager destroyed with a buffer advertisement queued that no send has taken yet
+// (the context host answered ready and had not sent): the generation rank's recv of that buffer
+// ends then, refused, not at its deadline. Before, the connection's destructor refused only the
+// requests never answered; over shared memory (whose endpoints do not fail when the peer's
+// engine goes) the recv waited out the whole deadline.
+TEST_P(WrapperStateTest, AManagerDestroyedWithABufferQueuedRefusesIt) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 0x7E5F;
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);  // no send yet
+  });
+  gen.sendRequestInfo(kId);
+  ASSERT_TRUE(gen.recvReady(kId, never_));
+  server.get();
+  auto recv = std::async(std::launch::async, [&] {
+    std::vector<uint8_t> d(4096);
+    auto const t0 = Clock::now();
+    int outcome = -1;
+    try {
+      toCtx_->recv(kv::DataContext{gen.tags.data(kId), never_}, d.data(), d.size());
+    } catch (kvlink::trtllm::TransferError const& e) {
+      outcome = e.outcome();
+    }
+    std::printf("the recv of the queued buffer ended %d after %lld ms (deadline 5000 ms)\n", outcome,
+                static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()));
+    return outcome;
+  });
+  auto const until = Clock::now() + 5s;  // the request's deadline
+  while (state(*ctx_).buffers_queued == 0 && Clock::now() < until) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(state(*ctx_).buffers_queued, 1u) << "the buffer advertisement never reached the context rank's queue";
+  ctx_.reset();
+  int const outcome = recv.get();
+  EXPECT_NE(outcome, -1) << "a recv completed that no send filled";
+  EXPECT_NE(outcome, 1) << "the recv of the queued buffer ran to its deadline";
+}
+
 // A buffer the generation rank advertised that no send of the context rank ever takes (the
 // context host answered ready, then never sent, and its generation thread sends no next request
 // to close it) is forgotten on the context rank once its request's deadline has passed, not

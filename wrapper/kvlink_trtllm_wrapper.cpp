@@ -752,6 +752,15 @@ KvlinkConnection::~KvlinkConnection() {
       // Already ended (Error), or out of memory: its deadline still ends it.
     }
   }
+  // Buffers advertised to this rank that no send took: no send ever will. Refused, as endCtx
+  // refuses them, so that the generation rank's recv of each ends now, not at its deadline.
+  for (auto const& d : data_) {
+    try {
+      m_.engine().accept(d.adv.key, remote_, false);
+    } catch (...) {
+      // Already ended (Error), or out of memory: its deadline still ends it.
+    }
+  }
 }
 
 void KvlinkConnection::settle(GenRequest& r) const {
