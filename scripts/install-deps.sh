@@ -16,10 +16,12 @@ if [[ "${KVLINK_SKIP_DEPS:-0}" == "1" ]]; then
 fi
 
 # g++/make: the cxx bridge and the C++ tests; pkg-config + libucx-dev: UCX bindings and link;
-# clang + libclang-dev: bindgen; cmake + ninja-build + libgtest-dev: the C++ package and tests;
-# ucx-utils: ucx_info/ucx_perftest; iptables + iproute2: network fault tests.
+# clang + libclang-dev: bindgen; libclang-rt-dev: clang's libFuzzer and sanitizer runtimes, which
+# the C++ fuzz target links (scripts/fuzz.sh; Debian ships them apart from clang); cmake +
+# ninja-build + libgtest-dev: the C++ package and tests; ucx-utils: ucx_info/ucx_perftest;
+# iptables + iproute2: network fault tests.
 packages=(g++ make pkg-config cmake ninja-build libucx-dev ucx-utils libgtest-dev
-          clang libclang-dev iptables iproute2)
+          clang libclang-dev libclang-rt-dev iptables iproute2)
 
 export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 need_rust=0

@@ -61,8 +61,9 @@ step ctest requires=cmake-build -- ctest --test-dir "$build_dir" --output-on-fai
 step package-check -- env KVLINK_SKIP_DEPS=1 bash "$root/scripts/package-check.sh"
 step header-drift -- bash "$root/scripts/check-header-drift.sh"
 # AddressSanitizer (nightly) over the transport, engine, two-process and C++ suites, with UCX's
-# memory hooks off; and a bounded fuzz run of the wire decoder and the handshake. Each prints
-# SKIP where nightly (or cargo-fuzz) is missing.
+# memory hooks off; and a bounded fuzz run of the wire decoder, the handshake and the TensorRT-LLM
+# wrapper's request-info decoder (C++, clang's libFuzzer). Each prints SKIP where nightly (or
+# cargo-fuzz), or clang's libFuzzer runtime, is missing.
 step sanitize -- bash "$root/scripts/sanitize.sh"
 step fuzz -- env KVLINK_FUZZ_SECONDS="${KVLINK_FUZZ_SECONDS:-45}" bash "$root/scripts/fuzz.sh"
 

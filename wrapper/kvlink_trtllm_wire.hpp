@@ -1,7 +1,8 @@
 // The wire header the TensorRT-LLM wrapper (kvlink_trtllm_wrapper.cpp) puts in the request info
 // of each advertisement it makes, and reads back from the request info a peer sends. Pure byte
 // encoding and decoding, nothing of kvlink or TensorRT-LLM: it compiles alone, so that the
-// decoder of peer-supplied bytes can be fuzzed by itself.
+// decoder of peer-supplied bytes can be fuzzed by itself (fuzz/cpp/wrapper_wire.cpp, run by
+// scripts/fuzz.sh).
 //
 // u32 magic 'KVLT', u8 version 1, u8 kind (1 envelope, 2 data), u16 0, i32 tag, u32 envelope
 // generation (data: the generation of its request's envelope), u64 closes (envelope: the request
