@@ -7,7 +7,8 @@
 // u32 magic 'KVLT', u8 version 1, u8 kind (1 envelope, 2 data), u16 0, i32 tag, u32 envelope
 // generation (data: the generation of its request's envelope), u64 closes (envelope: the request
 // id + 1 that this envelope's thread finished on this connection, 0 none), u32 message count,
-// then per message: i32 tag, u64 length, bytes. Decoded with every length bounds-checked.
+// then per message: i32 tag, u64 length, bytes. Decoded with every length bounds-checked; what
+// decodes is exactly what encode writes (the reserved u16 must be 0).
 #pragma once
 
 #include <cstddef>
@@ -91,7 +92,7 @@ inline std::optional<Header> decode(std::vector<std::uint8_t> const& info) {
   std::int32_t tag = 0;
   Header h;
   if (!r.get(magic) || magic != kMagic || !r.get(version) || version != kVersion || !r.get(kind) ||
-      (kind != 1 && kind != 2) || !r.get(zero) || !r.get(tag) || !r.get(h.envelopeGeneration) || !r.get(h.closes) ||
+      (kind != 1 && kind != 2) || !r.get(zero) || zero != 0 || !r.get(tag) || !r.get(h.envelopeGeneration) || !r.get(h.closes) ||
       !r.get(count) || count > 16) {
     return std::nullopt;
   }
