@@ -479,6 +479,44 @@ fn cancel_on_the_generation_side_is_agreed_with_the_context_side() {
     assert_eq!(gen.health().buffers_leased, 0);
 }
 
+/// An advertisement that the generation side gives up (cancel, or a wait whose deadline has
+/// passed) after the context side took it but before it answered: the answer is a race, not
+/// misuse. `accept` succeeds and changes nothing, the send reports the end, and the sender's
+/// wait gives the agreed verdict (before, `accept` threw `InvalidArgument` "already decided",
+/// the kind that means a caller bug).
+#[test]
+fn an_accept_that_the_receivers_cancel_beat_is_no_error_and_the_send_reports_the_end() {
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let key = RequestKey::new(4096 + 6, 0);
+    let mut buf = vec![0u8; 1 << 16];
+    advertise_one(&gen, key, &mut buf);
+    let dl = Instant::now() + Duration::from_secs(5);
+    let adv = ctx.next_advertisement(dl, None).unwrap();
+    gen.cancel(key).unwrap();
+    assert_eq!(
+        gen.wait(key, Role::Receiver, dl, None).unwrap(),
+        Outcome::Cancelled
+    );
+    // The verdict reaches the context side in its own time: wait until the request has ended
+    // there, still unanswered.
+    while ctx.health().failed == 0 {
+        assert!(
+            Instant::now() < dl,
+            "the cancel never reached the context side"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    ctx.accept(key, adv.from, true)
+        .expect("an answer that the receiver's cancel beat is no error");
+    let o = ctx
+        .send(key, adv.from, 0, &vec![1u8; 1 << 16], dl, None)
+        .unwrap();
+    assert_eq!(o, Outcome::Cancelled, "the send reports the end");
+    assert_eq!(ctx.wait(key, TO_GEN, dl, None).unwrap(), Outcome::Cancelled);
+    assert!(buf.iter().all(|&b| b == 0), "no byte landed");
+    assert_eq!(gen.health().buffers_leased, 0);
+}
+
 /// A cancel check that answers true once (an edge, as a host's "cancel requested" event that
 /// is consumed when read) cancels the wait: the wait reports `Cancelled`, agreed with the
 /// sender, not `TimedOut` (before, the wait asked the check a second time to learn why it had

@@ -579,8 +579,9 @@ class Manager final : public kv::ConnectionManager {
   std::thread dispatcher_;
 };
 
-/// Accepts (or refuses) an advertised request. False when it has already ended (the other side
-/// cancelled or timed it out first); its verdict is then `ended`.
+/// Accepts (or refuses) an advertised request. False when `accept` throws (answered already, or
+/// forgotten); its verdict is then `ended`. A request that the other side cancelled or timed out
+/// first is accepted without effect: the send that follows returns its end.
 bool acceptOrEnded(Engine& e, RequestKey key, std::uint32_t from, bool ready, std::chrono::milliseconds grace,
                    Outcome& ended) {
   try {

@@ -619,7 +619,10 @@ class Engine {
 
   /// Context rank: accepts (`ready`) or rejects an advertised request before any data moves.
   /// Does not block. Throws UnknownRequest if no advertisement of `key` came from `from_rank`,
-  /// InvalidArgument if it was already answered.
+  /// InvalidArgument if it was already answered. An answer to a request that ended before it
+  /// (the generation rank gave it up or cancelled it after the advertisement was taken: a race,
+  /// not misuse) is no error and changes nothing: `send` then returns that end (not
+  /// `Completed`), and `wait_sender` the agreed verdict.
   void accept(RequestKey key, std::uint32_t from_rank, bool ready) {
     detail::call([&] { handle()->accept(key.request, key.generation, from_rank, ready); });
   }

@@ -346,7 +346,9 @@ impl Endpoint {
 
     /// The application's answer to an [`Event::Advertised`]: accept (then [`Action::Send`]s
     /// follow) or reject. Fails with `UnknownRequest` when no advertisement of `key` came from
-    /// `from`, and `InvalidArgument` when it was already decided.
+    /// `from`, and `InvalidArgument` when it was already answered. An answer to a request that
+    /// ended first (the receivers gave it up or cancelled it) is no error and changes nothing:
+    /// the sends report the end, as the wait does.
     pub fn accept(
         &mut self,
         now: Instant,
@@ -355,9 +357,12 @@ impl Endpoint {
         ready: bool,
     ) -> Result<()> {
         let Some(f) = flow_mut(&mut self.sends, key, from) else {
-            if self.tombs.contains_key(&TimerId::Send(key, from)) {
-                // Ended and forgotten (a completed flow at its end): decided long ago.
-                return Err(invalid(format!("{key} from {from}: already decided")));
+            if let Some(&(_, outcome)) = self.tombs.get(&TimerId::Send(key, from)) {
+                if outcome.is_completed() {
+                    // Completed: every segment was sent, so it was accepted long ago.
+                    return Err(invalid(format!("{key} from {from}: already decided")));
+                }
+                return Ok(()); // ended and forgotten: its end is still known
             }
             return Err(Error::new(
                 ErrorKind::UnknownRequest,
@@ -370,7 +375,7 @@ impl Endpoint {
         if ok {
             Ok(())
         } else {
-            Err(invalid(format!("{key} from {from}: already decided")))
+            Err(invalid(format!("{key} from {from}: already answered")))
         }
     }
 

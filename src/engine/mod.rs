@@ -1087,6 +1087,10 @@ impl Engine {
     }
 
     /// Context side: accept (`ready`) or reject an advertisement before any data moves.
+    /// `UnknownRequest` when no advertisement of `key` came from `from`, `InvalidArgument` when
+    /// it was answered already. An answer to a request that ended before it (the receivers gave
+    /// it up or cancelled it: a race, not misuse) is no error and changes nothing: a send then
+    /// returns the end, and [`Engine::wait`] the agreed verdict.
     pub fn accept(&self, key: RequestKey, from: RankId, ready: bool) -> Result<()> {
         let _returned = timeline::on_return(Stage::AcceptReturned);
         let mut core = self.inner.core.lock();

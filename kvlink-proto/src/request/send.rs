@@ -194,11 +194,16 @@ impl SendFlow {
         }
     }
 
-    /// The application's answer to the advertisement. Returns false when it comes too late (a
-    /// verdict or a local failure got there first, or it was answered already).
+    /// The application's answer to the advertisement. Returns false when it was answered
+    /// already (misuse). One that comes after the request ended unanswered (a verdict or a local
+    /// failure got there first: a race with the receivers, not misuse) changes nothing, and the
+    /// sends then report the end (`check_send`).
     pub(crate) fn accept(&mut self, now: Instant, ready: bool, out: &mut Out) -> bool {
-        if self.accepted.is_some() || self.local_vote.is_some() || self.verdict.is_some() {
+        if self.accepted.is_some() {
             return false;
+        }
+        if self.ended().is_some() {
+            return true;
         }
         self.accepted = Some(ready);
         // Only a refusal is sent: acceptance is proved by the first landing (a receiver that
