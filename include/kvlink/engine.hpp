@@ -497,7 +497,12 @@ class Engine {
 
   /// Generation rank: posts a receive for each buffer and advertises the request to `sender`.
   /// `receivers` lists every generation rank of the request (empty: this rank alone); they agree
-  /// on one verdict. Does not block. The buffers are borrowed until `wait_receiver(key)` returns.
+  /// on one verdict. Does not block while `sender` is connected. While it is being reconnected
+  /// (its endpoint failed: `peer_state` says `Reconnecting`) the call waits for that, up to the
+  /// request's deadline (`timeout`); to a sender whose reconnect round gave up it starts one fresh
+  /// round; it throws `PeerLost` if the sender is not back by then or that round gives up first
+  /// (it dials the old address: a context process that died and came back at another one is
+  /// reached only by a `connect` to its new address). The buffers are borrowed until `wait_receiver(key)` returns.
   /// Throws `Error`: InvalidArgument if the key is already known here (a replay), UnknownPeer if
   /// `sender` is not connected, OutOfBounds for a null or empty buffer (or one straddling a
   /// region's edge), Fenced for one overlapping a fenced range of a region, QueueFull when the
