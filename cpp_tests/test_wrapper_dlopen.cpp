@@ -65,29 +65,36 @@ TEST(WrapperFactory, ExportsOnlyTheFactoryAndRefusesBadOptions) {
   EXPECT_STRNE(err, "");
 }
 
-// TRTLLM_KVLINK_RANK_ID names this engine's 32-bit kvlink rank. A value that is not one (past
-// 2^32 - 1, negative, trailing junk) is refused, not cut to 32 bits: 4294967297 became rank 1,
-// the rank of another process configured with 1, and "-1" wrapped to 4294967295.
-TEST(WrapperFactory, ARankIdThatIsNotA32BitNumberIsRefused) {
+// The factory refuses each of `bad` as the value of the environment variable `var`, with a
+// message naming it, and takes `good`.
+void expectEnvRefused(KvlinkTrtllmOptions const& o, char const* var, std::initializer_list<char const*> bad,
+                      char const* good) {
   Wrapper w;
-  KvlinkTrtllmOptions const o = options("tcp");
   char err[256] = {0};
-  for (char const* bad : {"4294967297", "4294967296", "-1", "12abc", "99999999999999999999"}) {
-    setenv("TRTLLM_KVLINK_RANK_ID", bad, 1);
+  for (char const* v : bad) {
+    setenv(var, v, 1);
     err[0] = '\0';
     void* m = w.make(&o, err, sizeof err);
     if (m != nullptr) {
       delete static_cast<kv::ConnectionManager*>(m);
-      ADD_FAILURE() << "TRTLLM_KVLINK_RANK_ID=" << bad << " was taken";
+      ADD_FAILURE() << var << "=" << v << " was taken";
     } else {
-      EXPECT_NE(std::string(err).find("TRTLLM_KVLINK_RANK_ID"), std::string::npos) << bad << ": " << err;
+      EXPECT_NE(std::string(err).find(var), std::string::npos) << v << ": " << err;
     }
   }
-  setenv("TRTLLM_KVLINK_RANK_ID", "4294967295", 1);
+  setenv(var, good, 1);
   void* m = w.make(&o, err, sizeof err);
-  unsetenv("TRTLLM_KVLINK_RANK_ID");
-  EXPECT_NE(m, nullptr) << "the largest 32-bit id was refused: " << err;
+  unsetenv(var);
+  EXPECT_NE(m, nullptr) << var << "=" << good << " was refused: " << err;
   delete static_cast<kv::ConnectionManager*>(m);
+}
+
+// TRTLLM_KVLINK_RANK_ID names this engine's 32-bit kvlink rank. A value that is not one (past
+// 2^32 - 1, negative, trailing junk) is refused, not cut to 32 bits: 4294967297 became rank 1,
+// the rank of another process configured with 1, and "-1" wrapped to 4294967295.
+TEST(WrapperFactory, ARankIdThatIsNotA32BitNumberIsRefused) {
+  expectEnvRefused(options("tcp"), "TRTLLM_KVLINK_RANK_ID",
+                   {"4294967297", "4294967296", "-1", "12abc", "99999999999999999999"}, "4294967295");
 }
 
 // TRTLLM_KVLINK_TIMEOUT_MS (used when the options leave kv_transfer_timeout_ms out) that is not a
@@ -95,26 +102,9 @@ TEST(WrapperFactory, ARankIdThatIsNotA32BitNumberIsRefused) {
 // 5 ms, "abc" and a number past 64 bits failed with std::stoll's bare "stoll", and "-1" or "0"
 // with a message about kv_transfer_timeout_ms, which the host had not set.
 TEST(WrapperFactory, ATimeoutFromTheEnvironmentThatIsNotANumberIsRefused) {
-  Wrapper w;
   KvlinkTrtllmOptions o = options("tcp");
   o.kv_transfer_timeout_ms = 0;
-  char err[256] = {0};
-  for (char const* bad : {"abc", "5s", "-1", "0", " 700", "99999999999999999999"}) {
-    setenv("TRTLLM_KVLINK_TIMEOUT_MS", bad, 1);
-    err[0] = '\0';
-    void* m = w.make(&o, err, sizeof err);
-    if (m != nullptr) {
-      delete static_cast<kv::ConnectionManager*>(m);
-      ADD_FAILURE() << "TRTLLM_KVLINK_TIMEOUT_MS=" << bad << " was taken";
-    } else {
-      EXPECT_NE(std::string(err).find("TRTLLM_KVLINK_TIMEOUT_MS"), std::string::npos) << bad << ": " << err;
-    }
-  }
-  setenv("TRTLLM_KVLINK_TIMEOUT_MS", "700", 1);
-  void* m = w.make(&o, err, sizeof err);
-  unsetenv("TRTLLM_KVLINK_TIMEOUT_MS");
-  EXPECT_NE(m, nullptr) << "a timeout of 700 ms was refused: " << err;
-  delete static_cast<kv::ConnectionManager*>(m);
+  expectEnvRefused(o, "TRTLLM_KVLINK_TIMEOUT_MS", {"abc", "5s", "-1", "0", " 700", "99999999999999999999"}, "700");
 }
 
 // A factory call that fails after registering the host's log hook (here: a
