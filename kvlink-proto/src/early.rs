@@ -181,7 +181,22 @@ impl Early {
     pub(crate) fn take(&mut self, now: Instant, key: RequestKey) -> (SmallVec<[Msg; 2]>, usize) {
         let lost = self.expire(now);
         let msgs = self.by_key.remove(&key).map(|e| e.msgs).unwrap_or_default();
+        // The lines of entries gone from the front, so that `next_expiry` names a live one (a
+        // stale line behind a live one wakes the driver once, for nothing).
+        while let Some(&(since, key)) = self.order.front() {
+            if self.by_key.get(&key).is_some_and(|e| e.since == since) {
+                break;
+            }
+            self.order.pop_front();
+        }
         (msgs, lost)
+    }
+
+    /// When the entry kept longest goes past its keep, if any is kept: the endpoint's timers
+    /// wake for it, so that an idle endpoint drops what no request took (O(1): the front line).
+    pub(crate) fn next_expiry(&self) -> Option<Instant> {
+        let &(since, _) = self.order.front()?;
+        since.checked_add(self.keep)
     }
 
     /// `rank` was reported lost: each vote kept from it becomes `PeerLost`, whatever it said,
@@ -198,7 +213,7 @@ impl Early {
     }
 
     /// Drops the entries past their keep at `now`; returns how many messages they held.
-    fn expire(&mut self, now: Instant) -> usize {
+    pub(crate) fn expire(&mut self, now: Instant) -> usize {
         let mut lost = 0;
         while let Some(&(since, key)) = self.order.front() {
             if now.saturating_duration_since(since) < self.keep {

@@ -110,7 +110,8 @@ pub struct Endpoint {
     retries: Map<u64, Retries>,
     collective: Option<Box<dyn Collective>>,
     /// Votes and failure verdicts for requests not started here yet (see `early`), kept for
-    /// the default deadline plus the agreement bound after the last was kept.
+    /// the default deadline plus the agreement bound after the last was kept (their expiry is
+    /// one of `poll_timeout`'s timers).
     early: Early,
     out: Out,
 }
@@ -720,6 +721,8 @@ impl Endpoint {
                 self.note_tomb_gone(id);
             }
         }
+        // Early messages past their keep, which no request took.
+        self.out.stats.unknown_dropped += self.early.expire(now) as u64;
         self.drive(now);
     }
 
@@ -896,11 +899,12 @@ impl Endpoint {
         // nothing; `handle_timeout` pops it. Tombstone expiries count too: a driver calls
         // `handle_timeout` only when this passes, and an idle endpoint kept every tombstone
         // for ever otherwise (an evicted or replaced one's entry wakes it once, for nothing).
+        // So do early messages' expiries, for the same reason.
         let tomb = self.tomb_expiry.peek().map(|(at, _)| at);
-        match (self.timers.next_due(), tomb) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.timers.next_due(), tomb, self.early.next_expiry()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// May the application start the tracked send of `segment` of `key` to `to`, with `len`

@@ -331,3 +331,40 @@ fn tombstones_expire_on_the_timers_poll_timeout_asks_for() {
         }
     }
 }
+
+/// A vote kept for a request that has not started here (`early`) expired only when another
+/// message was kept or a request started: `poll_timeout` did not name its expiry, so an idle
+/// endpoint, whose driver calls `handle_timeout` only when `poll_timeout` passes, kept it (up to
+/// 4096 requests' worth) for ever rather than for its keep. Its expiry is a timer now, as a
+/// tombstone's is.
+#[test]
+fn early_messages_expire_on_the_timers_poll_timeout_asks_for() {
+    let t = Instant::now();
+    let (g1, g2) = (RankId(1), RankId(2));
+    let mut gen = Endpoint::new(g1, config());
+    for (id, outcome) in [(50, Outcome::Completed), (51, Outcome::Cancelled)] {
+        let vote = Message::Vote {
+            key: RequestKey::new(id, 0),
+            outcome,
+        };
+        gen.handle_message(t, g2, vote).unwrap();
+    }
+    // One of them taken by its request's start, the other never started here.
+    let key = RequestKey::new(50, 0);
+    start_two_receiver_request(&mut gen, g1, [g1, g2], RankId(3), key, t + ms(1));
+    gen.cancel(t + ms(2), key).unwrap();
+    assert_eq!(gen.early_requests(), 1);
+    let mut passes = 0;
+    while let Some(at) = gen.poll_timeout() {
+        gen.handle_timeout(at.max(t + ms(3)));
+        drain(&mut gen);
+        passes += 1;
+        assert!(passes < 1000, "poll_timeout never settles");
+    }
+    assert_eq!(gen.known(), 0);
+    assert_eq!(
+        gen.early_requests(),
+        0,
+        "no timer left, yet an early vote outlived its keep"
+    );
+}
