@@ -19,6 +19,11 @@ use crate::id::{RankId, RequestKey};
 /// The most requests whose early messages are kept; past it the request kept longest goes,
 /// one that holds only `Completed` votes first (see [`Early::keep`]).
 pub const EARLY_CAP: usize = 4096;
+/// The most requests one rank's messages may be kept for (those it sent the first message of):
+/// past it, that rank's own entry kept longest goes, one that holds only `Completed` votes
+/// first. A quarter of the store, so that one peer (a faulty one, or one that sends votes for
+/// requests that never start here) cannot push out the entries of the others.
+const PER_RANK: usize = EARLY_CAP / 4;
 /// The most messages kept for one request (one per rank and kind: a request has as many
 /// receivers as its generation side has ranks, 16 at most in common tensor-parallel layouts).
 const PER_REQUEST: usize = 64;
@@ -51,20 +56,87 @@ pub(crate) enum Kept {
 struct Entry {
     /// When the last message kept for the request came: the entry goes `keep` after it.
     since: Instant,
+    /// The rank whose message made the entry: it counts in that rank's share.
+    owner: RankId,
     msgs: SmallVec<[Msg; 2]>,
 }
 
-/// The early messages, by request, oldest first in `order`.
-#[derive(Debug)]
-pub(crate) struct Early {
-    keep: Duration,
-    by_key: HashMap<RequestKey, Entry, foldhash::fast::FixedState>,
-    /// (since, key) in the order entries were made; an entry taken or replaced leaves its line
-    /// behind, skipped when met and compacted when such lines pile up.
+type Map<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
+
+/// Lines (since, key) of entries, oldest first.
+#[derive(Debug, Default)]
+struct Lines {
+    /// In the order entries were made or took a new message; an entry taken or refreshed
+    /// leaves its line behind, skipped when met and compacted when such lines pile up.
     order: VecDeque<(Instant, RequestKey)>,
     /// The same lines for the entries that hold only `Completed` votes (a line goes stale as
     /// `order`'s do, and when its entry takes a failure).
     settled: VecDeque<(Instant, RequestKey)>,
+}
+
+/// The entries one rank made, and their lines.
+#[derive(Debug, Default)]
+struct Share {
+    held: usize,
+    lines: Lines,
+}
+
+/// Whether the line (since, key) is that of `key`'s entry (made by `owner`, if given; holding
+/// only `Completed` votes, if `settled`).
+fn is_line(
+    by_key: &Map<RequestKey, Entry>,
+    (since, key): (Instant, RequestKey),
+    owner: Option<RankId>,
+    settled: bool,
+) -> bool {
+    by_key.get(&key).is_some_and(|e| {
+        e.since == since
+            && owner.is_none_or(|o| e.owner == o)
+            && (!settled || e.msgs.iter().all(|m| m.2.is_completed()))
+    })
+}
+
+/// The key of the entry (of `owner`'s, if given) kept longest, one that holds only `Completed`
+/// votes first; its lines are popped, and the stale lines met.
+fn pop_oldest(
+    by_key: &Map<RequestKey, Entry>,
+    lines: &mut Lines,
+    owner: Option<RankId>,
+) -> Option<RequestKey> {
+    // (A vote of a rank lost since is a failure now, though its line stays.)
+    while let Some(l) = lines.settled.pop_front() {
+        if is_line(by_key, l, owner, true) {
+            return Some(l.1);
+        }
+    }
+    while let Some(l) = lines.order.pop_front() {
+        if is_line(by_key, l, owner, false) {
+            return Some(l.1);
+        }
+    }
+    None
+}
+
+/// Drops `lines`' stale lines once they outnumber twice the `live` entries they may name
+/// (amortized O(1) a line).
+fn compact(by_key: &Map<RequestKey, Entry>, lines: &mut Lines, live: usize, owner: Option<RankId>) {
+    if lines.order.len() > 2 * live + 16 {
+        lines.order.retain(|&l| is_line(by_key, l, owner, false));
+    }
+    if lines.settled.len() > 2 * live + 16 {
+        lines.settled.retain(|&l| is_line(by_key, l, owner, true));
+    }
+}
+
+/// The early messages, by request, oldest first in `lines`, and each rank's share.
+#[derive(Debug)]
+pub(crate) struct Early {
+    keep: Duration,
+    by_key: Map<RequestKey, Entry>,
+    /// Every entry's lines: `order` for the expiries, both for the cap.
+    lines: Lines,
+    /// By the rank that made them (a rank with none has no share).
+    shares: Map<RankId, Share>,
 }
 
 impl Early {
@@ -72,9 +144,9 @@ impl Early {
     pub(crate) fn new(keep: Duration) -> Self {
         Early {
             keep,
-            by_key: HashMap::default(),
-            order: VecDeque::new(),
-            settled: VecDeque::new(),
+            by_key: Map::default(),
+            lines: Lines::default(),
+            shares: Map::default(),
         }
     }
 
@@ -87,7 +159,7 @@ impl Early {
     /// or because they were past their keep (they are lost: the caller counts them).
     pub(crate) fn keep(&mut self, now: Instant, key: RequestKey, msg: Msg) -> (Kept, usize) {
         let mut lost = self.expire(now);
-        let done = match self.by_key.get_mut(&key) {
+        let (done, owner) = match self.by_key.get_mut(&key) {
             Some(e) => {
                 let full = e.msgs.len() >= PER_REQUEST;
                 let done = match e.msgs.iter_mut().find(|m| (m.0, m.1) == (msg.0, msg.1)) {
@@ -123,71 +195,82 @@ impl Early {
                     // Kept for `keep` from now, as it would be alone: a failure that replaced a
                     // `Completed` vote went with that vote's keep, up to a deadline sooner.
                     e.since = now;
-                    self.order.push_back((now, key));
                 }
-                done
+                (done, e.owner)
             }
             None => {
                 // Full: a request that holds only `Completed` votes goes first. Their voters
                 // send them again at every retransmit interval until the verdict, while a
                 // failure may go once (a caller that gives up waits only the agreement bound):
-                // pushed out by the votes of later requests, it was lost for good.
+                // pushed out by the votes of later requests, it was lost for good. A rank past
+                // its share makes room among its own entries, so one that sends votes for
+                // requests that never start here pushes out no other's.
+                let owner = msg.0;
+                let share = self.shares.entry(owner).or_default();
+                if share.held >= PER_RANK {
+                    if let Some(old) = pop_oldest(&self.by_key, &mut share.lines, Some(owner)) {
+                        lost += self.remove(old).map_or(0, |e| e.msgs.len());
+                    }
+                }
                 while self.by_key.len() >= EARLY_CAP {
-                    let Some((since, old)) = self.pop_settled().or_else(|| self.order.pop_front())
-                    else {
+                    let Some(old) = pop_oldest(&self.by_key, &mut self.lines, None) else {
                         break;
                     };
-                    lost += self.remove_if(old, since);
+                    lost += self.remove(old).map_or(0, |e| e.msgs.len());
                 }
                 let mut msgs = SmallVec::new();
                 msgs.push(msg);
-                self.by_key.insert(key, Entry { since: now, msgs });
-                self.order.push_back((now, key));
-                Kept::New
+                let entry = Entry {
+                    since: now,
+                    owner,
+                    msgs,
+                };
+                self.by_key.insert(key, entry);
+                self.shares.entry(owner).or_default().held += 1;
+                (Kept::New, owner)
             }
         };
-        if done == Kept::New && self.by_key[&key].msgs.iter().all(|m| m.2.is_completed()) {
-            self.settled.push_back((now, key));
-        }
-        let live = |by_key: &HashMap<RequestKey, Entry, _>,
-                    (since, key): &(Instant, RequestKey)| {
-            by_key.get(key).is_some_and(|e| e.since == *since)
-        };
-        if self.order.len() > 2 * self.by_key.len() + 16 {
-            let by_key = &self.by_key;
-            self.order.retain(|l| live(by_key, l));
-        }
-        if self.settled.len() > 2 * self.by_key.len() + 16 {
-            let by_key = &self.by_key;
-            self.settled.retain(|l| live(by_key, l));
+        if done == Kept::New {
+            let line = (now, key);
+            let settled = self.by_key[&key].msgs.iter().all(|m| m.2.is_completed());
+            let share = self.shares.entry(owner).or_default();
+            for lines in [&mut self.lines, &mut share.lines] {
+                lines.order.push_back(line);
+                if settled {
+                    lines.settled.push_back(line);
+                }
+            }
+            compact(&self.by_key, &mut self.lines, self.by_key.len(), None);
+            compact(&self.by_key, &mut share.lines, share.held, Some(owner));
         }
         (done, lost)
     }
 
-    /// The line of the entry kept longest that holds only `Completed` votes, if any.
-    fn pop_settled(&mut self) -> Option<(Instant, RequestKey)> {
-        while let Some((since, key)) = self.settled.pop_front() {
-            // (A vote of a rank lost since is a failure now, though its line stays live.)
-            let settled = |e: &Entry| e.since == since && e.msgs.iter().all(|m| m.2.is_completed());
-            if self.by_key.get(&key).is_some_and(settled) {
-                return Some((since, key));
+    /// Removes `key`'s entry (its lines go stale), and counts it out of its owner's share.
+    fn remove(&mut self, key: RequestKey) -> Option<Entry> {
+        let e = self.by_key.remove(&key)?;
+        if let Some(share) = self.shares.get_mut(&e.owner) {
+            share.held -= 1;
+            if share.held == 0 {
+                // Every line left in it is stale.
+                self.shares.remove(&e.owner);
             }
         }
-        None
+        Some(e)
     }
 
     /// Takes what was kept for `key`, in arrival order per rank, unless it is past its keep.
     /// Also returns how many messages went past their keep (for `key` or any other).
     pub(crate) fn take(&mut self, now: Instant, key: RequestKey) -> (SmallVec<[Msg; 2]>, usize) {
         let lost = self.expire(now);
-        let msgs = self.by_key.remove(&key).map(|e| e.msgs).unwrap_or_default();
+        let msgs = self.remove(key).map(|e| e.msgs).unwrap_or_default();
         // The lines of entries gone from the front, so that `next_expiry` names a live one (a
         // stale line behind a live one wakes the driver once, for nothing).
-        while let Some(&(since, key)) = self.order.front() {
-            if self.by_key.get(&key).is_some_and(|e| e.since == since) {
+        while let Some(&l) = self.lines.order.front() {
+            if is_line(&self.by_key, l, None, false) {
                 break;
             }
-            self.order.pop_front();
+            self.lines.order.pop_front();
         }
         (msgs, lost)
     }
@@ -195,7 +278,7 @@ impl Early {
     /// When the entry kept longest goes past its keep, if any is kept: the endpoint's timers
     /// wake for it, so that an idle endpoint drops what no request took (O(1): the front line).
     pub(crate) fn next_expiry(&self) -> Option<Instant> {
-        let &(since, _) = self.order.front()?;
+        let &(since, _) = self.lines.order.front()?;
         since.checked_add(self.keep)
     }
 
@@ -215,22 +298,16 @@ impl Early {
     /// Drops the entries past their keep at `now`; returns how many messages they held.
     pub(crate) fn expire(&mut self, now: Instant) -> usize {
         let mut lost = 0;
-        while let Some(&(since, key)) = self.order.front() {
-            if now.saturating_duration_since(since) < self.keep {
+        while let Some(&l) = self.lines.order.front() {
+            if now.saturating_duration_since(l.0) < self.keep {
                 break;
             }
-            self.order.pop_front();
-            lost += self.remove_if(key, since);
+            self.lines.order.pop_front();
+            if is_line(&self.by_key, l, None, false) {
+                lost += self.remove(l.1).map_or(0, |e| e.msgs.len());
+            }
         }
         lost
-    }
-
-    /// Removes `key`'s entry if it is the one made at `since`; returns its message count.
-    fn remove_if(&mut self, key: RequestKey, since: Instant) -> usize {
-        match self.by_key.get(&key) {
-            Some(e) if e.since == since => self.by_key.remove(&key).map_or(0, |e| e.msgs.len()),
-            _ => 0,
-        }
     }
 }
 
@@ -284,16 +361,19 @@ mod tests {
             Kept::Full
         );
         // Over all requests: EARLY_CAP, the oldest that holds only `Completed` votes going
-        // first (its voter sends it again), the failures after them.
+        // first (its voter sends it again), the failures after them. (From eight ranks, each
+        // within its share.)
+        let rank = |i: u64| RankId(2 + (i % 8) as u32);
         let mut lost = 0;
         for i in 0..EARLY_CAP as u64 {
-            lost += e.keep(t + ms(1), RequestKey::new(100 + i, 0), VOTE).1;
+            let vote = (rank(i), Kind::Vote, Outcome::Completed);
+            lost += e.keep(t + ms(1), RequestKey::new(100 + i, 0), vote).1;
         }
         assert_eq!((e.len(), lost), (EARLY_CAP, 1));
         assert!(e.take(t + ms(2), RequestKey::new(100, 0)).0.is_empty());
-        let cancel = (RankId(2), Kind::Vote, Outcome::Cancelled);
         let mut lost = 0;
         for i in 0..EARLY_CAP as u64 {
+            let cancel = (rank(i), Kind::Vote, Outcome::Cancelled);
             lost += e.keep(t + ms(3), RequestKey::new(10_000 + i, 0), cancel).1;
         }
         // The 4095 `Completed` ones left, then the oldest failure: `key`'s.
@@ -303,8 +383,37 @@ mod tests {
             "the oldest failure stayed"
         );
         assert_eq!(e.take(t + ms(4), RequestKey::new(10_000, 0)).0.len(), 1);
-        assert!(e.order.len() <= 2 * e.len() + 16);
-        assert!(e.settled.len() <= 2 * e.len() + 16);
+        assert!(e.lines.order.len() <= 2 * e.len() + 16);
+        assert!(e.lines.settled.len() <= 2 * e.len() + 16);
+    }
+
+    #[test]
+    fn a_rank_past_its_share_makes_room_among_its_own_entries() {
+        let t = Instant::now();
+        let mut e = Early::new(ms(100));
+        let cancel = |r| (RankId(r), Kind::Vote, Outcome::Cancelled);
+        let (theirs, mine) = (RequestKey::new(1, 0), RequestKey::new(2, 0));
+        assert_eq!(e.keep(t, theirs, cancel(3)), (Kept::New, 0));
+        assert_eq!(e.keep(t, mine, cancel(2)), (Kept::New, 0));
+        // Rank 2's `Completed` votes past its share: its own go, those first.
+        let mut lost = 0;
+        for i in 0..2 * PER_RANK as u64 {
+            lost += e.keep(t, RequestKey::new(100 + i, 0), VOTE).1;
+        }
+        assert_eq!((e.len(), lost), (1 + PER_RANK, PER_RANK + 1));
+        assert_eq!(e.shares[&RankId(2)].held, PER_RANK);
+        // Its failures for twice the whole store: its own oldest go, never rank 3's.
+        let mut lost = 0;
+        for i in 0..2 * EARLY_CAP as u64 {
+            lost += e.keep(t, RequestKey::new(10_000 + i, 0), cancel(2)).1;
+        }
+        assert_eq!((e.len(), lost), (1 + PER_RANK, 2 * EARLY_CAP));
+        assert!(e.take(t, mine).0.is_empty(), "its oldest went");
+        assert_eq!(e.take(t, theirs).0.as_slice(), &[cancel(3)]);
+        for lines in [&e.lines, &e.shares[&RankId(2)].lines] {
+            assert!(lines.order.len() <= 2 * e.len() + 16);
+            assert!(lines.settled.len() <= 2 * e.len() + 16);
+        }
     }
 
     #[test]
@@ -316,6 +425,7 @@ mod tests {
             e.keep(t, key, VOTE);
             assert_eq!(e.take(t, key).0.len(), 1);
         }
-        assert!(e.order.len() <= 16, "{}", e.order.len());
+        assert!(e.lines.order.len() <= 16, "{}", e.lines.order.len());
+        assert!(e.shares.is_empty(), "a rank with no entry has no share");
     }
 }

@@ -124,3 +124,37 @@ fn an_early_cancel_is_not_pushed_out_by_completed_votes_of_later_requests() {
         "the early cancel was pushed out by Completed votes"
     );
 }
+
+/// Any authenticated peer could fill the early store: past its 4096 requests the request kept
+/// longest went (those holding only `Completed` votes first), whoever sent what it held. A
+/// rank that sent failure votes for requests that never start here (made-up keys, or a bug)
+/// pushed out another receiver's cancel, and the coordinator ran to its deadline and ended
+/// `TimedOut` against that receiver's `Cancelled`. Each rank now has a share of the store: past
+/// it, its own entries make room for its next.
+#[test]
+fn a_peer_flooding_the_early_store_does_not_push_out_another_receivers_cancel() {
+    let t = Instant::now();
+    let key = RequestKey::new(33, 0);
+    let mut g2 = Endpoint::new(G2, config());
+    start_two_receiver_request(&mut g2, G2, [G1, G2], C, key, t);
+    g2.cancel(t + ms(1), key).unwrap();
+    let mut g1 = Endpoint::new(G1, config());
+    g1.handle_message(t + ms(2), G2, vote_to(&mut g2, G1))
+        .unwrap();
+    // Another rank's failure votes for twice the store's cap of requests never started here.
+    let flooder = RankId(9);
+    for id in 1000..1000 + 2 * 4096 {
+        let vote = Message::Vote {
+            key: RequestKey::new(id, 0),
+            outcome: Outcome::Cancelled,
+        };
+        g1.handle_message(t + ms(3), flooder, vote).unwrap();
+    }
+    assert!(g1.early_requests() < 4096, "one rank filled the store");
+    start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + ms(4));
+    assert_eq!(
+        g1.verdict(key),
+        Some(Outcome::Cancelled),
+        "the early cancel was pushed out by another rank's votes"
+    );
+}
