@@ -8,6 +8,11 @@
 //! gave up ends at its agreement bound): the late rank ran to its deadline and ended `TimedOut`
 //! against the other's `Cancelled`. [`Early`] keeps them, bounded in number and age, for the
 //! request's start, which applies those from the ranks that may send them.
+//!
+//! The age is the endpoint's default deadline plus the agreement bound: the request's own
+//! deadline is unknown here (no vote or verdict carries it, and a receiving rank never receives
+//! the `Advertise` that does), so a failure kept for a coordinator that starts a request with a
+//! longer deadline later than that is lost (docs/RELIABILITY.md, known gaps).
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
