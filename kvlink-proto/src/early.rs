@@ -23,12 +23,14 @@ use crate::id::{RankId, RequestKey};
 
 /// The most requests whose early messages are kept; past it the request kept longest goes,
 /// one that holds only `Completed` votes first (see [`Early::keep`]).
-pub const EARLY_CAP: usize = 4096;
+pub const EARLY_CAP: usize = 8192;
 /// The most requests one rank's messages may be kept for (those it sent the first message of):
 /// past it, that rank's own entry kept longest goes, one that holds only `Completed` votes
-/// first. A quarter of the store, so that one peer (a faulty one, or one that sends votes for
-/// requests that never start here) cannot push out the entries of the others.
-const PER_RANK: usize = EARLY_CAP / 4;
+/// first. Half the store, so that one peer (a faulty one, or one that sends votes for requests
+/// that never start here) cannot push out the entries of the others, while a coordinator may
+/// still fall 4096 requests behind one other receiver (the common two-receiver layout) before
+/// that receiver's votes go: they cost a resend then.
+const PER_RANK: usize = EARLY_CAP / 2;
 /// The most messages kept for one request (one per rank and kind: a request has as many
 /// receivers as its generation side has ranks, 16 at most in common tensor-parallel layouts).
 const PER_REQUEST: usize = 64;

@@ -125,7 +125,8 @@ fn an_early_cancel_is_not_pushed_out_by_completed_votes_of_later_requests() {
     );
 }
 
-/// Any authenticated peer could fill the early store: past its 4096 requests the request kept
+/// Any authenticated peer could fill the early store: past its cap (then 4096, now 8192
+/// requests) the request kept
 /// longest went (those holding only `Completed` votes first), whoever sent what it held. A
 /// rank that sent failure votes for requests that never start here (made-up keys, or a bug)
 /// pushed out another receiver's cancel, and the coordinator ran to its deadline and ended
@@ -142,15 +143,19 @@ fn a_peer_flooding_the_early_store_does_not_push_out_another_receivers_cancel() 
     g1.handle_message(t + ms(2), G2, vote_to(&mut g2, G1))
         .unwrap();
     // Another rank's failure votes for twice the store's cap of requests never started here.
+    const CAP: u64 = 8192;
     let flooder = RankId(9);
-    for id in 1000..1000 + 2 * 4096 {
+    for id in 1000..1000 + 2 * CAP {
         let vote = Message::Vote {
             key: RequestKey::new(id, 0),
             outcome: Outcome::Cancelled,
         };
         g1.handle_message(t + ms(3), flooder, vote).unwrap();
     }
-    assert!(g1.early_requests() < 4096, "one rank filled the store");
+    assert!(
+        g1.early_requests() < CAP as usize,
+        "one rank filled the store"
+    );
     start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + ms(4));
     assert_eq!(
         g1.verdict(key),
