@@ -3,24 +3,9 @@
 mod proto_sim;
 
 use kvlink_proto::error::Outcome;
-use kvlink_proto::{BufferDesc, Endpoint, Event, Message, RankId, RequestKey, Role};
+use kvlink_proto::{BufferDesc, Endpoint, Message, RankId, RequestKey, Role};
 use proto_sim::*;
 use std::time::Instant;
-
-/// The outcomes of every terminal event `ep` has queued for `key` in `role`, draining them.
-fn terminals(ep: &mut Endpoint, key: RequestKey, role: Role) -> Vec<Outcome> {
-    std::iter::from_fn(|| ep.poll_event())
-        .filter_map(|e| match e {
-            Event::Terminal {
-                key: k,
-                role: r,
-                outcome,
-                ..
-            } if k == key && r == role => Some(outcome),
-            _ => None,
-        })
-        .collect()
-}
 
 /// The two receiving ranks of these tests' requests (the first coordinates) and their one
 /// sender.

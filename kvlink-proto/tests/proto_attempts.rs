@@ -5,7 +5,7 @@ mod proto_sim;
 
 use kvlink_proto::error::{ErrorKind, Outcome};
 use kvlink_proto::{
-    Action, BufferPool, Endpoint, Event, Message, RankId, RequestKey, Role, TokenAllocator,
+    Action, BufferPool, Endpoint, Message, RankId, RequestKey, Role, TokenAllocator,
 };
 use proto_sim::*;
 use std::time::Instant;
@@ -16,21 +16,6 @@ const G1: RankId = RankId(1);
 const G2: RankId = RankId(2);
 const C: RankId = RankId(3);
 const X: RankId = RankId(9);
-
-/// The outcomes of every terminal event `ep` has queued for `key` in `role`, draining them.
-fn terminals(ep: &mut Endpoint, key: RequestKey, role: Role) -> Vec<Outcome> {
-    std::iter::from_fn(|| ep.poll_event())
-        .filter_map(|e| match e {
-            Event::Terminal {
-                key: k,
-                role: r,
-                outcome,
-                ..
-            } if k == key && r == role => Some(outcome),
-            _ => None,
-        })
-        .collect()
-}
 
 /// Delivers every control message `from` has queued for `to`'s rank at `at`; drops the rest.
 fn pump(from: &mut Endpoint, to: &mut Endpoint, at: Instant) {

@@ -4,7 +4,7 @@
 mod proto_sim;
 
 use kvlink_proto::error::Outcome;
-use kvlink_proto::{Endpoint, Event, Message, RankId, RequestKey, Role};
+use kvlink_proto::{Endpoint, Message, RankId, RequestKey, Role};
 use proto_sim::*;
 use std::time::Instant;
 
@@ -12,21 +12,6 @@ use std::time::Instant;
 const G1: RankId = RankId(1);
 const G2: RankId = RankId(2);
 const C: RankId = RankId(3);
-
-/// The outcomes of every terminal event `ep` has queued for `key` in `role`, draining them.
-fn terminals(ep: &mut Endpoint, key: RequestKey, role: Role) -> Vec<Outcome> {
-    std::iter::from_fn(|| ep.poll_event())
-        .filter_map(|e| match e {
-            Event::Terminal {
-                key: k,
-                role: r,
-                outcome,
-                ..
-            } if k == key && r == role => Some(outcome),
-            _ => None,
-        })
-        .collect()
-}
 
 /// The verdicts `ep` has queued for `to`, draining every transmit.
 fn verdicts_to(ep: &mut Endpoint, to: RankId) -> Vec<Outcome> {

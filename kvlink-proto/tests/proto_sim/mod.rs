@@ -15,6 +15,21 @@ use kvlink_proto::{
     TokenAllocator,
 };
 
+/// The outcomes of every terminal event `ep` has queued for `key` in `role`, draining them.
+pub fn terminals(ep: &mut Endpoint, key: RequestKey, role: Role) -> Vec<Outcome> {
+    std::iter::from_fn(|| ep.poll_event())
+        .filter_map(|e| match e {
+            Event::Terminal {
+                key: k,
+                role: r,
+                outcome,
+                ..
+            } if k == key && r == role => Some(outcome),
+            _ => None,
+        })
+        .collect()
+}
+
 pub fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
