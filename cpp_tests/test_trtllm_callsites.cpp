@@ -21,6 +21,7 @@
 
 #include <gtest/gtest.h>
 
+#include <execinfo.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -330,9 +331,15 @@ TEST_P(CallSites, TwoContextAndTwoGenerationRanksInSeparateProcesses) {
   }
   for (auto const& [who, text] : out) std::printf("--- %s (%s)\n%s", who.c_str(), GetParam().c_str(), text.c_str());
   for (int r = 0; r < 2; ++r) {
-    auto const where = [&](std::string const& who) {
-      return out[who].find("RANK_TORN_DOWN") != std::string::npos ? " (after its teardown: in the process's exit)"
-                                                                    : " (before its manager and wrapper were torn down, or during)";
+    auto const where = [&](std::string const& who) -> std::string {
+      std::string const& o = out[who];
+      if (o.find("RANK_TORN_DOWN") == std::string::npos) return " (before its manager and wrapper were torn down, or during)";
+      // RANK_EXIT (sayExit): what exit() was called with, and by whom when that failed.
+      if (o.find("RANK_EXIT 0") != std::string::npos) {
+        return " (after exit(0) had begun: from a later exit handler, such as LeakSanitizer's in an ASan build, whose "
+               "report is in ASAN_OPTIONS' log_path)";
+      }
+      return " (after its teardown: in the process's exit; see its RANK_EXIT line)";
     };
     EXPECT_EQ(genStatus[r], 0) << "generation rank " << r << where("gen" + std::to_string(r));
     EXPECT_EQ(ctxStatus[r], 0) << "context rank " << r << where("ctx" + std::to_string(r));
@@ -377,10 +384,29 @@ TEST_P(CallSites, TwoContextAndTwoGenerationRanksInSeparateProcesses) {
 INSTANTIATE_TEST_SUITE_P(Transports, CallSites, testing::Values("tcp", "sm"),
                          [](testing::TestParamInfo<std::string> const& i) { return i.param; });
 
+/// Run by exit() in a rank process (a return from main included), after the thread-locals'
+/// destructors and before the libraries' own (UCX's among them): the status exit() was called
+/// with, and with a failing one the stack that called it. A failing status with no RANK_EXIT
+/// line, or after RANK_EXIT 0, came from elsewhere: an _exit, a thread's exit_group, or a handler
+/// that runs after this one, such as LeakSanitizer's check in an ASan build (status 1, its report
+/// in ASAN_OPTIONS' log_path, not on the rank's output; scripts/sanitize.sh prints those).
+void sayExit(int status, void*) {
+  std::fflush(stdout);
+  char line[32];
+  int const n = std::snprintf(line, sizeof line, "RANK_EXIT %d\n", status);
+  if (write(2, line, static_cast<size_t>(n)) != n) return;
+  if (status == 0) return;
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc >= 7 && std::string(argv[1]) == "--kvlink-rank") {
+    void* warm[1];
+    (void)backtrace(warm, 1);  // loads libgcc's unwinder now, not inside exit()
+    on_exit(sayExit, nullptr);
     try {
       std::string const role = argv[2];
       int const rank = std::atoi(argv[3]);
