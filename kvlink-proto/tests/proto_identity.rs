@@ -76,7 +76,36 @@ fn a_vote_kept_before_the_start_from_a_receiver_lost_since_is_not_counted_comple
     );
 }
 
-/// The early store keeps the messages of at most 4096 requests (`early::EARLY_CAP`); past it
+/// G1, coordinator of `key` (receivers G1, G2; sender C), not started yet, holding G2's vote
+/// `Cancelled` for it: G2 started the request at `t` and cancelled it a millisecond later.
+fn coordinator_holding_g2s_early_cancel(key: RequestKey, t: Instant) -> Endpoint {
+    let mut g2 = Endpoint::new(G2, config());
+    start_two_receiver_request(&mut g2, G2, [G1, G2], C, key, t);
+    g2.cancel(t + ms(1), key).unwrap();
+    let mut g1 = Endpoint::new(G1, config());
+    g1.handle_message(t + ms(2), G2, vote_to(&mut g2, G1))
+        .unwrap();
+    g1
+}
+
+/// `from`'s vote `outcome` for each of `n` requests (ids from 1000) that never start at `ep`.
+fn votes_for_requests_never_started(
+    ep: &mut Endpoint,
+    from: RankId,
+    outcome: Outcome,
+    n: u64,
+    at: Instant,
+) {
+    for id in 1000..1000 + n {
+        let vote = Message::Vote {
+            key: RequestKey::new(id, 0),
+            outcome,
+        };
+        ep.handle_message(at, from, vote).unwrap();
+    }
+}
+
+/// The early store kept the messages of at most 4096 requests (`early::EARLY_CAP`); past it
 /// the request kept longest went, whatever it held. A coordinator that lags behind the other
 /// receivers of a busy rank holds a `Completed` vote for each request they finished first, and
 /// those filled the store: a cancel voted before them was pushed out by votes that their
@@ -88,20 +117,10 @@ fn a_vote_kept_before_the_start_from_a_receiver_lost_since_is_not_counted_comple
 fn an_early_cancel_is_not_pushed_out_by_completed_votes_of_later_requests() {
     let t = Instant::now();
     let key = RequestKey::new(32, 0);
-    let mut g2 = Endpoint::new(G2, config());
-    start_two_receiver_request(&mut g2, G2, [G1, G2], C, key, t);
-    g2.cancel(t + ms(1), key).unwrap();
-    let mut g1 = Endpoint::new(G1, config());
-    g1.handle_message(t + ms(2), G2, vote_to(&mut g2, G1))
-        .unwrap();
-    // Twice the store's cap of later requests, each with G2's data landed first.
-    for id in 1000..1000 + 2 * 4096 {
-        let vote = Message::Vote {
-            key: RequestKey::new(id, 0),
-            outcome: Outcome::Completed,
-        };
-        g1.handle_message(t + ms(3), G2, vote).unwrap();
-    }
+    let mut g1 = coordinator_holding_g2s_early_cancel(key, t);
+    // Twice one rank's share of the store (half its 8192 requests) of later requests, each
+    // with G2's data landed first.
+    votes_for_requests_never_started(&mut g1, G2, Outcome::Completed, 2 * 4096, t + ms(3));
     start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + ms(4));
     assert_eq!(
         g1.verdict(key),
@@ -111,9 +130,8 @@ fn an_early_cancel_is_not_pushed_out_by_completed_votes_of_later_requests() {
 }
 
 /// Any authenticated peer could fill the early store: past its cap (then 4096, now 8192
-/// requests) the request kept
-/// longest went (those holding only `Completed` votes first), whoever sent what it held. A
-/// rank that sent failure votes for requests that never start here (made-up keys, or a bug)
+/// requests) the request kept longest went (those holding only `Completed` votes first),
+/// whoever sent what it held. A rank that sent failure votes for requests that never start here (made-up keys, or a bug)
 /// pushed out another receiver's cancel, and the coordinator ran to its deadline and ended
 /// `TimedOut` against that receiver's `Cancelled`. Each rank now has a share of the store: past
 /// it, its own entries make room for its next.
@@ -121,22 +139,10 @@ fn an_early_cancel_is_not_pushed_out_by_completed_votes_of_later_requests() {
 fn a_peer_flooding_the_early_store_does_not_push_out_another_receivers_cancel() {
     let t = Instant::now();
     let key = RequestKey::new(33, 0);
-    let mut g2 = Endpoint::new(G2, config());
-    start_two_receiver_request(&mut g2, G2, [G1, G2], C, key, t);
-    g2.cancel(t + ms(1), key).unwrap();
-    let mut g1 = Endpoint::new(G1, config());
-    g1.handle_message(t + ms(2), G2, vote_to(&mut g2, G1))
-        .unwrap();
+    let mut g1 = coordinator_holding_g2s_early_cancel(key, t);
     // Another rank's failure votes for twice the store's cap of requests never started here.
     const CAP: u64 = 8192;
-    let flooder = RankId(9);
-    for id in 1000..1000 + 2 * CAP {
-        let vote = Message::Vote {
-            key: RequestKey::new(id, 0),
-            outcome: Outcome::Cancelled,
-        };
-        g1.handle_message(t + ms(3), flooder, vote).unwrap();
-    }
+    votes_for_requests_never_started(&mut g1, RankId(9), Outcome::Cancelled, 2 * CAP, t + ms(3));
     assert!(
         g1.early_requests() < CAP as usize,
         "one rank filled the store"
