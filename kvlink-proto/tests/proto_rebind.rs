@@ -159,3 +159,35 @@ fn a_rebind_by_the_peers_redial_reports_the_old_session_lost_once_and_first() {
     assert_eq!(a.endpoint(DIALLER), Some(14), "{after:?}");
     assert_eq!(losses(&after), 0, "lost once, when it failed: {after:?}");
 }
+
+#[test]
+fn a_refusal_on_the_bound_connection_is_a_loss_counted_once() {
+    let t = Instant::now();
+    let (me_a, me_d) = (identity(ANSWERER, 11), identity(DIALLER, 22));
+    let (mut a, mut d): (Peers<u64>, Peers<u64>) = (Peers::default(), Peers::default());
+    handshake((&mut a, &me_a), (&mut d, &me_d), 10, t);
+    assert_eq!(a.state(DIALLER), PeerState::Connected);
+    let failures = a.failures;
+
+    // The dialler's side ends the bound connection with a refusal: the requests on it are
+    // lost, as on a failed connection, and the health counts it as one.
+    let refused = a.on_handshake(
+        &me_a,
+        10,
+        Message::Refuse {
+            reason: kvlink_proto::wire::Refusal::RankInUse,
+        },
+        t,
+        1,
+    );
+    assert_eq!(losses(&refused), 1, "{refused:?}");
+    assert_eq!(
+        a.failures,
+        failures + 1,
+        "counted as a failed connection is"
+    );
+    assert_eq!(a.endpoint(DIALLER), None);
+    // The endpoint's close, heard after, is not a second failure.
+    assert_eq!(a.on_failed(10, t), None);
+    assert_eq!(a.failures, failures + 1, "and counted once");
+}

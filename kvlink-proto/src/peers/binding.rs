@@ -241,6 +241,10 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 None => {
                     out.push(A::RefusedByPeer(reason));
                     if let Some(rank) = self.refuse(peer, reason, true, now) {
+                        // The peer ended a bound connection: its requests are lost, and it
+                        // counts as `on_failed` counts a failed one (whose later report of
+                        // this endpoint finds it unbound and counts nothing).
+                        self.failures += 1;
                         out.push(A::Lost(rank));
                     }
                 }
