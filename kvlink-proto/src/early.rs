@@ -9,10 +9,12 @@
 //! against the other's `Cancelled`. [`Early`] keeps them, bounded in number and age, for the
 //! request's start, which applies those from the ranks that may send them.
 //!
-//! The age is the endpoint's default deadline plus the agreement bound: the request's own
-//! deadline is unknown here (no vote or verdict carries it, and a receiving rank never receives
-//! the `Advertise` that does), so a failure kept for a coordinator that starts a request with a
-//! longer deadline later than that is lost (docs/RELIABILITY.md, known gaps).
+//! The age is the longest deadline of the requests this rank has started (at least the
+//! endpoint's default) plus the agreement bound: the request's own deadline is unknown here (no
+//! vote or verdict carries it, and a receiving rank never receives the `Advertise` that does),
+//! and the deadlines a rank's application gives its requests are those its peers' messages
+//! concern. So only a failure kept for the first request that runs longer than any before it
+//! here, started later than that age, is lost (docs/RELIABILITY.md, known gaps).
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -155,6 +157,12 @@ impl Early {
             lines: Lines::default(),
             shares: Map::default(),
         }
+    }
+
+    /// Keeps messages at least `keep` from now on (never shorter than before). Every entry
+    /// keeps the same time after its last message, so the entries stay in expiry order.
+    pub(crate) fn keep_at_least(&mut self, keep: Duration) {
+        self.keep = self.keep.max(keep);
     }
 
     /// Requests with messages kept.

@@ -110,8 +110,9 @@ pub struct Endpoint {
     retries: Map<u64, Retries>,
     collective: Option<Box<dyn Collective>>,
     /// Votes and failure verdicts for requests not started here yet (see `early`), kept for
-    /// the default deadline plus the agreement bound after the last was kept (their expiry is
-    /// one of `poll_timeout`'s timers).
+    /// the longest deadline of a request started here (at least the default) plus the
+    /// agreement bound after the last was kept (their expiry is one of `poll_timeout`'s
+    /// timers).
     early: Early,
     out: Out,
 }
@@ -324,6 +325,10 @@ impl Endpoint {
             &mut self.out,
         );
         let mut r = Timed::boxed(r);
+        // Messages that come before their request starts here are kept as long as this one
+        // could still start after them (`early.rs`).
+        self.early
+            .keep_at_least(timeout.saturating_add(self.config.agreement_bound));
         // What other receivers said of it before it started here, in the order it came; only
         // another receiver's vote (at the coordinator) and the coordinator's verdict count.
         let (kept, lost) = self.early.take(now, key);

@@ -354,6 +354,42 @@ fn an_early_cancel_that_replaces_a_completed_vote_is_kept_as_long_as_one_that_ca
     );
 }
 
+/// The early store kept a message for the default deadline plus the agreement bound, whatever
+/// the deadlines of the requests this rank runs: neither a vote nor a verdict carries one. So a
+/// coordinator whose requests run with a longer deadline of their own, starting one later than
+/// the default deadline after another receiver's cancel reached it, found the cancel gone, ran
+/// to its deadline and ended `TimedOut` against the voter's `Cancelled`. The store now keeps
+/// messages as long as the longest deadline of a request started here (plus the bound): the
+/// deadlines a rank's application gives its requests are the ones its peers' votes concern.
+#[test]
+fn an_early_cancel_outlives_the_default_deadline_where_requests_run_longer() {
+    let t = Instant::now();
+    let long = Some(config().timeout * 10);
+    let default_keep = config().timeout + config().agreement_bound;
+    // The coordinator's application runs its requests with the long deadline: one has started.
+    let mut g1 = Endpoint::new(G1, config());
+    start_two_receiver_request_for(&mut g1, G1, [G1, G2], C, RequestKey::new(30, 0), t, long);
+    // Another request: G2 starts it and cancels; its vote reaches G1 before G1 starts it.
+    let key = RequestKey::new(31, 0);
+    let mut g2 = Endpoint::new(G2, config());
+    start_two_receiver_request_for(&mut g2, G2, [G1, G2], C, key, t, long);
+    g2.cancel(t + ms(1), key).unwrap();
+    let vote = std::iter::from_fn(|| g2.poll_transmit())
+        .find(|x| x.to == G1 && matches!(x.message, Message::Vote { .. }))
+        .expect("the cancel's vote to the coordinator");
+    g1.handle_message(t + ms(2), G2, vote.message).unwrap();
+    // G1 gets to it past the default keep, well within the request's own deadline.
+    let late = t + ms(2) + default_keep + ms(100);
+    g1.handle_timeout(late);
+    start_two_receiver_request_for(&mut g1, G1, [G1, G2], C, key, late, long);
+    assert_eq!(
+        g1.verdict(key),
+        Some(Outcome::Cancelled),
+        "the early cancel went at the default deadline"
+    );
+    ends_cancelled_once_reaped(&mut g1, key, late + ms(1), "the early cancel was lost");
+}
+
 /// A receiver that voted `Completed` and is then reported lost to the coordinator (the link
 /// between the two generation ranks failed; each side's transport reports the other lost) ends
 /// `PeerLost` at once: it has lost its coordinator and no verdict had come. The coordinator

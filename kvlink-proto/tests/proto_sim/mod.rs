@@ -88,11 +88,24 @@ pub fn start_two_receiver_request(
     key: RequestKey,
     t: Instant,
 ) -> BufferDesc {
+    start_two_receiver_request_for(ep, me, receivers, sender, key, t, None)
+}
+
+/// [`start_two_receiver_request`] with the request's own timeout (`None`: the default).
+pub fn start_two_receiver_request_for(
+    ep: &mut Endpoint,
+    me: RankId,
+    receivers: [RankId; 2],
+    sender: RankId,
+    key: RequestKey,
+    t: Instant,
+    timeout: Option<Duration>,
+) -> BufferDesc {
     let lease = BufferPool::new(4).lease(key).unwrap();
     let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
     let spec = ReceiveSpec {
         receivers: receivers.to_vec(),
-        ..one_buffer(key, me, sender, lease, desc, None)
+        ..one_buffer(key, me, sender, lease, desc, timeout)
     };
     ep.start_receive(t, spec).unwrap();
     desc
