@@ -432,8 +432,8 @@ fn survivor_of_a_killed_sm_sender_still_receives() {
     let _one = serial();
     let n = rounds();
     // UCX before 1.22 gives no shared-memory lanes to an agent that may also use the network
-    // (src/transport/ucx/progress.rs, `mm_lanes`): such an agent has no shared-memory queue to
-    // get stuck, and the senders here (shared memory only) could not even reach it.
+    // (src/transport/ucx/progress/setup.rs, `mm_lanes`): such an agent has no shared-memory queue
+    // to get stuck, and the senders here (shared memory only) could not even reach it.
     let minor = kvlink::transport::ucx::resources::ucx_minor();
     let listening_rounds = minor >= 22;
     if !listening_rounds {
