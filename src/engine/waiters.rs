@@ -72,7 +72,7 @@ impl Waiters {
         }
     }
 
-    /// From now on wakes are marked but not notified: [`Waiters::unhold`] hands them over, to
+    /// From now on wakes are marked but not notified: [`Waiters::unhold_into`] hands them over, to
     /// be notified once what the waker does next is under way (the engine's sink: after the
     /// control messages it queued have been started). Wakes still held from an earlier hold
     /// (a sink that panicked) are notified now.
