@@ -226,7 +226,8 @@ fn a_cancel_voted_before_the_coordinator_starts_ends_it_cancelled_when_it_starts
 /// coordinator's own caller cancelled first). Kept the same way, it ends that receiver's request
 /// as soon as it starts. A `Completed` verdict before the start is never right (it needs this
 /// rank's landings) and is not kept; nor is what comes from a rank that is not the request's
-/// coordinator, nor what is older than the keep (the default deadline plus the agreement bound).
+/// coordinator, nor what is older than the keep (the default deadline plus the agreement bound
+/// on a rank that has started no request with a longer deadline).
 #[test]
 fn what_reaches_a_receiver_before_it_starts_counts_only_from_the_right_rank_and_in_time() {
     let t = Instant::now();
@@ -315,7 +316,7 @@ fn an_early_cancel_is_kept_when_completed_votes_of_many_receivers_came_first() {
 }
 
 /// The early store keeps a request's messages for the default deadline plus the agreement
-/// bound after the first came. A failure that replaced an earlier `Completed` vote (the voter's
+/// bound after the first came (here, where no request runs longer). A failure that replaced an earlier `Completed` vote (the voter's
 /// data landed, then its caller, tired of waiting for a late coordinator, cancelled) went with
 /// the `Completed` vote's keep: up to a deadline sooner than the same cancel kept alone. A
 /// coordinator that started in between ran to its deadline and ended `TimedOut` against the
