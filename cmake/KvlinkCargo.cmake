@@ -26,6 +26,17 @@
 # so CMake decides, whatever Cargo.toml's [profile.release] says. A cargo target dir shared by
 # builds that differ in this setting recompiles the crates each time it changes.
 #
+# C++ compiler and ABI: cargo compiles C++ too (cxx's runtime and the bridge, KvlinkCxxAbi.cmake)
+# with the cc crate, which reads CXX and CXXFLAGS from the environment. The cargo command gets
+# CXX=CMAKE_CXX_COMPILER when that is not the compiler cc would pick by itself, and
+# CXXFLAGS=<the ABI flags> (-D_GLIBCXX_USE_CXX11_ABI=N, -stdlib=...) when the parent compiles with
+# any, from CMAKE_CXX_FLAGS or its add_compile_definitions / add_compile_options; otherwise its
+# environment is left as it is, the same as a plain `cargo build` sees, so that a shared target
+# dir is not rebuilt for nothing. cc tells cargo to rerun the build scripts when CXX or CXXFLAGS
+# change, so the C++ objects follow the setting (a shared target dir recompiles cxx and kvlink
+# each time it changes). KVLINK_CXX11_ABI, the libstdc++ string ABI the .a's C++ is built with
+# (empty: not libstdc++), goes into the installed package, which warns a consumer that differs.
+#
 # The cargo target is part of ALL: `cmake --build` followed by `cmake --install` must work even
 # when nothing else (tests, demo, wrapper) links the library. A parent project that wants it built
 # only on demand uses add_subdirectory(kvlink EXCLUDE_FROM_ALL).
@@ -48,6 +59,34 @@ if(DEFINED ENV{KVLINK_UCX_ROOT} AND NOT "$ENV{KVLINK_UCX_ROOT}" STREQUAL "${KVLI
                   "the cache's ('${KVLINK_UCX_ROOT}'); the cache wins. Pass -DKVLINK_UCX_ROOT=... to change it.")
 endif()
 option(KVLINK_DEBUG_INFO "Keep debug info in the kvlink library of Release/MinSizeRel builds and installs" OFF)
+
+include("${CMAKE_CURRENT_LIST_DIR}/KvlinkCxxAbi.cmake")
+kvlink_cxx_abi_flags(KVLINK_CXX_ABI_FLAGS)
+kvlink_cxx11_abi(KVLINK_CXX11_ABI ${KVLINK_CXX_ABI_FLAGS})
+set(_kvlink_cxx_env "")
+if(KVLINK_CXX_ABI_FLAGS)
+  list(JOIN KVLINK_CXX_ABI_FLAGS " " _kvlink_cxxflags)
+  list(APPEND _kvlink_cxx_env "CXXFLAGS=${_kvlink_cxxflags}")
+endif()
+# cc's default is c++ on PATH. Not $ENV{CXX}: CMake sets that itself while it configures
+# (to CMAKE_CXX_COMPILER, given with -D), so here it does not say what the build will inherit.
+set(_kvlink_cc_cxx "")
+set(_kvlink_path "$ENV{PATH}")
+string(REPLACE ":" ";" _kvlink_path "${_kvlink_path}")
+foreach(_kvlink_dir IN LISTS _kvlink_path)
+  if(_kvlink_dir AND NOT IS_DIRECTORY "${_kvlink_dir}/c++" AND EXISTS "${_kvlink_dir}/c++")
+    file(REAL_PATH "${_kvlink_dir}/c++" _kvlink_cc_cxx)
+    break()
+  endif()
+endforeach()
+file(REAL_PATH "${CMAKE_CXX_COMPILER}" _kvlink_cmake_cxx)
+if(NOT _kvlink_cc_cxx STREQUAL _kvlink_cmake_cxx)
+  list(APPEND _kvlink_cxx_env "CXX=${CMAKE_CXX_COMPILER}")
+endif()
+if(_kvlink_cxx_env)
+  list(JOIN _kvlink_cxx_env " " _kvlink_cxx_note)
+  message(STATUS "kvlink: cargo compiles its C++ with ${_kvlink_cxx_note}")
+endif()
 
 set(_kvlink_is_release "$<CONFIG:Release,RelWithDebInfo,MinSizeRel>")
 set(_kvlink_profile "$<IF:${_kvlink_is_release},release,dev>")
@@ -73,7 +112,7 @@ endif()
 # when a locked crate has never been downloaded on this machine.
 add_custom_target(kvlink_cargo ALL
   COMMAND "${CMAKE_COMMAND}" -E env "CARGO_PROFILE_RELEASE_DEBUG=$<IF:${KVLINK_KEEP_DEBUG_INFO},1,0>"
-          "KVLINK_UCX_ROOT=${KVLINK_UCX_ROOT}"
+          "KVLINK_UCX_ROOT=${KVLINK_UCX_ROOT}" ${_kvlink_cxx_env}
           "${KVLINK_CARGO}" build --locked --lib
           --profile "${_kvlink_profile}"
           --manifest-path "${PROJECT_SOURCE_DIR}/Cargo.toml"

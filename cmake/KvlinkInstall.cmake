@@ -4,7 +4,8 @@
 #
 # Layout:  <prefix>/lib/libkvlink.a
 #          <prefix>/include/kvlink/{kvlink.hpp,bridge.h}, <prefix>/include/rust/cxx.h
-#          <prefix>/lib/cmake/kvlink/kvlinkConfig.cmake, kvlinkConfigVersion.cmake
+#          <prefix>/lib/cmake/kvlink/kvlinkConfig.cmake, kvlinkConfigVersion.cmake,
+#          KvlinkUcx.cmake, KvlinkCxxAbi.cmake (helpers it includes)
 #
 # The installed package is written by hand (cmake/kvlinkConfig.cmake.in) instead of exported:
 # the build tree's target is an INTERFACE wrapper around a cargo byproduct, while an installed
@@ -64,4 +65,5 @@ write_basic_package_version_file(
 install(FILES "${PROJECT_BINARY_DIR}/kvlinkConfig.cmake"
               "${PROJECT_BINARY_DIR}/kvlinkConfigVersion.cmake"
               "${CMAKE_CURRENT_LIST_DIR}/KvlinkUcx.cmake"
+              "${CMAKE_CURRENT_LIST_DIR}/KvlinkCxxAbi.cmake"
         DESTINATION "${KVLINK_INSTALL_CMAKEDIR}")

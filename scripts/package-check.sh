@@ -9,9 +9,14 @@
 #      must report the version and the UCX it was built against, and the program must run;
 #   4. the same consumer with the environment variable KVLINK_UCX_ROOT naming another UCX prefix
 #      (links to the UCX of the build, so nothing else differs): it must link and load that one,
-#      as the build does with the same variable.
+#      as the build does with the same variable;
+#   5. the same consumer adding kvlink as a subdirectory while it compiles with the old libstdc++
+#      string ABI (-D_GLIBCXX_USE_CXX11_ABI=0, as TensorRT-LLM with USE_CXX11_ABI=OFF): the C++
+#      cargo compiles into the .a must follow it, or kvlink::version() does not link.
 # Both builds use the release profile and one cargo target dir, so Rust compiles at most once
 # (not at all when `cargo build --release` or scripts/bench.sh already ran on the same tree).
+# Step 5 shares that dir too and comes last: cargo recompiles cxx and kvlink with the old ABI for
+# it (about 20 s), and once more for the next default release build of the tree.
 # Steps whose prerequisite failed are reported as skipped; the exit status is non-zero if any
 # step failed.
 #
@@ -43,7 +48,8 @@ else
 fi
 
 ucx_alias="$work/ucx-alias"
-rm -rf "$build_off" "$prefix" "$work/consumer" "$work/consumer-ucx-env" "$ucx_alias"
+rm -rf "$build_off" "$prefix" "$work/consumer" "$work/consumer-ucx-env" "$work/consumer-old-abi" \
+    "$ucx_alias"
 if [[ "${KVLINK_PKG_FRESH:-0}" == "1" ]]; then rm -rf "$build_rel"; fi
 mkdir -p "$work"
 
@@ -116,5 +122,14 @@ consumer_ucx_env() {
         -P "$root/cpp_tests/consumer/run_consumer.cmake"
 }
 step consumer-ucx-env requires=off-install -- consumer_ucx_env
+
+# 5. A parent on the old libstdc++ string ABI adds kvlink as a subdirectory (KvlinkCargo.cmake
+# passes the ABI to cargo's C++ build). Last: it rebuilds cxx and kvlink in the shared target dir.
+step consumer-old-abi -- cmake -DMODE=subdirectory -DKVLINK_SOURCE_DIR="$root" \
+    -DCARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DUCX_ROOT="${KVLINK_UCX_ROOT:-}" \
+    -DCXX_FLAGS=-D_GLIBCXX_USE_CXX11_ABI=0 \
+    -DCONSUMER_SOURCE_DIR="$root/cpp_tests/consumer" -DWORK_DIR="$work/consumer-old-abi" \
+    -DGENERATOR=Ninja -DCONFIG=Release -DEXPECTED_VERSION="$version" \
+    -DEXPECTED_UCX_VERSION="$ucx_version" -P "$root/cpp_tests/consumer/run_consumer.cmake"
 
 finish package-check "package-check summary (kvlink $version, UCX $ucx_version)"

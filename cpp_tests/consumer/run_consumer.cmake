@@ -8,6 +8,7 @@
 # Inputs: MODE KVLINK_BINARY_DIR PREFIX KVLINK_SOURCE_DIR CARGO_TARGET_DIR CONFIG
 #         CONSUMER_SOURCE_DIR WORK_DIR GENERATOR MAKE_PROGRAM CXX_COMPILER EXPECTED_VERSION
 #         EXPECTED_UCX_VERSION UCX_ROOT EXPECTED_UCX_LIBDIR (if set: the executable must load libucp from it)
+#         CXX_FLAGS (the consumer's CMAKE_CXX_FLAGS, e.g. -D_GLIBCXX_USE_CXX11_ABI=0)
 cmake_minimum_required(VERSION 3.20)  # policies of this century (CMP0054: "prefix" is a string)
 if(NOT MODE)
   set(MODE install)
@@ -69,6 +70,9 @@ if(CXX_COMPILER)
 endif()
 if(CONFIG)
   list(APPEND configure_args "-DCMAKE_BUILD_TYPE=${CONFIG}")
+endif()
+if(CXX_FLAGS)
+  list(APPEND configure_args "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}")
 endif()
 run_step(configure "${CMAKE_COMMAND}" ${configure_args})
 run_step(build "${CMAKE_COMMAND}" --build "${build}" ${config_args})
