@@ -88,6 +88,16 @@ if(_kvlink_cxx_env)
   message(STATUS "kvlink: cargo compiles its C++ with ${_kvlink_cxx_note}")
 endif()
 
+# An empty KVLINK_UCX_ROOT is removed from cargo's environment, not set empty: build.rs reads both
+# as "the system UCX", but cargo's rerun-if-env-changed tells them apart, and a plain `cargo test`
+# in a shared target dir has it unset (set empty, each alternation reran build.rs and recompiled
+# kvlink). Removed, not left alone: the cache wins over the environment (see the warning above).
+if(KVLINK_UCX_ROOT)
+  set(_kvlink_ucx_env "KVLINK_UCX_ROOT=${KVLINK_UCX_ROOT}")
+else()
+  set(_kvlink_ucx_env "--unset=KVLINK_UCX_ROOT")
+endif()
+
 set(_kvlink_is_release "$<CONFIG:Release,RelWithDebInfo,MinSizeRel>")
 set(_kvlink_profile "$<IF:${_kvlink_is_release},release,dev>")
 set(_kvlink_profile_dir "$<IF:${_kvlink_is_release},release,debug>")
@@ -111,8 +121,8 @@ endif()
 # configure time; cargo reads crates from its local registry cache and only reaches the network
 # when a locked crate has never been downloaded on this machine.
 add_custom_target(kvlink_cargo ALL
-  COMMAND "${CMAKE_COMMAND}" -E env "CARGO_PROFILE_RELEASE_DEBUG=$<IF:${KVLINK_KEEP_DEBUG_INFO},1,0>"
-          "KVLINK_UCX_ROOT=${KVLINK_UCX_ROOT}" ${_kvlink_cxx_env}
+  COMMAND "${CMAKE_COMMAND}" -E env "${_kvlink_ucx_env}"
+          "CARGO_PROFILE_RELEASE_DEBUG=$<IF:${KVLINK_KEEP_DEBUG_INFO},1,0>" ${_kvlink_cxx_env}
           "${KVLINK_CARGO}" build --locked --lib
           --profile "${_kvlink_profile}"
           --manifest-path "${PROJECT_SOURCE_DIR}/Cargo.toml"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks kvlink as a CMake package the way the README documents it, and prints a summary:
-#   1. the README's Release line (configure + build with every default), then ctest on it, and
-#      the TensorRT-LLM wrapper it built must carry no debug info;
+#   1. the README's Release line (configure + build with every default); a plain
+#      `cargo build --release` then the same CMake build must not recompile kvlink (shared-target);
+#      ctest on it, and the TensorRT-LLM wrapper it built must carry no debug info;
 #   2. configure + build + `cmake --install` with tests, demo and wrapper all OFF, into a fresh
 #      prefix: the build must still produce the library, and the installed .a must carry no
 #      debug info (KVLINK_DEBUG_INFO is OFF by default);
@@ -81,6 +82,19 @@ check_installed_lib() {
 step release-build -- bash -c "cmake -S '$root' -B '$build_rel' -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DKVLINK_CARGO_TARGET_DIR='$CARGO_TARGET_DIR' -DKVLINK_UCX_ROOT='${KVLINK_UCX_ROOT:-}' \
     && cmake --build '$build_rel' -j $jobs"
+# CI's `cargo test` and CMake builds share the target dir: a default CMake build must hand cargo
+# the environment a plain cargo build has, or cargo reruns build.rs and recompiles kvlink.
+shared_target_no_rebuild() {
+    local out rc=0
+    cargo build --locked --lib --release || return 1
+    out="$(cmake --build "$build_rel" 2>&1)" || rc=$?
+    echo "$out"
+    if [[ $rc -ne 0 ]]; then return 1; fi
+    if grep -q 'Compiling kvlink ' <<<"$out"; then
+        echo "the CMake build recompiled kvlink right after a plain cargo build"; return 1
+    fi
+}
+step shared-target requires=release-build -- shared_target_no_rebuild
 step release-ctest requires=release-build -- \
     ctest --test-dir "$build_rel" --output-on-failure -j "$jobs" --repeat until-pass:2  # see test-all.sh
 # The TensorRT-LLM wrapper carries the same Rust standard library: no debug info either.
