@@ -174,6 +174,22 @@ impl Endpoint {
         self.recvs.len() + self.flow_count()
     }
 
+    /// The entries of every table kept here, by name: for tests that check each stays bounded
+    /// over many requests.
+    #[doc(hidden)]
+    pub fn table_sizes(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("ep.recvs", self.recvs.len()),
+            ("ep.sends", self.sends.len()),
+            ("ep.timers", self.timers.entries()),
+            ("ep.tombs", self.tombs.len()),
+            ("ep.tomb_expiry", self.tomb_expiry.len()),
+            ("ep.tomb_order", self.tomb_order.len()),
+            ("ep.retries", self.retries.len()),
+            ("ep.early", self.early.len()),
+        ]
+    }
+
     /// Requests forgotten here whose tombstones are still kept (see [`Endpoint::known`]).
     pub fn tombstones(&self) -> usize {
         self.tombs.len()

@@ -283,6 +283,34 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.ranks.get(&rank).map(|r| r.name.clone())
     }
 
+    /// The entries of every table kept here, by name: for tests that check each stays bounded
+    /// over many connections (a peer dialling and dropping again and again).
+    #[doc(hidden)]
+    pub fn table_sizes(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("peers.ranks", self.ranks.len()),
+            ("peers.rank_of", self.rank_of.len()),
+            ("peers.dialling", self.dialling.len()),
+            ("peers.came_from", self.came_from.len()),
+            ("peers.wakes", self.wakes.len()),
+            ("peers.handshakes", self.handshakes.len()),
+            ("peers.refused", self.refused.len()),
+            ("peers.refused_order", self.refused_order.len()),
+            ("peers.closing", self.closing.len()),
+            ("peers.pending", self.pending.len()),
+            ("peers.gave_way", self.gave_way.len()),
+            ("peers.timed_out", self.timed_out.len()),
+            ("peers.won_tie", self.won_tie.len()),
+            ("peers.redial_of", self.redial_of.len()),
+            ("peers.lost_answers", self.lost_answers.len()),
+            ("peers.gave_way_to", self.gave_way_to.len()),
+            ("peers.expect_redial", self.expect_redial.len()),
+            ("peers.connects", self.connects.len()),
+            ("peers.round_starting", self.round_starting.len()),
+            ("peers.failed_order", self.failed_order.len()),
+        ]
+    }
+
     /// Every rank this side has known (bound once, whatever its state now).
     pub fn ranks(&self) -> impl Iterator<Item = RankId> + '_ {
         self.ranks.keys().copied()

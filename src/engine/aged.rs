@@ -93,9 +93,14 @@ impl<K: Hash + Eq + Clone, V> Aged<K, V> {
         self.map.remove(k).map(|(v, _)| v)
     }
 
-    #[cfg(test)]
-    fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.map.len()
+    }
+
+    /// Slots in the expiry queue, live and stale (kept within twice the entries plus
+    /// [`SLACK`]).
+    pub fn slots(&self) -> usize {
+        self.order.len()
     }
 
     /// Drops every entry put in `keep` or more before `now`. A clock read that ran behind an
@@ -122,11 +127,6 @@ impl<K: Hash + Eq + Clone, V> Aged<K, V> {
         let map = &self.map;
         self.order
             .retain(|(_, n, k)| map.get(k).is_some_and(|(_, m)| m == n));
-    }
-
-    #[cfg(test)]
-    fn slots(&self) -> usize {
-        self.order.len()
     }
 }
 

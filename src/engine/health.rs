@@ -40,6 +40,40 @@ impl Engine {
         self.inner.agent.close_peer(peer)
     }
 
+    /// For tests: the entries of every table the engine keeps (its own, the protocol core's
+    /// and the peer table's), by name, to check that each stays bounded over many requests
+    /// and connections.
+    #[doc(hidden)]
+    pub fn table_sizes(&self) -> Vec<(&'static str, usize)> {
+        let core = self.inner.core.lock();
+        let mut t = vec![
+            ("refusal_ops", core.refusal_ops.len()),
+            ("recv_ops", core.recv_ops.len()),
+            ("by_token", core.by_token.len()),
+            ("sends", core.sends.len()),
+            ("adverts", core.adverts.len()),
+            ("terminals", core.terminals.len()),
+            ("terminals.slots", core.terminals.slots()),
+            ("waited", core.waited.len()),
+            ("deferred", core.deferred.len()),
+            ("fencing", core.fencing.len()),
+            ("fence_closes", core.fence_closes.len()),
+            ("finished", core.finished.len()),
+            ("finished.slots", core.finished.slots()),
+            ("notes", core.notes.len()),
+            ("control_ops", core.control_ops.len()),
+            ("waiters", core.waiters.keys()),
+            ("retired", core.retired.len()),
+            ("retired.slots", core.retired.slots()),
+            ("fault_cut", core.fault_cut.len()),
+            ("held_wakes", self.inner.held_wakes.lock().len()),
+            ("agent.live_peers", self.inner.agent.live_peers()),
+        ];
+        t.extend(core.ep.table_sizes());
+        t.extend(core.peers.table_sizes());
+        t
+    }
+
     /// The progress snapshot.
     pub fn health(&self) -> Health {
         let s = self.inner.agent.stats();

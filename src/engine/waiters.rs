@@ -61,6 +61,11 @@ fn notify(holding: bool, held: &mut Vec<Arc<Condvar>>, cv: &Arc<Condvar>) {
 }
 
 impl Waiters {
+    /// Keys with a caller asleep on them now.
+    pub(crate) fn keys(&self) -> usize {
+        self.map.len()
+    }
+
     /// Wakes every caller waiting for `key` (usually one).
     pub(crate) fn wake(&mut self, key: WaitKey) {
         let Waiters { map, holding, held } = self;

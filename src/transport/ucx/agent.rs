@@ -595,6 +595,12 @@ impl Agent {
     }
 
     /// A snapshot of the progress counters.
+    /// Peers whose endpoint is live now (for tests of what the agent keeps per peer).
+    #[doc(hidden)]
+    pub fn live_peers(&self) -> usize {
+        self.shared.live_peers.lock().len()
+    }
+
     pub fn stats(&self) -> Stats {
         let s = &self.shared.stats;
         let now = Instant::now();
