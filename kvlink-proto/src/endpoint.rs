@@ -735,12 +735,17 @@ impl Endpoint {
                 }
             }
         }
+        let mut expired = false;
         while let Some((at, id)) = self.tomb_expiry.pop_due(now) {
             if self.tomb_is(id, at) {
                 self.tombs.remove(&id);
                 // A newer generation stays known (stale detection) as long as its tombstone.
                 self.note_tomb_gone(id);
+                expired = true;
             }
+        }
+        if expired {
+            self.trim_tomb_order();
         }
         // Early messages past their keep, which no request took.
         self.out.stats.unknown_dropped += self.early.expire(now) as u64;
@@ -779,8 +784,22 @@ impl Endpoint {
                 self.out.stats.tombs_evicted += 1;
             }
         }
-        // Entries whose tombstone expired or was replaced: dropped from the front as they
-        // come, and all at once when they outnumber the live ones (amortized O(1) a burial).
+        self.trim_tomb_order();
+        // As for the order queue (`trim_tomb_order`), the expiry queue: an evicted (or replaced) tombstone's expiry stays
+        // there until its instant, a deadline away, so without this the queue grew with the
+        // request rate times the deadline whatever the cap.
+        if self.tomb_expiry.len() > 2 * self.tombs.len() + 64 {
+            let tombs = &self.tombs;
+            self.tomb_expiry
+                .retain(|at, id| tombs.get(&id).is_some_and(|t| t.0 == at));
+        }
+    }
+
+    /// Drops the order queue's entries whose tombstone expired, was evicted or was replaced:
+    /// from the front as they come, and all at once when they outnumber the live ones
+    /// (amortized O(1) a burial or an expiry). Run at both, so that the queue follows the
+    /// tombstones down as well as up (an idle endpoint whose tombstones all expired keeps none).
+    fn trim_tomb_order(&mut self) {
         while let Some(&(old, at)) = self.tomb_order.front() {
             if self.tomb_is(old, at) {
                 break;
@@ -791,14 +810,6 @@ impl Endpoint {
             let mut order = std::mem::take(&mut self.tomb_order);
             order.retain(|&(old, at)| self.tomb_is(old, at));
             self.tomb_order = order;
-        }
-        // The same for the expiry queue: an evicted (or replaced) tombstone's expiry stays
-        // there until its instant, a deadline away, so without this the queue grew with the
-        // request rate times the deadline whatever the cap.
-        if self.tomb_expiry.len() > 2 * self.tombs.len() + 64 {
-            let tombs = &self.tombs;
-            self.tomb_expiry
-                .retain(|at, id| tombs.get(&id).is_some_and(|t| t.0 == at));
         }
     }
 
