@@ -1138,6 +1138,27 @@ TEST(WrapperLives, ManagerLivesWithTheWrapperUnloadedBetweenThemLeaveNothingBehi
   }
 }
 
+// The same lives, the generation side on one long-lived thread (the test's, which keeps the
+// wrapper loaded: it holds a thread_local of it), as a host thread that outlives its executors
+// makes its calls. That thread keeps a list of the connections it holds state on, for its exit
+// to drop that state; the list stays bounded by what is alive. Before, it kept a pointer to
+// every connection it ever used, of managers long destroyed (one more each life: 83 after 100
+// lives here), and searched the whole list on each of its requests.
+TEST(WrapperLives, ALongLivedThreadKeepsNothingOfManagersGone) {
+  constexpr int kLives = 100;
+  expectLivesLeaveNothing(kLives, [](int round, std::string const& transport) {
+    Wrapper w(KVLINK_WRAPPER_PROBE_PATH);
+    managerLife(w, round, transport);
+  });
+  Wrapper w(KVLINK_WRAPPER_PROBE_PATH);
+  auto const touched =
+      reinterpret_cast<KvlinkProbeThreadConnectionsFn>(dlsym(w.handle, KVLINK_PROBE_THREAD_CONNECTIONS_SYMBOL));
+  ASSERT_NE(touched, nullptr);
+  uint64_t const n = touched();
+  std::printf("connections this thread lists after %d lives: %llu\n", kLives, static_cast<unsigned long long>(n));
+  EXPECT_LT(n, 32u) << "the long-lived thread lists a connection of every manager it ever used";
+}
+
 /// The CUDA driver, loaded at run time (this binary links nothing of CUDA): device memory for
 /// the GPU test, or the reason there is none.
 struct Cuda {

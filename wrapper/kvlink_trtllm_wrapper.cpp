@@ -160,13 +160,33 @@ LiveConnections& liveConnections() {
 /// The connections this thread holds state on; its destructor, run at the thread's exit, drops
 /// that state on each that is still alive.
 struct ThreadStateOwner {
+  /// A list this long is pruned of the connections destroyed since (then twice what is left).
+  static constexpr size_t kPruneAt = 16;
   std::vector<KvlinkConnection const*> touched;
+  size_t pruneAt = kPruneAt;
   ~ThreadStateOwner();
 };
-/// This thread holds state on `c`: it goes when the thread exits.
-void ownThreadState(KvlinkConnection const* c) {
+/// The calling thread's owner, made on its first use.
+ThreadStateOwner& threadStateOwner() {
   thread_local ThreadStateOwner owner;
-  if (std::find(owner.touched.begin(), owner.touched.end(), c) == owner.touched.end()) owner.touched.push_back(c);
+  return owner;
+}
+/// This thread holds state on `c`: it goes when the thread exits. Takes the live connections'
+/// lock: never called with a connection's lock held (a thread's exit takes them the other way).
+void ownThreadState(KvlinkConnection const* c) {
+  auto& o = threadStateOwner();
+  if (std::find(o.touched.begin(), o.touched.end(), c) != o.touched.end()) return;
+  if (o.touched.size() >= o.pruneAt) {
+    // A thread that outlives managers (a host thread over many executor lives) used their
+    // connections too: those destroyed since hold nothing of it. Kept, the list grew by each
+    // connection it ever used, and was searched whole on each request.
+    auto& l = liveConnections();
+    std::lock_guard<std::mutex> g(l.mu);
+    auto const gone = [&](KvlinkConnection const* t) { return l.live.count(t) == 0; };
+    o.touched.erase(std::remove_if(o.touched.begin(), o.touched.end(), gone), o.touched.end());
+    o.pruneAt = std::max(ThreadStateOwner::kPruneAt, 2 * o.touched.size());
+  }
+  o.touched.push_back(c);
 }
 
 /// One remote rank. Thread safe; holds per-thread state for the requests its callers run.
@@ -911,6 +931,7 @@ void KvlinkConnection::recvData(kv::DataContext const& ctx, void* data, size_t s
 // Context side ---------------------------------------------------------------------------------
 
 void KvlinkConnection::adoptEnvelope(Advertisement const& adv, Header&& h) const {
+  if (!h.messages.empty()) ownThreadState(this);  // before mu_: it takes the live connections' lock
   std::lock_guard<std::mutex> g(mu_);
   // The generation thread moved on: that request is over.
   if (h.closes != 0) endCtx(h.closes - 1);
@@ -919,10 +940,7 @@ void KvlinkConnection::adoptEnvelope(Advertisement const& adv, Header&& h) const
   r.envelope = adv.key;
   r.deadline = adv.deadline;
   ctx_[r.id] = r;
-  if (!h.messages.empty()) {
-    ownThreadState(this);
-    incoming_[std::this_thread::get_id()] = std::move(h.messages);
-  }
+  if (!h.messages.empty()) incoming_[std::this_thread::get_id()] = std::move(h.messages);
 }
 
 void KvlinkConnection::queueData(Advertisement&& adv, Header&& h) const {

@@ -31,3 +31,7 @@ extern "C" __attribute__((visibility("default"))) int kvlinkProbeWrapperState(vo
                                  m->contextRequests()};
   return 0;
 }
+
+extern "C" __attribute__((visibility("default"))) std::uint64_t kvlinkProbeThreadConnections() {
+  return kvlink::trtllm::threadStateOwner().touched.size();
+}

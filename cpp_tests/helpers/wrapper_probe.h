@@ -44,3 +44,8 @@ struct KvlinkProbeWrapperState {
 /// Fills `out` from the wrapper state of `manager`. Returns 0, or -1 as KvlinkProbeHealthFn.
 using KvlinkProbeWrapperStateFn = int (*)(void* manager, KvlinkProbeWrapperState* out);
 #define KVLINK_PROBE_WRAPPER_STATE_SYMBOL "kvlinkProbeWrapperState"
+
+/// The connections the calling thread holds (or held) per-thread state on, each of which its exit
+/// visits: the list a long-lived thread keeps over every manager it ever used.
+using KvlinkProbeThreadConnectionsFn = std::uint64_t (*)();
+#define KVLINK_PROBE_THREAD_CONNECTIONS_SYMBOL "kvlinkProbeThreadConnections"
