@@ -107,12 +107,19 @@ std::string envOr(char const* given, char const* name, char const* fallback) {
 class CudaPointers {
  public:
   CudaPointers() {
-    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-    if (h == nullptr) return;
-    init_ = reinterpret_cast<int (*)(unsigned)>(dlsym(h, "cuInit"));
-    attr_ = reinterpret_cast<int (*)(void*, int, unsigned long long)>(dlsym(h, "cuPointerGetAttribute"));
+    handle_ = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (handle_ == nullptr) return;
+    init_ = reinterpret_cast<int (*)(unsigned)>(dlsym(handle_, "cuInit"));
+    attr_ = reinterpret_cast<int (*)(void*, int, unsigned long long)>(dlsym(handle_, "cuPointerGetAttribute"));
     if (init_ == nullptr || attr_ == nullptr || init_(0) != 0) attr_ = nullptr;
   }
+  /// The reference taken above keeps the driver loaded while the manager may call it, and no
+  /// longer: kept, each manager of a long-lived host added one that was never given back.
+  ~CudaPointers() {
+    if (handle_ != nullptr) dlclose(handle_);
+  }
+  CudaPointers(CudaPointers const&) = delete;
+  CudaPointers& operator=(CudaPointers const&) = delete;
   /// The CUDA device of `p`, or -1 for host memory (pinned host memory included).
   int deviceOf(void const* p) const {
     if (attr_ == nullptr || p == nullptr) return -1;
@@ -124,6 +131,7 @@ class CudaPointers {
   }
 
  private:
+  void* handle_ = nullptr;
   int (*init_)(unsigned) = nullptr;
   int (*attr_)(void*, int, unsigned long long) = nullptr;
 };
