@@ -819,6 +819,56 @@ fn recv_ready_follows_a_timed_out_end_before_and_after_wait() {
     b[0] = 1;
 }
 
+/// `recv_ready` keeps following a request's end after the request's deadline has passed: a
+/// completed request whose end `wait` took says ready, and a rejected one not, also once the
+/// protocol core has forgotten it (its tombstone goes at its deadline plus the agreement bound
+/// plus its linger).
+#[test]
+fn recv_ready_follows_the_end_past_the_requests_deadline() {
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let timeout = Duration::from_millis(200);
+    let completed = RequestKey::new(51, 0);
+    one_request_completes(
+        &ctx,
+        &gen,
+        (completed, GEN, CTX),
+        Some(timeout),
+        5,
+        "completed",
+    );
+    let rejected = RequestKey::new(52, 0);
+    let mut buf = vec![0u8; 4096];
+    advertise_buffers(
+        &gen,
+        rejected,
+        vec![RankId(GEN)],
+        RankId(CTX),
+        vec![one_spec(&mut buf, 0)],
+        Some(timeout),
+    );
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let adv = ctx.next_advertisement(soon(), None).unwrap();
+    ctx.accept(rejected, adv.from, false).unwrap();
+    assert_eq!(
+        gen.wait(rejected, Role::Receiver, soon(), None).unwrap(),
+        Outcome::Rejected
+    );
+    let answers = || {
+        let t0 = Instant::now();
+        let a = (
+            gen.recv_ready(completed, soon(), None),
+            gen.recv_ready(rejected, soon(), None),
+        );
+        assert!(t0.elapsed() < Duration::from_millis(100), "at once");
+        a
+    };
+    assert_eq!(answers(), (Some(true), Some(false)), "within the deadline");
+    // Past the deadline (200 ms), the agreement bound (500 ms) and the core's linger (5 s),
+    // with room: the core has forgotten both, tombstones included.
+    std::thread::sleep(Duration::from_millis(6500));
+    assert_eq!(answers(), (Some(true), Some(false)), "past the deadline");
+}
+
 /// One call waits for a request's end: a second `wait` for the same key and role, made while
 /// the first blocks, is refused at once (`InvalidArgument`), and the end goes whole to the first
 /// (before, both blocked, the first took the end and the second returned `TimedOut` at its

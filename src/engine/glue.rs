@@ -127,9 +127,10 @@ pub(crate) struct Core {
     /// the cancel released them first ([`FENCE_CANCEL_GRACE`]), oldest first: (when, receive
     /// op, its endpoint).
     pub fence_closes: VecDeque<(Instant, u64, PeerId)>,
-    /// Keys that ended here: a replay of one is refused, a late advertisement of one dropped
-    /// (for RETENTION).
-    pub finished: Aged<(RequestKey, Option<RankId>), ()>,
+    /// Keys that ended here, with their end: a replay of one is refused, a late advertisement
+    /// of one dropped, and `recv_ready` answers from a receive's end once the core has forgotten
+    /// it (for RETENTION).
+    pub finished: Aged<(RequestKey, Option<RankId>), Outcome>,
     /// Notifications waiting, by sending rank (a rank's queue goes when it empties).
     pub notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
     /// What `notes` holds, in bytes ([`note_bytes`]; at most [`MAX_QUEUED_BYTES`]).
@@ -835,7 +836,7 @@ impl Inner {
                     Role::Receiver => None,
                     Role::Sender { receiver } => Some(receiver),
                 };
-                core.finished.insert((key, peer), (), now);
+                core.finished.insert((key, peer), outcome, now);
                 if matches!(outcome, Outcome::TimedOut | Outcome::PeerLost) {
                     core.counters.last_fault = Some(now);
                 }

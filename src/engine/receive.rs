@@ -346,7 +346,8 @@ impl Engine {
     /// `None` if none came by `deadline` (or `cancel()`), or at once if the request is unknown
     /// or has already ended otherwise. The answer is the protocol core's, not consumed by
     /// asking: a second call gives it again, and once the request has ended it follows the end
-    /// (`Completed` true, `Rejected` false, else `None`), before and after `wait` took it.
+    /// (`Completed` true, `Rejected` false, else `None`), before and after `wait` took it, and
+    /// after the protocol core has forgotten it (as long as its replay is refused: 10 minutes).
     pub fn recv_ready(
         &self,
         key: RequestKey,
@@ -363,7 +364,13 @@ impl Engine {
                     None if !core.ep.running(key, Role::Receiver)
                         && !core.deferred.contains_key(&key) =>
                     {
-                        Some(None)
+                        // Forgotten by the core (its tombstone too, after its deadline, the
+                        // agreement bound and the linger): the end it had is still the answer.
+                        Some(match core.finished.get(&(key, None)) {
+                            Some(Outcome::Completed) => Some(true),
+                            Some(Outcome::Rejected) => Some(false),
+                            _ => None,
+                        })
                     }
                     None => None,
                 },
