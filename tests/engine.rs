@@ -517,6 +517,43 @@ fn an_accept_that_the_receivers_cancel_beat_is_no_error_and_the_send_reports_the
     assert_eq!(gen.health().buffers_leased, 0);
 }
 
+/// The same race, answered late: an advertisement taken from the queue (or answered) only after
+/// its request has ended and the protocol core has forgotten it (its deadline, the agreement
+/// bound and the core's linger of 5 s, tombstone included). `accept` is still no error, the
+/// send still reports the end and the sender's wait gives it: the engine remembers the end.
+#[test]
+fn an_accept_and_send_after_the_core_forgot_the_request_report_its_end() {
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let key = RequestKey::new(4096 + 7, 0);
+    let mut buf = vec![0u8; 4096];
+    advertise_buffers(
+        &gen,
+        key,
+        vec![RankId(GEN)],
+        RankId(CTX),
+        vec![one_spec(&mut buf, 0)],
+        Some(Duration::from_millis(200)),
+    );
+    let soon = || Instant::now() + Duration::from_secs(5);
+    assert_eq!(
+        gen.wait(key, Role::Receiver, soon(), None).unwrap(),
+        Outcome::TimedOut
+    );
+    // Past the deadline (200 ms), the agreement bound (500 ms) and the linger (5 s), with room.
+    std::thread::sleep(Duration::from_millis(6500));
+    let adv = ctx.next_advertisement(soon(), None).unwrap();
+    assert_eq!(adv.key, key);
+    ctx.accept(key, adv.from, true)
+        .expect("an answer that the request's end beat is no error");
+    let o = ctx.send(key, adv.from, 0, &[1u8; 4096], soon(), None);
+    assert_eq!(o.unwrap(), Outcome::TimedOut, "the send reports the end");
+    assert_eq!(
+        ctx.wait(key, TO_GEN, soon(), None).unwrap(),
+        Outcome::TimedOut
+    );
+    assert!(buf.iter().all(|&b| b == 0), "no byte landed");
+}
+
 /// A cancel check that answers true once (an edge, as a host's "cancel requested" event that
 /// is consumed when read) cancels the wait: the wait reports `Cancelled`, agreed with the
 /// sender, not `TimedOut` (before, the wait asked the check a second time to learn why it had

@@ -18,14 +18,14 @@ use parking_lot::Mutex;
 use super::aged::Aged;
 use super::waiters::{HasWaiters, WaitKey, Waiters};
 use super::{Advertisement, Faults};
-use crate::error::{ErrorKind, Outcome, Result};
+use crate::error::{Error, ErrorKind, Outcome, Result};
 use crate::proto::peers::Peers;
 use crate::proto::pool::{BufferId, BufferPool, Lease};
 use crate::proto::regions::Regions;
 use crate::proto::wire::{self, WireReason, VERSION};
 use crate::proto::{
-    Action, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, RankId, Refusal,
-    RequestKey, Role, Token, TokenAllocator,
+    Action, BufferDesc, Endpoint, Event as ProtoEvent, Handshake, Identity, Message, RankId,
+    Refusal, RequestKey, Role, Token, TokenAllocator,
 };
 use crate::timeline::{self, Stage};
 use crate::transport::cuda::Staging;
@@ -224,6 +224,59 @@ impl Core {
                 .peers
                 .ranks()
                 .any(|r| self.finished.contains_key(&(key, Some(r))))
+    }
+
+    /// The end of the send of `key` to `to`, once the protocol core has forgotten it (its
+    /// tombstone too): remembered here for RETENTION. The core's answers for a forgotten send
+    /// (`accept`, `check_send`: `UnknownRequest`) are then taken as its tombstone gave them.
+    pub fn forgotten_send(&self, key: RequestKey, to: RankId) -> Option<Outcome> {
+        if self.ep.knows_send(key, to) {
+            return None;
+        }
+        self.finished.get(&(key, Some(to))).copied()
+    }
+
+    /// [`Endpoint::accept`], answered for a send the core has forgotten as its tombstone
+    /// answered: no error after any end but `Completed` (the answer lost a race with the end),
+    /// `InvalidArgument` after `Completed` (it was answered long ago).
+    pub fn accept(
+        &mut self,
+        now: Instant,
+        key: RequestKey,
+        from: RankId,
+        ready: bool,
+    ) -> Result<()> {
+        match self.ep.accept(now, key, from, ready) {
+            Err(e) if e.kind == ErrorKind::UnknownRequest => match self.forgotten_send(key, from) {
+                Some(Outcome::Completed) => Err(Error::invalid(format!(
+                    "{key} from {from}: already decided"
+                ))),
+                Some(_) => Ok(()),
+                None => Err(e),
+            },
+            r => r,
+        }
+    }
+
+    /// [`Endpoint::check_send`], answered for a send the core has forgotten as its tombstone
+    /// answered: its end, or `InvalidArgument` after `Completed` (every segment was sent).
+    pub fn check_send(
+        &self,
+        key: RequestKey,
+        to: RankId,
+        segment: u32,
+        len: u64,
+    ) -> Result<std::result::Result<BufferDesc, Outcome>> {
+        match self.ep.check_send(key, to, segment, len) {
+            Err(e) if e.kind == ErrorKind::UnknownRequest => match self.forgotten_send(key, to) {
+                Some(Outcome::Completed) => Err(Error::invalid(format!(
+                    "{key} to {to}: segment {segment} was already sent or never advertised"
+                ))),
+                Some(o) => Ok(Err(o)),
+                None => Err(e),
+            },
+            r => r,
+        }
     }
 
     fn end(&mut self, key: RequestKey, role: Role, outcome: Outcome, now: Instant) {

@@ -36,12 +36,14 @@ impl Engine {
     /// `UnknownRequest` when no advertisement of `key` came from `from`, `InvalidArgument` when
     /// it was answered already. An answer to a request that ended before it (the receivers gave
     /// it up or cancelled it: a race, not misuse) is no error and changes nothing: a send then
-    /// returns the end, and [`Engine::wait`] the agreed verdict.
+    /// returns the end, and [`Engine::wait`] the agreed verdict; so is an answer made after
+    /// the protocol core has forgotten the request (the engine remembers its end for 10
+    /// minutes, as for [`Engine::cancel`]).
     pub fn accept(&self, key: RequestKey, from: RankId, ready: bool) -> Result<()> {
         let _returned = timeline::on_return(Stage::AcceptReturned);
         let mut core = self.inner.core.lock();
         // `UnknownRequest` when no advertisement of `key` came from `from` (one look-up).
-        let r = core.ep.accept(Instant::now(), key, from, ready);
+        let r = core.accept(Instant::now(), key, from, ready);
         self.inner.flush(&mut core);
         r
     }
@@ -83,15 +85,17 @@ impl Engine {
         if segments.is_empty() {
             // Nothing to send is no send: without this, any key (known or not) came back
             // `Completed` with nothing sent.
-            return Err(if core.ep.knows_send(key, to) {
-                key_err(ErrorKind::InvalidArgument, key, "no segment given")
-            } else {
-                key_err(
-                    ErrorKind::UnknownRequest,
-                    key,
-                    &format!("no advertisement from {to} is known here"),
-                )
-            });
+            return Err(
+                if core.ep.knows_send(key, to) || core.forgotten_send(key, to).is_some() {
+                    key_err(ErrorKind::InvalidArgument, key, "no segment given")
+                } else {
+                    key_err(
+                        ErrorKind::UnknownRequest,
+                        key,
+                        &format!("no advertisement from {to} is known here"),
+                    )
+                },
+            );
         }
         // Per segment, inline for the usual one or two: no allocation on this path but the
         // abort flag's.
@@ -111,7 +115,7 @@ impl Engine {
                     &format!("segment {segment} given twice"),
                 ));
             }
-            match core.ep.check_send(key, to, *segment, data.len() as u64)? {
+            match core.check_send(key, to, *segment, data.len() as u64)? {
                 Ok(d) => descs.push(d),
                 Err(ended) => return Ok(ended),
             }
@@ -295,7 +299,6 @@ impl Engine {
             .inner
             .core
             .lock()
-            .ep
             .check_send(key, to, segment, len as u64)?
         {
             return Ok(ended);
