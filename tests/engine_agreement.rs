@@ -17,10 +17,14 @@
 //! The seed is printed; `KVLINK_AGREE_SEED=<n>` reruns one (the threads' timing is not seeded,
 //! only the plans). To shrink a failure, `KVLINK_AGREE_PLANS=1` prints every plan and
 //! `KVLINK_AGREE_ONLY=30,31` runs only those requests.
+#[path = "common/rng.rs"]
+mod rng;
+
 use kvlink::connection::{Advertisement, BufferSpec, Engine, EngineConfig, PeerState};
 use kvlink::proto::{RankId, RequestKey, Role};
 use kvlink::transport::TransportKind;
 use kvlink::Outcome;
+use rng::Rng;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, RwLock};
@@ -49,31 +53,6 @@ fn one_at_a_time() -> MutexGuard<'static, ()> {
 
 fn soon() -> Instant {
     Instant::now() + Duration::from_secs(5)
-}
-
-/// splitmix64: small, seeded, good enough to pick plans.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn percent(&mut self, p: u64) -> bool {
-        self.below(100) < p
-    }
-
-    fn ms(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
 }
 
 /// What segment `segment` of request `id` carries to receiver `rank`.

@@ -17,10 +17,14 @@
 //!
 //! The seed is printed; `KVLINK_STRESS_SEED=<n>` reruns one (the threads' timing is not
 //! seeded, only their choices).
+#[path = "common/rng.rs"]
+mod rng;
+
 use kvlink::connection::{Advertisement, BufferSpec, Engine, EngineConfig};
 use kvlink::proto::{RankId, RequestKey, Role};
 use kvlink::transport::TransportKind;
 use kvlink::{ErrorKind, Outcome, Result};
+use rng::Rng;
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -82,28 +86,16 @@ fn seed(default: u64) -> u64 {
     }
 }
 
-/// splitmix64: small, seeded, good enough to pick calls.
-struct Rng(u64);
+/// The stress's picks on top of the shared generator.
+trait Picks {
+    /// A duration of `lo..=hi` milliseconds.
+    fn dur(&mut self, lo: u64, hi: u64) -> Duration;
+    fn deadline(&mut self) -> Instant;
+}
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn percent(&mut self, p: u64) -> bool {
-        self.below(100) < p
-    }
-
-    fn ms(&mut self, lo: u64, hi: u64) -> Duration {
-        Duration::from_millis(lo + self.below(hi - lo + 1))
+impl Picks for Rng {
+    fn dur(&mut self, lo: u64, hi: u64) -> Duration {
+        Duration::from_millis(self.ms(lo, hi))
     }
 
     /// A deadline in the past, a tiny one, or a normal one.
@@ -111,8 +103,8 @@ impl Rng {
         let now = Instant::now();
         match self.below(10) {
             0 => now - Duration::from_millis(10),
-            1 => now + self.ms(0, 5),
-            _ => now + self.ms(20, 1500),
+            1 => now + self.dur(0, 5),
+            _ => now + self.dur(20, 1500),
         }
     }
 }
@@ -364,7 +356,7 @@ fn gen_thread(gen: &Engine, ctx_address: &str, sh: &Shared, mut rng: Rng) {
                         _ => 1 + rng.below(64 << 10) as usize,
                     })
                     .collect();
-                let timeout = rng.percent(30).then(|| rng.ms(20, 400));
+                let timeout = rng.percent(30).then(|| rng.dur(20, 400));
                 let fresh = || -> Vec<Vec<u8>> { lens.iter().map(|&l| vec![0u8; l]).collect() };
                 let mut bufs = fresh();
                 // Sometimes a second thread advertises the same new key at once: one wins, the
@@ -417,7 +409,7 @@ fn gen_thread(gen: &Engine, ctx_address: &str, sh: &Shared, mut rng: Rng) {
             25..=44 if !mine.is_empty() => {
                 let i = rng.below(mine.len() as u64) as usize;
                 let dl = rng.deadline();
-                let stop_at = rng.percent(20).then(|| Instant::now() + rng.ms(0, 30));
+                let stop_at = rng.percent(20).then(|| Instant::now() + rng.dur(0, 30));
                 match sh.recv_wait_or_stop(gen, mine[i], dl, stop_at) {
                     Ok(_) => drop(mine.swap_remove(i)),
                     Err(e) if e.kind == ErrorKind::UnknownRequest => drop(mine.swap_remove(i)),
@@ -610,7 +602,7 @@ fn ctx_thread(ctx: &Engine, sh: &Shared, mut rng: Rng) {
                         .collect();
                     let segs: Vec<(u32, &[u8])> =
                         data.iter().map(|(s, d)| (*s, d.as_slice())).collect();
-                    let dl = Instant::now() + rng.ms(200, 1000);
+                    let dl = Instant::now() + rng.dur(200, 1000);
                     started();
                     let r = ctx.send_segments(t.key, to, &segs, dl, None);
                     sh.by("send_segments", dl.min(t.deadline));
@@ -643,7 +635,7 @@ fn ctx_thread(ctx: &Engine, sh: &Shared, mut rng: Rng) {
                     let segs: Vec<(u32, &[u8])> =
                         data.iter().map(|(s, d)| (*s, d.as_slice())).collect();
                     let dl = rng.deadline();
-                    let stop_at = Instant::now() + rng.ms(0, 20);
+                    let stop_at = Instant::now() + rng.dur(0, 20);
                     let stop = move || Instant::now() >= stop_at;
                     let cancel: Option<&dyn Fn() -> bool> = match rng.percent(25) {
                         true => Some(&stop),
