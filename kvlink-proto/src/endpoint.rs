@@ -83,6 +83,18 @@ fn flow_mut(
         .map(|(_, f)| &mut **f)
 }
 
+/// What is kept of a request forgotten here, for as long as a peer may still ask about it.
+#[derive(Debug)]
+struct Tomb {
+    /// Its expiry (the request's own deadline plus the agreement bound).
+    until: Instant,
+    outcome: Outcome,
+    /// A receive's: the ranks whose votes and ready answers it answered while it ran (its
+    /// senders; at the coordinator, the other receivers too). A send flow's tombstone is keyed
+    /// by its receiver, the one rank it answers, and keeps none.
+    askers: SmallVec<[RankId; 2]>,
+}
+
 /// The protocol core of one rank. See the module docs for the call order.
 pub struct Endpoint {
     me: RankId,
@@ -96,7 +108,7 @@ pub struct Endpoint {
     /// other state) for as long as a peer may still ask about them (its own deadline plus the
     /// agreement bound): a late vote is answered with the verdict, a late verdict confirmed,
     /// and a late duplicate advertisement never starts the request again. Expiries in due order.
-    tombs: Map<TimerId, (Instant, Outcome)>,
+    tombs: Map<TimerId, Tomb>,
     tomb_expiry: DueQueue<TimerId>,
     /// The tombstones in the order they were buried, for the cap ([`Config::tomb_cap`]): the
     /// one buried first goes (an entry whose tombstone has expired or been replaced is
@@ -379,7 +391,7 @@ impl Endpoint {
         ready: bool,
     ) -> Result<()> {
         let Some(f) = flow_mut(&mut self.sends, key, from) else {
-            if let Some(&(_, outcome)) = self.tombs.get(&TimerId::Send(key, from)) {
+            if let Some(&Tomb { outcome, .. }) = self.tombs.get(&TimerId::Send(key, from)) {
                 if outcome.is_completed() {
                     // Completed: every segment was sent, so it was accepted long ago.
                     return Err(invalid(format!("{key} from {from}: already decided")));
@@ -510,7 +522,9 @@ impl Endpoint {
                 }
                 if let Some(f) = flow_mut(&mut self.sends, key, from) {
                     f.on_advertise_again(&mut self.out);
-                } else if let Some(&(_, ended)) = self.tombs.get(&TimerId::Send(key, from)) {
+                } else if let Some(&Tomb { outcome: ended, .. }) =
+                    self.tombs.get(&TimerId::Send(key, from))
+                {
                     self.confirm_from_tomb(key, from, ended);
                 } else if self.newer_known(key, Some(from)) {
                     self.out.stats.stale_dropped += 1;
@@ -558,7 +572,9 @@ impl Endpoint {
                 } else if let Some(r) = self.recvs.get_mut(&key) {
                     r.on_verdict(now, from, outcome, &mut self.out);
                     self.timers.arm(TimerId::Recv(key), r, now);
-                } else if let Some(&(_, ended)) = self.tombs.get(&TimerId::Send(key, from)) {
+                } else if let Some(&Tomb { outcome: ended, .. }) =
+                    self.tombs.get(&TimerId::Send(key, from))
+                {
                     // Our confirmation was lost before we forgot the flow: confirm again.
                     self.confirm_from_tomb(key, from, ended);
                 } else if self.tombs.contains_key(&TimerId::Recv(key)) {
@@ -704,7 +720,11 @@ impl Endpoint {
                     r.on_timeout(now, &mut self.out);
                     r.settle(now);
                     if r.is_finished(now) {
-                        let tomb = (r.tomb_until, r.terminal().unwrap_or(Outcome::PeerLost));
+                        let tomb = Tomb {
+                            until: r.tomb_until,
+                            outcome: r.terminal().unwrap_or(Outcome::PeerLost),
+                            askers: r.askers(),
+                        };
                         self.timers.release(r);
                         self.recvs.remove(&key);
                         self.bury(id, tomb);
@@ -725,7 +745,12 @@ impl Endpoint {
                     f.on_timeout(now, &mut self.out);
                     f.settle(now);
                     if f.is_finished(now) {
-                        let tomb = (f.tomb_until, f.terminal().unwrap_or(Outcome::PeerLost));
+                        // Keyed by its receiver, the only rank it answers.
+                        let tomb = Tomb {
+                            until: f.tomb_until,
+                            outcome: f.terminal().unwrap_or(Outcome::PeerLost),
+                            askers: SmallVec::new(),
+                        };
                         self.timers.release(f);
                         self.forget_flow(key, to);
                         self.bury(id, tomb);
@@ -764,13 +789,14 @@ impl Endpoint {
         }
     }
 
-    fn bury(&mut self, id: TimerId, tomb: (Instant, Outcome)) {
+    fn bury(&mut self, id: TimerId, tomb: Tomb) {
+        let until = tomb.until;
         if self.tombs.insert(id, tomb).is_some() {
             // The replaced tombstone's expiry will find it gone: account for it now.
             self.note_tomb_gone(id);
         }
-        self.tomb_expiry.push(tomb.0, id);
-        self.tomb_order.push_back((id, tomb.0));
+        self.tomb_expiry.push(until, id);
+        self.tomb_order.push_back((id, until));
         // Bounded: past the cap the tombstone buried first goes now, whatever its expiry (by
         // expiry, a fresh one with a short deadline would go before old day-long ones). Its
         // expiry entry finds it gone later, as for a replaced one.
@@ -791,7 +817,7 @@ impl Endpoint {
         if self.tomb_expiry.len() > 2 * self.tombs.len() + 64 {
             let tombs = &self.tombs;
             self.tomb_expiry
-                .retain(|at, id| tombs.get(&id).is_some_and(|t| t.0 == at));
+                .retain(|at, id| tombs.get(&id).is_some_and(|t| t.until == at));
         }
     }
 
@@ -815,7 +841,7 @@ impl Endpoint {
 
     /// Whether `id`'s tombstone is the one that expires `at` (not expired, nor replaced since).
     fn tomb_is(&self, id: TimerId, at: Instant) -> bool {
-        self.tombs.get(&id).is_some_and(|t| t.0 == at)
+        self.tombs.get(&id).is_some_and(|t| t.until == at)
     }
 
     /// [`Endpoint::note_forgotten`] for the request whose tombstone `id` is gone.
@@ -865,18 +891,22 @@ impl Endpoint {
         self.early.len()
     }
 
-    /// A vote or ready answer for a receive forgotten here: answer with its verdict (a late
-    /// voter has not heard it), else count and drop.
+    /// A vote or ready answer for a receive forgotten here: answer one of the ranks the request
+    /// answered while it ran with its verdict (a late voter has not heard it); count and drop
+    /// anything else, as the running request did (a rank outside the request learns nothing).
     fn answer_from_tomb(&mut self, key: RequestKey, from: RankId) {
         match self.tombs.get(&TimerId::Recv(key)) {
-            Some(&(_, outcome)) => {
+            Some(Tomb {
+                outcome, askers, ..
+            }) if askers.contains(&from) => {
+                let outcome = *outcome;
                 self.out.stats.duplicates += 1;
                 self.out.transmits.push_back(Transmit {
                     to: from,
                     message: Message::Verdict { key, outcome },
                 });
             }
-            None => self.drop_unknown(key, Some(from)),
+            _ => self.drop_unknown(key, Some(from)),
         }
     }
 
@@ -952,7 +982,7 @@ impl Endpoint {
         len: u64,
     ) -> Result<std::result::Result<BufferDesc, Outcome>> {
         let Some(f) = flow(&self.sends, key, to) else {
-            if let Some(&(_, outcome)) = self.tombs.get(&TimerId::Send(key, to)) {
+            if let Some(&Tomb { outcome, .. }) = self.tombs.get(&TimerId::Send(key, to)) {
                 if outcome.is_completed() {
                     // Completed: every advertised segment was sent, so any send is misuse.
                     return Err(invalid(format!(
@@ -1010,7 +1040,7 @@ impl Endpoint {
         match self.recvs.get(&key) {
             Some(r) => r.answer(),
             // Forgotten (a completed one at its end): its tombstone keeps the outcome.
-            None => match self.tombs.get(&TimerId::Recv(key))?.1 {
+            None => match self.tombs.get(&TimerId::Recv(key))?.outcome {
                 Outcome::Completed => Some(true),
                 Outcome::Rejected => Some(false),
                 _ => None,

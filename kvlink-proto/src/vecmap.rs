@@ -70,6 +70,10 @@ impl<K: Ord, V> VecMap<K, V> {
         self.entries.iter_mut().map(|(k, v)| (&*k, v))
     }
 
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &K> {
+        self.entries.iter().map(|(k, _)| k)
+    }
+
     pub(crate) fn values(&self) -> impl Iterator<Item = &V> {
         self.entries.iter().map(|(_, v)| v)
     }

@@ -412,3 +412,107 @@ fn early_messages_expire_on_the_timers_poll_timeout_asks_for() {
         "no timer left, yet an early vote outlived its keep"
     );
 }
+
+/// A receive's tombstone answered a vote or ready answer from any bound rank with the verdict,
+/// while the running request had dropped one from a rank outside it (`unknown_dropped`): a
+/// rank that guessed a key learned how another pair's request ended, and made this side send
+/// a message for it. Now the tombstone answers the ranks the request answered (its sender
+/// here) and drops the rest, counted, with nothing sent.
+#[test]
+fn a_receives_tombstone_answers_only_the_ranks_of_its_request() {
+    let t = Instant::now();
+    let key = RequestKey::new(50, 0);
+    let (mut gen, _ctx, _g) = completed_one_to_one(t, key);
+    gen.handle_timeout(t + ms(5));
+    assert!(gen.tombstones() >= 1, "forgotten at its end, buried");
+    let stranger = RankId(9);
+    let dropped = gen.stats().unknown_dropped;
+    for msg in [
+        Message::Vote {
+            key,
+            outcome: Outcome::TimedOut,
+        },
+        Message::Ready { key, ready: true },
+    ] {
+        gen.handle_message(t + ms(6), stranger, msg).unwrap();
+    }
+    let sent: Vec<_> = std::iter::from_fn(|| gen.poll_transmit()).collect();
+    assert!(
+        sent.is_empty(),
+        "answered a rank outside the request: {sent:?}"
+    );
+    assert_eq!(gen.stats().unknown_dropped, dropped + 2);
+    // The request's own sender still hears the verdict.
+    let vote = Message::Vote {
+        key,
+        outcome: Outcome::TimedOut,
+    };
+    gen.handle_message(t + ms(7), RankId(2), vote).unwrap();
+    let sent: Vec<_> = std::iter::from_fn(|| gen.poll_transmit()).collect();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(sent[0].to, RankId(2));
+    assert!(matches!(
+        sent[0].message,
+        Message::Verdict {
+            outcome: Outcome::Completed,
+            ..
+        }
+    ));
+}
+
+/// The same at the coordinator of two receiving ranks: once the request has completed and been
+/// forgotten, its tombstone answers its sender and the other receiver (both answered while it
+/// ran), and nobody else.
+#[test]
+fn a_coordinators_tombstone_answers_its_sender_and_the_other_receiver_only() {
+    let t = Instant::now();
+    let (g1, g2, c, stranger) = (RankId(1), RankId(2), RankId(5), RankId(9));
+    let key = RequestKey::new(51, 0);
+    let mut ep = Endpoint::new(g1, config());
+    start_two_receiver_request(&mut ep, g1, [g1, g2], c, key, t);
+    ep.handle_segment_landed(t + ms(1), key, 0).unwrap();
+    let vote = Message::Vote {
+        key,
+        outcome: Outcome::Completed,
+    };
+    ep.handle_message(t + ms(2), g2, vote).unwrap();
+    assert_eq!(
+        terminals(&mut ep, key, Role::Receiver),
+        [Outcome::Completed]
+    );
+    let now = t + ms(5);
+    ep.handle_timeout(now);
+    assert_eq!(ep.tombstones(), 1, "forgotten at its end, buried");
+    drain(&mut ep);
+    let ask = |ep: &mut Endpoint, from: RankId| {
+        let vote = Message::Vote {
+            key,
+            outcome: Outcome::TimedOut,
+        };
+        ep.handle_message(now, from, vote).unwrap();
+        std::iter::from_fn(|| ep.poll_transmit()).collect::<Vec<_>>()
+    };
+    let dropped = ep.stats().unknown_dropped;
+    assert!(ask(&mut ep, stranger).is_empty(), "answered a stranger");
+    assert_eq!(ep.stats().unknown_dropped, dropped + 1);
+    for rank in [c, g2] {
+        let sent = ask(&mut ep, rank);
+        assert_eq!(sent.len(), 1, "{rank}: {sent:?}");
+        assert_eq!(sent[0].to, rank);
+        assert!(
+            matches!(
+                sent[0].message,
+                Message::Verdict {
+                    outcome: Outcome::Completed,
+                    ..
+                }
+            ),
+            "{rank}: {sent:?}"
+        );
+    }
+    assert_eq!(
+        ep.tombstones(),
+        1,
+        "still kept: the answers came before its expiry"
+    );
+}

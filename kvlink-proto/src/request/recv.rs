@@ -1,5 +1,6 @@
 //! The receiver's state machine: one request on a generation (receiving) rank.
 use crate::vecmap::VecMap;
+use smallvec::SmallVec;
 use std::time::{Duration, Instant};
 
 use super::{unagreed, Action, Config, Out, Role};
@@ -163,6 +164,16 @@ impl RecvRequest {
 
     fn is_coordinator(&self) -> bool {
         !self.external && self.me == self.coordinator
+    }
+
+    /// The ranks whose vote or ready answer this request answers (`on_vote`): its senders and,
+    /// at the coordinator, the other receivers. Its tombstone answers them alone.
+    pub(crate) fn askers(&self) -> SmallVec<[RankId; 2]> {
+        let mut ranks: SmallVec<[RankId; 2]> = self.flows.keys().copied().collect();
+        if self.is_coordinator() {
+            ranks.extend(self.receivers.iter().copied().filter(|r| *r != self.me));
+        }
+        ranks
     }
 
     pub(crate) fn is_finished(&self, now: Instant) -> bool {
