@@ -498,6 +498,7 @@ impl EngineHandle {
             unknown_dropped: h.unknown_dropped,
             early_kept: h.early_kept,
             ranks_forgotten: h.ranks_forgotten,
+            peers_left: h.peers_left,
         }
     }
 

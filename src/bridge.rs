@@ -127,6 +127,8 @@ pub mod ffi {
         /// to bound the peer table (see `kvlink::Health`).
         early_kept: u64,
         ranks_forgotten: u64,
+        /// Connections whose peer said it was leaving (see `kvlink::Health`).
+        peers_left: u64,
     }
 
     extern "Rust" {

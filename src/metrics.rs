@@ -71,6 +71,7 @@ pub(crate) struct Metrics {
     unknown: Counter,
     early: Counter,
     forgotten: Counter,
+    left: Counter,
     peer_failures: Counter,
     reconnects: Counter,
     foreign: Counter,
@@ -128,6 +129,7 @@ impl Metrics {
             unknown: Counter::default(),
             early: Counter::default(),
             forgotten: Counter::default(),
+            left: Counter::default(),
             peer_failures: Counter::default(),
             reconnects: Counter::default(),
             foreign: Counter::default(),
@@ -211,6 +213,11 @@ impl Metrics {
             "ranks_forgotten",
             "Ranks that dialled this side and failed, forgotten to bound the peer table",
             m.forgotten.clone(),
+        );
+        registry.register(
+            "peers_left",
+            "Connections whose peer said it was leaving (its engine was dropped), ended at once",
+            m.left.clone(),
         );
         registry.register(
             "duplicate_frames",
@@ -312,6 +319,7 @@ impl Metrics {
         catch_up(&self.unknown, h.unknown_dropped);
         catch_up(&self.early, h.early_kept);
         catch_up(&self.forgotten, h.ranks_forgotten);
+        catch_up(&self.left, h.peers_left);
         catch_up(&self.peer_failures, h.peers_failed);
         catch_up(&self.reconnects, h.reconnects);
         catch_up(&self.foreign, h.foreign_data);
@@ -391,6 +399,7 @@ mod tests {
             unknown_dropped: 13,
             early_kept: 14,
             ranks_forgotten: 15,
+            peers_left: 16,
             ..Health::default()
         };
         let t = m.text(&h).unwrap();
@@ -433,6 +442,7 @@ mod tests {
         assert_eq!(v("kvlink_unknown_frames_total"), 13.0);
         assert_eq!(v("kvlink_early_frames_total"), 14.0);
         assert_eq!(v("kvlink_ranks_forgotten_total"), 15.0);
+        assert_eq!(v("kvlink_peers_left_total"), 16.0);
         assert_eq!(v("kvlink_peer_failures_total"), 1.0);
         assert_eq!(v("kvlink_reconnects_total"), 5.0);
         assert_eq!(v("kvlink_foreign_data_total"), 6.0);

@@ -2504,3 +2504,72 @@ fn a_fenced_region_receive_refuses_its_range_and_the_engine_drops_with_it() {
         drop(ctx);
     }
 }
+
+/// An engine dropped while its process lives on (a host that tears its transceiver down and
+/// builds another) tells the ranks bound to it that it leaves. Before, over shared memory they
+/// never learned it: UCX's keepalive there checks that the process lives, so the peer stayed
+/// `Connected` and every request to it ran to its deadline. Over tcp the connection's close
+/// told them already; both are checked, the dialling side dropped and the dialled one. The
+/// survivor's request in flight with the dropped engine ends `PeerLost` at once (well before
+/// its 20 s deadline), the peer reads `Reconnecting` or `Failed`, nothing stays leased, and a
+/// new engine in the dropped one's place serves the survivor's next request.
+#[test]
+fn a_dropped_engine_tells_its_peers_it_left() {
+    use kvlink::connection::PeerState;
+    const DEADLINE: Duration = Duration::from_secs(20);
+    for kind in [TransportKind::SharedMemory, TransportKind::Tcp] {
+        for drop_ctx in [true, false] {
+            let case = format!(
+                "{kind:?}, the {} dropped",
+                if drop_ctx { "ctx" } else { "gen" }
+            );
+            let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
+            let key = RequestKey::new(900, 0);
+            let mut buf = vec![0u8; 8192];
+            advertise_buffers(
+                &gen,
+                key,
+                vec![RankId(GEN)],
+                RankId(CTX),
+                vec![one_spec(&mut buf, 0)],
+                Some(DEADLINE),
+            );
+            let soon = Instant::now() + Duration::from_secs(5);
+            assert_eq!(ctx.next_advertisement(soon, None).unwrap().key, key);
+            let (survivor, rank, role) = if drop_ctx {
+                drop(ctx);
+                (gen, CTX, Role::Receiver)
+            } else {
+                drop(gen);
+                (ctx, GEN, TO_GEN)
+            };
+            let t = Instant::now();
+            let o = survivor.wait(key, role, t + DEADLINE, None);
+            let took = t.elapsed();
+            let state = survivor.peer_state(RankId(rank));
+            println!("{case}: {o:?} after {took:?}, peer {state:?}");
+            assert_eq!(o.unwrap(), Outcome::PeerLost, "{case}");
+            assert!(took < Duration::from_secs(2), "{case}: {took:?}");
+            assert_ne!(state, PeerState::Connected, "{case}");
+            let h = survivor.health();
+            assert_eq!(h.buffers_leased, 0, "{case}");
+            assert_eq!(h.peers_left, 1, "{case}: told by its Leaving");
+            drop(buf);
+            if drop_ctx {
+                // A new context engine, reached by a fresh connect.
+                let mut c = EngineConfig::new("ctx", CTX, kind.clone());
+                if !kind.by_worker_address() {
+                    c.listen = Some("127.0.0.1:0".parse().unwrap());
+                }
+                let ctx = Engine::new(c).unwrap();
+                connect_pair(&ctx, &survivor);
+                let (go, co, ok) = run(&ctx, &survivor, RequestKey::new(901, 0), &[4096]);
+                assert_eq!(
+                    (go, co, ok),
+                    (Outcome::Completed, Outcome::Completed, true),
+                    "{case}"
+                );
+            }
+        }
+    }
+}

@@ -485,3 +485,44 @@ fn frozen_sender_into_a_region_fences_only_its_range_and_the_pair_goes_on() {
         ctx.signal(libc::SIGCONT);
     }
 }
+
+/// A context process drops its engine after one request and lives on (a host that tears its
+/// transceiver down and builds another). Its `Leaving` tells the generation process at once:
+/// the peer reads `Reconnecting` or `Failed` within a moment, counted as a leave. Before, over
+/// shared memory the generation side never learned it while the process lived (UCX's
+/// keepalive there checks the process): the peer stayed `Connected` and every request to it
+/// ran to its deadline. A request made then ends by its deadline + 100 ms, not `Completed`.
+#[test]
+fn an_engine_dropped_in_a_live_process_is_seen_gone_at_once() {
+    for tl in ["sm", "tcp"] {
+        let (mut ctx, addr) = start_ctx_with(tl, None, None, &["--drop-after", "1"]);
+        let mut gen = start_gen(tl, None, &addr);
+        completes(&mut ctx, &mut gen, 1);
+        ctx.expect("DROPPED");
+        let t0 = Instant::now();
+        let line = loop {
+            gen.send("HEALTH");
+            let h = gen.expect("HEALTH");
+            if field(&h, "peer") != "Connected" || t0.elapsed() > Duration::from_secs(2) {
+                break h;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        println!("{tl}: {line} ({:?} after DROPPED)", t0.elapsed());
+        assert_ne!(field(&line, "peer"), "Connected", "{tl}: {line}");
+        assert_eq!(field(&line, "left"), "1", "{tl}: {line}");
+        assert!(
+            ctx.child.try_wait().unwrap().is_none(),
+            "{tl}: the process without its engine exited"
+        );
+        gen.send("REQ 2");
+        let g = gen.expect("GEN 2 ");
+        println!("{tl}: {g}");
+        if g.contains("advertise-error") {
+            // Refused while the reconnect round found no engine at the address.
+            assert!(late(&g) <= SLACK_MS, "{tl}: {g}");
+        } else {
+            check_bounded("gen", &g);
+        }
+    }
+}

@@ -1113,6 +1113,8 @@ struct HealthInfo final {
   // to bound the peer table (see `kvlink::Health`).
   ::std::uint64_t early_kept CXX_DEFAULT_VALUE(0);
   ::std::uint64_t ranks_forgotten CXX_DEFAULT_VALUE(0);
+  // Connections whose peer said it was leaving (see `kvlink::Health`).
+  ::std::uint64_t peers_left CXX_DEFAULT_VALUE(0);
 
   using IsRelocatable = ::std::true_type;
 };

@@ -15,8 +15,10 @@
 //
 // Ownership
 //   - `Engine` owns the Rust engine (UCX agent, protocol core, one progress thread) through a
-//     `rust::Box`; it is move-only and its destructor stops that thread and releases every UCX
-//     resource. Destroy it only when no other thread is inside one of its member functions.
+//     `rust::Box`; it is move-only and its destructor tells every connected rank that it leaves
+//     (their requests with it end `PeerLost` at once), then stops that thread and releases every
+//     UCX resource (within about 200 ms for messages still going out). Destroy it only when no
+//     other thread is inside one of its member functions.
 //   - Receive buffers passed to `advertise` are borrowed by kvlink from that call until
 //     `wait_receiver` for the same key has returned (whatever the outcome): do not touch, free or
 //     reuse them before. Send buffers are borrowed only for the duration of `send`. Memory in a
@@ -339,6 +341,9 @@ struct Health {
   /// Ranks that dialled this side and failed, forgotten to bound the peer table (more than
   /// 8192 such failures since; docs/SECURITY.md): each reads `Unknown` again.
   std::uint64_t ranks_forgotten = 0;
+  /// Connections whose peer said it was leaving (its engine was dropped): each ended at once,
+  /// as a failed one does, and counts in `peers_failed` too.
+  std::uint64_t peers_left = 0;
 };
 
 /// A rank's connection as this engine sees it.
@@ -735,7 +740,7 @@ class Engine {
             h.refused_by_peer,
             h.receive_stuck,   h.worker_renewals, h.region_fenced_bytes, h.region_fences,
             h.resends,         h.duplicates,      h.unknown_dropped,
-            h.early_kept,      h.ranks_forgotten};
+            h.early_kept,      h.ranks_forgotten, h.peers_left};
   }
 
   /// This engine's metrics in the Prometheus text format (version 0.0.4): `kvlink_requests_total`

@@ -497,7 +497,8 @@ impl Endpoint {
             Message::Hello { .. }
             | Message::Proof { .. }
             | Message::Welcome
-            | Message::Refuse { .. } => {}
+            | Message::Refuse { .. }
+            | Message::Leaving => {}
             Message::Advertise {
                 key,
                 src_rank,

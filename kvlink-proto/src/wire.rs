@@ -9,7 +9,7 @@
 //!                        without instance, challenge and proof; 1: Advertise without
 //!                        timeout_ms)
 //!      6    1 type       1 Hello, 2 Advertise, 3 Ready, 4 Notify, 5 Vote, 6 Verdict, 7 Quiesced,
-//!                        8 Proof, 9 Welcome, 10 Refuse
+//!                        8 Proof, 9 Welcome, 10 Refuse, 11 Leaving
 //!      7    1 flags      0 (any other value is rejected)
 //!      8    4 body_len   exact number of body bytes that follow, <= MAX_BODY
 //!     12    . body
@@ -29,8 +29,12 @@
 //! Proof     proof (32 bytes), has_resume u8 (0 | 1), resume proof (32 bytes, if has_resume)
 //! Welcome   (empty)
 //! Refuse    reason u8 (1 auth failed, 2 rank in use, 3 wire version)
+//! Leaving   (empty)
 //! ```
 //! `Hello`, `Proof`, `Welcome` and `Refuse` make the handshake ([`super::handshake`]).
+//! `Leaving` came after version 4's other frames without a version step: a release of version 4
+//! from before it counts the frame as undecodable (`UnknownType(11)`) and drops it, and learns
+//! of the leave as it did before, when the connection fails.
 //! One frame is read whatever version its header names: a `Refuse` of reason 3 (12 header bytes
 //! with type 10, flags 0 and body_len 1, then the byte 3). Every version keeps that frame as it
 //! is, so a rank of another version that dials learns why it was refused (at once, as the typed
@@ -154,6 +158,10 @@ pub enum Message {
     Welcome,
     /// Handshake: this side will not bind the peer, and closes the connection.
     Refuse { reason: Refusal },
+    /// This side is going away (its engine is being dropped): close the connection and end the
+    /// requests on it now. Over shared memory nothing else would tell the peer while the
+    /// process lives on (UCX's keepalive checks the process).
+    Leaving,
 }
 
 /// Why a handshake was refused.
@@ -222,7 +230,8 @@ impl Message {
             Message::Hello { .. }
             | Message::Proof { .. }
             | Message::Welcome
-            | Message::Refuse { .. } => None,
+            | Message::Refuse { .. }
+            | Message::Leaving => None,
             Message::Advertise { key, .. }
             | Message::Ready { key, .. }
             | Message::Notify { key, .. }
@@ -244,6 +253,7 @@ impl Message {
             Message::Proof { .. } => 8,
             Message::Welcome => 9,
             Message::Refuse { .. } => 10,
+            Message::Leaving => 11,
         }
     }
 
@@ -366,7 +376,7 @@ impl Message {
                 body.extend_from_slice(proof);
                 put_opt_proof(body, resume);
             }
-            Message::Welcome => {}
+            Message::Welcome | Message::Leaving => {}
             Message::Refuse { reason } => body.push(*reason as u8),
         }
         Ok(())
@@ -518,6 +528,7 @@ impl Message {
                     Refusal::from_u8(r.u8()?).ok_or(WireError::at(WireReason::BadRefusal, at))?;
                 Message::Refuse { reason }
             }
+            11 => Message::Leaving,
             _ => unreachable_type(),
         };
         if r.remaining() != 0 {
@@ -553,7 +564,7 @@ pub fn frame_len(prefix: &[u8]) -> Result<Option<usize>, WireError> {
     if version != VERSION && !version_neutral(prefix) {
         return Err(WireError::at(WireReason::UnsupportedVersion(version), 4));
     }
-    if !(1..=10).contains(&prefix[6]) {
+    if !(1..=11).contains(&prefix[6]) {
         return Err(WireError::at(WireReason::UnknownType(prefix[6]), 6));
     }
     if prefix[7] != 0 {

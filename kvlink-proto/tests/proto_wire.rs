@@ -63,6 +63,7 @@ fn message() -> impl Strategy<Value = Message> {
         (any::<[u8; 32]>(), prop::option::of(any::<[u8; 32]>()))
             .prop_map(|(proof, resume)| Message::Proof { proof, resume }),
         Just(Message::Welcome),
+        Just(Message::Leaving),
         prop_oneof![
             Just(Refusal::AuthFailed),
             Just(Refusal::RankInUse),
@@ -376,7 +377,7 @@ fn corpus_of_valid_frames_round_trips() {
     }
     assert_eq!(
         types.len(),
-        10,
+        11,
         "a valid seed of every message type: {types:?}"
     );
 }

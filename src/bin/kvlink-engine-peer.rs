@@ -12,11 +12,13 @@
 //!   `DIALED <rank>` or `DIAL-ERROR <kind> late_ms=<ms>` (so that two ranks can dial each other
 //!   at once); with `--break-won-tie` that dial's connection breaks if it wins the crossing,
 //!   and `WON-TIE-BROKEN <0|1>` follows.
+//!   With `--drop-after N` it drops its engine after serving N requests, prints `DROPPED` and
+//!   lives on until stdin closes.
 //! `kvlink-engine-peer gen --transport tcp|sm --to ADDR --sizes 4K,64M,.. [--timeout-ms N]`
 //!   connects, prints `CONNECTED`, then for every stdin line `REQ <id>` advertises one request
 //!   with one buffer per size, prints `ADV <id>`, waits for its end and prints
 //!   `GEN <id> end=<outcome> late_ms=<ms> verified=<bool> leased=<n> ... region_fenced=<bytes>
-//!   peers_failed=<n>`; `HEALTH` prints a line. With `--region` the buffers are ranges of one
+//!   peers_failed=<n>`; `HEALTH` prints a line (`peer=<state> failed=<n> left=<n> ...`). With `--region` the buffers are ranges of one
 //!   registered receive region (request N in its half N % 2), and `DEREG <ms>` deregisters it
 //!   with that deadline, printing `DEREG ok|error:<kind> late_ms=<ms>`. With `--to -` it reads
 //!   the address from a `DIAL <address>` line on stdin first (after its `ADDR` line).
@@ -101,6 +103,10 @@ enum Rank {
         /// `WON-TIE-BROKEN <n>` follows the dial's line.
         #[arg(long = "break-won-tie")]
         break_won_tie: bool,
+        /// After serving this many requests, drop the engine and print `DROPPED`; the process
+        /// lives on until stdin closes.
+        #[arg(long = "drop-after", value_name = "N")]
+        drop_after: Option<u64>,
     },
     /// The generation (receiving) rank: one request per `REQ <id>` line on stdin.
     Gen(GenOpts),
@@ -253,12 +259,16 @@ fn main() {
             dial_line,
             dial_ms,
             break_won_tie,
+            drop_after,
         } => ctx(
             &args,
             transport,
             listen.as_deref(),
             *suppress,
-            *hold,
+            Serve {
+                hold: *hold,
+                drop_after: *drop_after,
+            },
             *region_mb,
             dial_line.then_some((*dial_ms, *break_won_tie)),
         ),
@@ -316,12 +326,18 @@ fn trust_lines(args: &Args, engine: &Arc<Engine>) {
     });
 }
 
+/// How the context rank serves: `--hold` and `--drop-after`.
+struct Serve {
+    hold: bool,
+    drop_after: Option<u64>,
+}
+
 fn ctx(
     args: &Args,
     setting: Setting,
     listen: Option<&str>,
     suppress: Option<u64>,
-    hold: bool,
+    Serve { hold, drop_after }: Serve,
     region_mb: Option<usize>,
     dial_line: Option<(u64, bool)>,
 ) {
@@ -367,7 +383,8 @@ fn ctx(
             ));
         }
     }
-    loop {
+    let mut served = 0;
+    while drop_after != Some(served) {
         let Some(adv) = engine.next_advertisement(Instant::now() + Duration::from_secs(3600), None)
         else {
             continue;
@@ -428,7 +445,12 @@ fn ctx(
             "CTX {} send={sent} end={end} late_ms={late:.1} leased={} region_fenced={} peers_failed={}",
             key.request.0, h.buffers_leased, h.region_fenced_bytes, h.peers_failed
         ));
+        served += 1;
     }
+    // `--drop-after`: a host that tears its engine down and lives on.
+    drop(engine);
+    say("DROPPED".into());
+    for _ in stdin {}
 }
 
 /// Returns the process's exit status: 0, or 3 when the handshake was refused.
@@ -617,9 +639,10 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
             ["HEALTH"] => {
                 let h = engine.health();
                 say(format!(
-                    "HEALTH peer={:?} failed={} reconnects={} leased={} fenced={} unsettled={} region_fenced={} region_fences={} new_workers={}",
+                    "HEALTH peer={:?} failed={} left={} reconnects={} leased={} fenced={} unsettled={} region_fenced={} region_fences={} new_workers={}",
                     engine.peer_state(peer),
                     h.peers_failed,
+                    h.peers_left,
                     h.reconnects,
                     h.buffers_leased,
                     h.buffers_fenced,

@@ -177,6 +177,8 @@ pub(crate) struct Counters {
     pub aged_evicted_logged: u64,
     /// Handshakes this side began as the dialler: `connect`'s dials and reconnect rounds'.
     pub dials: u64,
+    /// Peers that said they were leaving (`Message::Leaving`: their engine was dropped).
+    pub peers_left: u64,
 }
 
 impl HasWaiters for Core {
@@ -335,6 +337,34 @@ impl Inner {
             core.control_ops.push_back(op);
         }
         Ok(())
+    }
+
+    /// Tells every bound peer that this engine is going away (its drop), so that each ends the
+    /// connection and the requests on it at once. Over shared memory nothing else would tell
+    /// them while this process lives on: UCX's keepalive there checks the process.
+    pub fn say_leaving(&self, core: &mut Core) {
+        let bound: Vec<PeerId> = core
+            .peers
+            .ranks()
+            .filter_map(|rank| core.peers.endpoint(rank))
+            .collect();
+        for peer in bound {
+            let _ = self.send_msg(core, peer, &Message::Leaving);
+        }
+    }
+
+    /// A peer's `Leaving`: its engine is going away. Its endpoint is closed here as a failed one
+    /// is (the transport reports the failure): the requests on it end `PeerLost`, and a rank
+    /// this side dialled gets its reconnect round, which finds a process that builds a new
+    /// engine at the same address. Only the endpoint the message came on is closed, so a
+    /// peer can end nothing but its own connection.
+    fn on_leaving(&self, core: &mut Core, peer: PeerId) {
+        match core.peers.rank_of(peer) {
+            Some(rank) => tracing::info!(peer = rank.0, "{rank} is leaving: its engine ends"),
+            None => tracing::info!("endpoint {}: the peer is leaving", peer.0),
+        }
+        core.counters.peers_left += 1;
+        let _ = self.agent.close_peer(peer);
     }
 
     /// A frame of another wire version from an endpoint with no rank bound (a rank of another
@@ -593,6 +623,9 @@ impl Inner {
                 peer.0,
                 wire::frame_version(bytes).unwrap_or(VERSION)
             );
+        }
+        if msg == Message::Leaving {
+            return self.on_leaving(core, peer);
         }
         if msg.key().is_none() {
             return self.on_handshake(core, now, peer, msg);

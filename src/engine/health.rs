@@ -138,6 +138,7 @@ impl Engine {
             unknown_dropped: ps.unknown_dropped,
             early_kept: ps.early_kept,
             ranks_forgotten: core.peers.forgotten,
+            peers_left: c.peers_left,
         }
     }
 

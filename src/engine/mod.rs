@@ -83,8 +83,10 @@ fn reap_grace(agreement_bound: Duration) -> Duration {
     REAP_GRACE.min(agreement_bound)
 }
 
-/// One rank: agent, protocol core, driver thread. Dropping it stops the driver, then the agent
-/// (which cancels and reaps every op).
+/// One rank: agent, protocol core, driver thread. Dropping it tells every bound rank that it
+/// leaves (`Message::Leaving`: their requests with it end `PeerLost` at once), lets its last
+/// control messages go (up to 200 ms), then stops the driver and the agent (which cancels and
+/// reaps every op).
 pub struct Engine {
     inner: Arc<Inner>,
     timeout: Duration,
@@ -212,13 +214,19 @@ impl Engine {
     }
 }
 
-/// How long dropping an engine waits for its last control messages (a verdict just decided) to
-/// leave, so a peer is not left to find a closed endpoint instead of the verdict.
+/// How long dropping an engine waits for its last control messages (a verdict just decided, and
+/// the `Leaving` that tells each bound peer it goes) to leave, so a peer is not left to find a
+/// closed endpoint instead of the verdict.
 const DRAIN_ON_DROP: Duration = Duration::from_millis(200);
 
 impl Drop for Engine {
     fn drop(&mut self) {
         let until = Instant::now() + DRAIN_ON_DROP;
+        {
+            // Its `Leaving` goes with the last control messages, drained below.
+            let mut core = self.inner.core.lock();
+            self.inner.say_leaving(&mut core);
+        }
         loop {
             let pending = {
                 let mut core = self.inner.core.lock();

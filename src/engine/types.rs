@@ -237,6 +237,9 @@ pub struct Health {
     /// Ranks that dialled this side and failed, forgotten to bound the peer table (more than
     /// 8192 such failures since; docs/SECURITY.md): each reads `Unknown` again.
     pub ranks_forgotten: u64,
+    /// Connections whose peer said it was leaving (its engine was dropped): each ended at once,
+    /// as a failed one does, and counts in `peers_failed` too.
+    pub peers_left: u64,
 }
 
 const POOL_SLOTS: u32 = 1 << 16;
