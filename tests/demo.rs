@@ -25,3 +25,18 @@ fn demo_runs_and_handles_the_fault_on_tcp_and_shared_memory() {
         );
     }
 }
+
+/// `--transport` takes any transport setting, as the other binaries' and the C++ demo's do
+/// (README, "The `transport` setting"): here tcp on the loopback device. It used to take only
+/// `tcp` and `sm`, and clap refused `tcp@lo` before the demo ran.
+#[test]
+fn demo_takes_a_transport_setting_with_devices() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlink-demo"))
+        .args(["--transport", "tcp@lo", "--timeout-ms", "1000"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo failed:\n{text}\n{err}");
+    assert!(text.contains("kvlink demo: OK"), "{text}");
+}

@@ -61,7 +61,7 @@ fn content(request: u64, segment: u32, len: usize) -> Vec<u8> {
 struct Args {
     /// UCX transport between the two processes: tcp (loopback), sm (shared memory), auto (UCX
     /// chooses) or a UCX transport list (tcp,self); `@dev` adds network devices (tcp@lo).
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "sm"])]
+    #[arg(long, default_value = "tcp")]
     transport: String,
     /// Per-request deadline in milliseconds (TensorRT-LLM's kv_transfer_timeout_ms); the
     /// faulty request must end TimedOut at it.
