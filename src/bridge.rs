@@ -55,7 +55,7 @@ pub mod ffi {
         len: u64,
         /// CUDA device, -1 for host memory.
         device_id: i32,
-        /// Set by kvlink (the receive's tag); ignored on input.
+        /// Set by kvlink (the receive's token, from which its UCX tag is keyed); ignored on input.
         token: u64,
     }
 

@@ -1029,7 +1029,7 @@ struct BufferInfo final {
   ::std::uint64_t len CXX_DEFAULT_VALUE(0);
   // CUDA device, -1 for host memory.
   ::std::int32_t device_id CXX_DEFAULT_VALUE(0);
-  // Set by kvlink (the receive's tag); ignored on input.
+  // Set by kvlink (the receive's token, from which its UCX tag is keyed); ignored on input.
   ::std::uint64_t token CXX_DEFAULT_VALUE(0);
 
   using IsRelocatable = ::std::true_type;
