@@ -3,7 +3,9 @@
 #include "test_util.h"
 
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -78,6 +80,8 @@ TEST_P(ObserveTest, LogSinkReceivesTheTimedOutRequestWithItsId) {
   EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::TimedOut);
   EXPECT_EQ(ctx_->wait_sender(key, kGen, kvlink::after(5s)), Outcome::TimedOut);
 
+  // The sink is called on kvlink's log thread: wait for the records to reach it.
+  ASSERT_TRUE(kvlink::flush_log(kvlink::after(10s)));
   const std::string id = "request=" + std::to_string(key.request);
   const auto got = capture->with(id);
   ASSERT_FALSE(got.empty()) << "no log event with " << id;
@@ -132,8 +136,75 @@ TEST_P(ObserveTest, ARefusedSinkDoesNotReplaceTheRegisteredOne) {
   ASSERT_TRUE(ctx_->next_advertisement(kvlink::after(5s)));
   EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::TimedOut);
   ctx_->wait_sender(key, kGen, kvlink::after(5s));
+  ASSERT_TRUE(kvlink::flush_log(kvlink::after(10s)));
   EXPECT_EQ(refused->load(), 0) << "the refused sink received events";
   EXPECT_GT(kept->load(), 0) << "the registered sink lost its events";
+}
+
+// A host logger that blocks (a full pipe to a stalled log collector) holds up no transfer: the
+// sink is called on kvlink's log thread, so a request that times out while the sink is blocked
+// still ends by its deadline + the agreement bound + a few ms, and once the sink is released the
+// queued records reach it. Before, the sink was called on the thread that logged (the progress
+// thread, with the engine's lock held): the waits stayed blocked with the sink.
+TEST_P(ObserveTest, ASinkThatBlocksHoldsUpNoWait) {
+  struct Gate {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool open = false;
+    int calls = 0;
+    std::vector<std::string> fields;
+  };
+  auto gate = std::make_shared<Gate>();
+  const std::uint64_t dropped = kvlink::log_records_dropped();
+  kvlink::set_log_sink(kvlink::LogLevel::Warn, [gate](const kvlink::LogRecord& r) {
+    std::unique_lock<std::mutex> lock(gate->mutex);
+    ++gate->calls;
+    gate->cv.notify_all();
+    gate->cv.wait(lock, [&] { return gate->open; });
+    gate->fields.emplace_back(r.fields);
+  });
+  // Should the waits be stuck behind the sink, this opens it after 5 s so that the test ends.
+  std::thread watchdog([gate] {
+    std::unique_lock<std::mutex> lock(gate->mutex);
+    gate->cv.wait_for(lock, 5s, [&] { return gate->open; });
+    gate->open = true;
+    gate->cv.notify_all();
+  });
+
+  // The context rank takes the advertisement and never sends: the request times out at 300 ms.
+  const RequestKey key{0x5EED'0000'0000'0044ull, 1};
+  std::vector<std::uint8_t> buf(4096);
+  const auto deadline = kvlink::after(300ms);
+  const auto bound = 500ms + 100ms;  // the agreement bound (config()) and a busy machine's margin
+  gen_->advertise(key, {}, kCtx, {{kvlink::BufferKind::Kv, 0, buf.data(), buf.size()}}, {});
+  ASSERT_TRUE(ctx_->next_advertisement(kvlink::after(5s)));
+  EXPECT_EQ(gen_->wait_receiver(key, kvlink::after(5s)), Outcome::TimedOut);
+  const auto late = std::chrono::duration_cast<std::chrono::milliseconds>(kvlink::Clock::now() - deadline);
+  EXPECT_LE(late, bound) << "the receiver's wait returned " << late.count() << " ms past its deadline";
+  const auto sender_deadline = kvlink::after(300ms);
+  EXPECT_NE(ctx_->wait_sender(key, kGen, sender_deadline), Outcome::Completed);
+  const auto sender_late =
+      std::chrono::duration_cast<std::chrono::milliseconds>(kvlink::Clock::now() - sender_deadline);
+  EXPECT_LE(sender_late, bound) << "the sender's wait returned " << sender_late.count() << " ms past its deadline";
+  {
+    std::unique_lock<std::mutex> lock(gate->mutex);
+    EXPECT_FALSE(gate->open) << "the waits returned only once the watchdog opened the sink";
+    EXPECT_TRUE(gate->cv.wait_for(lock, 5s, [&] { return gate->calls > 0; })) << "the sink was never called";
+    gate->open = true;
+    gate->cv.notify_all();
+  }
+  watchdog.join();
+  ASSERT_TRUE(kvlink::flush_log(kvlink::after(10s)));
+  const std::string id = "request=" + std::to_string(key.request);
+  bool receiver_seen = false;
+  {
+    std::lock_guard<std::mutex> lock(gate->mutex);
+    for (const auto& f : gate->fields) {
+      receiver_seen = receiver_seen || (f.find(id) != std::string::npos && f.find("role=receiver") != std::string::npos);
+    }
+  }
+  EXPECT_TRUE(receiver_seen) << "the queued record of the timed-out request did not arrive";
+  EXPECT_EQ(kvlink::log_records_dropped(), dropped) << "a request's few records fit in the queue";
 }
 
 TEST_P(ObserveTest, MetricsTextCountsOutcomesByRole) {

@@ -154,6 +154,10 @@ TEST(WrapperFactory, TheLogSinkFollowsTheLiveManagersHooks) {
   auto c = make(w, options("tcp"));
   ASSERT_EQ(c->getConnections(a->getCommState()).size(), 1u);
   c.reset();
+  // The hook is called on kvlink's log thread, after the event: give the records time to arrive.
+  for (auto until = Clock::now() + 10s; g_hook_a_calls.load() == 0 && Clock::now() < until;) {
+    std::this_thread::sleep_for(10ms);
+  }
   EXPECT_EQ(g_hook_b_calls.load(), 0) << "a gone manager's hook was called";
   EXPECT_GT(g_hook_a_calls.load(), 0) << "the live manager's hook was not called";
   a.reset();
@@ -455,8 +459,9 @@ TEST_P(WrapperTest, AbsentTimeoutStillBoundsTheWaitAndLogsThroughTheHook) {
               std::chrono::duration<double, std::milli>(took).count());
   EXPECT_GE(took, 650ms);
   EXPECT_LT(took, 700ms + 1500ms);
+  // The hook is called on kvlink's log thread, after the event: give the record time to arrive.
   bool seen = false;
-  {
+  for (auto until = Clock::now() + 10s; !seen && Clock::now() < until; std::this_thread::sleep_for(10ms)) {
     std::lock_guard<std::mutex> g(lines.mu);
     for (auto const& l : lines.v) seen = seen || l.find("request=" + std::to_string(kId)) != std::string::npos;
   }

@@ -28,7 +28,7 @@ pub struct EngineHandle {
 /// C++ `time_point::max()` lands here.
 const MAX_MS: u64 = crate::connection::LONGEST_WAIT.as_millis() as u64;
 
-fn deadline(timeout_ms: u64) -> Instant {
+pub(crate) fn deadline(timeout_ms: u64) -> Instant {
     // Saturate far in the future rather than overflow: "no bound" is never offered.
     Instant::now() + Duration::from_millis(timeout_ms.min(MAX_MS))
 }

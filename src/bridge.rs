@@ -150,6 +150,12 @@ pub mod ffi {
         /// false when a global `tracing` subscriber of the host's came first (events go there).
         /// cxx cannot pass a function pointer from C++ to Rust, so it travels as an address.
         unsafe fn set_log_sink(level: u8, callback: usize) -> Result<bool>;
+        /// Log records dropped because the sink fell `kvlink::log::QUEUE_CAP` records behind,
+        /// since the process started.
+        fn log_records_dropped() -> u64;
+        /// Waits up to `timeout_ms` until the log records queued so far have reached the sink;
+        /// returns whether they all have.
+        fn flush_log(timeout_ms: u64) -> Result<bool>;
 
         /// One rank's engine: UCX agent, protocol core, driver thread.
         type EngineHandle;
@@ -284,6 +290,14 @@ fn error_kind_name(code: u8) -> &'static str {
 unsafe fn set_log_sink(level: u8, callback: usize) -> Result<bool, Error> {
     // SAFETY: forwarded caller promise.
     guard(|| unsafe { crate::log::set_sink(level, callback) })
+}
+
+fn log_records_dropped() -> u64 {
+    crate::log::records_dropped()
+}
+
+fn flush_log(timeout_ms: u64) -> Result<bool, Error> {
+    guard(|| Ok(crate::log::flush(crate::api::deadline(timeout_ms))))
 }
 
 fn check_listen_address(addr: &str) -> Result<String, Error> {

@@ -4,12 +4,19 @@
 //! instead of stderr. With neither, every callsite is disabled: the subscriber's max level hint
 //! is `OFF`, so a `tracing` macro on the request path costs one relaxed load and a compare.
 //!
+//! The sink is called on one thread of kvlink's ("kvlink-log"), never on the thread that logged:
+//! each event is formatted there into one owned record and queued (at most
+//! [`QUEUE_CAP`] records wait; past that a new record is dropped and counted in
+//! [`records_dropped`]), so a sink that blocks delays only its own records, never a transfer.
+//! [`flush`] waits, up to a deadline, until the records queued so far have been delivered;
+//! records still queued when the process exits are lost.
+//!
 //! kvlink installs its global subscriber once, lazily, on the first engine creation or sink
 //! registration. If the host has already installed a global `tracing` subscriber, kvlink leaves
 //! it alone: its events go there, and [`set_sink`] says so by returning `false`.
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use tracing::field::{Field, Visit};
@@ -20,25 +27,30 @@ use tracing_subscriber::layer::{Context, Filter, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::{EnvFilter, Registry};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
+
+mod delivery;
+
+pub use delivery::{flush, records_dropped, QUEUE_CAP};
 
 /// The environment variable read (once, at installation) for the stderr filter.
 pub const ENV: &str = "KVLINK_LOG";
 
 /// A host's sink, as C++ passes it: the address of an `extern "C"` function taking the level
 /// (1 error .. 5 trace), then the target, the message and the fields (`k=v` separated by
-/// spaces), each as UTF-8 bytes and a length. Called on kvlink's threads, concurrently.
+/// spaces), each as UTF-8 bytes and a length. Called on kvlink's log thread ("kvlink-log"), one
+/// record at a time, in the order the events were logged, with no kvlink lock held.
 pub type SinkFn = unsafe extern "C" fn(u8, *const u8, usize, *const u8, usize, *const u8, usize);
 
-/// The sink's level code (0: no sink) and its function's address.
+/// The sink's level code (0: no sink); its function's address is kept with the queue.
 static SINK_LEVEL: AtomicU8 = AtomicU8::new(0);
-static SINK_FN: AtomicUsize = AtomicUsize::new(0);
 /// Whether kvlink's subscriber is the global one (decided once).
 static INSTALLED: OnceLock<bool> = OnceLock::new();
 
 thread_local! {
-    /// Set while this thread is inside the sink: an event the sink itself causes is dropped
-    /// rather than recursing.
+    /// Set while this thread formats an event for the sink, and for good on the thread that
+    /// calls the sink: an event the sink (or the formatting) itself causes is dropped rather
+    /// than recursing.
     static IN_SINK: Cell<bool> = const { Cell::new(false) };
 }
 
@@ -96,11 +108,16 @@ pub fn init() -> bool {
 /// Returns whether the events reach it (false: the host installed a global `tracing` subscriber
 /// of its own first, and the events go there).
 ///
+/// The callback is called on kvlink's log thread, started here when a sink is first set, one
+/// record at a time and in order; a replacement receives the records still queued. Removing the
+/// sink does not wait: the records still queued are discarded (never delivered to a sink set
+/// later), and only a call already under way may still run after it.
+///
 /// # Safety
 /// `callback` is 0 or the address of a function of type [`SinkFn`] that stays callable for as
-/// long as it is registered (until replaced, removed, or the process ends), does not unwind, and
-/// may be called from any thread at any time, including while a kvlink lock is held: it must
-/// not call into a kvlink engine.
+/// long as it is registered (until replaced or removed and its call under way, if any, has
+/// returned, or until the process ends), does not unwind, and must not call into a kvlink
+/// engine.
 pub unsafe fn set_sink(level: u8, callback: usize) -> Result<bool> {
     if level > 5 {
         return Err(Error::invalid(format!(
@@ -108,11 +125,15 @@ pub unsafe fn set_sink(level: u8, callback: usize) -> Result<bool> {
         )));
     }
     let level = if callback == 0 { 0 } else { level };
-    // The function first, then the level that makes the layer read it.
+    // The function and the thread first, then the level that makes the layer queue records.
     if level != 0 {
-        SINK_FN.store(callback, Ordering::Release);
+        delivery::start(callback)
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("no log thread: {e}")))?;
     }
     SINK_LEVEL.store(level, Ordering::Release);
+    if level == 0 {
+        delivery::stop();
+    }
     let ours = init();
     // Callsites cached their interest under the old level: ask every one again (this also
     // recomputes the global max level from the subscriber's hint).
@@ -202,26 +223,24 @@ impl<S> Filter<S> for SinkLevel {
     }
 }
 
-/// An event's message and its other fields as `k=v` text.
-#[derive(Default)]
+/// An event's message and its other fields as `k=v` text, in one string: the message first.
 struct Text {
-    message: String,
-    fields: String,
+    text: String,
+    message_len: usize,
 }
 
 impl Visit for Text {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message" {
-            self.message.push_str(value);
+            self.message(format_args!("{value}"));
         } else {
             self.push(field, format_args!("{value}"));
         }
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        use std::fmt::Write;
         if field.name() == "message" {
-            let _ = write!(self.message, "{value:?}");
+            self.message(format_args!("{value:?}"));
         } else {
             self.push(field, format_args!("{value:?}"));
         }
@@ -229,44 +248,55 @@ impl Visit for Text {
 }
 
 impl Text {
+    fn new() -> Self {
+        Text {
+            // Most events fit: one allocation per record.
+            text: String::with_capacity(160),
+            message_len: 0,
+        }
+    }
+
+    fn message(&mut self, value: std::fmt::Arguments<'_>) {
+        use std::fmt::Write;
+        if self.text.len() == self.message_len {
+            let _ = write!(self.text, "{value}");
+            self.message_len = self.text.len();
+        } else {
+            // A message recorded after fields (the macros record it first).
+            let m = value.to_string();
+            self.text.insert_str(self.message_len, &m);
+            self.message_len += m.len();
+        }
+    }
+
     fn push(&mut self, field: &Field, value: std::fmt::Arguments<'_>) {
         use std::fmt::Write;
-        if !self.fields.is_empty() {
-            self.fields.push(' ');
+        if self.text.len() > self.message_len {
+            self.text.push(' ');
         }
-        let _ = write!(self.fields, "{}={value}", field.name());
+        let _ = write!(self.text, "{}={value}", field.name());
     }
 }
 
-/// Hands each event to the host's sink.
+/// Queues each event for the host's sink.
 struct SinkLayer;
 
 impl<S: Subscriber> Layer<S> for SinkLayer {
     fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
         let meta = event.metadata();
-        let f = SINK_FN.load(Ordering::Acquire);
-        if f == 0 || !SinkLevel::wants(meta) || IN_SINK.with(|b| b.replace(true)) {
+        if !SinkLevel::wants(meta) || IN_SINK.with(|b| b.replace(true)) {
             return;
         }
-        // A panic while formatting (a field's Display) must not reach the code that logged,
-        // and none can come from the sink: it is an `extern "C"` function that must not unwind.
+        // A panic while formatting (a field's Display) must not reach the code that logged.
         let _ = catch_unwind(AssertUnwindSafe(|| {
-            let mut text = Text::default();
+            let mut text = Text::new();
             event.record(&mut text);
-            // SAFETY: `f` is a `SinkFn` that stays callable while registered (`set_sink`'s
-            // contract); the three byte ranges live for the call.
-            unsafe {
-                let sink: SinkFn = std::mem::transmute::<usize, SinkFn>(f);
-                sink(
-                    level_code(meta.level()),
-                    meta.target().as_ptr(),
-                    meta.target().len(),
-                    text.message.as_ptr(),
-                    text.message.len(),
-                    text.fields.as_ptr(),
-                    text.fields.len(),
-                );
-            }
+            delivery::push(delivery::Record {
+                level: level_code(meta.level()),
+                target: meta.target(),
+                text: text.text,
+                message_len: text.message_len,
+            });
         }));
         IN_SINK.with(|b| b.set(false));
     }
@@ -309,6 +339,9 @@ mod tests {
             "request ended {}",
             "TimedOut"
         );
+        assert!(flush(
+            std::time::Instant::now() + std::time::Duration::from_secs(10)
+        ));
         // SAFETY: removing the sink.
         unsafe { set_sink(0, 0) }.unwrap();
         tracing::warn!(request = 8u64, "after removal");

@@ -49,6 +49,10 @@ fn off_by_default_and_exactly_the_sinks_levels_when_one_is_set() {
     assert!(ours);
     assert_eq!(LevelFilter::current(), LevelFilter::WARN);
     log_everything();
+    // The sink is called on kvlink's log thread: wait for the records to reach it.
+    assert!(kvlink::log::flush(
+        std::time::Instant::now() + std::time::Duration::from_secs(10)
+    ));
     assert_eq!(WARNS.load(Ordering::Relaxed), 10);
     assert_eq!(
         OTHERS.load(Ordering::Relaxed),

@@ -1205,6 +1205,14 @@ private:
 // cxx cannot pass a function pointer from C++ to Rust, so it travels as an address.
 bool set_log_sink(::std::uint8_t level, ::std::size_t callback);
 
+// Log records dropped because the sink fell `kvlink::log::QUEUE_CAP` records behind,
+// since the process started.
+::std::uint64_t log_records_dropped() noexcept;
+
+// Waits up to `timeout_ms` until the log records queued so far have reached the sink;
+// returns whether they all have.
+bool flush_log(::std::uint64_t timeout_ms);
+
 ::rust::Box<::kvlink::ffi::EngineHandle> engine_new(::kvlink::ffi::EngineOptions const &options);
 } // namespace ffi
 } // namespace kvlink

@@ -454,6 +454,15 @@ template <typename T>
 
 }  // namespace detail
 
+/// Waits until the log records queued so far have reached the sink (see `set_log_sink`), or
+/// until `deadline`; returns whether they all have. For a host that wants them before it exits:
+/// records still queued when the process ends are lost. Called from inside the sink, it does not
+/// wait (it cannot wait for itself).
+template <typename Duration>
+inline bool flush_log(std::chrono::time_point<Clock, Duration> deadline) {
+  return detail::call(ffi::flush_log, detail::ms_until(deadline));
+}
+
 /// One rank's engine. See the top of this file for the contract.
 class Engine {
  public:

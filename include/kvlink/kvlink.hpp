@@ -280,10 +280,14 @@ struct LogRecord {
   std::string_view fields;
 };
 
-/// A host's log sink. Called on kvlink's own threads, possibly concurrently and while kvlink
-/// holds an engine's lock: it must be quick, thread-safe, and must not call an `Engine` member
-/// function. An exception it throws is swallowed (it never reaches kvlink's threads).
+/// A host's log sink. Called on one thread of kvlink's ("kvlink-log"), one record at a time, in
+/// the order the events were logged, with no kvlink lock held: never on the thread that logged.
+/// It may block (a logger writing to a full pipe): meanwhile records queue, and past 4096
+/// (kvlink::log::QUEUE_CAP) new ones are dropped and counted (`log_records_dropped`), but no
+/// transfer or wait is held up. It must not call an `Engine` member function; an event it causes
+/// itself is dropped. An exception it throws is swallowed (it never reaches kvlink's threads).
 using LogSink = std::function<void(const LogRecord&)>;
+
 
 namespace detail {
 
@@ -327,8 +331,8 @@ extern "C" inline void kvlink_detail_log_trampoline(std::uint8_t level, const ch
 namespace kvlink {
 
 /// Routes every kvlink log event at or above `level` to `sink`, instead of stderr; replaces any
-/// sink registered before. `LogLevel::Off` or an empty `sink` removes it (stderr again, if
-/// KVLINK_LOG is set). Returns false when the process had already installed a global Rust
+/// sink registered before (it receives the records still queued). `LogLevel::Off` or an empty
+/// `sink` removes it (stderr again, if KVLINK_LOG is set). Returns false when the process had already installed a global Rust
 /// `tracing` subscriber of its own before kvlink's first engine or sink: kvlink does not replace
 /// it, and its events go there. Does not block. Throws `Error` InvalidArgument for a level
 /// outside the enum.
@@ -371,8 +375,14 @@ inline bool set_log_sink(LogLevel level, LogSink sink) {
   return ours;
 }
 
-/// Removes the log sink (same as `set_log_sink(LogLevel::Off, {})`). Does not block.
+/// Removes the log sink (same as `set_log_sink(LogLevel::Off, {})`). Does not block: the records
+/// still queued are discarded, never delivered to a sink set later; only a call of the sink
+/// already under way may still run after it returns.
 inline void clear_log_sink() { set_log_sink(LogLevel::Off, {}); }
+
+/// Log records dropped because the sink fell 4096 records (kvlink::log::QUEUE_CAP) behind, since
+/// the process started.
+inline std::uint64_t log_records_dropped() { return detail::call(ffi::log_records_dropped); }
 
 }  // namespace kvlink
 
