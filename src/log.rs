@@ -31,7 +31,7 @@ use crate::error::{Error, ErrorKind, Result};
 
 mod delivery;
 
-pub use delivery::{flush, records_dropped, QUEUE_CAP};
+pub use delivery::{flush, records_dropped, QUEUE_CAP, STOP_WAIT};
 
 /// The environment variable read (once, at installation) for the stderr filter.
 pub const ENV: &str = "KVLINK_LOG";
@@ -110,8 +110,10 @@ pub fn init() -> bool {
 ///
 /// The callback is called on kvlink's log thread, started here when a sink is first set, one
 /// record at a time and in order; a replacement receives the records still queued. Removing the
-/// sink does not wait: the records still queued are discarded (never delivered to a sink set
-/// later), and only a call already under way may still run after it.
+/// sink discards the records still queued (never delivered to a sink set later), waits up to
+/// [`STOP_WAIT`] for a call under way to return and joins the log thread: after it, the
+/// callback is not called again unless it blocked past that bound (from inside the callback it
+/// does not wait).
 ///
 /// # Safety
 /// `callback` is 0 or the address of a function of type [`SinkFn`] that stays callable for as

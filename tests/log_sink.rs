@@ -42,6 +42,24 @@ unsafe extern "C" fn stalling(
     }
 }
 
+/// Set while the slow sink is inside a call.
+static IN_SLOW: AtomicBool = AtomicBool::new(false);
+
+/// A sink whose every call takes 100 ms.
+unsafe extern "C" fn slow(
+    _: u8,
+    _: *const u8,
+    _: usize,
+    _: *const u8,
+    _: usize,
+    _: *const u8,
+    _: usize,
+) {
+    IN_SLOW.store(true, Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(100));
+    IN_SLOW.store(false, Ordering::SeqCst);
+}
+
 /// A sink that keeps up: keeps each record's message.
 unsafe extern "C" fn collect(
     _: u8,
@@ -223,8 +241,9 @@ fn a_sink_that_blocks_stalls_no_transfer_and_a_sink_that_keeps_up_gets_every_rec
         "nothing dropped for a sink that keeps up"
     );
 
-    // Removed while records wait behind a blocked sink: the removal does not wait, and those
-    // records are discarded, never delivered to a sink set later; new events go nowhere.
+    // Removed while records wait behind a blocked sink: the removal waits for the call under
+    // way no longer than its bound, and those records are discarded, never delivered to a sink
+    // set later; new events go nowhere.
     STALL.store(true, Ordering::Relaxed);
     set_sink(2, stalling);
     tracing::warn!("first, blocks the sink");
@@ -235,7 +254,7 @@ fn a_sink_that_blocks_stalls_no_transfer_and_a_sink_that_keeps_up_gets_every_rec
     // SAFETY: removing the sink.
     unsafe { kvlink::log::set_sink(0, 0) }.unwrap();
     assert!(
-        t0.elapsed() < SLACK,
+        t0.elapsed() < kvlink::log::STOP_WAIT + SLACK,
         "the removal waited {:?}",
         t0.elapsed()
     );
@@ -247,6 +266,33 @@ fn a_sink_that_blocks_stalls_no_transfer_and_a_sink_that_keeps_up_gets_every_rec
     assert_eq!(seen("back"), vec!["back".to_string()]);
     assert!(seen("discarded ").is_empty(), "{:?}", seen("discarded "));
     assert!(seen("after removal").is_empty());
+    // Removed while a call of a sink takes 100 ms: the removal waits for that call, and once it
+    // returns the sink is not running and the log thread has ended and been joined (a host may
+    // unload a library that links kvlink then).
+    set_sink(2, slow);
+    tracing::warn!("slow");
+    let by = Instant::now() + Duration::from_secs(10);
+    while !IN_SLOW.load(Ordering::SeqCst) {
+        assert!(Instant::now() < by, "the slow sink was never called");
+        std::thread::yield_now();
+    }
+    assert!(log_thread_alive());
     // SAFETY: removing the sink.
     unsafe { kvlink::log::set_sink(0, 0) }.unwrap();
+    assert!(
+        !IN_SLOW.load(Ordering::SeqCst),
+        "the sink's call outlived its removal"
+    );
+    assert!(
+        !log_thread_alive(),
+        "the log thread outlived the sink's removal"
+    );
+}
+
+/// Whether this process has a thread named `kvlink-log`.
+fn log_thread_alive() -> bool {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .any(|name| name.trim() == "kvlink-log")
 }

@@ -334,7 +334,8 @@ namespace kvlink {
 /// sink registered before (it receives the records still queued). `LogLevel::Off` or an empty
 /// `sink` removes it (stderr again, if KVLINK_LOG is set). Returns false when the process had already installed a global Rust
 /// `tracing` subscriber of its own before kvlink's first engine or sink: kvlink does not replace
-/// it, and its events go there. Does not block. Throws `Error` InvalidArgument for a level
+/// it, and its events go there. Setting a sink does not block; removing one waits for a call of
+/// the old one under way (see `clear_log_sink`). Throws `Error` InvalidArgument for a level
 /// outside the enum.
 inline bool set_log_sink(LogLevel level, LogSink sink) {
   if (static_cast<std::uint8_t>(level) > static_cast<std::uint8_t>(LogLevel::Trace)) {
@@ -375,9 +376,12 @@ inline bool set_log_sink(LogLevel level, LogSink sink) {
   return ours;
 }
 
-/// Removes the log sink (same as `set_log_sink(LogLevel::Off, {})`). Does not block: the records
-/// still queued are discarded, never delivered to a sink set later; only a call of the sink
-/// already under way may still run after it returns.
+/// Removes the log sink (same as `set_log_sink(LogLevel::Off, {})`). The records still queued are
+/// discarded, never delivered to a sink set later. A call of the sink already under way is
+/// waited for, up to 500 ms (kvlink::log::STOP_WAIT), and kvlink's log thread ends: once this
+/// returns the sink is not called again and no kvlink code runs on that thread (a host may
+/// unload a library that links kvlink), unless the sink blocked past that bound. Called from
+/// inside the sink, it does not wait.
 inline void clear_log_sink() { set_log_sink(LogLevel::Off, {}); }
 
 /// Log records dropped because the sink fell 4096 records (kvlink::log::QUEUE_CAP) behind, since

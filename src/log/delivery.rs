@@ -6,10 +6,14 @@
 //! transfer waits on it.
 //!
 //! The thread is started when a sink is set and ends once the sink is removed and it has nothing
-//! left to do; it sleeps on a condvar while the queue is empty.
+//! left to do; it sleeps on a condvar while the queue is empty. Removing the sink waits, up to
+//! [`STOP_WAIT`], for the thread to end and joins it: after that no call of the sink runs, and
+//! no kvlink code runs on that thread (a host may then unload a library that links kvlink, as
+//! the TensorRT-LLM wrapper is).
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
@@ -17,6 +21,10 @@ use super::{SinkFn, IN_SINK};
 
 /// The most records waiting for the sink; past it a new record is dropped and counted.
 pub const QUEUE_CAP: usize = 4096;
+
+/// How long removing the sink waits for a call of it under way to return (a sink that blocks
+/// longer is left to finish that call on its own).
+pub const STOP_WAIT: Duration = Duration::from_millis(500);
 
 /// One event, formatted: the message and the fields in one string.
 pub(super) struct Record {
@@ -36,6 +44,8 @@ struct State {
     sink: usize,
     /// The delivery thread runs (it may still be in a call of a sink removed since).
     running: bool,
+    /// That thread, to be joined once it has ended (`running` false).
+    thread: Option<JoinHandle<()>>,
     /// Records taken, and records delivered or discarded, since the start: [`flush`] waits for
     /// the second to reach what the first was when it was called.
     taken: u64,
@@ -46,6 +56,7 @@ static STATE: Mutex<State> = Mutex::new(State {
     queue: VecDeque::new(),
     sink: 0,
     running: false,
+    thread: None,
     taken: 0,
     done: 0,
 });
@@ -84,9 +95,12 @@ pub(super) fn push(record: Record) {
 pub(super) fn start(sink: usize) -> std::io::Result<()> {
     let mut s = STATE.lock();
     if !s.running {
-        std::thread::Builder::new()
-            .name("kvlink-log".into())
-            .spawn(run)?;
+        // One that ended and was not joined (its stop gave up waiting) is left detached.
+        s.thread = Some(
+            std::thread::Builder::new()
+                .name("kvlink-log".into())
+                .spawn(run)?,
+        );
         s.running = true;
     }
     s.sink = sink;
@@ -94,16 +108,33 @@ pub(super) fn start(sink: usize) -> std::io::Result<()> {
 }
 
 /// The sink is removed: records still queued are discarded (never delivered to a sink set
-/// later), and the delivery thread ends once its call under way, if any, returns. Does not wait.
+/// later), and the delivery thread ends once its call under way, if any, returns. Waits for
+/// that, up to [`STOP_WAIT`], and joins the thread; from inside the sink it does not wait (the
+/// thread ends when the sink returns).
 pub(super) fn stop() {
     let mut s = STATE.lock();
     s.sink = 0;
     let gone = std::mem::take(&mut s.queue);
     s.done += gone.len() as u64;
-    drop(s);
     QUEUED.notify_all();
     DONE.notify_all();
+    if IN_SINK.with(|b| b.get()) {
+        return;
+    }
+    let deadline = Instant::now() + STOP_WAIT;
+    while s.running {
+        // A sink set again meanwhile keeps the thread: nothing to wait for.
+        if s.sink != 0 || DONE.wait_until(&mut s, deadline).timed_out() {
+            return;
+        }
+    }
+    let ended = s.thread.take();
+    drop(s);
     drop(gone);
+    if let Some(t) = ended {
+        // It has left its loop and released the lock: only its return is left.
+        let _ = t.join();
+    }
 }
 
 /// Waits until every record queued before the call has been delivered (or discarded by the
@@ -133,6 +164,7 @@ fn run() {
         let Some(record) = s.queue.pop_front() else {
             if s.sink == 0 {
                 s.running = false;
+                DONE.notify_all();
                 return;
             }
             QUEUED.wait(&mut s);
