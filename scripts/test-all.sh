@@ -60,6 +60,9 @@ step ctest requires=cmake-build -- ctest --test-dir "$build_dir" --output-on-fai
 # option off, and a consumer built against that install alone.
 step package-check -- env KVLINK_SKIP_DEPS=1 bash "$root/scripts/package-check.sh"
 step header-drift -- bash "$root/scripts/check-header-drift.sh"
+# The docs name what the code has: cited paths and tests, KVLINK_* variables, metrics, CMake
+# options (a fraction of a second; it reads tracked files only).
+step docs-check -- python3 "$root/scripts/check-docs.py"
 # AddressSanitizer (nightly) over the transport, engine, two-process and C++ suites, with UCX's
 # memory hooks off; and a bounded fuzz run of the wire decoder, the handshake and the TensorRT-LLM
 # wrapper's request-info decoder (C++, clang's libFuzzer). Each prints SKIP where nightly (or
