@@ -110,10 +110,10 @@ pub fn init() -> bool {
 ///
 /// The callback is called on kvlink's log thread, started here when a sink is first set, one
 /// record at a time and in order; a replacement receives the records still queued. Removing the
-/// sink discards the records still queued (never delivered to a sink set later), waits up to
-/// [`STOP_WAIT`] for a call under way to return and joins the log thread: after it, the
-/// callback is not called again unless it blocked past that bound (from inside the callback it
-/// does not wait).
+/// sink lets the records still queued reach it and joins the log thread, within [`STOP_WAIT`];
+/// records left then are discarded (never delivered to a sink set later). After it the callback
+/// is not called again, unless it blocked past that bound (from inside the callback it does not
+/// wait).
 ///
 /// # Safety
 /// `callback` is 0 or the address of a function of type [`SinkFn`] that stays callable for as

@@ -42,8 +42,9 @@ unsafe extern "C" fn stalling(
     }
 }
 
-/// Set while the slow sink is inside a call.
+/// Set while the slow sink is inside a call; its calls so far.
 static IN_SLOW: AtomicBool = AtomicBool::new(false);
+static SLOW_CALLS: AtomicUsize = AtomicUsize::new(0);
 
 /// A sink whose every call takes 100 ms.
 unsafe extern "C" fn slow(
@@ -57,6 +58,7 @@ unsafe extern "C" fn slow(
 ) {
     IN_SLOW.store(true, Ordering::SeqCst);
     std::thread::sleep(Duration::from_millis(100));
+    SLOW_CALLS.fetch_add(1, Ordering::SeqCst);
     IN_SLOW.store(false, Ordering::SeqCst);
 }
 
@@ -241,9 +243,9 @@ fn a_sink_that_blocks_stalls_no_transfer_and_a_sink_that_keeps_up_gets_every_rec
         "nothing dropped for a sink that keeps up"
     );
 
-    // Removed while records wait behind a blocked sink: the removal waits for the call under
-    // way no longer than its bound, and those records are discarded, never delivered to a sink
-    // set later; new events go nowhere.
+    // Removed while records wait behind a blocked sink: the removal waits for them no longer
+    // than its bound, then those records are discarded, never delivered to a sink set later;
+    // new events go nowhere.
     STALL.store(true, Ordering::Relaxed);
     set_sink(2, stalling);
     tracing::warn!("first, blocks the sink");
@@ -266,11 +268,14 @@ fn a_sink_that_blocks_stalls_no_transfer_and_a_sink_that_keeps_up_gets_every_rec
     assert_eq!(seen("back"), vec!["back".to_string()]);
     assert!(seen("discarded ").is_empty(), "{:?}", seen("discarded "));
     assert!(seen("after removal").is_empty());
-    // Removed while a call of a sink takes 100 ms: the removal waits for that call, and once it
-    // returns the sink is not running and the log thread has ended and been joined (a host may
-    // unload a library that links kvlink then).
+    // Removed while a call of a sink takes 100 ms and two more records wait for it: the removal
+    // lets them reach it (300 ms in all, within its bound), and once it returns the sink is not
+    // running and the log thread has ended and been joined (a host may unload a library that
+    // links kvlink then).
     set_sink(2, slow);
-    tracing::warn!("slow");
+    for i in 0..3 {
+        tracing::warn!("slow {i}");
+    }
     let by = Instant::now() + Duration::from_secs(10);
     while !IN_SLOW.load(Ordering::SeqCst) {
         assert!(Instant::now() < by, "the slow sink was never called");
@@ -279,6 +284,11 @@ fn a_sink_that_blocks_stalls_no_transfer_and_a_sink_that_keeps_up_gets_every_rec
     assert!(log_thread_alive());
     // SAFETY: removing the sink.
     unsafe { kvlink::log::set_sink(0, 0) }.unwrap();
+    assert_eq!(
+        SLOW_CALLS.load(Ordering::SeqCst),
+        3,
+        "the records queued for the removed sink did not all reach it"
+    );
     assert!(
         !IN_SLOW.load(Ordering::SeqCst),
         "the sink's call outlived its removal"

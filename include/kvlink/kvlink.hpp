@@ -376,12 +376,12 @@ inline bool set_log_sink(LogLevel level, LogSink sink) {
   return ours;
 }
 
-/// Removes the log sink (same as `set_log_sink(LogLevel::Off, {})`). The records still queued are
-/// discarded, never delivered to a sink set later. A call of the sink already under way is
-/// waited for, up to 500 ms (kvlink::log::STOP_WAIT), and kvlink's log thread ends: once this
-/// returns the sink is not called again and no kvlink code runs on that thread (a host may
-/// unload a library that links kvlink), unless the sink blocked past that bound. Called from
-/// inside the sink, it does not wait.
+/// Removes the log sink (same as `set_log_sink(LogLevel::Off, {})`). The records still queued
+/// reach the sink first and kvlink's log thread ends, within 500 ms in all
+/// (kvlink::log::STOP_WAIT); records left after that are discarded, never delivered to a sink set
+/// later. Once this returns the sink is not called again and no kvlink code runs on that thread
+/// (a host may unload a library that links kvlink), unless the sink blocked past that bound.
+/// Called from inside the sink, it does not wait.
 inline void clear_log_sink() { set_log_sink(LogLevel::Off, {}); }
 
 /// Log records dropped because the sink fell 4096 records (kvlink::log::QUEUE_CAP) behind, since

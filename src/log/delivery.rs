@@ -6,10 +6,10 @@
 //! transfer waits on it.
 //!
 //! The thread is started when a sink is set and ends once the sink is removed and it has nothing
-//! left to do; it sleeps on a condvar while the queue is empty. Removing the sink waits, up to
-//! [`STOP_WAIT`], for the thread to end and joins it: after that no call of the sink runs, and
-//! no kvlink code runs on that thread (a host may then unload a library that links kvlink, as
-//! the TensorRT-LLM wrapper is).
+//! left to do; it sleeps on a condvar while the queue is empty. Removing the sink first lets the
+//! records queued for it reach it, then waits for the thread to end and joins it, all within
+//! [`STOP_WAIT`]: after that no call of the sink runs, and no kvlink code runs on that thread (a
+//! host may then unload a library that links kvlink, as the TensorRT-LLM wrapper is).
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -22,8 +22,9 @@ use super::{SinkFn, IN_SINK};
 /// The most records waiting for the sink; past it a new record is dropped and counted.
 pub const QUEUE_CAP: usize = 4096;
 
-/// How long removing the sink waits for a call of it under way to return (a sink that blocks
-/// longer is left to finish that call on its own).
+/// How long removing the sink waits for the records queued for it to reach it and for its call
+/// under way to return (what is left then is discarded, and a sink that blocks longer is left to
+/// finish its call on its own).
 pub const STOP_WAIT: Duration = Duration::from_millis(500);
 
 /// One event, formatted: the message and the fields in one string.
@@ -107,21 +108,35 @@ pub(super) fn start(sink: usize) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The sink is removed: records still queued are discarded (never delivered to a sink set
-/// later), and the delivery thread ends once its call under way, if any, returns. Waits for
-/// that, up to [`STOP_WAIT`], and joins the thread; from inside the sink it does not wait (the
-/// thread ends when the sink returns).
+/// The sink is removed: the records queued for it are delivered first, up to [`STOP_WAIT`]; any
+/// left then are discarded (never delivered to a sink set later), and the delivery thread ends
+/// once its call under way, if any, returns. Waits for that too, within the same bound, and
+/// joins the thread. From inside the sink it waits for nothing (the thread ends when the sink
+/// returns). A sink set meanwhile takes over, with what is still queued.
 pub(super) fn stop() {
+    let in_sink = IN_SINK.with(|b| b.get());
+    let deadline = Instant::now() + STOP_WAIT;
     let mut s = STATE.lock();
+    let removed = s.sink;
+    if !in_sink {
+        let target = s.taken;
+        while s.done < target && s.sink == removed {
+            if DONE.wait_until(&mut s, deadline).timed_out() {
+                break;
+            }
+        }
+        if s.sink != removed {
+            return;
+        }
+    }
     s.sink = 0;
     let gone = std::mem::take(&mut s.queue);
     s.done += gone.len() as u64;
     QUEUED.notify_all();
     DONE.notify_all();
-    if IN_SINK.with(|b| b.get()) {
+    if in_sink {
         return;
     }
-    let deadline = Instant::now() + STOP_WAIT;
     while s.running {
         // A sink set again meanwhile keeps the thread: nothing to wait for.
         if s.sink != 0 || DONE.wait_until(&mut s, deadline).timed_out() {
