@@ -2573,3 +2573,40 @@ fn a_dropped_engine_tells_its_peers_it_left() {
         }
     }
 }
+
+/// A peer that leaves with nothing in flight is no fault: the survivor sees the rank gone, counts
+/// the leave, and stays `Healthy` with no fault ever recorded (before, an orderly leave set the
+/// last fault like a crash, so `health().state` read `Degraded` for the window after every
+/// peer's shutdown). Either side dropped, tcp and shared memory.
+#[test]
+fn a_peer_that_leaves_with_nothing_in_flight_is_no_fault() {
+    use kvlink::connection::{HealthState, PeerState};
+    for kind in [TransportKind::SharedMemory, TransportKind::Tcp] {
+        for drop_ctx in [true, false] {
+            let case = format!(
+                "{kind:?}, {}",
+                if drop_ctx { "ctx left" } else { "gen left" }
+            );
+            let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
+            let (go, co, ok) = run(&ctx, &gen, RequestKey::new(910, 0), &[4096]);
+            assert_eq!((go, co, ok), (Outcome::Completed, Outcome::Completed, true));
+            let (survivor, rank) = if drop_ctx {
+                drop(ctx);
+                (gen, CTX)
+            } else {
+                drop(gen);
+                (ctx, GEN)
+            };
+            let by = Instant::now() + Duration::from_secs(2);
+            while survivor.peer_state(RankId(rank)) == PeerState::Connected {
+                assert!(Instant::now() < by, "{case}: the leave was not seen");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let h = survivor.health();
+            println!("{case}: {:?}, {h:?}", survivor.peer_state(RankId(rank)));
+            assert_eq!(h.peers_left, 1, "{case}");
+            assert_eq!(h.since_last_fault_ms, u64::MAX, "{case}: a fault recorded");
+            assert_eq!(h.state, HealthState::Healthy, "{case}");
+        }
+    }
+}

@@ -342,7 +342,8 @@ struct Health {
   /// 8192 such failures since; docs/SECURITY.md): each reads `Unknown` again.
   std::uint64_t ranks_forgotten = 0;
   /// Connections whose peer said it was leaving (its engine was dropped): each ended at once,
-  /// as a failed one does, and counts in `peers_failed` too.
+  /// as a failed one does, and counts in `peers_failed` too, but is no fault for `state` (the
+  /// requests it cost are).
   std::uint64_t peers_left = 0;
 };
 

@@ -144,6 +144,9 @@ pub(crate) struct Core {
     /// Endpoints the `break_won_tie` fault cut: what arrives on them is dropped, as if the
     /// connection had broken at once, until their failure is reported.
     pub fault_cut: Vec<PeerId>,
+    /// Endpoints closed because their peer said it was leaving, until their failure is
+    /// reported: that failure is the leave, no fault.
+    pub left: HashSet<PeerId>,
     last_prune: Instant,
 }
 
@@ -213,6 +216,7 @@ impl Core {
             counters: Counters::default(),
             retired: Aged::new(RETIRED_FOR, AGED_CAP),
             fault_cut: Vec::new(),
+            left: HashSet::default(),
             waited: HashSet::default(),
             last_prune: Instant::now(),
         }
@@ -360,7 +364,12 @@ impl Inner {
     /// peer can end nothing but its own connection.
     fn on_leaving(&self, core: &mut Core, peer: PeerId) {
         match core.peers.rank_of(peer) {
-            Some(rank) => tracing::info!(peer = rank.0, "{rank} is leaving: its engine ends"),
+            Some(rank) => {
+                tracing::info!(peer = rank.0, "{rank} is leaving: its engine ends");
+                // Its failure, reported after this message whether this close makes it or the
+                // transport saw the connection close first, is the leave.
+                core.left.insert(peer);
+            }
             None => tracing::info!("endpoint {}: the peer is leaving", peer.0),
         }
         core.counters.peers_left += 1;
@@ -559,9 +568,15 @@ impl Inner {
                 }
                 // The waiters it concerns (a dial that gave way to this one, a `connect`
                 // waiting for this reconnect dial, the rank's) are woken at the end of the pass.
+                let left = core.left.remove(&peer);
                 if let Some(rank) = core.peers.on_failed(peer, now) {
-                    tracing::warn!("{rank}: connection failed");
-                    core.counters.last_fault = Some(now);
+                    if left {
+                        // An orderly leave is no fault (the requests it cost are, each).
+                        tracing::info!(peer = rank.0, "{rank}: connection closed, the peer left");
+                    } else {
+                        tracing::warn!(peer = rank.0, "{rank}: connection failed");
+                        core.counters.last_fault = Some(now);
+                    }
                     core.ep.handle_peer_lost(now, rank);
                 }
                 core.waiters.wake(WaitKey::Dial(peer));

@@ -66,6 +66,7 @@ impl Engine {
             ("retired", core.retired.len()),
             ("retired.slots", core.retired.slots()),
             ("fault_cut", core.fault_cut.len()),
+            ("left", core.left.len()),
             ("held_wakes", self.inner.held_wakes.lock().len()),
             ("agent.live_peers", self.inner.agent.live_peers()),
         ];

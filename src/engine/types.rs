@@ -238,7 +238,8 @@ pub struct Health {
     /// 8192 such failures since; docs/SECURITY.md): each reads `Unknown` again.
     pub ranks_forgotten: u64,
     /// Connections whose peer said it was leaving (its engine was dropped): each ended at once,
-    /// as a failed one does, and counts in `peers_failed` too.
+    /// as a failed one does, and counts in `peers_failed` too, but is no fault for `state` (the
+    /// requests it cost are).
     pub peers_left: u64,
 }
 

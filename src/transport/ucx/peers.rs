@@ -205,7 +205,14 @@ impl Progress {
         entry.drop_batch(&self.shared);
         let ep = entry.ep.take();
         self.shared.live_peers.lock().remove(&PeerId(peer));
-        tracing::warn!(peer, forced, "peer failed: {}", sys::status_str(status));
+        // Not a warning here: a close this side asked for (`forced`) has its reason logged by
+        // whoever asked, and the engine warns for a failure that cost a bound rank, not for an
+        // endpoint that gave way to another or was never bound.
+        if forced {
+            tracing::debug!(peer, "endpoint closed here: {}", sys::status_str(status));
+        } else {
+            tracing::info!(peer, "peer failed: {}", sys::status_str(status));
+        }
         self.shared.push_event(Event::PeerFailed(PeerId(peer)));
         let slots: Vec<Arc<OpSlot>> = self
             .shared
