@@ -83,16 +83,39 @@ fn flow_mut(
         .map(|(_, f)| &mut **f)
 }
 
-/// What is kept of a request forgotten here, for as long as a peer may still ask about it.
+/// What is kept of a request forgotten here, for as long as a peer may still ask about it: 32
+/// bytes for a request answered to one rank (a 1x1 request's), as many tombstones are kept.
 #[derive(Debug)]
 struct Tomb {
     /// Its expiry (the request's own deadline plus the agreement bound).
     until: Instant,
     outcome: Outcome,
-    /// A receive's: the ranks whose votes and ready answers it answered while it ran (its
-    /// senders; at the coordinator, the other receivers too). A send flow's tombstone is keyed
-    /// by its receiver, the one rank it answers, and keeps none.
-    askers: SmallVec<[RankId; 2]>,
+    /// The rank it answers: a send flow's receiver (its key names it too); a receive's first
+    /// sender.
+    asker: RankId,
+    /// A receive's other askers, if any: its other senders and, at the coordinator, the other
+    /// receivers (whose votes it answered while it ran). Behind one thin pointer, so that the
+    /// common tombstone keeps its 32 bytes; allocated only for such requests.
+    #[allow(clippy::box_collection)]
+    more: Option<Box<Vec<RankId>>>,
+}
+
+impl Tomb {
+    /// A receive's tombstone, answering `askers` (the first is always there: a receive has a
+    /// sender).
+    fn receive(until: Instant, outcome: Outcome, askers: &[RankId]) -> Tomb {
+        Tomb {
+            until,
+            outcome,
+            asker: askers.first().copied().unwrap_or(RankId(u32::MAX)),
+            more: (askers.len() > 1).then(|| Box::new(askers[1..].to_vec())),
+        }
+    }
+
+    /// Whether it answers `rank`'s vote or ready answer.
+    fn answers(&self, rank: RankId) -> bool {
+        self.asker == rank || self.more.as_ref().is_some_and(|m| m.contains(&rank))
+    }
 }
 
 /// The protocol core of one rank. See the module docs for the call order.
@@ -721,11 +744,11 @@ impl Endpoint {
                     r.on_timeout(now, &mut self.out);
                     r.settle(now);
                     if r.is_finished(now) {
-                        let tomb = Tomb {
-                            until: r.tomb_until,
-                            outcome: r.terminal().unwrap_or(Outcome::PeerLost),
-                            askers: r.askers(),
-                        };
+                        let tomb = Tomb::receive(
+                            r.tomb_until,
+                            r.terminal().unwrap_or(Outcome::PeerLost),
+                            &r.askers(),
+                        );
                         self.timers.release(r);
                         self.recvs.remove(&key);
                         self.bury(id, tomb);
@@ -746,11 +769,11 @@ impl Endpoint {
                     f.on_timeout(now, &mut self.out);
                     f.settle(now);
                     if f.is_finished(now) {
-                        // Keyed by its receiver, the only rank it answers.
                         let tomb = Tomb {
                             until: f.tomb_until,
                             outcome: f.terminal().unwrap_or(Outcome::PeerLost),
-                            askers: SmallVec::new(),
+                            asker: to,
+                            more: None,
                         };
                         self.timers.release(f);
                         self.forget_flow(key, to);
@@ -897,10 +920,8 @@ impl Endpoint {
     /// anything else, as the running request did (a rank outside the request learns nothing).
     fn answer_from_tomb(&mut self, key: RequestKey, from: RankId) {
         match self.tombs.get(&TimerId::Recv(key)) {
-            Some(Tomb {
-                outcome, askers, ..
-            }) if askers.contains(&from) => {
-                let outcome = *outcome;
+            Some(tomb) if tomb.answers(from) => {
+                let outcome = tomb.outcome;
                 self.out.stats.duplicates += 1;
                 self.out.transmits.push_back(Transmit {
                     to: from,
@@ -1084,5 +1105,26 @@ impl Endpoint {
     /// The agreed verdict of a receive, once known here.
     pub fn verdict(&self, key: RequestKey) -> Option<crate::error::Outcome> {
         self.recvs.get(&key).and_then(|r| r.verdict())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Many tombstones are kept (up to `Config::tomb_cap`): the one of a request answered to one
+    /// rank stays within 32 bytes, its askers inline.
+    #[test]
+    fn a_tombstone_of_a_request_with_one_asker_takes_32_bytes() {
+        assert!(
+            std::mem::size_of::<Tomb>() <= 32,
+            "{}",
+            std::mem::size_of::<Tomb>()
+        );
+        let t = Tomb::receive(Instant::now(), Outcome::Completed, &[RankId(3)]);
+        assert!(t.more.is_none());
+        assert!(t.answers(RankId(3)) && !t.answers(RankId(4)));
+        let t = Tomb::receive(Instant::now(), Outcome::Completed, &[RankId(3), RankId(5)]);
+        assert!(t.answers(RankId(3)) && t.answers(RankId(5)) && !t.answers(RankId(4)));
     }
 }
