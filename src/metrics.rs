@@ -72,6 +72,7 @@ pub(crate) struct Metrics {
     early: Counter,
     forgotten: Counter,
     left: Counter,
+    log_dropped: Counter,
     peer_failures: Counter,
     reconnects: Counter,
     foreign: Counter,
@@ -130,6 +131,7 @@ impl Metrics {
             early: Counter::default(),
             forgotten: Counter::default(),
             left: Counter::default(),
+            log_dropped: Counter::default(),
             peer_failures: Counter::default(),
             reconnects: Counter::default(),
             foreign: Counter::default(),
@@ -213,6 +215,11 @@ impl Metrics {
             "ranks_forgotten",
             "Ranks that dialled this side and failed, forgotten to bound the peer table",
             m.forgotten.clone(),
+        );
+        registry.register(
+            "log_records_dropped",
+            "Log records dropped because the host's log sink fell behind (the whole process's, not this engine's alone)",
+            m.log_dropped.clone(),
         );
         registry.register(
             "peers_left",
@@ -320,6 +327,7 @@ impl Metrics {
         catch_up(&self.early, h.early_kept);
         catch_up(&self.forgotten, h.ranks_forgotten);
         catch_up(&self.left, h.peers_left);
+        catch_up(&self.log_dropped, crate::log::records_dropped());
         catch_up(&self.peer_failures, h.peers_failed);
         catch_up(&self.reconnects, h.reconnects);
         catch_up(&self.foreign, h.foreign_data);
@@ -443,6 +451,10 @@ mod tests {
         assert_eq!(v("kvlink_early_frames_total"), 14.0);
         assert_eq!(v("kvlink_ranks_forgotten_total"), 15.0);
         assert_eq!(v("kvlink_peers_left_total"), 16.0);
+        assert_eq!(
+            v("kvlink_log_records_dropped_total"),
+            crate::log::records_dropped() as f64
+        );
         assert_eq!(v("kvlink_peer_failures_total"), 1.0);
         assert_eq!(v("kvlink_reconnects_total"), 5.0);
         assert_eq!(v("kvlink_foreign_data_total"), 6.0);
