@@ -127,13 +127,12 @@ pub unsafe fn set_sink(level: u8, callback: usize) -> Result<bool> {
         )));
     }
     let level = if callback == 0 { 0 } else { level };
-    // The function and the thread first, then the level that makes the layer queue records.
+    // The level is stored with the sink, under the queue's lock: a removal and a registration
+    // at once end as one of them last, never the level on with no sink.
     if level != 0 {
-        delivery::start(callback)
+        delivery::start(callback, level)
             .map_err(|e| Error::new(ErrorKind::Internal, format!("no log thread: {e}")))?;
-    }
-    SINK_LEVEL.store(level, Ordering::Release);
-    if level == 0 {
+    } else {
         delivery::stop();
     }
     let ours = init();

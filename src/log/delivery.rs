@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use super::{SinkFn, IN_SINK};
+use super::{SinkFn, IN_SINK, SINK_LEVEL};
 
 /// The most records waiting for the sink; past it a new record is dropped and counted.
 pub const QUEUE_CAP: usize = 4096;
@@ -43,6 +43,9 @@ struct State {
     /// the lock with each record, so a record taken off the queue before the sink's removal or
     /// replacement goes to the sink it was queued for.
     sink: usize,
+    /// Sinks set since the start: a removal that waits sees by it that a sink was set
+    /// meanwhile (the same function again, too) and leaves that one in place.
+    sets: u64,
     /// The delivery thread runs (it may still be in a call of a sink removed since).
     running: bool,
     /// That thread, to be joined once it has ended (`running` false).
@@ -56,6 +59,7 @@ struct State {
 static STATE: Mutex<State> = Mutex::new(State {
     queue: VecDeque::new(),
     sink: 0,
+    sets: 0,
     running: false,
     thread: None,
     taken: 0,
@@ -91,9 +95,11 @@ pub(super) fn push(record: Record) {
     QUEUED.notify_one();
 }
 
-/// `sink` (the address of a [`SinkFn`]) is set: records are taken for it, and the delivery
-/// thread runs (started if it does not). Records still queued go to it.
-pub(super) fn start(sink: usize) -> std::io::Result<()> {
+/// `sink` (the address of a [`SinkFn`]) is set at `level` (1 error .. 5 trace): records are
+/// taken for it, and the delivery thread runs (started if it does not). Records still queued go
+/// to it. The level is stored with the sink, under the lock, so that a removal running at the
+/// same time cannot leave one without the other.
+pub(super) fn start(sink: usize, level: u8) -> std::io::Result<()> {
     let mut s = STATE.lock();
     if !s.running {
         // One that ended and was not joined (its stop gave up waiting) is left detached.
@@ -104,7 +110,10 @@ pub(super) fn start(sink: usize) -> std::io::Result<()> {
         );
         s.running = true;
     }
+    // The function and the thread first, then the level that makes the layer queue records.
     s.sink = sink;
+    s.sets += 1;
+    SINK_LEVEL.store(level, Ordering::Release);
     Ok(())
 }
 
@@ -117,15 +126,17 @@ pub(super) fn stop() {
     let in_sink = IN_SINK.with(|b| b.get());
     let deadline = Instant::now() + STOP_WAIT;
     let mut s = STATE.lock();
-    let removed = s.sink;
+    // No new records while those queued go; a sink set meanwhile stores its own level.
+    SINK_LEVEL.store(0, Ordering::Release);
+    let sets = s.sets;
     if !in_sink {
         let target = s.taken;
-        while s.done < target && s.sink == removed {
+        while s.done < target && s.sets == sets {
             if DONE.wait_until(&mut s, deadline).timed_out() {
                 break;
             }
         }
-        if s.sink != removed {
+        if s.sets != sets {
             return;
         }
     }
