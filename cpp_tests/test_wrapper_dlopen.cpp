@@ -168,6 +168,42 @@ TEST(WrapperFactory, TheLogSinkFollowsTheLiveManagersHooks) {
   EXPECT_EQ(g_hook_a_calls.load() + g_hook_b_calls.load(), 0) << "no manager holds a hook: no hook is called";
 }
 
+std::atomic<bool> g_in_slow_hook{false};
+std::atomic<int> g_slow_hook_calls{0};
+
+// kvlink calls the hooks on its log thread. When the manager whose hook is the sink's goes and
+// an older manager's hook takes over, a call of the departing hook already under way must have
+// returned by the time the manager's destruction returns: the host may free `log_user` then.
+// The departing hook here takes 100 ms a call, and a call of it is under way at the destruction.
+TEST(WrapperFactory, ADestroyedManagersHookIsNotRunningOnceTheDestructionReturns) {
+  Wrapper w;
+  KvlinkTrtllmOptions oa = options("tcp");
+  oa.log = [](void*, int, char const*, size_t) {};
+  oa.log_level = 5;
+  auto a = make(w, oa);
+  KvlinkTrtllmOptions ob = options("tcp");
+  ob.log = [](void*, int, char const*, size_t) {
+    g_in_slow_hook.store(true);
+    std::this_thread::sleep_for(100ms);
+    g_slow_hook_calls.fetch_add(1);
+    g_in_slow_hook.store(false);
+  };
+  ob.log_level = 5;
+  auto b = make(w, ob);
+  // What this connection logs goes to `b`'s hook, the newest.
+  auto c = make(w, options("tcp"));
+  ASSERT_EQ(c->getConnections(b->getCommState()).size(), 1u);
+  for (auto until = Clock::now() + 10s; !g_in_slow_hook.load() && Clock::now() < until;) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(g_in_slow_hook.load()) << "b's hook was never called";
+  b.reset();
+  EXPECT_FALSE(g_in_slow_hook.load()) << "b's hook still ran after its manager was destroyed";
+  int const calls = g_slow_hook_calls.load();
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(g_slow_hook_calls.load(), calls) << "b's hook was called after its manager was destroyed";
+}
+
 // Kv_transfer_timeout_ms far beyond a year (INT64_MAX: "no timeout") is taken
 // as a year by the engine (EngineConfig::timeout), but the wrapper's own deadlines
 // (`after(timeout)`, `deadline + grace`) must not overflow into the past: getConnections must

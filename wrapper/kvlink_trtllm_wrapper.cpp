@@ -448,12 +448,12 @@ class Manager final : public kv::ConnectionManager {
   /// `logMutex()` held, whenever the set of holders changes or a hook installed for a factory
   /// call that failed must go: no event reaches a hook whose owner may be gone.
   static void reinstallLogHookLocked() {
+    // Removed first, whatever follows: the removal lets the records queued for the hook going
+    // away reach it and waits for its call under way (kvlink calls hooks on its log thread),
+    // where a replacement would not. Its owner may be gone once this returns.
+    clear_log_sink();
     auto const& v = logHooks();
-    if (v.empty()) {
-      clear_log_sink();
-    } else {
-      installLogHook(v.back().second);
-    }
+    if (!v.empty()) installLogHook(v.back().second);
   }
 
   /// This manager routes kvlink's logs to the host's hook `h` (installed by the factory already).

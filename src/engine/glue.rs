@@ -369,10 +369,11 @@ impl Inner {
                 // Its failure, reported after this message whether this close makes it or the
                 // transport saw the connection close first, is the leave.
                 core.left.insert(peer);
+                core.counters.peers_left += 1;
             }
+            // Not a rank's connection (a handshake, or one given way): only closed.
             None => tracing::info!("endpoint {}: the peer is leaving", peer.0),
         }
-        core.counters.peers_left += 1;
         let _ = self.agent.close_peer(peer);
     }
 
