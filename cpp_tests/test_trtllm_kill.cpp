@@ -10,7 +10,15 @@
 //   GenerationKilledWhileContextSends      the context rank (the survivor) is blocked in
 //                                          send(dataTag) when the generation rank is SIGKILLed
 //
-// Each case checks that:
+// and a peer process that destroys its ConnectionManager mid-request and lives on (a host tearing
+// its cache transceiver down), on tcp and on sm:
+//
+//   ContextDestroyedWhileGenerationReceives
+//                                          the generation rank (the survivor) is blocked in
+//                                          recv(dataTag) for segment 0 (the ready signal sent,
+//                                          no data yet) when the context rank destroys its manager
+//
+// Each kill case checks that:
 //   - the kill lands mid-transfer: the generation rank's watcher thread reports over its pipe that
 //     segment 1 has started landing (64 MiB + 1 MiB in), the test kills at once, and the survivor
 //     reports how much had landed (or been sent) when its call failed: more than 0, not all;
@@ -45,6 +53,16 @@
 // reports it) is a failed connect accepted, and only while the survivor reports receive_stuck:
 // the run is then skipped with the reason, which checks the verdict against what happens (an
 // earlier 40 runs: 8 skipped with the queue stuck and "no hello", 32 served and not stuck).
+//
+// ContextDestroyedWhileGenerationReceives checks, on tcp and sm, that the survivor's recv throws
+// within 1 s of the destruction (far before the deadline), that it holds nothing leased, fenced or
+// in flight, that it then connects to and is served by a fresh process of the same rank while the
+// one that destroyed its manager still lives, and that this one exits 0 when told to. The blocked
+// recv is ended by the destroyed manager's refusal of the buffer advertised to it; what lets the
+// rank go is the engine's Leaving: without it, on sm the survivor keeps the rank bound to the
+// living process and the fresh one's handshake is refused (RankInUse). There is no such case with
+// the generation rank's manager destroyed: the context rank's send waiting for the buffer it
+// fills runs to the request's deadline (the known limit below), on tcp as on sm.
 //
 // A context rank whose generation rank dies between two segments is waiting for an advertisement
 // that never comes; the wrapper ends that wait at the request's deadline (TimedOut; a known limit,
@@ -288,10 +306,17 @@ int contextProcess(std::string const& transport, bool withProbe) {
   Rank r(transport, withProbe);
   r.sayAddress();
   std::atomic<bool> terminate{false};
+  std::atomic<bool> hold{false};     // HOLD: the next request is answered, its data never sent
+  std::atomic<bool> destroy{false};  // DESTROY: the executor goes, the process lives on to EXIT
   std::thread input([&] {
     std::string line;
     while (std::getline(std::cin, line)) {
-      if (line == "HEALTH") r.sayHealth();
+      if (line == "HEALTH" && !destroy) r.sayHealth();
+      if (line == "HOLD") hold = true;
+      if (line == "DESTROY") {
+        destroy = true;
+        terminate = true;
+      }
       if (line == "EXIT") break;
     }
     terminate = true;  // the executor shutting down
@@ -308,6 +333,11 @@ int contextProcess(std::string const& transport, bool withProbe) {
     try {
       bool const ready = true;
       t.conn->send(kv::DataContext{tags.ready(id)}, &ready, sizeof ready);
+      if (hold.exchange(false)) {
+        say("CTX_HOLDING " + std::to_string(id));
+        while (!terminate.load()) std::this_thread::sleep_for(1ms);
+        continue;  // the sender's thread ends with the executor, the request unserved
+      }
       kv::DataContext const ctx{tags.data(id), never};
       for (; seg < l.segments(); ++seg) {
         fill(id, seg, block.data(), l.block);  // format the block, then send it
@@ -323,6 +353,11 @@ int contextProcess(std::string const& transport, bool withProbe) {
       say("CTX_REQ " + std::to_string(id) + " failed " + std::to_string(end) + " -1 " + std::to_string(seg) + " " +
           oneLine(e.what()));
     }
+  }
+  if (destroy) {  // as ~CacheTransceiver: the sender's thread joined, then the manager destroyed
+    say("CTX_DESTROYING " + std::to_string(nowNs()));
+    r.m.reset();
+    say("CTX_DESTROYED " + std::to_string(nowNs()));
   }
   input.join();
   say("CTX_EXIT");
@@ -688,6 +723,63 @@ TEST_P(KillMidTransfer, GenerationKilledWhileContextSends) {
   EXPECT_EQ(fresh.finish(30s), 0) << fresh.name();
   EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
 }
+
+/// The context process destroys its ConnectionManager in the middle of a request (TensorRT-LLM's
+/// cache transceiver going) and lives on.
+class DestroyMidRequest : public KillMidTransfer {};
+
+TEST_P(DestroyMidRequest, ContextDestroyedWhileGenerationReceives) {
+  Proc& gen = start("generation rank (survives)", "gen", true, kGenRankId);
+  Proc& ctx = start("context rank (destroys its manager, lives on)", "ctx", false, kCtxRankId);
+  ASSERT_NO_FATAL_FAILURE(connect(gen, ctx));
+  // The context rank answers the request and sends none of its data: the generation rank waits
+  // in recv(dataTag) for segment 0 when the manager goes.
+  ctx.send("HOLD");
+  gen.send("BIG 3001");
+  std::string const started = gen.expect("GEN_START 3001 ", 30s);
+  ASSERT_FALSE(started.empty()) << gen.name() << " did not start request 3001";
+  int64_t const deadline = std::stoll(started.substr(started.rfind(' ') + 1)) + kTimeoutMs * 1000000;
+  ASSERT_FALSE(ctx.expect("CTX_HOLDING 3001", 30s).empty()) << ctx.name() << " did not answer request 3001";
+  ctx.send("DESTROY");
+  std::string const began = ctx.expect("CTX_DESTROYING ", 30s);
+  ASSERT_FALSE(began.empty()) << ctx.name() << " did not destroy its manager";
+  int64_t const destroyedAt = std::stoll(began.substr(began.rfind(' ') + 1));
+  ASSERT_FALSE(ctx.expect("CTX_DESTROYED ", 30s).empty()) << ctx.name() << "'s manager destruction did not return";
+
+  // The survivor's recv failed at once: within 1 s of the destruction, far before the request's
+  // deadline (kTimeoutMs), where it ends when nothing tells it the peer has gone.
+  std::string const line = gen.expect("GEN_BIG 3001 ", std::chrono::milliseconds(kTimeoutMs) + 10s);
+  ASSERT_FALSE(line.empty()) << "the generation rank's recv did not return (hang)";
+  Ended const e = parseGen(line);
+  ASSERT_TRUE(e.failed) << "the generation rank's recv returned success with its peer's manager destroyed";
+  EXPECT_NE(e.outcome, 0);
+  EXPECT_EQ(e.segments, 0u) << "segments landed that the context rank never sent";
+  double const afterDestroy = (e.end - destroyedAt) / 1e6;
+  std::printf("[ %s: the generation rank's recv ended %s %.1f ms after the destruction began, %.1f ms before the "
+              "request's deadline; %s ]\n",
+              GetParam().c_str(), outcomeName(e.outcome), afterDestroy, (deadline - e.end) / 1e6, e.what.c_str());
+  EXPECT_LE(afterDestroy, 1000.0) << "the generation rank's recv did not end at once";
+  EXPECT_NO_FATAL_FAILURE(checkHealth(gen));
+
+  // The same generation process, a new context process of the same rank, while the one that
+  // destroyed its manager still lives: the survivor let the rank go, so the new one binds it.
+  Proc& fresh = start("context rank (fresh, same rank)", "ctx", false, kCtxRankId);
+  ASSERT_NO_FATAL_FAILURE(connect(gen, fresh));
+  gen.send("SMALL 3002");
+  EXPECT_EQ(gen.expect("GEN_SMALL 3002 ", 30s), "GEN_SMALL 3002 ok");
+
+  // The process that destroyed its manager lived on all along: it exits 0 when told to, not before.
+  EXPECT_EQ(ctx.expect("CTX_EXIT", 0s), "") << ctx.name() << " exited before EXIT";
+  ctx.send("EXIT");
+  gen.send("EXIT");
+  fresh.send("EXIT");
+  EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
+  EXPECT_EQ(gen.finish(30s), 0) << gen.name();
+  EXPECT_EQ(fresh.finish(30s), 0) << fresh.name();
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, DestroyMidRequest, testing::Values("tcp", "sm"),
+                         [](testing::TestParamInfo<std::string> const& i) { return i.param; });
 
 INSTANTIATE_TEST_SUITE_P(Transports, KillMidTransfer, testing::Values("tcp", "sm"),
                          [](testing::TestParamInfo<std::string> const& i) { return i.param; });
