@@ -60,14 +60,16 @@
 // one that destroyed its manager still lives, and that this one exits 0 when told to. The blocked
 // recv is ended by the destroyed manager's refusal of the buffer advertised to it; what lets the
 // rank go is the engine's Leaving: without it, on sm the survivor keeps the rank bound to the
-// living process and the fresh one's handshake is refused (RankInUse). There is no such case with
-// the generation rank's manager destroyed: the context rank's send waiting for the buffer it
-// fills runs to the request's deadline (the known limit below), on tcp as on sm.
+// living process and the fresh one's handshake is refused (RankInUse).
+// GenerationDestroyedWhileContextSends is the other way round: the generation rank destroys its
+// manager (and lives on) after the ready signal and before it advertises the buffer the context
+// rank's send waits for. That send fails PeerLost within 1 s (about 5 ms here): the wrapper's
+// wait for the advertisement ends once the engine says the rank is not connected. Before it
+// looked, the send ran to the request's deadline (4 s), on tcp as on sm.
 //
 // A context rank whose generation rank dies between two segments is waiting for an advertisement
-// that never comes; the wrapper ends that wait at the request's deadline (TimedOut; a known limit,
-// docs/TENSORRT_LLM.md). A kill with a segment on the wire ends it PeerLost as soon as the
-// transport finds the peer dead. Both are within the bound above.
+// that never comes; the wrapper ends that wait when the transport finds the peer dead (PeerLost),
+// as a kill with a segment on the wire does. Both are within the bound above.
 #include "helpers/wrapper_probe.h"
 #include "trtllm_test_util.h"
 
@@ -267,7 +269,22 @@ int generationProcess(std::string const& transport, bool withProbe) {
   std::string line;
   say("GEN_UP");
   while (std::getline(std::cin, line)) {
-    if (line.rfind("CTX ", 0) == 0) {  // CTX <agent name>\t<connection info>
+    if (!r.m) {  // DESTROY: the executor went, the process lives on to EXIT
+      if (line == "EXIT") break;
+      continue;
+    }
+    if (line.rfind("HELD ", 0) == 0) {  // HELD <id>: request info sent, ready taken, no buffer
+      if (!side) die("a request before CTX");
+      uint64_t const id = std::strtoull(line.c_str() + 5, nullptr, 10);
+      std::atomic<bool> never{false};
+      side->sendRequestInfo(id);
+      say("GEN_HELD " + std::to_string(id) + (side->recvReady(id, never) ? " ready" : " refused"));
+    } else if (line == "DESTROY") {  // as ~CacheTransceiver, with a request held
+      side.reset();
+      say("GEN_DESTROYING " + std::to_string(nowNs()));
+      r.m.reset();
+      say("GEN_DESTROYED " + std::to_string(nowNs()));
+    } else if (line.rfind("CTX ", 0) == 0) {  // CTX <agent name>\t<connection info>
       auto const tab = line.find('\t', 4);
       if (tab == std::string::npos) die("bad CTX line");
       std::vector<kv::AgentState> agents;
@@ -604,8 +621,10 @@ class KillMidTransfer : public testing::TestWithParam<std::string> {
 
   /// Checks that nothing stayed leased, fenced, in flight or unreaped; sets `stuck` (when given)
   /// to whether the survivor reports its shared-memory receive queue stuck, and `renewals` (when
-  /// given) to how many times it moved to a new worker because of that.
-  void checkHealth(Proc& survivor, bool* stuck = nullptr, unsigned long long* renewals = nullptr) {
+  /// given) to how many times it moved to a new worker because of that. `requestFailed`: the
+  /// interrupted request had started in the survivor's engine, which must count it failed.
+  void checkHealth(Proc& survivor, bool* stuck = nullptr, unsigned long long* renewals = nullptr,
+                   bool requestFailed = true) {
     survivor.send("HEALTH");
     std::string const h = survivor.expect("HEALTH ", 30s);
     ASSERT_FALSE(h.empty()) << survivor.name() << " did not report its health";
@@ -625,7 +644,9 @@ class KillMidTransfer : public testing::TestWithParam<std::string> {
     EXPECT_EQ(fenced, 0u) << "a buffer stayed fenced";
     EXPECT_EQ(ops, 0u) << "an op stayed in flight";
     EXPECT_EQ(unreaped, 0u) << "an op was never reaped";
-    EXPECT_GE(failed, 1u) << "the engine did not count the interrupted request as failed";
+    if (requestFailed) {
+      EXPECT_GE(failed, 1u) << "the engine did not count the interrupted request as failed";
+    }
   }
 
   std::vector<std::unique_ptr<Proc>> procs_;
@@ -776,6 +797,52 @@ TEST_P(DestroyMidRequest, ContextDestroyedWhileGenerationReceives) {
   EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
   EXPECT_EQ(gen.finish(30s), 0) << gen.name();
   EXPECT_EQ(fresh.finish(30s), 0) << fresh.name();
+}
+
+// The generation process destroys its ConnectionManager while the context rank waits in
+// send(dataTag) for the buffer of a request it answered ready, and lives on. The context rank's
+// send fails PeerLost at once (the engine's Leaving tells it the rank is gone), not at the
+// request's deadline as a wait for an advertisement that never comes otherwise does; it holds
+// nothing afterwards and serves a fresh process of the same rank.
+TEST_P(DestroyMidRequest, GenerationDestroyedWhileContextSends) {
+  Proc& ctx = start("context rank (survives)", "ctx", true, kCtxRankId);
+  Proc& gen = start("generation rank (destroys its manager, lives on)", "gen", false, kGenRankId);
+  ASSERT_NO_FATAL_FAILURE(connect(gen, ctx));
+  gen.send("HELD 4001");
+  ASSERT_EQ(gen.expect("GEN_HELD 4001 ", 30s), "GEN_HELD 4001 ready");
+  gen.send("DESTROY");
+  std::string const began = gen.expect("GEN_DESTROYING ", 30s);
+  ASSERT_FALSE(began.empty()) << gen.name() << " did not destroy its manager";
+  int64_t const destroyedAt = std::stoll(began.substr(began.rfind(' ') + 1));
+  ASSERT_FALSE(gen.expect("GEN_DESTROYED ", 30s).empty()) << gen.name() << "'s manager destruction did not return";
+
+  std::string const line = ctx.expect("CTX_REQ 4001 ", std::chrono::milliseconds(kTimeoutMs) + 10s);
+  ASSERT_FALSE(line.empty()) << "the context rank's send did not return (hang)";
+  Ended const e = parseCtx(line);
+  ASSERT_TRUE(e.failed) << line;
+  double const afterDestroy = (e.end - destroyedAt) / 1e6;
+  std::printf("[ %s: the context rank's send ended %s %.1f ms after the destruction began;%s ]\n", GetParam().c_str(),
+              outcomeName(e.outcome), afterDestroy, e.what.c_str());
+  EXPECT_EQ(e.outcome, 3) << "not PeerLost: " << line;
+  EXPECT_EQ(e.segments, 0u) << line;
+  EXPECT_LE(afterDestroy, 1000.0) << "the context rank's send did not end at once";
+  // The buffer was never advertised, so no request of the engine's ended: nothing to count.
+  EXPECT_NO_FATAL_FAILURE(checkHealth(ctx, nullptr, nullptr, false));
+
+  Proc& fresh = start("generation rank (fresh, same rank)", "gen", false, kGenRankId);
+  ASSERT_NO_FATAL_FAILURE(connect(fresh, ctx));
+  fresh.send("SMALL 4002");
+  EXPECT_EQ(fresh.expect("GEN_SMALL 4002 ", 30s), "GEN_SMALL 4002 ok");
+  std::string const served = ctx.expect("CTX_REQ 4002 ", 30s);
+  EXPECT_EQ(served.rfind("CTX_REQ 4002 completed ", 0), 0u) << served;
+
+  EXPECT_EQ(gen.expect("GEN_EXIT", 0s), "") << gen.name() << " exited before EXIT";
+  gen.send("EXIT");
+  fresh.send("EXIT");
+  ctx.send("EXIT");
+  EXPECT_EQ(gen.finish(30s), 0) << gen.name();
+  EXPECT_EQ(fresh.finish(30s), 0) << fresh.name();
+  EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, DestroyMidRequest, testing::Values("tcp", "sm"),

@@ -1088,6 +1088,15 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
       throw TransferError(static_cast<int>(Outcome::TimedOut), id,
                           "kvlink: send of " + describe(id, tag) + ": no buffer advertised by the deadline");
     }
+    // The generation rank's connection failed or it left (its manager destroyed) since its
+    // request info came: its side of the request has ended PeerLost, and the buffer will never
+    // be advertised. Ends now rather than at the deadline.
+    if (m_.engine().peer_state(remote_) != PeerState::Connected) {
+      endCtx(id);
+      throw TransferError(static_cast<int>(Outcome::PeerLost), id,
+                          "kvlink: send of " + describe(id, tag) + ": rank " + std::to_string(remote_) +
+                              " is gone (its connection failed, or it left) before it advertised the buffer");
+    }
     cv_.wait_for(g, 5ms);  // the terminate flag cannot notify: look every 5 ms
   }
   g.unlock();
