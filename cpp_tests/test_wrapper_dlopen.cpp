@@ -258,6 +258,39 @@ TEST(WrapperFactory, AnAllgatherRecordWithoutItsEndIsRefusedNotReadPast) {
   EXPECT_NE(std::string(err).find("bad agent record from rank 0"), std::string::npos) << err;
 }
 
+// The address a manager publishes in its CommState is one another node can dial: the default
+// wildcard listener (0.0.0.0:0) is published at an interface's address, and a transport with
+// devices (tcp@lo) listens too. Before, the wildcard was published as "0.0.0.0:port", which the
+// other node dials as its own loopback, and tcp@lo did not listen at all (a worker address).
+TEST(WrapperFactory, PublishesAnAddressAnotherNodeCanDial) {
+  Wrapper w;
+  auto published = [](kv::ConnectionManager& m) { return m.getCommState().getAgentState().at(0).mConnectionInfo; };
+  for (char const* transport : {"tcp", "tcp@lo"}) {
+    SCOPED_TRACE(transport);
+    KvlinkTrtllmOptions o = options("tcp");
+    o.transport = transport;
+    o.listen = nullptr;  // the wrapper's default, TRTLLM_KVLINK_LISTEN unset
+    ASSERT_EQ(std::getenv("TRTLLM_KVLINK_LISTEN"), nullptr);
+    auto m = make(w, o);
+    std::string const at = published(*m);
+    auto const colon = at.rfind(':');
+    ASSERT_NE(colon, std::string::npos) << at;
+    EXPECT_NE(at.rfind("0.0.0.0:", 0), 0u) << at;
+    EXPECT_NE(at.rfind("ucx:", 0), 0u) << at;
+    EXPECT_GT(std::stoi(at.substr(colon + 1)), 0) << at;
+    if (std::string(transport) == "tcp@lo") {
+      EXPECT_EQ(at.substr(0, colon), "127.0.0.1");
+    }
+    // And it is reached there.
+    KvlinkTrtllmOptions po = options("tcp");
+    po.transport = transport;
+    auto peer = make(w, po);
+    auto conns = peer->getConnections(m->getCommState());
+    ASSERT_EQ(conns.size(), 1u);
+    EXPECT_NE(conns[0], nullptr);
+  }
+}
+
 // getCommState() lists every rank of the instance (from the allgather) with selfIdx = rank:
 // what CacheSender / CacheReceiver check at construction and index connections by.
 TEST(WrapperFactory, CommStateCoversEveryRankWithSelfIdxTheRank) {

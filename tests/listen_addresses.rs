@@ -1,11 +1,17 @@
 //! Listen and connect addresses as an operator writes them, over real UCX tcp. An IPv6 one is
 //! refused with `InvalidArgument`: before it was, a connection through an IPv6 listener
 //! (`[::1]:0`) overflowed a heap block in UCX's tcp transport (`uct_tcp_ep_set_dest_addr`,
-//! 1.13 and 1.22) and the process aborted in malloc ("double free or corruption").
+//! 1.13 and 1.22) and the process aborted in malloc ("double free or corruption"). A wildcard
+//! listener (`0.0.0.0`) is reported at an address another host can dial.
+mod common;
+
 use kvlink::transport::{Agent, AgentOptions, TransportKind};
 use kvlink::{ErrorKind, Outcome};
 use std::net::SocketAddr;
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+const ENGINE_PEER: &str = env!("CARGO_BIN_EXE_kvlink-engine-peer");
 
 fn listener(at: &str) -> kvlink::Result<Agent> {
     let mut ob = AgentOptions::new("b", TransportKind::Tcp);
@@ -45,5 +51,50 @@ fn an_ipv4_listener_at_port_0_is_reachable_at_the_address_it_reports() {
         let mut hello = a.send_control(ab, b"hi".to_vec()).unwrap();
         let d = Instant::now() + Duration::from_secs(10);
         assert_eq!(hello.wait(d, None).unwrap(), Outcome::Completed, "{at}");
+    }
+}
+
+/// A listener at the wildcard `0.0.0.0` is reached from another host at the address its engine
+/// reports (`Engine::address`). Two network namespaces joined by a veth pair stand for the two
+/// hosts (needs root, as the other namespace tests). Before, the engine reported `0.0.0.0:port`,
+/// which on the other host means that host itself: the generation rank dialled its own
+/// loopback and its `connect` failed. The TensorRT-LLM wrapper listens at `0.0.0.0:0` by
+/// default and hands this address to the other instance, so no two hosts could pair.
+#[test]
+fn a_wildcard_listener_is_reached_from_another_host_at_the_address_it_reports() {
+    let Some(net) = common::net::setup("wild") else {
+        return;
+    };
+    let in_ns = |ns: &str, args: &[&str]| {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns, ENGINE_PEER]).args(args);
+        common::Proc::spawn(cmd)
+    };
+    // Without devices the one interface up besides loopback; with them the one named.
+    let plain = ("tcp".to_string(), "tcp".to_string());
+    let devices = (format!("tcp@{}", net.dev_b), format!("tcp@{}", net.dev_a));
+    for (tb, ta) in [plain, devices] {
+        println!("== {tb}: context rank listening at 0.0.0.0:0 in {}", net.b);
+        let t = tb.as_str();
+        let mut ctx = in_ns(&net.b, &["ctx", "--transport", t, "--listen", "0.0.0.0:0"]);
+        let addr = ctx.expect_addr();
+        let at: SocketAddr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
+        assert_eq!(at.ip().to_string(), net.ip_b, "{t}: reported {addr}");
+        assert_ne!(at.port(), 0, "{addr}");
+        let mut gen = in_ns(
+            &net.a,
+            &["gen", "--transport", &ta, "--to", &addr, "--sizes", "4K,1M"],
+        );
+        gen.expect("CONNECTED");
+        for id in 1..=2 {
+            gen.send(&format!("REQ {id}"));
+            let g = gen.expect(&format!("GEN {id} "));
+            let c = ctx.expect(&format!("CTX {id} "));
+            assert!(
+                g.contains("end=Completed") && g.contains("verified=true"),
+                "{g}"
+            );
+            assert!(c.contains("end=Completed"), "{c}");
+        }
     }
 }

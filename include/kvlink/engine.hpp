@@ -477,7 +477,9 @@ class Engine {
   Engine& operator=(Engine&&) noexcept = default;
 
   /// Where peers reach this rank: `ip:port` (tcp) or `ucx:<hex>` (sm: UCX's worker address
-  /// sealed with its length and a checksum; `connect` refuses one that is cut or altered).
+  /// sealed with its length and a checksum; `connect` refuses one that is cut or altered). A
+  /// listener at `0.0.0.0` is reported at one of this host's interface addresses (the
+  /// transport's devices first; README, "The transport setting"), never at `0.0.0.0`.
   std::string address() const {
     return detail::call([&] { return std::string(handle()->address()); });
   }

@@ -45,6 +45,7 @@ mod connect;
 pub(crate) mod glue;
 mod health;
 mod notify;
+mod reach;
 mod receive;
 mod regions;
 mod send;
@@ -66,6 +67,7 @@ use crate::proto::{Config, Endpoint, Identity, RankId, RequestKey, Secret};
 use crate::transport::{Agent, AgentOptions};
 use glue::{Core, Inner};
 use parking_lot::Mutex;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -90,6 +92,9 @@ fn reap_grace(agreement_bound: Duration) -> Duration {
 pub struct Engine {
     inner: Arc<Inner>,
     timeout: Duration,
+    /// Where peers reach this rank's listener (`reach.rs`): its bound address, or for a
+    /// wildcard `0.0.0.0` one an address of this host's interfaces in its place.
+    published: Option<SocketAddr>,
 }
 
 fn key_err(kind: ErrorKind, key: RequestKey, what: &str) -> Error {
@@ -132,6 +137,11 @@ impl Engine {
             )));
         }
         let shared_memory = cfg.transport.may_use_mm();
+        // The devices UCX runs with: its own variable wins over the setting (`setup.rs`).
+        let devices = std::env::var("UCX_NET_DEVICES")
+            .ok()
+            .filter(|d| !d.trim().is_empty())
+            .or_else(|| cfg.net_devices.clone());
         let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
         opts.listen = cfg.listen;
         opts.net_devices = cfg.net_devices;
@@ -158,6 +168,18 @@ impl Engine {
         };
         crate::log::init();
         let agent = Agent::new(opts)?;
+        let published = agent.listen_address().map(|bound| {
+            let (at, from) = reach::published(bound, devices.as_deref());
+            if at != bound {
+                tracing::info!(
+                    "{}: listening at {bound}; peers are told {at} (interface {}): listen at \
+                     an address, or name the transport's devices, to choose another",
+                    cfg.name,
+                    from.as_deref().unwrap_or("none up: this host only")
+                );
+            }
+            at
+        });
         let me = RankId(cfg.rank);
         let config = Config {
             timeout: cfg.timeout,
@@ -190,6 +212,7 @@ impl Engine {
         Ok(Engine {
             inner,
             timeout: cfg.timeout,
+            published,
         })
     }
 

@@ -17,6 +17,9 @@ pub struct Net {
     pub b: String,
     pub ip_a: String,
     pub ip_b: String,
+    /// The veth ends inside `a` and `b`.
+    pub dev_a: String,
+    pub dev_b: String,
 }
 
 impl Net {
@@ -58,7 +61,14 @@ impl Net {
             && sh(&["ip", "-n", &b, "link", "set", &vb, "up"])
             && sh(&["ip", "-n", &a, "link", "set", "lo", "up"])
             && sh(&["ip", "-n", &b, "link", "set", "lo", "up"]);
-        let net = Net { a, b, ip_a, ip_b };
+        let net = Net {
+            a,
+            b,
+            ip_a,
+            ip_b,
+            dev_a: va,
+            dev_b: vb,
+        };
         ok.then_some(net)
     }
     pub fn iptables_b(&self, rule: &[&str]) -> bool {

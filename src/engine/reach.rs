@@ -1,0 +1,194 @@
+//! The address a listening engine tells its peers. A listener bound to the wildcard `0.0.0.0`
+//! accepts on every interface, but `0.0.0.0:port` is no address another host can dial: there it
+//! means that host itself. [`published`] puts an address of one of this host's interfaces in its
+//! place, chosen by the transport's network devices where they name one.
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+/// One IPv4 address of a network interface.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Iface {
+    pub name: String,
+    pub ip: Ipv4Addr,
+    pub up: bool,
+    pub loopback: bool,
+}
+
+/// Where peers reach a listener bound at `bound`: `bound` itself unless its ip is the wildcard;
+/// then the ip [`choose`] picks among this host's interfaces for `devices` (the
+/// `UCX_NET_DEVICES`-style list the engine runs with), and the interface it came from.
+pub(crate) fn published(bound: SocketAddr, devices: Option<&str>) -> (SocketAddr, Option<String>) {
+    if !bound.ip().is_unspecified() {
+        return (bound, None);
+    }
+    let (ip, from) = match choose(&interfaces(), devices) {
+        Some(i) => (i.ip, Some(i.name)),
+        None => (Ipv4Addr::LOCALHOST, None),
+    };
+    (SocketAddr::new(IpAddr::V4(ip), bound.port()), from)
+}
+
+/// The interface whose address a wildcard listener publishes, or None when this host has no
+/// IPv4 interface that is up (then only this host can reach it, at 127.0.0.1).
+///
+/// - `devices` naming interfaces (`eth0`, `ib0,eth1`; a UCX `device:port` suffix is ignored):
+///   the first of them, in the list's order, that is up with an IPv4 address, loopback too when
+///   named (`lo`). If none of them has one, the choice below, as if no devices were named.
+/// - No devices, `all`, or an exclusion (`^eth1,docker0`): the first interface in the system's
+///   order that is up, not excluded, not loopback and not link-local (`169.254/16`); failing that
+///   a link-local one, failing that loopback.
+pub(crate) fn choose(ifaces: &[Iface], devices: Option<&str>) -> Option<Iface> {
+    let spec = devices.map(str::trim).filter(|d| !d.is_empty());
+    let names = |list: &str| -> Vec<String> {
+        list.split(',')
+            .map(|d| d.trim().split(':').next().unwrap_or("").to_string())
+            .filter(|d| !d.is_empty())
+            .collect()
+    };
+    let up = || ifaces.iter().filter(|i| i.up);
+    let mut excluded = Vec::new();
+    match spec {
+        Some("all") | None => {}
+        Some(s) if s.starts_with('^') => excluded = names(&s[1..]),
+        Some(s) => {
+            for name in names(s) {
+                if let Some(i) = up().find(|i| i.name == name) {
+                    return Some(i.clone());
+                }
+            }
+        }
+    }
+    let allowed = || up().filter(|i| !excluded.contains(&i.name));
+    let link_local = |i: &&Iface| i.ip.is_link_local();
+    allowed()
+        .find(|i| !i.loopback && !link_local(i))
+        .or_else(|| allowed().find(|i| !i.loopback))
+        .or_else(|| allowed().find(|i| i.loopback))
+        .cloned()
+}
+
+/// This host's IPv4 interface addresses, in the system's order (`getifaddrs`); empty if it
+/// cannot be read.
+fn interfaces() -> Vec<Iface> {
+    let mut out = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs writes a list head we free below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return out;
+    }
+    let mut at = head;
+    while !at.is_null() {
+        // SAFETY: `at` is a node of the list getifaddrs returned, alive until freeifaddrs.
+        let ifa = unsafe { &*at };
+        at = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_addr points at a sockaddr whose family says its real type.
+        if i32::from(unsafe { (*ifa.ifa_addr).sa_family }) != libc::AF_INET {
+            continue;
+        }
+        // SAFETY: an AF_INET address is a sockaddr_in.
+        let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
+        let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+        let flags = ifa.ifa_flags as libc::c_int;
+        out.push(Iface {
+            name: name.to_string_lossy().into_owned(),
+            ip: Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+            up: flags & libc::IFF_UP != 0,
+            loopback: flags & libc::IFF_LOOPBACK != 0,
+        });
+    }
+    // SAFETY: `head` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iface(name: &str, ip: &str, up: bool) -> Iface {
+        Iface {
+            name: name.into(),
+            ip: ip.parse().unwrap(),
+            up,
+            loopback: name == "lo",
+        }
+    }
+
+    fn host() -> Vec<Iface> {
+        vec![
+            iface("lo", "127.0.0.1", true),
+            iface("eth0", "10.0.0.5", true),
+            iface("eth1", "192.168.7.5", true),
+            iface("down0", "10.9.9.9", false),
+            iface("ll0", "169.254.3.3", true),
+        ]
+    }
+
+    fn pick(ifaces: &[Iface], devices: Option<&str>) -> Option<String> {
+        choose(ifaces, devices).map(|i| i.ip.to_string())
+    }
+
+    #[test]
+    fn without_devices_the_first_routable_interface_that_is_up() {
+        assert_eq!(pick(&host(), None).as_deref(), Some("10.0.0.5"));
+        assert_eq!(pick(&host(), Some("all")).as_deref(), Some("10.0.0.5"));
+        assert_eq!(pick(&host(), Some("  ")).as_deref(), Some("10.0.0.5"));
+    }
+
+    #[test]
+    fn named_devices_are_taken_in_their_order_loopback_included() {
+        assert_eq!(pick(&host(), Some("eth1")).as_deref(), Some("192.168.7.5"));
+        assert_eq!(
+            pick(&host(), Some("down0,eth1,eth0")).as_deref(),
+            Some("192.168.7.5"),
+            "a device that is down is passed over"
+        );
+        assert_eq!(pick(&host(), Some("lo")).as_deref(), Some("127.0.0.1"));
+        assert_eq!(
+            pick(&host(), Some("eth1:1")).as_deref(),
+            Some("192.168.7.5"),
+            "a UCX port suffix"
+        );
+        assert_eq!(
+            pick(&host(), Some("mlx5_0:1")).as_deref(),
+            Some("10.0.0.5"),
+            "a device with no IPv4 address: as if none were named"
+        );
+    }
+
+    #[test]
+    fn an_exclusion_passes_over_its_devices() {
+        assert_eq!(pick(&host(), Some("^eth0")).as_deref(), Some("192.168.7.5"));
+        assert_eq!(
+            pick(&host(), Some("^eth0,eth1")).as_deref(),
+            Some("169.254.3.3"),
+            "link-local before loopback"
+        );
+        assert_eq!(
+            pick(&host(), Some("^eth0,eth1,ll0")).as_deref(),
+            Some("127.0.0.1")
+        );
+    }
+
+    #[test]
+    fn a_host_with_loopback_only_or_nothing_up() {
+        let only_lo = vec![
+            iface("lo", "127.0.0.1", true),
+            iface("eth0", "10.0.0.5", false),
+        ];
+        assert_eq!(pick(&only_lo, None).as_deref(), Some("127.0.0.1"));
+        assert_eq!(pick(&[], None), None);
+        let (a, from) = published("0.0.0.0:7000".parse().unwrap(), None);
+        assert_eq!(a.port(), 7000);
+        assert!(!a.ip().is_unspecified(), "{a} from {from:?}");
+    }
+
+    #[test]
+    fn a_bound_address_is_published_as_it_is() {
+        let bound: SocketAddr = "10.1.2.3:4567".parse().unwrap();
+        assert_eq!(published(bound, Some("eth0")), (bound, None));
+    }
+}
