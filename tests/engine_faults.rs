@@ -178,6 +178,34 @@ fn frozen_sender_mid_transfer_ends_both_sides_by_the_deadline_and_the_pair_heals
     }
 }
 
+/// The receiver frozen mid-transfer: the sender cannot recall a send its receiver does not
+/// drain, so at its deadline it force-closes the endpoint (plain caller memory). Once the
+/// receiver runs again its wait ends at once with a failure, and the next request, made
+/// right away, completes: the close must reach the receiver before that request does.
+#[test]
+fn frozen_receiver_mid_transfer_ends_the_sender_by_the_deadline_and_the_next_request_completes() {
+    for tl in ["tcp", "sm"] {
+        println!("== {tl}: receiver frozen (SIGSTOP) mid-transfer");
+        let (mut ctx, mut gen, _) = pair_mid_request(tl, &[], &[]);
+        gen.signal(libc::SIGSTOP);
+        let c = ctx.expect("CTX 2 ");
+        check_bounded("sender", &c);
+        gen.signal(libc::SIGCONT);
+        let t0 = Instant::now();
+        let g = gen.expect("GEN 2 ");
+        println!(
+            "  receiver (frozen past its deadline): {g}, {:?} after SIGCONT",
+            t0.elapsed()
+        );
+        assert!(t0.elapsed() < Duration::from_secs(1), "{g}");
+        assert_ne!(field(&g, "end"), "Completed", "{g}");
+        assert_eq!(field(&g, "leased"), "0", "{g}");
+        completes(&mut ctx, &mut gen, 3);
+        gen.send("HEALTH");
+        println!("  after: {}", gen.expect("HEALTH"));
+    }
+}
+
 #[test]
 fn killed_receiver_mid_transfer_ends_the_sender_by_the_deadline_and_it_serves_the_next() {
     for tl in ["tcp", "sm"] {
