@@ -33,6 +33,16 @@ fn connect_pair(ctx: &Engine, gen: &Engine) {
 
 /// The two engines of [`engines`], not yet connected.
 fn unconnected(kind: TransportKind, timeout: Duration, suppress: Option<u64>) -> (Engine, Engine) {
+    let (c, g) = configs(kind, timeout, suppress);
+    (Engine::new(c).unwrap(), Engine::new(g).unwrap())
+}
+
+/// The configurations of [`engines`]: context rank, generation rank.
+fn configs(
+    kind: TransportKind,
+    timeout: Duration,
+    suppress: Option<u64>,
+) -> (EngineConfig, EngineConfig) {
     let mut c = EngineConfig::new("ctx", CTX, kind.clone());
     if !kind.by_worker_address() {
         c.listen = Some("127.0.0.1:0".parse().unwrap());
@@ -40,11 +50,20 @@ fn unconnected(kind: TransportKind, timeout: Duration, suppress: Option<u64>) ->
     c.timeout = timeout;
     c.agreement_bound = Duration::from_millis(500);
     c.faults.suppress_data_of_request = suppress;
-    let ctx = Engine::new(c).unwrap();
     let mut g = EngineConfig::new("gen", GEN, kind);
     g.timeout = timeout;
     g.agreement_bound = Duration::from_millis(500);
-    let gen = Engine::new(g).unwrap();
+    (c, g)
+}
+
+/// [`engines`] over tcp whose protocol cores keep a request that failed for `linger` past its
+/// end (`EngineConfig::linger`).
+fn lingering(timeout: Duration, linger: Duration) -> (Engine, Engine) {
+    let (mut c, mut g) = configs(TransportKind::Tcp, timeout, None);
+    c.linger = linger;
+    g.linger = linger;
+    let (ctx, gen) = (Engine::new(c).unwrap(), Engine::new(g).unwrap());
+    connect_pair(&ctx, &gen);
     (ctx, gen)
 }
 
@@ -904,6 +923,115 @@ fn recv_ready_follows_the_end_past_the_requests_deadline() {
     // with room: the core has forgotten both, tombstones included.
     std::thread::sleep(Duration::from_millis(6500));
     assert_eq!(answers(), (Some(true), Some(false)), "past the deadline");
+}
+
+/// Tombstones the protocol core of `e` keeps.
+fn tombstones(e: &Engine) -> usize {
+    e.table_sizes()
+        .into_iter()
+        .find(|(t, _)| *t == "ep.tombs")
+        .map_or(0, |(_, n)| n)
+}
+
+/// `EngineConfig::linger` is the core's: a request that failed (here refused) is held whole on
+/// both ranks (counted in `requests_known`) for the configured linger past its end, and no
+/// longer (before, the engine always gave the core 5 s); its tombstone, kept to its deadline
+/// plus the agreement bound, then answers for it.
+#[test]
+fn a_failed_request_stays_whole_for_the_configured_linger_and_no_longer() {
+    let linger = Duration::from_secs(2);
+    let (ctx, gen) = lingering(Duration::from_secs(10), linger);
+    let key = RequestKey::new(53, 0);
+    let mut buf = vec![0u8; 4096];
+    advertise_one(&gen, key, &mut buf);
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let adv = ctx.next_advertisement(soon(), None).unwrap();
+    ctx.accept(key, adv.from, false).unwrap();
+    assert_eq!(
+        gen.wait(key, Role::Receiver, soon(), None).unwrap(),
+        Outcome::Rejected
+    );
+    assert_eq!(
+        ctx.wait(key, TO_GEN, soon(), None).unwrap(),
+        Outcome::Rejected
+    );
+    let ended = Instant::now();
+    assert_eq!(
+        (gen.health().requests_known, ctx.health().requests_known),
+        (1, 1),
+        "held whole inside the linger"
+    );
+    // Past the linger, with room: forgotten, its tombstone kept (the deadline is 10 s away).
+    let until = ended + linger + Duration::from_secs(1);
+    for e in [&gen, &ctx] {
+        while e.health().requests_known > 0 {
+            assert!(
+                Instant::now() < until,
+                "{}: still held whole past the linger",
+                e.name()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            tombstones(e),
+            1,
+            "{}: the tombstone answers for it",
+            e.name()
+        );
+    }
+    assert_eq!(gen.recv_ready(key, soon(), None), Some(false));
+    assert!(buf.iter().all(|&b| b == 0), "no byte landed");
+}
+
+/// A linger of zero: a request that failed is forgotten at its end as a completed one is, only
+/// its tombstone kept, and the ranks still agree: a cancel on the generation side after the
+/// context side accepted ends both `Cancelled`, and the next request on the pair completes.
+#[test]
+fn with_no_linger_a_failed_request_is_forgotten_at_its_end_and_the_ranks_still_agree() {
+    let (ctx, gen) = lingering(Duration::from_secs(10), Duration::ZERO);
+    let key = RequestKey::new(54, 0);
+    let mut buf = vec![0u8; 4096];
+    advertise_one(&gen, key, &mut buf);
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let adv = ctx.next_advertisement(soon(), None).unwrap();
+    ctx.accept(key, adv.from, true).unwrap();
+    gen.cancel(key).unwrap();
+    assert_eq!(
+        gen.wait(key, Role::Receiver, soon(), None).unwrap(),
+        Outcome::Cancelled
+    );
+    assert_eq!(
+        ctx.wait(key, TO_GEN, soon(), None).unwrap(),
+        Outcome::Cancelled
+    );
+    // Forgotten at its end (the next pass of the timers), with a margin as the deadline rule's.
+    let until = Instant::now() + Duration::from_millis(100);
+    for e in [&gen, &ctx] {
+        while e.health().requests_known > 0 {
+            assert!(
+                Instant::now() < until,
+                "{}: still held past its end",
+                e.name()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            tombstones(e),
+            1,
+            "{}: the tombstone answers for it",
+            e.name()
+        );
+    }
+    assert!(buf.iter().all(|&b| b == 0), "no byte landed");
+    assert_eq!(gen.health().buffers_leased, 0);
+    one_request_completes(
+        &ctx,
+        &gen,
+        (RequestKey::new(55, 0), GEN, CTX),
+        None,
+        6,
+        "the next request",
+    );
 }
 
 /// One call waits for a request's end: a second `wait` for the same key and role, made while

@@ -122,6 +122,7 @@ impl Engine {
         for d in [
             &mut cfg.timeout,
             &mut cfg.agreement_bound,
+            &mut cfg.linger,
             &mut cfg.wedge_window,
             &mut cfg.degraded_window,
         ] {
@@ -184,6 +185,7 @@ impl Engine {
         let config = Config {
             timeout: cfg.timeout,
             agreement_bound: cfg.agreement_bound,
+            linger: cfg.linger,
             ..Config::default()
         };
         let identity = Identity {

@@ -30,12 +30,23 @@ pub struct EngineConfig {
     /// tcp: listen here (`ip:port`, port 0 picks one). Shared memory connects by worker address.
     pub listen: Option<SocketAddr>,
     /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Any of
-    /// these four durations longer than [`LONGEST_WAIT`] (a year) is taken as a year. The
+    /// these five durations longer than [`LONGEST_WAIT`] (a year) is taken as a year. The
     /// sender learns what is left of a deadline in whole milliseconds, at most 2^32 - 1 (about
     /// 49.7 days): a longer deadline ends the sender's side of the request then.
     pub timeout: Duration,
     /// How long past a deadline the ranks may spend agreeing before each ends on its own.
     pub agreement_bound: Duration,
+    /// How long the protocol core keeps a request that ended without completing in full past
+    /// its end (the core's [`Config::linger`], 5 s by default): meanwhile it pushes the failure
+    /// verdict again to a sender that has not confirmed it, answers late duplicates from the
+    /// whole request and counts it in [`Health::requests_known`]. Memory for tolerance: at a
+    /// high failure rate the core holds every request that failed within the last linger, and
+    /// a shorter one holds fewer. A `Completed` request does not linger (it is forgotten at its
+    /// end). Zero: a failed request is forgotten at its end as a completed one is; its tombstone
+    /// (kept to its deadline plus the agreement bound) still answers a late vote or verdict, and
+    /// a sender that missed the failure verdict pulls it rather than having it pushed again.
+    /// Past the tombstone the engine still remembers each end for 10 minutes.
+    pub linger: Duration,
     /// `health().state`: work pending and no data landing or sent for this long is `Wedged`.
     pub wedge_window: Duration,
     /// `health().state`: a fault (failed peer, failed request) this recent is `Degraded`.
@@ -67,6 +78,7 @@ impl EngineConfig {
             listen: None,
             timeout: Duration::from_secs(60),
             agreement_bound: Config::default().agreement_bound,
+            linger: Config::default().linger,
             wedge_window: Duration::from_secs(10),
             degraded_window: Duration::from_secs(60),
             secret: None,
