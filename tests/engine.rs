@@ -67,6 +67,34 @@ fn lingering(timeout: Duration, linger: Duration) -> (Engine, Engine) {
     (ctx, gen)
 }
 
+/// Requests the protocol core of `e` still holds whole or by their tombstones.
+fn core_remembers(e: &Engine) -> usize {
+    e.table_sizes()
+        .into_iter()
+        .filter(|(t, _)| ["ep.recvs", "ep.sends", "ep.tombs"].contains(t))
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// Waits until the protocol cores of `engines` have forgotten every request, tombstones
+/// included; fails the test if one still remembers one at `until`.
+fn wait_until_cores_forget(engines: &[&Engine], until: Instant) {
+    for e in engines {
+        while core_remembers(e) > 0 {
+            assert!(
+                Instant::now() < until,
+                "{}: the core still remembers a request: {:?}",
+                e.name(),
+                e.table_sizes()
+                    .into_iter()
+                    .filter(|(t, _)| t.starts_with("ep."))
+                    .collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
 fn fill(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -538,11 +566,11 @@ fn an_accept_that_the_receivers_cancel_beat_is_no_error_and_the_send_reports_the
 
 /// The same race, answered late: an advertisement taken from the queue (or answered) only after
 /// its request has ended and the protocol core has forgotten it (its deadline, the agreement
-/// bound and the core's linger of 5 s, tombstone included). `accept` is still no error, the
+/// bound and the core's linger, tombstone included). `accept` is still no error, the
 /// send still reports the end and the sender's wait gives it: the engine remembers the end.
 #[test]
 fn an_accept_and_send_after_the_core_forgot_the_request_report_its_end() {
-    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let (ctx, gen) = lingering(Duration::from_secs(10), Duration::from_millis(100));
     let key = RequestKey::new(4096 + 7, 0);
     let mut buf = vec![0u8; 4096];
     advertise_buffers(
@@ -558,8 +586,10 @@ fn an_accept_and_send_after_the_core_forgot_the_request_report_its_end() {
         gen.wait(key, Role::Receiver, soon(), None).unwrap(),
         Outcome::TimedOut
     );
-    // Past the deadline (200 ms), the agreement bound (500 ms) and the linger (5 s), with room.
-    std::thread::sleep(Duration::from_millis(6500));
+    // Past the deadline (200 ms), the agreement bound (500 ms) and the linger (100 ms), with
+    // room: the cores have forgotten the request, tombstones included (what matters: the answers
+    // below then come from the engine's own memory of the end).
+    wait_until_cores_forget(&[&ctx, &gen], Instant::now() + Duration::from_secs(2));
     let adv = ctx.next_advertisement(soon(), None).unwrap();
     assert_eq!(adv.key, key);
     ctx.accept(key, adv.from, true)
@@ -881,7 +911,7 @@ fn recv_ready_follows_a_timed_out_end_before_and_after_wait() {
 /// plus its linger).
 #[test]
 fn recv_ready_follows_the_end_past_the_requests_deadline() {
-    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let (ctx, gen) = lingering(Duration::from_secs(10), Duration::from_millis(100));
     let timeout = Duration::from_millis(200);
     let completed = RequestKey::new(51, 0);
     one_request_completes(
@@ -919,9 +949,9 @@ fn recv_ready_follows_the_end_past_the_requests_deadline() {
         a
     };
     assert_eq!(answers(), (Some(true), Some(false)), "within the deadline");
-    // Past the deadline (200 ms), the agreement bound (500 ms) and the core's linger (5 s),
+    // Past the deadline (200 ms), the agreement bound (500 ms) and the core's linger (100 ms),
     // with room: the core has forgotten both, tombstones included.
-    std::thread::sleep(Duration::from_millis(6500));
+    wait_until_cores_forget(&[&ctx, &gen], Instant::now() + Duration::from_secs(2));
     assert_eq!(answers(), (Some(true), Some(false)), "past the deadline");
 }
 
