@@ -70,6 +70,38 @@ TEST_P(EngineTest, ConfigIsCheckedWithTypedErrors) {
   } catch (const kvlink::Error& e) {
     EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument);
   }
+  bad = config(GetParam(), 9);
+  bad.linger = -1ms;
+  try {
+    kvlink::Engine e(bad);
+    FAIL() << "a negative linger was accepted";
+  } catch (const kvlink::Error& e) {
+    EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument);
+  }
+}
+
+// `EngineConfig::linger` reaches the protocol core across the bridge: a request refused to a
+// rank with a linger of 1 s is held whole there (`requests_known`) right after its end, and
+// forgotten within the linger and a margin (with the default, 5 s, it still was).
+TEST_P(EngineTest, ALingerSetThroughTheFacadeIsHowLongAFailedRequestIsHeld) {
+  constexpr std::uint32_t kLingering = 3;
+  const RequestKey key{93, 0};
+  auto c = config(GetParam(), kLingering, 10s);
+  c.linger = 1000ms;
+  kvlink::Engine gen(c);
+  ASSERT_EQ(gen.connect(ctx_->address(), kvlink::after(5s)), kCtx);
+  ctx_->wait_peer(kLingering, kvlink::after(5s));
+  std::vector<std::uint8_t> buf(4096, 0);
+  gen.advertise(key, {}, kCtx, {{kvlink::BufferKind::Kv, 0, buf.data(), buf.size()}}, {});
+  auto adv = ctx_->next_advertisement(kvlink::after(5s));
+  ASSERT_TRUE(adv);
+  ctx_->accept(key, kLingering, false);
+  EXPECT_EQ(gen.wait_receiver(key, kvlink::after(5s)), Outcome::Rejected);
+  EXPECT_EQ(gen.health().requests_known, 1u) << "held whole inside the linger";
+  EXPECT_TRUE(eventually([&] { return gen.health().requests_known == 0; }, 2000ms))
+      << "still held past the linger";
+  EXPECT_EQ(ctx_->wait_sender(key, kLingering, kvlink::after(5s)), Outcome::Rejected);
+  expect_no_leak(gen, "lingering");
 }
 
 TEST_P(EngineTest, FullRoundTripThroughTheFacade) {

@@ -63,6 +63,9 @@ pub fn engine_new(o: &EngineOptions) -> Result<Box<EngineHandle>> {
         if o.agreement_ms > 0 {
             cfg.agreement_bound = Duration::from_millis(o.agreement_ms);
         }
+        if o.has_linger {
+            cfg.linger = Duration::from_millis(o.linger_ms);
+        }
         if o.wedge_ms > 0 {
             cfg.wedge_window = Duration::from_millis(o.wedge_ms);
         }

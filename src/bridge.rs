@@ -25,6 +25,10 @@ pub mod ffi {
         timeout_ms: u64,
         /// Extra time past a deadline for ranks to agree (0: the default, 50 ms).
         agreement_ms: u64,
+        /// How long a request that ended without completing is kept whole past its end, when
+        /// `has_linger` (else the default, 5 000 ms); 0: forgotten at its end.
+        has_linger: bool,
+        linger_ms: u64,
         /// health().state windows (0: the defaults, 10 000 and 60 000 ms).
         wedge_ms: u64,
         degraded_ms: u64,

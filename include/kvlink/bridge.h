@@ -991,6 +991,10 @@ struct EngineOptions final {
   ::std::uint64_t timeout_ms CXX_DEFAULT_VALUE(0);
   // Extra time past a deadline for ranks to agree (0: the default, 50 ms).
   ::std::uint64_t agreement_ms CXX_DEFAULT_VALUE(0);
+  // How long a request that ended without completing is kept whole past its end, when
+  // `has_linger` (else the default, 5 000 ms); 0: forgotten at its end.
+  bool has_linger CXX_DEFAULT_VALUE(false);
+  ::std::uint64_t linger_ms CXX_DEFAULT_VALUE(0);
   // health().state windows (0: the defaults, 10 000 and 60 000 ms).
   ::std::uint64_t wedge_ms CXX_DEFAULT_VALUE(0);
   ::std::uint64_t degraded_ms CXX_DEFAULT_VALUE(0);

@@ -140,7 +140,7 @@ struct EngineConfig {
   /// transport).
   std::string listen;
   /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Must be positive.
-  /// This and the three durations below are taken as a year where they are longer
+  /// This and the four durations below are taken as a year where they are longer
   /// (`milliseconds::max()` included). The sender learns what is left of a deadline in whole
   /// milliseconds, at most 2^32 - 1 (about 49.7 days): a longer one ends the sender's side then.
   std::chrono::milliseconds timeout{60000};
@@ -148,6 +148,13 @@ struct EngineConfig {
   /// no verdict by then ends with its own failure and fences what is still unsafe. Zero means
   /// the default (50 ms).
   std::chrono::milliseconds agreement_bound{0};
+  /// How long a request that ended without completing is kept whole past its end, to push its
+  /// failure verdict again to a sender that has not confirmed it and answer late duplicates
+  /// (`Health::requests_known` counts it meanwhile): memory for tolerance. A `Completed` request
+  /// does not linger. Empty: the default (5 s). Zero: a failed request is forgotten at its end
+  /// as a completed one is, its tombstone (to its deadline plus the agreement bound) still
+  /// answering late votes and verdicts. Negative: `InvalidArgument`.
+  std::optional<std::chrono::milliseconds> linger;
   /// `Health::state`: work pending and no data moved for this long is `Wedged` (zero: 10 s).
   /// Make it longer than the slowest prefill a receiver waits through.
   std::chrono::milliseconds wedge_window{0};
@@ -775,6 +782,9 @@ class Engine {
     if (c.timeout.count() <= 0) {
       throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: timeout must be positive");
     }
+    if (c.linger && c.linger->count() < 0) {
+      throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: linger must not be negative");
+    }
     ffi::EngineOptions o;
     o.name = detail::string(c.name);
     o.rank = c.rank;
@@ -782,6 +792,8 @@ class Engine {
     o.listen = detail::string(c.listen);
     o.timeout_ms = static_cast<std::uint64_t>(c.timeout.count());
     o.agreement_ms = c.agreement_bound.count() > 0 ? static_cast<std::uint64_t>(c.agreement_bound.count()) : 0;
+    o.has_linger = c.linger.has_value();
+    o.linger_ms = c.linger ? static_cast<std::uint64_t>(c.linger->count()) : 0;
     o.wedge_ms = c.wedge_window.count() > 0 ? static_cast<std::uint64_t>(c.wedge_window.count()) : 0;
     o.degraded_ms = c.degraded_window.count() > 0 ? static_cast<std::uint64_t>(c.degraded_window.count()) : 0;
     o.fault_suppress_request =
