@@ -2732,6 +2732,43 @@ fn a_dropped_engine_tells_its_peers_it_left() {
     }
 }
 
+/// A rank reached by worker address (shared memory) that leaves is `Failed` at once, and a
+/// request to it fails `PeerLost` at once: its worker address ended with its engine, so the
+/// reconnect round that used to dial it could never succeed, and every request to the rank
+/// waited for that round (6 dials, about 3 s) before it failed. Over tcp the round stays: a new
+/// engine may listen at the same port.
+#[test]
+fn a_rank_that_left_by_worker_address_is_failed_at_once() {
+    use kvlink::connection::PeerState;
+    for kind in [TransportKind::SharedMemory, TransportKind::Tcp] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
+        drop(ctx);
+        let until = Instant::now() + Duration::from_secs(2);
+        while gen.peer_state(RankId(CTX)) == PeerState::Connected && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let state = gen.peer_state(RankId(CTX));
+        println!("{kind:?}: peer {state:?}");
+        assert_eq!(gen.health().peers_left, 1, "{kind:?}");
+        if kind == TransportKind::Tcp {
+            assert_eq!(state, PeerState::Reconnecting);
+            continue;
+        }
+        assert_eq!(state, PeerState::Failed);
+        let key = RequestKey::new(920, 0);
+        let mut buf = vec![0u8; 4096];
+        let t = Instant::now();
+        let specs = vec![(RankId(CTX), vec![one_spec(&mut buf, 0)])];
+        // SAFETY: refused, so nothing is posted into `buf`.
+        let r = unsafe { gen.advertise_with(key, vec![RankId(GEN)], specs, vec![], None) };
+        let took = t.elapsed();
+        println!("{kind:?}: advertise {r:?} after {took:?}");
+        assert_eq!(r.unwrap_err().kind, kvlink::ErrorKind::PeerLost);
+        assert!(took < Duration::from_millis(100), "{took:?}");
+        assert_eq!(gen.health().buffers_leased, 0, "{kind:?}");
+    }
+}
+
 /// A peer that leaves with nothing in flight is no fault: the survivor sees the rank gone, counts
 /// the leave, and stays `Healthy` with no fault ever recorded (before, an orderly leave set the
 /// last fault like a crash, so `health().state` read `Degraded` for the window after every

@@ -11,7 +11,9 @@
 //! `Reconnecting` and the engine dials the same address again in the background, up to
 //! [`MAX_TRIES`] times with a doubling back-off. The side that was dialled waits for the peer's
 //! new `Hello`. A later use of a rank that gave up (`advertise`) starts a fresh round. Only the
-//! requests that were on the failed endpoint are lost, never the pair.
+//! requests that were on the failed endpoint are lost, never the pair. A peer that said it
+//! leaves (its engine ended) is not redialled at a worker address, which ended with it
+//! ([`Peers::on_left`]).
 //!
 //! One exception to "the dialled side waits": when this side moves to a new transport worker
 //! (its shared-memory receive queue was stuck, docs/RELIABILITY.md), peers that dialled it by
@@ -822,6 +824,33 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         Some(rank)
     }
 
+    /// [`Peers::on_failed`] for the connection of a peer that said it leaves (its engine ends).
+    /// A reconnect round is kept only where a new engine may answer: a listener's `ip:port`,
+    /// where a process builds its next engine. A worker address ends with the engine that had
+    /// it (its successor has a new one), so a rank reached by one reads `Failed` at once and
+    /// forgets that address: nothing redials it, and a request to it fails at once instead of
+    /// waiting for a round that cannot succeed (6 dials, about 3 s). A `connect` to the new
+    /// engine's address binds the rank again.
+    pub fn on_left(&mut self, peer: P, now: Instant) -> Option<RankId> {
+        let rank = self.on_failed(peer, now)?;
+        let r = self.ranks.get_mut(&rank)?;
+        if r.state == PeerState::Reconnecting
+            && r.round_address().is_some_and(|a| is_worker_address(a))
+        {
+            r.state = PeerState::Failed;
+            r.next_try = None;
+            r.by_dial_back = false;
+            if r.dial.as_deref().is_some_and(is_worker_address) {
+                r.dial = None;
+            }
+            if r.dial_back.as_deref().is_some_and(is_worker_address) {
+                r.dial_back = None;
+            }
+            self.failed(rank);
+        }
+        Some(rank)
+    }
+
     /// This side moves to a new transport worker: every endpoint fails next (reported after
     /// this), and the worker address changes. Connected ranks that dialled this side by worker
     /// address, and that this side does not dial itself, know nothing of it: when their
@@ -1087,6 +1116,41 @@ mod tests {
         assert!(p.revive(R, now));
         assert_eq!(p.state(R), PeerState::Reconnecting);
         assert_eq!(p.due(now), vec![(R, "addr".to_string())]);
+    }
+
+    /// A peer that left (`Leaving`): a rank dialled at a listener's address keeps its round (a
+    /// new engine may come up there), one dialled by worker address is `Failed` at once, with
+    /// nothing due and nothing to revive, until a `connect` names a new address.
+    #[test]
+    fn a_rank_that_left_is_redialled_only_at_a_listeners_address() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        p.set_dial(R, "10.0.0.1:5000");
+        assert_eq!(p.on_left(10, t0), Some(R));
+        assert_eq!(p.state(R), PeerState::Reconnecting);
+        assert_eq!(p.failures, 1);
+        let worker = format!("{WORKER_ADDRESS_PREFIX}0a0b");
+        let mut p = dialled_and_bound(t0);
+        p.set_dial(R, &worker);
+        assert_eq!(p.on_left(10, t0), Some(R));
+        assert_eq!(p.state(R), PeerState::Failed);
+        assert_eq!(p.failures, 1);
+        assert!(p.next_due().is_none());
+        assert!(p.due(t0 + Duration::from_secs(10)).is_empty());
+        assert!(!p.revive(R, t0), "nothing to dial");
+        // A plain failure of a rank reached by worker address still gets its round.
+        let mut p = dialled_and_bound(t0);
+        p.set_dial(R, &worker);
+        assert_eq!(p.on_failed(10, t0), Some(R));
+        assert_eq!(p.state(R), PeerState::Reconnecting);
+        // A rank that answered this side's dial (not dialled from here) is `Failed` either way.
+        let mut p: Peers<u64> = Peers::default();
+        p.accepted(11, None, t0);
+        p.bind(info(RankId(8)), 11, ME, session(2));
+        assert_eq!(p.on_left(11, t0), Some(RankId(8)));
+        assert_eq!(p.state(RankId(8)), PeerState::Failed);
+        // And an endpoint with no rank is none of this.
+        assert_eq!(p.on_left(99, t0), None);
     }
 
     #[test]

@@ -570,7 +570,12 @@ impl Inner {
                 // The waiters it concerns (a dial that gave way to this one, a `connect`
                 // waiting for this reconnect dial, the rank's) are woken at the end of the pass.
                 let left = core.left.remove(&peer);
-                if let Some(rank) = core.peers.on_failed(peer, now) {
+                let lost = if left {
+                    core.peers.on_left(peer, now)
+                } else {
+                    core.peers.on_failed(peer, now)
+                };
+                if let Some(rank) = lost {
                     if left {
                         // An orderly leave is no fault (the requests it cost are, each).
                         tracing::info!(peer = rank.0, "{rank}: connection closed, the peer left");
