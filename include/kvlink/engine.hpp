@@ -360,7 +360,8 @@ enum class PeerState : std::uint8_t {
   Connected = 1,
   /// Its endpoint failed; the engine is dialling it again.
   Reconnecting = 2,
-  /// Its endpoint failed and nobody is dialling it (it dialled us, or the tries ran out).
+  /// Its endpoint failed and nobody is dialling it (it dialled us, the tries ran out, or it left
+  /// and was reached by worker address, which ended with its engine).
   Failed = 3,
 };
 

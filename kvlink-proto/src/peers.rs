@@ -73,7 +73,8 @@ pub enum PeerState {
     Connected = 1,
     /// Its endpoint failed and the engine is dialling it again.
     Reconnecting = 2,
-    /// Its endpoint failed and nobody is dialling (this side was dialled, or the tries ran out).
+    /// Its endpoint failed and nobody is dialling (this side was dialled, the tries ran out, or
+    /// it left and was reached by worker address: [`Peers::on_left`]).
     Failed = 3,
 }
 
