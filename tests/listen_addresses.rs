@@ -98,3 +98,51 @@ fn a_wildcard_listener_is_reached_from_another_host_at_the_address_it_reports() 
         }
     }
 }
+
+/// An interface that is up but has no carrier (its cable out; here a veth whose other end is
+/// down, as a `docker0` bridge with nothing attached) carries nothing to this host, and UCX
+/// does not count it as active either: a wildcard listener is not published at its address,
+/// though it comes first in the system's order. Before, `up` read `IFF_UP` alone and the
+/// engine told its peers that address.
+#[test]
+fn a_wildcard_listener_is_not_published_at_an_interface_with_no_carrier() {
+    let Some(net) = common::net::setup("nocar") else {
+        return;
+    };
+    let (dead, dead_peer) = ("kvnocar0", "kvnocar1");
+    let ns = |args: &[&str]| {
+        let mut all = vec!["ip", "-n", &net.b];
+        all.extend_from_slice(args);
+        assert!(common::net::sh(&all), "ip {args:?}");
+    };
+    // Made after the veth moved in (which keeps the index it had), so numbered before it:
+    // first in the system's order.
+    ns(&[
+        "link", "add", dead, "type", "veth", "peer", "name", dead_peer,
+    ]);
+    ns(&["addr", "add", "10.78.0.2/24", "dev", dead]);
+    ns(&["link", "set", dead, "up"]);
+    let shown = Command::new("ip")
+        .args(["-n", &net.b, "-o", "-4", "addr", "show"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
+    let at = |what: &str| {
+        shown
+            .find(what)
+            .unwrap_or_else(|| panic!("{what}: {shown}"))
+    };
+    assert!(at(dead) < at(&net.dev_b), "not first in order:\n{shown}");
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &net.b, ENGINE_PEER]).args([
+        "ctx",
+        "--transport",
+        "tcp",
+        "--listen",
+        "0.0.0.0:0",
+    ]);
+    let mut ctx = common::Proc::spawn(cmd);
+    let addr = ctx.expect_addr();
+    let at: SocketAddr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
+    assert_eq!(at.ip().to_string(), net.ip_b, "reported {addr}:\n{shown}");
+}

@@ -9,6 +9,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 pub(crate) struct Iface {
     pub name: String,
     pub ip: Ipv4Addr,
+    /// Up and with a carrier (`IFF_UP` and `IFF_RUNNING`, UCX's own test of an active
+    /// interface): one that is up with its cable out, or a bridge with nothing attached
+    /// (`docker0`), carries nothing to this host.
     pub up: bool,
     pub loopback: bool,
 }
@@ -92,10 +95,11 @@ fn interfaces() -> Vec<Iface> {
         // SAFETY: ifa_name is a NUL-terminated string owned by the list.
         let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
         let flags = ifa.ifa_flags as libc::c_int;
+        let active = libc::IFF_UP | libc::IFF_RUNNING;
         out.push(Iface {
             name: name.to_string_lossy().into_owned(),
             ip: Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
-            up: flags & libc::IFF_UP != 0,
+            up: flags & active == active,
             loopback: flags & libc::IFF_LOOPBACK != 0,
         });
     }
