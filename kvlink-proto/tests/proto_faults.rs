@@ -8,6 +8,7 @@ mod proto_sim;
 
 use proptest::prelude::*;
 use proto_sim::*;
+use std::time::Duration;
 
 fn plan() -> impl Strategy<Value = Plan> {
     (
@@ -123,6 +124,26 @@ proptest! {
             retransmit: ms(200),
             linger: ms(500),
             ..kvlink_proto::Config::default()
+        };
+        let mut sim = Sim::with_config(plan, cfg);
+        sim.run();
+        let v = sim.check();
+        prop_assert!(v.is_empty(), "violations:\n{}", v.join("\n"));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    /// Linger zero (`EngineConfig::linger`): a request that failed is forgotten at its end, as
+    /// a completed one is, and nothing pushes its failure verdict again. Lost, duplicated and
+    /// reordered messages, cancels and deaths must still end every rank by its bound with the
+    /// ranks agreeing: a sender that missed the verdict pulls it from the tombstone.
+    #[test]
+    fn random_fault_schedules_keep_every_invariant_without_linger(plan in plan()) {
+        let cfg = kvlink_proto::Config {
+            linger: Duration::ZERO,
+            ..config()
         };
         let mut sim = Sim::with_config(plan, cfg);
         sim.run();
