@@ -359,8 +359,9 @@ impl Inner {
 
     /// A peer's `Leaving`: its engine is going away. Its endpoint is closed here as a failed one
     /// is (the transport reports the failure): the requests on it end `PeerLost`, and a rank
-    /// this side dialled gets its reconnect round, which finds a process that builds a new
-    /// engine at the same address. Only the endpoint the message came on is closed, so a
+    /// this side dialled at a listener's address gets its reconnect round, which finds a
+    /// process that builds a new engine there; one dialled by worker address reads `Failed`
+    /// (`Peers::on_left`). Only the endpoint the message came on is closed, so a
     /// peer can end nothing but its own connection.
     fn on_leaving(&self, core: &mut Core, peer: PeerId) {
         match core.peers.rank_of(peer) {

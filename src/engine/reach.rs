@@ -34,8 +34,8 @@ pub(crate) fn published(bound: SocketAddr, devices: Option<&str>) -> (SocketAddr
 /// IPv4 interface that is up (then only this host can reach it, at 127.0.0.1).
 ///
 /// - `devices` naming interfaces (`eth0`, `ib0,eth1`; a UCX `device:port` suffix is ignored):
-///   the first of them, in the list's order, that is up with an IPv4 address, loopback too when
-///   named (`lo`). If none of them has one, the choice below, as if no devices were named.
+///   the first of them, in the list's order, that is up with an IPv4 address (an alias such as
+///   `eth0:1` counts as its device's), loopback too when named (`lo`). If none of them has one, the choice below, as if no devices were named.
 /// - No devices, `all`, or an exclusion (`^eth1,docker0`): the first interface in the system's
 ///   order that is up, not excluded, not loopback and not link-local (`169.254/16`); failing that
 ///   a link-local one, failing that loopback.
@@ -48,19 +48,21 @@ pub(crate) fn choose(ifaces: &[Iface], devices: Option<&str>) -> Option<Iface> {
             .collect()
     };
     let up = || ifaces.iter().filter(|i| i.up);
+    // An address with a label (`eth0:1`, an alias) is on its device (`eth0`), as UCX names it.
+    let device = |i: &Iface| i.name.split(':').next().unwrap_or("").to_string();
     let mut excluded = Vec::new();
     match spec {
         Some("all") | None => {}
         Some(s) if s.starts_with('^') => excluded = names(&s[1..]),
         Some(s) => {
             for name in names(s) {
-                if let Some(i) = up().find(|i| i.name == name) {
+                if let Some(i) = up().find(|i| device(i) == name) {
                     return Some(i.clone());
                 }
             }
         }
     }
-    let allowed = || up().filter(|i| !excluded.contains(&i.name));
+    let allowed = || up().filter(|i| !excluded.contains(&device(i)));
     let link_local = |i: &&Iface| i.ip.is_link_local();
     allowed()
         .find(|i| !i.loopback && !link_local(i))
@@ -161,6 +163,16 @@ mod tests {
             Some("10.0.0.5"),
             "a device with no IPv4 address: as if none were named"
         );
+    }
+
+    #[test]
+    fn an_aliased_address_belongs_to_its_device() {
+        let mut h = host();
+        h.insert(2, iface("eth0:1", "10.0.1.5", true));
+        assert_eq!(pick(&h, Some("^eth0")).as_deref(), Some("192.168.7.5"));
+        assert_eq!(pick(&h, Some("eth0")).as_deref(), Some("10.0.0.5"));
+        h.remove(1);
+        assert_eq!(pick(&h, Some("eth0")).as_deref(), Some("10.0.1.5"));
     }
 
     #[test]
