@@ -2,7 +2,8 @@
 //! refused with `InvalidArgument`: before it was, a connection through an IPv6 listener
 //! (`[::1]:0`) overflowed a heap block in UCX's tcp transport (`uct_tcp_ep_set_dest_addr`,
 //! 1.13 and 1.22) and the process aborted in malloc ("double free or corruption"). A wildcard
-//! listener (`0.0.0.0`) is reported at an address another host can dial.
+//! listener (`0.0.0.0`) is reported at an address another host can dial, and a process restarted
+//! at a dead one's `ip:port` listens there at once (UCX 1.22).
 mod common;
 
 use kvlink::transport::{Agent, AgentOptions, TransportKind};
@@ -145,4 +146,57 @@ fn a_wildcard_listener_is_not_published_at_an_interface_with_no_carrier() {
     let addr = ctx.expect_addr();
     let at: SocketAddr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
     assert_eq!(at.ip().to_string(), net.ip_b, "reported {addr}:\n{shown}");
+}
+
+/// A context rank killed and started again at its `--listen` ip:port, as a supervisor restarts
+/// it on its host, listens there at once, and its generation rank on the other host (network
+/// namespaces, as above) is served by it. A second live listener at that port is still refused.
+/// Before, on UCX 1.22 over `tcp`, the new engine failed to start for up to a minute ("listen on
+/// ...: UCX Device is busy"; UCX: `bind ... Address already in use`) while the connections the
+/// killed listener had accepted lingered in TIME_WAIT: only settings with shared memory asked UCX
+/// for SO_REUSEADDR. UCX 1.13 takes no such setting (README, "Connections heal"): skipped there.
+#[test]
+fn a_context_rank_restarted_at_its_port_listens_there_at_once_and_serves() {
+    if kvlink::transport::ucx::resources::ucx_minor() < 22 {
+        common::net::skip("UCX before 1.22 takes no SO_REUSEADDR for its listener");
+        return;
+    }
+    let Some(net) = common::net::setup("rest") else {
+        return;
+    };
+    let in_ns = |ns: &str, args: &[&str]| {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns, ENGINE_PEER]).args(args);
+        common::Proc::spawn(cmd)
+    };
+    // A fixed port, as a deployment names it: the namespace is the test's own.
+    let at = format!("{}:7000", net.ip_b);
+    let ctx_args = ["ctx", "--transport", "tcp", "--listen", at.as_str()];
+    let mut ctx = in_ns(&net.b, &ctx_args);
+    assert_eq!(ctx.expect_addr(), at);
+    let mut gen = in_ns(
+        &net.a,
+        &["gen", "--transport", "tcp", "--to", &at, "--sizes", "4K,1M"],
+    );
+    gen.expect("CONNECTED");
+    let mut request = |ctx: &mut common::Proc, id: u64| {
+        gen.send(&format!("REQ {id}"));
+        let g = gen.expect(&format!("GEN {id} "));
+        let c = ctx.expect(&format!("CTX {id} "));
+        assert!(
+            g.contains("end=Completed") && g.contains("verified=true"),
+            "{g}"
+        );
+        assert!(c.contains("end=Completed"), "{c}");
+    };
+    request(&mut ctx, 1);
+    println!("== a second context rank at {at} while the first lives (refused)");
+    let mut twin = in_ns(&net.b, &ctx_args);
+    let status = twin.child.wait().unwrap();
+    assert!(!status.success(), "a second listener at {at} started");
+    println!("== the first killed, a new one at {at}");
+    drop(ctx);
+    let mut ctx = in_ns(&net.b, &ctx_args);
+    assert_eq!(ctx.expect_addr(), at);
+    request(&mut ctx, 2);
 }

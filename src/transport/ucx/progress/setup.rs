@@ -41,14 +41,6 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
     // the network transports alone, as it always did under peer handling (`mm_lanes`).
     if mm_lanes(opts) {
         settings.push(("MM_ERROR_HANDLING", "y".into(), false));
-        if opts.listen.is_some() {
-            // A move to a new worker (`Progress::renew_worker`) binds the listener's port again
-            // while connections it accepted may linger in TIME_WAIT: SO_REUSEADDR (two live
-            // listeners on one port are still refused). Only here: UCX 1.13 does not take it
-            // through the config and warns, and there (no shared memory next to the network)
-            // a listening agent never moves.
-            settings.push(("TCP_CM_REUSEADDR", "y".into(), false));
-        }
     } else if opts.transport.may_use_mm() {
         tracing::info!(
             "{}: transport {}: no shared memory next to the network with UCX {} (1.22+ has it)",
@@ -56,6 +48,15 @@ fn ucx_settings(opts: &AgentOptions) -> Result<Vec<(&'static str, String, bool)>
             opts.transport,
             resources::ucx_version()
         );
+    }
+    // A listener binds its port with SO_REUSEADDR, so that a process that replaces a dead one
+    // at the same `ip:port` (or this agent moving to a new worker, `Progress::renew_worker`)
+    // can listen while the connections the old listener accepted linger in TIME_WAIT, up to a
+    // minute: without it the new engine failed to start for that minute ("UCX Device is busy").
+    // Two live listeners on one port are still refused. UCX 1.13 does not take it through the
+    // config (it warns, under either name); there the restart waits out TIME_WAIT.
+    if opts.listen.is_some() && resources::ucx_minor() >= 22 {
+        settings.push(("TCP_CM_REUSEADDR", "y".into(), false));
     }
     // A tcp socket's send buffer, fixed instead of left to the kernel's autotuning (which grows
     // it to megabytes). The rendezvous of a tagged transfer over tcp is a zero-copy put: with a
