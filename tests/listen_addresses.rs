@@ -200,3 +200,53 @@ fn a_context_rank_restarted_at_its_port_listens_there_at_once_and_serves() {
     assert_eq!(ctx.expect_addr(), at);
     request(&mut ctx, 2);
 }
+
+/// A tcp engine whose listen address is on an interface its devices leave out is refused at
+/// start (`InvalidArgument`, naming the interface). Before, it started: peers reached the
+/// listener, and every connection then failed (`PeerLost`, at once on one host; at the
+/// connect's deadline between two) because UCX had no tcp lane between the ends.
+#[test]
+fn a_listen_address_outside_the_transports_devices_is_refused_at_start() {
+    use kvlink::connection::{Engine, EngineConfig};
+    let engine = |setting: &str, listen: &str| {
+        let (kind, devices) = TransportKind::parse_setting(setting).unwrap();
+        let mut c = EngineConfig::new("ctx", 0, kind);
+        c.net_devices = devices;
+        c.listen = Some(listen.parse().unwrap());
+        Engine::new(c)
+    };
+    // This host's first IPv4 interface besides loopback, from `ip`.
+    let out = Command::new("ip")
+        .args(["-4", "-o", "addr"])
+        .output()
+        .unwrap();
+    let other = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() > 3 && f[1] != "lo")
+        .map(|f| {
+            (
+                f[1].to_string(),
+                f[3].split('/').next().unwrap().to_string(),
+            )
+        });
+    assert!(engine("tcp@lo", "127.0.0.1:0").is_ok(), "on its device");
+    let Some((dev, ip)) = other else {
+        common::net::skip("no IPv4 interface besides loopback here");
+        return;
+    };
+    assert!(engine(&format!("tcp@{dev}"), &format!("{ip}:0")).is_ok());
+    assert!(engine("tcp@lo", "0.0.0.0:0").is_ok(), "the wildcard");
+    for (setting, listen, on) in [
+        ("tcp@lo".to_string(), format!("{ip}:0"), dev.as_str()),
+        (format!("tcp@{dev}"), "127.0.0.1:0".to_string(), "lo"),
+        (format!("tcp@^{dev}"), format!("{ip}:0"), dev.as_str()),
+    ] {
+        let e = engine(&setting, &listen).err().unwrap_or_else(|| {
+            panic!("{setting} listening at {listen} started");
+        });
+        println!("{setting} at {listen}: {e}");
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        assert!(e.message.contains(&format!("is on {on}")), "{e}");
+    }
+}

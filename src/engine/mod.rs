@@ -64,7 +64,7 @@ pub use types::{
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::proto::{Config, Endpoint, Identity, RankId, RequestKey, Secret};
-use crate::transport::{Agent, AgentOptions};
+use crate::transport::{Agent, AgentOptions, TransportKind};
 use glue::{Core, Inner};
 use parking_lot::Mutex;
 use std::net::SocketAddr;
@@ -143,6 +143,16 @@ impl Engine {
             .ok()
             .filter(|d| !d.trim().is_empty())
             .or_else(|| cfg.net_devices.clone());
+        if let (TransportKind::Tcp, Some(listen)) = (&cfg.transport, cfg.listen) {
+            if let Some(on) = reach::listen_outside_devices(listen, devices.as_deref()) {
+                return Err(Error::invalid(format!(
+                    "listen address {listen} is on {on}, which the transport's devices '{}' \
+                     leave out: peers would reach the listener but have no tcp lane to this \
+                     side (listen at 0.0.0.0, or at an address of a device the list takes)",
+                    devices.as_deref().unwrap_or_default()
+                )));
+            }
+        }
         let mut opts = AgentOptions::new(cfg.name.clone(), cfg.transport);
         opts.listen = cfg.listen;
         opts.net_devices = cfg.net_devices;

@@ -30,45 +30,101 @@ pub(crate) fn published(bound: SocketAddr, devices: Option<&str>) -> (SocketAddr
     (SocketAddr::new(IpAddr::V4(ip), bound.port()), from)
 }
 
+/// A `UCX_NET_DEVICES`-style list as it concerns network interfaces: device names, a UCX
+/// `device:port` suffix dropped.
+enum Devices {
+    /// None given, empty, or `all`.
+    All,
+    /// `eth0`, `ib0,eth1`: these, in this order.
+    Only(Vec<String>),
+    /// `^eth1,docker0`: all but these.
+    Except(Vec<String>),
+}
+
+impl Devices {
+    fn parse(devices: Option<&str>) -> Devices {
+        let names = |list: &str| -> Vec<String> {
+            list.split(',')
+                .map(|d| d.trim().split(':').next().unwrap_or("").to_string())
+                .filter(|d| !d.is_empty())
+                .collect()
+        };
+        match devices.map(str::trim).filter(|d| !d.is_empty()) {
+            None | Some("all") => Devices::All,
+            Some(s) => match s.strip_prefix('^') {
+                Some(rest) => Devices::Except(names(rest)),
+                None => Devices::Only(names(s)),
+            },
+        }
+    }
+
+    /// Whether the list takes the device `i` is on.
+    fn admits(&self, i: &Iface) -> bool {
+        match self {
+            Devices::All => true,
+            Devices::Only(names) => names.contains(&i.device()),
+            Devices::Except(names) => !names.contains(&i.device()),
+        }
+    }
+}
+
+impl Iface {
+    /// The device this address is on: an address with a label (`eth0:1`, an alias) is on its
+    /// device (`eth0`), as UCX names it.
+    fn device(&self) -> String {
+        self.name.split(':').next().unwrap_or("").to_string()
+    }
+}
+
 /// The interface whose address a wildcard listener publishes, or None when this host has no
 /// IPv4 interface that is up (then only this host can reach it, at 127.0.0.1).
 ///
 /// - `devices` naming interfaces (`eth0`, `ib0,eth1`; a UCX `device:port` suffix is ignored):
 ///   the first of them, in the list's order, that is up with an IPv4 address (an alias such as
-///   `eth0:1` counts as its device's), loopback too when named (`lo`). If none of them has one, the choice below, as if no devices were named.
+///   `eth0:1` counts as its device's), loopback too when named (`lo`). If none of them has one,
+///   the choice below, as if no devices were named.
 /// - No devices, `all`, or an exclusion (`^eth1,docker0`): the first interface in the system's
 ///   order that is up, not excluded, not loopback and not link-local (`169.254/16`); failing that
 ///   a link-local one, failing that loopback.
 pub(crate) fn choose(ifaces: &[Iface], devices: Option<&str>) -> Option<Iface> {
-    let spec = devices.map(str::trim).filter(|d| !d.is_empty());
-    let names = |list: &str| -> Vec<String> {
-        list.split(',')
-            .map(|d| d.trim().split(':').next().unwrap_or("").to_string())
-            .filter(|d| !d.is_empty())
-            .collect()
-    };
     let up = || ifaces.iter().filter(|i| i.up);
-    // An address with a label (`eth0:1`, an alias) is on its device (`eth0`), as UCX names it.
-    let device = |i: &Iface| i.name.split(':').next().unwrap_or("").to_string();
-    let mut excluded = Vec::new();
-    match spec {
-        Some("all") | None => {}
-        Some(s) if s.starts_with('^') => excluded = names(&s[1..]),
-        Some(s) => {
-            for name in names(s) {
-                if let Some(i) = up().find(|i| device(i) == name) {
-                    return Some(i.clone());
-                }
+    let mut spec = Devices::parse(devices);
+    if let Devices::Only(names) = &spec {
+        for name in names {
+            if let Some(i) = up().find(|i| i.device() == *name) {
+                return Some(i.clone());
             }
         }
+        spec = Devices::All;
     }
-    let allowed = || up().filter(|i| !excluded.contains(&device(i)));
+    let allowed = || up().filter(|i| spec.admits(i));
     let link_local = |i: &&Iface| i.ip.is_link_local();
     allowed()
         .find(|i| !i.loopback && !link_local(i))
         .or_else(|| allowed().find(|i| !i.loopback))
         .or_else(|| allowed().find(|i| i.loopback))
         .cloned()
+}
+
+/// For a tcp engine listening at one of this host's addresses: the interface that address is
+/// on, when the transport's devices leave it out (`tcp@lo` listening at eth0's address, or
+/// `tcp@eth0` at 127.0.0.1). Such a listener accepts, but UCX then has no tcp lane between the
+/// two ends and every peer's connection fails. None when the address is the wildcard, is not
+/// this host's (the bind reports that), or is on a device the list takes.
+pub(crate) fn listen_outside_devices(listen: SocketAddr, devices: Option<&str>) -> Option<String> {
+    let spec = Devices::parse(devices);
+    if listen.ip().is_unspecified() || matches!(spec, Devices::All) {
+        return None;
+    }
+    outside(&interfaces(), listen, &spec)
+}
+
+fn outside(ifaces: &[Iface], listen: SocketAddr, spec: &Devices) -> Option<String> {
+    ifaces
+        .iter()
+        .find(|i| IpAddr::V4(i.ip) == listen.ip())
+        .filter(|i| !spec.admits(i))
+        .map(|i| i.name.clone())
 }
 
 /// This host's IPv4 interface addresses, in the system's order (`getifaddrs`); empty if it
@@ -173,6 +229,24 @@ mod tests {
         assert_eq!(pick(&h, Some("eth0")).as_deref(), Some("10.0.0.5"));
         h.remove(1);
         assert_eq!(pick(&h, Some("eth0")).as_deref(), Some("10.0.1.5"));
+    }
+
+    #[test]
+    fn a_listen_address_outside_the_devices_is_named() {
+        let at = |a: &str, d: &str| outside(&host(), a.parse().unwrap(), &Devices::parse(Some(d)));
+        assert_eq!(at("10.0.0.5:1", "lo").as_deref(), Some("eth0"));
+        assert_eq!(at("127.0.0.1:1", "eth0").as_deref(), Some("lo"));
+        assert_eq!(at("10.0.0.5:1", "^eth0").as_deref(), Some("eth0"));
+        assert_eq!(at("10.0.0.5:1", "eth1,eth0:1"), None, "listed");
+        assert_eq!(at("10.0.0.5:1", "^eth1"), None, "not excluded");
+        assert_eq!(at("10.0.0.5:1", "all"), None);
+        assert_eq!(
+            at("10.1.1.1:1", "lo"),
+            None,
+            "not this host's: the bind says so"
+        );
+        let wildcard = "0.0.0.0:1".parse().unwrap();
+        assert_eq!(listen_outside_devices(wildcard, Some("lo")), None);
     }
 
     #[test]
