@@ -291,6 +291,29 @@ TEST(WrapperFactory, PublishesAnAddressAnotherNodeCanDial) {
   }
 }
 
+// A listen address given with a transport other than tcp is honoured, not dropped: before, an
+// `auto` rank told TRTLLM_KVLINK_LISTEN (here the options' listen) published its worker address
+// and listened nowhere. Without one it still publishes the worker address.
+TEST(WrapperFactory, AnAutoRankListensWhereTold) {
+  Wrapper w;
+  auto published = [](kv::ConnectionManager& m) { return m.getCommState().getAgentState().at(0).mConnectionInfo; };
+  KvlinkTrtllmOptions o = options("tcp");
+  o.transport = "auto";
+  o.listen = "127.0.0.1:0";
+  auto m = make(w, o);
+  std::string const at = published(*m);
+  EXPECT_EQ(at.rfind("127.0.0.1:", 0), 0u) << at;
+  KvlinkTrtllmOptions po = options("tcp");
+  po.transport = "auto";
+  po.listen = nullptr;
+  ASSERT_EQ(std::getenv("TRTLLM_KVLINK_LISTEN"), nullptr);
+  auto peer = make(w, po);
+  EXPECT_EQ(published(*peer).rfind("ucx:", 0), 0u) << published(*peer);
+  auto conns = peer->getConnections(m->getCommState());
+  ASSERT_EQ(conns.size(), 1u);
+  EXPECT_NE(conns[0], nullptr);
+}
+
 // getCommState() lists every rank of the instance (from the allgather) with selfIdx = rank:
 // what CacheSender / CacheReceiver check at construction and index connections by.
 TEST(WrapperFactory, CommStateCoversEveryRankWithSelfIdxTheRank) {

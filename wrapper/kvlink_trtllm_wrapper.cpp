@@ -1208,10 +1208,15 @@ extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionMana
       c.rank = static_cast<std::uint32_t>(*v);
     }
     c.transport = envOr(o->transport, "TRTLLM_KVLINK_TRANSPORT", "tcp");
-    // tcp listens, with or without devices (`tcp@eth1`); the engine publishes a wildcard
-    // listener at an address of one of this host's interfaces (`Engine::address`).
+    // tcp listens, with or without devices (`tcp@eth1`), at the wildcard unless told where; the
+    // engine publishes a wildcard listener at an address of one of this host's interfaces
+    // (`Engine::address`). `auto` and UCX lists listen where told (never ignored), shared memory
+    // never (it is reached by worker address).
     bool const tcp = c.transport == "tcp" || c.transport.rfind("tcp@", 0) == 0;
-    c.listen = tcp ? envOr(o->listen, "TRTLLM_KVLINK_LISTEN", "0.0.0.0:0") : "";
+    std::string const base = c.transport.substr(0, c.transport.find('@'));
+    bool const sm = base == "sm" || base == "shm" || base == "shared-memory";
+    c.listen = tcp ? envOr(o->listen, "TRTLLM_KVLINK_LISTEN", "0.0.0.0:0")
+                   : (sm ? "" : envOr(o->listen, "TRTLLM_KVLINK_LISTEN", ""));
     // The engine takes longer durations as a year; so does the wrapper, whose own deadlines
     // (`after(timeout)`, `deadline + grace`) would otherwise overflow the clock into the past.
     constexpr std::int64_t kYearMs = 365LL * 24 * 3600 * 1000;
