@@ -14,6 +14,26 @@ use std::time::{Duration, Instant};
 
 const ENGINE_PEER: &str = env!("CARGO_BIN_EXE_kvlink-engine-peer");
 
+/// `kvlink-engine-peer ARGS` in network namespace `ns`.
+fn in_ns(ns: &str, args: &[&str]) -> common::Proc {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns, ENGINE_PEER]).args(args);
+    common::Proc::spawn(cmd)
+}
+
+/// Request `id` through a `kvlink-engine-peer` pair, which must complete on both sides with
+/// every byte checked.
+fn completes(ctx: &mut common::Proc, gen: &mut common::Proc, id: u64) {
+    gen.send(&format!("REQ {id}"));
+    let g = gen.expect(&format!("GEN {id} "));
+    let c = ctx.expect(&format!("CTX {id} "));
+    assert!(
+        g.contains("end=Completed") && g.contains("verified=true"),
+        "{g}"
+    );
+    assert!(c.contains("end=Completed"), "{c}");
+}
+
 fn listener(at: &str) -> kvlink::Result<Agent> {
     let mut ob = AgentOptions::new("b", TransportKind::Tcp);
     ob.listen = Some(at.parse().unwrap());
@@ -66,11 +86,6 @@ fn a_wildcard_listener_is_reached_from_another_host_at_the_address_it_reports() 
     let Some(net) = common::net::setup("wild") else {
         return;
     };
-    let in_ns = |ns: &str, args: &[&str]| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns, ENGINE_PEER]).args(args);
-        common::Proc::spawn(cmd)
-    };
     // Without devices the one interface up besides loopback; with them the one named.
     let plain = ("tcp".to_string(), "tcp".to_string());
     let devices = (format!("tcp@{}", net.dev_b), format!("tcp@{}", net.dev_a));
@@ -88,14 +103,7 @@ fn a_wildcard_listener_is_reached_from_another_host_at_the_address_it_reports() 
         );
         gen.expect("CONNECTED");
         for id in 1..=2 {
-            gen.send(&format!("REQ {id}"));
-            let g = gen.expect(&format!("GEN {id} "));
-            let c = ctx.expect(&format!("CTX {id} "));
-            assert!(
-                g.contains("end=Completed") && g.contains("verified=true"),
-                "{g}"
-            );
-            assert!(c.contains("end=Completed"), "{c}");
+            completes(&mut ctx, &mut gen, id);
         }
     }
 }
@@ -164,11 +172,6 @@ fn a_context_rank_restarted_at_its_port_listens_there_at_once_and_serves() {
     let Some(net) = common::net::setup("rest") else {
         return;
     };
-    let in_ns = |ns: &str, args: &[&str]| {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns, ENGINE_PEER]).args(args);
-        common::Proc::spawn(cmd)
-    };
     // A fixed port, as a deployment names it: the namespace is the test's own.
     let at = format!("{}:7000", net.ip_b);
     let ctx_args = ["ctx", "--transport", "tcp", "--listen", at.as_str()];
@@ -179,17 +182,7 @@ fn a_context_rank_restarted_at_its_port_listens_there_at_once_and_serves() {
         &["gen", "--transport", "tcp", "--to", &at, "--sizes", "4K,1M"],
     );
     gen.expect("CONNECTED");
-    let mut request = |ctx: &mut common::Proc, id: u64| {
-        gen.send(&format!("REQ {id}"));
-        let g = gen.expect(&format!("GEN {id} "));
-        let c = ctx.expect(&format!("CTX {id} "));
-        assert!(
-            g.contains("end=Completed") && g.contains("verified=true"),
-            "{g}"
-        );
-        assert!(c.contains("end=Completed"), "{c}");
-    };
-    request(&mut ctx, 1);
+    completes(&mut ctx, &mut gen, 1);
     println!("== a second context rank at {at} while the first lives (refused)");
     let mut twin = in_ns(&net.b, &ctx_args);
     let status = twin.child.wait().unwrap();
@@ -198,7 +191,7 @@ fn a_context_rank_restarted_at_its_port_listens_there_at_once_and_serves() {
     drop(ctx);
     let mut ctx = in_ns(&net.b, &ctx_args);
     assert_eq!(ctx.expect_addr(), at);
-    request(&mut ctx, 2);
+    completes(&mut ctx, &mut gen, 2);
 }
 
 /// A tcp engine whose listen address is on an interface its devices leave out is refused at
