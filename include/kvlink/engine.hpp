@@ -137,7 +137,9 @@ struct EngineConfig {
   std::string transport = "tcp";
   /// `ip:port` to listen on ("127.0.0.1:0" picks a port). Empty: do not listen (this rank then
   /// only connects out, or is reached by its worker address: "sm" and lists without a network
-  /// transport).
+  /// transport). "0.0.0.0:port" accepts on every interface and `address()` reports one of this
+  /// host's addresses for it. With transport "tcp@<devices>", an address on an interface the
+  /// devices leave out throws `InvalidArgument` (peers could reach it but never connect).
   std::string listen;
   /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Must be positive.
   /// This and the four durations below are taken as a year where they are longer

@@ -28,6 +28,9 @@ pub struct EngineConfig {
     /// Network devices in `UCX_NET_DEVICES` syntax (`mlx5_0:1`, `eth0`); None: UCX's choice.
     pub net_devices: Option<String>,
     /// tcp: listen here (`ip:port`, port 0 picks one). Shared memory connects by worker address.
+    /// `0.0.0.0` accepts on every interface, and [`Engine::address`] reports one of this host's
+    /// addresses for it. With [`TransportKind::Tcp`] and devices, an address on an interface the
+    /// devices leave out is refused by `Engine::new` (`InvalidArgument`).
     pub listen: Option<SocketAddr>,
     /// The default per-request deadline: TensorRT-LLM's `kv_transfer_timeout_ms`. Any of
     /// these five durations longer than [`LONGEST_WAIT`] (a year) is taken as a year. The
