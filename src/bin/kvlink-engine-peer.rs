@@ -38,7 +38,8 @@
 //!   message with the version refusal (under V), printing `ANSWERED version=<the message's>`;
 //!   both then wait for stdin to close.
 //!
-//! Everywhere: `--secret S` sets the deployment secret (else `KVLINK_SECRET`); ctx `--hold`
+//! Everywhere: an engine that cannot start prints `ENGINE-ERROR <kind> <message>` and exits with
+//! status 3. `--secret S` sets the deployment secret (else `KVLINK_SECRET`); ctx `--hold`
 //! prints `TOKENS <request> <token,..>` for each advertisement (what an observer could learn)
 //! and waits for a `GO` line on stdin before it sends; `--trust-every-ms N` prints
 //! `TRUST foreign=<n> late=<n> auth=<n> rank=<n> version=<n> by_peer=<n> completed=<n>` every N
@@ -244,6 +245,15 @@ fn say(line: String) {
     let _ = out.flush();
 }
 
+/// The rank's engine, or `ENGINE-ERROR <kind> <message>` and exit status 3 when it cannot start
+/// (a listen address refused or taken, say): a line a test can read, not a panic.
+fn start(cfg: EngineConfig) -> Engine {
+    Engine::new(cfg).unwrap_or_else(|e| {
+        say(format!("ENGINE-ERROR {:?} {e}", e.kind));
+        std::process::exit(3)
+    })
+}
+
 fn main() {
     let args = <Args as clap::Parser>::parse();
     let transport = TransportKind::parse_setting(&args.transport).unwrap_or_else(|e| {
@@ -354,7 +364,7 @@ fn ctx(
     } else if !by_address {
         cfg.listen = Some("127.0.0.1:0".parse().unwrap());
     }
-    let engine = Arc::new(Engine::new(cfg).expect("engine"));
+    let engine = Arc::new(start(cfg));
     say(format!("ADDR {}", engine.address()));
     trust_lines(args, &engine);
     let region: Option<&'static mut [u8]> = region_mb.map(|mb| region_memory(mb << 20));
@@ -483,7 +493,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
     if let Some(d) = ms(degraded_ms) {
         cfg.degraded_window = d;
     }
-    let engine = Arc::new(Engine::new(cfg).expect("engine"));
+    let engine = Arc::new(start(cfg));
     if listen.is_some() || by_address {
         say(format!("ADDR {}", engine.address()));
     }
