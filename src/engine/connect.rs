@@ -26,9 +26,10 @@ pub(crate) fn dial(agent: &Agent, address: &str, deadline: Instant) -> Result<Pe
 impl Engine {
     /// Where peers reach this rank: `ip:port` (tcp) or `ucx:<hex worker address>`. A listener
     /// at the wildcard `0.0.0.0` accepts on every interface; its `ip` here is one of this
-    /// host's, since `0.0.0.0` is no address another host can dial: the first up interface of
-    /// the transport's devices (`tcp@eth1`, or `UCX_NET_DEVICES`) that has an IPv4 address, else
-    /// the first up one that is not loopback, else 127.0.0.1 (`reach.rs` has the rule). Listen
+    /// host's, since `0.0.0.0` is no address another host can dial: the first interface of the
+    /// transport's devices (`tcp@eth1`, or `UCX_NET_DEVICES`) that is up with a carrier and has
+    /// an IPv4 address, else the first such one that is not loopback, else 127.0.0.1
+    /// (`reach.rs` has the rule). Listen
     /// at an interface's own address to publish exactly that one.
     pub fn address(&self) -> String {
         match self.published {
