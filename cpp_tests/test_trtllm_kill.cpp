@@ -67,6 +67,12 @@
 // wait for the advertisement ends once the engine says the rank is not connected. Before it
 // looked, the send ran to the request's deadline (4 s), on tcp as on sm.
 //
+// TwoNodes.WrapperDefaultsPairAcrossTwoNetworkNamespaces: the context and generation instances on
+// two hosts, as in production: two network namespaces joined by a veth pair (root only; skipped
+// otherwise), each rank process started in its own by `ip netns exec`, both with the wrapper's
+// defaults (tcp, listening at 0.0.0.0:0). The context rank must publish its host's interface
+// address, not 0.0.0.0, and one request must complete with every byte checked.
+//
 // A context rank whose generation rank dies between two segments is waiting for an advertisement
 // that never comes; the wrapper ends that wait when the transport finds the peer dead (PeerLost),
 // as a kill with a segment on the wire does. Both are within the bound above.
@@ -81,6 +87,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -103,6 +110,8 @@ Layout const kSmall{4, kMiB};                        // the fresh peer's request
 constexpr size_t kWatchSegment = 1;                  // the kill comes once this one is landing
 char const* const kCtxRankId = "41001";              // kvlink rank ids (TRTLLM_KVLINK_RANK_ID):
 char const* const kGenRankId = "41002";              // the fresh peer takes over the killed one's
+char const* const kDefaults = "default";             // a rank's transport argument: the wrapper's
+                                                     // defaults (no transport, no listen given)
 
 /// How long the transport takes to find a SIGKILLed peer (README): the socket on tcp (about
 /// 10 ms), UCX keepalive on shared memory (interval 1 s).
@@ -138,6 +147,10 @@ struct Rank {
   Rank(std::string const& transport, bool withProbe)
       : w(withProbe ? KVLINK_WRAPPER_PROBE_PATH : KVLINK_WRAPPER_PATH) {
     KvlinkTrtllmOptions o = options(transport, 0, 1);
+    if (transport == kDefaults) {  // the wrapper's own choice of transport and listen address
+      o.transport = nullptr;
+      o.listen = nullptr;
+    }
     o.kv_transfer_timeout_ms = kTimeoutMs;
     o.agreement_ms = 0;  // kvlink's default agreement bound (50 ms)
     m = make(w, o);
@@ -383,25 +396,51 @@ int contextProcess(std::string const& transport, bool withProbe) {
 
 // --- The test's side: rank processes on pipes ---------------------------------------------------------
 
+/// This test binary's own path (/proc/self/exe, resolved).
+std::string selfExe() {
+  char buf[4096];
+  ssize_t const n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) throw std::runtime_error("readlink /proc/self/exe");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+/// The `ip` command (iproute2) on PATH or in an sbin folder; "" when there is none.
+std::string ipPath() {
+  char const* const path = std::getenv("PATH");
+  std::string const dirs = std::string(path != nullptr ? path : "") + ":/usr/sbin:/sbin:/usr/bin:/bin";
+  for (size_t at = 0; at < dirs.size();) {
+    size_t const end = std::min(dirs.find(':', at), dirs.size());
+    std::string const file = dirs.substr(at, end - at) + "/ip";
+    if (end > at && access(file.c_str(), X_OK) == 0) return file;
+    at = end + 1;
+  }
+  return "";
+}
+
 /// A rank process (this binary), its stdin and its stdout + stderr on pipes; every line it
 /// writes is kept. Killed and reaped on destruction.
 class Proc {
  public:
-  Proc(std::string name, std::vector<std::string> args) : name_(std::move(name)) {
-    int in[2], out[2];
-    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
-    // Everything the child needs is built before fork: only dup2, execv and _exit after it.
-    args.insert(args.begin(), {"/proc/self/exe", "--kvlink-kill-rank"});
+  /// `netns`, when given: the process runs in that network namespace, started by `ip netns exec`
+  /// (which execs it in place: the same pid).
+  Proc(std::string name, std::vector<std::string> args, std::string const& netns = "") : name_(std::move(name)) {
+    // Everything the child needs is built before fork: only dup2, execv and _exit after it. The
+    // binary's own path is read here: after `ip` is exec'd, /proc/self/exe would be `ip`.
+    args.insert(args.begin(), {selfExe(), "--kvlink-kill-rank"});
+    if (!netns.empty()) args.insert(args.begin(), {ipPath(), "netns", "exec", netns});
+    std::string const path = args[0];
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
     pid_ = fork();
     if (pid_ < 0) throw std::runtime_error("fork");
     if (pid_ == 0) {
       dup2(in[0], 0);
       dup2(out[1], 1);
       dup2(out[1], 2);
-      execv("/proc/self/exe", argv.data());
+      execv(path.c_str(), argv.data());
       _exit(127);
     }
     close(in[0]);
@@ -851,6 +890,95 @@ INSTANTIATE_TEST_SUITE_P(Transports, DestroyMidRequest, testing::Values("tcp", "
 INSTANTIATE_TEST_SUITE_P(Transports, KillMidTransfer, testing::Values("tcp", "sm"),
                          [](testing::TestParamInfo<std::string> const& i) { return i.param; });
 
+// --- Two hosts ----------------------------------------------------------------------------------------
+
+/// Two network namespaces joined by a veth pair, `a` at 10.79.<n>.1/24 and `b` at 10.79.<n>.2/24,
+/// `lo` up in both: two hosts on one machine (tests/common/net.rs makes the Rust tests' the same
+/// way, in 10.77.*). Removed on destruction; `ok` is false when they could not be made.
+struct TwoHosts {
+  std::string a, b, vethA, vethB, ipA, ipB;
+  bool ok = false;
+
+  TwoHosts() {
+    std::string const n = std::to_string(getpid() % 200);
+    a = "kvw2a" + n;
+    b = "kvw2b" + n;
+    vethA = "kvw2" + n + "a";
+    vethB = "kvw2" + n + "b";
+    ipA = "10.79." + n + ".1";
+    ipB = "10.79." + n + ".2";
+    remove();  // left by an earlier run of this pid that did not end
+    ok = ip("netns add " + a) && ip("netns add " + b) && ip("link add " + vethA + " type veth peer name " + vethB) &&
+         ip("link set " + vethA + " netns " + a) && ip("link set " + vethB + " netns " + b) &&
+         ip("-n " + a + " addr add " + ipA + "/24 dev " + vethA) &&
+         ip("-n " + b + " addr add " + ipB + "/24 dev " + vethB) && ip("-n " + a + " link set " + vethA + " up") &&
+         ip("-n " + b + " link set " + vethB + " up") && ip("-n " + a + " link set lo up") &&
+         ip("-n " + b + " link set lo up");
+  }
+  ~TwoHosts() { remove(); }
+  TwoHosts(TwoHosts const&) = delete;
+  TwoHosts& operator=(TwoHosts const&) = delete;
+
+  static bool ip(std::string const& args) {
+    std::string const cmd = ipPath();
+    return !cmd.empty() && std::system((cmd + " " + args + " >/dev/null 2>&1").c_str()) == 0;
+  }
+  void remove() const {
+    ip("netns del " + a);
+    ip("netns del " + b);
+    ip("link del " + vethA);  // when it was made and never moved into `a`
+  }
+};
+
+/// Rank processes on two hosts (TwoHosts), each made by the production wrapper with its defaults.
+class TwoNodes : public testing::Test {
+ protected:
+  void TearDown() override {
+    for (auto const& p : procs_) std::printf("--- %s\n%s", p->name().c_str(), p->transcript().c_str());
+  }
+
+  Proc& start(std::string const& name, char const* role, char const* rankId, std::string const& netns) {
+    procs_.push_back(std::make_unique<Proc>(
+        name, std::vector<std::string>{role, kDefaults, "production", rankId}, netns));
+    return *procs_.back();
+  }
+
+  std::optional<TwoHosts> hosts_;            // removed after the processes in them are reaped
+  std::vector<std::unique_ptr<Proc>> procs_;
+};
+
+// The context and generation instances on different hosts, as in production, each with the
+// wrapper's defaults (transport tcp, listen 0.0.0.0:0): the context rank publishes its listener
+// at its host's interface address, not 0.0.0.0 (which, dialled from the other host, is that host
+// itself), and a request from the generation rank completes with every byte right.
+TEST_F(TwoNodes, WrapperDefaultsPairAcrossTwoNetworkNamespaces) {
+  if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
+  hosts_.emplace();
+  if (!hosts_->ok) GTEST_SKIP() << "could not create two network namespaces and a veth pair (ip netns / veth)";
+  Proc& ctx = start("context rank (namespace " + hosts_->b + ")", "ctx", kCtxRankId, hosts_->b);
+  Proc& gen = start("generation rank (namespace " + hosts_->a + ")", "gen", kGenRankId, hosts_->a);
+
+  std::string const addr = ctx.expect("ADDR ", 30s);
+  ASSERT_FALSE(addr.empty()) << ctx.name() << " did not start";
+  std::string const published = addr.substr(addr.find('\t') + 1);
+  std::printf("[ the context rank, listening at the wrapper's default, publishes %s ]\n", published.c_str());
+  EXPECT_EQ(published.rfind(hosts_->ipB + ":", 0), 0u)
+      << "the context rank publishes " << published << ", not its host's interface address " << hosts_->ipB;
+
+  ASSERT_FALSE(gen.expect("GEN_UP", 30s).empty()) << gen.name() << " did not start";
+  gen.send("CTX " + addr.substr(5));
+  ASSERT_EQ(gen.expect("GEN_CONNECT", 30s), "GEN_CONNECTED") << gen.name() << " did not connect to " << published;
+  gen.send("SMALL 5001");
+  EXPECT_EQ(gen.expect("GEN_SMALL 5001 ", 30s), "GEN_SMALL 5001 ok");
+  std::string const served = ctx.expect("CTX_REQ 5001 ", 30s);
+  EXPECT_EQ(served.rfind("CTX_REQ 5001 completed ", 0), 0u) << served;
+
+  gen.send("EXIT");
+  ctx.send("EXIT");
+  EXPECT_EQ(gen.finish(30s), 0) << gen.name();
+  EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -858,6 +986,10 @@ int main(int argc, char** argv) {
     // <role> <transport> probe|production <kvlink rank id>
     try {
       setenv("TRTLLM_KVLINK_RANK_ID", argv[5], 1);
+      if (std::string(argv[3]) == kDefaults) {  // nor from the environment
+        unsetenv("TRTLLM_KVLINK_TRANSPORT");
+        unsetenv("TRTLLM_KVLINK_LISTEN");
+      }
       std::string const role = argv[2];
       bool const withProbe = std::string(argv[4]) == "probe";
       return role == "ctx" ? contextProcess(argv[3], withProbe) : generationProcess(argv[3], withProbe);
