@@ -261,6 +261,9 @@ void smallRequest(GenSide side, uint64_t id) {
     if (!side.recvReady(id, never)) die("the context rank refused request " + std::to_string(id));
     kv::DataContext const ctx{side.tags.data(id), never};
     for (size_t seg = 0; seg < l.segments(); ++seg) side.conn->recv(ctx, base + seg * l.block, l.block);
+  } catch (kvlink::trtllm::TransferError const& e) {
+    say("GEN_SMALL " + std::to_string(id) + " failed " + outcomeName(e.outcome()) + " " + oneLine(e.what()));
+    return;
   } catch (std::exception const& e) {
     say("GEN_SMALL " + std::to_string(id) + " error " + oneLine(e.what()));
     return;
@@ -820,6 +823,14 @@ TEST_P(DestroyMidRequest, ContextDestroyedWhileGenerationReceives) {
               GetParam().c_str(), outcomeName(e.outcome), afterDestroy, (deadline - e.end) / 1e6, e.what.c_str());
   EXPECT_LE(afterDestroy, 1000.0) << "the generation rank's recv did not end at once";
   EXPECT_NO_FATAL_FAILURE(checkHealth(gen));
+
+  // A request made after the manager went fails as a transfer that ended PeerLost (the adapter's
+  // TransferError), by its deadline: at once on sm, where the rank that left is Failed; on tcp
+  // after the reconnect round finds no engine at the port. Before, its advertisement's PeerLost
+  // came out as a plain kvlink::Error.
+  gen.send("SMALL 3003");
+  std::string const refused = gen.expect("GEN_SMALL 3003 ", std::chrono::milliseconds(kTimeoutMs) + 10s);
+  EXPECT_EQ(refused.rfind("GEN_SMALL 3003 failed PeerLost ", 0), 0u) << refused;
 
   // The same generation process, a new context process of the same rank, while the one that
   // destroyed its manager still lives: the survivor let the rank go, so the new one binds it.

@@ -101,6 +101,21 @@ std::string envOr(char const* given, char const* name, char const* fallback) {
   return (e != nullptr && *e != '\0') ? std::string(e) : std::string(fallback);
 }
 
+/// Runs `f`, an advertisement that starts request `id`'s transfer. A transfer that cannot start
+/// because its peer is gone (or not back by the request's deadline: the engine's `PeerLost`)
+/// ended as one that started would: `TransferError` PeerLost, as the adapter promises for any
+/// send or recv whose transfer ends in anything but success. Other errors (bad input, a full
+/// queue, shutdown) pass as they are.
+template <class F>
+void startTransfer(std::uint64_t id, std::string const& what, F&& f) {
+  try {
+    f();
+  } catch (Error const& e) {
+    if (e.kind() != ErrorKind::PeerLost) throw;
+    throw TransferError(static_cast<int>(Outcome::PeerLost), id, what + ": " + e.what());
+  }
+}
+
 // --- CUDA pointers, without a link dependency ------------------------------------------------------
 // TensorRT-LLM's buffers are device memory. Ask the CUDA driver the process has already loaded
 // (RTLD_NOLOAD: a process without libcuda has no device pointers) which device a pointer is on.
@@ -839,7 +854,8 @@ void KvlinkConnection::sendEnvelope(std::vector<Message>&& msgs) const {
     h.closes = previous ? previous->id + 1 : 0;
     h.messages = std::move(msgs);
     std::vector<Buffer> ready{Buffer{BufferKind::Kv, 0, r->readyByte.get(), 1, -1}};
-    m_.engine().advertise(r->envelope, {}, remote_, ready, encode(h));
+    startTransfer(id, "kvlink: request " + std::to_string(id),
+                  [&] { m_.engine().advertise(r->envelope, {}, remote_, ready, encode(h)); });
   } catch (...) {
     std::lock_guard<std::mutex> g(mu_);
     auto it = gen_.find(self);
@@ -928,7 +944,8 @@ void KvlinkConnection::recvData(kv::DataContext const& ctx, void* data, size_t s
   h.tag = tag;
   h.envelopeGeneration = r->envelope.generation;
   Buffer b{BufferKind::Kv, 0, data, size, m_.cuda().deviceOf(data)};
-  m_.engine().advertise(key, {}, remote_, {b}, encode(h), left);
+  startTransfer(r->id, "kvlink: recv of " + describe(r->id, tag),
+                [&] { m_.engine().advertise(key, {}, remote_, {b}, encode(h), left); });
   Outcome const o = m_.engine().wait_receiver(key, r->deadline + m_.grace(), ctx.getTransferTerminate());
   if (o != Outcome::Completed) {
     throw TransferError(static_cast<int>(o), r->id,
