@@ -143,8 +143,13 @@ impl Engine {
             .ok()
             .filter(|d| !d.trim().is_empty())
             .or_else(|| cfg.net_devices.clone());
+        // This host's interfaces, read once: what a listener is checked against and published at.
+        let ifaces = match cfg.listen {
+            Some(_) => reach::interfaces(),
+            None => Vec::new(),
+        };
         if let (TransportKind::Tcp, Some(listen)) = (&cfg.transport, cfg.listen) {
-            if let Some(on) = reach::listen_outside_devices(listen, devices.as_deref()) {
+            if let Some(on) = reach::listen_outside_devices(listen, devices.as_deref(), &ifaces) {
                 return Err(Error::invalid(format!(
                     "listen address {listen} is on {on}, which the transport's devices '{}' \
                      leave out: peers would reach the listener but have no tcp lane to this \
@@ -180,7 +185,7 @@ impl Engine {
         crate::log::init();
         let agent = Agent::new(opts)?;
         let published = agent.listen_address().map(|bound| {
-            let (at, from) = reach::published(bound, devices.as_deref());
+            let (at, from) = reach::published(bound, devices.as_deref(), &ifaces);
             if at != bound {
                 tracing::info!(
                     "{}: listening at {bound}; peers are told {at} (interface {}): listen at \

@@ -17,13 +17,17 @@ pub(crate) struct Iface {
 }
 
 /// Where peers reach a listener bound at `bound`: `bound` itself unless its ip is the wildcard;
-/// then the ip [`choose`] picks among this host's interfaces for `devices` (the
+/// then the ip [`choose`] picks among `ifaces` (this host's, [`interfaces`]) for `devices` (the
 /// `UCX_NET_DEVICES`-style list the engine runs with), and the interface it came from.
-pub(crate) fn published(bound: SocketAddr, devices: Option<&str>) -> (SocketAddr, Option<String>) {
+pub(crate) fn published(
+    bound: SocketAddr,
+    devices: Option<&str>,
+    ifaces: &[Iface],
+) -> (SocketAddr, Option<String>) {
     if !bound.ip().is_unspecified() {
         return (bound, None);
     }
-    let (ip, from) = match choose(&interfaces(), devices) {
+    let (ip, from) = match choose(ifaces, devices) {
         Some(i) => (i.ip, Some(i.name)),
         None => (Ipv4Addr::LOCALHOST, None),
     };
@@ -111,15 +115,12 @@ pub(crate) fn choose(ifaces: &[Iface], devices: Option<&str>) -> Option<Iface> {
 /// `tcp@eth0` at 127.0.0.1). Such a listener accepts, but UCX then has no tcp lane between the
 /// two ends and every peer's connection fails. None when the address is the wildcard, is not
 /// this host's (the bind reports that), or is on a device the list takes.
-pub(crate) fn listen_outside_devices(listen: SocketAddr, devices: Option<&str>) -> Option<String> {
+pub(crate) fn listen_outside_devices(
+    listen: SocketAddr,
+    devices: Option<&str>,
+    ifaces: &[Iface],
+) -> Option<String> {
     let spec = Devices::parse(devices);
-    if listen.ip().is_unspecified() || matches!(spec, Devices::All) {
-        return None;
-    }
-    outside(&interfaces(), listen, &spec)
-}
-
-fn outside(ifaces: &[Iface], listen: SocketAddr, spec: &Devices) -> Option<String> {
     ifaces
         .iter()
         .find(|i| IpAddr::V4(i.ip) == listen.ip())
@@ -129,7 +130,7 @@ fn outside(ifaces: &[Iface], listen: SocketAddr, spec: &Devices) -> Option<Strin
 
 /// This host's IPv4 interface addresses, in the system's order (`getifaddrs`); empty if it
 /// cannot be read.
-fn interfaces() -> Vec<Iface> {
+pub(crate) fn interfaces() -> Vec<Iface> {
     let mut out = Vec::new();
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs writes a list head we free below with freeifaddrs.
@@ -233,7 +234,7 @@ mod tests {
 
     #[test]
     fn a_listen_address_outside_the_devices_is_named() {
-        let at = |a: &str, d: &str| outside(&host(), a.parse().unwrap(), &Devices::parse(Some(d)));
+        let at = |a: &str, d: &str| listen_outside_devices(a.parse().unwrap(), Some(d), &host());
         assert_eq!(at("10.0.0.5:1", "lo").as_deref(), Some("eth0"));
         assert_eq!(at("127.0.0.1:1", "eth0").as_deref(), Some("lo"));
         assert_eq!(at("10.0.0.5:1", "^eth0").as_deref(), Some("eth0"));
@@ -246,7 +247,7 @@ mod tests {
             "not this host's: the bind says so"
         );
         let wildcard = "0.0.0.0:1".parse().unwrap();
-        assert_eq!(listen_outside_devices(wildcard, Some("lo")), None);
+        assert_eq!(listen_outside_devices(wildcard, Some("lo"), &host()), None);
     }
 
     #[test]
@@ -271,7 +272,7 @@ mod tests {
         ];
         assert_eq!(pick(&only_lo, None).as_deref(), Some("127.0.0.1"));
         assert_eq!(pick(&[], None), None);
-        let (a, from) = published("0.0.0.0:7000".parse().unwrap(), None);
+        let (a, from) = published("0.0.0.0:7000".parse().unwrap(), None, &interfaces());
         assert_eq!(a.port(), 7000);
         assert!(!a.ip().is_unspecified(), "{a} from {from:?}");
     }
@@ -279,6 +280,6 @@ mod tests {
     #[test]
     fn a_bound_address_is_published_as_it_is() {
         let bound: SocketAddr = "10.1.2.3:4567".parse().unwrap();
-        assert_eq!(published(bound, Some("eth0")), (bound, None));
+        assert_eq!(published(bound, Some("eth0"), &host()), (bound, None));
     }
 }
