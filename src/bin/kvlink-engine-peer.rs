@@ -14,7 +14,10 @@
 //!   and `WON-TIE-BROKEN <0|1>` follows.
 //!   With `--drop-after N` it drops its engine after serving N requests, prints `DROPPED` and
 //!   lives on until stdin closes.
-//! `kvlink-engine-peer gen --transport tcp|sm --to ADDR --sizes 4K,64M,.. [--timeout-ms N]`
+//!   With `--serve-threads N` it serves N advertisements at once, each on a thread of its own
+//!   (their lines in any order).
+//! `kvlink-engine-peer gen --transport tcp|sm --to ADDR --sizes 4K,64M,.. [--timeout-ms N]
+//!   [--rank R]` (rank id R, default 1: several generation processes need their own)
 //!   connects, prints `CONNECTED`, then for every stdin line `REQ <id>` advertises one request
 //!   with one buffer per size, prints `ADV <id>`, waits for its end and prints
 //!   `GEN <id> end=<outcome> late_ms=<ms> verified=<bool> leased=<n> ... region_fenced=<bytes>
@@ -108,6 +111,12 @@ enum Rank {
         /// lives on until stdin closes.
         #[arg(long = "drop-after", value_name = "N")]
         drop_after: Option<u64>,
+        /// Serve this many advertisements at once, each on a thread of its own (as a context
+        /// instance serves many generation instances); not with `--hold`, `--region-mb` or
+        /// `--drop-after`.
+        #[arg(long = "serve-threads", default_value_t = 1,
+              conflicts_with_all = ["hold", "region_mb", "drop_after"])]
+        serve_threads: usize,
     },
     /// The generation (receiving) rank: one request per `REQ <id>` line on stdin.
     Gen(GenOpts),
@@ -170,6 +179,10 @@ struct GenOpts {
     /// retrying; 0 is a deadline already passed).
     #[arg(long = "connect-ms")]
     connect_ms: Option<u64>,
+    /// This generation rank's id (several generation processes of one context rank each
+    /// need their own).
+    #[arg(long, default_value_t = GEN)]
+    rank: u32,
     /// Receive into a registered receive region (two request-sized halves, request N in half
     /// N % 2) instead of fresh memory per request.
     #[arg(long)]
@@ -270,6 +283,7 @@ fn main() {
             dial_ms,
             break_won_tie,
             drop_after,
+            serve_threads,
         } => ctx(
             &args,
             transport,
@@ -278,6 +292,7 @@ fn main() {
             Serve {
                 hold: *hold,
                 drop_after: *drop_after,
+                threads: *serve_threads,
             },
             *region_mb,
             dial_line.then_some((*dial_ms, *break_won_tie)),
@@ -336,10 +351,11 @@ fn trust_lines(args: &Args, engine: &Arc<Engine>) {
     });
 }
 
-/// How the context rank serves: `--hold` and `--drop-after`.
+/// How the context rank serves: `--hold`, `--drop-after` and `--serve-threads`.
 struct Serve {
     hold: bool,
     drop_after: Option<u64>,
+    threads: usize,
 }
 
 fn ctx(
@@ -347,7 +363,11 @@ fn ctx(
     setting: Setting,
     listen: Option<&str>,
     suppress: Option<u64>,
-    Serve { hold, drop_after }: Serve,
+    Serve {
+        hold,
+        drop_after,
+        threads,
+    }: Serve,
     region_mb: Option<usize>,
     dial_line: Option<(u64, bool)>,
 ) {
@@ -393,74 +413,103 @@ fn ctx(
             ));
         }
     }
+    // `--serve-threads`: the others serve plain memory, neither held nor counted.
+    for _ in 1..threads {
+        let engine = Arc::downgrade(&engine);
+        std::thread::spawn(move || {
+            while let Some(engine) = engine.upgrade() {
+                if let Some(adv) = next_advertisement(&engine) {
+                    serve_one(&engine, adv, None, None);
+                }
+            }
+        });
+    }
     let mut served = 0;
     while drop_after != Some(served) {
-        let Some(adv) = engine.next_advertisement(Instant::now() + Duration::from_secs(3600), None)
-        else {
+        let Some(adv) = next_advertisement(&engine) else {
             continue;
         };
-        let key = adv.key;
-        if let Err(e) = engine.accept(key, adv.from, true) {
-            say(format!("CTX {} accept-error {e}", key.request.0));
-            continue;
+        if serve_one(&engine, adv, region_base, hold.then_some(&mut stdin)) {
+            served += 1;
         }
-        let data: Vec<(u32, Vec<u8>)> = match region_base {
-            Some(_) => Vec::new(),
-            None => adv
-                .buffers
-                .iter()
-                .map(|d| {
-                    let mut v = vec![0u8; d.len as usize];
-                    fill(key.request.0, d.segment, &mut v);
-                    (d.segment, v)
-                })
-                .collect(),
-        };
-        let segs: Vec<(u32, &[u8])> = match region_base {
-            Some((base, len)) => {
-                let half = len / 2;
-                let mut off = (key.request.0 as usize % 2) * half;
-                let end = off + half;
-                adv.buffers
-                    .iter()
-                    .map(|d| {
-                        let n = d.len as usize;
-                        assert!(off + n <= end, "--region-mb too small for the request");
-                        // SAFETY: inside the leaked region; this half is not in a running
-                        // send (a stale one only reads it, and its data is discarded).
-                        let s = unsafe { std::slice::from_raw_parts_mut(base.add(off), n) };
-                        fill(key.request.0, d.segment, s);
-                        off += n;
-                        (d.segment, &*s)
-                    })
-                    .collect()
-            }
-            None => data.iter().map(|(s, d)| (*s, d.as_slice())).collect(),
-        };
-        if hold {
-            let tokens: Vec<String> = adv.buffers.iter().map(|d| d.token.0.to_string()).collect();
-            say(format!("TOKENS {} {}", key.request.0, tokens.join(",")));
-            while !matches!(stdin.next(), Some(Ok(l)) if l.trim() == "GO") {}
-        }
-        say(format!("SENDING {}", key.request.0));
-        let sent = engine
-            .send_segments(key, adv.from, &segs, adv.deadline, None)
-            .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
-        let end = engine
-            .wait(key, Role::Sender { receiver: adv.from }, adv.deadline, None)
-            .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
-        let late = late_ms(adv.deadline);
-        let h = engine.health();
-        say(format!(
-            "CTX {} send={sent} end={end} late_ms={late:.1} leased={} region_fenced={} peers_failed={}",
-            key.request.0, h.buffers_leased, h.region_fenced_bytes, h.peers_failed
-        ));
-        served += 1;
     }
     // `--drop-after`: a host that tears its engine down and lives on.
     drop(engine);
     say("DROPPED".into());
     for _ in stdin {}
+}
+
+/// The next advertisement, waiting up to an hour for it.
+fn next_advertisement(engine: &Engine) -> Option<kvlink::engine::Advertisement> {
+    engine.next_advertisement(Instant::now() + Duration::from_secs(3600), None)
+}
+
+/// Serves one advertisement: accepts it, sends every segment (from the region's half when
+/// `region_base` is set; after a `GO` line on `hold` when given), waits for the agreed end and
+/// prints its `CTX` line. False when the accept failed.
+fn serve_one(
+    engine: &Engine,
+    adv: kvlink::engine::Advertisement,
+    region_base: Option<(*mut u8, usize)>,
+    hold: Option<&mut std::io::Lines<std::io::StdinLock<'static>>>,
+) -> bool {
+    let key = adv.key;
+    if let Err(e) = engine.accept(key, adv.from, true) {
+        say(format!("CTX {} accept-error {e}", key.request.0));
+        return false;
+    }
+    let data: Vec<(u32, Vec<u8>)> = match region_base {
+        Some(_) => Vec::new(),
+        None => adv
+            .buffers
+            .iter()
+            .map(|d| {
+                let mut v = vec![0u8; d.len as usize];
+                fill(key.request.0, d.segment, &mut v);
+                (d.segment, v)
+            })
+            .collect(),
+    };
+    let segs: Vec<(u32, &[u8])> = match region_base {
+        Some((base, len)) => {
+            let half = len / 2;
+            let mut off = (key.request.0 as usize % 2) * half;
+            let end = off + half;
+            adv.buffers
+                .iter()
+                .map(|d| {
+                    let n = d.len as usize;
+                    assert!(off + n <= end, "--region-mb too small for the request");
+                    // SAFETY: inside the leaked region; this half is not in a running
+                    // send (a stale one only reads it, and its data is discarded).
+                    let s = unsafe { std::slice::from_raw_parts_mut(base.add(off), n) };
+                    fill(key.request.0, d.segment, s);
+                    off += n;
+                    (d.segment, &*s)
+                })
+                .collect()
+        }
+        None => data.iter().map(|(s, d)| (*s, d.as_slice())).collect(),
+    };
+    if let Some(stdin) = hold {
+        let tokens: Vec<String> = adv.buffers.iter().map(|d| d.token.0.to_string()).collect();
+        say(format!("TOKENS {} {}", key.request.0, tokens.join(",")));
+        while !matches!(stdin.next(), Some(Ok(l)) if l.trim() == "GO") {}
+    }
+    say(format!("SENDING {}", key.request.0));
+    let sent = engine
+        .send_segments(key, adv.from, &segs, adv.deadline, None)
+        .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
+    let end = engine
+        .wait(key, Role::Sender { receiver: adv.from }, adv.deadline, None)
+        .map_or_else(|e| format!("error:{:?}", e.kind), |o| format!("{o:?}"));
+    let late = late_ms(adv.deadline);
+    let h = engine.health();
+    say(format!(
+        "CTX {} send={sent} end={end} late_ms={late:.1} leased={} region_fenced={} peers_failed={}",
+        key.request.0, h.buffers_leased, h.region_fenced_bytes, h.peers_failed
+    ));
+    true
 }
 
 /// Returns the process's exit status: 0, or 3 when the handshake was refused.
@@ -477,10 +526,11 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
         connect_ms,
         region,
         stuck_report,
+        rank,
     } = opts;
     let timeout = Duration::from_millis(args.timeout_ms);
     let by_address = setting.0.by_worker_address();
-    let mut cfg = config(args, "gen", GEN, setting);
+    let mut cfg = config(args, "gen", *rank, setting);
     if let Some(l) = listen {
         cfg.listen = Some(l.parse().expect("--listen ip:port"));
     }
@@ -598,7 +648,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
                 let cpu0 = cpu_ms();
                 // SAFETY: `bufs` outlives the request: we wait for its end below.
                 let adv = unsafe {
-                    engine.advertise(key, vec![RankId(GEN)], vec![(peer, specs)], vec![])
+                    engine.advertise(key, vec![RankId(*rank)], vec![(peer, specs)], vec![])
                 };
                 if let Err(e) = adv {
                     say(format!(
