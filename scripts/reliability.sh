@@ -13,7 +13,7 @@ cd "$root"
 log="${KVLINK_RELIABILITY_LOG:-$(mktemp /tmp/kvlink-reliability.XXXXXX)}"
 
 cargo test --locked --test engine_faults --test netns --test trust --test engine_storms \
-    --test transport_two_process \
+    --test transport_two_process --test fan_in \
     -- --nocapture --test-threads=1 >"$log" 2>&1 || {
     echo "reliability: a suite failed; see $log" >&2
     grep -E "^test .*FAILED|panicked" "$log" >&2 || true
