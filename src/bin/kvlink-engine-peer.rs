@@ -2,7 +2,8 @@
 //! so that a test can freeze, kill or cut it off between and during requests.
 //!
 //! `kvlink-engine-peer ctx --transport tcp|sm [--listen IP:PORT] [--timeout-ms N] [--suppress ID]
-//!   [--region-mb N]`
+//!   [--region-mb N] [--rank R]` (rank id R, default 0: the context ranks of one request each
+//!   need their own)
 //!   prints `ADDR <address>`, then serves advertisements forever: accepts, prints
 //!   `SENDING <request>`, sends every segment (deterministic bytes), waits for the agreed end,
 //!   and prints
@@ -21,7 +22,12 @@
 //!   connects, prints `CONNECTED`, then for every stdin line `REQ <id>` advertises one request
 //!   with one buffer per size, prints `ADV <id>`, waits for its end and prints
 //!   `GEN <id> end=<outcome> late_ms=<ms> verified=<bool> leased=<n> ... region_fenced=<bytes>
-//!   peers_failed=<n>`; `HEALTH` prints a line (`peer=<state> failed=<n> left=<n> ...`). With `--region` the buffers are ranges of one
+//!   peers_failed=<n>`. `--to ADDR1,ADDR2,..` names several context ranks (connected in that
+//!   order, each with its own `--rank` on the context side): segment i of a request comes
+//!   from the (i % n)-th of them, each one's flow listing only its own segments; `REQ <id>
+//!   from=I,J,..` draws on those positions of the list only (segment i from the (i % m)-th
+//!   named). `HEALTH` prints a line (`peer=<state,..> failed=<n> left=<n> ...`, a state per
+//!   context rank). With `--region` the buffers are ranges of one
 //!   registered receive region (request N in its half N % 2), and `DEREG <ms>` deregisters it
 //!   with that deadline, printing `DEREG ok|error:<kind> late_ms=<ms>`. With `--to -` it reads
 //!   the address from a `DIAL <address>` line on stdin first (after its `ADDR` line).
@@ -90,6 +96,10 @@ enum Rank {
         /// The lost-completion fault: this request's data is "sent" without moving.
         #[arg(long, value_name = "REQUEST")]
         suppress: Option<u64>,
+        /// This context rank's id (the context ranks that fill one request each need their
+        /// own).
+        #[arg(long, default_value_t = CTX)]
+        rank: u32,
         /// Print each advertisement's tokens and wait for a `GO` line on stdin before sending.
         #[arg(long)]
         hold: bool,
@@ -150,7 +160,7 @@ enum Rank {
 #[derive(clap::Args, Debug)]
 struct GenOpts {
     /// The context rank's address, as its ADDR line printed it; `-`: from a `DIAL <address>`
-    /// line on stdin.
+    /// line on stdin. Several, comma-separated: a request's segments are split among them.
     #[arg(long)]
     to: String,
     /// Buffer sizes of each request, comma-separated (K and M suffixes).
@@ -277,6 +287,7 @@ fn main() {
         Rank::Ctx {
             listen,
             suppress,
+            rank,
             hold,
             region_mb,
             dial_line,
@@ -288,13 +299,14 @@ fn main() {
             &args,
             transport,
             listen.as_deref(),
+            *rank,
             *suppress,
             Serve {
                 hold: *hold,
                 drop_after: *drop_after,
                 threads: *serve_threads,
+                region_mb: *region_mb,
             },
-            *region_mb,
             dial_line.then_some((*dial_ms, *break_won_tie)),
         ),
         Rank::Gen(opts) => {
@@ -351,28 +363,31 @@ fn trust_lines(args: &Args, engine: &Arc<Engine>) {
     });
 }
 
-/// How the context rank serves: `--hold`, `--drop-after` and `--serve-threads`.
+/// How the context rank serves: `--hold`, `--drop-after`, `--serve-threads` and
+/// `--region-mb`.
 struct Serve {
     hold: bool,
     drop_after: Option<u64>,
     threads: usize,
+    region_mb: Option<usize>,
 }
 
 fn ctx(
     args: &Args,
     setting: Setting,
     listen: Option<&str>,
+    rank: u32,
     suppress: Option<u64>,
     Serve {
         hold,
         drop_after,
         threads,
+        region_mb,
     }: Serve,
-    region_mb: Option<usize>,
     dial_line: Option<(u64, bool)>,
 ) {
     let by_address = setting.0.by_worker_address();
-    let mut cfg = config(args, "ctx", CTX, setting);
+    let mut cfg = config(args, "ctx", rank, setting);
     // The lost-completion fault: this request's data is "sent" without moving.
     cfg.faults.suppress_data_of_request = suppress;
     let won_tie_broken = Arc::new(AtomicU64::new(0));
@@ -563,7 +578,6 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
         "-" => dial_address(&mut std::io::stdin().lock().lines()),
         to => to.to_string(),
     };
-    let to = to.as_str();
     let sizes: Vec<usize> = sizes.split(',').map(size).collect();
     let half: usize = sizes.iter().sum();
     let region_mem: &'static mut [u8] = match region {
@@ -583,33 +597,41 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
     // While retrying, each attempt gets a few seconds: an attempt can be lost when the peer
     // closes the refused endpoint of the one before.
     let attempt = connect_ms.unwrap_or(if *retry_ms > 0 { 3000 } else { 20_000 });
-    let peer = loop {
-        let deadline = Instant::now() + Duration::from_millis(attempt);
-        match engine.connect(to, deadline) {
-            Ok(p) => break p,
-            Err(e)
-                if matches!(
-                    e.kind,
-                    ErrorKind::AuthFailed | ErrorKind::RankInUse | ErrorKind::PeerLost
-                ) && Instant::now() < retry_until =>
-            {
-                std::thread::sleep(Duration::from_millis(250));
+    let mut peers = Vec::new();
+    for to in to.split(',') {
+        let peer = loop {
+            let deadline = Instant::now() + Duration::from_millis(attempt);
+            match engine.connect(to, deadline) {
+                Ok(p) => break p,
+                Err(e)
+                    if matches!(
+                        e.kind,
+                        ErrorKind::AuthFailed | ErrorKind::RankInUse | ErrorKind::PeerLost
+                    ) && Instant::now() < retry_until =>
+                {
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+                Err(e) => {
+                    let late = late_ms(deadline);
+                    say(format!("CONNECT-ERROR {:?} late_ms={late:.1} {e}", e.kind));
+                    return 3;
+                }
             }
-            Err(e) => {
-                let late = late_ms(deadline);
-                say(format!("CONNECT-ERROR {:?} late_ms={late:.1} {e}", e.kind));
-                return 3;
-            }
-        }
-    };
+        };
+        peers.push(peer);
+    }
     say(format!("INSTANCE {}", engine.instance()));
     say("CONNECTED".into());
     for line in std::io::stdin().lock().lines() {
         let line = line.unwrap_or_default();
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
-            ["REQ", id] => {
+            ["REQ", id, from @ ..] => {
                 let id: u64 = id.parse().expect("request id");
+                let Some(from) = senders(&peers, from) else {
+                    say(format!("GEN {id} bad-from {from:?}"));
+                    continue;
+                };
                 let key = RequestKey::new(id, 0);
                 let mut bufs: Vec<Vec<u8>> = match region_id {
                     Some(_) => Vec::new(),
@@ -648,7 +670,7 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
                 let cpu0 = cpu_ms();
                 // SAFETY: `bufs` outlives the request: we wait for its end below.
                 let adv = unsafe {
-                    engine.advertise(key, vec![RankId(*rank)], vec![(peer, specs)], vec![])
+                    engine.advertise(key, vec![RankId(*rank)], flows(&from, specs), vec![])
                 };
                 if let Err(e) = adv {
                     say(format!(
@@ -699,8 +721,12 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
             ["HEALTH"] => {
                 let h = engine.health();
                 say(format!(
-                    "HEALTH peer={:?} failed={} left={} reconnects={} leased={} fenced={} unsettled={} region_fenced={} region_fences={} new_workers={}",
-                    engine.peer_state(peer),
+                    "HEALTH peer={} failed={} left={} reconnects={} leased={} fenced={} unsettled={} region_fenced={} region_fences={} new_workers={}",
+                    peers
+                        .iter()
+                        .map(|&p| format!("{:?}", engine.peer_state(p)))
+                        .collect::<Vec<_>>()
+                        .join(","),
                     h.peers_failed,
                     h.peers_left,
                     h.reconnects,
@@ -716,6 +742,31 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
         }
     }
     0
+}
+
+/// The context ranks a `REQ` line draws on: every connected one, or with `from=I,J,..` those
+/// positions of the `--to` list (None for a position that is not there, or another word).
+fn senders(peers: &[RankId], words: &[&str]) -> Option<Vec<RankId>> {
+    match words {
+        [] => Some(peers.to_vec()),
+        [w] => w
+            .strip_prefix("from=")?
+            .split(',')
+            .map(|i| i.parse::<usize>().ok().and_then(|i| peers.get(i).copied()))
+            .collect(),
+        _ => None,
+    }
+}
+
+/// A request's flows: segment i (in `specs` order) from `from[i % from.len()]`, each context
+/// rank's flow listing only its own segments.
+fn flows(from: &[RankId], specs: Vec<BufferSpec>) -> Vec<(RankId, Vec<BufferSpec>)> {
+    let mut flows: Vec<(RankId, Vec<BufferSpec>)> = from.iter().map(|&r| (r, Vec::new())).collect();
+    for (i, s) in specs.into_iter().enumerate() {
+        flows[i % from.len()].1.push(s);
+    }
+    flows.retain(|(_, specs)| !specs.is_empty());
+    flows
 }
 
 fn unhex(s: &str) -> Vec<u8> {
@@ -848,6 +899,40 @@ fn other_version(transport: TransportKind, to: Option<&str>, listen: Option<&str
 #[cfg(test)]
 mod tests {
     use super::pattern::{fill, intact, BLOCK_WORDS};
+    use super::{flows, senders, BufferSpec, RankId};
+
+    /// `--to A,B,C` and `REQ <id> [from=..]`: segment i from the (i % n)-th context rank named,
+    /// each flow listing only its own segments, in order; a position not in the list, or another
+    /// word, names no request.
+    #[test]
+    fn segments_are_split_among_the_context_ranks_named() {
+        let peers = [RankId(0), RankId(3), RankId(5)];
+        let mut b = [0u8; 7];
+        let mut specs = |n: u32| -> Vec<BufferSpec> {
+            (0..n).map(|i| BufferSpec::host(i, &mut b[..])).collect()
+        };
+        let segs = |f: &[(RankId, Vec<BufferSpec>)]| -> Vec<(u32, Vec<u32>)> {
+            f.iter()
+                .map(|(r, s)| (r.0, s.iter().map(|s| s.segment).collect()))
+                .collect()
+        };
+        let all = senders(&peers, &[]).unwrap();
+        assert_eq!(
+            segs(&flows(&all, specs(7))),
+            [(0, vec![0, 3, 6]), (3, vec![1, 4]), (5, vec![2, 5])]
+        );
+        let two = senders(&peers, &["from=2,0"]).unwrap();
+        assert_eq!(two, [RankId(5), RankId(0)]);
+        assert_eq!(
+            segs(&flows(&two, specs(3))),
+            [(5, vec![0, 2]), (0, vec![1])]
+        );
+        // More context ranks than segments: those left without one get no flow.
+        assert_eq!(segs(&flows(&all, specs(1))), [(0, vec![0])]);
+        for bad in [&["from=3"][..], &["from="], &["to=0"], &["from=0", "x"]] {
+            assert_eq!(senders(&peers, bad), None, "{bad:?}");
+        }
+    }
 
     /// The repeating block still tells misplaced bytes: another request's or segment's data,
     /// data shifted by a word, a page, a MiB or a whole block, one byte changed in the last
