@@ -6,7 +6,8 @@
 //! - with a deployment secret, a peer without it (or with another) is refused at connect with
 //!   `AuthFailed`, whichever side dials, and the refusal is counted on the other side;
 //! - a second process with a rank already bound to a live one is refused with `RankInUse`, and
-//!   accepted once the first is gone;
+//!   accepted once the first is gone; a peer with the dialled engine's own rank is refused
+//!   too, and both sides say so;
 //! - a rank of another wire version is refused at once, whichever side dials: the dialler of
 //!   another version gets the version refusal (the one frame every version reads), and a
 //!   `connect` to one returns `Protocol` long before its deadline.
@@ -262,6 +263,46 @@ fn a_duplicated_rank_is_refused_while_the_first_lives_and_accepted_after() {
         let line = third.expect("GEN 3 ");
         assert_eq!(field(&line, "end"), "Completed", "{line}");
         assert_eq!(field(&line, "verified"), "true", "{line}");
+    }
+}
+
+/// Two engines given the same rank id (a deployment that numbers its instances' ranks alike):
+/// the dial is refused with `RankInUse`, and both sides say that the rank is the dialled
+/// engine's own, not only that another process holds it.
+#[test]
+fn a_peer_with_the_dialled_engines_own_rank_is_refused_and_told_why() {
+    for transport in ["tcp", "sm"] {
+        println!("== {transport}: a generation rank dials a context rank with its own rank id");
+        let log = std::env::temp_dir().join(format!(
+            "kvlink-own-rank-{}-{transport}.log",
+            std::process::id()
+        ));
+        // The context rank's warnings go to a file (Proc passes stderr through).
+        let mut c = Command::new("sh");
+        c.args(["-c", "exec \"$0\" \"$@\" 2>\"$KVLINK_TEST_LOG\"", PEER])
+            .args(["ctx", "--transport", transport, "--rank", "1"])
+            .env("KVLINK_LOG", "kvlink=warn")
+            .env("KVLINK_TEST_LOG", &log)
+            .env_remove("KVLINK_SECRET");
+        let mut c = Proc::spawn(c);
+        let caddr = addr(&mut c);
+        let mut g = gen(transport, &caddr, &["--rank", "1"], None);
+        let line = g.expect_one_of(&["CONNECT-ERROR ", "CONNECTED"]);
+        assert!(line.starts_with("CONNECT-ERROR RankInUse"), "{line}");
+        assert!(line.contains("dialled engine's own"), "{line}");
+        let until = Instant::now() + Duration::from_secs(10);
+        let warned = loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains("this engine's own rank") || Instant::now() > until {
+                break text;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let _ = std::fs::remove_file(&log);
+        assert!(
+            warned.contains("this engine's own rank"),
+            "the context rank's log: {warned}"
+        );
     }
 }
 

@@ -500,7 +500,7 @@ class Engine {
   /// with kind `PeerLost` if the handshake did not finish by `deadline` (at once, dialling
   /// nothing, if it has passed), `AuthFailed` if the two
   /// sides do not hold the same secret, `RankInUse` if the peer (or this rank) has that rank bound
-  /// to another live process, `Protocol` (at once) if the two speak different wire versions,
+  /// to another live process (or the peer is that rank itself), `Protocol` (at once) if the two speak different wire versions,
   /// `Transport` if this rank's progress thread was too busy (or stuck) to make the endpoint by
   /// `deadline`, or within 10 s (one it makes later is closed unused). Two ranks may dial each other at once, or dial a rank already connected to them: the pair
   /// keeps one connection and both calls return the other's rank. A dial that won such a

@@ -120,7 +120,8 @@ enum class ErrorKind : std::uint8_t {
   /// another). Reported on both sides; the connection is closed.
   AuthFailed = 15,
   /// The peer's rank is bound to another live process: a second process with the same rank is
-  /// refused until the first is gone.
+  /// refused until the first is gone. Also a dial to an engine that has the dialler's rank
+  /// itself (rank ids must be unique in a deployment).
   RankInUse = 16,
   /// The memory overlaps a fenced range of a region: a transfer of an ended request that UCX
   /// still holds (its sender may yet write). Use other memory, or retry once the region's

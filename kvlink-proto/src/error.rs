@@ -45,7 +45,8 @@ pub enum ErrorKind {
     /// holds another). Reported on both sides; the connection is closed.
     AuthFailed = 15,
     /// The peer's rank is bound to another live process: a second process with the same rank
-    /// is refused until the first is gone.
+    /// is refused until the first is gone. Also a dial to an engine that has the dialler's
+    /// rank itself (rank ids must be unique in a deployment).
     RankInUse = 16,
     /// The memory overlaps a fenced range of a region: a transfer of a request that has ended
     /// is still held by UCX there (its sender may yet write). Use other memory, or retry

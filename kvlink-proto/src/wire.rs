@@ -170,7 +170,8 @@ pub enum Message {
 pub enum Refusal {
     /// The peer's proof did not verify: it does not hold this deployment's secret.
     AuthFailed = 1,
-    /// The peer's rank is bound here to another live process.
+    /// The peer's rank is bound here to another live process, or is the answering engine's
+    /// own.
     RankInUse = 2,
     /// The peer's frames carry a wire version this side does not speak. Sent in the one frame
     /// every version reads (see the module docs).
@@ -203,7 +204,10 @@ impl Refusal {
                 "a proof did not verify: the two sides hold different deployment secrets, or one \
                  holds none"
             }
-            Refusal::RankInUse => "the rank is bound to another live process",
+            Refusal::RankInUse => {
+                "the rank is bound to another live process, or is the dialled engine's own (rank \
+                 ids must be unique in a deployment)"
+            }
             Refusal::WireVersion => {
                 "the two sides speak different wire versions (kvlink releases that cannot talk)"
             }

@@ -44,7 +44,7 @@ impl Engine {
     /// address: if the connection fails later, it dials it again by itself (see [`PeerState`]).
     /// A handshake refused either way is `AuthFailed` (the two sides do not hold the same
     /// deployment secret), `RankInUse` (the peer, or this side, has that rank bound to another
-    /// live process) or `Protocol` (the two speak different wire versions: returned as soon as
+    /// live process, or the peer is that rank itself) or `Protocol` (the two speak different wire versions: returned as soon as
     /// the refusal arrives, not at the deadline). `Transport` if this side's progress thread
     /// was too busy (or stuck) to make the endpoint by `deadline`, or within 10 s (one it makes
     /// later is closed unused: `Agent::connect_by`). Two ranks that dial each other at once (two

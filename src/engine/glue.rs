@@ -445,6 +445,13 @@ impl Inner {
                     core.counters.last_fault = Some(now);
                     core.ep.handle_peer_lost(now, rank);
                 }
+                // Refused by the handshake itself, before any binding: the only such clash
+                // is a peer that says it is this engine's rank.
+                A::Refused(Refusal::RankInUse, None) => tracing::warn!(
+                    "refused a peer that says it is {}, this engine's own rank: rank ids must be \
+                     unique in a deployment",
+                    self.me
+                ),
                 A::Refused(Refusal::RankInUse, Some(rank)) => tracing::warn!(
                     peer = rank.0,
                     "refused {rank}: it is bound to another live endpoint"
