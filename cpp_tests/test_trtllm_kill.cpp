@@ -73,6 +73,18 @@
 // defaults (tcp, listening at 0.0.0.0:0). The context rank must publish its host's interface
 // address, not 0.0.0.0, and one request must complete with every byte checked.
 //
+// FanIn.SixGenerationProcessesTwoKilledMidTransferTwoFreshJoin: one context process serving six
+// generation processes at once, as a context instance serves every generation instance that
+// pulls from it (tests/fan_in.rs is the engine's case), on tcp and on sm. The context rank
+// (ctx-concurrent) sends each request's blocks on a thread of its own; each generation process
+// has its own manager. All six complete, every byte checked; then, with the next round's 64 MiB
+// transfers under way, two are SIGKILLed together: the context rank's sends to them end
+// TransferError PeerLost within the bound above, the four others complete; then two fresh
+// processes under the killed ones' rank ids join and all six complete again. The context rank
+// then holds nothing in its engine (checkHealth) nor, once the last requests are past their
+// deadline and its grace, in the wrapper (the probe's STATE: envelopes and buffers queued,
+// per-thread entries, context-side requests).
+//
 // A context rank whose generation rank dies between two segments is waiting for an advertisement
 // that never comes; the wrapper ends that wait when the transport finds the peer dead (PeerLost),
 // as a kill with a segment on the wire does. Both are within the bound above.
@@ -107,6 +119,7 @@ constexpr uint64_t kMiB = 1024 * 1024;
 constexpr int64_t kTimeoutMs = 4000;                 // kv_transfer_timeout_ms of every rank
 Layout const kBig{8, 64 * kMiB};                     // the request the kill interrupts: 1 GiB
 Layout const kSmall{4, kMiB};                        // the fresh peer's request: 8 MiB
+Layout const kMid{8, 4 * kMiB};                      // fan-in: six at once, two killed: 64 MiB
 constexpr size_t kWatchSegment = 1;                  // the kill comes once this one is landing
 char const* const kCtxRankId = "41001";              // kvlink rank ids (TRTLLM_KVLINK_RANK_ID):
 char const* const kGenRankId = "41002";              // the fresh peer takes over the killed one's
@@ -143,6 +156,7 @@ struct Rank {
   Wrapper w;
   std::unique_ptr<kv::ConnectionManager> m;  // destroyed before the library is closed
   KvlinkProbeHealthFn probe = nullptr;
+  KvlinkProbeWrapperStateFn wrapperState = nullptr;
 
   Rank(std::string const& transport, bool withProbe)
       : w(withProbe ? KVLINK_WRAPPER_PROBE_PATH : KVLINK_WRAPPER_PATH) {
@@ -157,6 +171,8 @@ struct Rank {
     if (withProbe) {
       probe = reinterpret_cast<KvlinkProbeHealthFn>(dlsym(w.handle, KVLINK_PROBE_HEALTH_SYMBOL));
       if (probe == nullptr) die("the probe library has no " KVLINK_PROBE_HEALTH_SYMBOL);
+      wrapperState = reinterpret_cast<KvlinkProbeWrapperStateFn>(dlsym(w.handle, KVLINK_PROBE_WRAPPER_STATE_SYMBOL));
+      if (wrapperState == nullptr) die("the probe library has no " KVLINK_PROBE_WRAPPER_STATE_SYMBOL);
     }
   }
 
@@ -187,12 +203,32 @@ struct Rank {
                   static_cast<unsigned long long>(h.worker_renewals));
     say(line);
   }
+
+  /// Waits up to `limit` for the wrapper to hold nothing (no envelope queued, no per-thread
+  /// entry, no buffer queued, no context-side request), then reports what it holds.
+  void sayWrapperState(Clock::duration limit) const {
+    if (wrapperState == nullptr) die("STATE asked of a rank without the probe");
+    KvlinkProbeWrapperState s{};
+    auto const until = Clock::now() + limit;
+    for (;;) {
+      if (wrapperState(m.get(), &s) != 0) die("the probe did not recognise its manager");
+      bool const empty =
+          s.envelopes_queued == 0 && s.thread_states == 0 && s.buffers_queued == 0 && s.context_requests == 0;
+      if (empty || Clock::now() > until) break;
+      std::this_thread::sleep_for(10ms);
+    }
+    char line[160];
+    std::snprintf(line, sizeof line, "STATE %llu %llu %llu %llu", static_cast<unsigned long long>(s.envelopes_queued),
+                  static_cast<unsigned long long>(s.thread_states), static_cast<unsigned long long>(s.buffers_queued),
+                  static_cast<unsigned long long>(s.context_requests));
+    say(line);
+  }
 };
 
-/// The big request, as CacheReceiver::Impl::requestSync makes the calls, with a watcher thread
-/// that reports when segment kWatchSegment starts landing. Ends with one GEN_BIG line.
-void bigRequest(GenSide side, uint64_t id) {
-  Layout const l = kBig;
+/// The big request (`l`: kBig, or kMid of the fan-in case), as CacheReceiver::Impl::requestSync
+/// makes the calls, with a watcher thread that reports when segment kWatchSegment starts landing.
+/// Ends with one GEN_BIG line.
+void bigRequest(GenSide side, uint64_t id, Layout const l) {
   side.layout = l.str();
   // Zero pages mapped lazily: a zero-filled 1 GiB vector costs a second of page faults here.
   void* const cache = mmap(nullptr, l.bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -315,11 +351,11 @@ int generationProcess(std::string const& transport, bool withProbe) {
         // Kept alive so the test can ask for its health (the known shared-memory gap).
         say("GEN_CONNECT_FAILED " + oneLine(e.what()));
       }
-    } else if (line.rfind("BIG ", 0) == 0 || line.rfind("SMALL ", 0) == 0) {
+    } else if (line.rfind("BIG ", 0) == 0 || line.rfind("MID ", 0) == 0 || line.rfind("SMALL ", 0) == 0) {
       if (!side) die("a request before CTX");
       uint64_t const id = std::strtoull(line.c_str() + line.find(' ') + 1, nullptr, 10);
-      if (line[0] == 'B') {
-        bigRequest(*side, id);
+      if (line[0] == 'B' || line[0] == 'M') {
+        bigRequest(*side, id, line[0] == 'B' ? kBig : kMid);
       } else {
         smallRequest(*side, id);
       }
@@ -334,8 +370,10 @@ int generationProcess(std::string const& transport, bool withProbe) {
 }
 
 /// Context rank: serves every request that comes, as CacheSender::Impl does (recvRequestInfo,
-/// the ready signal, then each block in order); stdin: HEALTH, EXIT.
-int contextProcess(std::string const& transport, bool withProbe) {
+/// the ready signal, then each block in order); stdin: HEALTH, STATE, EXIT. `concurrent`: each
+/// request's blocks are sent on a thread of its own (the async send thread of the non-agent
+/// path), so that one context rank serves many generation ranks at once.
+int contextProcess(std::string const& transport, bool withProbe, bool concurrent = false) {
   Rank r(transport, withProbe);
   r.sayAddress();
   std::atomic<bool> terminate{false};
@@ -345,6 +383,8 @@ int contextProcess(std::string const& transport, bool withProbe) {
     std::string line;
     while (std::getline(std::cin, line)) {
       if (line == "HEALTH" && !destroy) r.sayHealth();
+      // Past every request's deadline and the grace after it, the wrapper forgets the last ones.
+      if (line == "STATE" && !destroy) r.sayWrapperState(std::chrono::milliseconds(kTimeoutMs) + 3s);
       if (line == "HOLD") hold = true;
       if (line == "DESTROY") {
         destroy = true;
@@ -356,25 +396,15 @@ int contextProcess(std::string const& transport, bool withProbe) {
   });
   Tags const tags{true};
   std::atomic<bool> never{false};
-  for (;;) {
-    Taken t = recvRequestInfo(*r.m, terminate);
-    if (t.conn == nullptr) break;
-    uint64_t const id = t.info.getRequestId();
-    Layout const l = Layout::parse(t.info.getTransState().getCacheState()->opaque());
+  // Sends the blocks of request `id`; ends with one CTX_REQ line.
+  auto const serve = [&](kv::Connection const* conn, uint64_t id, Layout const l) {
     std::vector<uint64_t> block(l.block / 8);
     size_t seg = 0;
     try {
-      bool const ready = true;
-      t.conn->send(kv::DataContext{tags.ready(id)}, &ready, sizeof ready);
-      if (hold.exchange(false)) {
-        say("CTX_HOLDING " + std::to_string(id));
-        while (!terminate.load()) std::this_thread::sleep_for(1ms);
-        continue;  // the sender's thread ends with the executor, the request unserved
-      }
       kv::DataContext const ctx{tags.data(id), never};
       for (; seg < l.segments(); ++seg) {
         fill(id, seg, block.data(), l.block);  // format the block, then send it
-        t.conn->send(ctx, block.data(), l.block);
+        conn->send(ctx, block.data(), l.block);
       }
       say("CTX_REQ " + std::to_string(id) + " completed " + std::to_string(nowNs()));
     } catch (kvlink::trtllm::TransferError const& e) {
@@ -386,7 +416,36 @@ int contextProcess(std::string const& transport, bool withProbe) {
       say("CTX_REQ " + std::to_string(id) + " failed " + std::to_string(end) + " -1 " + std::to_string(seg) + " " +
           oneLine(e.what()));
     }
+  };
+  std::vector<std::thread> senders;
+  for (;;) {
+    Taken t = recvRequestInfo(*r.m, terminate);
+    if (t.conn == nullptr) break;
+    uint64_t const id = t.info.getRequestId();
+    Layout const l = Layout::parse(t.info.getTransState().getCacheState()->opaque());
+    try {
+      bool const ready = true;
+      t.conn->send(kv::DataContext{tags.ready(id)}, &ready, sizeof ready);
+    } catch (kvlink::trtllm::TransferError const& e) {
+      say("CTX_REQ " + std::to_string(id) + " failed " + std::to_string(nowNs()) + " " + std::to_string(e.outcome()) +
+          " 0 " + oneLine(e.what()));
+      continue;
+    } catch (std::exception const& e) {
+      say("CTX_REQ " + std::to_string(id) + " failed " + std::to_string(nowNs()) + " -1 0 " + oneLine(e.what()));
+      continue;
+    }
+    if (hold.exchange(false)) {
+      say("CTX_HOLDING " + std::to_string(id));
+      while (!terminate.load()) std::this_thread::sleep_for(1ms);
+      continue;  // the sender's thread ends with the executor, the request unserved
+    }
+    if (concurrent) {
+      senders.emplace_back(serve, t.conn, id, l);
+    } else {
+      serve(t.conn, id, l);
+    }
   }
+  for (auto& s : senders) s.join();
   if (destroy) {  // as ~CacheTransceiver: the sender's thread joined, then the manager destroyed
     say("CTX_DESTROYING " + std::to_string(nowNs()));
     r.m.reset();
@@ -485,6 +544,15 @@ class Proc {
       if (eof_ || Clock::now() >= until) return "";
       cv_.wait_until(g, until);
     }
+  }
+
+  /// SIGKILL only (kill() then reaps it): several processes killed together, none waiting for
+  /// another's exit. Returns when the signal was sent (nowNs).
+  int64_t sigkill() {
+    if (pid_ <= 0) throw std::logic_error(name_ + " was already reaped");
+    int64_t const at = nowNs();
+    ::kill(pid_, SIGKILL);
+    return at;
   }
 
   /// SIGKILL, then reap at once (UCX's shared-memory keepalive looks for the peer's pid, which a
@@ -895,6 +963,114 @@ TEST_P(DestroyMidRequest, GenerationDestroyedWhileContextSends) {
   EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
 }
 
+// --- One context rank, many generation ranks ----------------------------------------------------------
+
+/// One context process serving six generation processes at once, as the context instance of a
+/// disaggregated deployment serves every generation instance that pulls from it (tests/fan_in.rs
+/// is the engine's own case). The context rank sends each request's blocks on a thread of its
+/// own (ctx-concurrent); every generation process has its own manager (production library).
+class FanIn : public KillMidTransfer {
+ protected:
+  static constexpr size_t kGens = 6;
+
+  /// Request `base + i` on generation process i, all at once: each completes, every byte checked
+  /// on the generation side, and the context rank's send of each completes.
+  void smallRound(std::vector<Proc*> const& gens, Proc& ctx, uint64_t base) {
+    for (size_t i = 0; i < gens.size(); ++i) gens[i]->send("SMALL " + std::to_string(base + i));
+    for (size_t i = 0; i < gens.size(); ++i) {
+      std::string const id = std::to_string(base + i);
+      EXPECT_EQ(gens[i]->expect("GEN_SMALL " + id + " ", 30s), "GEN_SMALL " + id + " ok") << gens[i]->name();
+    }
+    for (size_t i = 0; i < gens.size(); ++i) {
+      std::string const id = std::to_string(base + i);
+      std::string const served = ctx.expect("CTX_REQ " + id + " ", 30s);
+      EXPECT_EQ(served.rfind("CTX_REQ " + id + " completed ", 0), 0u) << served;
+    }
+  }
+};
+
+// Six generation processes pull at once and all complete; then, with the next round's transfers
+// under way, two are SIGKILLed: the context rank's sends to them end TransferError PeerLost by
+// the request's deadline + 100 ms + the detection time, while the other four complete, every byte
+// checked; then two fresh processes (the killed ones' kvlink rank ids) join and all six complete
+// again. The context rank ends holding nothing: no buffer leased or fenced, no op in flight or
+// unreaped, and, once the last requests are past their deadline, nothing in the wrapper (no
+// envelope or buffer queued, no per-thread entry, no context-side request).
+TEST_P(FanIn, SixGenerationProcessesTwoKilledMidTransferTwoFreshJoin) {
+  Proc& ctx = start("context rank (serves six)", "ctx-concurrent", true, kCtxRankId);
+  std::vector<std::string> const rankIds{"41101", "41102", "41103", "41104", "41105", "41106"};
+  std::vector<Proc*> gens;
+  for (size_t i = 0; i < kGens; ++i) {
+    gens.push_back(&start("generation rank " + std::to_string(i), "gen", false, rankIds[i].c_str()));
+  }
+  for (Proc* g : gens) ASSERT_NO_FATAL_FAILURE(connect(*g, ctx));
+
+  // Round 1: all six complete.
+  ASSERT_NO_FATAL_FAILURE(smallRound(gens, ctx, 6001));
+
+  // Round 2: all six at once; generation processes 0 and 1 killed once their segment
+  // kWatchSegment is landing.
+  constexpr uint64_t kMidBase = 6101;
+  constexpr size_t kKilled = 2;
+  std::vector<int64_t> deadline(kGens, 0), killedAt(kKilled, 0);
+  for (size_t i = 0; i < kGens; ++i) gens[i]->send("MID " + std::to_string(kMidBase + i));
+  for (size_t i = 0; i < kGens; ++i) {
+    std::string const started = gens[i]->expect("GEN_START " + std::to_string(kMidBase + i) + " ", 30s);
+    ASSERT_FALSE(started.empty()) << gens[i]->name() << " did not start its request";
+    deadline[i] = std::stoll(started.substr(started.rfind(' ') + 1)) + kTimeoutMs * 1000000;
+  }
+  for (size_t v = 0; v < kKilled; ++v) {
+    std::string const landing = gens[v]->expect("GEN_LANDING " + std::to_string(kMidBase + v) + " ", 30s);
+    ASSERT_FALSE(landing.empty()) << "segment " << kWatchSegment << " of " << gens[v]->name()
+                                  << "'s request never started landing";
+  }
+  // Both signalled before either is reaped: a killed process's exit (its mappings going) can take
+  // longer than the other's transfer has left.
+  for (size_t v = 0; v < kKilled; ++v) killedAt[v] = gens[v]->sigkill();
+  for (size_t v = 0; v < kKilled; ++v) gens[v]->kill();
+  for (size_t v = 0; v < kKilled; ++v) {
+    std::string const line = ctx.expect("CTX_REQ " + std::to_string(kMidBase + v) + " ",
+                                        std::chrono::milliseconds(kTimeoutMs) + 10s);
+    ASSERT_FALSE(line.empty()) << "the context rank's send to " << gens[v]->name() << " did not return (hang)";
+    Ended const e = parseCtx(line);
+    ASSERT_NO_FATAL_FAILURE(checkEnd(e, "the context rank", deadline[v], killedAt[v]));
+    EXPECT_EQ(e.outcome, 3) << "the send to a killed rank did not end TransferError PeerLost: " << line;
+    EXPECT_GE(e.segments, kWatchSegment) << "segment " << kWatchSegment << " was landing: the ones before were sent";
+    EXPECT_LT(e.segments, kMid.segments()) << "every segment was sent: the kill came after the transfer";
+  }
+  for (size_t i = kKilled; i < kGens; ++i) {
+    std::string const id = std::to_string(kMidBase + i);
+    std::string const line = gens[i]->expect("GEN_BIG " + id + " ", std::chrono::milliseconds(kTimeoutMs) + 10s);
+    ASSERT_FALSE(line.empty()) << gens[i]->name() << "'s recv did not return (hang)";
+    Ended const e = parseGen(line);
+    EXPECT_FALSE(e.failed) << gens[i]->name() << " did not complete while two others were killed: " << line;
+    EXPECT_EQ(e.bad, 0u) << gens[i]->name() << ": segments with wrong bytes";
+    std::string const served = ctx.expect("CTX_REQ " + id + " ", 30s);
+    EXPECT_EQ(served.rfind("CTX_REQ " + id + " completed ", 0), 0u) << served;
+  }
+
+  // Round 3: two fresh processes in the killed ones' place (their kvlink rank ids); all six complete.
+  for (size_t v = 0; v < kKilled; ++v) {
+    gens[v] = &start("generation rank " + std::to_string(v) + " (fresh)", "gen", false, rankIds[v].c_str());
+    ASSERT_NO_FATAL_FAILURE(connect(*gens[v], ctx));
+  }
+  ASSERT_NO_FATAL_FAILURE(smallRound(gens, ctx, 6201));
+
+  EXPECT_NO_FATAL_FAILURE(checkHealth(ctx));
+  ctx.send("STATE");
+  EXPECT_EQ(ctx.expect("STATE ", std::chrono::milliseconds(kTimeoutMs) + 10s), "STATE 0 0 0 0")
+      << "the context rank's wrapper holds envelopes, per-thread entries, buffers or requests (queued envelopes, "
+         "thread states, queued buffers, context requests)";
+
+  for (Proc* g : gens) g->send("EXIT");
+  ctx.send("EXIT");
+  for (Proc* g : gens) EXPECT_EQ(g->finish(30s), 0) << g->name();
+  EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, FanIn, testing::Values("tcp", "sm"),
+                         [](testing::TestParamInfo<std::string> const& i) { return i.param; });
+
 INSTANTIATE_TEST_SUITE_P(Transports, DestroyMidRequest, testing::Values("tcp", "sm"),
                          [](testing::TestParamInfo<std::string> const& i) { return i.param; });
 
@@ -1003,7 +1179,8 @@ int main(int argc, char** argv) {
       }
       std::string const role = argv[2];
       bool const withProbe = std::string(argv[4]) == "probe";
-      return role == "ctx" ? contextProcess(argv[3], withProbe) : generationProcess(argv[3], withProbe);
+      if (role == "ctx" || role == "ctx-concurrent") return contextProcess(argv[3], withProbe, role != "ctx");
+      return generationProcess(argv[3], withProbe);
     } catch (std::exception const& e) {
       die(std::string("rank process: ") + e.what());
     }
