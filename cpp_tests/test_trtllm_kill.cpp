@@ -158,9 +158,11 @@ struct Rank {
   KvlinkProbeHealthFn probe = nullptr;
   KvlinkProbeWrapperStateFn wrapperState = nullptr;
 
-  Rank(std::string const& transport, bool withProbe)
+  /// `suppress`: the fault hook (KvlinkTrtllmOptions::fault_suppress_request), -1 for none.
+  Rank(std::string const& transport, bool withProbe, int64_t suppress = -1)
       : w(withProbe ? KVLINK_WRAPPER_PROBE_PATH : KVLINK_WRAPPER_PATH) {
     KvlinkTrtllmOptions o = options(transport, 0, 1);
+    o.fault_suppress_request = suppress;
     if (transport == kDefaults) {  // the wrapper's own choice of transport and listen address
       o.transport = nullptr;
       o.listen = nullptr;
@@ -373,8 +375,8 @@ int generationProcess(std::string const& transport, bool withProbe) {
 /// the ready signal, then each block in order); stdin: HEALTH, STATE, EXIT. `concurrent`: each
 /// request's blocks are sent on a thread of its own (the async send thread of the non-agent
 /// path), so that one context rank serves many generation ranks at once.
-int contextProcess(std::string const& transport, bool withProbe, bool concurrent = false) {
-  Rank r(transport, withProbe);
+int contextProcess(std::string const& transport, bool withProbe, bool concurrent = false, int64_t suppress = -1) {
+  Rank r(transport, withProbe, suppress);
   r.sayAddress();
   std::atomic<bool> terminate{false};
   std::atomic<bool> hold{false};     // HOLD: the next request is answered, its data never sent
@@ -1068,6 +1070,57 @@ TEST_P(FanIn, SixGenerationProcessesTwoKilledMidTransferTwoFreshJoin) {
   EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
 }
 
+// A generation rank that takes no ready signal (here: the context rank's fault hook moves
+// nothing of request 7001, so its ready byte never lands, as with a generation process frozen
+// between its request info and the byte) holds up only its own request. The other generation
+// processes' requests, made while it waits, complete at once, long before its deadline; its own
+// ends TimedOut on both sides by its deadline + 100 ms, and the context rank ends holding nothing.
+// Before, the context rank's ready send waited for the byte's verdict on the thread that takes
+// every request (upstream's response thread), so no other request was taken until 7001's
+// deadline had passed, and those made within the agreement bound of it then timed out too.
+TEST_P(FanIn, AGenerationRankThatTakesNoReadySignalHoldsUpNoOther) {
+  constexpr uint64_t kStuck = 7001;
+  procs_.push_back(std::make_unique<Proc>("context rank (moves nothing of " + std::to_string(kStuck) + ")",
+                                          std::vector<std::string>{"ctx-concurrent", GetParam(), "probe", kCtxRankId,
+                                                                   std::to_string(kStuck)}));
+  Proc& ctx = *procs_.back();
+  std::vector<Proc*> gens;
+  for (size_t i = 0; i < 4; ++i) {
+    gens.push_back(&start("generation rank " + std::to_string(i), "gen", false, std::to_string(41201 + i).c_str()));
+  }
+  for (Proc* g : gens) ASSERT_NO_FATAL_FAILURE(connect(*g, ctx));
+
+  // The stuck request's deadline is no earlier than this (its request info goes after the line).
+  int64_t const stuckDeadline = nowNs() + kTimeoutMs * 1000000;
+  gens[0]->send("SMALL " + std::to_string(kStuck));
+  std::this_thread::sleep_for(20ms);  // its envelope first, taken by the context rank
+  std::vector<Proc*> const others(gens.begin() + 1, gens.end());
+  ASSERT_NO_FATAL_FAILURE(smallRound(others, ctx, 7002));
+  int64_t const othersDone = nowNs();
+  std::printf("[ %s: the other three were served %.1f ms before the stuck request's deadline ]\n", GetParam().c_str(),
+              (stuckDeadline - othersDone) / 1e6);
+  EXPECT_LT(othersDone, stuckDeadline) << "the other requests waited for the stuck one's deadline";
+
+  std::string const stuck = gens[0]->expect("GEN_SMALL " + std::to_string(kStuck) + " ",
+                                            std::chrono::milliseconds(kTimeoutMs) + 10s);
+  EXPECT_EQ(stuck.rfind("GEN_SMALL " + std::to_string(kStuck) + " failed TimedOut ", 0), 0u) << stuck;
+  std::string const line =
+      ctx.expect("CTX_REQ " + std::to_string(kStuck) + " ", std::chrono::milliseconds(kTimeoutMs) + 10s);
+  ASSERT_FALSE(line.empty()) << "the context rank's side of the stuck request did not end (hang)";
+  Ended const e = parseCtx(line);
+  ASSERT_TRUE(e.failed) << line;
+  EXPECT_EQ(e.outcome, 1) << "not TimedOut: " << line;
+  EXPECT_LE((e.end - stuckDeadline) / 1e6, 100.0 + detectMs(GetParam())) << line;
+
+  EXPECT_NO_FATAL_FAILURE(checkHealth(ctx));
+  ctx.send("STATE");
+  EXPECT_EQ(ctx.expect("STATE ", std::chrono::milliseconds(kTimeoutMs) + 10s), "STATE 0 0 0 0");
+  for (Proc* g : gens) g->send("EXIT");
+  ctx.send("EXIT");
+  for (Proc* g : gens) EXPECT_EQ(g->finish(30s), 0) << g->name();
+  EXPECT_EQ(ctx.finish(30s), 0) << ctx.name();
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, FanIn, testing::Values("tcp", "sm"),
                          [](testing::TestParamInfo<std::string> const& i) { return i.param; });
 
@@ -1170,7 +1223,8 @@ TEST_F(TwoNodes, WrapperDefaultsPairAcrossTwoNetworkNamespaces) {
 
 int main(int argc, char** argv) {
   if (argc >= 6 && std::string(argv[1]) == "--kvlink-kill-rank") {
-    // <role> <transport> probe|production <kvlink rank id>
+    // <role> <transport> probe|production <kvlink rank id> [<request id the context rank's
+    // sends of move nothing (the fault hook)>]
     try {
       setenv("TRTLLM_KVLINK_RANK_ID", argv[5], 1);
       if (std::string(argv[3]) == kDefaults) {  // nor from the environment
@@ -1179,7 +1233,8 @@ int main(int argc, char** argv) {
       }
       std::string const role = argv[2];
       bool const withProbe = std::string(argv[4]) == "probe";
-      if (role == "ctx" || role == "ctx-concurrent") return contextProcess(argv[3], withProbe, role != "ctx");
+      int64_t const suppress = argc >= 7 ? std::stoll(argv[6]) : -1;
+      if (role == "ctx" || role == "ctx-concurrent") return contextProcess(argv[3], withProbe, role != "ctx", suppress);
       return generationProcess(argv[3], withProbe);
     } catch (std::exception const& e) {
       die(std::string("rank process: ") + e.what());

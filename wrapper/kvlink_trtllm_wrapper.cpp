@@ -15,8 +15,9 @@
 //     one posted 1-byte buffer receives the ready signal. The key is (request id read from the
 //     info's first 8 bytes, a fresh generation).
 //   - `send(readyTag, &b, 1)` on the context rank = accept (b true: the byte is sent into that
-//     buffer; false: Rejected). `recv(readyTag)` on the generation rank = the envelope request's
-//     agreed outcome: Completed -> true, Rejected -> false, anything else throws TransferError.
+//     buffer, and the request's first data send takes its verdict; false: Rejected).
+//     `recv(readyTag)` on the generation rank = the envelope request's agreed outcome:
+//     Completed -> true, Rejected -> false, anything else throws TransferError.
 //   - Each data `recv(tag, ptr, n)` posts `ptr` (host, or device via kvlink's device path) and
 //     advertises it; the matching `send(tag, ptr, n)` waits for that advertisement and sends
 //     into it (device memory through kvlink's send_device), then both wait for the verdict.
@@ -269,6 +270,9 @@ class KvlinkConnection final : public kv::Connection {
     Deadline deadline;
     bool answered = false;
     bool open = true;
+    /// The ready byte went out and its verdict is not taken yet: the request's first data send
+    /// takes it (sendReady does not wait for it).
+    bool readyUnconfirmed = false;
   };
   struct DataAdvert {
     Advertisement adv;
@@ -1050,8 +1054,17 @@ void KvlinkConnection::sendReady(kv::DataContext const& ctx, void const* data, s
   std::uint8_t const one = 1;
   std::atomic<bool> const& terminate = ctx.getTransferTerminate();
   Outcome o = m_.engine().send(r.envelope, remote_, 0, &one, 1, r.deadline, terminate);
-  Outcome const verdict = m_.engine().wait_sender(r.envelope, remote_, r.deadline + m_.grace(),
-                                                  o == Outcome::Completed ? CancelRef(terminate) : CancelRef());
+  if (o == Outcome::Completed) {
+    // The byte is out. Its verdict (the generation rank's word that it landed) is taken by the
+    // request's first data send, on the host's thread for this request: waited for here, on the
+    // thread that takes every generation rank's requests (upstream's response thread), one rank
+    // that never answers held up all others' requests until its deadline, and theirs ran out.
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = ctx_.find(r.id);
+    if (it != ctx_.end() && it->second.envelope == r.envelope) it->second.readyUnconfirmed = true;
+    return;
+  }
+  Outcome const verdict = m_.engine().wait_sender(r.envelope, remote_, r.deadline + m_.grace());
   if (verdict != Outcome::Completed) {
     std::lock_guard<std::mutex> g(mu_);
     endCtx(r.id);
@@ -1083,6 +1096,25 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
   }
   std::uint64_t const id = found[0]->id;
   Deadline const deadline = found[0]->deadline;
+  if (found[0]->readyUnconfirmed) {
+    // The verdict of the ready signal (sendReady): a generation rank that did not take it has
+    // no buffer to advertise.
+    found[0]->readyUnconfirmed = false;
+    RequestKey const envelope = found[0]->envelope;
+    g.unlock();
+    Outcome verdict = Outcome::Cancelled;
+    try {
+      verdict = m_.engine().wait_sender(envelope, remote_, deadline + m_.grace(), CancelRef(terminate));
+    } catch (Error const&) {
+      // Already settled and taken: it did not complete here.
+    }
+    g.lock();
+    if (verdict != Outcome::Completed) {
+      endCtx(id);
+      throw TransferError(static_cast<int>(verdict), id,
+                          "kvlink: ready signal of request " + std::to_string(id) + " ended " + to_string(verdict));
+    }
+  }
   // Wait for the generation rank's advertisement of the buffer this send fills.
   std::optional<Advertisement> adv;
   for (;;) {
