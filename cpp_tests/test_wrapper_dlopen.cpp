@@ -560,6 +560,38 @@ TEST_P(WrapperTest, AbsentTimeoutStillBoundsTheWaitAndLogsThroughTheHook) {
   EXPECT_TRUE(seen) << "no log line with the request id reached the hook";
 }
 
+// A data recv made once its request's deadline has passed (a generation rank whose ready signal
+// came late, as when the context rank took its request late) ends as the transfer it is: a
+// TransferError TimedOut naming the request, not a plain UnknownRequest error as if the thread
+// had sent no request at all.
+TEST_P(WrapperTest, ARecvMadeAfterItsRequestsDeadlineIsATransferErrorTimedOut) {
+  KvlinkTrtllmOptions o = options(GetParam());
+  o.kv_transfer_timeout_ms = 300;
+  auto gen = make(*wrapper_, o);
+  GenSide side{gen->getConnections(ctx_->getCommState()).at(0), Tags{true}};
+  constexpr uint64_t kId = 0x1A7E;
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    bool const ready = true;
+    t.conn->send(kv::DataContext{side.tags.ready(kId)}, &ready, sizeof ready);  // and no data
+  });
+  side.sendRequestInfo(kId);
+  auto const deadline = Clock::now() + 300ms;  // no earlier than the wrapper's
+  EXPECT_TRUE(side.recvReady(kId, never_));
+  server.get();
+  std::this_thread::sleep_until(deadline + 50ms);
+  std::vector<uint8_t> d(4096);
+  try {
+    side.conn->recv(kv::DataContext{side.tags.data(kId)}, d.data(), d.size());
+    FAIL() << "a recv past its request's deadline returned";
+  } catch (kvlink::trtllm::TransferError const& e) {
+    EXPECT_EQ(e.outcome(), 1) << e.what();  // TimedOut
+    EXPECT_EQ(e.request(), kId);
+  } catch (std::exception const& e) {
+    ADD_FAILURE() << "not a TransferError: " << e.what();
+  }
+}
+
 // The DataContext's terminate flag ends a blocked recv on both ranks: Cancelled within 50 ms.
 TEST_P(WrapperTest, TerminateFlagEndsBothSidesWithin50ms) {
   GenSide gen{toCtx_, Tags{true}};

@@ -915,8 +915,13 @@ void KvlinkConnection::recvData(kv::DataContext const& ctx, void* data, size_t s
     auto const usable = [&](std::shared_ptr<GenRequest> const& q) {
       return q && q->ready.value_or(false) && now <= q->deadline && tagNames(tag, q->id);
     };
+    // This thread's own request is its request even past its deadline: the recv then ends
+    // TimedOut below (a TransferError), not UnknownRequest as if the thread had sent none.
+    auto const mineUsable = [&](std::shared_ptr<GenRequest> const& q) {
+      return q && q->ready.value_or(false) && tagNames(tag, q->id);
+    };
     auto mine = gen_.find(std::this_thread::get_id());
-    if (mine != gen_.end() && usable(mine->second)) {
+    if (mine != gen_.end() && mineUsable(mine->second)) {
       r = mine->second;
     } else {
       for (auto const& [thread, q] : gen_) {
