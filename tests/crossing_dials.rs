@@ -8,7 +8,7 @@
 //! `RankInUse` and the pair unbound on both sides.
 mod common;
 
-use common::Proc;
+use common::{field, Proc};
 use std::process::Command;
 use std::time::Duration;
 
@@ -32,12 +32,6 @@ fn spawn(ns: Option<&str>, args: &[&str], log: bool) -> Proc {
         c.env("KVLINK_LOG", "kvlink=info");
     }
     Proc::spawn(c)
-}
-
-fn field<'a>(line: &'a str, name: &str) -> &'a str {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
-        .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
 }
 
 /// Where each side runs: its network namespace (None: this one) and, over tcp, its listen

@@ -8,7 +8,7 @@
 mod common;
 
 use common::net::{setup, Net};
-use common::Proc;
+use common::{field, late, Proc};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -27,16 +27,6 @@ const SLACK_MS: f64 = 100.0;
 /// Two 64 MiB segments: long enough on loopback (tcp about 50 ms, shared memory about 15 ms)
 /// that a fault 2 ms after the sender starts lands mid-transfer.
 const SIZES: &str = "64M,64M";
-
-fn field<'a>(line: &'a str, name: &str) -> &'a str {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
-        .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
-}
-
-fn late(line: &str) -> f64 {
-    field(line, "late_ms").parse().unwrap()
-}
 
 fn peer_cmd(ns: Option<&str>) -> Command {
     match ns {

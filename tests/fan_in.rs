@@ -13,7 +13,7 @@
 //!   context side.
 mod common;
 
-use common::Proc;
+use common::{field, late, Proc};
 use std::collections::HashMap;
 use std::process::Command;
 use std::time::Duration;
@@ -31,16 +31,6 @@ const RANKS: u32 = 8;
 /// Ranks 0 and 1 of the eight are killed, rank 2 is frozen.
 const KILLED: [u32; 2] = [0, 1];
 const FROZEN: u32 = 2;
-
-fn field<'a>(line: &'a str, name: &str) -> &'a str {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
-        .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
-}
-
-fn late(line: &str) -> f64 {
-    field(line, "late_ms").parse().unwrap()
-}
 
 /// The context rank's lines, read as they come and kept until asked for: its serving threads
 /// print them in any order.

@@ -13,7 +13,7 @@
 //!   with every byte checked, without any manual `connect()`.
 mod common;
 
-use common::Proc;
+use common::{field, late, Proc};
 use std::process::Command;
 
 const PEER: &str = env!("CARGO_BIN_EXE_kvlink-engine-peer");
@@ -29,16 +29,6 @@ const KILLED: usize = 5;
 const FROZEN: usize = 2;
 /// The generation rank's id (the context ranks are 0..6).
 const GEN_RANK: &str = "100";
-
-fn field<'a>(line: &'a str, name: &str) -> &'a str {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
-        .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
-}
-
-fn late(line: &str) -> f64 {
-    field(line, "late_ms").parse().unwrap()
-}
 
 /// The context ranks that fill segment `i` when a request draws on `from` (the peer's
 /// `segment i from from[i % n]`).

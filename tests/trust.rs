@@ -13,17 +13,11 @@
 //!   `connect` to one returns `Protocol` long before its deadline.
 mod common;
 
-use common::Proc;
+use common::{field, Proc};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 const PEER: &str = env!("CARGO_BIN_EXE_kvlink-engine-peer");
-
-fn field<'a>(line: &'a str, name: &str) -> &'a str {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
-        .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
-}
 
 fn num(line: &str, name: &str) -> u64 {
     field(line, name).parse().unwrap()

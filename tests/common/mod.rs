@@ -166,6 +166,18 @@ pub fn start_pair(
     (recv, send)
 }
 
+/// The value of `name=` in a peer's line (a test failure if it has none).
+pub fn field<'a>(line: &'a str, name: &str) -> &'a str {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
+}
+
+/// A line's `late_ms=`: how long past its request's deadline the call it reports returned.
+pub fn late(line: &str) -> f64 {
+    field(line, "late_ms").parse().unwrap()
+}
+
 /// A `RESULT <size> <outcome> <elapsed_ms> <verified>` line.
 pub fn result(line: &str) -> (usize, String, f64, bool) {
     let f: Vec<&str> = line.split_whitespace().collect();
