@@ -300,6 +300,46 @@ fn a_peer_with_the_dialled_engines_own_rank_is_refused_and_told_why() {
     }
 }
 
+/// A generation process killed and started again under the same rank id (a deployment that
+/// pins its rank ids) numbers its attempts from the start again: its request with an id its
+/// predecessor had used must be served, not taken for a replay of the old attempt (which the
+/// context rank remembers for minutes). The same process coming back keeps that protection
+/// (`proto_rebind`, `proto_identity`).
+#[test]
+fn a_process_restarted_under_its_rank_id_is_served_a_request_id_its_predecessor_used() {
+    for transport in ["tcp", "sm"] {
+        println!("== {transport}: a generation process restarted under its rank id");
+        let (mut c, caddr) = ctx(transport, &[], None);
+        let mut first = gen(transport, &caddr, &["--rank", "7"], None);
+        first.expect("CONNECTED");
+        first.send("REQ 5");
+        let line = first.expect("GEN 5 ");
+        assert_eq!(field(&line, "end"), "Completed", "{line}");
+        c.expect("CTX 5 ");
+        // Killed and reaped, as a process manager would (shared memory's liveness check reads
+        // the pid).
+        first.child.kill().unwrap();
+        first.child.wait().unwrap();
+        let mut second = gen(
+            transport,
+            &caddr,
+            &["--rank", "7", "--retry-ms", "20000"],
+            None,
+        );
+        second.expect("CONNECTED");
+        second.send("REQ 5");
+        let line = second.expect("GEN 5 ");
+        assert_eq!(
+            field(&line, "end"),
+            "Completed",
+            "the retry of request 5: {line}"
+        );
+        assert_eq!(field(&line, "verified"), "true", "{line}");
+        let line = c.expect("CTX 5 ");
+        assert_eq!(field(&line, "end"), "Completed", "{line}");
+    }
+}
+
 #[test]
 fn a_rank_of_another_wire_version_is_refused_at_once_either_way() {
     let other = (kvlink::proto::wire::VERSION + 1).to_string();

@@ -709,6 +709,43 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Another process now holds `rank` (another engine instance bound it; its old one is
+    /// gone): what this side keeps of the requests it served to the old one goes, so that the
+    /// new one's, whose attempt numbers start again, are not taken for replays or stale
+    /// retries of the old one's. Its ended send flows go, with their tombstones and retry
+    /// entries; a flow still running (none should be: the old process's loss ended them
+    /// first) is kept. Receives are this side's own requests and stay. O(requests known).
+    pub fn forget_sends_to(&mut self, rank: RankId) {
+        let ended: Vec<RequestKey> = self
+            .sends
+            .iter()
+            .filter(|(_, flows)| {
+                flows
+                    .iter()
+                    .any(|(to, f)| *to == rank && f.terminal().is_some())
+            })
+            .map(|(key, _)| *key)
+            .collect();
+        for key in ended {
+            if let Some(f) = flow_mut(&mut self.sends, key, rank) {
+                self.timers.drop_early(f);
+            }
+            self.forget_flow(key, rank);
+            self.note_forgotten(key, Some(rank));
+        }
+        let tombs: Vec<TimerId> = self
+            .tombs
+            .keys()
+            .filter(|id| matches!(id, TimerId::Send(_, to) if *to == rank))
+            .copied()
+            .collect();
+        for id in tombs {
+            self.tombs.remove(&id);
+            self.note_tomb_gone(id);
+        }
+        self.trim_tomb_order();
+    }
+
     /// The transport declared `rank` lost (its endpoint failed).
     pub fn handle_peer_lost(&mut self, now: Instant, rank: RankId) {
         // What it voted before the requests started here came over the connection now lost.

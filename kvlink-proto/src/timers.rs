@@ -251,6 +251,15 @@ impl TimerTable {
         }
     }
 
+    /// The machine `m` is forgotten before its timer fired: its entry, if any, is superseded
+    /// (found stale when it comes up), and its slot goes to the next one.
+    pub(crate) fn drop_early<M>(&mut self, m: &mut Timed<M>) {
+        if m.at.take().is_some() {
+            self.live[m.lane as usize] -= 1;
+        }
+        self.release(m);
+    }
+
     /// The lane whose front is the earliest, and that front's instant.
     fn earliest(&self) -> Option<(Instant, Lane)> {
         let running = self.lanes[Lane::Running as usize].peek();

@@ -516,3 +516,42 @@ fn a_coordinators_tombstone_answers_its_sender_and_the_other_receiver_only() {
         "still kept: the answers came before its expiry"
     );
 }
+
+/// Another process under the receiver's rank (its old one gone) advertises a key the old one
+/// used: its attempt numbers start again. While the context side keeps the old request's
+/// tombstone the advertisement is taken for a duplicate of the old one and starts nothing; once
+/// it forgets what it served to that rank (`forget_sends_to`, which the engine calls when
+/// another instance binds the rank), the same advertisement starts the request. An advertisement
+/// from another rank is not affected.
+#[test]
+fn a_new_process_under_the_rank_is_served_a_key_its_predecessor_used() {
+    let t = Instant::now();
+    let key = RequestKey::new(14, 0);
+    let (_gen, mut ctx, g) = completed_one_to_one(t, key);
+    ctx.handle_timeout(t + ms(5));
+    assert_eq!((ctx.known(), ctx.tombstones()), (0, 1));
+    let advertise = |gen: &mut Endpoint| {
+        let lease = BufferPool::new(4).lease(key).unwrap();
+        let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+        gen.start_receive(t + ms(6), one_buffer(key, g, RankId(2), lease, desc, None))
+            .unwrap();
+        gen.poll_transmit().expect("an advertisement").message
+    };
+    // The new process: a fresh endpoint under the same rank.
+    let mut reborn = Endpoint::new(g, config());
+    let adv = advertise(&mut reborn);
+    ctx.handle_message(t + ms(7), g, adv.clone()).unwrap();
+    assert!(
+        !ctx.running(key, Role::Sender { receiver: g }),
+        "taken for the old request's duplicate while its tombstone is kept"
+    );
+    drain(&mut ctx);
+    ctx.forget_sends_to(g);
+    assert_eq!(ctx.tombstones(), 0);
+    ctx.handle_message(t + ms(8), g, adv).unwrap();
+    assert!(ctx.running(key, Role::Sender { receiver: g }));
+    assert!(
+        std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "no advertisement for the application"
+    );
+}

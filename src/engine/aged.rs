@@ -93,6 +93,13 @@ impl<K: Hash + Eq + Clone, V> Aged<K, V> {
         self.map.remove(k).map(|(v, _)| v)
     }
 
+    /// Keeps only the entries whose key passes `keep` (a pass over all of them: for rare
+    /// events only).
+    pub fn retain(&mut self, keep: impl Fn(&K) -> bool) {
+        self.map.retain(|k, _| keep(k));
+        self.compact();
+    }
+
     pub fn len(&self) -> usize {
         self.map.len()
     }

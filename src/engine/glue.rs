@@ -468,6 +468,12 @@ impl Inner {
                     );
                     self.fault_break_won_tie(core, rank);
                 }
+                A::NewInstance(rank) => {
+                    // Another process holds the rank: the old one's requests must not make the
+                    // new one's look like replays (its attempt numbers start again).
+                    core.ep.forget_sends_to(rank);
+                    core.finished.retain(|(_, to)| *to != Some(rank));
+                }
                 A::Unbound(_) => {}
                 A::GaveWay(rank) => {
                     tracing::info!(

@@ -78,6 +78,11 @@ pub enum HandshakeAction<P> {
     Close(P),
     /// The rank is bound to the endpoint: it is connected.
     Bound(RankId, String),
+    /// The rank is being bound by another engine instance than the one it was bound by last:
+    /// another process, whose attempt numbers start again, so what this side keeps of the old
+    /// one's requests must go ([`crate::Endpoint::forget_sends_to`]). Comes just before its
+    /// `Bound`.
+    NewInstance(RankId),
     /// The rank lost its endpoint (the peer refused the one it was bound to, or its process
     /// came back on a new connection while the old one looked alive here): its requests are
     /// lost.
@@ -304,6 +309,13 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         // their data can never match here either. They are lost here too, at once, before
         // anything of the new session arrives (not left to run to their deadline).
         let replaced = self.endpoint(rank).is_some_and(|p| p != peer);
+        // Only a rank known here by another instance: its first bind has no history to forget,
+        // and the forgetting is a pass over what this side keeps.
+        let new_instance = self
+            .ranks
+            .get(&rank)
+            .and_then(|r| r.instance)
+            .is_some_and(|old| old != info.instance);
         // The same session came back on a new endpoint, or another dial for the rank is still
         // running: those endpoints are done.
         let mut out: Vec<_> = self
@@ -321,6 +333,9 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         if let Some(welcome) = hs.accept(me, None) {
             out.push(HandshakeAction::Send(welcome));
+        }
+        if new_instance {
+            out.push(HandshakeAction::NewInstance(rank));
         }
         out.push(HandshakeAction::Bound(rank, name));
         out
