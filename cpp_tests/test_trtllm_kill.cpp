@@ -845,6 +845,14 @@ TEST_P(KillMidTransfer, GenerationKilledWhileContextSends) {
   // The same context process, a new generation process of the same rank: a request, every byte.
   Proc& fresh = start("generation rank (fresh, same rank)", "gen", false, kGenRankId);
   ASSERT_NO_FATAL_FAILURE(connect(fresh, ctx));
+  // First the killed process's request id again (a router retrying it there): the fresh
+  // process numbers its attempts from the start again, so this attempt has the old one's
+  // number. Served, not taken for a replay of the old attempt (the context engine forgets what
+  // it served to the old process when another one binds the rank).
+  fresh.send("SMALL 2001");
+  EXPECT_EQ(fresh.expect("GEN_SMALL 2001 ", 30s), "GEN_SMALL 2001 ok");
+  std::string const retried = ctx.expect("CTX_REQ 2001 ", 30s);
+  EXPECT_EQ(retried.rfind("CTX_REQ 2001 completed ", 0), 0u) << retried;
   fresh.send("SMALL 2002");
   EXPECT_EQ(fresh.expect("GEN_SMALL 2002 ", 30s), "GEN_SMALL 2002 ok");
   std::string const served = ctx.expect("CTX_REQ 2002 ", 30s);
