@@ -2805,3 +2805,38 @@ fn a_peer_that_leaves_with_nothing_in_flight_is_no_fault() {
         }
     }
 }
+
+/// A generation process gone with a request that ended on the context side but was never
+/// waited for there, then another process under its rank id (its attempt numbers start again)
+/// making a request with the same key: the context side serves it, and its `wait` returns the
+/// new request's end, not the old one's left untaken.
+#[test]
+fn a_new_process_under_a_rank_is_not_answered_with_its_predecessors_untaken_end() {
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(5), None);
+    let key = RequestKey::new(930, 0);
+    let dl = || Instant::now() + Duration::from_secs(5);
+    let mut buf = vec![0u8; 4096];
+    let specs = vec![(RankId(CTX), vec![one_spec(&mut buf, 0)])];
+    // SAFETY: `buf` outlives the request: it is waited for below.
+    unsafe { gen.advertise(key, vec![RankId(GEN)], specs, vec![]) }.unwrap();
+    let adv = ctx.next_advertisement(dl(), None).expect("advertisement");
+    assert_eq!(adv.key, key);
+    gen.cancel(key).unwrap();
+    assert_eq!(
+        gen.wait(key, Role::Receiver, dl(), None).unwrap(),
+        Outcome::Cancelled
+    );
+    // The context side's end of it (`Cancelled`) comes and is left untaken.
+    std::thread::sleep(Duration::from_millis(300));
+    drop(gen);
+    let by = Instant::now() + Duration::from_secs(2);
+    while ctx.peer_state(RankId(GEN)) == kvlink::connection::PeerState::Connected {
+        assert!(Instant::now() < by, "the leave was not seen");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (_, g) = configs(TransportKind::Tcp, Duration::from_secs(5), None);
+    let again = Engine::new(g).unwrap();
+    connect_pair(&ctx, &again);
+    let (go, co, ok) = run(&ctx, &again, key, &[4096]);
+    assert_eq!((go, co, ok), (Outcome::Completed, Outcome::Completed, true));
+}

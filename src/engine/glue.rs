@@ -473,6 +473,10 @@ impl Inner {
                     // new one's look like replays (its attempt numbers start again).
                     core.ep.forget_sends_to(rank);
                     core.finished.retain(|(_, to)| *to != Some(rank));
+                    // And the old one's ends nobody waited for: a `wait` for the new one's
+                    // request of that key must not take the old one's end.
+                    let sent_to_it = Role::Sender { receiver: rank };
+                    core.terminals.retain(|(_, role)| *role != sent_to_it);
                 }
                 A::Unbound(_) => {}
                 A::GaveWay(rank) => {
