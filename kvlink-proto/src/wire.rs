@@ -34,7 +34,10 @@
 //! `Hello`, `Proof`, `Welcome` and `Refuse` make the handshake ([`super::handshake`]).
 //! `Leaving` came after version 4's other frames without a version step: a release of version 4
 //! from before it counts the frame as undecodable (`UnknownType(11)`) and drops it, and learns
-//! of the leave as it did before, when the connection fails.
+//! of the leave as it did before, when the connection fails. A rank told `Leaving` answers with
+//! its own `Leaving` before it closes the connection; the leaving rank takes that as the sign its
+//! message arrived (it closes after it, so its close cannot overtake the message), and answers
+//! nothing.
 //! One frame is read whatever version its header names: a `Refuse` of reason 3 (12 header bytes
 //! with type 10, flags 0 and body_len 1, then the byte 3). Every version keeps that frame as it
 //! is, so a rank of another version that dials learns why it was refused (at once, as the typed

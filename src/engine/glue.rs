@@ -147,6 +147,11 @@ pub(crate) struct Core {
     /// Endpoints closed because their peer said it was leaving, until their failure is
     /// reported: that failure is the leave, no fault.
     pub left: HashSet<PeerId>,
+    /// Set when this engine is going away (its drop: `say_leaving`): the endpoints told
+    /// `Leaving` that have not yet answered it (their own `Leaving`) nor failed. The drop
+    /// waits, within its drain, until none is left, so that its closing cannot overtake the
+    /// message; meanwhile no reconnect round dials.
+    pub leaving: Option<HashSet<PeerId>>,
     last_prune: Instant,
 }
 
@@ -217,9 +222,15 @@ impl Core {
             retired: Aged::new(RETIRED_FOR, AGED_CAP),
             fault_cut: Vec::new(),
             left: HashSet::default(),
+            leaving: None,
             waited: HashSet::default(),
             last_prune: Instant::now(),
         }
+    }
+
+    /// Whether a peer told `Leaving` has neither answered nor failed yet.
+    pub fn leave_unanswered(&self) -> bool {
+        self.leaving.as_ref().is_some_and(|told| !told.is_empty())
     }
 
     /// Has `key` ended here, as a receive or as a send to any rank, recently enough that its
@@ -345,16 +356,21 @@ impl Inner {
 
     /// Tells every bound peer that this engine is going away (its drop), so that each ends the
     /// connection and the requests on it at once. Over shared memory nothing else would tell
-    /// them while this process lives on: UCX's keepalive there checks the process.
+    /// them while this process lives on: UCX's keepalive there checks the process. Each told
+    /// endpoint is awaited until it answers or fails ([`Core::leaving`]).
     pub fn say_leaving(&self, core: &mut Core) {
         let bound: Vec<PeerId> = core
             .peers
             .ranks()
             .filter_map(|rank| core.peers.endpoint(rank))
             .collect();
+        let mut told = HashSet::default();
         for peer in bound {
-            let _ = self.send_msg(core, peer, &Message::Leaving);
+            if self.send_msg(core, peer, &Message::Leaving).is_ok() {
+                told.insert(peer);
+            }
         }
+        core.leaving = Some(told);
     }
 
     /// A peer's `Leaving`: its engine is going away. Its endpoint is closed here as a failed one
@@ -363,7 +379,18 @@ impl Inner {
     /// process that builds a new engine there; one dialled by worker address reads `Failed`
     /// (`Peers::on_left`). Only the endpoint the message came on is closed, so a
     /// peer can end nothing but its own connection.
+    ///
+    /// It is answered with this side's own `Leaving` before the close, which tells the leaving
+    /// side that its message arrived: the leaving side waits for that answer (or the
+    /// connection's end) before it closes its endpoints, as a close can overtake a message
+    /// still on its way (over tcp a reset discarded it, under load, with UCX 1.22). An
+    /// engine leaving itself takes a `Leaving` as that answer, and sends none back.
     fn on_leaving(&self, core: &mut Core, peer: PeerId) {
+        if let Some(told) = core.leaving.as_mut() {
+            told.remove(&peer);
+            core.left.insert(peer);
+            return;
+        }
         match core.peers.rank_of(peer) {
             Some(rank) => {
                 tracing::info!(peer = rank.0, "{rank} is leaving: its engine ends");
@@ -371,6 +398,7 @@ impl Inner {
                 // transport saw the connection close first, is the leave.
                 core.left.insert(peer);
                 core.counters.peers_left += 1;
+                let _ = self.send_msg(core, peer, &Message::Leaving);
             }
             // Not a rank's connection (a handshake, or one given way): only closed.
             None => tracing::info!("endpoint {}: the peer is leaving", peer.0),
@@ -587,6 +615,9 @@ impl Inner {
                 }
                 // The waiters it concerns (a dial that gave way to this one, a `connect`
                 // waiting for this reconnect dial, the rank's) are woken at the end of the pass.
+                if let Some(told) = core.leaving.as_mut() {
+                    told.remove(&peer);
+                }
                 let left = core.left.remove(&peer);
                 let lost = if left {
                     core.peers.on_left(peer, now)
@@ -1058,7 +1089,13 @@ impl Sink {
             core.ep.handle_timeout(now);
         }
         timeline::mark(Stage::TimersHandled);
-        for (rank, address) in core.peers.due(now) {
+        // An engine going away dials nobody.
+        let due = if core.leaving.is_some() {
+            Vec::new()
+        } else {
+            core.peers.due(now)
+        };
+        for (rank, address) in due {
             if !inner.redial(rank, address) {
                 core.peers.round_dial_void(rank);
             }

@@ -87,8 +87,8 @@ fn reap_grace(agreement_bound: Duration) -> Duration {
 
 /// One rank: agent, protocol core, driver thread. Dropping it tells every bound rank that it
 /// leaves (`Message::Leaving`: their requests with it end `PeerLost` at once), lets its last
-/// control messages go (up to 200 ms), then stops the driver and the agent (which cancels and
-/// reaps every op).
+/// control messages go and waits for each told rank's answer (up to 200 ms in all), then stops
+/// the driver and the agent (which cancels and reaps every op).
 pub struct Engine {
     inner: Arc<Inner>,
     timeout: Duration,
@@ -255,8 +255,9 @@ impl Engine {
 }
 
 /// How long dropping an engine waits for its last control messages (a verdict just decided, and
-/// the `Leaving` that tells each bound peer it goes) to leave, so a peer is not left to find a
-/// closed endpoint instead of the verdict.
+/// the `Leaving` that tells each bound peer it goes) to leave and for each told peer to answer
+/// (or fail), so a peer is not left to find a closed endpoint instead of the verdict or the
+/// leave. A frozen or unreachable peer costs the drop this much; an answering one a round trip.
 const DRAIN_ON_DROP: Duration = Duration::from_millis(200);
 
 impl Drop for Engine {
@@ -271,7 +272,7 @@ impl Drop for Engine {
             let pending = {
                 let mut core = self.inner.core.lock();
                 core.control_ops.retain_mut(|op| op.poll().is_none());
-                !core.control_ops.is_empty()
+                !core.control_ops.is_empty() || core.leave_unanswered()
             } || self.inner.agent.push_pending();
             if !pending || Instant::now() >= until {
                 break;
