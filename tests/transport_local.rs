@@ -762,8 +762,8 @@ fn a_connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
         assert_eq!(hello.wait(dl, None).unwrap(), Outcome::Completed);
         // On shared memory `b` was reached twice: by the endpoint made for nobody (its `Bind`
         // still went out, which keeps the next endpoint paired with its own there) and by this
-        // one. Over tcp the endpoint made for nobody is force-closed, perhaps before its
-        // connection reached `b`; if it did, `b` hears that it failed.
+        // one. Over tcp the endpoint made for nobody is closed once its connection manager's
+        // handshake is over (if it reached `b`, `b` hears that it failed).
         let (mut accepted, mut failed) = (Vec::new(), Vec::new());
         let (from, got) = loop {
             match b.next_event(dl, None).expect("the message must arrive") {
@@ -908,5 +908,51 @@ fn a_held_receive_ended_with_its_worker_then_dropped_ends_once() {
         );
         assert_eq!(op_done_events(&b, op.id()), 1, "moved {moved}: one OpDone");
         assert!(op.poll().is_some());
+    }
+}
+
+/// Connects over tcp that their callers gave up while the progress thread was held in the
+/// connect command, one after another: each endpoint made for nobody is closed while its
+/// connection manager's handshake is under way. The process lives through all of them (UCX
+/// 1.13 aborted it on its async thread, `tcp_sockcm_ep.c:416`, when the close forced the
+/// endpoint at once), every one is reported failed, none is left, and a connect after them
+/// carries a message.
+#[test]
+fn connects_given_up_mid_handshake_close_cleanly_one_after_another() {
+    let mut ob = AgentOptions::new("b", TransportKind::Tcp);
+    ob.listen = Some("127.0.0.1:0".parse().unwrap());
+    let b = Agent::new(ob).unwrap();
+    let a = Agent::new(AgentOptions::new("a", TransportKind::Tcp)).unwrap();
+    let at = b.listen_address().unwrap();
+    let mut closed = 0;
+    for i in 0..120u64 {
+        a.fault_stall_progress(Duration::from_millis(8 + i % 5), true)
+            .unwrap();
+        let e = a
+            .connect_by(at, Instant::now() + Duration::from_millis(3))
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Transport, "{i}: {e}");
+        // None when the command had not started by the deadline (a loaded machine): then no
+        // endpoint was made.
+        match a.next_event(Instant::now() + Duration::from_millis(500), None) {
+            Some(Event::PeerFailed(_)) => closed += 1,
+            None => {}
+            other => panic!("{i}: {other:?}"),
+        }
+    }
+    println!("{closed} of 120 endpoints made after their callers gave up, each closed");
+    assert!(closed >= 60, "{closed}");
+    assert_eq!(a.stats().peer_entries, 0);
+    let ab = a
+        .connect_by(at, Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    let mut hello = a.send_control(ab, b"after".to_vec()).unwrap();
+    let dl = Instant::now() + Duration::from_secs(5);
+    assert_eq!(hello.wait(dl, None).unwrap(), Outcome::Completed);
+    loop {
+        match b.next_event(dl, None).expect("the message must arrive") {
+            Event::Control(_, bytes) => break assert_eq!(bytes, b"after"),
+            _ => continue,
+        }
     }
 }

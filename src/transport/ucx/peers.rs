@@ -244,11 +244,14 @@ impl Progress {
         }
     }
 
-    /// Forgets the endpoint of a worker-address dial whose caller had already given up waiting
-    /// for it, as a failed peer is forgotten, but closes it in flush mode: its `Bind` still
-    /// goes out. The peer pairs endpoints between two workers by their count, and a `Bind` lost
-    /// here would leave the dialler's next endpoint paired with this closed one there. (A
-    /// listener's connection needs no such care, and is force-closed, so that the peer hears.)
+    /// Forgets the endpoint of a dial whose caller had already given up waiting for it, as a
+    /// failed peer is forgotten, but closes it in flush mode. By worker address, its `Bind`
+    /// still goes out: the peer pairs endpoints between two workers by their count, and a
+    /// `Bind` lost here would leave the dialler's next endpoint paired with this closed one
+    /// there. At a listener's address, the close waits for the connection manager's handshake
+    /// (UCX ends the connection once it is made, and the peer hears), as UCX 1.13 aborted the
+    /// process (`tcp_sockcm_ep.c:416`, its async thread sending the handshake's data on an
+    /// endpoint force-closed meanwhile) when this close forced it at once.
     pub(super) fn close_unwanted(&mut self, peer: PeerId) {
         let ep = self.peers.get_mut(&peer.0).and_then(|e| e.ep.take());
         self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true);

@@ -504,12 +504,12 @@ impl Progress {
     }
 
     /// Makes an endpoint for a caller that waits for it, unless it has given up waiting; one
-    /// made after it gave up is closed again (no peer of the owner's knows it): by worker
-    /// address in flush mode ([`Progress::close_unwanted`]), else as a failed peer.
+    /// made after it gave up is closed again (no peer of the owner's knows it), in flush mode
+    /// ([`Progress::close_unwanted`]): its failure is reported here at once, and UCX ends its
+    /// connection once the connection is made or has failed.
     fn connect_for(
         &mut self,
         reply: &Reply<PeerId>,
-        by_worker_address: bool,
         make: impl FnOnce(&mut Self) -> Result<PeerId>,
     ) {
         if reply.given_up() {
@@ -526,11 +526,7 @@ impl Progress {
                 peer = peer.0,
                 "closing the endpoint of a connect whose caller gave up"
             );
-            if by_worker_address {
-                self.close_unwanted(peer);
-            } else {
-                self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true);
-            }
+            self.close_unwanted(peer);
         }
     }
 
@@ -554,10 +550,10 @@ impl Progress {
             }
             Cmd::PeerTransports(peer, reply) => reply.set(self.peer_transports(peer)),
             Cmd::Connect(addr, reply) => {
-                self.connect_for(&reply, false, |p| p.connect(Target::Sock(addr)))
+                self.connect_for(&reply, |p| p.connect(Target::Sock(addr)))
             }
             Cmd::ConnectWorker(addr, reply) => {
-                self.connect_for(&reply, true, |p| p.connect_worker(&addr))
+                self.connect_for(&reply, |p| p.connect_worker(&addr))
             }
             Cmd::Tag {
                 send,
