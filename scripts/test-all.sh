@@ -95,10 +95,30 @@ ucx122() (
     # engine_faults' requests get 10 s, not 4 (KVLINK_FAULTS_TIMEOUT_MS): with this UCX, a 128 MiB
     # request between two network namespaces took 3.3 s in a slow CI hour, and the one after a
     # healed partition missed 4 s with every byte landed. The deadline checks are unchanged.
-    KVLINK_FAULTS_TIMEOUT_MS="${KVLINK_FAULTS_TIMEOUT_MS:-10000}" \
-    WEDGE_ITERS="${WEDGE_ITERS:-4}" cargo test --locked --no-fail-fast --lib --test transport_local \
+    export KVLINK_FAULTS_TIMEOUT_MS="${KVLINK_FAULTS_TIMEOUT_MS:-10000}"
+    export WEDGE_ITERS="${WEDGE_ITERS:-4}"
+    # A test that fails here runs once more on its own, and both runs are printed (as ctest's
+    # until-pass:2 below and in the ctest step). A net for UCX 1.22's shared memory: after a
+    # stopped writer made a receiver move to a new worker, the new worker's dials to the live
+    # writer failed at once (`shmat ... Invalid argument`), about 1 run in 25 of engine_faults'
+    # frozen sender (docs/RELIABILITY.md, "Known gaps"). The cargo-test step above, on the
+    # system UCX, has no such net.
+    local log reruns sel
+    log="$(mktemp)"
+    if ! cargo test --locked --no-fail-fast --lib --test transport_local \
         --test transport_two_process --test engine --test engine_faults --test sm_kill_wedge \
-        --test crossing_dials --test listen_addresses || rc=1
+        --test crossing_dials --test listen_addresses 2>&1 | tee "$log"; then
+        if reruns="$(python3 "$root/scripts/failed-tests.py" "$log")"; then
+            while read -r sel; do
+                echo "ucx122: RERUN of what failed: cargo test $sel"
+                # shellcheck disable=SC2086 # $sel is a list of cargo's arguments
+                cargo test --locked $sel || rc=1
+            done <<<"$reruns"
+        else
+            rc=1
+        fi
+    fi
+    rm -f "$log"
     if cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
         -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="$KVLINK_UCX_ROOT" &&
         cmake --build "$dir" -j "$jobs"; then
