@@ -16,9 +16,10 @@
 // Ownership
 //   - `Engine` owns the Rust engine (UCX agent, protocol core, one progress thread) through a
 //     `rust::Box`; it is move-only and its destructor tells every connected rank that it leaves
-//     (their requests with it end `PeerLost` at once), then stops that thread and releases every
-//     UCX resource (within about 200 ms for messages still going out). Destroy it only when no
-//     other thread is inside one of its member functions.
+//     (their requests with it end `PeerLost` at once), waits for each to answer, then stops that
+//     thread and releases every UCX resource (within about 200 ms for messages still going out
+//     and answers not yet in: a frozen or unreachable rank costs it those 200 ms). Destroy it
+//     only when no other thread is inside one of its member functions.
 //   - Receive buffers passed to `advertise` are borrowed by kvlink from that call until
 //     `wait_receiver` for the same key has returned (whatever the outcome): do not touch, free or
 //     reuse them before. Send buffers are borrowed only for the duration of `send`. Memory in a
