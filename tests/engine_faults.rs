@@ -544,3 +544,61 @@ fn an_engine_dropped_in_a_live_process_is_seen_gone_at_once() {
         }
     }
 }
+
+/// Dropping an engine (the C++ destructor) is a blocking call too: it waits for each bound peer
+/// to answer its `Leaving`, within its 200 ms drain (`DRAIN_ON_DROP`), and then closes. Whatever
+/// the peer does, frozen (SIGSTOP), dead (SIGKILL) or cut off (a partition between two
+/// namespaces, tcp), the drop returns by that drain + 100 ms (printed): nothing in it waits on
+/// the peer past the drain, neither the close of its endpoints nor the stop of the progress
+/// thread. A live peer answers, so the drop then takes a round trip.
+#[test]
+fn a_dropped_engine_returns_by_its_drain_whatever_the_peer_does() {
+    const DRAIN_MS: f64 = 200.0;
+    let dropped = |gen: &mut Proc, case: &str| -> f64 {
+        gen.send("DROP");
+        let line = gen.expect("DROPPED");
+        let ms: f64 = field(&line, "ms").parse().unwrap_or(f64::MAX);
+        println!("  {case}: {line}");
+        assert!(
+            ms <= DRAIN_MS + SLACK_MS,
+            "{case}: the drop took {ms:.1} ms: {line}"
+        );
+        ms
+    };
+    for tl in ["tcp", "sm"] {
+        println!("== {tl}: engine dropped, its peer live, frozen (SIGSTOP), killed (SIGKILL)");
+        let (mut ctx, addr) = start_ctx(tl, None, None);
+        let mut gen = start_gen(tl, None, &addr);
+        completes(&mut ctx, &mut gen, 1);
+        let ms = dropped(&mut gen, "live peer");
+        assert!(ms < DRAIN_MS, "{tl}: a live peer answers within the drain");
+
+        let mut gen = start_gen(tl, None, &addr);
+        completes(&mut ctx, &mut gen, 2);
+        ctx.signal(libc::SIGSTOP);
+        dropped(&mut gen, "frozen peer (SIGSTOP)");
+        ctx.signal(libc::SIGCONT);
+
+        let mut gen = start_gen(tl, None, &addr);
+        completes(&mut ctx, &mut gen, 3);
+        ctx.signal(libc::SIGKILL);
+        dropped(&mut gen, "dead peer (SIGKILL)");
+    }
+    let Some(net): Option<Net> = setup("edrop") else {
+        return;
+    };
+    println!("== tcp: engine dropped, its peer cut off (iptables DROP both ways)");
+    let listen = format!("{}:0", net.ip_b);
+    let (mut ctx, addr) = start_ctx("tcp", Some(&net.b), Some(&listen));
+    let mut gen = start_gen("tcp", Some(&net.a), &addr);
+    completes(&mut ctx, &mut gen, 1);
+    assert!(
+        net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
+            && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
+    );
+    dropped(&mut gen, "partitioned peer");
+    assert!(
+        net.iptables_b(&["-D", "INPUT", "-j", "DROP"])
+            && net.iptables_b(&["-D", "OUTPUT", "-j", "DROP"])
+    );
+}

@@ -31,6 +31,7 @@
 //!   registered receive region (request N in its half N % 2), and `DEREG <ms>` deregisters it
 //!   with that deadline, printing `DEREG ok|error:<kind> late_ms=<ms>`. With `--to -` it reads
 //!   the address from a `DIAL <address>` line on stdin first (after its `ADDR` line).
+//!   `DROP` drops the engine, prints `DROPPED ms=<how long the drop took>` and exits.
 //!   With `--health-every-ms N` a second thread prints `STATE <Healthy|Degraded|Wedged>` every N
 //!   ms (`--wedge-ms`, `--degraded-ms` set the windows). With `--listen` it also listens (and
 //!   prints `ADDR <address>` first), so that a third process can reach it. A refused handshake
@@ -717,6 +718,20 @@ fn gen(args: &Args, setting: Setting, opts: &GenOpts) -> i32 {
                     None => "error:no-region".to_string(),
                 };
                 say(format!("DEREG {res} late_ms={:.1}", late_ms(deadline)));
+            }
+            ["DROP"] => {
+                // The last strong reference unless a health line is being made right now.
+                let Some(engine) = Arc::into_inner(engine) else {
+                    say("DROPPED shared".into());
+                    return 4;
+                };
+                let t0 = Instant::now();
+                drop(engine);
+                say(format!(
+                    "DROPPED ms={:.1}",
+                    t0.elapsed().as_secs_f64() * 1e3
+                ));
+                return 0;
             }
             ["HEALTH"] => {
                 let h = engine.health();
