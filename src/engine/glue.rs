@@ -228,6 +228,28 @@ impl Core {
         }
     }
 
+    /// Another process holds `rank` now: the old one's requests must not make the new one's
+    /// look like replays (its attempt numbers start again), and the old one's ends nobody
+    /// waited for must not be taken by a `wait` for the new one's request of that key.
+    fn forget_instance(&mut self, rank: RankId) {
+        self.ep.forget_sends_to(rank);
+        self.finished.retain(|(_, to)| *to != Some(rank));
+        let sent_to_it = Role::Sender { receiver: rank };
+        self.terminals.retain(|(_, role)| *role != sent_to_it);
+    }
+
+    /// `peer` answered this engine's `Leaving` (its own `Leaving`) or failed. False if this
+    /// engine is not leaving.
+    fn leave_answered(&mut self, peer: PeerId) -> bool {
+        match self.leaving.as_mut() {
+            Some(told) => {
+                told.remove(&peer);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Whether a peer told `Leaving` has neither answered nor failed yet.
     pub fn leave_unanswered(&self) -> bool {
         self.leaving.as_ref().is_some_and(|told| !told.is_empty())
@@ -386,8 +408,7 @@ impl Inner {
     /// still on its way (over tcp a reset discarded it, under load, with UCX 1.22). An
     /// engine leaving itself takes a `Leaving` as that answer, and sends none back.
     fn on_leaving(&self, core: &mut Core, peer: PeerId) {
-        if let Some(told) = core.leaving.as_mut() {
-            told.remove(&peer);
+        if core.leave_answered(peer) {
             core.left.insert(peer);
             return;
         }
@@ -496,16 +517,7 @@ impl Inner {
                     );
                     self.fault_break_won_tie(core, rank);
                 }
-                A::NewInstance(rank) => {
-                    // Another process holds the rank: the old one's requests must not make the
-                    // new one's look like replays (its attempt numbers start again).
-                    core.ep.forget_sends_to(rank);
-                    core.finished.retain(|(_, to)| *to != Some(rank));
-                    // And the old one's ends nobody waited for: a `wait` for the new one's
-                    // request of that key must not take the old one's end.
-                    let sent_to_it = Role::Sender { receiver: rank };
-                    core.terminals.retain(|(_, role)| *role != sent_to_it);
-                }
+                A::NewInstance(rank) => core.forget_instance(rank),
                 A::Unbound(_) => {}
                 A::GaveWay(rank) => {
                     tracing::info!(
@@ -531,6 +543,14 @@ impl Inner {
                 let Some(inner) = weak.upgrade() else { return };
                 if inner.stopping.load(Ordering::Acquire) {
                     return;
+                }
+                {
+                    // The engine began its drop after this round was due: it dials no more.
+                    let mut core = inner.core.lock();
+                    if core.leaving.is_some() {
+                        core.peers.round_dial_void(rank);
+                        return;
+                    }
                 }
                 let dialled = super::dial(&inner.agent, &address, Instant::now() + DIAL_WAIT);
                 let mut core = inner.core.lock();
@@ -615,9 +635,7 @@ impl Inner {
                 }
                 // The waiters it concerns (a dial that gave way to this one, a `connect`
                 // waiting for this reconnect dial, the rank's) are woken at the end of the pass.
-                if let Some(told) = core.leaving.as_mut() {
-                    told.remove(&peer);
-                }
+                core.leave_answered(peer);
                 let left = core.left.remove(&peer);
                 let lost = if left {
                     core.peers.on_left(peer, now)
