@@ -2775,35 +2775,52 @@ fn a_rank_that_left_by_worker_address_is_failed_at_once() {
 /// peer's shutdown). Either side dropped, tcp and shared memory.
 #[test]
 fn a_peer_that_leaves_with_nothing_in_flight_is_no_fault() {
-    use kvlink::connection::{HealthState, PeerState};
     for kind in [TransportKind::SharedMemory, TransportKind::Tcp] {
         for drop_ctx in [true, false] {
-            let case = format!(
-                "{kind:?}, {}",
-                if drop_ctx { "ctx left" } else { "gen left" }
-            );
-            let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
-            let (go, co, ok) = run(&ctx, &gen, RequestKey::new(910, 0), &[4096]);
-            assert_eq!((go, co, ok), (Outcome::Completed, Outcome::Completed, true));
-            let (survivor, rank) = if drop_ctx {
-                drop(ctx);
-                (gen, CTX)
-            } else {
-                drop(gen);
-                (ctx, GEN)
-            };
-            let by = Instant::now() + Duration::from_secs(2);
-            while survivor.peer_state(RankId(rank)) == PeerState::Connected {
-                assert!(Instant::now() < by, "{case}: the leave was not seen");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            let h = survivor.health();
-            println!("{case}: {:?}, {h:?}", survivor.peer_state(RankId(rank)));
-            assert_eq!(h.peers_left, 1, "{case}");
-            assert_eq!(h.since_last_fault_ms, u64::MAX, "{case}: a fault recorded");
-            assert_eq!(h.state, HealthState::Healthy, "{case}");
+            leave_seen(kind.clone(), drop_ctx, 910, None);
         }
     }
+}
+
+/// A pair on `kind` completes request `id`, then one side is dropped (the context side if
+/// `drop_ctx`), the survivor's progress thread held for `stall` first if given. The survivor
+/// must see the rank gone as a leave: counted in `peers_left`, no fault recorded, `Healthy`.
+/// Returns how long the drop took.
+fn leave_seen(kind: TransportKind, drop_ctx: bool, id: u64, stall: Option<Duration>) -> Duration {
+    use kvlink::connection::{HealthState, PeerState};
+    let case = format!(
+        "{kind:?}, {}",
+        if drop_ctx { "ctx left" } else { "gen left" }
+    );
+    let (ctx, gen) = engines(kind, Duration::from_secs(5), None);
+    let (go, co, ok) = run(&ctx, &gen, RequestKey::new(id, 0), &[4096]);
+    assert_eq!((go, co, ok), (Outcome::Completed, Outcome::Completed, true));
+    let (leaver, survivor, rank) = if drop_ctx {
+        (ctx, gen, CTX)
+    } else {
+        (gen, ctx, GEN)
+    };
+    if let Some(stall) = stall {
+        survivor.fault_stall_progress(stall, false).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let t = Instant::now();
+    drop(leaver);
+    let dropped_in = t.elapsed();
+    let by = Instant::now() + Duration::from_secs(2);
+    while survivor.peer_state(RankId(rank)) == PeerState::Connected {
+        assert!(Instant::now() < by, "{case}: the leave was not seen");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let h = survivor.health();
+    println!(
+        "{case}: {:?}, dropped in {dropped_in:?}, {h:?}",
+        survivor.peer_state(RankId(rank))
+    );
+    assert_eq!(h.peers_left, 1, "{case}");
+    assert_eq!(h.since_last_fault_ms, u64::MAX, "{case}: a fault recorded");
+    assert_eq!(h.state, HealthState::Healthy, "{case}");
+    dropped_in
 }
 
 /// A peer that leaves while the survivor's progress thread is held up (a loaded machine) is
@@ -2815,42 +2832,14 @@ fn a_peer_that_leaves_with_nothing_in_flight_is_no_fault() {
 /// returns within its drain when nobody answers.
 #[test]
 fn a_leave_is_seen_as_one_though_the_survivor_is_slow_to_read_it() {
-    use kvlink::connection::{HealthState, PeerState};
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
         for drop_ctx in [false, true] {
-            let case = format!(
-                "{kind:?}, {}",
-                if drop_ctx { "ctx left" } else { "gen left" }
-            );
-            let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
-            let (go, co, ok) = run(&ctx, &gen, RequestKey::new(940, 0), &[4096]);
-            assert_eq!((go, co, ok), (Outcome::Completed, Outcome::Completed, true));
-            let (leaver, survivor, rank) = if drop_ctx {
-                (ctx, gen, CTX)
-            } else {
-                (gen, ctx, GEN)
-            };
-            survivor
-                .fault_stall_progress(Duration::from_millis(80), false)
-                .unwrap();
-            std::thread::sleep(Duration::from_millis(5));
-            let t = Instant::now();
-            drop(leaver);
-            let dropped_in = t.elapsed();
-            let by = Instant::now() + Duration::from_secs(2);
-            while survivor.peer_state(RankId(rank)) == PeerState::Connected {
-                assert!(Instant::now() < by, "{case}: the leave was not seen");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            let h = survivor.health();
-            println!("{case}: dropped in {dropped_in:?}, {h:?}");
+            let stall = Some(Duration::from_millis(80));
+            let dropped_in = leave_seen(kind.clone(), drop_ctx, 940, stall);
             assert!(
                 dropped_in < Duration::from_secs(1),
-                "{case}: {dropped_in:?}"
+                "{kind:?}: {dropped_in:?}"
             );
-            assert_eq!(h.peers_left, 1, "{case}");
-            assert_eq!(h.since_last_fault_ms, u64::MAX, "{case}: a fault recorded");
-            assert_eq!(h.state, HealthState::Healthy, "{case}");
         }
     }
     // A survivor held past the drain: the drop waits the drain (200 ms) and no longer.
