@@ -98,11 +98,11 @@ ucx122() (
     export KVLINK_FAULTS_TIMEOUT_MS="${KVLINK_FAULTS_TIMEOUT_MS:-10000}"
     export WEDGE_ITERS="${WEDGE_ITERS:-4}"
     # A test that fails here runs once more on its own, and both runs are printed (as ctest's
-    # until-pass:2 below and in the ctest step). A net for UCX 1.22's shared memory: after a
-    # stopped writer made a receiver move to a new worker, the new worker's dials to the live
-    # writer failed at once (`shmat ... Invalid argument`), about 1 run in 25 of engine_faults'
-    # frozen sender (docs/RELIABILITY.md, "Known gaps"). The cargo-test step above, on the
-    # system UCX, has no such net.
+    # until-pass:2 below and in the ctest step). Added for engine_faults' frozen sender over
+    # UCX 1.22's shared memory, about 1 run in 25, which turned out to be the sender's crash: its
+    # stopped send handed the buffer back before UCX let go of it (fixed on 2026-12-06,
+    # docs/RELIABILITY.md, "Known gaps"). Kept as a net for the less-travelled UCX; a rerun is
+    # printed, so it is seen. The cargo-test step above, on the system UCX, has no such net.
     local log reruns sel
     log="$(mktemp)"
     if ! cargo test --locked --no-fail-fast --lib --test transport_local \

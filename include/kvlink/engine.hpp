@@ -61,6 +61,12 @@
 //     receive, or a send that its receiver does not drain) is left to UCX, fenced by range,
 //     instead: the call returns at once, advertisements that overlap the range throw `Fenced`
 //     until UCX releases it, and no endpoint is closed.
+//   - One exception to the bound, for plain caller memory: until its endpoint's force-close has
+//     run on the engine's own progress thread, UCX may still read or write that memory, so the
+//     call waits for it. The thread runs it between UCX calls; one call can take tens of ms
+//     (92 ms seen, pushing the rest of a 64 MiB rendezvous after a SIGSTOP of the process). The
+//     wait is capped at 2 s past the bound (a thread that runs no more); past that the transfer
+//     is left to UCX and counted in `Health::unreaped_ops`.
 //   - Outcomes: the ranks report the same outcome when they can talk before the deadline. When
 //     they cannot (partition, frozen or dead peer), each reports a failure by its own deadline:
 //     `TimedOut` if its deadline came first (or it gave up), `PeerLost` if the transport said the
@@ -294,8 +300,9 @@ struct Health {
   std::uint64_t bytes_completed = 0;
   /// Transfers UCX still held when their wait returned: once the force-close of its endpoint
   /// has run, a stopped transfer waits at most 30 ms past the end of its grace (at least 2 ms
-  /// after the close) for UCX to let it go (see the deadline rule). Nonzero only when UCX
-  /// keeps a transfer past the close of its endpoint; each one is also logged.
+  /// after the close) for UCX to let it go, and for the close to run at most 2 s more (see the
+  /// deadline rule). Nonzero only when UCX keeps a transfer past the close of its endpoint, or
+  /// the progress thread ran nothing for that long; each one is also logged.
   std::uint64_t unreaped_ops = 0;
   /// Ranks being dialled again after their endpoint failed, and dial attempts so far.
   std::uint64_t peers_reconnecting = 0;

@@ -268,6 +268,11 @@ impl Regions {
         Ok(())
     }
 
+    /// Whether transfer `op` is in a region (tracked and not yet done); false: plain memory.
+    pub fn holds(&self, op: u64) -> bool {
+        self.by_op.contains_key(&op)
+    }
+
     /// The request of transfer `op` ended while UCX still holds it: if it is in a region, its
     /// range is fenced and true is returned (the caller need not be held). False: plain memory.
     pub fn fence(&mut self, op: u64) -> bool {

@@ -35,7 +35,10 @@
 //! does not drain): in a region ([`Engine::register_region`]) the call returns at once and
 //! the transfer is left to UCX, its range fenced until UCX releases it, and no endpoint is
 //! closed; in plain caller memory its endpoint is force-closed (the pair reconnects) and the
-//! call waits the few milliseconds UCX takes to release it.
+//! call waits the few milliseconds UCX takes to release it. The one wait past the rule: that
+//! close runs on the progress thread between UCX calls, and until it has run UCX may still
+//! move the memory's bytes, so the call waits for it ([`crate::transport::ucx::CLOSE_RUN_LIMIT`],
+//! 2 s, at most; one UCX call took 92 ms pushing a rendezvous after a SIGSTOP).
 //! A caller's own earlier deadline (or its cancel flag) gives up on the request the same way.
 //! Without a verdict by the bound a rank reports its own failure (`TimedOut`, `Cancelled`,
 //! `Rejected`), or `PeerLost` when the transport reported the peer lost; it never reports

@@ -196,8 +196,9 @@ pub struct Health {
     pub bytes_completed: u64,
     /// Transfers UCX still held when their wait returned: once the force-close of its endpoint
     /// has run, a stopped transfer waits at most 30 ms past the end of its grace (at least 2 ms
-    /// after the close) for UCX to let it go (see the deadline rule). Nonzero only when UCX
-    /// keeps a transfer past the close of its endpoint; each one is also logged.
+    /// after the close) for UCX to let it go, and for the close to run at most 2 s more (see the
+    /// deadline rule). Nonzero only when UCX keeps a transfer past the close of its endpoint, or
+    /// the progress thread ran nothing for that long; each one is also logged.
     pub unreaped_ops: u64,
     /// Waits that had to return before UCX released a fenced receive (should stay 0).
     pub unsettled_returns: u64,

@@ -7,7 +7,7 @@ use super::{key_err, Engine};
 use crate::error::{Error, ErrorKind, Outcome, Result};
 use crate::proto::{RequestKey, Role};
 use crate::timeline::{self, Stage};
-use crate::transport::ucx::{CancelPace, CANCEL_POLL};
+use crate::transport::ucx::{CancelPace, CANCEL_POLL, CLOSE_RUN_LIMIT};
 use parking_lot::MutexGuard;
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
@@ -86,6 +86,15 @@ impl Engine {
         if let Some(o) = self.block(WaitKey::Terminal(key, role), settle, None, take) {
             return Ok(o);
         }
+        if role == Role::Receiver && self.holds_plain_receive(key) {
+            // UCX may still write the caller's memory until the progress thread has stopped
+            // the receive (cancel, or its endpoint's close), and that thread may be inside one
+            // long UCX call: hold on for it, as a stopped send does (`CLOSE_RUN_LIMIT`).
+            let limit = Instant::now() + CLOSE_RUN_LIMIT;
+            if let Some(o) = self.block(WaitKey::Terminal(key, role), limit, None, take) {
+                return Ok(o);
+            }
+        }
         tracing::error!(%key, "wait returns before the request settled");
         let mut core = self.inner.core.lock();
         core.counters.unsettled_returns += 1;
@@ -105,6 +114,14 @@ impl Engine {
             }
         }
         Ok(why)
+    }
+
+    /// Whether UCX still holds a receive of `key` into plain caller memory (not a region's).
+    fn holds_plain_receive(&self, key: RequestKey) -> bool {
+        let core = self.inner.core.lock();
+        core.recv_ops
+            .iter()
+            .any(|(&id, r)| r.key == key && !r.op.is_quiesced() && !core.regions.holds(id))
     }
 
     /// Cancels `key` on this rank; the cancel is agreed with every rank of the request. A

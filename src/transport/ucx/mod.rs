@@ -78,7 +78,7 @@ mod tag;
 pub(crate) use agent::ipv4_only;
 pub use agent::{Agent, MemHandle, RemoteKey};
 pub use held::Held;
-pub use op::Op;
+pub use op::{Op, CLOSE_RUN_LIMIT};
 pub use resources::{memory_type_names, DevicePath};
 pub(crate) use shared::{CancelPace, CANCEL_POLL};
 pub use shared::{Driving, EventSink};

@@ -1,5 +1,6 @@
 //! One in-flight request: its completion slot (shared with the progress thread, which completes
 //! it) and [`Op`], the owner's handle that waits, stops and maps the end to an outcome.
+use super::callbacks;
 use super::shared::{CancelPace, Cmd, Driving, Reply, Shared, CANCEL_POLL};
 use super::{map_status, sys, PeerId};
 use crate::error::{Error, ErrorKind, Outcome, Result};
@@ -118,6 +119,14 @@ impl OpSlot {
 const FORCE_CLOSE_WAIT: Duration = Duration::from_millis(30);
 /// The least a stop waits for UCX after the force-close has run, when the shared wait is over.
 const FORCE_CLOSE_FLOOR: Duration = Duration::from_millis(2);
+/// How long past the shared bound a stop waits for the force-close to run at all. The progress
+/// thread runs commands between UCX calls, and one call can be long: a sender resumed after a
+/// SIGSTOP, its receiver gone, spent 92 ms in one `ucp_worker_progress` (UCX 1.22, shared
+/// memory) pushing the rest of a 64 MiB rendezvous, 7676 fragments, read from the caller's
+/// buffer. Returning before the close has run hands that buffer back while UCX still reads
+/// it; the engine-level test's process freed it and died of a segfault in UCX's copy. Past
+/// this limit (a progress thread that no longer runs at all) the op is left to UCX, unreaped.
+pub const CLOSE_RUN_LIMIT: Duration = Duration::from_secs(2);
 
 /// When a stop that begins at `now` stops waiting for its cancel: after the agent's reap grace,
 /// or at the grace shared with the ops given up together ([`Op::limit_grace`]) if that is
@@ -298,10 +307,12 @@ impl Op {
         let cancel_until = cancel_ends(Instant::now(), grace, self.grace_until);
         // Stage 1: cancel (a send is drained by its receiver). Stage 2: force-close the
         // endpoint, which ends every request on it, and wait for the close to run and then for
-        // UCX to let the op go, both within `close_ends` (from the end of the shared grace).
-        // The buffer is never handed back while UCX holds it, except past those bounds (a
-        // progress thread that does not run the close, a UCX that keeps the op past it, an
-        // agent shutting down meanwhile), and then the op is counted as unreaped.
+        // UCX to let the op go within `close_ends` (from the end of the shared grace). Until
+        // the close has run, UCX may still move the op's bytes, so its run is waited for past
+        // that bound, up to [`CLOSE_RUN_LIMIT`]: the progress thread may be inside one long
+        // UCX call. The buffer is never handed back while UCX holds it, except past those
+        // bounds (a progress thread stuck past the limit, a UCX that keeps the op past the
+        // close, an agent shutting down meanwhile), and then the op is counted as unreaped.
         if self.slot.state.lock().is_none() && self.shared.submit(self.slot.cancel_cmd()).is_ok() {
             self.wait_done(cancel_until);
             if self.slot.state.lock().is_none() {
@@ -311,11 +322,15 @@ impl Op {
                 }
                 let closed = Reply::new();
                 let cmd = Cmd::ForceClose(self.slot.peer, Some(closed.clone()));
-                // The close itself is waited for within the same bound as the release after it
-                // (counted from the end of the shared grace), not a grace of its own: with a
-                // progress thread that does not run it, a grace per op put a send of several
-                // segments a grace per segment past the deadline rule.
-                let close_by = close_ends(Instant::now(), cancel_until, grace);
+                // The close is waited for until it has run (bounded by CLOSE_RUN_LIMIT, past
+                // the shared bound), not a grace of its own per op: once it has run, the other
+                // ops of the request on that endpoint have ended with it.
+                let mut close_by = close_ends(Instant::now(), cancel_until, grace);
+                // Not from inside a pass (the owner's sink dropping an op): the close runs only
+                // after that pass, so waiting longer for it gains nothing.
+                if !callbacks::in_sink_of(&self.shared) {
+                    close_by += CLOSE_RUN_LIMIT;
+                }
                 if self.shared.submit(cmd).is_ok() && closed.wait(close_by).is_ok() {
                     self.wait_done(close_ends(Instant::now(), cancel_until, grace));
                 }
