@@ -176,9 +176,25 @@ fn frozen_sender_mid_transfer_ends_both_sides_by_the_deadline_and_the_pair_heals
 fn frozen_receiver_mid_transfer_ends_the_sender_by_the_deadline_and_the_next_request_completes() {
     for tl in ["tcp", "sm"] {
         println!("== {tl}: receiver frozen (SIGSTOP) mid-transfer");
-        let (mut ctx, mut gen, _) = pair_mid_request(tl, &[], &[]);
-        gen.signal(libc::SIGSTOP);
-        let c = ctx.expect("CTX 2 ");
+        // `start_request` leaves the sender a few ms, less than the 128 MiB take; on a loaded
+        // machine the freeze can still come after all of it landed (the request then completes
+        // on both sides, seen once in 32 runs of the three frozen tests two at a time here, sm).
+        // Such a round tests nothing: it is started afresh, three times at most.
+        let mut tries = 0;
+        let (mut ctx, mut gen, c) = loop {
+            tries += 1;
+            let (mut ctx, mut gen, _) = pair_mid_request(tl, &[], &[]);
+            gen.signal(libc::SIGSTOP);
+            let c = ctx.expect("CTX 2 ");
+            if field(&c, "end") == "Completed" && tries < 3 {
+                println!("  frozen after the request completed: {c}; again");
+                gen.signal(libc::SIGCONT);
+                let g = gen.expect("GEN 2 ");
+                assert_eq!(field(&g, "end"), "Completed", "{g}");
+                continue;
+            }
+            break (ctx, gen, c);
+        };
         check_bounded("sender", &c);
         gen.signal(libc::SIGCONT);
         let t0 = Instant::now();
