@@ -514,7 +514,10 @@ fn gen_thread(gen: &Engine, ctx_address: &str, sh: &Shared, mut rng: Rng) {
                     sh.untouched.lock().unwrap().extend(again);
                 }
             }
-            // Connect again to the rank already connected: its rank, the pair unchanged.
+            // Connect again to the rank already connected: its rank, the pair unchanged. Out of
+            // time, `PeerLost` (the handshake did not bind by the deadline) or `Transport` (this
+            // side's progress thread, busy, had not made the endpoint yet: a tiny deadline on a
+            // loaded machine, seen once in CI), as `Engine::connect` documents.
             96..=97 => {
                 let dl = rng.deadline();
                 let r = gen.connect(ctx_address, dl);
@@ -522,7 +525,8 @@ fn gen_thread(gen: &Engine, ctx_address: &str, sh: &Shared, mut rng: Rng) {
                 match r {
                     Ok(rank) => assert_eq!(rank, RankId(CTX)),
                     Err(e) => assert!(
-                        e.kind == ErrorKind::PeerLost && Instant::now() >= dl,
+                        matches!(e.kind, ErrorKind::PeerLost | ErrorKind::Transport)
+                            && Instant::now() >= dl,
                         "seed {}: connect again: {e}",
                         sh.seed
                     ),
