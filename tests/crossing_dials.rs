@@ -235,16 +235,10 @@ fn a_crossing_cut_by_a_partition_ends_by_the_deadline_on_both_sides() {
         let what = format!("tcp, partition {after_us} us in");
         let (mut ctx, mut gen) = cross("tcp", places, DEADLINE_MS, true, Duration::ZERO);
         std::thread::sleep(Duration::from_micros(after_us));
-        assert!(
-            net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
-                && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
-        );
+        assert!(net.partition(true));
         ended_in_time(&mut gen, "CONNECTED", "CONNECT-ERROR ", &what);
         ended_in_time(&mut ctx, "DIALED ", "DIAL-ERROR ", &what);
-        assert!(
-            net.iptables_b(&["-D", "INPUT", "-j", "DROP"])
-                && net.iptables_b(&["-D", "OUTPUT", "-j", "DROP"])
-        );
+        assert!(net.partition(false));
     }
 }
 

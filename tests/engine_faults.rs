@@ -245,18 +245,12 @@ fn partition_mid_transfer_ends_both_sides_by_the_deadline_and_the_pair_heals() {
         let mut gen = start_gen_with("tcp", Some(&net.a), &addr, gen_extra);
         completes(&mut ctx, &mut gen, 1);
         start_request("tcp", &mut ctx, &mut gen, 2);
-        assert!(
-            net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
-                && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
-        );
+        assert!(net.partition(true));
         let g = gen.expect("GEN 2 ");
         let c = ctx.expect("CTX 2 ");
         check_bounded("receiver", &g);
         check_bounded("sender", &c);
-        assert!(
-            net.iptables_b(&["-D", "INPUT", "-j", "DROP"])
-                && net.iptables_b(&["-D", "OUTPUT", "-j", "DROP"])
-        );
+        assert!(net.partition(false));
         // Request 3 uses the other half of a region; request 4 the half request 2 used, once
         // its fence (if any) has lifted.
         completes(&mut ctx, &mut gen, 3);
@@ -393,10 +387,7 @@ fn connect_returns_by_its_deadline_whatever_the_peer_does() {
     println!("== tcp: connect across a partition (iptables DROP both ways)");
     let listen = format!("{}:0", net.ip_b);
     let (_ctx, addr) = start_ctx("tcp", Some(&net.b), Some(&listen));
-    assert!(
-        net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
-            && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
-    );
+    assert!(net.partition(true));
     connect_fails_in_time("tcp", Some(&net.a), &addr, "800", "partitioned peer");
 }
 
@@ -608,13 +599,7 @@ fn a_dropped_engine_returns_by_its_drain_whatever_the_peer_does() {
     let (mut ctx, addr) = start_ctx("tcp", Some(&net.b), Some(&listen));
     let mut gen = start_gen("tcp", Some(&net.a), &addr);
     completes(&mut ctx, &mut gen, 1);
-    assert!(
-        net.iptables_b(&["-I", "INPUT", "-j", "DROP"])
-            && net.iptables_b(&["-I", "OUTPUT", "-j", "DROP"])
-    );
+    assert!(net.partition(true));
     dropped(&mut gen, "partitioned peer");
-    assert!(
-        net.iptables_b(&["-D", "INPUT", "-j", "DROP"])
-            && net.iptables_b(&["-D", "OUTPUT", "-j", "DROP"])
-    );
+    assert!(net.partition(false));
 }

@@ -71,6 +71,14 @@ impl Net {
         };
         ok.then_some(net)
     }
+    /// Cuts `b` off (`on`: everything into and out of its namespace dropped, no RST, no FIN) or
+    /// heals the cut; true if iptables took both rules.
+    pub fn partition(&self, on: bool) -> bool {
+        let op = if on { "-I" } else { "-D" };
+        self.iptables_b(&[op, "INPUT", "-j", "DROP"])
+            && self.iptables_b(&[op, "OUTPUT", "-j", "DROP"])
+    }
+
     pub fn iptables_b(&self, rule: &[&str]) -> bool {
         let mut args = vec!["ip", "netns", "exec", &self.b, "iptables"];
         args.extend_from_slice(rule);
