@@ -78,9 +78,10 @@
 // pulls from it (tests/fan_in.rs is the engine's case), on tcp and on sm. The context rank
 // (ctx-concurrent) sends each request's blocks on a thread of its own; each generation process
 // has its own manager. All six complete, every byte checked; then, with the next round's 64 MiB
-// transfers under way, two are SIGKILLed together: the context rank's sends to them end
-// TransferError PeerLost within the bound above, the four others complete; then two fresh
-// processes under the killed ones' rank ids join and all six complete again. The context rank
+// transfers under way, two are SIGKILLed, each once its own transfer is landing: the context
+// rank's sends to them end TransferError PeerLost within the bound above, the four others
+// complete; then two fresh processes under the killed ones' rank ids join and all six complete
+// again. The context rank
 // then holds nothing in its engine (checkHealth) nor, once the last requests are past their
 // deadline and its grace, in the wrapper (the probe's STATE: envelopes and buffers queued,
 // per-thread entries, context-side requests).
@@ -109,6 +110,9 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <thread>
+#include <vector>
 
 using namespace kvtest;
 using namespace std::chrono_literals;
@@ -1029,14 +1033,24 @@ TEST_P(FanIn, SixGenerationProcessesTwoKilledMidTransferTwoFreshJoin) {
     ASSERT_FALSE(started.empty()) << gens[i]->name() << " did not start its request";
     deadline[i] = std::stoll(started.substr(started.rfind(' ') + 1)) + kTimeoutMs * 1000000;
   }
+  // Each is signalled as soon as its own segment is landing, on a thread of its own: with six
+  // transfers sharing this machine's cores, one victim's landing can come 300 ms after the
+  // other's, and the first one's transfer can end in less (once in about 60 runs here, when both
+  // were signalled after the later landing). Both are signalled before either is reaped: a killed
+  // process's exit (its mappings going) can take longer than the other's transfer has left.
+  std::vector<std::thread> killers;
+  std::vector<int> landed(kKilled, 0);  // not vector<bool>: each thread writes its own element
   for (size_t v = 0; v < kKilled; ++v) {
-    std::string const landing = gens[v]->expect("GEN_LANDING " + std::to_string(kMidBase + v) + " ", 30s);
-    ASSERT_FALSE(landing.empty()) << "segment " << kWatchSegment << " of " << gens[v]->name()
-                                  << "'s request never started landing";
+    killers.emplace_back([&, v] {
+      landed[v] = !gens[v]->expect("GEN_LANDING " + std::to_string(kMidBase + v) + " ", 30s).empty();
+      if (landed[v]) killedAt[v] = gens[v]->sigkill();
+    });
   }
-  // Both signalled before either is reaped: a killed process's exit (its mappings going) can take
-  // longer than the other's transfer has left.
-  for (size_t v = 0; v < kKilled; ++v) killedAt[v] = gens[v]->sigkill();
+  for (std::thread& t : killers) t.join();
+  for (size_t v = 0; v < kKilled; ++v) {
+    ASSERT_TRUE(landed[v]) << "segment " << kWatchSegment << " of " << gens[v]->name()
+                           << "'s request never started landing";
+  }
   for (size_t v = 0; v < kKilled; ++v) gens[v]->kill();
   for (size_t v = 0; v < kKilled; ++v) {
     std::string const line = ctx.expect("CTX_REQ " + std::to_string(kMidBase + v) + " ",
