@@ -1906,6 +1906,63 @@ fn a_send_of_many_segments_while_its_own_progress_thread_is_stuck_hands_its_memo
     }
 }
 
+/// The same with the progress thread stuck past `CLOSE_RUN_LIMIT`: the send hands the memory
+/// back unreaped at the limit (counted in `unreaped_ops`, as documented), once for the whole
+/// request. Before, each op stopped after the first waited a limit of its own for its close to
+/// run (behind a thread that ran nothing), so three segments returned only when the 4 s stall
+/// ended, and more segments later still. Over tcp only: the stop's bounds do not depend on the
+/// transport (the test above runs both).
+#[test]
+fn a_send_whose_progress_thread_stays_stuck_waits_one_close_run_limit_for_all_its_segments() {
+    use kvlink::transport::ucx::CLOSE_RUN_LIMIT;
+    const STALL: Duration = Duration::from_secs(4);
+    const SEGMENTS: u32 = 3;
+    let mut c = EngineConfig::new("ctx", CTX, TransportKind::Tcp);
+    c.listen = Some("127.0.0.1:0".parse().unwrap());
+    let bound = c.agreement_bound;
+    let ctx = Engine::new(c).unwrap();
+    let gen = Engine::new(EngineConfig::new("gen", GEN, TransportKind::Tcp)).unwrap();
+    connect_pair(&ctx, &gen);
+    let key = RequestKey::new(1, 0);
+    let mut bufs: Vec<Vec<u8>> = (0..SEGMENTS).map(|_| vec![0u8; 64 << 10]).collect();
+    let specs = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| one_spec(b, i as u32))
+        .collect();
+    advertise_buffers(&gen, key, vec![RankId(GEN)], RankId(CTX), specs, None);
+    let soon = || Instant::now() + Duration::from_secs(10);
+    let a = ctx.next_advertisement(soon(), None).unwrap();
+    ctx.accept(a.key, a.from, true).unwrap();
+    assert_eq!(gen.recv_ready(key, soon(), None), Some(true));
+    // UCX may read it until the stall ends: it outlives the send (dropped at the end).
+    let data = fill(6, 64 << 10);
+    let segments: Vec<(u32, &[u8])> = (0..SEGMENTS).map(|s| (s, &data[..])).collect();
+    ctx.fault_stall_progress(STALL, false).unwrap();
+    let stalled = Instant::now();
+    let deadline = stalled + Duration::from_millis(200);
+    let o = ctx
+        .send_segments(key, RankId(GEN), &segments, deadline, None)
+        .unwrap();
+    let past = Instant::now().saturating_duration_since(deadline);
+    let h = ctx.health();
+    println!(
+        "send of {SEGMENTS} segments {o:?} {past:?} past its deadline (stall {STALL:?}), \
+         unreaped {}",
+        h.unreaped_ops
+    );
+    assert_eq!(o, Outcome::TimedOut);
+    assert!(
+        past <= bound + CLOSE_RUN_LIMIT + Duration::from_millis(250),
+        "{past:?}"
+    );
+    assert!(h.unreaped_ops > 0, "the stall outlasted the limit: {h:?}");
+    std::thread::sleep((stalled + STALL).saturating_duration_since(Instant::now()));
+    let o = gen.wait(key, Role::Receiver, soon(), None).unwrap();
+    assert_ne!(o, Outcome::Completed);
+    drop(data);
+}
+
 /// The CPU ticks (1/100 s) this process's thread named `comm` has used so far.
 fn thread_ticks(comm: &str) -> Option<u64> {
     for t in std::fs::read_dir("/proc/self/task").ok()?.flatten() {

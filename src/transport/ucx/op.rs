@@ -142,6 +142,16 @@ fn close_ends(closed: Instant, cancel_until: Instant, reap_grace: Duration) -> I
     (cancel_until + reap_grace.min(FORCE_CLOSE_WAIT)).max(closed + FORCE_CLOSE_FLOOR)
 }
 
+/// Until when a stop whose close was due by `close_by` waits for that close to run at all:
+/// [`CLOSE_RUN_LIMIT`] past it, or past the close wait of the grace shared with the ops given
+/// up together (`shared`, [`Op::limit_grace`]) if that is earlier.
+fn close_run_ends(close_by: Instant, reap_grace: Duration, shared: Option<Instant>) -> Instant {
+    let own = close_by + CLOSE_RUN_LIMIT;
+    shared.map_or(own, |limit| {
+        own.min(close_ends(limit, limit, reap_grace) + CLOSE_RUN_LIMIT)
+    })
+}
+
 /// An in-flight send or receive. Dropping it before it ends cancels and reaps it (bounded).
 pub struct Op {
     slot: Arc<OpSlot>,
@@ -168,7 +178,10 @@ impl Op {
 
     /// A stop waits for the cancel no later than `until` (several ops given up together share
     /// one grace instead of one each); then the op is left to UCX ([`Op::detach_on_stop`]) or
-    /// its endpoint is force-closed.
+    /// its endpoint is force-closed. The wait for that close to run ([`CLOSE_RUN_LIMIT`]) is
+    /// shared the same way: it ends by `until` plus that limit (and the close's own wait), so
+    /// that ops stopped one after another behind a progress thread that no longer runs add
+    /// one limit, not one each.
     pub fn limit_grace(&mut self, until: Instant) {
         self.grace_until = Some(until);
     }
@@ -327,9 +340,10 @@ impl Op {
                 // ops of the request on that endpoint have ended with it.
                 let mut close_by = close_ends(Instant::now(), cancel_until, grace);
                 // Not from inside a pass (the owner's sink dropping an op): the close runs only
-                // after that pass, so waiting longer for it gains nothing.
-                if !callbacks::in_sink_of(&self.shared) {
-                    close_by += CLOSE_RUN_LIMIT;
+                // after that pass, so waiting longer for it gains nothing. Nor for a control
+                // message, whose bytes the progress thread owns: no caller memory to guard.
+                if !callbacks::in_sink_of(&self.shared) && !self.slot.control {
+                    close_by = close_by.max(close_run_ends(close_by, grace, self.grace_until));
                 }
                 if self.shared.submit(cmd).is_ok() && closed.wait(close_by).is_ok() {
                     self.wait_done(close_ends(Instant::now(), cancel_until, grace));
@@ -496,5 +510,35 @@ mod tests {
         );
         // A limit later than the op's own grace does not lengthen it.
         assert_eq!(cancel_ends(t, 50 * MS, Some(t + 500 * MS)), t + 50 * MS);
+    }
+
+    #[test]
+    fn ops_given_up_together_share_one_wait_for_the_close_to_run() {
+        // As above: the first op stopped at t, the others limited to t + 50. The first waits
+        // for its close to run until CLOSE_RUN_LIMIT past its close wait.
+        let t = Instant::now();
+        let limit = Some(t + 50 * MS);
+        let first = close_ends(t + 50 * MS, t + 50 * MS, 50 * MS);
+        let first_runs = close_run_ends(first, 50 * MS, None);
+        assert_eq!(first_runs, t + 80 * MS + CLOSE_RUN_LIMIT);
+        // The progress thread never ran it: the second op's stop begins when the first's wait
+        // has ended, and waits only its floor, not a limit of its own (before: 2 s more per op).
+        let second = first_runs + MS;
+        let cancel = cancel_ends(second, 50 * MS, limit);
+        let close_by = close_ends(second, cancel, 50 * MS);
+        assert_eq!(close_by, second + FORCE_CLOSE_FLOOR);
+        assert_eq!(
+            close_by.max(close_run_ends(close_by, 50 * MS, limit)),
+            second + FORCE_CLOSE_FLOOR
+        );
+        // Stopped at once (the close ran at the shared grace's end), an op given up together
+        // with others waits for the run as long as the first does.
+        let close_by = close_ends(t + 50 * MS, t + 50 * MS, 50 * MS);
+        assert_eq!(close_run_ends(close_by, 50 * MS, limit), first_runs);
+        // A shared limit later than the op's own does not lengthen it.
+        assert_eq!(
+            close_run_ends(t, 50 * MS, Some(t + 500 * MS)),
+            t + CLOSE_RUN_LIMIT
+        );
     }
 }
