@@ -552,6 +552,34 @@ fn an_engine_dropped_in_a_live_process_is_seen_gone_at_once() {
     }
 }
 
+/// An engine being dropped takes no new connection while it drains. A context process drops its
+/// engine with one generation process frozen (SIGSTOP), so the drain runs its whole 200 ms
+/// waiting for that one's answer; the other, live, answers the `Leaving` and its reconnect round
+/// (kept: it dialled a listener) dials the address again 50 ms later, inside that drain. It must
+/// find no engine there: the leave is the only failure the live side counts (`left=1`,
+/// `failed=1`: a leave counts in both) and the rank is not bound again. Before, the draining
+/// engine accepted and bound the dial, then closed it at the drain's end without a word: the
+/// live side counted that close as a second failure, a fault (`failed=2`), and spent its round
+/// on a dead port.
+#[test]
+fn an_engine_being_dropped_takes_no_new_connection_while_it_drains() {
+    let (mut ctx, addr) = start_ctx_with("tcp", None, None, &["--drop-after", "1"]);
+    let mut live = start_gen("tcp", None, &addr);
+    let frozen = start_gen_with("tcp", None, &addr, &["--rank", "2"]);
+    frozen.signal(libc::SIGSTOP);
+    completes(&mut ctx, &mut live, 1);
+    ctx.expect("DROPPED");
+    // Past the drain and the round's first dials (50 and 100 ms apart).
+    std::thread::sleep(Duration::from_millis(600));
+    live.send("HEALTH");
+    let h = live.expect("HEALTH");
+    println!("the live generation process after the drop: {h}");
+    assert_eq!(field(&h, "left"), "1", "{h}");
+    assert_eq!(field(&h, "failed"), "1", "a failure beside the leave: {h}");
+    assert_ne!(field(&h, "peer"), "Connected", "{h}");
+    frozen.signal(libc::SIGCONT);
+}
+
 /// Dropping an engine (the C++ destructor) is a blocking call too: it waits for each bound peer
 /// to answer its `Leaving`, within its 200 ms drain (`DRAIN_ON_DROP`), and then closes. Whatever
 /// the peer does, frozen (SIGSTOP), dead (SIGKILL) or cut off (a partition between two

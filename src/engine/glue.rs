@@ -555,6 +555,12 @@ impl Inner {
                 let dialled = super::dial(&inner.agent, &address, Instant::now() + DIAL_WAIT);
                 let mut core = inner.core.lock();
                 match dialled {
+                    // The drop began while it dialled: no hello goes out on it.
+                    Ok(peer) if core.leaving.is_some() => {
+                        let _ = inner.agent.close_peer(peer);
+                        core.peers.round_dial_void(rank);
+                        return;
+                    }
                     // Failed before we got here: its failure, already handled, found no dial
                     // to end, and the round's next try is due anyway.
                     Ok(peer) if inner.agent.peer_state(peer).is_err() => {
@@ -611,6 +617,11 @@ impl Inner {
     pub fn on_event(&self, core: &mut Core, now: Instant, ev: Event) {
         match ev {
             // An endpoint that does not finish its handshake in time is closed.
+            // An engine being dropped takes no new connection: bound now, it would be closed
+            // at the drain's end unannounced (a fault to the dialler, not a leave).
+            Event::Accepted(peer, _) if core.leaving.is_some() => {
+                let _ = self.agent.close_peer(peer);
+            }
             Event::Accepted(peer, from) => {
                 let from = from.map(|a| super::worker_address_text(&a));
                 core.peers.accepted(peer, from, now)
@@ -716,6 +727,11 @@ impl Inner {
             return self.on_leaving(core, peer);
         }
         if msg.key().is_none() {
+            if core.leaving.is_some() && core.peers.rank_of(peer).is_none() {
+                // A dial that reached this engine before its drop began: not bound now either.
+                let _ = self.agent.close_peer(peer);
+                return;
+            }
             return self.on_handshake(core, now, peer, msg);
         }
         let Some(rank) = core.peers.rank_of(peer) else {

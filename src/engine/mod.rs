@@ -261,6 +261,8 @@ impl Engine {
 /// the `Leaving` that tells each bound peer it goes) to leave and for each told peer to answer
 /// (or fail), so a peer is not left to find a closed endpoint instead of the verdict or the
 /// leave. A frozen or unreachable peer costs the drop this much; an answering one a round trip.
+/// Meanwhile the engine takes no new connection (`Core::leaving`): one bound now would be
+/// closed at the drain's end without a `Leaving`.
 const DRAIN_ON_DROP: Duration = Duration::from_millis(200);
 
 impl Drop for Engine {
