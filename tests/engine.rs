@@ -1805,8 +1805,11 @@ fn a_wait_while_its_own_progress_thread_is_stuck_hands_its_buffer_back_once_rele
         let adv = ctx.next_advertisement(dl, None).unwrap();
         ctx.accept(key, adv.from, true).unwrap();
         assert_eq!(gen.recv_ready(key, dl, None), Some(true));
-        gen.fault_stall_progress(STALL, false).unwrap();
+        // Read before the stall is asked for: the call returns once the stall has begun, and
+        // under load later (a run with UCX 1.22 read 1.5 s minus that lag, and failed the
+        // check below that the call waited out the stall).
         let stalled = Instant::now();
+        gen.fault_stall_progress(STALL, false).unwrap();
         let deadline = stalled + Duration::from_millis(300);
         let o = gen.wait(key, Role::Receiver, deadline, None).unwrap();
         let returned = stalled.elapsed();
@@ -1877,8 +1880,11 @@ fn a_send_of_many_segments_while_its_own_progress_thread_is_stuck_hands_its_memo
         assert_eq!(gen.recv_ready(key, soon(), None), Some(true));
         let data = fill(5, 64 << 10);
         let segments: Vec<(u32, &[u8])> = (0..SEGMENTS).map(|s| (s, &data[..])).collect();
-        ctx.fault_stall_progress(STALL, false).unwrap();
+        // Read before the stall is asked for: the call returns once the stall has begun, and
+        // under load later (a run with UCX 1.22 read 1.5 s minus that lag, and failed the
+        // check below that the call waited out the stall).
         let stalled = Instant::now();
+        ctx.fault_stall_progress(STALL, false).unwrap();
         let deadline = stalled + Duration::from_millis(200);
         let o = ctx
             .send_segments(key, RankId(GEN), &segments, deadline, None)
