@@ -355,11 +355,26 @@ impl Inner {
         if core.peers.handshakes.contains_key(&peer) {
             return Ok(());
         }
+        // A dial refused at once can fail before this (the caller takes the lock after the
+        // progress thread made the endpoint): its failure, if already handled, found no
+        // handshake to end, so none is begun now (it would be kept for good), and the caller
+        // reads the loss, not `UnknownPeer`. Asked under the lock, before the sink can run.
+        if let Err(e) = self.agent.peer_state(peer) {
+            return Err(Error::new(
+                ErrorKind::PeerLost,
+                format!("the connection failed before its handshake began ({e})"),
+            ));
+        }
         let (hs, hello) = Handshake::dial(&self.identity, crate::random::u64());
         core.counters.dials += 1;
         core.peers.handshakes.insert(peer, hs);
         core.peers.handshake_started(peer, Instant::now());
-        self.send_msg(core, peer, &hello)
+        // Failed since the look above: its failure, reported once this lock is let go, ends
+        // the handshake.
+        self.send_msg(core, peer, &hello).map_err(|e| match e.kind {
+            ErrorKind::UnknownPeer => Error::new(ErrorKind::PeerLost, e.message),
+            _ => e,
+        })
     }
 
     fn send_msg(&self, core: &mut Core, peer: PeerId, msg: &Message) -> Result<()> {
