@@ -2967,3 +2967,38 @@ fn a_new_process_under_a_rank_is_not_answered_with_its_predecessors_untaken_end(
     let (go, co, ok) = run(&ctx, &again, key, &[4096]);
     assert_eq!((go, co, ok), (Outcome::Completed, Outcome::Completed, true));
 }
+
+/// A request whose own deadline has passed by the time it would start (a timeout of 1 ns here;
+/// in use, a wait for a sender's reconnect that ended at the deadline) is no misuse: it starts,
+/// and ends `TimedOut` at once on both sides, with nothing leased. Before, the remaining
+/// timeout, zero, reached the core, which refuses a zero timeout: `advertise` read
+/// `InvalidArgument` for a call that had been given a positive one.
+#[test]
+fn a_request_whose_deadline_passes_before_it_starts_ends_timed_out() {
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(5), None);
+    let key = RequestKey::new(1, 0);
+    let mut buf = vec![0u8; 4096];
+    advertise_buffers(
+        &gen,
+        key,
+        vec![RankId(GEN)],
+        RankId(CTX),
+        vec![one_spec(&mut buf, 0)],
+        Some(Duration::from_nanos(1)),
+    );
+    let soon = Instant::now() + Duration::from_secs(5);
+    let g = gen.wait(key, Role::Receiver, soon, None).unwrap();
+    assert_eq!(g, Outcome::TimedOut);
+    // The sender, told by the advertisement (what is left of its deadline: at least 1 ms) or
+    // by the verdict, ends the same way if it got the advertisement at all.
+    if let Some(a) = ctx.next_advertisement(Instant::now() + Duration::from_millis(200), None) {
+        assert_eq!(a.key, key);
+        let _ = ctx.accept(a.key, a.from, true);
+        let c = ctx.wait(key, TO_GEN, soon, None).unwrap();
+        assert_eq!(c, Outcome::TimedOut);
+    }
+    assert_eq!(gen.health().buffers_leased, 0);
+    // The pair serves the next request.
+    let (g, c, ok) = run(&ctx, &gen, RequestKey::new(2, 0), &[4096]);
+    assert_eq!((g, c, ok), (Outcome::Completed, Outcome::Completed, true));
+}

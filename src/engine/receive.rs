@@ -133,7 +133,15 @@ impl Engine {
                             receivers,
                             flows: spec_flows,
                             request_info,
-                            timeout: Some(deadline.saturating_duration_since(now)),
+                            // At least a moment: a wait for a sender's connection that
+                            // ended at the deadline leaves none, and a zero timeout is refused
+                            // as misuse (it read `InvalidArgument`). The request then ends
+                            // `TimedOut` at once, told by `wait` as any other.
+                            timeout: Some(
+                                deadline
+                                    .saturating_duration_since(now)
+                                    .max(Duration::from_micros(1)),
+                            ),
                         },
                     )
                 });
