@@ -412,7 +412,11 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// A finished handshake on `peer`: bind its rank with the session's tag keys. Returns the
     /// endpoints to close: the one it replaced, and other dials still running for the rank.
     pub fn bind(&mut self, info: PeerInfo, peer: P, me: RankId, session: SessionKey) -> Vec<P> {
-        self.dialling.remove(&peer);
+        if let Some(dialled) = self.dialling.remove(&peer).filter(|&r| r != info.rank) {
+            // A round's dial found another rank at the address: the rank it was for is woken
+            // (a `connect` may wait for that dial) and its round goes on.
+            self.wake(dialled);
+        }
         self.pending.remove(&peer);
         let from = self.came_from.remove(&peer);
         let rank = info.rank;

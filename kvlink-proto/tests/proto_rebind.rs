@@ -191,3 +191,41 @@ fn a_refusal_on_the_bound_connection_is_a_loss_counted_once() {
     assert_eq!(a.on_failed(10, t), None);
     assert_eq!(a.failures, failures + 1, "and counted once");
 }
+
+/// A reconnect round's dial finds another rank at the address (a process restarted there under
+/// another rank id): that rank is bound, and the rank the round was for is woken, so that a
+/// `connect` waiting for the round's dial (joined, asleep on that rank) dials for itself at
+/// once instead of sleeping to its deadline. Its round goes on with its next try. Before, the
+/// bind dropped the round's dial without a wake.
+#[test]
+fn a_round_dial_that_binds_another_rank_wakes_the_rank_it_was_for() {
+    const OTHER: RankId = RankId(2);
+    let t = Instant::now();
+    let (me_a, me_d, me_o) = (
+        identity(ANSWERER, 11),
+        identity(DIALLER, 22),
+        identity(OTHER, 33),
+    );
+    let (mut a, mut d, mut o): (Peers<u64>, Peers<u64>, Peers<u64>) =
+        (Peers::default(), Peers::default(), Peers::default());
+    handshake((&mut a, &me_a), (&mut d, &me_d), 10, t);
+    d.set_dial(ANSWERER, "addr");
+    assert_eq!(d.on_failed(10, t), Some(ANSWERER));
+    let t1 = t + Duration::from_millis(50);
+    assert_eq!(d.due(t1), vec![(ANSWERER, "addr".to_string())]);
+    d.dialled(ANSWERER, 12);
+    assert_eq!(d.round_dial(12), Some(ANSWERER));
+    d.take_wakes();
+    // Another process answers at "addr", as rank 2.
+    handshake((&mut o, &me_o), (&mut d, &me_d), 12, t1);
+    assert_eq!(d.endpoint(OTHER), Some(12));
+    assert_eq!(d.round_dial(12), None);
+    let woken = d.take_wakes();
+    assert!(
+        woken.contains(&ANSWERER),
+        "the round's rank is not woken: {woken:?}"
+    );
+    assert_eq!(d.state(ANSWERER), PeerState::Reconnecting);
+    let later = t1 + Duration::from_secs(1);
+    assert_eq!(d.due(later), vec![(ANSWERER, "addr".to_string())]);
+}
