@@ -103,13 +103,18 @@ fn fill(seed: u8, len: usize) -> Vec<u8> {
 
 /// Advertises `buf` as the single KV segment of `key` from the generation rank to the context rank.
 fn advertise_one(gen: &Engine, key: RequestKey, buf: &mut [u8]) {
+    advertise_one_within(gen, key, buf, None);
+}
+
+/// [`advertise_one`] with the request's own `timeout` if given.
+fn advertise_one_within(gen: &Engine, key: RequestKey, buf: &mut [u8], timeout: Option<Duration>) {
     advertise_buffers(
         gen,
         key,
         vec![RankId(GEN)],
         RankId(CTX),
         vec![one_spec(buf, 0)],
-        None,
+        timeout,
     );
 }
 
@@ -573,14 +578,7 @@ fn an_accept_and_send_after_the_core_forgot_the_request_report_its_end() {
     let (ctx, gen) = lingering(Duration::from_secs(10), Duration::from_millis(100));
     let key = RequestKey::new(4096 + 7, 0);
     let mut buf = vec![0u8; 4096];
-    advertise_buffers(
-        &gen,
-        key,
-        vec![RankId(GEN)],
-        RankId(CTX),
-        vec![one_spec(&mut buf, 0)],
-        Some(Duration::from_millis(200)),
-    );
+    advertise_one_within(&gen, key, &mut buf, Some(Duration::from_millis(200)));
     let soon = || Instant::now() + Duration::from_secs(5);
     assert_eq!(
         gen.wait(key, Role::Receiver, soon(), None).unwrap(),
@@ -924,14 +922,7 @@ fn recv_ready_follows_the_end_past_the_requests_deadline() {
     );
     let rejected = RequestKey::new(52, 0);
     let mut buf = vec![0u8; 4096];
-    advertise_buffers(
-        &gen,
-        rejected,
-        vec![RankId(GEN)],
-        RankId(CTX),
-        vec![one_spec(&mut buf, 0)],
-        Some(timeout),
-    );
+    advertise_one_within(&gen, rejected, &mut buf, Some(timeout));
     let soon = || Instant::now() + Duration::from_secs(5);
     let adv = ctx.next_advertisement(soon(), None).unwrap();
     ctx.accept(rejected, adv.from, false).unwrap();
@@ -1839,6 +1830,61 @@ fn a_wait_while_its_own_progress_thread_is_stuck_hands_its_buffer_back_once_rele
     }
 }
 
+/// A pair on `kind` (the context side with the default agreement bound, 50 ms: a stop's grace
+/// is the whole bound) and request 1 of `segments` buffers of 64 KiB, advertised, accepted
+/// and ready: the engines, that bound, the key and the buffers (which must outlive the request).
+fn accepted_segments(
+    kind: TransportKind,
+    segments: u32,
+) -> (Engine, Engine, Duration, RequestKey, Vec<Vec<u8>>) {
+    let mut c = EngineConfig::new("ctx", CTX, kind.clone());
+    if !kind.by_worker_address() {
+        c.listen = Some("127.0.0.1:0".parse().unwrap());
+    }
+    let bound = c.agreement_bound;
+    let ctx = Engine::new(c).unwrap();
+    let gen = Engine::new(EngineConfig::new("gen", GEN, kind)).unwrap();
+    connect_pair(&ctx, &gen);
+    let key = RequestKey::new(1, 0);
+    let mut bufs: Vec<Vec<u8>> = (0..segments).map(|_| vec![0u8; 64 << 10]).collect();
+    let specs = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| one_spec(b, i as u32))
+        .collect();
+    advertise_buffers(&gen, key, vec![RankId(GEN)], RankId(CTX), specs, None);
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let a = ctx.next_advertisement(soon(), None).unwrap();
+    ctx.accept(a.key, a.from, true).unwrap();
+    assert_eq!(gen.recv_ready(key, soon(), None), Some(true));
+    (ctx, gen, bound, key, bufs)
+}
+
+/// How long after the stall began a send of [`send_while_stalled`] has.
+const STALLED_SEND_DEADLINE: Duration = Duration::from_millis(200);
+
+/// Holds `ctx`'s progress thread for `stall` and sends `data` as segments 0..`segments` of
+/// `key` to the generation rank with a deadline [`STALLED_SEND_DEADLINE`] on: the send's
+/// outcome and when the stall was asked for. That instant is read before the stall is asked
+/// for: the call returns once the stall has begun, and under load later (a run with UCX 1.22
+/// read 1.5 s minus that lag, and failed a check that a send waited out the stall).
+fn send_while_stalled(
+    ctx: &Engine,
+    key: RequestKey,
+    segments: u32,
+    data: &[u8],
+    stall: Duration,
+) -> (Outcome, Instant) {
+    let segments: Vec<(u32, &[u8])> = (0..segments).map(|s| (s, data)).collect();
+    let stalled = Instant::now();
+    ctx.fault_stall_progress(stall, false).unwrap();
+    let deadline = stalled + STALLED_SEND_DEADLINE;
+    let o = ctx
+        .send_segments(key, RankId(GEN), &segments, deadline, None)
+        .unwrap();
+    (o, stalled)
+}
+
 /// A send of several segments while its own progress thread is stuck (a test fault holds it
 /// from before the posts): at the deadline each op is stopped, and nothing answers the cancel or
 /// the force-close. Until that close has run, UCX may still read the caller's memory, so the
@@ -1856,39 +1902,11 @@ fn a_send_of_many_segments_while_its_own_progress_thread_is_stuck_hands_its_memo
     const STALL: Duration = Duration::from_millis(1500);
     const SEGMENTS: u32 = 6;
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
-        // The default agreement bound (50 ms): the stop's grace is the whole bound.
-        let mut c = EngineConfig::new("ctx", CTX, kind.clone());
-        if !kind.by_worker_address() {
-            c.listen = Some("127.0.0.1:0".parse().unwrap());
-        }
-        let bound = c.agreement_bound;
-        let ctx = Engine::new(c).unwrap();
-        let gen = Engine::new(EngineConfig::new("gen", GEN, kind.clone())).unwrap();
-        connect_pair(&ctx, &gen);
-        let key = RequestKey::new(1, 0);
-        let mut bufs: Vec<Vec<u8>> = (0..SEGMENTS).map(|_| vec![0u8; 64 << 10]).collect();
-        let specs = bufs
-            .iter_mut()
-            .enumerate()
-            .map(|(i, b)| one_spec(b, i as u32))
-            .collect();
         // The buffers outlive the request, waited for below.
-        advertise_buffers(&gen, key, vec![RankId(GEN)], RankId(CTX), specs, None);
+        let (ctx, gen, bound, key, _bufs) = accepted_segments(kind.clone(), SEGMENTS);
         let soon = || Instant::now() + Duration::from_secs(5);
-        let a = ctx.next_advertisement(soon(), None).unwrap();
-        ctx.accept(a.key, a.from, true).unwrap();
-        assert_eq!(gen.recv_ready(key, soon(), None), Some(true));
         let data = fill(5, 64 << 10);
-        let segments: Vec<(u32, &[u8])> = (0..SEGMENTS).map(|s| (s, &data[..])).collect();
-        // Read before the stall is asked for: the call returns once the stall has begun, and
-        // under load later (a run with UCX 1.22 read 1.5 s minus that lag, and failed the
-        // check below that the call waited out the stall).
-        let stalled = Instant::now();
-        ctx.fault_stall_progress(STALL, false).unwrap();
-        let deadline = stalled + Duration::from_millis(200);
-        let o = ctx
-            .send_segments(key, RankId(GEN), &segments, deadline, None)
-            .unwrap();
+        let (o, stalled) = send_while_stalled(&ctx, key, SEGMENTS, &data, STALL);
         let returned = stalled.elapsed();
         let h = ctx.health();
         println!(
@@ -1923,34 +1941,12 @@ fn a_send_whose_progress_thread_stays_stuck_waits_one_close_run_limit_for_all_it
     use kvlink::transport::ucx::CLOSE_RUN_LIMIT;
     const STALL: Duration = Duration::from_secs(4);
     const SEGMENTS: u32 = 3;
-    let mut c = EngineConfig::new("ctx", CTX, TransportKind::Tcp);
-    c.listen = Some("127.0.0.1:0".parse().unwrap());
-    let bound = c.agreement_bound;
-    let ctx = Engine::new(c).unwrap();
-    let gen = Engine::new(EngineConfig::new("gen", GEN, TransportKind::Tcp)).unwrap();
-    connect_pair(&ctx, &gen);
-    let key = RequestKey::new(1, 0);
-    let mut bufs: Vec<Vec<u8>> = (0..SEGMENTS).map(|_| vec![0u8; 64 << 10]).collect();
-    let specs = bufs
-        .iter_mut()
-        .enumerate()
-        .map(|(i, b)| one_spec(b, i as u32))
-        .collect();
-    advertise_buffers(&gen, key, vec![RankId(GEN)], RankId(CTX), specs, None);
+    let (ctx, gen, bound, key, _bufs) = accepted_segments(TransportKind::Tcp, SEGMENTS);
     let soon = || Instant::now() + Duration::from_secs(10);
-    let a = ctx.next_advertisement(soon(), None).unwrap();
-    ctx.accept(a.key, a.from, true).unwrap();
-    assert_eq!(gen.recv_ready(key, soon(), None), Some(true));
     // UCX may read it until the stall ends: it outlives the send (dropped at the end).
     let data = fill(6, 64 << 10);
-    let segments: Vec<(u32, &[u8])> = (0..SEGMENTS).map(|s| (s, &data[..])).collect();
-    ctx.fault_stall_progress(STALL, false).unwrap();
-    let stalled = Instant::now();
-    let deadline = stalled + Duration::from_millis(200);
-    let o = ctx
-        .send_segments(key, RankId(GEN), &segments, deadline, None)
-        .unwrap();
-    let past = Instant::now().saturating_duration_since(deadline);
+    let (o, stalled) = send_while_stalled(&ctx, key, SEGMENTS, &data, STALL);
+    let past = Instant::now().saturating_duration_since(stalled + STALLED_SEND_DEADLINE);
     let h = ctx.health();
     println!(
         "send of {SEGMENTS} segments {o:?} {past:?} past its deadline (stall {STALL:?}), \
@@ -2762,14 +2758,7 @@ fn a_dropped_engine_tells_its_peers_it_left() {
             let (ctx, gen) = engines(kind.clone(), Duration::from_secs(5), None);
             let key = RequestKey::new(900, 0);
             let mut buf = vec![0u8; 8192];
-            advertise_buffers(
-                &gen,
-                key,
-                vec![RankId(GEN)],
-                RankId(CTX),
-                vec![one_spec(&mut buf, 0)],
-                Some(DEADLINE),
-            );
+            advertise_one_within(&gen, key, &mut buf, Some(DEADLINE));
             let soon = Instant::now() + Duration::from_secs(5);
             assert_eq!(ctx.next_advertisement(soon, None).unwrap().key, key);
             let (survivor, rank, role) = if drop_ctx {
@@ -2978,14 +2967,7 @@ fn a_request_whose_deadline_passes_before_it_starts_ends_timed_out() {
     let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(5), None);
     let key = RequestKey::new(1, 0);
     let mut buf = vec![0u8; 4096];
-    advertise_buffers(
-        &gen,
-        key,
-        vec![RankId(GEN)],
-        RankId(CTX),
-        vec![one_spec(&mut buf, 0)],
-        Some(Duration::from_nanos(1)),
-    );
+    advertise_one_within(&gen, key, &mut buf, Some(Duration::from_nanos(1)));
     let soon = Instant::now() + Duration::from_secs(5);
     let g = gen.wait(key, Role::Receiver, soon, None).unwrap();
     assert_eq!(g, Outcome::TimedOut);
