@@ -359,6 +359,49 @@ fn a_send_among_bulk_transfers_in_flight_is_left_to_the_progress_thread_over_tcp
     }
 }
 
+/// A one-sided write given up while it waits behind a stuck progress thread (queued, not yet
+/// started) is never started: once the thread runs again, the target's memory is left as it
+/// was. Before, the queued write was posted all the same when its turn came, after its caller
+/// had been told `TimedOut`, and its bytes landed (a tag transfer already checked for a stop
+/// before its post; a one-sided one did not).
+#[test]
+fn a_one_sided_write_given_up_before_it_started_never_lands() {
+    const STALL: Duration = Duration::from_millis(300);
+    for kind in KINDS {
+        let (a, b, ab, _ba) = pair(kind.clone());
+        let mut target = vec![0u8; 1 << 16];
+        let mh = unsafe { b.map(target.as_mut_ptr(), target.len()) }.unwrap();
+        let key = a
+            .unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64)
+            .unwrap();
+        let src = vec![0xA5u8; 4096];
+        a.fault_stall_progress(STALL, false).unwrap();
+        let stalled = Instant::now();
+        let mut op = unsafe { a.put(src.as_ptr(), src.len(), &key, mh.addr()) }.unwrap();
+        let o = op
+            .wait(Instant::now() + Duration::from_millis(50), None)
+            .unwrap();
+        println!(
+            "{kind:?}: put {o:?} {:?} after the stall began, quiesced {}",
+            stalled.elapsed(),
+            op.is_quiesced()
+        );
+        assert_eq!(o, Outcome::TimedOut, "{kind:?}");
+        drop(op);
+        // Past the stall, and time for a write that was started to land.
+        std::thread::sleep(
+            (stalled + STALL + Duration::from_millis(200))
+                .saturating_duration_since(Instant::now()),
+        );
+        assert!(
+            target.iter().all(|&x| x == 0),
+            "{kind:?}: the write given up landed anyway"
+        );
+        drop(key);
+        drop(mh);
+    }
+}
+
 #[test]
 fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
     for kind in KINDS {
