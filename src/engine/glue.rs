@@ -631,12 +631,12 @@ impl Inner {
 
     pub fn on_event(&self, core: &mut Core, now: Instant, ev: Event) {
         match ev {
-            // An endpoint that does not finish its handshake in time is closed.
             // An engine being dropped takes no new connection: bound now, it would be closed
             // at the drain's end unannounced (a fault to the dialler, not a leave).
             Event::Accepted(peer, _) if core.leaving.is_some() => {
                 let _ = self.agent.close_peer(peer);
             }
+            // An endpoint that does not finish its handshake in time is closed.
             Event::Accepted(peer, from) => {
                 let from = from.map(|a| super::worker_address_text(&a));
                 core.peers.accepted(peer, from, now)
