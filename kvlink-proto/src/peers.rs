@@ -424,7 +424,13 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         // now finds the rank connected: `connect` returns it.)
         self.won_tie.remove(&peer);
         self.redial_of.remove(&peer);
-        self.gave_way_to.remove(&rank);
+        // Bound on our own dial, nothing is owed. Bound on the peer's dial, a dial of ours that
+        // gave way to it still waits, and is owed a redial should this connection break
+        // (`note_lost_answer`): the peer's `Proof` can come after its refusal of our dial, and
+        // the break after the bind (crossing_dials under the sanitizer).
+        if from.is_none() {
+            self.gave_way_to.remove(&rank);
+        }
         self.expect_redial.remove(&rank);
         let r = self.ranks.entry(rank).or_insert(Rank {
             peer: None,

@@ -984,6 +984,33 @@ fn a_dial_that_gave_way_waits_a_while_for_the_redial_of_a_dial_that_broke() {
     assert!(!net.sides[1].peers.redial_was_expected(RankId(0)));
 }
 
+/// The same, in the order the sanitizer's CI run met on 2026-12-07 (`crossing_dials`
+/// `a_won_tie_whose_connection_breaks_is_healed_by_a_redial`, round 5): rank 1 gives way, then
+/// binds rank 0's dial (its `Proof` arrives), and only then does that connection break. The
+/// bind must not forget that a dial of rank 1's gave way to it: rank 0 redials, and rank 1's
+/// `connect` waits for that. Before, the bind dropped the give-way, the break expected no
+/// redial, and rank 1's `connect` failed at once ("gave way ... which failed"), its process
+/// exiting under rank 0's redial.
+#[test]
+fn a_dial_that_gave_way_before_the_winners_bind_still_waits_for_its_redial() {
+    let mut net = tie_won();
+    net.deliver(0, 0); // the refusal reaches rank 1: it gives way
+    assert_eq!(net.sides[1].peers.take_gave_way(ep(0)), Some(RankId(0)));
+    net.deliver(1, 0); // rank 0's `Proof`: rank 1 binds connection 1
+    assert_eq!(net.sides[1].peers.state(RankId(0)), PeerState::Connected);
+    net.fail(1, 1); // the won tie's connection breaks at rank 1
+    let p = &net.sides[1].peers;
+    assert!(
+        p.redial_was_expected(RankId(0)),
+        "rank 1 expects no redial of rank 0"
+    );
+    assert!(p.waiting_for_crossing(RankId(0), net.now));
+    assert!(
+        net.sides[0].peers.take_won_tie(ep(1)).is_some(),
+        "rank 0 redials"
+    );
+}
+
 /// For the reconnect tests: a crossing settled with reconnect rounds on (no fault), and how its
 /// connection will break: (the net, the order's text, the kept connection, the side that dialled
 /// it, the side that will close it). Closes are heard at once or (in two orders of three) up to
