@@ -2,7 +2,7 @@
 //! peer's remote keys, and put and get, each completed by a flush of the endpoint.
 use super::callbacks::send_cb;
 use super::handles::{Mapped, RemoteKey as UcxRkey};
-use super::op::{OpSlot, STOP_NONE, STOP_PEER};
+use super::op::{OpSlot, STOP_PEER};
 use super::progress::Progress;
 use super::{sys, PeerId};
 use crate::error::Result;
@@ -59,13 +59,8 @@ impl Progress {
         remote: u64,
         slot: Arc<OpSlot>,
     ) {
-        // As for a tag transfer (`start_tag`): an op ended or asked to stop while queued is
-        // not posted; its caller may have been told it ended, and have reused the memory.
-        if slot.state.lock().is_some() {
+        if self.ended_before_start(&slot) {
             return;
-        }
-        if slot.stop_reason.load(Ordering::Acquire) != STOP_NONE {
-            return self.finish_slot(&slot, sys::UCS_ERR_CANCELED, 0);
         }
         let Some((peer, key)) = self.rkeys.get(&rkey).map(|(p, k)| (*p, k.0)) else {
             if self.lost_rkeys.contains(&rkey) {

@@ -67,6 +67,22 @@ impl Progress {
         }
     }
 
+    /// Between its queueing and its start (held by `Agent::hold`, or behind other commands) an
+    /// op may have been ended (failed with its worker) or asked to stop: the first is not
+    /// posted again, the second ends stopped, not posted (its cancel found nothing to cancel;
+    /// its caller may have been told it ended, and have reused the memory). True if either:
+    /// the op must not be posted. For tag and one-sided ops alike.
+    pub(super) fn ended_before_start(&self, slot: &OpSlot) -> bool {
+        if slot.state.lock().is_some() {
+            return true;
+        }
+        if slot.stop_reason.load(Ordering::Acquire) != STOP_NONE {
+            self.finish_slot(slot, sys::UCS_ERR_CANCELED, 0);
+            return true;
+        }
+        false
+    }
+
     pub(super) fn finish_slot(&self, slot: &OpSlot, status: sys::ucs_status_t, len: usize) {
         callbacks::finish_slot(&self.shared, slot, status, len);
     }
@@ -90,14 +106,8 @@ impl Progress {
         slot: Arc<OpSlot>,
         send: bool,
     ) {
-        // Between its queueing and its start (held by `Agent::hold`, or behind other commands)
-        // an op may have been ended (failed with its worker) or asked to stop: the first is not
-        // posted again, the second ends stopped, not posted (its cancel found nothing to cancel).
-        if slot.state.lock().is_some() {
+        if self.ended_before_start(&slot) {
             return;
-        }
-        if slot.stop_reason.load(Ordering::Acquire) != STOP_NONE {
-            return self.finish_slot(&slot, sys::UCS_ERR_CANCELED, 0);
         }
         let ep = match self.ep_of(peer) {
             Ok(ep) => ep,
