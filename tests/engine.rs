@@ -1965,6 +1965,71 @@ fn a_send_whose_progress_thread_stays_stuck_waits_one_close_run_limit_for_all_it
     drop(data);
 }
 
+/// An engine being dropped dials nobody (`Core::leaving`), but a rank it was dialling again
+/// kept its next try in the past, and the progress thread's next wake is the soonest of the
+/// sink's times: that rank made the sink due on every pass, so the thread spun a whole core
+/// for as long as the drain lasted (up to `DRAIN_ON_DROP`, 200 ms, with a bound peer frozen).
+/// Here the engine dropped has one rank reconnecting (its endpoint force-closed, the rank's
+/// own progress stalled so the redial hangs) and one bound peer frozen, so its drain runs its
+/// full 200 ms; its progress thread's CPU is read until it is gone.
+#[test]
+fn an_engine_dropped_while_it_redials_a_rank_sleeps_through_its_drain() {
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let listening = |name: &str, rank: u32| {
+        let mut c = EngineConfig::new(name, rank, TransportKind::Tcp);
+        c.listen = Some("127.0.0.1:0".parse().unwrap());
+        Engine::new(c).unwrap()
+    };
+    let (redialled, frozen) = (listening("redl", 7), listening("frzn", 8));
+    // The progress thread's name is "kvlink-ucx-" and the engine's, cut to 15 bytes.
+    let leaving = Engine::new(EngineConfig::new("lvng", 6, TransportKind::Tcp)).unwrap();
+    assert_eq!(
+        leaving.connect(&redialled.address(), soon()).unwrap(),
+        RankId(7)
+    );
+    assert_eq!(
+        leaving.connect(&frozen.address(), soon()).unwrap(),
+        RankId(8)
+    );
+    redialled
+        .fault_stall_progress(Duration::from_secs(2), false)
+        .unwrap();
+    frozen
+        .fault_stall_progress(Duration::from_secs(2), false)
+        .unwrap();
+    leaving.fault_close_peer(RankId(7)).unwrap();
+    let t0 = Instant::now();
+    while leaving.peer_state(RankId(7)) != kvlink::connection::PeerState::Reconnecting {
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "never seen reconnecting"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let before = thread_ticks("kvlink-ucx-lvng").expect("the progress thread by its name");
+    let dropper = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        drop(leaving);
+        t0.elapsed()
+    });
+    // The last reading before the thread is gone (the drop stops it after the drain).
+    let mut used = 0;
+    while let Some(t) = thread_ticks("kvlink-ucx-lvng") {
+        used = t - before;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let took = dropper.join().unwrap();
+    println!("the drop took {took:?}; its progress thread used {used} ticks (10 ms each)");
+    assert!(
+        took >= Duration::from_millis(150),
+        "the drain should have waited for the frozen peer: {took:?}"
+    );
+    assert!(
+        used <= 4,
+        "{used} ticks of a {took:?} drop: the progress thread spins"
+    );
+}
+
 /// The CPU ticks (1/100 s) this process's thread named `comm` has used so far.
 fn thread_ticks(comm: &str) -> Option<u64> {
     for t in std::fs::read_dir("/proc/self/task").ok()?.flatten() {

@@ -224,6 +224,9 @@ pub struct Peers<P> {
     failed_order: VecDeque<(RankId, u64)>,
     /// Failures pushed to `failed_order` so far: each entry's number.
     failed_count: u64,
+    /// Set when this side is going away ([`Peers::stop_dialling`]): no rank is dialled again,
+    /// and no try is due.
+    dialling_stopped: bool,
     /// Ranks forgotten that way.
     pub forgotten: u64,
     pub refusals: Refusals,
@@ -255,6 +258,7 @@ impl<P> Default for Peers<P> {
             round_starting: HashMap::new(),
             failed_order: VecDeque::new(),
             failed_count: 0,
+            dialling_stopped: false,
             forgotten: 0,
             refusals: Refusals::default(),
             reconnects: 0,
@@ -891,10 +895,20 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
     }
 
+    /// This side is going away: from now on no rank is due for a dial, and [`Peers::next_due`]
+    /// names no try (a try kept in the past would make every pass of its caller due). The
+    /// ranks keep their states; closes are still due.
+    pub fn stop_dialling(&mut self) {
+        self.dialling_stopped = true;
+    }
+
     /// The ranks due for a dial attempt at `now`, with their addresses; each attempt is counted
-    /// and the next one scheduled (or the rank given up as `Failed`).
+    /// and the next one scheduled (or the rank given up as `Failed`). None once dialling stopped.
     pub fn due(&mut self, now: Instant) -> Vec<(RankId, String)> {
         let (mut out, mut given_up) = (Vec::new(), Vec::new());
+        if self.dialling_stopped {
+            return out;
+        }
         // One dial at a time per rank: attempts that pile up behind a partition would all
         // connect when it heals, and each would replace the one before.
         let busy: std::collections::HashSet<RankId> = self.dialling.values().copied().collect();
@@ -939,7 +953,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     pub fn next_due(&self) -> Option<Instant> {
         self.ranks
             .values()
-            .filter(|r| r.state == PeerState::Reconnecting)
+            .filter(|r| r.state == PeerState::Reconnecting && !self.dialling_stopped)
             .filter_map(|r| r.next_try)
             .chain(self.closing.iter().map(|(_, t)| *t))
             .chain(self.pending.values().map(|t| *t + HANDSHAKE_LIMIT))
@@ -1089,6 +1103,26 @@ mod tests {
         assert_eq!(p.state(RankId(99)), PeerState::Unknown);
         // The handshake is done: nothing to close at the limit.
         assert!(p.next_due().is_none());
+    }
+
+    /// A side going away dials nobody, and names no try as due: a try left in the past kept
+    /// the engine's progress thread waking on every pass through its drain.
+    #[test]
+    fn a_side_that_stopped_dialling_has_no_try_due_and_still_closes() {
+        let t0 = Instant::now();
+        let mut p = dialled_and_bound(t0);
+        assert_eq!(p.on_failed(10, t0), Some(R));
+        assert_eq!(p.next_due(), Some(t0 + FIRST_BACKOFF));
+        p.stop_dialling();
+        assert_eq!(p.next_due(), None, "no try is due once dialling stopped");
+        let later = t0 + FIRST_BACKOFF * 4;
+        assert!(p.due(later).is_empty(), "nobody is dialled");
+        assert_eq!(
+            p.state(R),
+            PeerState::Reconnecting,
+            "the rank keeps its state"
+        );
+        assert_eq!(p.reconnects, 0);
     }
 
     #[test]

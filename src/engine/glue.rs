@@ -408,6 +408,7 @@ impl Inner {
             }
         }
         core.leaving = Some(told);
+        core.peers.stop_dialling();
     }
 
     /// A peer's `Leaving`: its engine is going away. Its endpoint is closed here as a failed one
@@ -1138,13 +1139,8 @@ impl Sink {
             core.ep.handle_timeout(now);
         }
         timeline::mark(Stage::TimersHandled);
-        // An engine going away dials nobody.
-        let due = if core.leaving.is_some() {
-            Vec::new()
-        } else {
-            core.peers.due(now)
-        };
-        for (rank, address) in due {
+        // An engine going away dials nobody (`say_leaving` stopped the peer table's dials).
+        for (rank, address) in core.peers.due(now) {
             if !inner.redial(rank, address) {
                 core.peers.round_dial_void(rank);
             }
