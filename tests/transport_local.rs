@@ -572,6 +572,44 @@ fn a_bad_transport_or_device_is_invalid_argument_naming_it() {
     }
 }
 
+/// A string UCX cannot take (a NUL in the agent's name or in a device) is refused as
+/// `InvalidArgument` (a name with a NUL panicked in the progress thread's spawn). A reap grace
+/// of "forever" is taken as a year: a stopped receive added it to an `Instant`, which panicked
+/// on overflow.
+#[test]
+fn a_nul_in_a_string_for_ucx_or_a_forever_reap_grace_is_no_panic() {
+    let mut o = AgentOptions::new("a\0b", TransportKind::Tcp);
+    let e = Agent::new(o.clone()).err().expect("a name with a NUL");
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+    o.name = "nul".into();
+    o.net_devices = Some("lo\0eth0".into());
+    let e = Agent::new(o).err().expect("a device with a NUL");
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+
+    let mut ob = AgentOptions::new("b", TransportKind::Tcp);
+    ob.listen = Some("127.0.0.1:0".parse().unwrap());
+    let b = Agent::new(ob).unwrap();
+    let mut oa = AgentOptions::new("a", TransportKind::Tcp);
+    oa.reap_grace = Duration::MAX;
+    let a = Agent::new(oa).unwrap();
+    let ab = a.connect(b.listen_address().unwrap()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: `buf` outlives the op, which is waited for and dropped first.
+    let mut op = unsafe { a.post_recv(ab, 91, buf.as_mut_ptr(), buf.len()) }.unwrap();
+    let t0 = Instant::now();
+    let out = op
+        .wait(Instant::now() + Duration::from_millis(20), None)
+        .unwrap();
+    println!(
+        "a receive stopped at its deadline: {out:?} after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(out, Outcome::TimedOut);
+    assert!(op.is_quiesced(), "an unmatched receive's cancel is at once");
+    drop(op);
+    drop(buf);
+}
+
 #[test]
 fn auto_a_transport_list_and_a_device_carry_data() {
     // Every kind below connects through a listener (they include a network transport), except

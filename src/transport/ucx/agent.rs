@@ -44,6 +44,10 @@ pub(crate) fn ipv4_only(addr: SocketAddr) -> Result<()> {
 impl Agent {
     /// Creates the agent and starts its progress thread.
     pub fn new(opts: AgentOptions) -> Result<Agent> {
+        // The name goes into a thread's name and UCX's: neither can hold a NUL.
+        if opts.name.contains('\0') {
+            return Err(Error::invalid("agent name contains NUL"));
+        }
         if let Some(at) = opts.listen {
             ipv4_only(at)?;
         }

@@ -251,6 +251,7 @@ pub struct AgentOptions {
     /// its endpoint is force-closed, and at most how long it then waits for the progress thread
     /// to run that close. After the close has run it waits at most 30 ms more, counted from the
     /// end of the grace, for UCX to let the op go (counted in `Stats::unreaped` if it does not).
+    /// Longer than a year is taken as a year.
     pub reap_grace: Duration,
     /// Discard tagged data that matches no posted receive (reported as
     /// [`Event::StrayData`]) instead of keeping it for a receive posted later; the discard runs

@@ -333,7 +333,9 @@ impl Shared {
             next_op: AtomicU64::new(1),
             stats: AtomicStats::default(),
             epoch: Instant::now(),
-            reap_grace: opts.reap_grace,
+            // Longer is a year ("forever"), as the engine's durations: a stop adds it to an
+            // `Instant`, which would overflow.
+            reap_grace: opts.reap_grace.min(crate::proto::request::LONGEST),
             uid,
             sink: std::sync::OnceLock::new(),
             sink_due_ns: AtomicU64::new(0),

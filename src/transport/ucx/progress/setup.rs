@@ -177,21 +177,28 @@ impl Progress {
         // SAFETY: all calls below follow the UCX API contracts: parameter structs are zeroed
         // (Default) with field masks naming exactly the fields set; out-pointers are valid;
         // every created handle is owned by `Progress` and destroyed in `teardown`.
+        // Every string UCX is given, checked before its configuration is read: an error here
+        // has nothing to release (a name or a setting with a NUL in it).
+        let cname = CString::new(opts.name.clone())
+            .map_err(|_| Error::invalid("agent name contains NUL"))?;
+        let settings = ucx_settings(opts)?
+            .into_iter()
+            .map(
+                |(k, v, required)| match (CString::new(k), CString::new(v.as_str())) {
+                    (Ok(ck), Ok(cv)) => Ok((k, v, ck, cv, required)),
+                    _ => Err(Error::invalid(format!(
+                        "UCX setting {k}={v:?} contains NUL"
+                    ))),
+                },
+            )
+            .collect::<Result<Vec<_>>>()?;
         unsafe {
             let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
             let st = sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config);
             if st != sys::UCS_OK {
                 return Err(ucx_err(st, "ucp_config_read"));
             }
-            let settings = match ucx_settings(opts) {
-                Ok(s) => s,
-                Err(e) => {
-                    sys::ucp_config_release(config);
-                    return Err(e);
-                }
-            };
-            for (k, v, required) in &settings {
-                let (ck, cv) = (CString::new(*k).unwrap(), CString::new(v.as_str()).unwrap());
+            for (k, v, ck, cv, required) in &settings {
                 let st = sys::ucp_config_modify(config, ck.as_ptr(), cv.as_ptr());
                 if st != sys::UCS_OK {
                     if *required {
@@ -212,8 +219,6 @@ impl Progress {
                     | sys::UCP_FEATURE_WAKEUP) as u64,
                 ..Default::default()
             };
-            let cname = CString::new(opts.name.clone())
-                .map_err(|_| Error::invalid("agent name contains NUL"))?;
             params.name = cname.as_ptr();
             let mut ctx: sys::ucp_context_h = std::ptr::null_mut();
             let st = sys::ucp_init_version(
