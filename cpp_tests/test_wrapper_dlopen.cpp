@@ -354,7 +354,8 @@ TEST(WrapperFactory, CommStateCoversEveryRankWithSelfIdxTheRank) {
 }
 
 // A send from a null pointer with a size is a typed error, on every kind of tag, and the
-// connection then serves a request (before, the request-info tag copied from the null pointer).
+// connection then serves a request (before, the request-info tag copied from the null pointer);
+// so is an empty data send, at once.
 TEST_P(WrapperTest, ASendFromNullIsATypedErrorAndTheConnectionServesOn) {
   for (int tag : {int(bm::TransceiverTag::kID_TAG), int(bm::TransceiverTag::kINFO_TAG), Tags{}.ready(7), Tags{}.data(7)}) {
     try {
@@ -374,6 +375,16 @@ TEST_P(WrapperTest, ASendFromNullIsATypedErrorAndTheConnectionServesOn) {
     bool const ready = true;
     t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
     std::atomic<bool> cancel{false};
+    // An empty data send is refused at once and takes nothing, as an empty recv is (before,
+    // it waited to the request's deadline for a buffer no recv advertises).
+    auto const t0 = std::chrono::steady_clock::now();
+    try {
+      t.conn->send(kv::DataContext{gen.tags.data(kId), cancel}, src.data(), 0);
+      ADD_FAILURE() << "an empty data send was taken";
+    } catch (std::exception const& e) {
+      EXPECT_NE(std::string(e.what()).find("InvalidArgument"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1)) << "the empty send waited";
     t.conn->send(kv::DataContext{gen.tags.data(kId), cancel}, src.data(), src.size());
   });
   gen.sendRequestInfo(kId);

@@ -1099,6 +1099,9 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
                                 std::to_string(found[0]->id) + " and " + std::to_string(found[1]->id) +
                                 ", both in flight on this connection; refused");
   }
+  // As an empty recv is refused (it advertises no buffer), an empty send is refused at once,
+  // taking nothing: it would wait for an advertisement that never comes, to the deadline.
+  if (size == 0) throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: empty send");
   std::uint64_t const id = found[0]->id;
   Deadline const deadline = found[0]->deadline;
   if (found[0]->readyUnconfirmed) {
