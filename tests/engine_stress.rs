@@ -1049,16 +1049,23 @@ fn dropped_peer(kind: TransportKind) {
     for a in adverts[..6].iter().chain([&large_advert]) {
         ctx.accept(a.key, a.from, true).unwrap();
     }
+    // The data made before the deadline is set: a debug build takes a second or more for the
+    // 64 MiB, which counted as the send's lateness when it was made in the sending thread.
+    let datas: Vec<Vec<u8>> = adverts[..4]
+        .iter()
+        .map(|a| pattern(a.key.request.0, 0, 4 << 20))
+        .collect();
+    let large_data = pattern(large_advert.key.request.0, 0, 64 << 20);
     let dl = Instant::now() + Duration::from_millis(1500);
     let mut gen = Some(gen);
     std::thread::scope(|s| {
         let ctx = &ctx;
         // Sends one after the other, the drop landing among them.
         let sends = &adverts[..4];
+        let datas = &datas;
         s.spawn(move || {
-            for a in sends {
-                let data = pattern(a.key.request.0, 0, 4 << 20);
-                let r = ctx.send(a.key, a.from, 0, &data, dl, None);
+            for (a, data) in sends.iter().zip(datas) {
+                let r = ctx.send(a.key, a.from, 0, data, dl, None);
                 returned_by(&format!("send {}: {r:?}", a.key), dl);
                 if let Err(e) = r {
                     assert_eq!(e.kind, ErrorKind::PeerLost, "{e}");
@@ -1066,11 +1073,10 @@ fn dropped_peer(kind: TransportKind) {
             }
         });
         // One whose send is under way when the engine goes.
-        let large = &large_advert;
+        let (large, data) = (&large_advert, &large_data);
         s.spawn(move || {
             std::thread::sleep(Duration::from_millis(290));
-            let data = pattern(large.key.request.0, 0, 64 << 20);
-            let r = ctx.send(large.key, large.from, 0, &data, dl, None);
+            let r = ctx.send(large.key, large.from, 0, data, dl, None);
             returned_by(&format!("send {} (64 MiB): {r:?}", large.key), dl);
             if let Err(e) = r {
                 assert_eq!(e.kind, ErrorKind::PeerLost, "{e}");
