@@ -326,6 +326,12 @@ TEST_P(EngineTest, FaultsThrowWithKinds) {
   } catch (const kvlink::Error& e) {
     EXPECT_EQ(e.kind(), kvlink::ErrorKind::UnknownRequest);
   }
+  try {
+    (void)gen_->recv_ready({999, 0}, kvlink::Deadline::max());
+    FAIL() << "recv_ready on an unknown request";
+  } catch (const kvlink::Error& e) {
+    EXPECT_EQ(e.kind(), kvlink::ErrorKind::UnknownRequest);
+  }
   EXPECT_LT(kvlink::Clock::now() - t0, 100ms);
 }
 

@@ -257,7 +257,7 @@ impl EngineHandle {
                     RequestKey::new(request, generation),
                     deadline(timeout_ms),
                     check.as_deref(),
-                ) {
+                )? {
                     None => -1,
                     Some(false) => 0,
                     Some(true) => 1,

@@ -296,7 +296,7 @@ fn queues_fed_by_peers_are_bounded_in_bytes() {
         let mut ended = HashMap::new();
         for i in 0..n as u64 {
             let key = RequestKey::new(i, 0);
-            if gen.recv_ready(key, Instant::now(), None) == Some(false) {
+            if gen.recv_ready(key, Instant::now(), None).unwrap() == Some(false) {
                 ended.insert(i, gen.wait(key, Role::Receiver, soon(), None).unwrap());
             }
         }

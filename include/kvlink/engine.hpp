@@ -670,7 +670,9 @@ class Engine {
   /// Generation rank, blocks: the context rank's answer: true once its first segment landed (an
   /// acceptance is not a message of its own) or the request completed, false if it refused, empty
   /// at the deadline, on cancel, or at once when the request ended otherwise. Asking is not
-  /// consumed: once the request has ended the answer follows its end, before and after `wait`.
+  /// consumed: once the request has ended the answer follows its end, before and after `wait`
+  /// (for 10 minutes after its end). Throws UnknownRequest at once for a key no receive here has
+  /// (never advertised, or ended more than those 10 minutes ago).
   template <typename Duration = Clock::duration>
   std::optional<bool> recv_ready(RequestKey key, std::chrono::time_point<Clock, Duration> deadline,
                                  CancelRef cancel = {}) {

@@ -240,7 +240,9 @@ fn generation((transport, devices): Setting, timeout: Duration, args: &Args) -> 
             )
         }
         .expect("advertise");
-        let ready = engine.recv_ready(key, Instant::now() + timeout, None);
+        let ready = engine
+            .recv_ready(key, Instant::now() + timeout, None)
+            .expect("recv_ready");
         let outcome = engine
             .wait(key, Role::Receiver, Instant::now() + timeout * 2, None)
             .unwrap_or_else(|e| panic!("wait: {e}"));

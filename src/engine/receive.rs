@@ -351,39 +351,48 @@ impl Engine {
     }
 
     /// Generation side: the context rank's answer: `Some(true)` ready, `Some(false)` rejected,
-    /// `None` if none came by `deadline` (or `cancel()`), or at once if the request is unknown
-    /// or has already ended otherwise. The answer is the protocol core's, not consumed by
-    /// asking: a second call gives it again, and once the request has ended it follows the end
-    /// (`Completed` true, `Rejected` false, else `None`), before and after `wait` took it, and
-    /// after the protocol core has forgotten it (as long as its replay is refused: 10 minutes).
+    /// `None` if none came by `deadline` (or `cancel()`), or at once if the request has already
+    /// ended otherwise. The answer is the protocol core's, not consumed by asking: a second
+    /// call gives it again, and once the request has ended it follows the end (`Completed`
+    /// true, `Rejected` false, else `None`), before and after `wait` took it, and after the
+    /// protocol core has forgotten it (as long as its replay is refused: 10 minutes).
+    /// `UnknownRequest` at once for a key no receive here has (never advertised, or its end
+    /// forgotten after those 10 minutes), as for every other call on such a key.
     pub fn recv_ready(
         &self,
         key: RequestKey,
         deadline: Instant,
         cancel: Option<&dyn Fn() -> bool>,
-    ) -> Option<bool> {
+    ) -> Result<Option<bool>> {
+        let answer = |a: Option<bool>| Some(Ok(a));
         self.block(WaitKey::Ready(key), deadline, cancel, |core| {
             match core.terminals.get(&(key, Role::Receiver)) {
-                Some(Outcome::Completed) => Some(Some(true)),
-                Some(Outcome::Rejected) => Some(Some(false)),
-                Some(_) => Some(None),
+                Some(Outcome::Completed) => answer(Some(true)),
+                Some(Outcome::Rejected) => answer(Some(false)),
+                Some(_) => answer(None),
                 None => match core.ep.receive_answer(key) {
-                    Some(a) => Some(Some(a)),
+                    Some(a) => answer(Some(a)),
                     None if !core.ep.running(key, Role::Receiver)
                         && !core.deferred.contains_key(&key) =>
                     {
                         // Forgotten by the core (its tombstone too, after its deadline, the
                         // agreement bound and the linger): the end it had is still the answer.
-                        Some(match core.finished.get(&(key, None)) {
-                            Some(Outcome::Completed) => Some(true),
-                            Some(Outcome::Rejected) => Some(false),
-                            _ => None,
-                        })
+                        match core.finished.get(&(key, None)) {
+                            Some(Outcome::Completed) => answer(Some(true)),
+                            Some(Outcome::Rejected) => answer(Some(false)),
+                            Some(_) => answer(None),
+                            None if core.ep.knows_receive(key) => answer(None),
+                            None => Some(Err(key_err(
+                                ErrorKind::UnknownRequest,
+                                key,
+                                "no receive of this key here (never advertised, or forgotten)",
+                            ))),
+                        }
                     }
                     None => None,
                 },
             }
         })
-        .flatten()
+        .unwrap_or(Ok(None))
     }
 }
