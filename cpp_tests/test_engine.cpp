@@ -70,13 +70,26 @@ TEST_P(EngineTest, ConfigIsCheckedWithTypedErrors) {
   } catch (const kvlink::Error& e) {
     EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument);
   }
-  bad = config(GetParam(), 9);
-  bad.linger = -1ms;
-  try {
-    kvlink::Engine e(bad);
-    FAIL() << "a negative linger was accepted";
-  } catch (const kvlink::Error& e) {
-    EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument);
+  // A negative duration is refused, each of them (before, only linger's was: the others became
+  // their defaults), and so is a suppressed request id past what the bridge carries.
+  const std::pair<const char*, void (*)(kvlink::EngineConfig&)> refused[] = {
+      {"a negative linger", [](kvlink::EngineConfig& c) { c.linger = -1ms; }},
+      {"a negative agreement bound", [](kvlink::EngineConfig& c) { c.agreement_bound = -1ms; }},
+      {"a negative wedge window", [](kvlink::EngineConfig& c) { c.wedge_window = -1ms; }},
+      {"a negative degraded window", [](kvlink::EngineConfig& c) { c.degraded_window = -1ms; }},
+      {"a suppressed request id past 2^63 - 1",
+       [](kvlink::EngineConfig& c) { c.fault_suppress_request = std::uint64_t{1} << 63; }},
+  };
+  for (const auto& [what, spoil] : refused) {
+    bad = config(GetParam(), 9);
+    spoil(bad);
+    try {
+      kvlink::Engine e(bad);
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const kvlink::Error& e) {
+      EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument) << what;
+      EXPECT_NE(std::string(e.what()).find("must not"), std::string::npos) << what << ": " << e.what();
+    }
   }
 }
 

@@ -155,7 +155,7 @@ struct EngineConfig {
   std::chrono::milliseconds timeout{60000};
   /// Extra time past a deadline for the ranks of a request to agree on the verdict; a rank with
   /// no verdict by then ends with its own failure and fences what is still unsafe. Zero means
-  /// the default (50 ms).
+  /// the default (50 ms); negative: `InvalidArgument` (as for the two windows below).
   std::chrono::milliseconds agreement_bound{0};
   /// How long a request that ended without completing is kept whole past its end, to push its
   /// failure verdict again to a sender that has not confirmed it and answer late duplicates
@@ -171,7 +171,7 @@ struct EngineConfig {
   /// engine `Degraded` (zero: 60 s).
   std::chrono::milliseconds degraded_window{0};
   /// Fault hook for tests and the demo: a context rank "sends" this request id's data without
-  /// moving it (a lost completion). Leave empty in production.
+  /// moving it (a lost completion). Leave empty in production. Past 2^63 - 1: `InvalidArgument`.
   std::optional<std::uint64_t> fault_suppress_request;
   /// The deployment secret: a peer is bound only if it proves it holds the same bytes
   /// (challenge-response in the handshake; `connect` fails with `AuthFailed` otherwise, on both
@@ -795,8 +795,19 @@ class Engine {
     if (c.timeout.count() <= 0) {
       throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: timeout must be positive");
     }
-    if (c.linger && c.linger->count() < 0) {
-      throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: linger must not be negative");
+    const std::pair<const char*, std::chrono::milliseconds> windows[] = {
+        {"linger", c.linger.value_or(std::chrono::milliseconds(0))},
+        {"agreement_bound", c.agreement_bound},
+        {"wedge_window", c.wedge_window},
+        {"degraded_window", c.degraded_window},
+    };
+    for (const auto& [name, value] : windows) {
+      if (value.count() < 0) {
+        throw Error(ErrorKind::InvalidArgument, std::string("kvlink InvalidArgument: ") + name + " must not be negative");
+      }
+    }
+    if (c.fault_suppress_request && *c.fault_suppress_request > std::uint64_t(INT64_MAX)) {
+      throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: fault_suppress_request must not pass 2^63 - 1");
     }
     ffi::EngineOptions o;
     o.name = detail::string(c.name);
