@@ -47,6 +47,7 @@
 #include <chrono>
 #include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -480,14 +481,21 @@ class Manager final : public kv::ConnectionManager {
     std::lock_guard<std::mutex> g(logMutex());
     logHooks().emplace_back(this, h);
   }
-  /// This manager's hook, if it holds one, goes; the sink follows the hooks left.
-  void releaseLogSink() {
+  /// This manager's hook, if it holds one, goes; the sink follows the hooks left. Called from
+  /// the destructor, so it throws nothing: should kvlink refuse the next manager's hook (its log
+  /// thread could not start), kvlink's logs go to stderr (KVLINK_LOG) instead of the process
+  /// ending in std::terminate.
+  void releaseLogSink() noexcept {
     std::lock_guard<std::mutex> g(logMutex());
     auto& v = logHooks();
     auto const mine = std::remove_if(v.begin(), v.end(), [this](auto const& e) { return e.first == this; });
     if (mine == v.end()) return;
     v.erase(mine, v.end());
-    reinstallLogHookLocked();
+    try {
+      reinstallLogHookLocked();
+    } catch (std::exception const& e) {
+      std::fprintf(stderr, "[kvlink] the log hook of the next live manager could not be installed: %s\n", e.what());
+    }
   }
   static std::mutex& logMutex() {
     static std::mutex m;
