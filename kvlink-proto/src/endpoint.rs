@@ -1005,7 +1005,7 @@ impl Endpoint {
                 }
                 if r.is_external_waiting() {
                     if let Some(v) = c.poll_verdict(*key) {
-                        r.set_verdict(now, v, &mut self.out);
+                        r.on_external_verdict(now, v, &mut self.out);
                         self.timers.arm(TimerId::Recv(*key), r, now);
                     }
                 }

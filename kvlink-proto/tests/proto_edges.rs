@@ -329,3 +329,62 @@ fn a_key_sent_from_here_is_not_received_here_too() {
     assert_eq!(ep.known(), 1, "only the send flow");
     assert!(ep.poll_transmit().is_none(), "an advertisement went out");
 }
+
+/// An external collective that answers `Completed` for every request, whatever was voted.
+struct AlwaysCompleted;
+
+impl Collective for AlwaysCompleted {
+    fn contribute(
+        &mut self,
+        _now: Instant,
+        _key: RequestKey,
+        _receivers: &[RankId],
+        _me: RankId,
+        _vote: Outcome,
+    ) {
+    }
+    fn poll_verdict(&mut self, _key: RequestKey) -> Option<Outcome> {
+        Some(Outcome::Completed)
+    }
+}
+
+/// A collective's `Completed` is refused before this rank's own data landed, as a
+/// coordinator's message is: a rank that cancelled with nothing landed, told `Completed` by a
+/// faulty collective, used to end `Completed` with its bytes missing. It ends as it voted, and
+/// the refusal is counted as a bad frame.
+#[test]
+fn a_collectives_completed_before_this_ranks_landings_is_refused() {
+    let t = Instant::now();
+    let mut ep = Endpoint::with_collective(ME, Config::default(), Box::new(AlwaysCompleted));
+    let key = RequestKey::new(6, 0);
+    let mut pool = BufferPool::new(4);
+    let lease = pool.lease(key).unwrap();
+    ep.start_receive(
+        t,
+        ReceiveSpec {
+            key,
+            receivers: vec![ME, RankId(9)],
+            flows: vec![ReceiveFlow {
+                sender: R,
+                buffers: vec![(lease, desc(0, 12))],
+            }],
+            request_info: vec![],
+            timeout: None,
+        },
+    )
+    .unwrap();
+    ep.cancel(t, key).unwrap();
+    ep.handle_receive_reaped(t, key, 0).unwrap();
+    let mut ends = Vec::new();
+    for later in [0, 1, 10, 100, 1_000, 10_000, 100_000] {
+        ep.handle_timeout(t + Duration::from_millis(later));
+        while ep.poll_transmit().is_some() {}
+        while let Some(e) = ep.poll_event() {
+            if let kvlink_proto::Event::Terminal { outcome, .. } = e {
+                ends.push(outcome);
+            }
+        }
+    }
+    assert_eq!(ends, vec![Outcome::Cancelled], "the receive's end");
+    assert!(ep.stats().bad_frames >= 1, "{:?}", ep.stats());
+}

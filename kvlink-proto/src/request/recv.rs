@@ -421,6 +421,19 @@ impl RecvRequest {
         self.set_verdict(now, v, out);
     }
 
+    /// The external collective's verdict for this receive (it is waiting for one). A
+    /// `Completed` before this rank's own landings is refused as a coordinator's would be
+    /// (`on_verdict`): a faulty collective, or one answering for an earlier request under the
+    /// same key, would end this rank `Completed` with bytes missing. The rank then goes on to
+    /// its own end.
+    pub(crate) fn on_external_verdict(&mut self, now: Instant, v: Outcome, out: &mut Out) {
+        if v.is_completed() && !self.all_landed() {
+            out.stats.bad_frames += 1;
+            return;
+        }
+        self.set_verdict(now, v, out);
+    }
+
     /// Whether every segment of this rank's flows has landed.
     fn all_landed(&self) -> bool {
         self.flows
