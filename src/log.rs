@@ -270,12 +270,33 @@ impl Text {
         }
     }
 
+    /// Appends ` name=value`; a value that is empty or holds a space, a double quote, a
+    /// backslash or a `=` is written in double quotes, its quotes and backslashes escaped with
+    /// a backslash (`key="req 2#0"`), so that the fields split on spaces and `=` whatever a
+    /// value displays as.
     fn push(&mut self, field: &Field, value: std::fmt::Arguments<'_>) {
         use std::fmt::Write;
         if self.text.len() > self.message_len {
             self.text.push(' ');
         }
-        let _ = write!(self.text, "{}={value}", field.name());
+        let _ = write!(self.text, "{}=", field.name());
+        let at = self.text.len();
+        let _ = write!(self.text, "{value}");
+        let plain = self.text.len() > at
+            && !self.text[at..]
+                .chars()
+                .any(|c| c.is_whitespace() || matches!(c, '"' | '\\' | '='));
+        if !plain {
+            let raw = self.text.split_off(at);
+            self.text.push('"');
+            for c in raw.chars() {
+                if matches!(c, '"' | '\\') {
+                    self.text.push('\\');
+                }
+                self.text.push(c);
+            }
+            self.text.push('"');
+        }
     }
 }
 
@@ -337,6 +358,9 @@ mod tests {
         tracing::warn!(
             request = 7u64,
             generation = 3u32,
+            key = %"req 7#3",
+            why = "a \"quote\" and a \\",
+            empty = "",
             "request ended {}",
             "TimedOut"
         );
@@ -356,7 +380,10 @@ mod tests {
         assert_eq!(*level, 2);
         assert_eq!(target, "kvlink::log::tests");
         assert_eq!(message, "request ended TimedOut");
-        assert_eq!(fields, "request=7 generation=3");
+        assert_eq!(
+            fields,
+            r#"request=7 generation=3 key="req 7#3" why="a \"quote\" and a \\" empty="""#
+        );
         assert!(set_sink_invalid_level_is_refused());
     }
 

@@ -50,9 +50,12 @@ pub struct EngineConfig {
     /// a sender that missed the failure verdict pulls it rather than having it pushed again.
     /// Past the tombstone the engine still remembers each end for 10 minutes.
     pub linger: Duration,
-    /// `health().state`: work pending and no data landing or sent for this long is `Wedged`.
+    /// `health().state`: work pending and no data landing or sent for this long is `Wedged`
+    /// (10 s by default). Taken as given: zero makes any pending work `Wedged` at once (the C++
+    /// `EngineConfig` and the bridge take zero as the default instead).
     pub wedge_window: Duration,
-    /// `health().state`: a fault (failed peer, failed request) this recent is `Degraded`.
+    /// `health().state`: a fault (failed peer, failed request) this recent is `Degraded` (60 s
+    /// by default). Zero: never `Degraded` (the C++ `EngineConfig`: zero is the default).
     pub degraded_window: Duration,
     /// The deployment secret: a peer is bound only if it proves it holds the same one (see
     /// [`crate::proto::handshake`]). `None` takes `KVLINK_SECRET` from the environment (unset or
