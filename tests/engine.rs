@@ -2039,6 +2039,142 @@ fn an_engine_dropped_while_it_redials_a_rank_sleeps_through_its_drain() {
     );
 }
 
+/// The number of advertisements the context engine holds for `next_advertisement`.
+fn queued_adverts(ctx: &Engine) -> usize {
+    ctx.table_sizes()
+        .into_iter()
+        .find(|(t, _)| *t == "adverts")
+        .map_or(0, |(_, n)| n)
+}
+
+/// Waits (up to 5 s) until `ctx` holds `n` advertisements not yet taken.
+fn until_queued(ctx: &Engine, n: usize, what: &str) {
+    let t0 = Instant::now();
+    while queued_adverts(ctx) != n {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{what}: {:?}",
+            ctx.table_sizes()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// An advertisement the context rank has not taken yet when its rank's process goes and a
+/// new process of that rank comes is not handed out: before, it stayed queued, and when the
+/// new process advertised that key again the old advertisement was handed out first, and the
+/// caller's answer and send went to the new request, sized by the old one (here a 4 KiB send
+/// into an 8 KiB buffer).
+#[test]
+fn an_advertisement_left_by_a_replaced_process_is_not_handed_out() {
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let key = RequestKey::new(5, 0);
+    let mut old = vec![0u8; 4096];
+    let (ctx, first) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    advertise_one(&first, key, &mut old);
+    until_queued(&ctx, 1, "the first process's advertisement");
+    drop(first);
+    let t0 = Instant::now();
+    while ctx.peer_state(RankId(GEN)) == kvlink::connection::PeerState::Connected {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the leave never came"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let gen = Engine::new(configs(TransportKind::Tcp, Duration::from_secs(10), None).1).unwrap();
+    connect_pair(&ctx, &gen);
+    let mut new = vec![0u8; 8192];
+    advertise_one(&gen, key, &mut new);
+    let a = ctx.next_advertisement(soon(), None).unwrap();
+    assert_eq!(
+        a.buffers[0].len, 8192,
+        "the new process's advertisement of the key, not the old one's"
+    );
+    ctx.accept(a.key, a.from, true).unwrap();
+    let data = fill(9, 8192);
+    assert_eq!(
+        ctx.send(key, RankId(GEN), 0, &data, soon(), None).unwrap(),
+        Outcome::Completed
+    );
+    assert_eq!(
+        gen.wait(key, Role::Receiver, soon(), None).unwrap(),
+        Outcome::Completed
+    );
+    assert!(new == data, "the new request's bytes");
+    assert_eq!(queued_adverts(&ctx), 0, "{:?}", ctx.table_sizes());
+    assert_eq!(ctx.health().buffers_leased, 0);
+    assert_eq!(gen.health().buffers_leased, 0);
+}
+
+/// A sender whose sends are done, waiting with a deadline of its own for a verdict that does
+/// not come (the receiver's progress thread stuck): its wait returns its own end by the rule.
+/// No send reads the caller's memory any more, so that return is settled (it was counted in
+/// `unsettled_returns`, which counts waits that hand back memory UCX may still use), and it is
+/// final: once the verdict comes, a second wait is `UnknownRequest` (it returned that late end,
+/// `Completed`, after the first had said `TimedOut`).
+#[test]
+fn a_senders_wait_that_returns_before_the_verdict_is_settled_and_final() {
+    const BOUND: Duration = Duration::from_millis(500); // `engines`' agreement bound
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let key = RequestKey::new(7, 0);
+    let mut buf = vec![0u8; 4096];
+    advertise_one(&gen, key, &mut buf);
+    let a = ctx.next_advertisement(soon(), None).unwrap();
+    ctx.accept(key, a.from, true).unwrap();
+    let stalled = Instant::now();
+    gen.fault_stall_progress(Duration::from_millis(1500), false)
+        .unwrap();
+    let data = fill(4, 4096);
+    assert_eq!(
+        ctx.send(key, RankId(GEN), 0, &data, soon(), None).unwrap(),
+        Outcome::Completed
+    );
+    let deadline = Instant::now() + Duration::from_millis(100);
+    let o = ctx.wait(key, TO_GEN, deadline, None).unwrap();
+    let late = deadline.elapsed();
+    let h = ctx.health();
+    println!(
+        "the sender's wait: {o:?}, {late:?} past its deadline, unsettled {}",
+        h.unsettled_returns
+    );
+    assert_eq!(o, Outcome::TimedOut);
+    assert!(late <= BOUND + Duration::from_millis(100), "{late:?}");
+    assert!(
+        stalled.elapsed() < Duration::from_millis(1500),
+        "the stall outlived the wait"
+    );
+    assert_eq!(
+        h.unsettled_returns, 0,
+        "nothing of the caller's was still in use"
+    );
+    // The receiver runs again: its data landed, it ends `Completed`, and its verdict reaches
+    // the sender, whose end then is not kept for another wait.
+    assert_eq!(
+        gen.wait(key, Role::Receiver, soon(), None).unwrap(),
+        Outcome::Completed
+    );
+    assert!(buf == data);
+    let answered = |e: &Engine| {
+        e.table_sizes()
+            .into_iter()
+            .find(|(t, _)| *t == "answered_early")
+            .map_or(0, |(_, n)| n)
+    };
+    let t0 = Instant::now();
+    while answered(&ctx) > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the verdict never came"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let e = ctx.wait(key, TO_GEN, soon(), None).unwrap_err();
+    assert_eq!(e.kind, kvlink::ErrorKind::UnknownRequest, "{e}");
+    assert_eq!(answered(&ctx), 0);
+}
+
 /// The CPU ticks (1/100 s) this process's thread named `comm` has used so far.
 fn thread_ticks(comm: &str) -> Option<u64> {
     for t in std::fs::read_dir("/proc/self/task").ok()?.flatten() {

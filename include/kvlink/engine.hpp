@@ -639,7 +639,9 @@ class Engine {
 
   /// Context rank, blocks: the next advertisement, or empty at the deadline or on cancel.
   /// Several threads may wait at once: each advertisement goes to exactly one of them, and
-  /// wakes only one.
+  /// wakes only one. One whose request ended before it was taken is still handed out (see
+  /// `accept`); one whose rank's process was replaced since by a new process of that rank is
+  /// not (nor are that process's notifications not yet taken).
   template <typename Duration = Clock::duration>
   std::optional<Advertisement> next_advertisement(std::chrono::time_point<Clock, Duration> deadline,
                                                   CancelRef cancel = {}) {
@@ -716,13 +718,16 @@ class Engine {
   /// thread waits for it throws InvalidArgument at once). Once it returns (any
   /// outcome) the receive buffers are the caller's again, except fenced ranges of a region
   /// (`region_fenced_ranges`). If `deadline` or `cancel` comes first
-  /// the request is given up and the verdict awaited for at most the agreement bound.
+  /// the request is given up and the verdict awaited for at most the agreement bound. What it
+  /// returns is this rank's end: an end that comes later (no verdict came by the bound: a peer
+  /// frozen or cut off) is not handed to another wait, which throws UnknownRequest.
   template <typename Duration = Clock::duration>
   Outcome wait_receiver(RequestKey key, std::chrono::time_point<Clock, Duration> deadline, CancelRef cancel = {}) {
     return wait(key, true, 0, detail::ms_until(deadline), cancel);
   }
 
-  /// Context rank, blocks: the agreed end of `key` as the sender to `receiver_rank`.
+  /// Context rank, blocks: the agreed end of `key` as the sender to `receiver_rank` (taken, given
+  /// up and final as for `wait_receiver`).
   template <typename Duration = Clock::duration>
   Outcome wait_sender(RequestKey key, std::uint32_t receiver_rank, std::chrono::time_point<Clock, Duration> deadline,
                       CancelRef cancel = {}) {

@@ -117,6 +117,10 @@ pub(crate) struct Core {
     pub advert_bytes: usize,
     /// Ends waiting for their caller (for RETENTION).
     pub terminals: Aged<(RequestKey, Role), Outcome>,
+    /// Requests whose `wait` returned before their end came (no verdict by the bound: a peer
+    /// stuck, or this rank's progress thread): that return was the caller's end, so the end
+    /// that comes later is not kept for another `wait` (for RETENTION, or until it comes).
+    pub answered_early: Aged<(RequestKey, Role), ()>,
     /// The (request, role) pairs a `wait` call is blocked on: one caller each, so that the end
     /// goes to that caller and a second concurrent wait is refused at once.
     pub waited: HashSet<(RequestKey, Role)>,
@@ -210,6 +214,7 @@ impl Core {
             adverts: VecDeque::new(),
             advert_bytes: 0,
             terminals: Aged::new(RETENTION, AGED_CAP),
+            answered_early: Aged::new(RETENTION, AGED_CAP),
             deferred: HashMap::new(),
             fencing: HashMap::new(),
             fence_closes: VecDeque::new(),
@@ -231,11 +236,30 @@ impl Core {
     /// Another process holds `rank` now: the old one's requests must not make the new one's
     /// look like replays (its attempt numbers start again), and the old one's ends nobody
     /// waited for must not be taken by a `wait` for the new one's request of that key.
+    /// Its advertisements and notifications not yet taken go too: taken later, the old one's
+    /// advertisement of a key would be answered with the new one's request of that key.
     fn forget_instance(&mut self, rank: RankId) {
         self.ep.forget_sends_to(rank);
         self.finished.retain(|(_, to)| *to != Some(rank));
         let sent_to_it = Role::Sender { receiver: rank };
         self.terminals.retain(|(_, role)| *role != sent_to_it);
+        self.drop_adverts(|a| a.from == rank);
+        if let Some(q) = self.notes.remove(&rank) {
+            self.note_bytes -= q.iter().map(|(_, p)| note_bytes(p)).sum::<usize>();
+        }
+    }
+
+    /// Takes the advertisements `doomed` names out of the queue (a pass over it: called when a
+    /// rank's process is replaced).
+    fn drop_adverts(&mut self, doomed: impl Fn(&Advertisement) -> bool) {
+        let (adverts, bytes) = (&mut self.adverts, &mut self.advert_bytes);
+        adverts.retain(|a| {
+            let drop = doomed(a);
+            if drop {
+                *bytes -= advert_bytes(a);
+            }
+            !drop
+        });
     }
 
     /// `peer` answered this engine's `Leaving` (its own `Leaving`) or failed. False if this
@@ -319,7 +343,10 @@ impl Core {
     }
 
     fn end(&mut self, key: RequestKey, role: Role, outcome: Outcome, now: Instant) {
-        self.terminals.insert((key, role), outcome, now);
+        // A `wait` answered the caller already: its answer stays the end for that caller.
+        if self.answered_early.remove(&(key, role)).is_none() {
+            self.terminals.insert((key, role), outcome, now);
+        }
         self.waiters.wake(WaitKey::Terminal(key, role));
         if role == Role::Receiver {
             // From here `recv_ready` answers from the end itself.
@@ -611,6 +638,7 @@ impl Inner {
     fn prune(&self, core: &mut Core, now: Instant) {
         // What has aged out, oldest first: a pop each, never a pass over what stays.
         core.terminals.expire(now);
+        core.answered_early.expire(now);
         core.finished.expire(now);
         core.retired.expire(now);
         if now.duration_since(core.last_prune) < Duration::from_secs(1) {

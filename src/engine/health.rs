@@ -53,6 +53,7 @@ impl Engine {
             ("sends", core.sends.len()),
             ("adverts", core.adverts.len()),
             ("terminals", core.terminals.len()),
+            ("answered_early", core.answered_early.len()),
             ("terminals.slots", core.terminals.slots()),
             ("waited", core.waited.len()),
             ("deferred", core.deferred.len()),

@@ -16,7 +16,10 @@ use std::time::Instant;
 impl Engine {
     /// Context side: the next advertisement, waiting until `deadline` or `cancel()`. Several
     /// threads may wait at once: each advertisement goes to exactly one of them, and wakes only
-    /// one (as do notifications, for [`Engine::wait_for_notification`]).
+    /// one (as do notifications, for [`Engine::wait_for_notification`]). One whose request
+    /// ended before it was taken is still handed out (its answer is no error, and the send and
+    /// the sender's wait give the end); one whose rank's process was replaced since by a new
+    /// process of that rank is not (nor are that process's notifications).
     pub fn next_advertisement(
         &self,
         deadline: Instant,

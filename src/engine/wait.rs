@@ -19,7 +19,8 @@ const SETTLE_SLACK: Duration = Duration::from_millis(30);
 
 impl Engine {
     /// Waits for the agreed end of `key` on this rank as `role`, and takes it (a second wait
-    /// for the same key and role is `UnknownRequest`; one made while another call waits for it
+    /// for the same key and role is `UnknownRequest`, also when the first returned before the
+    /// end came, which is then not kept for anyone; one made while another call waits for it
     /// is `InvalidArgument` at once). At `deadline` (or on `cancel()`) this
     /// rank gives up on the request (`TimedOut` / `Cancelled`, agreed with the other ranks
     /// within the agreement bound), so the call returns by the deadline plus that bound plus
@@ -49,6 +50,13 @@ impl Engine {
             // awake (driving progress, or in its cancel check) is that call's.
             if core.waited.contains(&(key, role)) {
                 return Err(busy());
+            }
+            if core.answered_early.contains_key(&(key, role)) {
+                return Err(key_err(
+                    ErrorKind::UnknownRequest,
+                    key,
+                    "already waited for (that wait returned before the request's end came)",
+                ));
             }
             if let Some(o) = take(&mut core) {
                 return Ok(o);
@@ -95,8 +103,22 @@ impl Engine {
                 return Ok(o);
             }
         }
-        tracing::error!(%key, "wait returns before the request settled");
         let mut core = self.inner.core.lock();
+        core.answered_early.insert((key, role), (), Instant::now());
+        if let Role::Sender { receiver } = role {
+            // No verdict by the bound (the receiver stuck, or this thread's progress): an end
+            // of this rank's own, as the rule allows; unsettled only while a send of the
+            // request is still in flight (its bytes may still be read from caller memory).
+            if !core
+                .sends
+                .keys()
+                .any(|&(k, to, _)| k == key && to == receiver)
+            {
+                tracing::info!(%key, "wait returns {why:?}: no verdict by the bound, its sends done");
+                return Ok(why);
+            }
+        }
+        tracing::error!(%key, "wait returns before the request settled");
         core.counters.unsettled_returns += 1;
         if role == Role::Receiver {
             // The request's receives that UCX still holds may still be written. In a region
