@@ -249,6 +249,25 @@ fn an_exhausted_receive_pool_is_queue_full_at_once_and_loses_nothing() {
         );
         assert_eq!(wrong, 0);
         assert_eq!(gen.health().buffers_leased, 0);
+        // A request of more buffers than the whole pool holds can never be taken: that is
+        // `InvalidArgument` (not `QueueFull`, which a caller retries), and nothing is leased.
+        let specs: Vec<BufferSpec> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| BufferSpec::host(i as u32, b))
+            .collect();
+        // SAFETY: refused, so nothing is posted into them.
+        let e = unsafe {
+            gen.advertise(
+                RequestKey::new(9, 0),
+                vec![RankId(GEN)],
+                vec![(RankId(CTX), specs)],
+                vec![],
+            )
+        }
+        .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+        assert_eq!(gen.health().buffers_leased, 0);
     }
 }
 

@@ -541,7 +541,8 @@ class Engine {
   /// Throws `Error`: InvalidArgument if the key is already known here (a replay), UnknownPeer if
   /// `sender` is not connected, OutOfBounds for a null or empty buffer (or one straddling a
   /// region's edge), Fenced for one overlapping a fenced range of a region, QueueFull when the
-  /// receive pool (65536 buffers over all requests) has fewer free than `buffers` asks for.
+  /// receive pool (65536 buffers over all requests) has fewer free than `buffers` asks for
+  /// (InvalidArgument if it asks for more than the whole pool: it never fits).
   /// `timeout`: this request's own deadline from now, in any unit (zero or negative:
   /// `EngineConfig::timeout`; longer than a year, `seconds::max()` included: a year).
   template <typename Rep = std::chrono::milliseconds::rep, typename Period = std::milli>

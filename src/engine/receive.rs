@@ -99,6 +99,16 @@ impl Engine {
         if let Some(e) = ran_here(&core) {
             return Err(e);
         }
+        if total > core.pool.capacity() {
+            return Err(key_err(
+                ErrorKind::InvalidArgument,
+                key,
+                &format!(
+                    "{total} buffers asked, more than the receive pool holds ({}): it never fits",
+                    core.pool.capacity()
+                ),
+            ));
+        }
         let peers = self.senders_connected(&mut core, &flows, deadline)?;
         // Waiting for a sender to reconnect lets go of the lock: another advertise of the same
         // key may have run meanwhile.
