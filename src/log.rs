@@ -344,7 +344,15 @@ mod tests {
             // SAFETY: the layer passes valid UTF-8 ranges for the call.
             String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(p, n) }).into_owned()
         };
-        SEEN.lock().push((level, s(t, tl), s(m, ml), s(f, fl)));
+        let message = s(m, ml);
+        if message == "flush from inside" {
+            // Nothing is pending but the record being delivered: flush says so.
+            let flushed = flush(std::time::Instant::now());
+            SEEN.lock()
+                .push((level, s(t, tl), format!("flushed {flushed}"), s(f, fl)));
+            return;
+        }
+        SEEN.lock().push((level, s(t, tl), message, s(f, fl)));
     }
 
     #[test]
@@ -367,6 +375,10 @@ mod tests {
         assert!(flush(
             std::time::Instant::now() + std::time::Duration::from_secs(10)
         ));
+        tracing::warn!(request = 9u64, "flush from inside");
+        assert!(flush(
+            std::time::Instant::now() + std::time::Duration::from_secs(10)
+        ));
         // SAFETY: removing the sink.
         unsafe { set_sink(0, 0) }.unwrap();
         tracing::warn!(request = 8u64, "after removal");
@@ -375,6 +387,19 @@ mod tests {
             .iter()
             .filter(|e| e.3.contains("request=7") || e.3.contains("request=8"))
             .collect();
+        // A flush from inside the sink with nothing queued behind the record it delivers says
+        // nothing is pending (it said false for ever: the record under way counted as
+        // pending). Another test's record queued meanwhile would make it false rightly: then
+        // one must have come after it.
+        let at = seen
+            .iter()
+            .position(|e| e.3 == "request=9")
+            .unwrap_or_else(|| panic!("{seen:?}"));
+        let others_after = seen[at + 1..].iter().any(|e| !e.3.starts_with("request="));
+        assert!(
+            seen[at].2 == "flushed true" || others_after,
+            "a flush from inside the sink: {seen:?}"
+        );
         assert_eq!(ours.len(), 1, "{seen:?}");
         let (level, target, message, fields) = ours[0];
         assert_eq!(*level, 2);
