@@ -246,6 +246,7 @@ fn drained(e: &Engine, ended: u64, side: &str) {
         "sends",
         "adverts",
         "terminals",
+        "answered_early",
         "waited",
         "deferred",
         "fencing",

@@ -674,8 +674,9 @@ class Engine {
   /// acceptance is not a message of its own) or the request completed, false if it refused, empty
   /// at the deadline, on cancel, or at once when the request ended otherwise. Asking is not
   /// consumed: once the request has ended the answer follows its end, before and after `wait`
-  /// (for 10 minutes after its end). Throws UnknownRequest at once for a key no receive here has
-  /// (never advertised, or ended more than those 10 minutes ago).
+  /// (for 10 minutes after its end, or less once 2^20 keys have ended since). Throws
+  /// UnknownRequest at once for a key no receive here has (never advertised, its end
+  /// forgotten, or an `advertise` of it on another thread still waiting for its sender).
   template <typename Duration = Clock::duration>
   std::optional<bool> recv_ready(RequestKey key, std::chrono::time_point<Clock, Duration> deadline,
                                  CancelRef cancel = {}) {

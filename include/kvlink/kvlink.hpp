@@ -277,9 +277,9 @@ struct LogRecord {
   std::string_view target;
   std::string_view message;
   /// The structured fields as `k=v` separated by spaces, e.g. "request=2 generation=0
-  /// role=receiver outcome=timed_out" (empty when none). A value that is empty or holds a space,
-  /// a `=` or a double quote comes in double quotes, its quotes and backslashes escaped with a
-  /// backslash (`key="req 2#0"`).
+  /// role=receiver outcome=timed_out" (empty when none). A value that is empty or holds
+  /// whitespace, a `=`, a double quote or a backslash comes in double quotes, its quotes and
+  /// backslashes escaped with a backslash (`key="req 2#0"`).
   std::string_view fields;
 };
 

@@ -243,6 +243,7 @@ impl Core {
         self.finished.retain(|(_, to)| *to != Some(rank));
         let sent_to_it = Role::Sender { receiver: rank };
         self.terminals.retain(|(_, role)| *role != sent_to_it);
+        self.answered_early.retain(|(_, role)| *role != sent_to_it);
         self.drop_adverts(|a| a.from == rank);
         if let Some(q) = self.notes.remove(&rank) {
             self.note_bytes -= q.iter().map(|(_, p)| note_bytes(p)).sum::<usize>();

@@ -365,9 +365,10 @@ impl Engine {
     /// ended otherwise. The answer is the protocol core's, not consumed by asking: a second
     /// call gives it again, and once the request has ended it follows the end (`Completed`
     /// true, `Rejected` false, else `None`), before and after `wait` took it, and after the
-    /// protocol core has forgotten it (as long as its replay is refused: 10 minutes).
-    /// `UnknownRequest` at once for a key no receive here has (never advertised, or its end
-    /// forgotten after those 10 minutes), as for every other call on such a key.
+    /// protocol core has forgotten it (as long as its replay is refused: 10 minutes, less once
+    /// 2^20 keys have ended since). `UnknownRequest` at once for a key no receive here has
+    /// (never advertised, its end forgotten, or an `advertise` of it on another thread still
+    /// waiting for its sender), as for every other call on such a key.
     pub fn recv_ready(
         &self,
         key: RequestKey,

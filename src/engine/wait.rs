@@ -104,6 +104,10 @@ impl Engine {
             }
         }
         let mut core = self.inner.core.lock();
+        // The end may have come while the lock was let go since the last look.
+        if let Some(o) = take(&mut core) {
+            return Ok(o);
+        }
         core.answered_early.insert((key, role), (), Instant::now());
         if let Role::Sender { receiver } = role {
             // No verdict by the bound (the receiver stuck, or this thread's progress): an end
