@@ -174,10 +174,11 @@ fn a_refused_endpoint_is_not_refused_again() {
     assert_eq!(p.due_closes(t + Duration::from_secs(1)), vec![20]);
 }
 
-/// An external collective that never answers.
-struct Silent;
+/// An external collective that answers every request with the same verdict, whatever was
+/// voted: `Answers(None)` never answers.
+struct Answers(Option<Outcome>);
 
-impl Collective for Silent {
+impl Collective for Answers {
     fn contribute(
         &mut self,
         _now: Instant,
@@ -188,7 +189,7 @@ impl Collective for Silent {
     ) {
     }
     fn poll_verdict(&mut self, _key: RequestKey) -> Option<Outcome> {
-        None
+        self.0
     }
 }
 
@@ -205,7 +206,7 @@ fn a_zero_retransmit_interval_does_not_spin_handle_timeout() {
             ..Config::default()
         };
         let t = Instant::now();
-        let mut ep = Endpoint::with_collective(ME, cfg, Box::new(Silent));
+        let mut ep = Endpoint::with_collective(ME, cfg, Box::new(Answers(None)));
         let key = RequestKey::new(5, 0);
         let mut pool = BufferPool::new(4);
         let lease = pool.lease(key).unwrap();
@@ -330,24 +331,6 @@ fn a_key_sent_from_here_is_not_received_here_too() {
     assert!(ep.poll_transmit().is_none(), "an advertisement went out");
 }
 
-/// An external collective that answers `Completed` for every request, whatever was voted.
-struct AlwaysCompleted;
-
-impl Collective for AlwaysCompleted {
-    fn contribute(
-        &mut self,
-        _now: Instant,
-        _key: RequestKey,
-        _receivers: &[RankId],
-        _me: RankId,
-        _vote: Outcome,
-    ) {
-    }
-    fn poll_verdict(&mut self, _key: RequestKey) -> Option<Outcome> {
-        Some(Outcome::Completed)
-    }
-}
-
 /// A collective's `Completed` is refused before this rank's own data landed, as a
 /// coordinator's message is: a rank that cancelled with nothing landed, told `Completed` by a
 /// faulty collective, used to end `Completed` with its bytes missing. It ends as it voted, and
@@ -355,7 +338,11 @@ impl Collective for AlwaysCompleted {
 #[test]
 fn a_collectives_completed_before_this_ranks_landings_is_refused() {
     let t = Instant::now();
-    let mut ep = Endpoint::with_collective(ME, Config::default(), Box::new(AlwaysCompleted));
+    let mut ep = Endpoint::with_collective(
+        ME,
+        Config::default(),
+        Box::new(Answers(Some(Outcome::Completed))),
+    );
     let key = RequestKey::new(6, 0);
     let mut pool = BufferPool::new(4);
     let lease = pool.lease(key).unwrap();
