@@ -439,7 +439,7 @@ impl Endpoint {
     /// Cancels `key` on this rank (its receive and every send of it). The cancel is agreed: the
     /// terminal event follows once every rank knows and no peer can write. A receive that has
     /// already ended (lingering, or forgotten with its tombstone kept) is left as it ended, and
-    /// the call succeeds; an unknown key is an error.
+    /// the call succeeds; an unknown key is `UnknownRequest`, as for `accept`.
     pub fn cancel(&mut self, now: Instant, key: RequestKey) -> Result<()> {
         self.give_up(now, key, Outcome::Cancelled)
     }
@@ -473,7 +473,10 @@ impl Endpoint {
         if found || self.tombs.contains_key(&TimerId::Recv(key)) {
             Ok(())
         } else {
-            Err(invalid(format!("{key}: not known here")))
+            Err(Error::new(
+                ErrorKind::UnknownRequest,
+                format!("{key}: not known here"),
+            ))
         }
     }
 

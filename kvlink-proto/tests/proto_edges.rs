@@ -375,3 +375,30 @@ fn a_collectives_completed_before_this_ranks_landings_is_refused() {
     assert_eq!(ends, vec![Outcome::Cancelled], "the receive's end");
     assert!(ep.stats().bad_frames >= 1, "{:?}", ep.stats());
 }
+
+/// Cancelling (or giving up) a key the endpoint does not know is `UnknownRequest`, as an answer
+/// to one is (`accept`): it was `InvalidArgument`, the kind for a call made wrong.
+#[test]
+fn a_cancel_of_a_key_not_known_here_is_unknown_request() {
+    let t = Instant::now();
+    let mut ep = Endpoint::new(ME, Config::default());
+    let key = RequestKey::new(77, 0);
+    let e = ep.cancel(t, key).unwrap_err();
+    assert_eq!(
+        e.kind,
+        kvlink_proto::error::ErrorKind::UnknownRequest,
+        "{e}"
+    );
+    let e = ep.give_up(t, key, Outcome::TimedOut).unwrap_err();
+    assert_eq!(
+        e.kind,
+        kvlink_proto::error::ErrorKind::UnknownRequest,
+        "{e}"
+    );
+    let e = ep.accept(t, key, R, true).unwrap_err();
+    assert_eq!(
+        e.kind,
+        kvlink_proto::error::ErrorKind::UnknownRequest,
+        "{e}"
+    );
+}
