@@ -78,8 +78,12 @@ step fuzz -- env KVLINK_FUZZ_SECONDS="${KVLINK_FUZZ_SECONDS:-45}" bash "$root/sc
 # transport in one process and between two processes (tcp, sm, auto, an explicit list), the
 # engine in one process, the engine between two processes under real faults (engine_faults),
 # the stuck shared-memory queue (sm_kill_wedge), crossing dials (crossing_dials), listen
-# addresses (listen_addresses), and the whole
-# C++ suite with the installed and add_subdirectory consumers (ctest, ~1 min).
+# addresses (listen_addresses), and the C++ suite's cases that depend on the UCX linked (the
+# UCX checks, the API's version and UCX, the demo, the wrapper, the installed and
+# add_subdirectory consumers). The C++ suite's 102 `Transports/` cases (the C++ surface over
+# tcp and sm) are left out here: they drive the same Rust engine that the suites above run on
+# this UCX, and took 65 of this ctest's 100 s in CI (the ctest step above runs them on the
+# system UCX, the sanitize step under ASan).
 ucx122() (
     local ucx_root
     ucx_root="$(bash "$root/scripts/ucx-wheel.sh")" || return 1
@@ -122,7 +126,8 @@ ucx122() (
     if cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVLINK_BUILD_TESTS=ON \
         -DKVLINK_CARGO_TARGET_DIR="$CARGO_TARGET_DIR" -DKVLINK_UCX_ROOT="$KVLINK_UCX_ROOT" &&
         cmake --build "$dir" -j "$jobs"; then
-        ctest --test-dir "$dir" --output-on-failure -j "$jobs" --repeat until-pass:2 || rc=1
+        ctest --test-dir "$dir" --output-on-failure -j "$jobs" --repeat until-pass:2 \
+            -E '^kvlink\.Transports/' || rc=1
     else
         rc=1
     fi
