@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
@@ -22,6 +23,28 @@ using namespace std::chrono_literals;
 namespace {
 
 std::string param_name(testing::TestParamInfo<std::string> const& i) { return i.param; }
+
+/// A terminate flag that sets itself after `after` unless the watchdog is destroyed first: the
+/// context side's calls of a test take it, so that a request lost by a bug fails the test
+/// instead of hanging it. Declare it before the futures whose threads use it.
+class Watchdog {
+ public:
+  explicit Watchdog(std::chrono::milliseconds after)
+      : task_(std::async(std::launch::async, [this, after, done = done_.get_future()] {
+          if (done.wait_for(after) == std::future_status::timeout) flag.store(true);
+        })) {}
+  ~Watchdog() {
+    done_.set_value();
+    task_.get();
+  }
+  Watchdog(Watchdog const&) = delete;
+  Watchdog& operator=(Watchdog const&) = delete;
+  std::atomic<bool> flag{false};
+
+ private:
+  std::promise<void> done_;
+  std::future<void> task_;
+};
 
 class WrapperTest : public testing::TestWithParam<std::string> {
  protected:
@@ -166,6 +189,55 @@ TEST(WrapperFactory, TheLogSinkFollowsTheLiveManagersHooks) {
   auto e = make(w, options("tcp"));
   ASSERT_EQ(e->getConnections(d->getCommState()).size(), 1u);
   EXPECT_EQ(g_hook_a_calls.load() + g_hook_b_calls.load(), 0) << "no manager holds a hook: no hook is called";
+}
+
+std::atomic<int> g_hook_made_late_calls{0};
+
+// A manager destroyed while another's factory call is under way (making the engine, waiting in
+// the allgather): the new manager's hook, installed by its factory call before the manager
+// existed, is still the sink once the manager is made. Before, the destruction removed it (no
+// live manager held a hook yet), and the new manager's events reached no hook for its whole life.
+TEST(WrapperFactory, AManagerMadeWhileAnotherIsDestroyedKeepsItsHook) {
+  Wrapper w;
+  KvlinkTrtllmOptions oa = options("tcp");
+  oa.log = [](void*, int, char const*, size_t) {};
+  oa.log_level = 5;
+  auto a = make(w, oa);
+  struct Gate {
+    std::promise<void> entered;
+    std::shared_future<void> open;
+  };
+  std::promise<void> opener;
+  Gate gate{{}, opener.get_future().share()};
+  KvlinkTrtllmOptions ob = options("tcp", 0, 2);
+  ob.allgather = [](void* user, void const* mine, size_t size, void* all) -> int {
+    auto* g = static_cast<Gate*>(user);
+    g->entered.set_value();
+    g->open.wait();
+    // Both ranks' records are this one's: enough for a manager that only listens here.
+    std::memcpy(all, mine, size);
+    std::memcpy(static_cast<char*>(all) + size, mine, size);
+    return 0;
+  };
+  ob.allgather_user = &gate;
+  ob.log = [](void*, int, char const*, size_t) { g_hook_made_late_calls.fetch_add(1); };
+  ob.log_level = 5;
+  auto made = std::async(std::launch::async, [&] { return make(w, ob); });
+  bool const entered = gate.entered.get_future().wait_for(10s) == std::future_status::ready;
+  if (entered) a.reset();
+  opener.set_value();
+  ASSERT_TRUE(entered) << "the factory call never reached its allgather";
+  auto b = made.get();
+  ASSERT_NE(b, nullptr);
+  g_hook_made_late_calls.store(0);
+  // A manager without a hook connects to `b`: what they log goes to `b`'s hook, the newest.
+  auto c = make(w, options("tcp"));
+  ASSERT_FALSE(c->getConnections(b->getCommState()).empty());
+  c.reset();
+  for (auto until = Clock::now() + 10s; g_hook_made_late_calls.load() == 0 && Clock::now() < until;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_GT(g_hook_made_late_calls.load(), 0) << "the live manager's hook was not called";
 }
 
 std::atomic<bool> g_in_slow_hook{false};
@@ -716,6 +788,141 @@ TEST_P(WrapperTest, IdsEqualMod4096NeverCrossAndAreRefusedWhenInFlightTogether) 
   server.get();
 }
 
+// Request `zero`, whose data tag has no id bits (43), and request `zero + 1` in flight together
+// on one connection, both answered: each completes with its own bytes.
+void expectZeroTagPairCompletes(kv::ConnectionManager& ctx, kv::Connection const* toCtx, Tags tags, uint64_t zero) {
+  std::atomic<bool> never{false};
+  Watchdog dog(20s);
+  GenSide gen{toCtx, tags};
+  uint64_t const one = zero + 1;  // low 12 bits 1: a tag of its own
+  ASSERT_EQ(gen.tags.data(zero) >> 8, 0) << "the test's id must have no id bits in its data tag";
+  auto server = std::async(std::launch::async, [&] {
+    std::vector<Taken> taken;
+    // Answered one at a time: with the older tags both ready signals go on the fixed tag 42.
+    for (int i = 0; i < 2; ++i) {
+      Taken t = recvRequestInfo(ctx, dog.flag);
+      if (t.conn == nullptr) throw std::runtime_error("no request taken");
+      bool const ready = true;
+      t.conn->send(kv::DataContext{gen.tags.ready(t.info.getRequestId())}, &ready, sizeof ready);
+      taken.push_back(t);
+    }
+    // Both open and answered: the send for the request without id bits first.
+    std::sort(taken.begin(), taken.end(),
+              [&](Taken const& a, Taken const& b) { return a.info.getRequestId() == zero && b.info.getRequestId() != zero; });
+    for (Taken const& t : taken) {
+      uint64_t const id = t.info.getRequestId();
+      std::vector<uint8_t> src(64 * 1024);
+      fill(id, 0, src.data(), src.size());
+      t.conn->send(kv::DataContext{gen.tags.data(id)}, src.data(), src.size());
+    }
+  });
+  std::promise<void> oneSent;
+  auto receive = [&](uint64_t id, std::promise<void>* sent, std::shared_future<void> after) {
+    if (after.valid()) after.wait();
+    try {
+      gen.sendRequestInfo(id);
+    } catch (...) {
+      if (sent != nullptr) sent->set_value();
+      throw;
+    }
+    if (sent != nullptr) sent->set_value();
+    if (!gen.recvReady(id, never)) return false;
+    std::vector<uint8_t> d(64 * 1024);
+    toCtx->recv(kv::DataContext{gen.tags.data(id)}, d.data(), d.size());
+    return check(id, 0, d.data(), d.size()) == SIZE_MAX;
+  };
+  // Request `one` goes out first, so both are in flight together when `zero` is sent.
+  std::shared_future<void> first = oneSent.get_future().share();
+  auto a = std::async(std::launch::async, receive, one, &oneSent, std::shared_future<void>());
+  auto b = std::async(std::launch::async, receive, zero, nullptr, first);
+  EXPECT_TRUE(a.get()) << "request " << one << " did not get its own bytes";
+  EXPECT_TRUE(b.get()) << "request " << zero << " did not get its own bytes";
+  EXPECT_NO_THROW(server.get());
+}
+
+// A data tag whose id bits are all zero (43: ids 0 mod 4096 with the older tags, 0 mod 2^23 with
+// the newer) names its own request, not every request: request 4096 (and 2^23) in flight beside
+// request 4097 (2^23 + 1) on one connection, both answered, both complete with their own bytes.
+// Before, tag 43 was taken for the fixed ready tag's wildcard, and the context rank's send for
+// 4096 was refused with AmbiguousTagError (one request in 4096 failed wherever two run on a
+// connection). One test per tag width: a request's tag bits stay in use on its connection until
+// its deadline, and 4096 and 2^23 share theirs.
+TEST_P(WrapperTest, ADataTagWithoutIdBitsNamesOnlyItsOwnRequest) {
+  expectZeroTagPairCompletes(*ctx_, toCtx_, Tags{false}, 4096);
+}
+TEST_P(WrapperTest, ADataTagWithoutIdBitsNamesOnlyItsOwnRequestWithTheNewerTags) {
+  expectZeroTagPairCompletes(*ctx_, toCtx_, Tags{true}, 0x800000);
+}
+
+// A recvConnect whose tag or size does not fit the queued envelope (the host's mistake) is
+// InvalidArgument and takes nothing: a recvConnect that fits then gets the same request, which
+// runs. Before, the envelope was taken and refused: the generation rank read ready == false for
+// a request nobody had turned down.
+TEST_P(WrapperTest, ARecvConnectThatDoesNotFitTheEnvelopeTakesNothing) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 4347;
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kId, 0, src.data(), src.size());
+  Watchdog dog(10s);
+  std::atomic<bool> const& giveUp = dog.flag;
+  auto server = std::async(std::launch::async, [&] {
+    auto const expectInvalid = [&](int tag, void* p, size_t n) {
+      try {
+        kv::Connection const* c = ctx_->recvConnect(kv::DataContext{tag, giveUp}, p, n);
+        ADD_FAILURE() << "recvConnect of " << n << " bytes on tag " << tag
+                      << (c == nullptr ? " found no envelope in 10 s" : " took the envelope");
+      } catch (std::exception const& e) {
+        EXPECT_NE(std::string(e.what()).find("InvalidArgument"), std::string::npos) << e.what();
+      }
+    };
+    uint32_t small = 0;
+    expectInvalid(bm::TransceiverTag::kID_TAG, &small, sizeof small);
+    bm::TransceiverTag::Id id{};
+    expectInvalid(bm::TransceiverTag::kINFO_SIZE_TAG, &id, sizeof id);
+    Taken t = recvRequestInfo(*ctx_, giveUp);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken: the envelope was lost");
+    if (t.info.getRequestId() != kId) throw std::runtime_error("another request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    t.conn->send(kv::DataContext{gen.tags.data(kId)}, src.data(), src.size());
+  });
+  gen.sendRequestInfo(kId);
+  bool const ready = gen.recvReady(kId, never_);
+  EXPECT_TRUE(ready) << "the request was refused";
+  if (ready) {
+    toCtx_->recv(kv::DataContext{gen.tags.data(kId), never_}, dst.data(), dst.size());
+    EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
+  }
+  EXPECT_NO_THROW(server.get());
+}
+
+// A send of the envelope's id that went through, then a send of its info size that failed (from
+// null): the thread's next request goes out as an envelope of its own, not behind the id left
+// over. Before, that envelope went [19, 19, 22, 32]: the context rank's recv of 22 found 19, and
+// the request was never answered (its generation rank waited out its deadline).
+TEST_P(WrapperTest, AnEnvelopeLeftHalfBuiltByAFailedSendIsNotSentWithTheNext) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 4349;
+  auto const rid = bm::TransceiverTag::Id::REQUEST_SEND;
+  toCtx_->send(kv::DataContext{bm::TransceiverTag::kID_TAG}, &rid, sizeof rid);
+  EXPECT_THROW(toCtx_->send(kv::DataContext{bm::TransceiverTag::kINFO_SIZE_TAG}, nullptr, 8), std::exception);
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kId, 0, src.data(), src.size());
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    if (t.info.getRequestId() != kId) throw std::runtime_error("another request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    t.conn->send(kv::DataContext{gen.tags.data(kId)}, src.data(), src.size());
+  });
+  gen.sendRequestInfo(kId);
+  EXPECT_TRUE(gen.recvReady(kId, never_));
+  toCtx_->recv(kv::DataContext{gen.tags.data(kId), never_}, dst.data(), dst.size());
+  EXPECT_NO_THROW(server.get());
+  EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
+}
+
 // Two threads that send requests 4096 apart AT THE SAME TIME: one of the two must be refused.
 // Before, the check against the other threads' requests and the recording of this thread's own
 // were two critical sections with the previous request's settle and the advertisement between
@@ -1067,6 +1274,55 @@ TEST_P(WrapperStateTest, ABufferNoSendTookIsForgottenAfterItsDeadline) {
   auto const until = Clock::now() + 3s;
   while (state(*ctx).buffers_queued != 0 && Clock::now() < until) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(state(*ctx).buffers_queued, 0u) << "a buffer advertisement past its deadline was kept";
+}
+
+// An envelope no recvConnect took by its request's deadline (the context host fell behind) is
+// refused and dropped: the next recvConnect gets the live request behind it, not the dead one.
+// Before, envelopes stayed queued for good (past the engine's own bound on queued
+// advertisements) and were handed out oldest first. Short deadlines (500 ms) keep it short.
+TEST_P(WrapperStateTest, AnEnvelopeNoRecvConnectTookIsDroppedAfterItsDeadline) {
+  // The old request from a generation manager whose requests last 500 ms, the live one from
+  // the fixture's (5 s), both to one context manager: only the old one can expire here.
+  KvlinkTrtllmOptions o = options(GetParam());
+  o.kv_transfer_timeout_ms = 500;
+  auto ctx = make(*wrapper_, o);
+  auto genMgr = make(*wrapper_, o);
+  kv::Connection const* conn = genMgr->getConnections(ctx->getCommState()).at(0);
+  kv::Connection const* live = gen_->getConnections(ctx->getCommState()).at(0);
+  GenSide gen{conn, Tags{true}}, liveGen{live, Tags{true}};
+  constexpr uint64_t kOld = 0x7E61, kNew = 0x7E62;
+  gen.sendRequestInfo(kOld);
+  auto const queued = Clock::now() + 2s;
+  while (state(*ctx).envelopes_queued == 0 && Clock::now() < queued) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(state(*ctx).envelopes_queued, 1u) << "the envelope never reached the context rank's queue";
+  try {
+    EXPECT_FALSE(gen.recvReady(kOld, never_)) << "a request nobody took was answered ready";
+  } catch (kvlink::trtllm::TransferError const&) {
+    // Its deadline: TimedOut (or refused first).
+  }
+  // Its deadline has passed; a dispatcher round (200 ms) with a margin bounds when it goes.
+  auto const until = Clock::now() + 2s;
+  while (state(*ctx).envelopes_queued != 0 && Clock::now() < until) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(state(*ctx).envelopes_queued, 0u) << "an envelope past its deadline was kept";
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kNew, 0, src.data(), src.size());
+  Watchdog dog(10s);
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx, dog.flag);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    if (t.info.getRequestId() != kNew) {
+      throw std::runtime_error("recvConnect handed out request " + std::to_string(t.info.getRequestId()) +
+                               ", past its deadline, before the live one");
+    }
+    bool const ready = true;
+    t.conn->send(kv::DataContext{liveGen.tags.ready(kNew)}, &ready, sizeof ready);
+    t.conn->send(kv::DataContext{liveGen.tags.data(kNew)}, src.data(), src.size());
+  });
+  liveGen.sendRequestInfo(kNew);
+  EXPECT_TRUE(liveGen.recvReady(kNew, never_));
+  live->recv(kv::DataContext{liveGen.tags.data(kNew), never_}, dst.data(), dst.size());
+  EXPECT_NO_THROW(server.get());
+  EXPECT_EQ(check(kNew, 0, dst.data(), dst.size()), SIZE_MAX);
 }
 
 // Requests the context rank took (one completed, one refused) are forgotten once their deadline

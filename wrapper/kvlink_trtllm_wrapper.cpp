@@ -70,6 +70,14 @@ using namespace std::chrono_literals;
 
 // Upstream's TransceiverTag values (dataTransceiver.h @32779536): the request-info envelope.
 constexpr int kIdTag = 19;
+// The most request envelopes queued for recvConnect, and the most bytes of request info they
+// hold; past either a new one is refused (the engine's own bounds on its queue of
+// advertisements, kvlink::engine::glue's MAX_ADVERTS and MAX_QUEUED_BYTES, which the
+// dispatcher's taking them would otherwise get around).
+constexpr std::size_t kMaxEnvelopes = 16384;
+constexpr std::size_t kMaxEnvelopeBytes = std::size_t{256} << 20;
+// The envelope's first part: upstream's TransceiverTag::Id, a 64-bit enum.
+constexpr std::size_t kIdSize = 8;
 constexpr int kInfoSizeTag = 22;
 constexpr int kInfoTag = 32;
 // The low 8 bits of a request-scoped tag are its type: 42 ready signal, 43 data.
@@ -88,11 +96,13 @@ bool isEnvelopeTag(int tag) { return tag == kIdTag || tag == kInfoSizeTag || tag
 bool isReadyTag(int tag) { return (tag & 0xFF) == kReadyType; }
 
 /// Whether request `id` can be the one a request-scoped `tag` names. Upstream puts the low 12
-/// (older) or 23 (newer) bits of the id above an 8-bit type; a tag without id bits (the fixed
-/// ready tag 42 of older releases) names any request.
+/// (older) or 23 (newer) bits of the id above an 8-bit type; a ready tag without id bits (the
+/// fixed ready tag 42 of older releases) names any request. A data tag without id bits (43) is
+/// an id's like any other: that of the ids whose low 12 bits are 0 (before, it named every
+/// request, so the send of request 4096 was refused as ambiguous beside request 1).
 bool tagNames(int tag, std::uint64_t id) {
   auto const bits = static_cast<std::uint64_t>(static_cast<std::uint32_t>(tag) >> 8);
-  if (bits == 0) return true;
+  if (bits == 0 && isReadyTag(tag)) return true;
   if ((id & 0xFFFu) != (bits & 0xFFFu)) return false;
   return bits < 0x1000u || (id & 0x7FFFFFu) == bits;
 }
@@ -365,6 +375,7 @@ class Manager final : public kv::ConnectionManager {
     {
       std::lock_guard<std::mutex> g(mu_);
       untaken.swap(envelopes_);
+      envelopeBytes_ = 0;
       gone.swap(connections_);
     }
     for (auto const& e : untaken) {
@@ -404,28 +415,47 @@ class Manager final : public kv::ConnectionManager {
     std::atomic<bool> const& terminate = ctx.getTransferTerminate();
     Call const call(*this);
     std::unique_lock<std::mutex> g(mu_);
+    std::optional<std::pair<Advertisement, Header>> taken;
     for (;;) {
       // The flags first: a terminated call takes nothing, and an envelope already queued stays
       // for a later recvConnect (before, it was taken and handed to a caller that had given up).
       if (!isRunning() || terminate.load(std::memory_order_acquire)) return nullptr;
-      if (!envelopes_.empty()) break;
-      // The flag cannot notify us: look at it every 10 ms (no spinning, bounded latency).
-      envelopeCv_.wait_for(g, 10ms);
+      if (envelopes_.empty()) {
+        // The flag cannot notify us: look at it every 10 ms (no spinning, bounded latency).
+        envelopeCv_.wait_for(g, 10ms);
+        continue;
+      }
+      auto const& [queuedAdv, queuedHeader] = envelopes_.front();
+      Message const* first = queuedHeader.messages.empty() ? nullptr : &queuedHeader.messages.front();
+      // An envelope starts with the 8-byte id (19): one that does not is the generation rank's
+      // mistake (refused here, not left at the front to hold up every request behind it).
+      bool const wellFormed = first != nullptr && first->tag == kIdTag && first->bytes.size() == kIdSize;
+      bool const expired = Clock::now() > queuedAdv.deadline;
+      if (wellFormed && !expired && (first->tag != ctx.getTag() || first->bytes.size() != size)) {
+        // The host's mistake: a typed error, and the envelope stays for a recvConnect that fits
+        // (before, it was taken and refused, and that request was lost).
+        throw Error(ErrorKind::InvalidArgument,
+                    "kvlink InvalidArgument: recvConnect of " + std::to_string(size) + " bytes on tag " +
+                        std::to_string(ctx.getTag()) + "; the request envelope starts with tag " +
+                        std::to_string(first->tag) + " of " + std::to_string(first->bytes.size()) + " bytes");
+      }
+      taken.emplace(popEnvelope());
+      if (wellFormed && !expired) break;
+      // Past its deadline (the dispatcher drops those too, every round): its generation rank has
+      // given up, and the host gets the next one, not a dead request. Malformed: refused, and
+      // the host is told.
+      g.unlock();
+      refuse(taken->first);
+      if (!expired) {
+        throw Error(ErrorKind::Protocol, "kvlink Protocol: a request envelope from rank " +
+                                             std::to_string(taken->first.from_rank) + " does not start with tag " +
+                                             std::to_string(kIdTag) + ": refused");
+      }
+      g.lock();
     }
-    auto [adv, header] = std::move(envelopes_.front());
-    envelopes_.pop_front();
+    auto& [adv, header] = *taken;
     KvlinkConnection* c = connectionFor(adv.from_rank, g);
     g.unlock();
-    if (header.messages.empty() || header.messages.front().tag != ctx.getTag() ||
-        header.messages.front().bytes.size() != size) {
-      try {
-        engine_.accept(adv.key, adv.from_rank, false);
-      } catch (Error const&) {
-        // Already ended: nothing to refuse.
-      }
-      throw Error(ErrorKind::Protocol, "kvlink Protocol: the request envelope does not start with tag " +
-                                           std::to_string(ctx.getTag()) + " of " + std::to_string(size) + " bytes");
-    }
     std::memcpy(data, header.messages.front().bytes.data(), size);
     header.messages.erase(header.messages.begin());
     c->adoptEnvelope(adv, std::move(header));
@@ -476,10 +506,19 @@ class Manager final : public kv::ConnectionManager {
     if (!v.empty()) installLogHook(v.back().second);
   }
 
-  /// This manager routes kvlink's logs to the host's hook `h` (installed by the factory already).
+  /// This manager routes kvlink's logs to the host's hook `h`, now the newest live manager's.
+  /// Installed again here, not only by the factory before the manager was made: a manager
+  /// destroyed in between (its hook going, and with it the sink, as no manager held one yet)
+  /// left this one's hook uninstalled for its whole life. Replacing a sink does not block.
   void holdLogSink(LogHook const& h) {
     std::lock_guard<std::mutex> g(logMutex());
     logHooks().emplace_back(this, h);
+    try {
+      installLogHook(h);
+    } catch (...) {
+      logHooks().pop_back();
+      throw;
+    }
   }
   /// This manager's hook, if it holds one, goes; the sink follows the hooks left. Called from
   /// the destructor, so it throws nothing: should kvlink refuse the next manager's hook (its log
@@ -544,6 +583,7 @@ class Manager final : public kv::ConnectionManager {
     while (!stop_.load(std::memory_order_acquire)) {
       try {
         dispatchOne();
+        dropExpiredEnvelopes();
         for (auto const* c : connections()) c->tidy();
       } catch (...) {
         // An advertisement that could not be taken or queued (an engine that refuses the call,
@@ -566,7 +606,18 @@ class Manager final : public kv::ConnectionManager {
     if (h->kind == Kind::Envelope) {
       {
         std::lock_guard<std::mutex> g(mu_);
-        envelopes_.emplace_back(std::move(*adv), std::move(*h));
+        std::size_t const bytes = adv->request_info.size();
+        if (envelopes_.size() < kMaxEnvelopes && envelopeBytes_ + bytes <= kMaxEnvelopeBytes) {
+          envelopes_.emplace_back(std::move(*adv), std::move(*h));
+          envelopeBytes_ += bytes;
+          adv.reset();
+        }
+      }
+      if (adv) {
+        // The host has not taken the envelopes before it (kMaxEnvelopes, kMaxEnvelopeBytes):
+        // refused now, as the engine refuses an advertisement past its own queue's bounds.
+        refuse(*adv);
+        return;
       }
       envelopeCv_.notify_all();
     } else {
@@ -577,6 +628,31 @@ class Manager final : public kv::ConnectionManager {
       }
       c->queueData(std::move(*adv), std::move(*h));
     }
+  }
+
+  /// Refuses the envelopes no recvConnect took by their request's deadline: their generation
+  /// ranks have ended them, and a later recvConnect gets live ones, not these first (before,
+  /// they stayed queued for good, oldest first).
+  /// Taken from the front, oldest first, so a round costs only what it drops; one behind a
+  /// request with a later deadline goes when that one has (or when recvConnect reaches it).
+  void dropExpiredEnvelopes() {
+    std::vector<Advertisement> expired;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto const now = Clock::now();
+      while (!envelopes_.empty() && now > envelopes_.front().first.deadline) {
+        expired.push_back(popEnvelope().first);
+      }
+    }
+    for (auto const& a : expired) refuse(a);
+  }
+
+  /// Takes the queued envelope at the front (there is one), with `mu_` held.
+  std::pair<Advertisement, Header> popEnvelope() {
+    std::pair<Advertisement, Header> e = std::move(envelopes_.front());
+    envelopes_.pop_front();
+    envelopeBytes_ -= e.first.request_info.size();
+    return e;
   }
 
   /// The connections, alive until this manager's destructor has seen the last call leave.
@@ -629,6 +705,7 @@ class Manager final : public kv::ConnectionManager {
   std::condition_variable callsCv_;
   int calls_ = 0;  // host calls inside (Call), under mu_
   std::deque<std::pair<Advertisement, Header>> envelopes_;
+  std::size_t envelopeBytes_ = 0;  // request info of envelopes_, bytes
   std::map<std::string, KvlinkConnection const*> byAddress_;
   std::map<std::uint32_t, std::unique_ptr<KvlinkConnection>> connections_;
   std::thread dispatcher_;
@@ -760,6 +837,11 @@ void KvlinkConnection::send(kv::DataContext const& ctx, void const* data, size_t
     {
       std::lock_guard<std::mutex> g(mu_);
       auto& out = outgoing_[std::this_thread::get_id()];
+      // The id is an envelope's first part (upstream's sendRequestInfo: 19, 22, 32): it starts a
+      // new one, whatever a send that failed halfway left of the last (before, a [19] left by a
+      // refused send of 22 went out in front of the next envelope, and the context side's recv
+      // of 22 found 19: the request was never answered).
+      if (tag == kIdTag) out.clear();
       auto const* p = static_cast<std::uint8_t const*>(data);
       out.push_back(Message{tag, std::vector<std::uint8_t>(p, p + size)});
       if (tag != kInfoTag) return;  // the envelope goes out with its last part
@@ -1181,9 +1263,28 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
   int const device = m_.cuda().deviceOf(data);
   Outcome o = Outcome::Cancelled;
   if (!terminate.load(std::memory_order_acquire)) {
-    o = device >= 0 ? m_.engine().send_device(adv->key, remote_, adv->buffers[0].segment, device,
-                                              reinterpret_cast<std::uint64_t>(data), size, adv->deadline, terminate)
-                    : m_.engine().send(adv->key, remote_, adv->buffers[0].segment, data, size, adv->deadline, terminate);
+    try {
+      o = device >= 0 ? m_.engine().send_device(adv->key, remote_, adv->buffers[0].segment, device,
+                                                reinterpret_cast<std::uint64_t>(data), size, adv->deadline, terminate)
+                      : m_.engine().send(adv->key, remote_, adv->buffers[0].segment, data, size, adv->deadline, terminate);
+    } catch (Error const&) {
+      // The send could not start (a CUDA error staging device memory, ...): the request it
+      // accepted ends now, on both ranks, as the other failures here end it; before, it stayed
+      // open and answered, and the generation rank's recv waited out its deadline.
+      try {
+        m_.engine().cancel(adv->key);
+      } catch (Error const&) {
+        // Already ended.
+      }
+      try {
+        (void)m_.engine().wait_sender(adv->key, remote_, adv->deadline + m_.grace());
+      } catch (Error const&) {
+        // Already taken.
+      }
+      std::lock_guard<std::mutex> lk(mu_);
+      endCtx(id);
+      throw;
+    }
   } else {
     try {
       m_.engine().cancel(adv->key);
@@ -1239,8 +1340,11 @@ std::uint32_t randomRankId() {
 }  // namespace
 }  // namespace kvlink::trtllm
 
-extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionManager(KvlinkTrtllmOptions const* o,
-                                                                                  char* error, size_t error_size) {
+namespace {
+
+/// The factory's work; `makeKvlinkConnectionManager` keeps every exception, even one its error
+/// message throws, inside.
+void* makeManager(KvlinkTrtllmOptions const* o, char* error, size_t error_size) {
   using namespace kvlink;
   using namespace kvlink::trtllm;
   auto const fail = [&](std::string const& what) -> void* {
@@ -1319,11 +1423,37 @@ extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionMana
       }
       throw;
     }
-    if (hook) m->holdLogSink(*hook);
+    if (hook) {
+      try {
+        m->holdLogSink(*hook);
+      } catch (...) {
+        // As for a failed make: the hook must not outlive this call.
+        std::lock_guard<std::mutex> g(Manager::logMutex());
+        Manager::reinstallLogHookLocked();
+        throw;
+      }
+    }
     return static_cast<::tensorrt_llm::executor::kv_cache::ConnectionManager*>(m.release());
   } catch (std::exception const& e) {
     return fail(e.what());
   } catch (...) {
     return fail("kvlink: unknown error");
+  }
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionManager(KvlinkTrtllmOptions const* o,
+                                                                                  char* error, size_t error_size) {
+  try {
+    return makeManager(o, error, error_size);
+  } catch (...) {
+    // The message itself could not be built (memory exhausted): nothing may leave a C
+    // function, so a fixed one, written without allocating.
+    if (error != nullptr && error_size > 0) {
+      std::strncpy(error, "kvlink: out of memory", error_size - 1);
+      error[error_size - 1] = '\0';
+    }
+    return nullptr;
   }
 }
