@@ -233,6 +233,29 @@ fn a_pool_of_no_slots_or_of_more_than_the_most_is_refused_not_allocated() {
     Engine::new(c).expect("the most is allowed");
 }
 
+/// The handshake carries the engine's name, and a peer refuses a `Hello` with none or one over
+/// 256 bytes: such a name is refused when the engine is made. Before, the engine started, and
+/// every connect with it failed (at once as a bad frame on its side, at the deadline on the
+/// other's).
+#[test]
+fn an_engine_name_the_handshake_cannot_carry_is_refused() {
+    let max = kvlink::proto::wire::MAX_NAME;
+    for name in [String::new(), "n".repeat(max + 1)] {
+        let e = Engine::new(EngineConfig::new(&name, CTX, TransportKind::Tcp))
+            .err()
+            .unwrap_or_else(|| panic!("a name of {} bytes was taken", name.len()));
+        assert_eq!(e.kind, kvlink::ErrorKind::InvalidArgument, "{e}");
+    }
+    // The longest name it can carry: an engine that connects.
+    let (ctx, gen) = {
+        let (mut c, g) = configs(TransportKind::Tcp, Duration::from_secs(5), None);
+        c.name = "n".repeat(max);
+        (Engine::new(c).unwrap(), Engine::new(g).unwrap())
+    };
+    connect_pair(&ctx, &gen);
+    assert_eq!(gen.peer_name(RankId(CTX)).map(|n| n.len()), Some(max));
+}
+
 #[test]
 fn request_lifecycle_over_tcp_and_shared_memory() {
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {

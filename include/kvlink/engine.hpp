@@ -132,7 +132,8 @@ inline Deadline after(std::chrono::duration<Rep, Period> d) {
 
 /// How to build one rank's engine.
 struct EngineConfig {
-  /// Agent name, sent to peers when connecting (for their logs).
+  /// Agent name, sent to peers when connecting (for their logs): 1 to 256 bytes, else the
+  /// constructor throws InvalidArgument (the handshake cannot carry it).
   std::string name;
   /// This rank's id; unique across the context and generation engines of one deployment.
   std::uint32_t rank = 0;

@@ -134,6 +134,16 @@ impl Engine {
         if cfg.timeout.is_zero() {
             return Err(Error::invalid("timeout must be positive"));
         }
+        // The handshake carries the name, and a peer refuses a `Hello` without one or with a
+        // longer one: before, such an engine started, and every connect to or from it failed
+        // (at once as a bad frame, or at its deadline on the other side).
+        if cfg.name.is_empty() || cfg.name.len() > crate::proto::wire::MAX_NAME {
+            return Err(Error::invalid(format!(
+                "the engine's name must be 1 to {} bytes, not {}",
+                crate::proto::wire::MAX_NAME,
+                cfg.name.len()
+            )));
+        }
         if cfg.pool_slots == 0 || cfg.pool_slots > MAX_POOL_SLOTS {
             return Err(Error::invalid(format!(
                 "pool_slots must be 1 to {MAX_POOL_SLOTS}, not {}",

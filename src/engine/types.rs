@@ -20,7 +20,8 @@ pub const LONGEST_WAIT: Duration = crate::proto::request::LONGEST;
 /// Configuration of one rank's engine.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// Agent name (for logs and the peer's `Hello`).
+    /// Agent name (for logs and the peer's `Hello`): 1 to `wire::MAX_NAME` (256) bytes, else
+    /// [`Engine::new`](super::Engine::new) is `InvalidArgument`.
     pub name: String,
     /// This rank's id, unique across both engines of a deployment.
     pub rank: u32,
