@@ -242,7 +242,12 @@ impl Core {
         self.ep.forget_sends_to(rank);
         self.finished.retain(|(_, to)| *to != Some(rank));
         let sent_to_it = Role::Sender { receiver: rank };
-        self.terminals.retain(|(_, role)| *role != sent_to_it);
+        // An end a blocked `wait` was woken for and has not taken yet stays: that wait is the
+        // old process's request's, and would otherwise sleep to its own deadline and return
+        // TimedOut for a request that ended PeerLost.
+        let waited = &self.waited;
+        self.terminals
+            .retain(|k| k.1 != sent_to_it || waited.contains(k));
         self.answered_early.retain(|(_, role)| *role != sent_to_it);
         self.drop_adverts(|a| a.from == rank);
         if let Some(q) = self.notes.remove(&rank) {
@@ -1194,5 +1199,36 @@ impl Sink {
         .into_iter()
         .flatten()
         .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A new process under a rank forgets the ends of the old one's requests, except one a
+    /// blocked `wait` was woken for and has not taken yet (its request's, not the new one's).
+    #[test]
+    fn a_replaced_process_keeps_the_end_a_woken_wait_has_not_taken() {
+        let mut core = Core::new(Endpoint::new(RankId(1), crate::proto::Config::default()), 4);
+        let now = Instant::now();
+        let role = Role::Sender {
+            receiver: RankId(2),
+        };
+        let (waited, unwaited) = ((RequestKey::new(7, 0), role), (RequestKey::new(8, 0), role));
+        let elsewhere = (
+            RequestKey::new(9, 0),
+            Role::Sender {
+                receiver: RankId(3),
+            },
+        );
+        for k in [waited, unwaited, elsewhere] {
+            core.terminals.insert(k, Outcome::PeerLost, now);
+        }
+        core.waited.insert(waited);
+        core.forget_instance(RankId(2));
+        assert_eq!(core.terminals.get(&waited), Some(&Outcome::PeerLost));
+        assert_eq!(core.terminals.get(&unwaited), None);
+        assert_eq!(core.terminals.get(&elsewhere), Some(&Outcome::PeerLost));
     }
 }
