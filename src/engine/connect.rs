@@ -93,6 +93,10 @@ impl Engine {
                 );
             }
             if !sleep(&mut core, WaitKey::Peer(rank), deadline) && Instant::now() >= deadline {
+                // Bound as the wait timed out (the wake not yet delivered): connected.
+                if core.peers.state(rank) == PeerState::Connected {
+                    return Ok(rank);
+                }
                 return Err(Error::new(
                     ErrorKind::PeerLost,
                     format!(
@@ -204,6 +208,12 @@ impl Engine {
                 continue;
             }
             if !sleep(&mut core, WaitKey::Dial(peer), deadline) && Instant::now() >= deadline {
+                // Bound as the wait timed out (the sink's wake not yet delivered): the dial
+                // succeeded, and is recorded as the rank's, so a later failure redials it.
+                if let Some(r) = core.peers.rank_of(peer) {
+                    core.peers.set_dial(r, address);
+                    return Ok(r);
+                }
                 // A peer process that died while writing into our shared-memory receive queue
                 // can leave this process deaf on shared memory (UCX; docs/RELIABILITY.md).
                 let hint = if self.inner.shared_memory && core.peers.failures > 0 {
@@ -295,6 +305,10 @@ fn wait_for_crossing(
             && (sleep(core, WaitKey::Peer(rank), until) || Instant::now() < deadline)
         {
             continue;
+        }
+        // Bound as the wait timed out (the wake not yet delivered): connected.
+        if core.peers.state(rank) == PeerState::Connected {
+            return Ok(rank);
         }
         return Err(if core.peers.redial_was_expected(rank) {
             Error::new(

@@ -234,8 +234,11 @@ impl Engine {
                             // 100 ms on.
                             self.inner.agent.wake_by(now);
                         }
+                        // Timed out: the rank may have been bound as the wait ended (its wake
+                        // not yet delivered), so its state decides, not the timeout.
                         if !sleep(core, WaitKey::Peer(*rank), deadline)
                             && Instant::now() >= deadline
+                            && core.peers.state(*rank) != PeerState::Connected
                         {
                             return Err(Error::new(
                                 ErrorKind::PeerLost,
