@@ -132,6 +132,28 @@ TEST(WrapperFactory, ATimeoutFromTheEnvironmentThatIsNotANumberIsRefused) {
   expectEnvRefused(o, "TRTLLM_KVLINK_TIMEOUT_MS", {"abc", "5s", "-1", "0", " 700", "99999999999999999999"}, "700");
 }
 
+/// The context side of request `id`: takes the next envelope (it must be `id`'s), answers ready
+/// and sends `src` into the request's one buffer.
+void serveOne(kv::ConnectionManager& ctx, GenSide const& gen, uint64_t id, std::vector<uint8_t> const& src,
+              std::atomic<bool> const& terminate) {
+  Taken t = recvRequestInfo(ctx, terminate);
+  if (t.conn == nullptr) throw std::runtime_error("no request taken (the envelope of " + std::to_string(id) + " was lost)");
+  if (t.info.getRequestId() != id) {
+    throw std::runtime_error("request " + std::to_string(t.info.getRequestId()) + " taken, not " + std::to_string(id));
+  }
+  bool const ready = true;
+  t.conn->send(kv::DataContext{gen.tags.ready(id)}, &ready, sizeof ready);
+  t.conn->send(kv::DataContext{gen.tags.data(id)}, src.data(), src.size());
+}
+
+/// tcp options whose log hook is `fn`, at every level (trace).
+KvlinkTrtllmOptions traced(KvlinkLogFn fn, int rank = 0, int world = 1) {
+  KvlinkTrtllmOptions o = options("tcp", rank, world);
+  o.log = fn;
+  o.log_level = 5;
+  return o;
+}
+
 // A factory call that fails after registering the host's log hook (here: a
 // transport UCX does not have) must not leave that hook installed: the host gets NULL and may
 // free `log_user`, yet kvlink's later events (another manager's) would still be sent there.
@@ -162,13 +184,9 @@ std::atomic<int> g_hook_a_calls{0};
 std::atomic<int> g_hook_b_calls{0};
 TEST(WrapperFactory, TheLogSinkFollowsTheLiveManagersHooks) {
   Wrapper w;
-  KvlinkTrtllmOptions oa = options("tcp");
-  oa.log = [](void*, int, char const*, size_t) { g_hook_a_calls.fetch_add(1); };
-  oa.log_level = 5;
+  KvlinkTrtllmOptions oa = traced([](void*, int, char const*, size_t) { g_hook_a_calls.fetch_add(1); });
   auto a = make(w, oa);
-  KvlinkTrtllmOptions ob = options("tcp");
-  ob.log = [](void*, int, char const*, size_t) { g_hook_b_calls.fetch_add(1); };
-  ob.log_level = 5;
+  KvlinkTrtllmOptions ob = traced([](void*, int, char const*, size_t) { g_hook_b_calls.fetch_add(1); });
   auto b = make(w, ob);
   b.reset();
   g_hook_a_calls.store(0);
@@ -199,9 +217,7 @@ std::atomic<int> g_hook_made_late_calls{0};
 // live manager held a hook yet), and the new manager's events reached no hook for its whole life.
 TEST(WrapperFactory, AManagerMadeWhileAnotherIsDestroyedKeepsItsHook) {
   Wrapper w;
-  KvlinkTrtllmOptions oa = options("tcp");
-  oa.log = [](void*, int, char const*, size_t) {};
-  oa.log_level = 5;
+  KvlinkTrtllmOptions oa = traced([](void*, int, char const*, size_t) {});
   auto a = make(w, oa);
   struct Gate {
     std::promise<void> entered;
@@ -209,7 +225,7 @@ TEST(WrapperFactory, AManagerMadeWhileAnotherIsDestroyedKeepsItsHook) {
   };
   std::promise<void> opener;
   Gate gate{{}, opener.get_future().share()};
-  KvlinkTrtllmOptions ob = options("tcp", 0, 2);
+  KvlinkTrtllmOptions ob = traced([](void*, int, char const*, size_t) { g_hook_made_late_calls.fetch_add(1); }, 0, 2);
   ob.allgather = [](void* user, void const* mine, size_t size, void* all) -> int {
     auto* g = static_cast<Gate*>(user);
     g->entered.set_value();
@@ -220,8 +236,6 @@ TEST(WrapperFactory, AManagerMadeWhileAnotherIsDestroyedKeepsItsHook) {
     return 0;
   };
   ob.allgather_user = &gate;
-  ob.log = [](void*, int, char const*, size_t) { g_hook_made_late_calls.fetch_add(1); };
-  ob.log_level = 5;
   auto made = std::async(std::launch::async, [&] { return make(w, ob); });
   bool const entered = gate.entered.get_future().wait_for(10s) == std::future_status::ready;
   if (entered) a.reset();
@@ -249,18 +263,14 @@ std::atomic<int> g_slow_hook_calls{0};
 // The departing hook here takes 100 ms a call, and a call of it is under way at the destruction.
 TEST(WrapperFactory, ADestroyedManagersHookIsNotRunningOnceTheDestructionReturns) {
   Wrapper w;
-  KvlinkTrtllmOptions oa = options("tcp");
-  oa.log = [](void*, int, char const*, size_t) {};
-  oa.log_level = 5;
+  KvlinkTrtllmOptions oa = traced([](void*, int, char const*, size_t) {});
   auto a = make(w, oa);
-  KvlinkTrtllmOptions ob = options("tcp");
-  ob.log = [](void*, int, char const*, size_t) {
+  KvlinkTrtllmOptions ob = traced([](void*, int, char const*, size_t) {
     g_in_slow_hook.store(true);
     std::this_thread::sleep_for(100ms);
     g_slow_hook_calls.fetch_add(1);
     g_in_slow_hook.store(false);
-  };
-  ob.log_level = 5;
+  });
   auto b = make(w, ob);
   // What this connection logs goes to `b`'s hook, the newest.
   auto c = make(w, options("tcp"));
@@ -879,12 +889,7 @@ TEST_P(WrapperTest, ARecvConnectThatDoesNotFitTheEnvelopeTakesNothing) {
     expectInvalid(bm::TransceiverTag::kID_TAG, &small, sizeof small);
     bm::TransceiverTag::Id id{};
     expectInvalid(bm::TransceiverTag::kINFO_SIZE_TAG, &id, sizeof id);
-    Taken t = recvRequestInfo(*ctx_, giveUp);
-    if (t.conn == nullptr) throw std::runtime_error("no request taken: the envelope was lost");
-    if (t.info.getRequestId() != kId) throw std::runtime_error("another request taken");
-    bool const ready = true;
-    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
-    t.conn->send(kv::DataContext{gen.tags.data(kId)}, src.data(), src.size());
+    serveOne(*ctx_, gen, kId, src, giveUp);
   });
   gen.sendRequestInfo(kId);
   bool const ready = gen.recvReady(kId, never_);
@@ -909,12 +914,7 @@ TEST_P(WrapperTest, AnEnvelopeLeftHalfBuiltByAFailedSendIsNotSentWithTheNext) {
   std::vector<uint8_t> src(4096), dst(4096, 0);
   fill(kId, 0, src.data(), src.size());
   auto server = std::async(std::launch::async, [&] {
-    Taken t = recvRequestInfo(*ctx_, never_);
-    if (t.conn == nullptr) throw std::runtime_error("no request taken");
-    if (t.info.getRequestId() != kId) throw std::runtime_error("another request taken");
-    bool const ready = true;
-    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
-    t.conn->send(kv::DataContext{gen.tags.data(kId)}, src.data(), src.size());
+    serveOne(*ctx_, gen, kId, src, never_);
   });
   gen.sendRequestInfo(kId);
   EXPECT_TRUE(gen.recvReady(kId, never_));
@@ -1055,6 +1055,19 @@ class WrapperStateTest : public WrapperTest {
     if (fn == nullptr || fn(&m, &out) != 0) ADD_FAILURE() << "no wrapper state probe for this manager";
     return out;
   }
+  /// A context and a generation manager whose requests last 500 ms (short deadlines keep the
+  /// tests that wait them out short), and the generation's connection to the context.
+  struct ShortPair {
+    std::unique_ptr<kv::ConnectionManager> ctx, gen;
+    kv::Connection const* conn;
+  };
+  ShortPair shortPair() {
+    KvlinkTrtllmOptions o = options(GetParam());
+    o.kv_transfer_timeout_ms = 500;
+    ShortPair p{make(*wrapper_, o), make(*wrapper_, o), nullptr};
+    p.conn = p.gen->getConnections(p.ctx->getCommState()).at(0);
+    return p;
+  }
   KvlinkProbeHealth health(kv::ConnectionManager& m) {
     auto const fn = reinterpret_cast<KvlinkProbeHealthFn>(dlsym(wrapper_->handle, KVLINK_PROBE_HEALTH_SYMBOL));
     KvlinkProbeHealth out{};
@@ -1144,12 +1157,7 @@ TEST_P(WrapperStateTest, RecvConnectWithItsTerminateFlagSetLeavesAQueuedEnvelope
   std::vector<uint8_t> src(4096), dst(4096, 0);
   fill(kId, 0, src.data(), src.size());
   auto server = std::async(std::launch::async, [&] {
-    Taken t = recvRequestInfo(*ctx_, never_);
-    if (t.conn == nullptr) throw std::runtime_error("no request taken");
-    if (t.info.getRequestId() != kId) throw std::runtime_error("another request taken");
-    bool const ready = true;
-    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
-    t.conn->send(kv::DataContext{gen.tags.data(kId)}, src.data(), src.size());
+    serveOne(*ctx_, gen, kId, src, never_);
   });
   EXPECT_TRUE(gen.recvReady(kId, never_));
   toCtx_->recv(kv::DataContext{gen.tags.data(kId)}, dst.data(), dst.size());
@@ -1246,11 +1254,9 @@ TEST_P(WrapperStateTest, AManagerDestroyedWithABufferQueuedRefusesIt) {
 // to close it) is forgotten on the context rank once its request's deadline has passed, not
 // kept for good. Short deadlines (500 ms) keep the test short.
 TEST_P(WrapperStateTest, ABufferNoSendTookIsForgottenAfterItsDeadline) {
-  KvlinkTrtllmOptions o = options(GetParam());
-  o.kv_transfer_timeout_ms = 500;
-  auto ctx = make(*wrapper_, o);
-  auto genMgr = make(*wrapper_, o);
-  kv::Connection const* conn = genMgr->getConnections(ctx->getCommState()).at(0);
+  ShortPair pair = shortPair();  // named members, not a structured binding: lambdas capture them
+  auto& ctx = pair.ctx;
+  kv::Connection const* conn = pair.conn;
   GenSide gen{conn, Tags{true}};
   constexpr uint64_t kId = 0x7E5C;
   auto server = std::async(std::launch::async, [&] {
@@ -1283,11 +1289,9 @@ TEST_P(WrapperStateTest, ABufferNoSendTookIsForgottenAfterItsDeadline) {
 TEST_P(WrapperStateTest, AnEnvelopeNoRecvConnectTookIsDroppedAfterItsDeadline) {
   // The old request from a generation manager whose requests last 500 ms, the live one from
   // the fixture's (5 s), both to one context manager: only the old one can expire here.
-  KvlinkTrtllmOptions o = options(GetParam());
-  o.kv_transfer_timeout_ms = 500;
-  auto ctx = make(*wrapper_, o);
-  auto genMgr = make(*wrapper_, o);
-  kv::Connection const* conn = genMgr->getConnections(ctx->getCommState()).at(0);
+  ShortPair pair = shortPair();  // named members, not a structured binding: lambdas capture them
+  auto& ctx = pair.ctx;
+  kv::Connection const* conn = pair.conn;
   kv::Connection const* live = gen_->getConnections(ctx->getCommState()).at(0);
   GenSide gen{conn, Tags{true}}, liveGen{live, Tags{true}};
   constexpr uint64_t kOld = 0x7E61, kNew = 0x7E62;
@@ -1308,15 +1312,7 @@ TEST_P(WrapperStateTest, AnEnvelopeNoRecvConnectTookIsDroppedAfterItsDeadline) {
   fill(kNew, 0, src.data(), src.size());
   Watchdog dog(10s);
   auto server = std::async(std::launch::async, [&] {
-    Taken t = recvRequestInfo(*ctx, dog.flag);
-    if (t.conn == nullptr) throw std::runtime_error("no request taken");
-    if (t.info.getRequestId() != kNew) {
-      throw std::runtime_error("recvConnect handed out request " + std::to_string(t.info.getRequestId()) +
-                               ", past its deadline, before the live one");
-    }
-    bool const ready = true;
-    t.conn->send(kv::DataContext{liveGen.tags.ready(kNew)}, &ready, sizeof ready);
-    t.conn->send(kv::DataContext{liveGen.tags.data(kNew)}, src.data(), src.size());
+    serveOne(*ctx, liveGen, kNew, src, dog.flag);  // the live request, not the one past its deadline
   });
   liveGen.sendRequestInfo(kNew);
   EXPECT_TRUE(liveGen.recvReady(kNew, never_));
@@ -1330,11 +1326,9 @@ TEST_P(WrapperStateTest, AnEnvelopeNoRecvConnectTookIsDroppedAfterItsDeadline) {
 // Before, only the next envelope's arrival swept them out, so a context rank that got no more
 // requests kept them for good. Short deadlines (500 ms) keep the test short.
 TEST_P(WrapperStateTest, ContextRequestsAreForgottenAfterTheirDeadlineWithoutNewWork) {
-  KvlinkTrtllmOptions o = options(GetParam());
-  o.kv_transfer_timeout_ms = 500;
-  auto ctx = make(*wrapper_, o);
-  auto genMgr = make(*wrapper_, o);
-  kv::Connection const* conn = genMgr->getConnections(ctx->getCommState()).at(0);
+  ShortPair pair = shortPair();  // named members, not a structured binding: lambdas capture them
+  auto& ctx = pair.ctx;
+  kv::Connection const* conn = pair.conn;
   GenSide gen{conn, Tags{true}};
   constexpr uint64_t kDone = 0x7E5D, kRefused = 0x7E5E;
   auto server = std::async(std::launch::async, [&] {
