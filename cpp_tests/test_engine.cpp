@@ -641,6 +641,12 @@ TEST_P(EngineTest, AfterOfAHugeDurationSaturates) {
   EXPECT_GT(kvlink::after(kvlink::Clock::duration::max()), now);
   EXPECT_LT(kvlink::after(-std::chrono::milliseconds::max()), now);
   EXPECT_LT(kvlink::after(kvlink::Clock::duration::min()), now);
+  // A unit whose ratio to nanoseconds has a denominator: 10^12 samples at 44.1 kHz are 262 days
+  // (duration_cast's count * 10^7 overflowed before its / 441, a deadline 222 days back).
+  using Samples = std::chrono::duration<std::int64_t, std::ratio<1, 44100>>;
+  const auto samples_at = kvlink::after(Samples(1'000'000'000'000));
+  EXPECT_GT(samples_at, now + std::chrono::hours(24 * 262));
+  EXPECT_LT(samples_at, kvlink::Clock::now() + std::chrono::hours(24 * 263));
   // Floating-point durations: infinity saturates; NaN means no time (it was converted to an
   // integer, which is undefined: on x86 a deadline centuries in the past).
   EXPECT_EQ(kvlink::after(std::chrono::duration<double>(HUGE_VAL)), kvlink::Deadline::max());

@@ -121,13 +121,16 @@ template <typename Rep, typename Period>
 inline Deadline after(std::chrono::duration<Rep, Period> d) {
   const Deadline now = Clock::now();
   // In long double ticks nothing overflows; a 1 ms margin covers its rounding near the limits.
-  const long double at = static_cast<long double>(now.time_since_epoch().count()) +
-                         std::chrono::duration<long double, Clock::period>(d).count();
+  const long double ticks = std::chrono::duration<long double, Clock::period>(d).count();
+  const long double at = static_cast<long double>(now.time_since_epoch().count()) + ticks;
   constexpr long double kMargin = 1e6L * Clock::period::den / (1000000000LL * Clock::period::num);
   if (at != at) return now;  // a NaN duration: no time at all, never a conversion of NaN
   if (at >= static_cast<long double>(Clock::duration::max().count()) - kMargin) return Deadline::max();
   if (at <= static_cast<long double>(Clock::duration::min().count()) + kMargin) return Deadline::min();
-  return now + std::chrono::duration_cast<Clock::duration>(d);
+  // The ticks checked above, not duration_cast: in a unit whose ratio to the clock's has a
+  // denominator (1/44100 s), duration_cast multiplies before it divides and overflows for
+  // counts whose result fits (10^12 samples, 262 days, came out 222 days in the past).
+  return now + Clock::duration(static_cast<Clock::rep>(ticks));
 }
 
 /// How to build one rank's engine.
