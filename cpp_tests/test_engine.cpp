@@ -685,6 +685,14 @@ TEST_P(EngineTest, SendOfAnImpossibleSizeIsATypedError) {
     EXPECT_TRUE(e.kind() == kvlink::ErrorKind::InvalidArgument || e.kind() == kvlink::ErrorKind::OutOfBounds)
         << e.what();
   }
+  // The same from device memory: the caller's mistake, said before any request or CUDA check
+  // (it was a Cuda error from the driver, or the request's own error first).
+  try {
+    ctx_->send_device({999, 0}, kGen, 0, 0, UINT64_MAX - 15, 64, kvlink::after(1s));
+    FAIL() << "send_device of a range that wraps the address space";
+  } catch (const kvlink::Error& e) {
+    EXPECT_EQ(e.kind(), kvlink::ErrorKind::InvalidArgument) << e.what();
+  }
 }
 
 // A deadline in a coarser unit (a `steady_clock` time point in seconds or hours, which converts

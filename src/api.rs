@@ -345,6 +345,13 @@ impl EngineHandle {
                     "send_device needs a device, a non-null address and a non-zero size",
                 ));
             }
+            // As for host memory (`send`): a range that wraps is the caller's mistake, not a
+            // CUDA error for the driver to find.
+            if device_addr.checked_add(len as u64).is_none() {
+                return Err(Error::invalid(format!(
+                    "send_device of {len} bytes at {device_addr:#x} wraps the address space"
+                )));
+            }
             let check = cancel_check(flag);
             let key = RequestKey::new(request, generation);
             self.engine
