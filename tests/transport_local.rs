@@ -402,6 +402,68 @@ fn a_one_sided_write_given_up_before_it_started_never_lands() {
     }
 }
 
+/// A control message's op is kept out of the data counters at its start as at its end: the
+/// counters of ops started and ended move together (before, it counted as started and never
+/// as ended, so started - completed - failed grew by one per message). After shutdown a peer's
+/// state is `Shutdown` (before, the table of peers, which the teardown leaves, said connected).
+#[test]
+fn control_messages_leave_the_op_counters_even_and_a_shut_agent_knows_no_peer() {
+    let (a, b, ab, _ba) = pair(TransportKind::Tcp);
+    let before = a.stats();
+    for i in 0..3u8 {
+        let mut op = a.send_control(ab, vec![i; 32]).unwrap();
+        let o = op.wait(Instant::now() + Duration::from_secs(5), None);
+        assert_eq!(o.unwrap(), Outcome::Completed);
+    }
+    let after = a.stats();
+    assert_eq!(
+        after.ops_started - before.ops_started,
+        (after.ops_completed + after.ops_failed) - (before.ops_completed + before.ops_failed),
+        "{before:?} -> {after:?}"
+    );
+    a.peer_state(ab).unwrap();
+    a.shutdown();
+    let e = a
+        .peer_state(ab)
+        .expect_err("a shut agent's peer is connected");
+    assert_eq!(e.kind, ErrorKind::Shutdown, "{e}");
+    drop(b);
+}
+
+/// A remote key dropped while a put made with it is still moving stays until the put has
+/// ended (before, its drop destroyed it at once, under the transfer's remaining fragments), and
+/// the put lands whole; a key unpacked by another agent is refused (its id would name this
+/// agent's key of another peer, or none).
+#[test]
+fn a_remote_key_lives_until_its_transfers_end_and_is_one_agents_own() {
+    for kind in KINDS {
+        let (a, b, ab, ba) = pair(kind.clone());
+        let mut target = vec![0u8; 32 << 20];
+        let mh = unsafe { b.map(target.as_mut_ptr(), target.len()) }.unwrap();
+        let key = a
+            .unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64)
+            .unwrap();
+        let src: Vec<u8> = (0..target.len()).map(|i| (i % 251) as u8).collect();
+        let mut op = unsafe { a.put(src.as_ptr(), src.len(), &key, mh.addr()) }.unwrap();
+        drop(key);
+        let o = op.wait(Instant::now() + Duration::from_secs(10), None);
+        assert_eq!(o.unwrap(), Outcome::Completed, "{kind:?}");
+        drop(op);
+        assert!(target == src, "{kind:?}: the put did not land whole");
+        // b's key of a's memory, handed to a.
+        let mut mine = vec![0u8; 4096];
+        let amh = unsafe { a.map(mine.as_mut_ptr(), mine.len()) }.unwrap();
+        let theirs = b
+            .unpack_rkey(ba, amh.packed_rkey(), amh.addr(), amh.len() as u64)
+            .unwrap();
+        let e = unsafe { a.put(src.as_ptr(), 16, &theirs, amh.addr()) }
+            .err()
+            .expect("a key of another agent was taken");
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{kind:?}: {e}");
+        drop((theirs, amh, mh));
+    }
+}
+
 #[test]
 fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
     for kind in KINDS {

@@ -247,6 +247,11 @@ impl Agent {
     }
 
     fn check_peer(&self, peer: PeerId) -> Result<()> {
+        // Shut down (or shutting down): its endpoints are gone or going, whatever the table of
+        // peers, which the teardown does not clear, still says.
+        if self.shared.stopping.load(Ordering::Acquire) {
+            return Err(Error::new(ErrorKind::Shutdown, "agent is shut down"));
+        }
         match self.shared.peer_failed(peer) {
             None => Err(Error::new(
                 ErrorKind::UnknownPeer,
@@ -271,10 +276,14 @@ impl Agent {
         let id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
         let slot = OpSlot::new(id, peer, expected_len, tag, kind, notify);
         self.shared.track_op(&slot);
-        self.shared
-            .stats
-            .ops_started
-            .fetch_add(1, Ordering::Relaxed);
+        // A control message's op is kept out of the data counters, at its end too
+        // (`finish_slot`): counted here, it was started and never ended.
+        if !slot.control {
+            self.shared
+                .stats
+                .ops_started
+                .fetch_add(1, Ordering::Relaxed);
+        }
         slot
     }
 
@@ -450,11 +459,13 @@ impl Agent {
         })?;
         let id = r.wait(Instant::now() + ANSWER_WAIT)?;
         Ok(RemoteKey {
-            id,
-            peer,
-            base,
-            len,
-            shared: self.shared.clone(),
+            inner: Arc::new(RkeyInner {
+                id,
+                peer,
+                base,
+                len,
+                shared: self.shared.clone(),
+            }),
         })
     }
 
@@ -488,6 +499,7 @@ impl Agent {
     }
 
     fn rma(&self, addr: usize, len: usize, key: &RemoteKey, remote: u64, put: bool) -> Result<Op> {
+        let (inner, key) = (&key.inner, &*key.inner);
         check_buffer(addr, len)?;
         let end = remote.checked_add(len as u64);
         if remote < key.base || end.is_none_or(|e| e > key.base + key.len) {
@@ -499,9 +511,18 @@ impl Agent {
                 ),
             ));
         }
+        if !Arc::ptr_eq(&key.shared, &self.shared) {
+            // Its id names another agent's key: here it would be nobody's, or another peer's.
+            return Err(Error::invalid(
+                "the remote key was unpacked by another agent",
+            ));
+        }
         self.check_peer(key.peer)?;
         let slot = self.new_slot(key.peer, len, 0, SlotKind::Rma, false);
-        let op = self.op(slot.clone());
+        let mut op = self.op(slot.clone());
+        // The key lives while the op does: dropped before the op ended, it would be destroyed
+        // while UCX still reads it for the transfer's fragments.
+        op.keep_alive(inner.clone());
         self.shared.submit(Cmd::Rma {
             rkey: key.id,
             put,
@@ -721,8 +742,14 @@ impl Drop for MemHandle {
 }
 
 /// A peer's memory key, bound to one endpoint and the region it was advertised for. Not
-/// `Clone`; dropping it destroys the key.
+/// `Clone`; dropping it destroys the key once the puts and gets made with it have ended (each
+/// op holds it until then).
 pub struct RemoteKey {
+    inner: Arc<RkeyInner>,
+}
+
+/// What a [`RemoteKey`] and its ops share: the key is destroyed when the last goes.
+struct RkeyInner {
     id: u64,
     peer: PeerId,
     base: u64,
@@ -730,7 +757,7 @@ pub struct RemoteKey {
     shared: Arc<Shared>,
 }
 
-impl Drop for RemoteKey {
+impl Drop for RkeyInner {
     fn drop(&mut self) {
         let _ = self.shared.submit(Cmd::DestroyRkey(self.id));
     }

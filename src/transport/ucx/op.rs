@@ -162,6 +162,8 @@ pub struct Op {
     detach: bool,
     /// See [`Op::limit_grace`].
     grace_until: Option<Instant>,
+    /// What must outlive the op (a put's or get's remote key), dropped after its stop.
+    keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Op {
@@ -173,7 +175,13 @@ impl Op {
             quiesced: false,
             detach: false,
             grace_until: None,
+            keep: None,
         }
+    }
+
+    /// Keeps `what` alive until this op has been dropped (after its stop, if it had not ended).
+    pub(super) fn keep_alive(&mut self, what: Arc<dyn std::any::Any + Send + Sync>) {
+        self.keep = Some(what);
     }
 
     /// A stop waits for the cancel no later than `until` (several ops given up together share
