@@ -847,6 +847,35 @@ fn a_held_receive_that_is_dropped_or_cancelled_before_its_release_is_never_poste
     }
 }
 
+/// A held receive's op dropped before its `Held` (the reverse of the order above, as Rust drops
+/// locals after an early return between the post and the release) ends at once: nothing was
+/// posted. Before, its stop found no UCX request to cancel, waited the whole reap grace (2 s),
+/// force-closed the healthy peer's endpoint and counted the op as unreaped.
+#[test]
+fn a_held_receive_whose_op_is_dropped_first_ends_at_once_and_costs_the_peer_nothing() {
+    for kind in KINDS {
+        let (a, b, ab, ba) = pair_with(kind.clone(), true);
+        let mut buf = vec![0u8; 4096];
+        let mut held = b.hold();
+        let op = unsafe { held.post_recv_with(ba, 11, buf.as_mut_ptr(), 4096, false) }.unwrap();
+        held.post_control(ba, b"held".to_vec()).unwrap();
+        let t0 = Instant::now();
+        drop(op);
+        let took = t0.elapsed();
+        drop(held);
+        assert!(
+            took < Duration::from_millis(500),
+            "{kind:?}: the drop took {took:?}"
+        );
+        b.peer_state(ba).unwrap();
+        assert_eq!(b.stats().unreaped, 0, "{kind:?}");
+        // The pair still carries data both ways.
+        let mut sent = a.send_control(ab, b"still here".to_vec()).unwrap();
+        let dl = Instant::now() + Duration::from_secs(5);
+        assert_eq!(sent.wait(dl, None).unwrap(), Outcome::Completed, "{kind:?}");
+    }
+}
+
 /// The op's wait returns `Cancelled` within 500 ms (of a 2 s deadline).
 fn ends_cancelled_at_once(op: &mut Op, kind: &TransportKind) {
     let t0 = Instant::now();

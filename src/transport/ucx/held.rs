@@ -57,6 +57,7 @@ impl<'a> Held<'a> {
             self.agent
                 .prepare_tag(SlotKind::Recv, peer, tag, addr as usize, len, notify)?;
         self.large |= len > DIRECT_POST_MAX;
+        slot.held.store(true, Ordering::Release);
         self.transfers.push(cmd);
         if notify {
             self.slots.push(slot);
@@ -82,6 +83,12 @@ impl<'a> Held<'a> {
             return Ok(());
         }
         let shared = &self.agent.shared;
+        // Queued from here on: a stop cancels them as it does any op.
+        for cmd in &self.transfers {
+            if let Cmd::Tag { slot, .. } = cmd {
+                slot.held.store(false, Ordering::Release);
+            }
+        }
         let cmds = self.posts.drain(..).chain(self.transfers.drain(..));
         if self.large {
             return shared.submit_all(cmds);

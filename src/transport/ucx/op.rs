@@ -53,6 +53,9 @@ pub(super) struct OpSlot {
     /// when it is tracked, cleared by whichever takes them off first (its end, or its stop
     /// giving up on UCX).
     pub(super) bytes_counted: AtomicBool,
+    /// Posted through a [`Held`](super::Held) not yet released: its command is not queued, so
+    /// a stop has nothing to cancel and ends it at once (as the `Held`'s drop would).
+    pub(super) held: AtomicBool,
     /// Its index in [`Shared::in_flight`](super::shared::Shared) while tracked
     /// ([`NOT_TRACKED`] otherwise).
     pub(super) tracked_at: AtomicU32,
@@ -86,6 +89,7 @@ impl OpSlot {
             request: AtomicPtr::new(std::ptr::null_mut()),
             stop_reason: AtomicU8::new(STOP_NONE),
             bytes_counted: AtomicBool::new(false),
+            held: AtomicBool::new(false),
             tracked_at: AtomicU32::new(NOT_TRACKED),
         })
     }
@@ -324,6 +328,17 @@ impl Op {
             Ordering::AcqRel,
             Ordering::Acquire,
         );
+        if self.slot.held.load(Ordering::Acquire) {
+            // Not started, and never will be (its command, when released, finds it ended):
+            // nothing of UCX to wait for. Before, the cancel found no request, waited the whole
+            // reap grace, force-closed the peer's endpoint and counted the op unreaped.
+            callbacks::finish_slot(&self.shared, &self.slot, sys::UCS_ERR_CANCELED, 0);
+            if self.slot.notify {
+                self.shared.owe_pass();
+            }
+            self.quiesced = true;
+            return;
+        }
         let grace = self.shared.reap_grace;
         let cancel_until = cancel_ends(Instant::now(), grace, self.grace_until);
         // Stage 1: cancel (a send is drained by its receiver). Stage 2: force-close the
