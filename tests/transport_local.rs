@@ -1,6 +1,8 @@
 //! Real UCX between two agents in one process (tcp on loopback, and shared memory): bad input,
 //! cancel latency, size mismatches, calls after a peer is closed.
-use kvlink::transport::{Agent, AgentOptions, Event, Op, PeerId, TransportKind};
+use kvlink::transport::{
+    Agent, AgentOptions, Event, MemHandle, Op, PeerId, RemoteKey, TransportKind,
+};
 use kvlink::{ErrorKind, Outcome};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -359,6 +361,16 @@ fn a_send_among_bulk_transfers_in_flight_is_left_to_the_progress_thread_over_tcp
     }
 }
 
+/// `target` mapped by `b`, and `a`'s key of it through `a`'s peer `ab` (b): a region exposed
+/// for one-sided writes and reads, as an advertisement would name it.
+fn exposed(b: &Agent, a: &Agent, ab: PeerId, target: &mut [u8]) -> (MemHandle, RemoteKey) {
+    let mh = unsafe { b.map(target.as_mut_ptr(), target.len()) }.unwrap();
+    let key = a
+        .unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64)
+        .unwrap();
+    (mh, key)
+}
+
 /// A one-sided write given up while it waits behind a stuck progress thread (queued, not yet
 /// started) is never started: once the thread runs again, the target's memory is left as it
 /// was. Before, the queued write was posted all the same when its turn came, after its caller
@@ -370,10 +382,7 @@ fn a_one_sided_write_given_up_before_it_started_never_lands() {
     for kind in KINDS {
         let (a, b, ab, _ba) = pair(kind.clone());
         let mut target = vec![0u8; 1 << 16];
-        let mh = unsafe { b.map(target.as_mut_ptr(), target.len()) }.unwrap();
-        let key = a
-            .unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64)
-            .unwrap();
+        let (mh, key) = exposed(&b, &a, ab, &mut target);
         let src = vec![0xA5u8; 4096];
         a.fault_stall_progress(STALL, false).unwrap();
         let stalled = Instant::now();
@@ -439,10 +448,7 @@ fn a_remote_key_lives_until_its_transfers_end_and_is_one_agents_own() {
     for kind in KINDS {
         let (a, b, ab, ba) = pair(kind.clone());
         let mut target = vec![0u8; 32 << 20];
-        let mh = unsafe { b.map(target.as_mut_ptr(), target.len()) }.unwrap();
-        let key = a
-            .unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64)
-            .unwrap();
+        let (mh, key) = exposed(&b, &a, ab, &mut target);
         let src: Vec<u8> = (0..target.len()).map(|i| (i % 251) as u8).collect();
         let mut op = unsafe { a.put(src.as_ptr(), src.len(), &key, mh.addr()) }.unwrap();
         drop(key);

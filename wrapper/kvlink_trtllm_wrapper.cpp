@@ -1342,18 +1342,22 @@ std::uint32_t randomRankId() {
 
 namespace {
 
+/// Writes `what` into the host's error buffer (cut to fit, NUL-terminated; allocates nothing)
+/// and returns the factory's failure, NULL.
+void* failWith(char* error, size_t error_size, char const* what) noexcept {
+  if (error != nullptr && error_size > 0) {
+    std::strncpy(error, what, error_size - 1);
+    error[error_size - 1] = '\0';
+  }
+  return nullptr;
+}
+
 /// The factory's work; `makeKvlinkConnectionManager` keeps every exception, even one its error
 /// message throws, inside.
 void* makeManager(KvlinkTrtllmOptions const* o, char* error, size_t error_size) {
   using namespace kvlink;
   using namespace kvlink::trtllm;
-  auto const fail = [&](std::string const& what) -> void* {
-    if (error != nullptr && error_size > 0) {
-      std::strncpy(error, what.c_str(), error_size - 1);
-      error[error_size - 1] = '\0';
-    }
-    return nullptr;
-  };
+  auto const fail = [&](std::string const& what) { return failWith(error, error_size, what.c_str()); };
   if (o == nullptr || o->struct_size != sizeof(KvlinkTrtllmOptions)) return fail("kvlink: bad KvlinkTrtllmOptions");
   if (o->rank < 0 || o->world_size < 1 || o->rank >= o->world_size) {
     return fail("kvlink: rank " + std::to_string(o->rank) + " outside world_size " + std::to_string(o->world_size));
@@ -1450,10 +1454,6 @@ extern "C" __attribute__((visibility("default"))) void* makeKvlinkConnectionMana
   } catch (...) {
     // The message itself could not be built (memory exhausted): nothing may leave a C
     // function, so a fixed one, written without allocating.
-    if (error != nullptr && error_size > 0) {
-      std::strncpy(error, "kvlink: out of memory", error_size - 1);
-      error[error_size - 1] = '\0';
-    }
-    return nullptr;
+    return failWith(error, error_size, "kvlink: out of memory");
   }
 }
