@@ -26,6 +26,22 @@ pub(super) enum CbEvent {
     HeldSent(u64),
 }
 
+impl CbEvent {
+    /// How many control messages this report carries from the endpoint at address `ep` (UCX's
+    /// reply endpoint of an active message): none when it names another endpoint or carries
+    /// no message (a drain named by `ep` is one report of its own, counted as none).
+    pub(super) fn names_endpoint(&self, ep: usize) -> Option<u64> {
+        match self {
+            CbEvent::Control(e, ..) if *e as usize == ep => Some(1),
+            CbEvent::Batch(e, _, bytes) if *e as usize == ep => {
+                Some(batch::split(bytes).map_or(1, |m| m.len() as u64))
+            }
+            CbEvent::Drain(e, ..) if *e as usize == ep => Some(0),
+            _ => None,
+        }
+    }
+}
+
 // SAFETY: the UCX handles in a `CbEvent` are only used under the agent's driver lock (the
 // queue is the agent's own, `Shared::cb_events`), one thread at a time, as the worker's
 // SERIALIZED mode allows.

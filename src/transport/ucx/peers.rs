@@ -13,7 +13,7 @@
 //! carried (`PeerEntry::heard`); others are dropped and counted (`Stats::control_spoofed`).
 //! Only a process on the connection learns its voice (a kvlink of before voices sends its uid
 //! on every endpoint, which is one header per endpoint too).
-use super::callbacks::{ep_err_cb, internal_sent_cb, recv_cb};
+use super::callbacks::{ep_err_cb, internal_sent_cb, recv_cb, CbEvent};
 use super::handles::Endpoint;
 use super::op::{OpSlot, SlotKind, STOP_PEER, STOP_REMOTE_CANCEL};
 use super::progress::Progress;
@@ -239,8 +239,36 @@ impl Progress {
         }
         if let Some(ep) = ep {
             // Dropping the endpoint force-closes it: every send still on it ends.
-            self.ep_to_peer.remove(&(ep.ep as usize));
+            self.forget_endpoint(ep.ep);
             drop(ep);
+        }
+    }
+
+    /// Forgets the endpoint `ep`, about to be destroyed: its peer, and the callbacks' reports
+    /// not yet handled that name it (a control message, a batch, a drain; counted as stale
+    /// control messages). UCX may give a new endpoint the same address at once (a connection
+    /// accepted in the same batch of reports): a report of the old peer's handled after that
+    /// would be taken as the new peer's, and set the new peer's voice to the old one's, so that
+    /// the new peer's own messages were then dropped as spoofed. Every report naming `ep` that
+    /// exists now was made before the destroy; one made after it names the new endpoint.
+    pub(super) fn forget_endpoint(&mut self, ep: sys::ucp_ep_h) {
+        let ep = ep as usize;
+        self.ep_to_peer.remove(&ep);
+        let mut stale = 0u64;
+        let mut keep = |ev: &CbEvent| match ev.names_endpoint(ep) {
+            Some(n) => {
+                stale += n;
+                false
+            }
+            None => true,
+        };
+        self.cb_batch.retain(&mut keep);
+        self.shared.cb_events.lock().retain(&mut keep);
+        if stale > 0 {
+            self.shared
+                .stats
+                .stale_control_dropped
+                .fetch_add(stale, Ordering::Relaxed);
         }
     }
 
@@ -256,7 +284,7 @@ impl Progress {
         let ep = self.peers.get_mut(&peer.0).and_then(|e| e.ep.take());
         self.fail_peer(peer.0, sys::UCS_ERR_CANCELED, true);
         if let Some(ep) = ep {
-            self.ep_to_peer.remove(&(ep.ep as usize));
+            self.forget_endpoint(ep.ep);
             ep.close_flushed();
         }
     }

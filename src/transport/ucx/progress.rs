@@ -90,9 +90,12 @@ pub(super) struct Progress {
     pub(super) shared: Arc<Shared>,
     /// A `Shutdown` command was taken: the progress thread tears down next.
     pub(super) shutdown: bool,
-    /// Emptied buffers of the two report queues, swapped in when a pass takes their contents:
-    /// a queue keeps its capacity, so no report allocates once the pair is warm.
-    pub(super) cb_spare: Vec<CbEvent>,
+    /// The callbacks' reports being handled now ([`Progress::handle_callbacks`]), where
+    /// [`Progress::forget_endpoint`] can take out those naming an endpoint just destroyed;
+    /// empty between batches, and then swapped in as the queue's emptied buffer.
+    pub(super) cb_batch: VecDeque<CbEvent>,
+    /// The emptied buffer of the events queue, swapped in when a pass takes its contents: a
+    /// queue keeps its capacity, so no report allocates once the pair is warm.
     pub(super) ev_spare: VecDeque<Event>,
     /// Faults for tests ([`Agent::fault_stall_progress`](super::Agent::fault_stall_progress)):
     /// the progress thread sleeps this long after its next pass, holding the worker (so that no
@@ -608,10 +611,13 @@ impl Progress {
     }
 
     /// Handles what the UCX callbacks reported during the last progress call.
+    /// The batch is kept in `cb_batch` while it is handled, so that destroying an endpoint
+    /// takes out the reports still to come that name it (see [`Progress::forget_endpoint`]).
     pub(super) fn handle_callbacks(&mut self) -> usize {
-        let mut evs = callbacks::take_events(&self.shared, std::mem::take(&mut self.cb_spare));
-        let n = evs.len();
-        for ev in evs.drain(..) {
+        let spare = Vec::from(std::mem::take(&mut self.cb_batch));
+        self.cb_batch = callbacks::take_events(&self.shared, spare).into();
+        let n = self.cb_batch.len();
+        while let Some(ev) = self.cb_batch.pop_front() {
             match ev {
                 CbEvent::ConnRequest(req) => self.accept(req),
                 CbEvent::EpError(peer, status) => self.fail_peer(peer, status, false),
@@ -622,7 +628,6 @@ impl Progress {
                 CbEvent::HeldSent(peer) => self.held_sent(peer),
             }
         }
-        self.cb_spare = evs;
         n
     }
 
@@ -1088,6 +1093,68 @@ mod tests {
                 crate::Outcome::Completed
             );
             assert_eq!(b.stats().control_spoofed, 3, "{kind:?}");
+        }
+    }
+
+    /// A report the callbacks queued for a peer's endpoint, still unhandled when that endpoint
+    /// is destroyed, is the old peer's even if a new endpoint gets the same address (UCX's
+    /// allocator hands a freed endpoint's memory to the next one; here the new peer's mapping
+    /// is put at the old address by hand, as that reuse would): it is dropped, not taken as the
+    /// new peer's. Before, the old peer's message was handed on as the new peer's, and the new
+    /// peer's own messages were dropped as spoofed from then on.
+    #[test]
+    fn a_report_for_an_endpoint_destroyed_before_it_was_handled_is_not_a_new_peers() {
+        for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let (a, b, ab) = accepted_pair(&kind, deadline);
+            a.post_control(ab, b"first".to_vec()).unwrap();
+            assert_eq!(controls(&b, 1, deadline), [b"first"]);
+            let c = Agent::new(AgentOptions::new("newcomer", kind.clone())).unwrap();
+            let cb = match b.listen_address() {
+                Some(addr) => c.connect(addr),
+                None => c.connect_worker(&b.worker_address()),
+            }
+            .unwrap();
+            let bc = loop {
+                match b.next_event(deadline, None) {
+                    Some(Event::Accepted(peer, _)) => break peer,
+                    Some(_) => continue,
+                    None => panic!("{kind:?}: the newcomer was not accepted"),
+                }
+            };
+            let stale_before = b.stats().stale_control_dropped;
+            {
+                let mut g = b.shared.driver.lock();
+                let p = g.as_mut().unwrap();
+                let (&old_ep, &ba) = p
+                    .ep_to_peer
+                    .iter()
+                    .find(|(_, &peer)| peer != bc.0)
+                    .expect("the first peer's endpoint");
+                let mut batched = Vec::new();
+                batch::push(&mut batched, b"stale in a batch");
+                // Queued before the endpoint goes, handled after a new one took its address.
+                b.shared.cb_events.lock().extend([
+                    CbEvent::Control(old_ep as sys::ucp_ep_h, a.uid(), b"stale".to_vec()),
+                    CbEvent::Batch(old_ep as sys::ucp_ep_h, a.uid(), batched),
+                ]);
+                p.fail_peer(ba, sys::UCS_ERR_CANCELED, true);
+                p.ep_to_peer.insert(old_ep, bc.0);
+                p.handle_callbacks();
+                p.ep_to_peer.remove(&old_ep);
+            }
+            c.post_control(cb, b"mine".to_vec()).unwrap();
+            let got = loop {
+                match b.next_event(deadline, None) {
+                    Some(Event::Control(peer, bytes)) => break (peer, bytes),
+                    Some(_) => continue,
+                    None => panic!("{kind:?}: the newcomer's message never came"),
+                }
+            };
+            assert_eq!(got, (bc, b"mine".to_vec()), "{kind:?}");
+            let s = b.stats();
+            assert_eq!(s.control_spoofed, 0, "{kind:?}");
+            assert_eq!(s.stale_control_dropped - stale_before, 2, "{kind:?}");
         }
     }
 

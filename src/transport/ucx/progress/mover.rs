@@ -227,7 +227,8 @@ impl Progress {
     }
 
     fn handle_callbacks_discard(&mut self) {
-        let evs = callbacks::take_events(&self.shared, Vec::new());
+        let mut evs: Vec<CbEvent> = self.cb_batch.drain(..).collect();
+        evs.extend(callbacks::take_events(&self.shared, Vec::new()));
         for ev in evs {
             if let CbEvent::ConnRequest(req) = ev {
                 // SAFETY: an unanswered connection request of our listener.

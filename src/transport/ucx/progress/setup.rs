@@ -289,7 +289,7 @@ impl Progress {
                 discard_unexpected: opts.discard_unexpected,
                 shared,
                 shutdown: false,
-                cb_spare: Vec::new(),
+                cb_batch: VecDeque::new(),
                 ev_spare: VecDeque::new(),
                 stall: None,
                 connect_stall: None,
