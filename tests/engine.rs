@@ -2360,6 +2360,155 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
     }
 }
 
+/// A receiving rank agrees with its request's coordinator (the first receiver). A request
+/// started while the coordinator's connection has failed used to start all the same and run to
+/// its deadline (`TimedOut`), its votes going nowhere. Now `advertise` reconnects that rank and
+/// waits for it as for a sender: a coordinator this rank dialled is redialled and the request
+/// completes; one it cannot redial (it dialled this rank, and its engine is gone) fails the
+/// call at once with `PeerLost`, nothing posted, nothing advertised, and the next request on
+/// the sound pair completes.
+#[test]
+fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at_once() {
+    use kvlink::connection::PeerState;
+    const SENDER: u32 = 5;
+    const RECEIVER: u32 = 9;
+    // Coordinators: the lowest receiving rank, below this receiver's.
+    const DIALLED: u32 = 3;
+    const DIALLING: u32 = 2;
+    let soon = || Instant::now() + Duration::from_secs(10);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let engine = |name: &str, rank: u32| {
+            let mut c = EngineConfig::new(name, rank, kind.clone());
+            if !kind.by_worker_address() {
+                c.listen = Some("127.0.0.1:0".parse().unwrap());
+            }
+            c.agreement_bound = Duration::from_millis(500);
+            Engine::new(c).unwrap()
+        };
+        let ctx = engine("ctx", SENDER);
+        let gen = engine("gen", RECEIVER);
+        let coord = engine("coord", DIALLED);
+        gen.connect(&ctx.address(), soon()).unwrap();
+        coord.connect(&ctx.address(), soon()).unwrap();
+        assert_eq!(
+            gen.connect(&coord.address(), soon()).unwrap(),
+            RankId(DIALLED)
+        );
+        for rank in [RECEIVER, DIALLED] {
+            ctx.wait_peer(RankId(rank), soon()).unwrap();
+        }
+        // The coordinator's connection fails; this rank's request waits for the redial.
+        gen.fault_close_peer(RankId(DIALLED)).unwrap();
+        let until = soon();
+        while gen.health().peers_failed == 0 {
+            assert!(
+                Instant::now() < until,
+                "{kind:?}: the closed endpoint never failed"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        println!(
+            "{kind:?}: coordinator {:?} when the request starts",
+            gen.peer_state(RankId(DIALLED))
+        );
+        let receivers = vec![RankId(DIALLED), RankId(RECEIVER)];
+        let key = RequestKey::new(1, 0);
+        let mut mine = vec![0u8; 8192];
+        let mut theirs = vec![0u8; 8192];
+        // Both buffers outlive the request, waited for below.
+        advertise_buffers(
+            &gen,
+            key,
+            receivers.clone(),
+            RankId(SENDER),
+            vec![one_spec(&mut mine, 0)],
+            None,
+        );
+        assert_eq!(
+            gen.peer_state(RankId(DIALLED)),
+            PeerState::Connected,
+            "{kind:?}"
+        );
+        advertise_buffers(
+            &coord,
+            key,
+            receivers,
+            RankId(SENDER),
+            vec![one_spec(&mut theirs, 0)],
+            None,
+        );
+        for seed in [1u8, 2] {
+            let a = ctx.next_advertisement(soon(), None).unwrap();
+            assert_eq!(a.key, key);
+            ctx.accept(a.key, a.from, true).unwrap();
+            let data = fill(seed + a.from.0 as u8, 8192);
+            assert_eq!(
+                ctx.send(a.key, a.from, 0, &data, soon(), None).unwrap(),
+                Outcome::Completed
+            );
+        }
+        for (e, buf) in [(&gen, &mine), (&coord, &theirs)] {
+            assert_eq!(
+                e.wait(key, Role::Receiver, soon(), None).unwrap(),
+                Outcome::Completed,
+                "{kind:?}"
+            );
+            let from = if std::ptr::eq(e, &gen) {
+                RECEIVER
+            } else {
+                DIALLED
+            };
+            assert!(
+                *buf == fill(1 + from as u8, 8192) || *buf == fill(2 + from as u8, 8192),
+                "{kind:?}"
+            );
+        }
+        // A coordinator that dialled this rank, and whose engine then ended: nobody redials it.
+        let gone = engine("gone", DIALLING);
+        assert_eq!(
+            gone.connect(&gen.address(), soon()).unwrap(),
+            RankId(RECEIVER)
+        );
+        gen.wait_peer(RankId(DIALLING), soon()).unwrap();
+        drop(gone);
+        let until = soon();
+        while gen.peer_state(RankId(DIALLING)) != PeerState::Failed {
+            assert!(
+                Instant::now() < until,
+                "{kind:?}: the ended coordinator was never failed"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let key = RequestKey::new(2, 0);
+        let start = Instant::now();
+        // SAFETY: refused before anything is posted (checked below); `mine` outlives it anyway.
+        let r = unsafe {
+            gen.advertise_with(
+                key,
+                vec![RankId(DIALLING), RankId(RECEIVER)],
+                vec![(RankId(SENDER), vec![one_spec(&mut mine, 0)])],
+                vec![],
+                Some(Duration::from_secs(5)),
+            )
+        };
+        let took = start.elapsed();
+        println!("{kind:?}: a request whose coordinator is gone: {r:?} after {took:?}");
+        assert_eq!(r.unwrap_err().kind, kvlink::ErrorKind::PeerLost, "{kind:?}");
+        assert!(
+            took < Duration::from_secs(1),
+            "{kind:?}: not at once: {took:?}"
+        );
+        assert_eq!(gen.health().buffers_leased, 0, "{kind:?}");
+        assert!(
+            ctx.next_advertisement(Instant::now() + Duration::from_millis(200), None)
+                .is_none(),
+            "{kind:?}: a refused request was advertised"
+        );
+        let request = (RequestKey::new(3, 0), RECEIVER, SENDER);
+        one_request_completes(&ctx, &gen, request, None, 7, &format!("{kind:?}"));
+    }
+}
+
 /// A cancel check runs under none of the engine's locks, so it may call into the engine (or
 /// take a lock that another thread holds while it calls into the engine). A send given such a
 /// check returns as usual: before, the send asked its check once more under the engine's lock

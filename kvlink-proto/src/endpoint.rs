@@ -197,6 +197,17 @@ impl Endpoint {
     pub fn rank(&self) -> RankId {
         self.me
     }
+
+    /// The rank this one agrees with over the wire on a request it receives with `receivers`:
+    /// their coordinator (the first), unless that is this rank or the receivers agree through
+    /// an external collective. A request whose coordinator cannot be heard never learns its
+    /// verdict; the engine reconnects that rank before it starts one.
+    pub fn coordinator_of(&self, receivers: &[RankId]) -> Option<RankId> {
+        receivers
+            .first()
+            .copied()
+            .filter(|&c| c != self.me && self.collective.is_none())
+    }
     pub fn config(&self) -> &Config {
         &self.config
     }

@@ -37,7 +37,8 @@ impl Engine {
     /// of the request (this one included); `flows` gives, per context rank, the buffers it will
     /// fill. A sender whose connection is being re-established is waited for (up to the
     /// request's deadline); one whose round gave up gets one fresh round, and the call fails
-    /// `PeerLost` if that gives up too. A host buffer inside a region ([`Engine::register_region`])
+    /// `PeerLost` if that gives up too (at once for one this rank cannot redial). The request's
+    /// coordinator (the first receiver, when another rank once connected here) is treated alike. A host buffer inside a region ([`Engine::register_region`])
     /// must lie wholly inside it (`OutOfBounds`) and off its fenced ranges (`Fenced`). On error
     /// nothing stays posted or leased.
     ///
@@ -109,8 +110,9 @@ impl Engine {
                 ),
             ));
         }
-        let peers = self.senders_connected(&mut core, &flows, deadline)?;
-        // Waiting for a sender to reconnect lets go of the lock: another advertise of the same
+        let coordinator = core.ep.coordinator_of(&receivers);
+        let peers = self.senders_connected(&mut core, &flows, coordinator, deadline)?;
+        // Waiting for a rank to reconnect lets go of the lock: another advertise of the same
         // key may have run meanwhile.
         if let Some(e) = ran_here(&core) {
             return Err(e);
@@ -185,23 +187,31 @@ impl Engine {
     }
 
     /// The endpoint of every sender of a request, waiting (until `deadline`) for those being
-    /// reconnected. Releases the lock while it waits.
+    /// reconnected. The request's `coordinator` (another receiving rank, whose verdict this
+    /// one waits for) is reconnected and waited for alike when its connection failed: started
+    /// without it, the request could only run to its deadline. A coordinator never connected
+    /// here is not waited for (it may be the one that dials). Releases the lock while it waits.
     fn senders_connected(
         &self,
         core: &mut MutexGuard<'_, Core>,
         flows: &[(RankId, Vec<BufferSpec>)],
+        coordinator: Option<RankId>,
         deadline: Instant,
     ) -> Result<Vec<PeerId>> {
         // The ranks this call revived: each gets one fresh round (`Peers::revive`); one that
         // gives up is lost to this call, not revived again round after round to the deadline.
         let mut revived: SmallVec<[RankId; 2]> = SmallVec::new();
+        let senders = flows.iter().map(|(rank, _)| rank);
         'again: loop {
             let mut peers = Vec::with_capacity(flows.len());
-            for (rank, _) in flows {
+            for (i, rank) in senders.clone().chain(coordinator.as_ref()).enumerate() {
+                let sender = i < flows.len();
                 match core.peers.state(*rank) {
-                    PeerState::Connected => {
+                    PeerState::Connected if sender => {
                         peers.push(core.peers.endpoint(*rank).expect("connected"))
                     }
+                    PeerState::Connected => {}
+                    PeerState::Unknown if !sender => {}
                     PeerState::Unknown => {
                         return Err(Error::new(
                             ErrorKind::UnknownPeer,
