@@ -901,6 +901,57 @@ TEST_P(WrapperTest, ARecvConnectThatDoesNotFitTheEnvelopeTakesNothing) {
   EXPECT_NO_THROW(server.get());
 }
 
+// An envelope that does not start with the request id (tag 19) is the generation rank's mistake:
+// refused (that rank reads ready == false), told to the host's log hook as a warning, and the
+// recvConnect goes on to the next envelope. Before, the call threw Protocol, and upstream's
+// context side ends its response loop for good on an exception: one peer's bad envelope
+// stopped the rank serving every request after it.
+TEST_P(WrapperTest, AMalformedEnvelopeIsRefusedAndTheCallGoesOnToTheNext) {
+  struct Seen {
+    std::mutex mu;
+    std::vector<std::string> warnings;
+  } seen;  // declared before the manager whose hook it is, destroyed after it
+  KvlinkTrtllmOptions o = options(GetParam());
+  o.log = [](void* user, int level, char const* line, size_t n) {
+    auto* s = static_cast<Seen*>(user);
+    std::lock_guard<std::mutex> g(s->mu);
+    if (level == 2) s->warnings.emplace_back(line, n);
+  };
+  o.log_user = &seen;
+  o.log_level = 2;
+  auto ctx = make(*wrapper_, o);
+  auto conns = gen_->getConnections(ctx->getCommState());
+  ASSERT_EQ(conns.size(), 1u);
+  kv::Connection const* toCtx = conns.at(0);
+  GenSide gen{toCtx, Tags{true}};
+  constexpr uint64_t kId = 4353;
+  // Another thread's envelope without its id: an info size and an info (which starts with a
+  // request id of its own) only.
+  std::thread([&] {
+    uint64_t const info[2] = {kId + 1, 0};
+    uint64_t const size = sizeof info;
+    toCtx->send(kv::DataContext{bm::TransceiverTag::kINFO_SIZE_TAG}, &size, sizeof size);
+    toCtx->send(kv::DataContext{bm::TransceiverTag::kINFO_TAG}, info, sizeof info);
+  }).join();
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kId, 0, src.data(), src.size());
+  Watchdog dog(10s);
+  std::atomic<bool> const& giveUp = dog.flag;
+  auto server = std::async(std::launch::async, [&] { serveOne(*ctx, gen, kId, src, giveUp); });
+  gen.sendRequestInfo(kId);
+  bool const ready = gen.recvReady(kId, never_);
+  EXPECT_TRUE(ready) << "the request behind the malformed one was refused";
+  if (ready) {
+    toCtx->recv(kv::DataContext{gen.tags.data(kId), never_}, dst.data(), dst.size());
+    EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
+  }
+  EXPECT_NO_THROW(server.get());
+  std::lock_guard<std::mutex> g(seen.mu);
+  EXPECT_TRUE(std::any_of(seen.warnings.begin(), seen.warnings.end(),
+                          [](std::string const& w) { return w.find("does not start with tag 19") != std::string::npos; }))
+      << seen.warnings.size() << " warnings, none about the malformed envelope";
+}
+
 // A send of the envelope's id that went through, then a send of its info size that failed (from
 // null): the thread's next request goes out as an envelope of its own, not behind the id left
 // over. Before, that envelope went [19, 19, 22, 32]: the context rank's recv of 22 found 19, and

@@ -442,14 +442,15 @@ class Manager final : public kv::ConnectionManager {
       taken.emplace(popEnvelope());
       if (wellFormed && !expired) break;
       // Past its deadline (the dispatcher drops those too, every round): its generation rank has
-      // given up, and the host gets the next one, not a dead request. Malformed: refused, and
-      // the host is told.
+      // given up, and the host gets the next one, not a dead request. Malformed: refused (its
+      // generation rank reads ready == false), logged, and the call goes on to the next one.
+      // Before, it threw Protocol, and upstream's context side ends its response loop for good
+      // on an exception: one peer's bad envelope stopped the rank serving every request.
       g.unlock();
       refuse(taken->first);
       if (!expired) {
-        throw Error(ErrorKind::Protocol, "kvlink Protocol: a request envelope from rank " +
-                                             std::to_string(taken->first.from_rank) + " does not start with tag " +
-                                             std::to_string(kIdTag) + ": refused");
+        warn("a request envelope from rank " + std::to_string(taken->first.from_rank) + " does not start with tag " +
+             std::to_string(kIdTag) + " (the request id): refused");
       }
       g.lock();
     }
@@ -539,6 +540,20 @@ class Manager final : public kv::ConnectionManager {
   static std::mutex& logMutex() {
     static std::mutex m;
     return m;
+  }
+  /// A warning of the wrapper's own (not kvlink's, which reach the hook through the log sink),
+  /// to this manager's hook if it holds one at `Warn` or a more verbose level; called unlocked.
+  void warn(std::string const& what) const {
+    std::optional<LogHook> mine;
+    {
+      std::lock_guard<std::mutex> g(logMutex());
+      for (auto const& [m, h] : logHooks()) {
+        if (m == this) mine = h;
+      }
+    }
+    if (!mine || mine->level < static_cast<int>(LogLevel::Warn)) return;
+    std::string const line = "[kvlink] kvlink_trtllm_wrapper: " + what;
+    mine->fn(mine->user, static_cast<int>(LogLevel::Warn), line.data(), line.size());
   }
   /// The live managers with a hook, oldest first.
   static std::vector<std::pair<Manager const*, LogHook>>& logHooks() {
