@@ -2360,7 +2360,7 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
     }
 }
 
-/// A receiving rank agrees with its request's coordinator (the first receiver). A request
+/// A receiving rank agrees with its request's coordinator (the lowest receiving rank). A request
 /// started while the coordinator's connection has failed used to start all the same and run to
 /// its deadline (`TimedOut`), its votes going nowhere. Now `advertise` reconnects that rank and
 /// waits for it as for a sender: a coordinator this rank dialled is redialled and the request
@@ -2411,7 +2411,8 @@ fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at
             "{kind:?}: coordinator {:?} when the request starts",
             gen.peer_state(RankId(DIALLED))
         );
-        let receivers = vec![RankId(DIALLED), RankId(RECEIVER)];
+        // In any order: the coordinator is the lowest, not the first.
+        let receivers = vec![RankId(RECEIVER), RankId(DIALLED)];
         let key = RequestKey::new(1, 0);
         let mut mine = vec![0u8; 8192];
         let mut theirs = vec![0u8; 8192];
@@ -2485,7 +2486,7 @@ fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at
         let r = unsafe {
             gen.advertise_with(
                 key,
-                vec![RankId(DIALLING), RankId(RECEIVER)],
+                vec![RankId(RECEIVER), RankId(DIALLING)],
                 vec![(RankId(SENDER), vec![one_spec(&mut mine, 0)])],
                 vec![],
                 Some(Duration::from_secs(5)),

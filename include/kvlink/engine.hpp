@@ -541,7 +541,7 @@ class Engine {
   /// request's deadline (`timeout`); to a sender whose reconnect round gave up it starts one fresh
   /// round; it throws `PeerLost` if the sender is not back by then or that round gives up first
   /// (it dials the old address: a context process that died and came back at another one is
-  /// reached only by a `connect` to its new address). The request's coordinator (the first of
+  /// reached only by a `connect` to its new address). The request's coordinator (the lowest of
   /// `receivers`, when it is another rank that has been connected here) is waited for alike; a
   /// failed one that this rank cannot redial (it was the one that dialled) throws `PeerLost` at once.
   /// The buffers are borrowed until `wait_receiver(key)` returns.

@@ -198,13 +198,15 @@ impl Endpoint {
         self.me
     }
 
-    /// The rank this one agrees with over the wire on a request it receives with `receivers`:
-    /// their coordinator (the first), unless that is this rank or the receivers agree through
-    /// an external collective. A request whose coordinator cannot be heard never learns its
-    /// verdict; the engine reconnects that rank before it starts one.
+    /// The rank this one agrees with over the wire on a request it receives with `receivers`
+    /// (in any order): their coordinator, the lowest (as [`Endpoint::start_receive`] takes
+    /// them, sorted), unless that is this rank or the receivers agree through an external
+    /// collective. A request whose coordinator cannot be heard never learns its verdict; the
+    /// engine reconnects that rank before it starts one.
     pub fn coordinator_of(&self, receivers: &[RankId]) -> Option<RankId> {
         receivers
-            .first()
+            .iter()
+            .min()
             .copied()
             .filter(|&c| c != self.me && self.collective.is_none())
     }
@@ -1177,5 +1179,46 @@ mod tests {
         assert!(t.answers(RankId(3)) && !t.answers(RankId(4)));
         let t = Tomb::receive(Instant::now(), Outcome::Completed, &[RankId(3), RankId(5)]);
         assert!(t.answers(RankId(3)) && t.answers(RankId(5)) && !t.answers(RankId(4)));
+    }
+
+    /// The coordinator the engine reconnects before a request starts is the one the request
+    /// votes to: the lowest receiver, whatever order the caller lists them in. It was the
+    /// first listed: rank 105 given `[105, 102]` took itself for the coordinator and did not
+    /// wait for 102, to which its request then voted.
+    #[test]
+    fn the_coordinator_is_the_lowest_receiver_in_any_order() {
+        let ep = Endpoint::new(RankId(105), Config::default());
+        assert_eq!(
+            ep.coordinator_of(&[RankId(105), RankId(102)]),
+            Some(RankId(102))
+        );
+        assert_eq!(
+            ep.coordinator_of(&[RankId(107), RankId(105)]),
+            None,
+            "this rank coordinates"
+        );
+        assert_eq!(ep.coordinator_of(&[RankId(105)]), None);
+        struct Silent;
+        impl Collective for Silent {
+            fn contribute(
+                &mut self,
+                _: Instant,
+                _: RequestKey,
+                _: &[RankId],
+                _: RankId,
+                _: Outcome,
+            ) {
+            }
+            fn poll_verdict(&mut self, _: RequestKey) -> Option<Outcome> {
+                None
+            }
+        }
+        let collective =
+            Endpoint::with_collective(RankId(105), Config::default(), Box::new(Silent));
+        assert_eq!(
+            collective.coordinator_of(&[RankId(105), RankId(102)]),
+            None,
+            "an external collective agrees for them"
+        );
     }
 }

@@ -38,7 +38,8 @@ impl Engine {
     /// fill. A sender whose connection is being re-established is waited for (up to the
     /// request's deadline); one whose round gave up gets one fresh round, and the call fails
     /// `PeerLost` if that gives up too (at once for one this rank cannot redial). The request's
-    /// coordinator (the first receiver, when another rank once connected here) is treated alike. A host buffer inside a region ([`Engine::register_region`])
+    /// coordinator (the lowest receiving rank, when another rank once connected here) is treated
+    /// alike. A host buffer inside a region ([`Engine::register_region`])
     /// must lie wholly inside it (`OutOfBounds`) and off its fenced ranges (`Fenced`). On error
     /// nothing stays posted or leased.
     ///
