@@ -510,6 +510,21 @@ fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
             a.unpack_rkey(ab, &[], mh.addr(), 16).err().unwrap().kind,
             ErrorKind::InvalidArgument
         );
+        // Bytes that are not a whole key never reach UCX's unpack, which reads a key without a
+        // length (before, `[0xff]` was handed to it: a read past the one byte, in UCX's hands).
+        let packed = mh.packed_rkey();
+        let mut changed = packed.to_vec();
+        *changed.last_mut().unwrap() ^= 1;
+        for bad in [
+            &[0xff][..],
+            &[0xffu8; 4096][..],
+            &packed[..packed.len() - 1],
+            &changed[..],
+            &b.worker_address()[..],
+        ] {
+            let e = a.unpack_rkey(ab, bad, mh.addr(), 16).err().unwrap();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{kind:?}: {e}");
+        }
         drop(key);
         drop(mh);
         drop(target);

@@ -434,7 +434,9 @@ impl Agent {
     }
 
     /// Unpacks a peer's remote key for its region `[base, base+len)` (as the peer advertised
-    /// it). Every put or get through the key is checked against that region.
+    /// it: [`MemHandle::packed_rkey`]'s bytes, whole). Every put or get through the key is
+    /// checked against that region. Bytes that are not such a key (cut short, changed, made up)
+    /// are `InvalidArgument`: UCX's unpack reads a key without a length.
     pub fn unpack_rkey(
         &self,
         peer: PeerId,
@@ -447,6 +449,7 @@ impl Agent {
                 "a packed remote key must be 1..=65536 bytes",
             ));
         }
+        let packed = super::address::open_rkey(packed)?;
         if base == 0 || len == 0 || base.checked_add(len).is_none() {
             return Err(Error::new(ErrorKind::OutOfBounds, "bad remote region"));
         }

@@ -125,8 +125,12 @@ impl Mapped {
         if st != sys::UCS_OK {
             return Err(map_status(st, "ucp_rkey_pack"));
         }
-        // SAFETY: UCX returned `size` readable bytes at `buf`.
-        mapped.packed_rkey = unsafe { std::slice::from_raw_parts(buf as *const u8, size) }.to_vec();
+        // SAFETY: UCX returned `size` readable bytes at `buf`. Sealed (length and checksum):
+        // `ucp_ep_rkey_unpack` reads a key without a length, so only one whole and unchanged
+        // may reach it (`Agent::unpack_rkey`).
+        mapped.packed_rkey = super::address::seal_rkey(unsafe {
+            std::slice::from_raw_parts(buf as *const u8, size)
+        });
         // SAFETY: releasing the buffer ucp_rkey_pack allocated, once.
         unsafe { sys::ucp_rkey_buffer_release(buf) };
         Ok(mapped)
