@@ -901,11 +901,13 @@ TEST_P(WrapperTest, ARecvConnectThatDoesNotFitTheEnvelopeTakesNothing) {
   EXPECT_NO_THROW(server.get());
 }
 
-// An envelope that does not start with the request id (tag 19) is the generation rank's mistake:
-// refused (that rank reads ready == false), told to the host's log hook as a warning, and the
-// recvConnect goes on to the next envelope. Before, the call threw Protocol, and upstream's
-// context side ends its response loop for good on an exception: one peer's bad envelope
-// stopped the rank serving every request after it.
+// An envelope that is not upstream's three parts (the 8-byte id, tag 19; the info's size as 8
+// bytes, 22; the info of that size, 32) is the generation rank's mistake: refused as it arrives
+// (that rank reads ready == false at once), told to the host's log hook as a warning, and never
+// handed to the host: recvConnect gets the next, whole one. Before, the call threw Protocol for
+// an envelope without its id, and handed out one with a good id and a bad rest, whose reads
+// then threw in the host; upstream's context side ends its response loop for good on an
+// exception, so one peer's bad envelope stopped the rank serving every request after it.
 TEST_P(WrapperTest, AMalformedEnvelopeIsRefusedAndTheCallGoesOnToTheNext) {
   struct Seen {
     std::mutex mu;
@@ -925,14 +927,36 @@ TEST_P(WrapperTest, AMalformedEnvelopeIsRefusedAndTheCallGoesOnToTheNext) {
   kv::Connection const* toCtx = conns.at(0);
   GenSide gen{toCtx, Tags{true}};
   constexpr uint64_t kId = 4353;
-  // Another thread's envelope without its id: an info size and an info (which starts with a
-  // request id of its own) only.
-  std::thread([&] {
-    uint64_t const info[2] = {kId + 1, 0};
-    uint64_t const size = sizeof info;
-    toCtx->send(kv::DataContext{bm::TransceiverTag::kINFO_SIZE_TAG}, &size, sizeof size);
-    toCtx->send(kv::DataContext{bm::TransceiverTag::kINFO_TAG}, info, sizeof info);
-  }).join();
+  auto const rid = bm::TransceiverTag::Id::REQUEST_SEND;
+  uint32_t const shortSize = 16;
+  uint64_t const sixteen = 16, seventeen = 17;
+  // Each from a thread of its own (a generation thread's next request would wait for its last),
+  // each with an info that starts with a request id of its own.
+  struct Part {
+    int tag;
+    void const* data;
+    size_t size;
+  };
+  std::vector<std::vector<Part>> const bad = {
+      {{bm::TransceiverTag::kINFO_SIZE_TAG, &sixteen, 8}},                     // no id
+      {{bm::TransceiverTag::kID_TAG, &rid, sizeof rid}},                          // no info size
+      {{bm::TransceiverTag::kID_TAG, &rid, sizeof rid}, {bm::TransceiverTag::kINFO_SIZE_TAG, &shortSize, 4}},
+      {{bm::TransceiverTag::kID_TAG, &rid, sizeof rid}, {bm::TransceiverTag::kINFO_SIZE_TAG, &seventeen, 8}},
+  };
+  auto const started = Clock::now();
+  for (size_t i = 0; i < bad.size(); ++i) {
+    std::thread([&, i] {
+      uint64_t const info[2] = {kId + 1 + i, 0};
+      try {
+        for (Part const& p : bad[i]) toCtx->send(kv::DataContext{p.tag}, p.data, p.size);
+        toCtx->send(kv::DataContext{bm::TransceiverTag::kINFO_TAG}, info, sizeof info);
+        EXPECT_FALSE(gen.recvReady(kId + 1 + i, never_)) << "malformed envelope " << i << " was served";
+      } catch (std::exception const& e) {
+        ADD_FAILURE() << "malformed envelope " << i << ": " << e.what();
+      }
+    }).join();
+  }
+  EXPECT_LT(Clock::now() - started, 5s) << "a malformed envelope was refused only at its deadline";
   std::vector<uint8_t> src(4096), dst(4096, 0);
   fill(kId, 0, src.data(), src.size());
   Watchdog dog(10s);
@@ -940,16 +964,48 @@ TEST_P(WrapperTest, AMalformedEnvelopeIsRefusedAndTheCallGoesOnToTheNext) {
   auto server = std::async(std::launch::async, [&] { serveOne(*ctx, gen, kId, src, giveUp); });
   gen.sendRequestInfo(kId);
   bool const ready = gen.recvReady(kId, never_);
-  EXPECT_TRUE(ready) << "the request behind the malformed one was refused";
+  EXPECT_TRUE(ready) << "the request behind the malformed ones was refused";
   if (ready) {
     toCtx->recv(kv::DataContext{gen.tags.data(kId), never_}, dst.data(), dst.size());
     EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
   }
   EXPECT_NO_THROW(server.get());
   std::lock_guard<std::mutex> g(seen.mu);
-  EXPECT_TRUE(std::any_of(seen.warnings.begin(), seen.warnings.end(),
-                          [](std::string const& w) { return w.find("does not start with tag 19") != std::string::npos; }))
-      << seen.warnings.size() << " warnings, none about the malformed envelope";
+  auto const told = std::count_if(seen.warnings.begin(), seen.warnings.end(), [](std::string const& w) {
+    return w.find("is malformed") != std::string::npos;
+  });
+  EXPECT_EQ(told, static_cast<long>(bad.size())) << seen.warnings.size() << " warnings";
+}
+
+// A data send of another size than the buffer the generation rank advertised is the host's
+// mistake: InvalidArgument, and it takes nothing, so the send made again with the right size
+// fills the buffer. Before, the advertisement was taken and refused: the retry waited out the
+// deadline and the generation rank's recv ended Rejected.
+TEST_P(WrapperTest, ADataSendOfTheWrongSizeTakesNothing) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kId = 4361;
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  fill(kId, 0, src.data(), src.size());
+  Watchdog dog(10s);
+  std::atomic<bool> const& giveUp = dog.flag;
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, giveUp);
+    if (t.conn == nullptr) throw std::runtime_error("no request taken");
+    bool const ready = true;
+    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    try {
+      t.conn->send(kv::DataContext{gen.tags.data(kId), giveUp}, src.data(), src.size() - 1);
+      ADD_FAILURE() << "a send of the wrong size went through";
+    } catch (std::exception const& e) {
+      EXPECT_NE(std::string(e.what()).find("InvalidArgument"), std::string::npos) << e.what();
+    }
+    t.conn->send(kv::DataContext{gen.tags.data(kId), giveUp}, src.data(), src.size());
+  });
+  gen.sendRequestInfo(kId);
+  ASSERT_TRUE(gen.recvReady(kId, never_));
+  toCtx_->recv(kv::DataContext{gen.tags.data(kId), never_}, dst.data(), dst.size());
+  EXPECT_NO_THROW(server.get());
+  EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
 }
 
 // A send of the envelope's id that went through, then a send of its info size that failed (from

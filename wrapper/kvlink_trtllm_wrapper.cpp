@@ -76,6 +76,10 @@ constexpr int kIdTag = 19;
 // dispatcher's taking them would otherwise get around).
 constexpr std::size_t kMaxEnvelopes = 16384;
 constexpr std::size_t kMaxEnvelopeBytes = std::size_t{256} << 20;
+/// Buffer advertisements a connection holds for its sends, at most (the engine's own bound on
+/// queued advertisements): past it one is refused, as a peer could otherwise grow the queue
+/// without end with advertisements of long deadlines that no send takes.
+constexpr std::size_t kMaxBuffersQueued = 16384;
 // The envelope's first part: upstream's TransceiverTag::Id, a 64-bit enum.
 constexpr std::size_t kIdSize = 8;
 constexpr int kInfoSizeTag = 22;
@@ -93,6 +97,31 @@ using wire::Message;
 // --- Tags and request ids ------------------------------------------------------------------------
 
 bool isEnvelopeTag(int tag) { return tag == kIdTag || tag == kInfoSizeTag || tag == kInfoTag; }
+
+/// What is wrong with an envelope, or nothing: upstream's sendRequestInfo sends the 8-byte id
+/// (tag 19), the info's size as 8 bytes (22) and the info of that size (32), and its context
+/// side reads them in that order, each with its own size. Anything else is the generation
+/// rank's mistake (or a hostile peer's): the context side's reads of it would fail one by one,
+/// each an exception in its response loop.
+std::optional<std::string> envelopeFault(std::vector<Message> const& m) {
+  if (m.size() != 3 || m[0].tag != kIdTag || m[1].tag != kInfoSizeTag || m[2].tag != kInfoTag) {
+    std::string tags;
+    for (auto const& part : m) tags += (tags.empty() ? "" : ", ") + std::to_string(part.tag);
+    return "its parts have tags [" + tags + "], not [19, 22, 32]";
+  }
+  if (m[0].bytes.size() != kIdSize || m[1].bytes.size() != sizeof(std::uint64_t)) {
+    return "its id has " + std::to_string(m[0].bytes.size()) + " bytes and its info size " +
+           std::to_string(m[1].bytes.size()) + ", not 8 each";
+  }
+  std::uint64_t named = 0;
+  std::memcpy(&named, m[1].bytes.data(), sizeof named);
+  if (named != m[2].bytes.size()) {
+    return "it names an info of " + std::to_string(named) + " bytes and carries " + std::to_string(m[2].bytes.size());
+  }
+  return std::nullopt;
+}
+
+int levelFromEnv();  // the host's TRTLLM_LOG_LEVEL as a kvlink log level (below)
 bool isReadyTag(int tag) { return (tag & 0xFF) == kReadyType; }
 
 /// Whether request `id` can be the one a request-scoped `tag` names. Upstream puts the low 12
@@ -289,6 +318,8 @@ class KvlinkConnection final : public kv::Connection {
     Advertisement adv;
     int tag = 0;
   };
+  /// Per context request, how many data sends are looking for their buffer (sendData).
+  mutable std::map<std::uint64_t, int> looking_;
 
   void sendEnvelope(std::vector<Message>&& msgs) const;
   void sendReady(kv::DataContext const& ctx, void const* data, size_t size) const;
@@ -345,6 +376,7 @@ class Manager final : public kv::ConnectionManager {
       }
     }
     m->commState_ = kv::CommState(std::move(agents), o.rank);
+    m->hook_ = hookOf(o);  // before the dispatcher, which reads it (warn)
     m->dispatcher_ = std::thread([p = m.get()] { p->dispatch(); });
     return m;
   }
@@ -426,12 +458,10 @@ class Manager final : public kv::ConnectionManager {
         continue;
       }
       auto const& [queuedAdv, queuedHeader] = envelopes_.front();
-      Message const* first = queuedHeader.messages.empty() ? nullptr : &queuedHeader.messages.front();
-      // An envelope starts with the 8-byte id (19): one that does not is the generation rank's
-      // mistake (refused here, not left at the front to hold up every request behind it).
-      bool const wellFormed = first != nullptr && first->tag == kIdTag && first->bytes.size() == kIdSize;
+      // Queued only whole (dispatchOne: envelopeFault), so it starts with the 8-byte id (19).
+      Message const* first = &queuedHeader.messages.front();
       bool const expired = Clock::now() > queuedAdv.deadline;
-      if (wellFormed && !expired && (first->tag != ctx.getTag() || first->bytes.size() != size)) {
+      if (!expired && (first->tag != ctx.getTag() || first->bytes.size() != size)) {
         // The host's mistake: a typed error, and the envelope stays for a recvConnect that fits
         // (before, it was taken and refused, and that request was lost).
         throw Error(ErrorKind::InvalidArgument,
@@ -440,18 +470,11 @@ class Manager final : public kv::ConnectionManager {
                         std::to_string(first->tag) + " of " + std::to_string(first->bytes.size()) + " bytes");
       }
       taken.emplace(popEnvelope());
-      if (wellFormed && !expired) break;
+      if (!expired) break;
       // Past its deadline (the dispatcher drops those too, every round): its generation rank has
-      // given up, and the host gets the next one, not a dead request. Malformed: refused (its
-      // generation rank reads ready == false), logged, and the call goes on to the next one.
-      // Before, it threw Protocol, and upstream's context side ends its response loop for good
-      // on an exception: one peer's bad envelope stopped the rank serving every request.
+      // given up, and the host gets the next one, not a dead request.
       g.unlock();
       refuse(taken->first);
-      if (!expired) {
-        warn("a request envelope from rank " + std::to_string(taken->first.from_rank) + " does not start with tag " +
-             std::to_string(kIdTag) + " (the request id): refused");
-      }
       g.lock();
     }
     auto& [adv, header] = *taken;
@@ -484,6 +507,12 @@ class Manager final : public kv::ConnectionManager {
     void* user;
     int level;
   };
+
+  /// The log hook the options ask for, if any.
+  static std::optional<LogHook> hookOf(KvlinkTrtllmOptions const& o) {
+    if (o.log == nullptr) return std::nullopt;
+    return LogHook{o.log, o.log_user, o.log_level > 0 ? std::min(o.log_level, 5) : levelFromEnv()};
+  }
 
   /// Routes kvlink's (process-wide) log sink to `h`. Called with `logMutex()` held.
   static void installLogHook(LogHook const& h) {
@@ -537,28 +566,24 @@ class Manager final : public kv::ConnectionManager {
       std::fprintf(stderr, "[kvlink] the log hook of the next live manager could not be installed: %s\n", e.what());
     }
   }
+  // Both never destroyed (as liveConnections): a manager the host destroys during static
+  // destruction (one held in a global) still finds them.
   static std::mutex& logMutex() {
-    static std::mutex m;
-    return m;
+    static auto* m = new std::mutex;
+    return *m;
   }
   /// A warning of the wrapper's own (not kvlink's, which reach the hook through the log sink),
-  /// to this manager's hook if it holds one at `Warn` or a more verbose level; called unlocked.
+  /// to this manager's hook if it holds one at `Warn` or a more verbose level. Takes no lock:
+  /// the log mutex is held across a sink's removal, which waits up to 500 ms for a slow hook.
   void warn(std::string const& what) const {
-    std::optional<LogHook> mine;
-    {
-      std::lock_guard<std::mutex> g(logMutex());
-      for (auto const& [m, h] : logHooks()) {
-        if (m == this) mine = h;
-      }
-    }
-    if (!mine || mine->level < static_cast<int>(LogLevel::Warn)) return;
+    if (!hook_ || hook_->level < static_cast<int>(LogLevel::Warn)) return;
     std::string const line = "[kvlink] kvlink_trtllm_wrapper: " + what;
-    mine->fn(mine->user, static_cast<int>(LogLevel::Warn), line.data(), line.size());
+    hook_->fn(hook_->user, static_cast<int>(LogLevel::Warn), line.data(), line.size());
   }
   /// The live managers with a hook, oldest first.
   static std::vector<std::pair<Manager const*, LogHook>>& logHooks() {
-    static std::vector<std::pair<Manager const*, LogHook>> v;
-    return v;
+    static auto* v = new std::vector<std::pair<Manager const*, LogHook>>;
+    return *v;
   }
 
   Engine& engine() { return engine_; }
@@ -619,6 +644,16 @@ class Manager final : public kv::ConnectionManager {
       return;
     }
     if (h->kind == Kind::Envelope) {
+      if (auto const fault = envelopeFault(h->messages)) {
+        // Refused (its generation rank reads ready == false) and told, never handed to the
+        // host: upstream's context side ends its response loop for good on an exception, and
+        // before, a bad envelope made recvConnect or the host's next recv throw, so one peer's
+        // mistake stopped the rank serving every request after it.
+        refuse(*adv);
+        warn("a request envelope from rank " + std::to_string(adv->from_rank) + " is malformed (" + *fault +
+             "): refused");
+        return;
+      }
       {
         std::lock_guard<std::mutex> g(mu_);
         std::size_t const bytes = adv->request_info.size();
@@ -712,6 +747,7 @@ class Manager final : public kv::ConnectionManager {
   Engine engine_;
   kv::CommState commState_;
   CudaPointers cuda_;
+  std::optional<LogHook> hook_;  // this manager's, for warn(); set before the dispatcher starts
   std::atomic<bool> running_{true};
   std::atomic<bool> stop_{false};
   std::atomic<std::uint32_t> generation_{1};
@@ -1086,9 +1122,10 @@ void KvlinkConnection::queueData(Advertisement&& adv, Header&& h) const {
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = ctx_.find(adv.key.request);
-    if (it != ctx_.end() && !it->second.open && it->second.envelope.generation == h.envelopeGeneration) {
+    bool const ended = it != ctx_.end() && !it->second.open && it->second.envelope.generation == h.envelopeGeneration;
+    if (ended || data_.size() >= kMaxBuffersQueued) {
       // A buffer of a request that already ended here: no send will fill it. Refused now, so the
-      // generation rank's recv ends at once instead of at its deadline.
+      // generation rank's recv ends at once instead of at its deadline. Past the bound: refused.
       try {
         m_.engine().accept(adv.key, remote_, false);
       } catch (Error const&) {
@@ -1230,44 +1267,73 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
   }
   // Wait for the generation rank's advertisement of the buffer this send fills.
   std::optional<Advertisement> adv;
-  for (;;) {
-    auto it = std::find_if(data_.begin(), data_.end(),
-                           [&](DataAdvert const& d) { return d.adv.key.request == id && d.tag == tag; });
-    if (it != data_.end()) {
-      adv = std::move(it->adv);
-      data_.erase(it);
-      break;
+  {
+    // Counted while it looks, under mu_ (made after `g`, gone before it is let go below, also when
+    // a throw leaves): a buffer of another size is another send's when one is counted beside it.
+    struct Looking {
+      std::map<std::uint64_t, int>& n;
+      std::uint64_t id;
+      Looking(std::map<std::uint64_t, int>& m, std::uint64_t i) : n(m), id(i) { ++n[id]; }
+      ~Looking() {
+        if (--n[id] == 0) n.erase(id);
+      }
+      Looking(Looking const&) = delete;
+      Looking& operator=(Looking const&) = delete;
+    } const looking(looking_, id);
+    for (;;) {
+      // One of this size first (another thread's block of the same request and tag may be of
+      // another size); a buffer of another size, with no other send of the request looking, is
+      // this send's mistake: a typed error that takes nothing, so the send can be made again
+      // (before, the buffer was taken and refused, and the request failed on both ranks). A
+      // malformed advertisement (not one buffer) is taken, and refused below.
+      auto const mine = [&](DataAdvert const& d) { return d.adv.key.request == id && d.tag == tag; };
+      auto it = std::find_if(data_.begin(), data_.end(), [&](DataAdvert const& d) {
+        return mine(d) && (d.adv.buffers.size() != 1 || d.adv.buffers[0].size == size);
+      });
+      if (it == data_.end() && looking_[id] == 1) {
+        auto const other = std::find_if(data_.begin(), data_.end(), mine);
+        if (other != data_.end()) {
+          throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: send of " + std::to_string(size) + " bytes for " +
+                                                      describe(id, tag) + " into a buffer of " +
+                                                      std::to_string(other->adv.buffers[0].size));
+        }
+      }
+      if (it != data_.end()) {
+        adv = std::move(it->adv);
+        data_.erase(it);
+        break;
+      }
+      // Given up before the buffer came: the request ends here, and the buffer it would have
+      // filled is refused when it comes, not left queued for its recv to wait out its deadline.
+      auto const self = ctx_.find(id);
+      if (terminate.load(std::memory_order_acquire) || !m_.isRunning() || self == ctx_.end() || !self->second.open) {
+        endCtx(id);
+        throw TransferError(static_cast<int>(Outcome::Cancelled), id, "kvlink: send of " + describe(id, tag) + " cancelled");
+      }
+      if (Clock::now() >= deadline) {
+        endCtx(id);
+        throw TransferError(static_cast<int>(Outcome::TimedOut), id,
+                            "kvlink: send of " + describe(id, tag) + ": no buffer advertised by the deadline");
+      }
+      // The generation rank's connection failed or it left (its manager destroyed) since its
+      // request info came: its side of the request has ended PeerLost, and the buffer will never
+      // be advertised. Ends now rather than at the deadline.
+      if (m_.engine().peer_state(remote_) != PeerState::Connected) {
+        endCtx(id);
+        throw TransferError(static_cast<int>(Outcome::PeerLost), id,
+                            "kvlink: send of " + describe(id, tag) + ": rank " + std::to_string(remote_) +
+                                " is gone (its connection failed, or it left) before it advertised the buffer");
+      }
+      cv_.wait_for(g, 5ms);  // the terminate flag cannot notify: look every 5 ms
     }
-    // Given up before the buffer came: the request ends here, and the buffer it would have
-    // filled is refused when it comes, not left queued for its recv to wait out its deadline.
-    auto const self = ctx_.find(id);
-    if (terminate.load(std::memory_order_acquire) || !m_.isRunning() || self == ctx_.end() || !self->second.open) {
-      endCtx(id);
-      throw TransferError(static_cast<int>(Outcome::Cancelled), id, "kvlink: send of " + describe(id, tag) + " cancelled");
-    }
-    if (Clock::now() >= deadline) {
-      endCtx(id);
-      throw TransferError(static_cast<int>(Outcome::TimedOut), id,
-                          "kvlink: send of " + describe(id, tag) + ": no buffer advertised by the deadline");
-    }
-    // The generation rank's connection failed or it left (its manager destroyed) since its
-    // request info came: its side of the request has ended PeerLost, and the buffer will never
-    // be advertised. Ends now rather than at the deadline.
-    if (m_.engine().peer_state(remote_) != PeerState::Connected) {
-      endCtx(id);
-      throw TransferError(static_cast<int>(Outcome::PeerLost), id,
-                          "kvlink: send of " + describe(id, tag) + ": rank " + std::to_string(remote_) +
-                              " is gone (its connection failed, or it left) before it advertised the buffer");
-    }
-    cv_.wait_for(g, 5ms);  // the terminate flag cannot notify: look every 5 ms
   }
   g.unlock();
-  if (adv->buffers.size() != 1 || adv->buffers[0].size != size) {
+  if (adv->buffers.size() != 1) {
+    // The generation rank's mistake (its recv advertises one buffer): refused.
     Outcome ignored = Outcome::Rejected;
     (void)acceptOrEnded(m_.engine(), adv->key, remote_, false, m_.grace(), ignored);
-    throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: send of " + std::to_string(size) + " bytes for " +
-                                                describe(id, tag) + " into a buffer of " +
-                                                std::to_string(adv->buffers.empty() ? 0 : adv->buffers[0].size));
+    throw Error(ErrorKind::Protocol, "kvlink Protocol: the buffer advertisement for " + describe(id, tag) + " has " +
+                                         std::to_string(adv->buffers.size()) + " buffers, not 1: refused");
   }
   Outcome ended = Outcome::Cancelled;
   if (!acceptOrEnded(m_.engine(), adv->key, remote_, true, m_.grace(), ended)) {
@@ -1424,9 +1490,8 @@ void* makeManager(KvlinkTrtllmOptions const* o, char* error, size_t error_size) 
     if (o->fault_suppress_request >= 0) c.fault_suppress_request = static_cast<std::uint64_t>(o->fault_suppress_request);
     // The hook is installed before the manager is made, so that what making it logs reaches
     // the host too.
-    std::optional<Manager::LogHook> hook;
-    if (o->log != nullptr) {
-      hook = Manager::LogHook{o->log, o->log_user, o->log_level > 0 ? std::min(o->log_level, 5) : levelFromEnv()};
+    std::optional<Manager::LogHook> const hook = Manager::hookOf(*o);
+    if (hook) {
       std::lock_guard<std::mutex> g(Manager::logMutex());
       Manager::installLogHook(*hook);
     }
