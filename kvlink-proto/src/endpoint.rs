@@ -261,6 +261,18 @@ impl Endpoint {
         })
     }
 
+    /// Is a newer generation of `key.request` known here as a receive? A send flow's generation
+    /// says nothing of this rank's own receives: the rank that advertised it chose it, and may
+    /// be any bound rank (one that advertised `(7, 5)` here made `(7, 0)` a stale receive, and
+    /// dropped the early votes kept for it).
+    fn newer_receive_known(&self, key: RequestKey) -> bool {
+        self.retries.get(&key.request.0).is_some_and(|known| {
+            known
+                .iter()
+                .any(|&(generation, to)| generation > key.generation.0 && to.is_none())
+        })
+    }
+
     /// Notes a receive (`to` None) or send of `key` that is now known here ([`Endpoint::retries`]).
     fn note_known(&mut self, key: RequestKey, to: Option<RankId>) {
         if key.generation.0 > 0 {
@@ -325,7 +337,7 @@ impl Endpoint {
             // key would run beside it (a retry takes the next generation).
             return Err(invalid(format!("{key} has already ended here")));
         }
-        if self.newer_known(key, None) {
+        if self.newer_receive_known(key) {
             return Err(Error::new(
                 ErrorKind::StaleGeneration,
                 format!("{key}: a newer generation is running here"),
@@ -950,7 +962,7 @@ impl Endpoint {
         if self.collective.is_some() {
             return self.drop_unknown(key, Some(msg.0));
         }
-        if self.newer_known(key, None) {
+        if self.newer_receive_known(key) {
             self.out.stats.stale_dropped += 1;
             return;
         }

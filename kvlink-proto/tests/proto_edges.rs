@@ -331,6 +331,63 @@ fn a_key_sent_from_here_is_not_received_here_too() {
     assert!(ep.poll_transmit().is_none(), "an advertisement went out");
 }
 
+/// A rank that advertised to this one a request of some id, in a late generation, says nothing
+/// of this rank's own receives of that id: it chose the key, and may be any bound rank. Such
+/// an advertisement (`(7, 5)` from R) made this rank's receive of `(7, 0)` a `StaleGeneration`,
+/// and the early votes of `(7, 0)` stale, for as long as R's flow and its tombstone lasted.
+#[test]
+fn a_peers_advertisement_of_a_late_generation_does_not_make_this_ranks_receive_stale() {
+    let t = Instant::now();
+    let mut ep = Endpoint::new(ME, Config::default());
+    ep.handle_message(
+        t,
+        R,
+        Message::Advertise {
+            key: RequestKey::new(7, 5),
+            src_rank: R,
+            timeout_ms: 1000,
+            request_info: vec![],
+            buffers: vec![desc(0, 9)],
+        },
+    )
+    .unwrap();
+    while ep.poll_event().is_some() {}
+    while ep.poll_transmit().is_some() {}
+    // Another receiver's early cancel of this rank's next request is kept, not dropped as stale.
+    let key = RequestKey::new(7, 0);
+    let before = ep.stats().stale_dropped;
+    ep.handle_message(
+        t,
+        RankId(0),
+        Message::Vote {
+            key,
+            outcome: Outcome::Cancelled,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        ep.stats().stale_dropped,
+        before,
+        "the early vote was dropped as stale"
+    );
+    let mut pool = BufferPool::new(4);
+    let lease = pool.lease(key).unwrap();
+    ep.start_receive(
+        t,
+        ReceiveSpec {
+            key,
+            receivers: vec![RankId(0), ME],
+            flows: vec![ReceiveFlow {
+                sender: RankId(8),
+                buffers: vec![(lease, desc(0, 10))],
+            }],
+            request_info: vec![],
+            timeout: None,
+        },
+    )
+    .expect("a receive of the rank's own request");
+}
+
 /// A collective's `Completed` is refused before this rank's own data landed, as a
 /// coordinator's message is: a rank that cancelled with nothing landed, told `Completed` by a
 /// faulty collective, used to end `Completed` with its bytes missing. It ends as it voted, and
