@@ -2510,6 +2510,85 @@ fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at
     }
 }
 
+/// Misuse of `advertise` is told at once, before the call waits for anything: here the sender's
+/// connection is being re-established (the context rank's progress thread is held, so the
+/// redial cannot bind), and each bad call returns `InvalidArgument` within moments, posts
+/// nothing and sets off no reconnect round of its own. Before, the shape was checked only after
+/// the wait for the sender (and after the buffers were posted): each call took the whole stall.
+#[test]
+fn a_misused_advertise_fails_at_once_even_while_its_sender_reconnects() {
+    use kvlink::connection::PeerState;
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    ctx.fault_stall_progress(Duration::from_secs(3), false)
+        .unwrap();
+    gen.fault_close_peer(RankId(CTX)).unwrap();
+    let until = Instant::now() + Duration::from_secs(2);
+    while gen.peer_state(RankId(CTX)) != PeerState::Reconnecting {
+        assert!(
+            Instant::now() < until,
+            "the sender never started reconnecting"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let reconnects = gen.health().reconnects;
+    let mut a = vec![0u8; 4096];
+    let mut b = vec![0u8; 4096];
+    let (pa, pb) = (a.as_mut_ptr(), b.as_mut_ptr());
+    // SAFETY: `a` and `b` outlive every call; each is refused before anything is posted.
+    let spec = |p: *mut u8, segment: u32| {
+        BufferSpec::host(segment, unsafe { std::slice::from_raw_parts_mut(p, 4096) })
+    };
+    type Flows = Vec<(RankId, Vec<BufferSpec>)>;
+    let cases: Vec<(&str, Vec<RankId>, Flows)> = vec![
+        (
+            "this rank is not a receiver",
+            vec![RankId(7)],
+            vec![(RankId(CTX), vec![spec(pa, 0)])],
+        ),
+        (
+            "a segment repeated",
+            vec![RankId(GEN)],
+            vec![(RankId(CTX), vec![spec(pa, 0), spec(pb, 0)])],
+        ),
+        (
+            "a sender repeated",
+            vec![RankId(GEN)],
+            vec![
+                (RankId(CTX), vec![spec(pa, 0)]),
+                (RankId(CTX), vec![spec(pb, 1)]),
+            ],
+        ),
+        (
+            "a sender that is a receiver",
+            vec![RankId(GEN), RankId(CTX)],
+            vec![(RankId(CTX), vec![spec(pa, 0)])],
+        ),
+    ];
+    for (i, (what, receivers, flows)) in cases.into_iter().enumerate() {
+        let start = Instant::now();
+        // SAFETY: as above.
+        let r =
+            unsafe { gen.advertise(RequestKey::new(60 + i as u64, 0), receivers, flows, vec![]) };
+        let took = start.elapsed();
+        println!("{what}: {r:?} after {took:?}");
+        assert_eq!(
+            r.unwrap_err().kind,
+            kvlink::ErrorKind::InvalidArgument,
+            "{what}"
+        );
+        assert!(
+            took < Duration::from_millis(500),
+            "{what}: not at once: {took:?}"
+        );
+    }
+    let h = gen.health();
+    assert_eq!(h.buffers_leased, 0);
+    assert_eq!(
+        h.reconnects, reconnects,
+        "a refused call set off a reconnect round"
+    );
+}
+
 /// A cancel check runs under none of the engine's locks, so it may call into the engine (or
 /// take a lock that another thread holds while it calls into the engine). A send given such a
 /// check returns as usual: before, the send asked its check once more under the engine's lock

@@ -304,25 +304,20 @@ impl Endpoint {
         }
     }
 
-    /// Starts one request on this (generation) rank: advertises `spec`'s buffers to each sender.
-    /// The leases stay the caller's until the endpoint hands each back through
-    /// [`Action::Release`] or [`Action::Fence`]; on error nothing was taken.
-    pub fn start_receive(&mut self, now: Instant, spec: ReceiveSpec) -> Result<()> {
-        let ReceiveSpec {
-            key,
-            mut receivers,
-            flows,
-            request_info,
-            timeout,
-        } = spec;
-        let timeout = timeout
-            .unwrap_or(self.config.timeout)
-            .min(crate::request::LONGEST);
-        if timeout.is_zero() {
-            return Err(invalid(format!(
-                "{key}: the request's timeout must be positive"
-            )));
-        }
+    /// The checks [`Endpoint::start_receive`] makes of a request's shape that need no buffer:
+    /// `key` not running, sent, ended or superseded here; this rank among `receivers` (any
+    /// order); request info within the wire's bound; one to [`wire::MAX_BUFFERS`] buffers per
+    /// sender (`flows`: each sender and its count of buffers), no sender that is this rank, a
+    /// receiver or repeated; no segment repeated. An engine asks first, before it waits for a
+    /// sender's connection or posts a buffer, so that misuse is told at once and costs nothing.
+    pub fn check_receive(
+        &self,
+        key: RequestKey,
+        receivers: &[RankId],
+        flows: &[(RankId, usize)],
+        segments: &[u32],
+        info_len: usize,
+    ) -> Result<()> {
         if self.recvs.contains_key(&key) {
             return Err(invalid(format!("{key} is already running here")));
         }
@@ -343,44 +338,71 @@ impl Endpoint {
                 format!("{key}: a newer generation is running here"),
             ));
         }
-        receivers.sort_unstable();
-        receivers.dedup();
         if !receivers.contains(&self.me) {
             return Err(invalid(format!(
                 "{key}: receivers must include {}",
                 self.me
             )));
         }
-        if request_info.len() > wire::MAX_INFO {
+        if info_len > wire::MAX_INFO {
             return Err(invalid(format!("{key}: request info too large")));
         }
         if flows.is_empty() {
             return Err(invalid(format!("{key}: no senders")));
         }
-        for (i, f) in flows.iter().enumerate() {
-            if f.buffers.is_empty() || f.buffers.len() > wire::MAX_BUFFERS {
-                return Err(invalid(format!(
-                    "{key}: {} buffers for {}",
-                    f.buffers.len(),
-                    f.sender
-                )));
+        for (i, &(sender, buffers)) in flows.iter().enumerate() {
+            if buffers == 0 || buffers > wire::MAX_BUFFERS {
+                return Err(invalid(format!("{key}: {buffers} buffers for {sender}")));
             }
             // A request has one sender per context rank: a few.
-            if f.sender == self.me
-                || receivers.binary_search(&f.sender).is_ok()
-                || flows[..i].iter().any(|g| g.sender == f.sender)
+            if sender == self.me
+                || receivers.contains(&sender)
+                || flows[..i].iter().any(|g| g.0 == sender)
             {
-                return Err(invalid(format!(
-                    "{key}: bad or repeated sender {}",
-                    f.sender
-                )));
+                return Err(invalid(format!("{key}: bad or repeated sender {sender}")));
             }
+        }
+        if wire::any_repeated(segments.len(), |i| segments[i]) {
+            return Err(invalid(format!("{key}: segment or token repeated")));
+        }
+        Ok(())
+    }
+
+    /// Starts one request on this (generation) rank: advertises `spec`'s buffers to each sender.
+    /// The leases stay the caller's until the endpoint hands each back through
+    /// [`Action::Release`] or [`Action::Fence`]; on error nothing was taken.
+    pub fn start_receive(&mut self, now: Instant, spec: ReceiveSpec) -> Result<()> {
+        let ReceiveSpec {
+            key,
+            mut receivers,
+            flows,
+            request_info,
+            timeout,
+        } = spec;
+        let timeout = timeout
+            .unwrap_or(self.config.timeout)
+            .min(crate::request::LONGEST);
+        if timeout.is_zero() {
+            return Err(invalid(format!(
+                "{key}: the request's timeout must be positive"
+            )));
+        }
+        receivers.sort_unstable();
+        receivers.dedup();
+        let shape: SmallVec<[(RankId, usize); 2]> =
+            flows.iter().map(|f| (f.sender, f.buffers.len())).collect();
+        let segments: SmallVec<[u32; 16]> = flows
+            .iter()
+            .flat_map(|f| f.buffers.iter().map(|(_, d)| d.segment))
+            .collect();
+        self.check_receive(key, &receivers, &shape, &segments, request_info.len())?;
+        for f in &flows {
             for (_, d) in &f.buffers {
                 d.validate()
                     .map_err(|r| invalid(format!("{key}: segment {}: {r:?}", d.segment)))?;
             }
         }
-        if buffers_repeat(&flows, |(_, d)| d.segment) || buffers_repeat(&flows, |(_, d)| d.token) {
+        if buffers_repeat(&flows, |(_, d)| d.token) {
             return Err(invalid(format!("{key}: segment or token repeated")));
         }
         if buffers_repeat(&flows, |(l, _)| *l) {

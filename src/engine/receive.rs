@@ -111,6 +111,17 @@ impl Engine {
                 ),
             ));
         }
+        // The request's shape is checked before anything waits or is posted: misuse (this rank
+        // not a receiver, a sender repeated, a segment repeated, a key that ran here) is told
+        // at once, not after a wait for a sender's reconnect that it also set off.
+        let shape: SmallVec<[(RankId, usize); 2]> =
+            flows.iter().map(|(rank, b)| (*rank, b.len())).collect();
+        let segments: SmallVec<[u32; 16]> = flows
+            .iter()
+            .flat_map(|(_, b)| b.iter().map(|b| b.segment))
+            .collect();
+        core.ep
+            .check_receive(key, &receivers, &shape, &segments, request_info.len())?;
         let coordinator = core.ep.coordinator_of(&receivers);
         let peers = self.senders_connected(&mut core, &flows, coordinator, deadline)?;
         // Waiting for a rank to reconnect lets go of the lock: another advertise of the same
