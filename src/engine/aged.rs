@@ -124,6 +124,27 @@ impl<K: Hash + Eq + Clone, V> Aged<K, V> {
         }
     }
 
+    /// As [`Aged::expire`], but an entry whose key `stays` says must stay is put in again at
+    /// `now` (kept another `keep`, as if it had just been put in) instead of dropped.
+    pub fn expire_unless(&mut self, now: Instant, stays: impl Fn(&K) -> bool) {
+        let mut again = Vec::new();
+        while let Some((at, _, _)) = self.order.front() {
+            if now.saturating_duration_since(*at) < self.keep {
+                break;
+            }
+            let (_, n, k) = self.order.pop_front().expect("looked at");
+            if self.live(n, &k) {
+                let (v, _) = self.map.remove(&k).expect("live");
+                if stays(&k) {
+                    again.push((k, v));
+                }
+            }
+        }
+        for (k, v) in again {
+            self.insert(k, v, now);
+        }
+    }
+
     /// Keeps the queue within twice the entries plus [`SLACK`]: a map whose entries are mostly
     /// removed early (outcomes claimed at once) must not keep a slot for each for `keep`. Each
     /// compaction passes over a queue at most that long, after at least as many removals.

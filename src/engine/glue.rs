@@ -348,6 +348,19 @@ impl Core {
         }
     }
 
+    /// Drops the early answers given RETENTION ago, except those whose request the core still
+    /// knows: a request can outlive RETENTION (its deadline may be a year off), and its early
+    /// answer stays the caller's end until that end comes. Dropped at RETENTION, the end that
+    /// came later was kept for a second `wait` to take, and a claimed answer was not final.
+    pub fn expire_answered_early(&mut self, now: Instant) {
+        let ep = &self.ep;
+        self.answered_early
+            .expire_unless(now, |&(key, role)| match role {
+                Role::Receiver => ep.knows_receive(key),
+                Role::Sender { receiver } => ep.knows_send(key, receiver),
+            });
+    }
+
     fn end(&mut self, key: RequestKey, role: Role, outcome: Outcome, now: Instant) {
         // A `wait` answered the caller already: its answer stays the end for that caller.
         if self.answered_early.remove(&(key, role)).is_none() {
@@ -644,7 +657,7 @@ impl Inner {
     fn prune(&self, core: &mut Core, now: Instant) {
         // What has aged out, oldest first: a pop each, never a pass over what stays.
         core.terminals.expire(now);
-        core.answered_early.expire(now);
+        core.expire_answered_early(now);
         core.finished.expire(now);
         core.retired.expire(now);
         if now.duration_since(core.last_prune) < Duration::from_secs(1) {
@@ -1230,5 +1243,53 @@ mod tests {
         assert_eq!(core.terminals.get(&waited), Some(&Outcome::PeerLost));
         assert_eq!(core.terminals.get(&unwaited), None);
         assert_eq!(core.terminals.get(&elsewhere), Some(&Outcome::PeerLost));
+    }
+
+    /// An early answer (a `wait` that gave up before the end came) stays the caller's end for
+    /// as long as its request runs, past RETENTION: the end that comes later is not kept for a
+    /// second `wait`. One whose request the core no longer knows goes at RETENTION.
+    #[test]
+    fn an_early_answer_outlives_retention_while_its_request_runs() {
+        use crate::proto::{BufferDesc, BufferKind, ReceiveFlow, ReceiveSpec, Token};
+        let mut core = Core::new(Endpoint::new(RankId(1), crate::proto::Config::default()), 4);
+        let t0 = Instant::now();
+        let key = RequestKey::new(5, 0);
+        let lease = core.pool.lease(key).unwrap();
+        let desc = BufferDesc {
+            kind: BufferKind::Kv,
+            segment: 0,
+            addr: 0x1000,
+            len: 64,
+            device_id: -1,
+            token: Token(1),
+        };
+        core.ep
+            .start_receive(
+                t0,
+                ReceiveSpec {
+                    key,
+                    receivers: vec![RankId(1)],
+                    flows: vec![ReceiveFlow {
+                        sender: RankId(2),
+                        buffers: vec![(lease, desc)],
+                    }],
+                    request_info: vec![],
+                    timeout: Some(Duration::from_secs(3600)),
+                },
+            )
+            .unwrap();
+        let running = (key, Role::Receiver);
+        let gone = (RequestKey::new(6, 0), Role::Receiver);
+        core.answered_early.insert(running, (), t0);
+        core.answered_early.insert(gone, (), t0);
+        core.expire_answered_early(t0 + RETENTION);
+        assert!(core.answered_early.contains_key(&running));
+        assert!(!core.answered_early.contains_key(&gone));
+        core.end(key, Role::Receiver, Outcome::Completed, t0 + RETENTION);
+        assert_eq!(
+            core.terminals.get(&running),
+            None,
+            "the end after an early answer was kept for a second wait"
+        );
     }
 }
