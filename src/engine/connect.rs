@@ -107,6 +107,15 @@ impl Engine {
             }
         }
         drop(core);
+        if Instant::now() >= deadline {
+            // The round's dial this waited for ended unbound at the very end: no time is left
+            // for a dial of its own (one started now would fail as if the progress thread
+            // were stuck: `Transport`).
+            return Err(Error::new(
+                ErrorKind::PeerLost,
+                format!("{address}: the reconnect round's dial ended unbound at the deadline"),
+            ));
+        }
         let r = self.dial_and_bind(address, deadline, &mut dialling);
         drop(dialling);
         r
