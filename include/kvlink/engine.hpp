@@ -127,6 +127,13 @@ inline Deadline after(std::chrono::duration<Rep, Period> d) {
   if (at != at) return now;  // a NaN duration: no time at all, never a conversion of NaN
   if (at >= static_cast<long double>(Clock::duration::max().count()) - kMargin) return Deadline::max();
   if (at <= static_cast<long double>(Clock::duration::min().count()) + kMargin) return Deadline::min();
+  if (ticks <= static_cast<long double>(Clock::duration::min().count()) + kMargin ||
+      ticks >= static_cast<long double>(Clock::duration::max().count()) - kMargin) {
+    // The point fits but the duration alone does not (hugely negative, the clock well past its
+    // epoch): built from the point, never a conversion of a value outside the integer's range
+    // (undefined; on x86 it came out as the range's minimum, 145 ms off for -9223372037 s).
+    return Deadline(Clock::duration(static_cast<Clock::rep>(at)));
+  }
   // The ticks checked above, not duration_cast: in a unit whose ratio to the clock's has a
   // denominator (1/44100 s), duration_cast multiplies before it divides and overflows for
   // counts whose result fits (10^12 samples, 262 days, came out 222 days in the past).
