@@ -211,6 +211,58 @@ TEST(WrapperFactory, TheLogSinkFollowsTheLiveManagersHooks) {
 
 std::atomic<int> g_hook_made_late_calls{0};
 
+// A context manager replaced by a new one at the same fixed address (a context server restarted
+// on its port, with a new rank): the generation side's getConnections for the new CommState
+// reaches the new manager, and its requests complete. Before, the connection was cached by
+// address for good and kept naming the old rank: every request to the new one failed.
+TEST(WrapperRestart, AContextRestartedAtTheSameAddressIsReachedAgain) {
+  Wrapper w;
+  std::atomic<bool> never{false};
+  auto gen = make(w, options("tcp"));
+  auto serve = [&](kv::ConnectionManager& ctx, uint64_t id) {
+    auto conns = gen->getConnections(ctx.getCommState());
+    ASSERT_EQ(conns.size(), 1u);
+    GenSide side{conns.at(0), Tags{true}};
+    std::vector<uint8_t> src(4096), dst(4096, 0);
+    fill(id, 0, src.data(), src.size());
+    Watchdog dog(10s);
+    std::atomic<bool> const& giveUp = dog.flag;
+    auto server = std::async(std::launch::async, [&] { serveOne(ctx, side, id, src, giveUp); });
+    try {
+      side.sendRequestInfo(id);
+      ASSERT_TRUE(side.recvReady(id, never)) << "request " << id << " was refused";
+      side.conn->recv(kv::DataContext{side.tags.data(id), never}, dst.data(), dst.size());
+      EXPECT_EQ(check(id, 0, dst.data(), dst.size()), SIZE_MAX);
+    } catch (std::exception const& e) {
+      ADD_FAILURE() << "request " << id << ": " << e.what();
+    }
+    dog.flag = true;  // a server still waiting for the request gives up
+    try {
+      server.get();
+    } catch (std::exception const& e) {
+      ADD_FAILURE() << "request " << id << " at the context side: " << e.what();
+    }
+  };
+  auto first = make(w, options("tcp"));
+  std::string const address = first->getCommState().getAgentState().at(0).mConnectionInfo;
+  serve(*first, 4371);
+  first.reset();
+  KvlinkTrtllmOptions o = options("tcp");
+  o.listen = address.c_str();
+  std::unique_ptr<kv::ConnectionManager> second;
+  // The port may stay taken for a moment after the first manager's listener closed.
+  for (auto const until = Clock::now() + 5s; !second && Clock::now() < until;) {
+    try {
+      second = make(w, o);
+    } catch (std::exception const&) {
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  ASSERT_TRUE(second) << "no manager could listen at " << address << " again";
+  ASSERT_EQ(second->getCommState().getAgentState().at(0).mConnectionInfo, address);
+  serve(*second, 4372);
+}
+
 // A manager destroyed while another's factory call is under way (making the engine, waiting in
 // the allgather): the new manager's hook, installed by its factory call before the manager
 // existed, is still the sink once the manager is made. Before, the destruction removed it (no

@@ -284,6 +284,8 @@ class KvlinkConnection final : public kv::Connection {
     std::lock_guard<std::mutex> g(mu_);
     return outgoing_.size() + incoming_.size() + gen_.size();
   }
+  /// The rank at the other end.
+  std::uint32_t remote() const { return remote_; }
   /// Buffer advertisements queued for a send (test build: helpers/wrapper_probe.cpp).
   size_t buffersQueued() const {
     std::lock_guard<std::mutex> g(mu_);
@@ -731,11 +733,17 @@ class Manager final : public kv::ConnectionManager {
   }
 
   kv::Connection const* connectTo(std::string const& address) {
+    KvlinkConnection const* known = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = byAddress_.find(address);
-      if (it != byAddress_.end()) return it->second;
+      if (it != byAddress_.end()) known = it->second;
     }
+    // Kept while its rank is connected. Otherwise the address is dialled again: the process
+    // there may be a new one with a rank of its own (a context server restarted on a fixed
+    // port), which the old rank's connection never reaches (before, every request to it failed
+    // PeerLost); a dial to a rank being reconnected waits for that and returns its rank.
+    if (known != nullptr && engine_.peer_state(known->remote()) == PeerState::Connected) return known;
     std::uint32_t const rank = engine_.connect(address, after(config_.timeout));
     std::unique_lock<std::mutex> g(mu_);
     KvlinkConnection* c = connectionFor(rank, g);
