@@ -388,6 +388,58 @@ fn a_peers_advertisement_of_a_late_generation_does_not_make_this_ranks_receive_s
     .expect("a receive of the rank's own request");
 }
 
+/// A refused advertisement's flow keeps waiting for its verdict (its receiver may answer it
+/// late, and the ranks must agree), but without its buffer list: nothing will be sent. A send
+/// asked of it after the refusal, of an advertised segment or another, is told the request
+/// ended `Rejected`; an answer from its receiver still ends it.
+#[test]
+fn a_refused_flow_tells_every_send_it_ended_and_still_takes_its_verdict() {
+    let t = Instant::now();
+    let mut ep = Endpoint::new(ME, Config::default());
+    let key = RequestKey::new(4, 0);
+    ep.handle_message(
+        t,
+        R,
+        Message::Advertise {
+            key,
+            src_rank: R,
+            timeout_ms: u32::MAX,
+            request_info: vec![],
+            buffers: vec![desc(0, 1), desc(1, 2)],
+        },
+    )
+    .unwrap();
+    ep.accept(t, key, R, false).unwrap();
+    for segment in [0, 1, 7] {
+        assert_eq!(
+            ep.check_send(key, R, segment, 64).unwrap(),
+            Err(Outcome::Rejected),
+            "segment {segment}"
+        );
+    }
+    while ep.poll_event().is_some() {}
+    while ep.poll_transmit().is_some() {}
+    ep.handle_message(
+        t,
+        R,
+        Message::Verdict {
+            key,
+            outcome: Outcome::Rejected,
+        },
+    )
+    .unwrap();
+    let ended = std::iter::from_fn(|| ep.poll_event()).any(|ev| {
+        matches!(
+            ev,
+            kvlink_proto::Event::Terminal {
+                outcome: Outcome::Rejected,
+                ..
+            }
+        )
+    });
+    assert!(ended, "the verdict did not end the refused flow");
+}
+
 /// A collective's `Completed` is refused before this rank's own data landed, as a
 /// coordinator's message is: a rank that cancelled with nothing landed, told `Completed` by a
 /// faulty collective, used to end `Completed` with its bytes missing. It ends as it voted, and

@@ -129,6 +129,12 @@ impl SendFlow {
     /// May the application start the send of `segment` with `len` bytes now? Once per
     /// advertised segment, with its advertised size, after accept, while the request runs.
     pub(crate) fn check_send(&self, segment: u32, len: u64) -> Result<BufferDesc, SendRefusal> {
+        if self.accepted == Some(false) {
+            // Refused here (its buffer list is gone): whatever the segment, the request ended.
+            return Err(SendRefusal::Ended(
+                self.ended().unwrap_or(Outcome::Rejected),
+            ));
+        }
         let Some(desc) = self.buffers.iter().find(|d| d.segment == segment).copied() else {
             return Err(SendRefusal::NotAdvertised);
         };
@@ -227,9 +233,13 @@ impl SendFlow {
                 });
             }
         } else {
-            // Ready(false) is this rank's vote.
+            // Ready(false) is this rank's vote. Nothing will be sent: the buffer list goes (up
+            // to 1024 descriptors, 40 KiB), and the flow that waits for the verdict is small. A
+            // refusal is how an engine sheds advertisements it cannot queue, and a receiver
+            // that never answers keeps the flow to the deadline it chose.
             self.local_vote = Some(Outcome::Rejected);
             self.next_retx = now + self.retransmit;
+            self.buffers = Vec::new();
         }
         true
     }
