@@ -21,7 +21,22 @@ use std::time::{Duration, Instant};
 
 /// One rank's engine, owned by C++ through `rust::Box`.
 pub struct EngineHandle {
-    engine: Engine,
+    /// Dropped by hand, inside the panic boundary (`Drop` below).
+    engine: std::mem::ManuallyDrop<Engine>,
+}
+
+impl Drop for EngineHandle {
+    /// cxx runs a `rust::Box`'s drop under a guard that aborts the process on a panic: the
+    /// engine's drop (its last messages, the progress thread's stop) runs where a panic is
+    /// caught and logged instead, however unlikely, since C++ destroys an engine after an
+    /// `ErrorKind::Panic` too.
+    fn drop(&mut self) {
+        // SAFETY: taken once, here, and never used again: the handle is going.
+        let engine = unsafe { std::mem::ManuallyDrop::take(&mut self.engine) };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(engine))).is_err() {
+            tracing::error!("a panic while an engine was dropped was caught at the C++ boundary");
+        }
+    }
 }
 
 /// The longest wait this boundary passes on: a year ([`crate::connection::LONGEST_WAIT`]). A
@@ -78,7 +93,7 @@ pub fn engine_new(o: &EngineOptions) -> Result<Box<EngineHandle>> {
         cfg.faults.suppress_data_of_request =
             (o.fault_suppress_request >= 0).then_some(o.fault_suppress_request as u64);
         Ok(Box::new(EngineHandle {
-            engine: Engine::new(cfg)?,
+            engine: std::mem::ManuallyDrop::new(Engine::new(cfg)?),
         }))
     })
 }
