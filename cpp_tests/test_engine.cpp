@@ -644,8 +644,8 @@ TEST_P(EngineTest, AfterOfAHugeDurationSaturates) {
   // A duration whose ticks alone are below the integer's range while now + it is not (the
   // clock is past its epoch): the point itself, 145 ms below min() + now, not a conversion of
   // an out-of-range value (undefined; on x86 it gave min() + now).
-  EXPECT_LT(kvlink::after(std::chrono::seconds(-9'223'372'037)),
-            kvlink::Deadline::min() + now.time_since_epoch() - 100ms);
+  const auto far_back = kvlink::after(std::chrono::seconds(-9'223'372'037));
+  EXPECT_LT(far_back, kvlink::Deadline::min() + kvlink::Clock::now().time_since_epoch() - 100ms);
   // A unit whose ratio to nanoseconds has a denominator: 10^12 samples at 44.1 kHz are 262 days
   // (duration_cast's count * 10^7 overflowed before its / 441, a deadline 222 days back).
   using Samples = std::chrono::duration<std::int64_t, std::ratio<1, 44100>>;

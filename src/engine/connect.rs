@@ -107,7 +107,7 @@ impl Engine {
             }
         }
         drop(core);
-        if Instant::now() >= deadline {
+        if joined.is_some() && Instant::now() >= deadline {
             // The round's dial this waited for ended unbound at the very end: no time is left
             // for a dial of its own (one started now would fail as if the progress thread
             // were stuck: `Transport`).

@@ -73,7 +73,8 @@ impl Engine {
     ///
     /// Misuse is an error at once and changes nothing: an unknown request (`UnknownRequest`), a
     /// send before accept, no segment at all, a segment never advertised, a segment sent twice,
-    /// or a size other than advertised (`InvalidArgument`).
+    /// or a size other than advertised (`InvalidArgument`). A send on a request this rank
+    /// refused returns `Rejected`, whatever the segment (the refusal drops its buffer list).
     pub fn send_segments(
         &self,
         key: RequestKey,
