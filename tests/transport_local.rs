@@ -365,9 +365,8 @@ fn a_send_among_bulk_transfers_in_flight_is_left_to_the_progress_thread_over_tcp
 /// for one-sided writes and reads, as an advertisement would name it.
 fn exposed(b: &Agent, a: &Agent, ab: PeerId, target: &mut [u8]) -> (MemHandle, RemoteKey) {
     let mh = unsafe { b.map(target.as_mut_ptr(), target.len()) }.unwrap();
-    let key = a
-        .unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64)
-        .unwrap();
+    // SAFETY: a key the other agent made, whole.
+    let key = unsafe { a.unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64) }.unwrap();
     (mh, key)
 }
 
@@ -459,9 +458,9 @@ fn a_remote_key_lives_until_its_transfers_end_and_is_one_agents_own() {
         // b's key of a's memory, handed to a.
         let mut mine = vec![0u8; 4096];
         let amh = unsafe { a.map(mine.as_mut_ptr(), mine.len()) }.unwrap();
-        let theirs = b
-            .unpack_rkey(ba, amh.packed_rkey(), amh.addr(), amh.len() as u64)
-            .unwrap();
+        // SAFETY: a key an agent made, whole.
+        let theirs =
+            unsafe { b.unpack_rkey(ba, amh.packed_rkey(), amh.addr(), amh.len() as u64) }.unwrap();
         let e = unsafe { a.put(src.as_ptr(), 16, &theirs, amh.addr()) }
             .err()
             .expect("a key of another agent was taken");
@@ -478,9 +477,9 @@ fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
         let mut target = vec![0u8; 1 << 20];
         let mh = unsafe { b.map(target.as_mut_ptr(), target.len()) }.unwrap();
         assert!(!mh.packed_rkey().is_empty());
-        let key = a
-            .unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64)
-            .unwrap();
+        // SAFETY: a key the other agent made, whole.
+        let key =
+            unsafe { a.unpack_rkey(ab, mh.packed_rkey(), mh.addr(), mh.len() as u64) }.unwrap();
         let src: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
         let dl = Instant::now() + Duration::from_secs(5);
         // Write at an offset; completion means the bytes are at the target.
@@ -507,7 +506,11 @@ fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
             .unwrap();
         assert_eq!(e.kind, ErrorKind::OutOfBounds);
         assert_eq!(
-            a.unpack_rkey(ab, &[], mh.addr(), 16).err().unwrap().kind,
+            // SAFETY: refused before UCX reads it (checked here).
+            unsafe { a.unpack_rkey(ab, &[], mh.addr(), 16) }
+                .err()
+                .unwrap()
+                .kind,
             ErrorKind::InvalidArgument
         );
         // Bytes that are not a whole key never reach UCX's unpack, which reads a key without a
@@ -522,7 +525,11 @@ fn one_sided_write_and_read_with_mapped_memory_and_remote_keys() {
             &changed[..],
             &b.worker_address()[..],
         ] {
-            let e = a.unpack_rkey(ab, bad, mh.addr(), 16).err().unwrap();
+            // SAFETY: none of these opens: each is refused before UCX reads it (checked here;
+            // before the seal, `[0xff]` reached UCX).
+            let e = unsafe { a.unpack_rkey(ab, bad, mh.addr(), 16) }
+                .err()
+                .unwrap();
             assert_eq!(e.kind, ErrorKind::InvalidArgument, "{kind:?}: {e}");
         }
         drop(key);

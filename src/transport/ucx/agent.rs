@@ -437,7 +437,12 @@ impl Agent {
     /// it: [`MemHandle::packed_rkey`]'s bytes, whole). Every put or get through the key is
     /// checked against that region. Bytes that are not such a key (cut short, changed, made up)
     /// are `InvalidArgument`: UCX's unpack reads a key without a length.
-    pub fn unpack_rkey(
+    ///
+    /// # Safety
+    /// `packed` must be the bytes of a [`MemHandle::packed_rkey`] that a kvlink agent made,
+    /// from a peer trusted not to forge one: the seal's checksum keeps accidents away from
+    /// UCX's unpack, not a process that seals bad bytes on purpose, which UCX then reads past.
+    pub unsafe fn unpack_rkey(
         &self,
         peer: PeerId,
         packed: &[u8],
