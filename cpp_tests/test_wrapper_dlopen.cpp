@@ -1029,15 +1029,13 @@ TEST_P(WrapperTest, AMalformedEnvelopeIsRefusedAndTheCallGoesOnToTheNext) {
   EXPECT_EQ(told, static_cast<long>(bad.size())) << seen.warnings.size() << " warnings";
 }
 
-// A data send of another size than the buffer the generation rank advertised is the host's
-// mistake: InvalidArgument, and it takes nothing, so the send made again with the right size
-// fills the buffer. Before, the advertisement was taken and refused: the retry waited out the
-// deadline and the generation rank's recv ended Rejected.
-TEST_P(WrapperTest, ADataSendOfTheWrongSizeTakesNothing) {
+// A data send of another size than the buffer the generation rank advertised (a layout
+// mismatch, which upstream never retries) is InvalidArgument on the context rank, and the
+// generation rank's recv ends at once, refused, not at its deadline.
+TEST_P(WrapperTest, ADataSendOfTheWrongSizeEndsTheRequestOnBothRanksAtOnce) {
   GenSide gen{toCtx_, Tags{true}};
   constexpr uint64_t kId = 4361;
   std::vector<uint8_t> src(4096), dst(4096, 0);
-  fill(kId, 0, src.data(), src.size());
   Watchdog dog(10s);
   std::atomic<bool> const& giveUp = dog.flag;
   auto server = std::async(std::launch::async, [&] {
@@ -1051,14 +1049,15 @@ TEST_P(WrapperTest, ADataSendOfTheWrongSizeTakesNothing) {
     } catch (std::exception const& e) {
       EXPECT_NE(std::string(e.what()).find("InvalidArgument"), std::string::npos) << e.what();
     }
-    t.conn->send(kv::DataContext{gen.tags.data(kId), giveUp}, src.data(), src.size());
   });
   gen.sendRequestInfo(kId);
   ASSERT_TRUE(gen.recvReady(kId, never_));
-  toCtx_->recv(kv::DataContext{gen.tags.data(kId), never_}, dst.data(), dst.size());
+  auto const started = Clock::now();
+  EXPECT_THROW(toCtx_->recv(kv::DataContext{gen.tags.data(kId), never_}, dst.data(), dst.size()), std::exception);
+  EXPECT_LT(Clock::now() - started, 3s) << "the generation rank's recv waited for its deadline (5 s)";
   EXPECT_NO_THROW(server.get());
-  EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
 }
+
 
 // A send of the envelope's id that went through, then a send of its info size that failed (from
 // null): the thread's next request goes out as an envelope of its own, not behind the id left
@@ -1234,6 +1233,56 @@ class WrapperStateTest : public WrapperTest {
     return out;
   }
 };
+
+// Two blocks of one request under one data tag, of two sizes, received on two threads (a
+// formatter's helpers; the large one advertised first) and sent small first once both buffers
+// are advertised: each send fills the buffer of its own size. Before, a send took the first
+// buffer of its tag, the other block's here, and both ranks failed the request on the size.
+TEST_P(WrapperStateTest, TwoBlocksOfOneTagAndTwoSizesEachFillTheirOwnBuffer) {
+  GenSide gen{toCtx_, Tags{true}};
+  for (uint64_t round = 0; round < 4; ++round) {
+    uint64_t const id = 4371 + round;
+    std::vector<uint8_t> small(4096), large(8192), smallDst(4096, 0), largeDst(8192, 0);
+    fill(id, 0, small.data(), small.size());
+    fill(id, 1, large.data(), large.size());
+    Watchdog dog(10s);
+    std::atomic<bool> const& giveUp = dog.flag;
+    auto server = std::async(std::launch::async, [&] {
+      Taken t = recvRequestInfo(*ctx_, giveUp);
+      if (t.conn == nullptr) throw std::runtime_error("no request taken");
+      bool const ready = true;
+      t.conn->send(kv::DataContext{gen.tags.ready(id)}, &ready, sizeof ready);
+      while (state(*ctx_).buffers_queued < 2 && !giveUp) std::this_thread::sleep_for(1ms);
+      t.conn->send(kv::DataContext{gen.tags.data(id), giveUp}, small.data(), small.size());
+      t.conn->send(kv::DataContext{gen.tags.data(id), giveUp}, large.data(), large.size());
+    });
+    gen.sendRequestInfo(id);
+    ASSERT_TRUE(gen.recvReady(id, never_));
+    // The large buffer advertised first: the send of the small block, made first, finds it
+    // at the front of its tag.
+    auto helper = std::async(std::launch::async, [&] {
+      toCtx_->recv(kv::DataContext{gen.tags.data(id), never_}, largeDst.data(), largeDst.size());
+    });
+    while (state(*ctx_).buffers_queued < 1 && !giveUp) std::this_thread::sleep_for(1ms);
+    try {
+      toCtx_->recv(kv::DataContext{gen.tags.data(id), never_}, smallDst.data(), smallDst.size());
+    } catch (std::exception const& e) {
+      ADD_FAILURE() << "round " << round << ", the small block: " << e.what();
+    }
+    try {
+      helper.get();
+    } catch (std::exception const& e) {
+      ADD_FAILURE() << "round " << round << ", the large block: " << e.what();
+    }
+    try {
+      server.get();
+    } catch (std::exception const& e) {
+      ADD_FAILURE() << "round " << round << ", the context side: " << e.what();
+    }
+    EXPECT_EQ(check(id, 0, smallDst.data(), smallDst.size()), SIZE_MAX) << "round " << round;
+    EXPECT_EQ(check(id, 1, largeDst.data(), largeDst.size()), SIZE_MAX) << "round " << round;
+  }
+}
 
 // A host that runs each request on a thread of its own (upstream's CacheReceiver once ran each
 // request in a std::async; a thread pool made anew does the same): what the connection keeps per

@@ -320,8 +320,6 @@ class KvlinkConnection final : public kv::Connection {
     Advertisement adv;
     int tag = 0;
   };
-  /// Per context request, how many data sends are looking for their buffer (sendData).
-  mutable std::map<std::uint64_t, int> looking_;
 
   void sendEnvelope(std::vector<Message>&& msgs) const;
   void sendReady(kv::DataContext const& ctx, void const* data, size_t size) const;
@@ -1096,14 +1094,27 @@ void KvlinkConnection::recvData(kv::DataContext const& ctx, void* data, size_t s
     throw TransferError(static_cast<int>(Outcome::TimedOut), r->id,
                         "kvlink: request " + std::to_string(r->id) + " passed its deadline before this recv");
   }
-  RequestKey const key{r->id, m_.nextGeneration()};
   Header h;
   h.kind = Kind::Data;
   h.tag = tag;
   h.envelopeGeneration = r->envelope.generation;
   Buffer b{BufferKind::Kv, 0, data, size, m_.cuda().deviceOf(data)};
-  startTransfer(r->id, "kvlink: recv of " + describe(r->id, tag),
-                [&] { m_.engine().advertise(key, {}, remote_, {b}, encode(h), left); });
+  // Each recv is a request of its own under the request's id, told apart by its generation.
+  // Two recvs of one request on two threads (a formatter's helpers) take generations in one
+  // order and may start in the other: the engine refuses to start one older than a receive of
+  // that id already running (a retry's stale attempt), StaleGeneration, before anything is
+  // posted. That one takes a newer generation and starts again (before, its recv failed).
+  RequestKey key{r->id, m_.nextGeneration()};
+  for (int tries = 1;; ++tries) {
+    try {
+      startTransfer(r->id, "kvlink: recv of " + describe(r->id, tag),
+                    [&] { m_.engine().advertise(key, {}, remote_, {b}, encode(h), left); });
+      break;
+    } catch (Error const& e) {
+      if (e.kind() != ErrorKind::StaleGeneration || tries >= 64) throw;
+      key.generation = m_.nextGeneration();
+    }
+  }
   Outcome const o = m_.engine().wait_receiver(key, r->deadline + m_.grace(), ctx.getTransferTerminate());
   if (o != Outcome::Completed) {
     throw TransferError(static_cast<int>(o), r->id,
@@ -1275,65 +1286,45 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
   }
   // Wait for the generation rank's advertisement of the buffer this send fills.
   std::optional<Advertisement> adv;
-  {
-    // Counted while it looks, under mu_ (made after `g`, gone before it is let go below, also when
-    // a throw leaves): a buffer of another size is another send's when one is counted beside it.
-    struct Looking {
-      std::map<std::uint64_t, int>& n;
-      std::uint64_t id;
-      Looking(std::map<std::uint64_t, int>& m, std::uint64_t i) : n(m), id(i) { ++n[id]; }
-      ~Looking() {
-        if (--n[id] == 0) n.erase(id);
-      }
-      Looking(Looking const&) = delete;
-      Looking& operator=(Looking const&) = delete;
-    } const looking(looking_, id);
-    for (;;) {
-      // One of this size first (another thread's block of the same request and tag may be of
-      // another size); a buffer of another size, with no other send of the request looking, is
-      // this send's mistake: a typed error that takes nothing, so the send can be made again
-      // (before, the buffer was taken and refused, and the request failed on both ranks). A
-      // malformed advertisement (not one buffer) is taken, and refused below.
-      auto const mine = [&](DataAdvert const& d) { return d.adv.key.request == id && d.tag == tag; };
-      auto it = std::find_if(data_.begin(), data_.end(), [&](DataAdvert const& d) {
-        return mine(d) && (d.adv.buffers.size() != 1 || d.adv.buffers[0].size == size);
-      });
-      if (it == data_.end() && looking_[id] == 1) {
-        auto const other = std::find_if(data_.begin(), data_.end(), mine);
-        if (other != data_.end()) {
-          throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: send of " + std::to_string(size) + " bytes for " +
-                                                      describe(id, tag) + " into a buffer of " +
-                                                      std::to_string(other->adv.buffers[0].size));
-        }
-      }
-      if (it != data_.end()) {
-        adv = std::move(it->adv);
-        data_.erase(it);
-        break;
-      }
-      // Given up before the buffer came: the request ends here, and the buffer it would have
-      // filled is refused when it comes, not left queued for its recv to wait out its deadline.
-      auto const self = ctx_.find(id);
-      if (terminate.load(std::memory_order_acquire) || !m_.isRunning() || self == ctx_.end() || !self->second.open) {
-        endCtx(id);
-        throw TransferError(static_cast<int>(Outcome::Cancelled), id, "kvlink: send of " + describe(id, tag) + " cancelled");
-      }
-      if (Clock::now() >= deadline) {
-        endCtx(id);
-        throw TransferError(static_cast<int>(Outcome::TimedOut), id,
-                            "kvlink: send of " + describe(id, tag) + ": no buffer advertised by the deadline");
-      }
-      // The generation rank's connection failed or it left (its manager destroyed) since its
-      // request info came: its side of the request has ended PeerLost, and the buffer will never
-      // be advertised. Ends now rather than at the deadline.
-      if (m_.engine().peer_state(remote_) != PeerState::Connected) {
-        endCtx(id);
-        throw TransferError(static_cast<int>(Outcome::PeerLost), id,
-                            "kvlink: send of " + describe(id, tag) + ": rank " + std::to_string(remote_) +
-                                " is gone (its connection failed, or it left) before it advertised the buffer");
-      }
-      cv_.wait_for(g, 5ms);  // the terminate flag cannot notify: look every 5 ms
+  for (;;) {
+    // One of this size first: another block of the same request and tag may be of another
+    // size (before, a send took the first buffer of its tag, and when both were advertised
+    // and the other block's came first, the request failed on the size). Otherwise the first
+    // of its tag: one of another size is taken and refused below (a size the generation rank
+    // does not expect is a mismatch upstream never retries, so both ranks end now), as is a
+    // malformed advertisement (not one buffer).
+    auto const mine = [&](DataAdvert const& d) { return d.adv.key.request == id && d.tag == tag; };
+    auto it = std::find_if(data_.begin(), data_.end(), [&](DataAdvert const& d) {
+      return mine(d) && (d.adv.buffers.size() != 1 || d.adv.buffers[0].size == size);
+    });
+    if (it == data_.end()) it = std::find_if(data_.begin(), data_.end(), mine);
+    if (it != data_.end()) {
+      adv = std::move(it->adv);
+      data_.erase(it);
+      break;
     }
+    // Given up before the buffer came: the request ends here, and the buffer it would have
+    // filled is refused when it comes, not left queued for its recv to wait out its deadline.
+    auto const self = ctx_.find(id);
+    if (terminate.load(std::memory_order_acquire) || !m_.isRunning() || self == ctx_.end() || !self->second.open) {
+      endCtx(id);
+      throw TransferError(static_cast<int>(Outcome::Cancelled), id, "kvlink: send of " + describe(id, tag) + " cancelled");
+    }
+    if (Clock::now() >= deadline) {
+      endCtx(id);
+      throw TransferError(static_cast<int>(Outcome::TimedOut), id,
+                          "kvlink: send of " + describe(id, tag) + ": no buffer advertised by the deadline");
+    }
+    // The generation rank's connection failed or it left (its manager destroyed) since its
+    // request info came: its side of the request has ended PeerLost, and the buffer will never
+    // be advertised. Ends now rather than at the deadline.
+    if (m_.engine().peer_state(remote_) != PeerState::Connected) {
+      endCtx(id);
+      throw TransferError(static_cast<int>(Outcome::PeerLost), id,
+                          "kvlink: send of " + describe(id, tag) + ": rank " + std::to_string(remote_) +
+                              " is gone (its connection failed, or it left) before it advertised the buffer");
+    }
+    cv_.wait_for(g, 5ms);  // the terminate flag cannot notify: look every 5 ms
   }
   g.unlock();
   if (adv->buffers.size() != 1) {
@@ -1342,6 +1333,13 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
     (void)acceptOrEnded(m_.engine(), adv->key, remote_, false, m_.grace(), ignored);
     throw Error(ErrorKind::Protocol, "kvlink Protocol: the buffer advertisement for " + describe(id, tag) + " has " +
                                          std::to_string(adv->buffers.size()) + " buffers, not 1: refused");
+  }
+  if (adv->buffers[0].size != size) {
+    Outcome ignored = Outcome::Rejected;
+    (void)acceptOrEnded(m_.engine(), adv->key, remote_, false, m_.grace(), ignored);
+    throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: send of " + std::to_string(size) + " bytes for " +
+                                                describe(id, tag) + " into a buffer of " +
+                                                std::to_string(adv->buffers[0].size) + ": refused");
   }
   Outcome ended = Outcome::Cancelled;
   if (!acceptOrEnded(m_.engine(), adv->key, remote_, true, m_.grace(), ended)) {
