@@ -257,14 +257,20 @@ impl Text {
         }
     }
 
+    /// Sets the message. A control character in it (a newline, an escape) is written escaped
+    /// (`\n`, `\u{1b}`): the sink's host writes a record as one line, and some of what is
+    /// logged comes from peers (a peer's name, up to 256 bytes of its choosing), which must not
+    /// forge a line of their own or a terminal's colours.
     fn message(&mut self, value: std::fmt::Arguments<'_>) {
         use std::fmt::Write;
         if self.text.len() == self.message_len {
             let _ = write!(self.text, "{value}");
+            escape_controls(&mut self.text, 0);
             self.message_len = self.text.len();
         } else {
             // A message recorded after fields (the macros record it first).
-            let m = value.to_string();
+            let mut m = value.to_string();
+            escape_controls(&mut m, 0);
             self.text.insert_str(self.message_len, &m);
             self.message_len += m.len();
         }
@@ -272,8 +278,8 @@ impl Text {
 
     /// Appends ` name=value`; a value that is empty or holds a space, a double quote, a
     /// backslash or a `=` is written in double quotes, its quotes and backslashes escaped with
-    /// a backslash (`key="req 2#0"`), so that the fields split on spaces and `=` whatever a
-    /// value displays as.
+    /// a backslash (`key="req 2#0"`), and its control characters as in [`Text::message`], so
+    /// that the fields split on spaces and `=` whatever a value displays as.
     fn push(&mut self, field: &Field, value: std::fmt::Arguments<'_>) {
         use std::fmt::Write;
         if self.text.len() > self.message_len {
@@ -293,9 +299,29 @@ impl Text {
                 if matches!(c, '"' | '\\') {
                     self.text.push('\\');
                 }
-                self.text.push(c);
+                if c.is_control() {
+                    self.text.extend(c.escape_default());
+                } else {
+                    self.text.push(c);
+                }
             }
             self.text.push('"');
+        }
+    }
+}
+
+/// Writes each control character of `text[from..]` escaped (`\n`, `\u{1b}`), in place; costs a
+/// scan when there is none.
+fn escape_controls(text: &mut String, from: usize) {
+    if !text[from..].chars().any(char::is_control) {
+        return;
+    }
+    let raw = text.split_off(from);
+    for c in raw.chars() {
+        if c.is_control() {
+            text.extend(c.escape_default());
+        } else {
+            text.push(c);
         }
     }
 }
@@ -368,6 +394,7 @@ mod tests {
             generation = 3u32,
             key = %"req 7#3",
             why = "a \"quote\" and a \\",
+            name = "two\nlines",
             empty = "",
             "request ended {}",
             "TimedOut"
@@ -407,9 +434,22 @@ mod tests {
         assert_eq!(message, "request ended TimedOut");
         assert_eq!(
             fields,
-            r#"request=7 generation=3 key="req 7#3" why="a \"quote\" and a \\" empty="""#
+            r#"request=7 generation=3 key="req 7#3" why="a \"quote\" and a \\" name="two\nlines" empty="""#
         );
         assert!(set_sink_invalid_level_is_refused());
+    }
+
+    /// A message's control characters (a peer's name with a newline or a terminal escape in
+    /// it) are written escaped: the host writes a record as one line.
+    #[test]
+    fn control_characters_in_a_message_are_escaped() {
+        let mut t = Text::new();
+        t.message(format_args!(
+            "rank 3 ({}) connected",
+            "x\nERROR fake\u{1b}[31m"
+        ));
+        assert_eq!(t.text, r"rank 3 (x\nERROR fake\u{1b}[31m) connected");
+        assert_eq!(t.message_len, t.text.len());
     }
 
     fn set_sink_invalid_level_is_refused() -> bool {
