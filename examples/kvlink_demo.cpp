@@ -13,6 +13,7 @@
 // program with --role context) and reads its address and results from a pipe.
 #include <kvlink/kvlink.hpp>
 
+#include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +23,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -112,6 +114,18 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
     _exit(127);
   }
   close(fds[1]);
+  // Ends the context process however this side ends, a thrown error included: left alone it
+  // would wait 30 s for an advertisement, holding the stderr it inherited (a test's pipe).
+  struct Reaper {
+    pid_t pid;
+    bool reaped = false;
+    ~Reaper() {
+      if (pid > 0 && !reaped) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+      }
+    }
+  } reaper{child};
   FILE* from_ctx = fdopen(fds[0], "r");
   char line[4096];
   if (child < 0 || from_ctx == nullptr || std::fgets(line, sizeof line, from_ctx) == nullptr ||
@@ -199,7 +213,8 @@ int run_generation(const char* self, const std::string& transport, milliseconds 
   std::printf("  context side reported: %s\n", joined.c_str());
   all_ok = all_ok && joined == "CTX 1 Completed, CTX 2 TimedOut, CTX 3 Completed";
   int status = 0;
-  all_ok = all_ok && waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  reaper.reaped = waitpid(child, &status, 0) == child;
+  all_ok = all_ok && reaper.reaped && WIFEXITED(status) && WEXITSTATUS(status) == 0;
   if (!metrics_file.empty()) {
     std::ofstream out(metrics_file, std::ios::binary | std::ios::trunc);
     out << engine.metrics_text();
@@ -235,7 +250,21 @@ int main(int argc, char** argv) {
     }
   }
   const std::string transport = arg(argc, argv, "--transport", "tcp");
-  const milliseconds timeout(std::stoll(arg(argc, argv, "--timeout-ms", "2000")));
+  const std::string timeout_arg = arg(argc, argv, "--timeout-ms", "2000");
+  long long timeout_ms = 0;
+  try {
+    std::size_t used = 0;
+    timeout_ms = std::stoll(timeout_arg, &used);
+    if (used != timeout_arg.size()) timeout_ms = 0;
+  } catch (const std::exception&) {
+    // Not a number, or out of range: told below (std::stoll's throw ended the process here).
+  }
+  if (timeout_ms <= 0) {
+    std::fprintf(stderr, "kvlink_demo: --timeout-ms takes a positive number of milliseconds, not '%s'\n",
+                 timeout_arg.c_str());
+    return 2;
+  }
+  const milliseconds timeout(timeout_ms);
   try {
     if (arg(argc, argv, "--role", "generation") == "context") return run_context(transport, timeout);
     return run_generation(argv[0], transport, timeout, arg(argc, argv, "--metrics-file", ""));

@@ -16,6 +16,10 @@ fn demo_runs_and_handles_the_fault_on_tcp_and_shared_memory() {
             text.contains("request 2: ") && text.contains("-> TimedOut"),
             "{text}"
         );
+        assert!(
+            text.contains("expected TimedOut at the 1s deadline: yes"),
+            "{transport}: the faulty request did not end at its deadline:\n{text}"
+        );
         assert!(text
             .contains("context side reported: CTX 1 Completed, CTX 2 TimedOut, CTX 3 Completed"));
         assert_eq!(
