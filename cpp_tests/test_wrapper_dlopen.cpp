@@ -1026,7 +1026,10 @@ TEST_P(WrapperTest, AMalformedEnvelopeIsRefusedAndTheCallGoesOnToTheNext) {
   auto const told = std::count_if(seen.warnings.begin(), seen.warnings.end(), [](std::string const& w) {
     return w.find("is malformed") != std::string::npos;
   });
-  EXPECT_EQ(told, static_cast<long>(bad.size())) << seen.warnings.size() << " warnings";
+  // At most one a second (the four most likely within one).
+  auto const seconds = std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - started).count();
+  EXPECT_GE(told, 1) << seen.warnings.size() << " warnings";
+  EXPECT_LE(told, 1 + seconds) << seen.warnings.size() << " warnings";
 }
 
 // A data send of another size than the buffer the generation rank advertised (a layout

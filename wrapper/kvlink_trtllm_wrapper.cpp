@@ -575,9 +575,21 @@ class Manager final : public kv::ConnectionManager {
   /// A warning of the wrapper's own (not kvlink's, which reach the hook through the log sink),
   /// to this manager's hook if it holds one at `Warn` or a more verbose level. Takes no lock:
   /// the log mutex is held across a sink's removal, which waits up to 500 ms for a slow hook.
+  /// At most one a second: a peer that sends malformed envelopes without end would otherwise
+  /// hold the dispatcher in the host's hook once for each; the ones held back are counted in
+  /// the next one told.
   void warn(std::string const& what) const {
     if (!hook_ || hook_->level < static_cast<int>(LogLevel::Warn)) return;
-    std::string const line = "[kvlink] kvlink_trtllm_wrapper: " + what;
+    std::int64_t const now = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+    std::int64_t last = lastWarnMs_.load(std::memory_order_relaxed);
+    if ((last != 0 && now - last < 1000) || !lastWarnMs_.compare_exchange_strong(last, now)) {
+      warnsHeld_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    std::string line = "[kvlink] kvlink_trtllm_wrapper: " + what;
+    if (std::uint64_t const held = warnsHeld_.exchange(0, std::memory_order_relaxed)) {
+      line += " (" + std::to_string(held) + " more warnings held back in the second before)";
+    }
     hook_->fn(hook_->user, static_cast<int>(LogLevel::Warn), line.data(), line.size());
   }
   /// The live managers with a hook, oldest first.
@@ -754,6 +766,8 @@ class Manager final : public kv::ConnectionManager {
   kv::CommState commState_;
   CudaPointers cuda_;
   std::optional<LogHook> hook_;  // this manager's, for warn(); set before the dispatcher starts
+  mutable std::atomic<std::int64_t> lastWarnMs_{0};  // when warn() last told the hook (steady ms)
+  mutable std::atomic<std::uint64_t> warnsHeld_{0};  // warnings held back since
   std::atomic<bool> running_{true};
   std::atomic<bool> stop_{false};
   std::atomic<std::uint32_t> generation_{1};
