@@ -279,7 +279,8 @@ struct LogRecord {
   /// The structured fields as `k=v` separated by spaces, e.g. "request=2 generation=0
   /// role=receiver outcome=timed_out" (empty when none). A value that is empty or holds
   /// whitespace, a `=`, a double quote or a backslash comes in double quotes, its quotes and
-  /// backslashes escaped with a backslash (`key="req 2#0"`).
+  /// backslashes escaped with a backslash (`key="req 2#0"`). Control characters, here and in
+  /// `message`, come escaped (`\n`, `\u{1b}`): a record is one line.
   std::string_view fields;
 };
 
