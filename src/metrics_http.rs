@@ -11,6 +11,12 @@ use std::time::{Duration, Instant};
 /// Answers each HTTP request at `listener` with the engine's metrics text, one short connection
 /// at a time on a thread of its own, for as long as the engine lives: within 200 ms of the
 /// engine's end the thread ends and the port is closed, connection or not.
+///
+/// While it makes a scrape's text (well under a millisecond), and for a moment each 200 ms,
+/// the server holds the engine: a host that drops its last `Arc` just then finds the engine
+/// dropped when that ends, on the server's thread, not at its own drop. Memory lent to the
+/// engine (a region) is the host's again only once the engine is gone: deregister regions
+/// before the drop, or wait for the `Weak` to fail, before freeing them.
 pub fn serve(engine: Weak<Engine>, listener: TcpListener) {
     std::thread::spawn(move || {
         run(
