@@ -146,6 +146,19 @@ void serveOne(kv::ConnectionManager& ctx, GenSide const& gen, uint64_t id, std::
   t.conn->send(kv::DataContext{gen.tags.data(id)}, src.data(), src.size());
 }
 
+/// The generation side of one request `id` that the context side serves with serveOne's
+/// pattern: sends its info, expects ready (`what` names the request in the failure) and checks
+/// every byte that lands.
+void expectServed(GenSide const& gen, uint64_t id, std::atomic<bool> const& never, char const* what) {
+  std::vector<uint8_t> dst(4096, 0);
+  gen.sendRequestInfo(id);
+  bool const ready = gen.recvReady(id, never);
+  EXPECT_TRUE(ready) << what << " was refused";
+  if (!ready) return;
+  gen.conn->recv(kv::DataContext{gen.tags.data(id), never}, dst.data(), dst.size());
+  EXPECT_EQ(check(id, 0, dst.data(), dst.size()), SIZE_MAX) << what;
+}
+
 /// tcp options whose log hook is `fn`, at every level (trace).
 KvlinkTrtllmOptions traced(KvlinkLogFn fn, int rank = 0, int world = 1) {
   KvlinkTrtllmOptions o = options("tcp", rank, world);
@@ -923,7 +936,7 @@ TEST_P(WrapperTest, ADataTagWithoutIdBitsNamesOnlyItsOwnRequestWithTheNewerTags)
 TEST_P(WrapperTest, ARecvConnectThatDoesNotFitTheEnvelopeTakesNothing) {
   GenSide gen{toCtx_, Tags{true}};
   constexpr uint64_t kId = 4347;
-  std::vector<uint8_t> src(4096), dst(4096, 0);
+  std::vector<uint8_t> src(4096);
   fill(kId, 0, src.data(), src.size());
   Watchdog dog(10s);
   std::atomic<bool> const& giveUp = dog.flag;
@@ -943,13 +956,7 @@ TEST_P(WrapperTest, ARecvConnectThatDoesNotFitTheEnvelopeTakesNothing) {
     expectInvalid(bm::TransceiverTag::kINFO_SIZE_TAG, &id, sizeof id);
     serveOne(*ctx_, gen, kId, src, giveUp);
   });
-  gen.sendRequestInfo(kId);
-  bool const ready = gen.recvReady(kId, never_);
-  EXPECT_TRUE(ready) << "the request was refused";
-  if (ready) {
-    toCtx_->recv(kv::DataContext{gen.tags.data(kId), never_}, dst.data(), dst.size());
-    EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
-  }
+  expectServed(gen, kId, never_, "the request");
   EXPECT_NO_THROW(server.get());
 }
 
@@ -1009,18 +1016,12 @@ TEST_P(WrapperTest, AMalformedEnvelopeIsRefusedAndTheCallGoesOnToTheNext) {
     }).join();
   }
   EXPECT_LT(Clock::now() - started, 5s) << "a malformed envelope was refused only at its deadline";
-  std::vector<uint8_t> src(4096), dst(4096, 0);
+  std::vector<uint8_t> src(4096);
   fill(kId, 0, src.data(), src.size());
   Watchdog dog(10s);
   std::atomic<bool> const& giveUp = dog.flag;
   auto server = std::async(std::launch::async, [&] { serveOne(*ctx, gen, kId, src, giveUp); });
-  gen.sendRequestInfo(kId);
-  bool const ready = gen.recvReady(kId, never_);
-  EXPECT_TRUE(ready) << "the request behind the malformed ones was refused";
-  if (ready) {
-    toCtx->recv(kv::DataContext{gen.tags.data(kId), never_}, dst.data(), dst.size());
-    EXPECT_EQ(check(kId, 0, dst.data(), dst.size()), SIZE_MAX);
-  }
+  expectServed(gen, kId, never_, "the request behind the malformed ones");
   EXPECT_NO_THROW(server.get());
   std::lock_guard<std::mutex> g(seen.mu);
   auto const told = std::count_if(seen.warnings.begin(), seen.warnings.end(), [](std::string const& w) {
