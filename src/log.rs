@@ -291,7 +291,7 @@ impl Text {
         let plain = self.text.len() > at
             && !self.text[at..]
                 .chars()
-                .any(|c| c.is_whitespace() || matches!(c, '"' | '\\' | '='));
+                .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '"' | '\\' | '='));
         if !plain {
             let raw = self.text.split_off(at);
             self.text.push('"');
@@ -395,6 +395,7 @@ mod tests {
             key = %"req 7#3",
             why = "a \"quote\" and a \\",
             name = "two\nlines",
+            colour = "x\u{1b}[31m",
             empty = "",
             "request ended {}",
             "TimedOut"
@@ -434,7 +435,7 @@ mod tests {
         assert_eq!(message, "request ended TimedOut");
         assert_eq!(
             fields,
-            r#"request=7 generation=3 key="req 7#3" why="a \"quote\" and a \\" name="two\nlines" empty="""#
+            r#"request=7 generation=3 key="req 7#3" why="a \"quote\" and a \\" name="two\nlines" colour="x\u{1b}[31m" empty="""#
         );
         assert!(set_sink_invalid_level_is_refused());
     }
