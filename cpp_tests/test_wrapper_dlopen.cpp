@@ -1239,9 +1239,11 @@ class WrapperStateTest : public WrapperTest {
 };
 
 // Two blocks of one request under one data tag, of two sizes, received on two threads (a
-// formatter's helpers; the large one advertised first) and sent small first once both buffers
-// are advertised: each send fills the buffer of its own size. Before, a send took the first
-// buffer of its tag, the other block's here, and both ranks failed the request on the size.
+// formatter's helpers; the large one advertised first) and sent small first: each send fills
+// the buffer of its own size, in even rounds once both buffers are advertised, in odd ones with
+// the small buffer advertised 20 ms after the small send began (within kOtherSizeGrace).
+// Before, a send took the first buffer of its tag, the other block's here, and both ranks
+// failed the request on the size.
 TEST_P(WrapperStateTest, TwoBlocksOfOneTagAndTwoSizesEachFillTheirOwnBuffer) {
   GenSide gen{toCtx_, Tags{true}};
   for (uint64_t round = 0; round < 4; ++round) {
@@ -1256,7 +1258,8 @@ TEST_P(WrapperStateTest, TwoBlocksOfOneTagAndTwoSizesEachFillTheirOwnBuffer) {
       if (t.conn == nullptr) throw std::runtime_error("no request taken");
       bool const ready = true;
       t.conn->send(kv::DataContext{gen.tags.ready(id)}, &ready, sizeof ready);
-      while (state(*ctx_).buffers_queued < 2 && !giveUp) std::this_thread::sleep_for(1ms);
+      std::size_t const queued = round % 2 == 0 ? 2 : 1;
+      while (state(*ctx_).buffers_queued < queued && !giveUp) std::this_thread::sleep_for(1ms);
       t.conn->send(kv::DataContext{gen.tags.data(id), giveUp}, small.data(), small.size());
       t.conn->send(kv::DataContext{gen.tags.data(id), giveUp}, large.data(), large.size());
     });
@@ -1268,6 +1271,7 @@ TEST_P(WrapperStateTest, TwoBlocksOfOneTagAndTwoSizesEachFillTheirOwnBuffer) {
       toCtx_->recv(kv::DataContext{gen.tags.data(id), never_}, largeDst.data(), largeDst.size());
     });
     while (state(*ctx_).buffers_queued < 1 && !giveUp) std::this_thread::sleep_for(1ms);
+    if (round % 2 == 1) std::this_thread::sleep_for(20ms);  // the small send is already looking
     try {
       toCtx_->recv(kv::DataContext{gen.tags.data(id), never_}, smallDst.data(), smallDst.size());
     } catch (std::exception const& e) {

@@ -80,6 +80,10 @@ constexpr std::size_t kMaxEnvelopeBytes = std::size_t{256} << 20;
 /// queued advertisements): past it one is refused, as a peer could otherwise grow the queue
 /// without end with advertisements of long deadlines that no send takes.
 constexpr std::size_t kMaxBuffersQueued = 16384;
+/// How long a data send waits for a buffer of its own size while only buffers of another size
+/// are queued under its tag (another helper thread's recv may not have advertised yet), before
+/// it takes one of them as a size mismatch.
+constexpr auto kOtherSizeGrace = std::chrono::milliseconds(200);
 // The envelope's first part: upstream's TransceiverTag::Id, a 64-bit enum.
 constexpr std::size_t kIdSize = 8;
 constexpr int kInfoSizeTag = 22;
@@ -1300,18 +1304,30 @@ void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, si
   }
   // Wait for the generation rank's advertisement of the buffer this send fills.
   std::optional<Advertisement> adv;
+  // Since when only buffers of another size are queued under this tag.
+  std::optional<Clock::time_point> othersSince;
   for (;;) {
     // One of this size first: another block of the same request and tag may be of another
-    // size (before, a send took the first buffer of its tag, and when both were advertised
-    // and the other block's came first, the request failed on the size). Otherwise the first
-    // of its tag: one of another size is taken and refused below (a size the generation rank
-    // does not expect is a mismatch upstream never retries, so both ranks end now), as is a
-    // malformed advertisement (not one buffer).
+    // size (before, a send took the first buffer of its tag, and when the other block's came
+    // first, the request failed on the size). With only others queued, one of this size is
+    // waited for a moment (kOtherSizeGrace: another thread's recv may not have advertised
+    // yet); then the first of its tag is taken and refused below (a size the generation rank
+    // does not expect is a mismatch upstream never retries, so both ranks end), as is a
+    // malformed advertisement (not one buffer) at once.
     auto const mine = [&](DataAdvert const& d) { return d.adv.key.request == id && d.tag == tag; };
     auto it = std::find_if(data_.begin(), data_.end(), [&](DataAdvert const& d) {
       return mine(d) && (d.adv.buffers.size() != 1 || d.adv.buffers[0].size == size);
     });
-    if (it == data_.end()) it = std::find_if(data_.begin(), data_.end(), mine);
+    if (it == data_.end()) {
+      auto const other = std::find_if(data_.begin(), data_.end(), mine);
+      if (other == data_.end()) {
+        othersSince.reset();
+      } else if (!othersSince) {
+        othersSince = Clock::now();
+      } else if (Clock::now() - *othersSince >= kOtherSizeGrace) {
+        it = other;
+      }
+    }
     if (it != data_.end()) {
       adv = std::move(it->adv);
       data_.erase(it);
