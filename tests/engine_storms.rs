@@ -291,10 +291,22 @@ fn queues_fed_by_peers_are_bounded_in_bytes() {
         let info = vec![7u8; (1 << 20) - (8 << 10)];
         let mut bufs: Vec<Vec<u8>> = (0..n + 2).map(|_| vec![0u8; 64]).collect();
         let (bufs, markers) = bufs.split_at_mut(n);
+        let t0 = Instant::now();
         for (i, b) in bufs.iter_mut().enumerate() {
-            // SAFETY: every request's end is waited for below.
-            unsafe { advertise_info(&gen, GEN, RequestKey::new(i as u64, 0), b, info.clone()) }
-                .unwrap();
+            // SAFETY: every request's end is waited for below. Deadlines of two minutes, not
+            // the engines' 20 s: the last queued one is answered after 300 MiB of request info
+            // crossed and was read back, which took over 20 s in a CI run on a busy machine
+            // (the request then ended `TimedOut` before its refusal, failing the test).
+            unsafe {
+                gen.advertise_with(
+                    RequestKey::new(i as u64, 0),
+                    vec![RankId(GEN)],
+                    vec![(RankId(CTX), vec![BufferSpec::host(0, b)])],
+                    info.clone(),
+                    Some(Duration::from_secs(120)),
+                )
+            }
+            .unwrap();
         }
         // A notification sent after them arrives after them (one connection, in order): once
         // it is here, every advertisement has been queued or refused.
@@ -321,8 +333,9 @@ fn queues_fed_by_peers_are_bounded_in_bytes() {
         }
         let held: usize = queued.len() * info.len();
         println!(
-            "== {kind:?}: {n} advertisements of {} KiB\n  QUEUE queued={} refused={refused} held_MiB={}",
+            "== {kind:?}: {n} advertisements of {} KiB in {:?}\n  QUEUE queued={} refused={refused} held_MiB={}",
             info.len() >> 10,
+            t0.elapsed(),
             queued.len(),
             held >> 20
         );
