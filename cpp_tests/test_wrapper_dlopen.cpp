@@ -133,9 +133,10 @@ TEST(WrapperFactory, ATimeoutFromTheEnvironmentThatIsNotANumberIsRefused) {
 }
 
 /// The context side of request `id`: takes the next envelope (it must be `id`'s), answers ready
-/// and sends `src` into the request's one buffer.
-void serveOne(kv::ConnectionManager& ctx, GenSide const& gen, uint64_t id, std::vector<uint8_t> const& src,
-              std::atomic<bool> const& terminate) {
+/// The context side's first half of request `id`: takes its envelope (throws if none, or
+/// another request's) and answers ready; returns the connection the data goes on.
+kv::Connection const* takeReady(kv::ConnectionManager& ctx, GenSide const& gen, uint64_t id,
+                                std::atomic<bool> const& terminate) {
   Taken t = recvRequestInfo(ctx, terminate);
   if (t.conn == nullptr) throw std::runtime_error("no request taken (the envelope of " + std::to_string(id) + " was lost)");
   if (t.info.getRequestId() != id) {
@@ -143,7 +144,14 @@ void serveOne(kv::ConnectionManager& ctx, GenSide const& gen, uint64_t id, std::
   }
   bool const ready = true;
   t.conn->send(kv::DataContext{gen.tags.ready(id)}, &ready, sizeof ready);
-  t.conn->send(kv::DataContext{gen.tags.data(id)}, src.data(), src.size());
+  return t.conn;
+}
+
+/// and sends `src` into the request's one buffer.
+void serveOne(kv::ConnectionManager& ctx, GenSide const& gen, uint64_t id, std::vector<uint8_t> const& src,
+              std::atomic<bool> const& terminate) {
+  kv::Connection const* conn = takeReady(ctx, gen, id, terminate);
+  conn->send(kv::DataContext{gen.tags.data(id)}, src.data(), src.size());
 }
 
 /// The generation side of one request `id` that the context side serves with serveOne's
@@ -1043,12 +1051,9 @@ TEST_P(WrapperTest, ADataSendOfTheWrongSizeEndsTheRequestOnBothRanksAtOnce) {
   Watchdog dog(10s);
   std::atomic<bool> const& giveUp = dog.flag;
   auto server = std::async(std::launch::async, [&] {
-    Taken t = recvRequestInfo(*ctx_, giveUp);
-    if (t.conn == nullptr) throw std::runtime_error("no request taken");
-    bool const ready = true;
-    t.conn->send(kv::DataContext{gen.tags.ready(kId)}, &ready, sizeof ready);
+    kv::Connection const* conn = takeReady(*ctx_, gen, kId, giveUp);
     try {
-      t.conn->send(kv::DataContext{gen.tags.data(kId), giveUp}, src.data(), src.size() - 1);
+      conn->send(kv::DataContext{gen.tags.data(kId), giveUp}, src.data(), src.size() - 1);
       ADD_FAILURE() << "a send of the wrong size went through";
     } catch (std::exception const& e) {
       EXPECT_NE(std::string(e.what()).find("InvalidArgument"), std::string::npos) << e.what();
@@ -1254,14 +1259,11 @@ TEST_P(WrapperStateTest, TwoBlocksOfOneTagAndTwoSizesEachFillTheirOwnBuffer) {
     Watchdog dog(10s);
     std::atomic<bool> const& giveUp = dog.flag;
     auto server = std::async(std::launch::async, [&] {
-      Taken t = recvRequestInfo(*ctx_, giveUp);
-      if (t.conn == nullptr) throw std::runtime_error("no request taken");
-      bool const ready = true;
-      t.conn->send(kv::DataContext{gen.tags.ready(id)}, &ready, sizeof ready);
+      kv::Connection const* conn = takeReady(*ctx_, gen, id, giveUp);
       std::size_t const queued = round % 2 == 0 ? 2 : 1;
       while (state(*ctx_).buffers_queued < queued && !giveUp) std::this_thread::sleep_for(1ms);
-      t.conn->send(kv::DataContext{gen.tags.data(id), giveUp}, small.data(), small.size());
-      t.conn->send(kv::DataContext{gen.tags.data(id), giveUp}, large.data(), large.size());
+      conn->send(kv::DataContext{gen.tags.data(id), giveUp}, small.data(), small.size());
+      conn->send(kv::DataContext{gen.tags.data(id), giveUp}, large.data(), large.size());
     });
     gen.sendRequestInfo(id);
     ASSERT_TRUE(gen.recvReady(id, never_));
