@@ -335,8 +335,9 @@ impl<S: Subscriber> Layer<S> for SinkLayer {
         if !SinkLevel::wants(meta) || IN_SINK.with(|b| b.replace(true)) {
             return;
         }
-        // A panic while formatting (a field's Display) must not reach the code that logged.
-        let _ = catch_unwind(AssertUnwindSafe(|| {
+        // A panic while formatting (a field's Display) must not reach the code that logged;
+        // the record is lost, and counted as dropped.
+        let formatted = catch_unwind(AssertUnwindSafe(|| {
             let mut text = Text::new();
             event.record(&mut text);
             delivery::push(delivery::Record {
@@ -346,6 +347,9 @@ impl<S: Subscriber> Layer<S> for SinkLayer {
                 message_len: text.message_len,
             });
         }));
+        if formatted.is_err() {
+            delivery::count_dropped();
+        }
         IN_SINK.with(|b| b.set(false));
     }
 }
@@ -407,13 +411,28 @@ mod tests {
         assert!(flush(
             std::time::Instant::now() + std::time::Duration::from_secs(10)
         ));
+        // A field whose formatting panics: the record is lost, counted as dropped, and the
+        // code that logged goes on (were the stderr layer on, it would format it too).
+        if std::env::var_os(ENV).is_none() {
+            struct Panics;
+            impl std::fmt::Display for Panics {
+                fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    panic!("a field that cannot be formatted");
+                }
+            }
+            let before = records_dropped();
+            tracing::warn!(request = 10u64, bad = %Panics, "formatting panics");
+            assert!(records_dropped() > before, "the lost record is counted");
+        }
         // SAFETY: removing the sink.
         unsafe { set_sink(0, 0) }.unwrap();
         tracing::warn!(request = 8u64, "after removal");
         let seen = SEEN.lock().clone();
         let ours: Vec<_> = seen
             .iter()
-            .filter(|e| e.3.contains("request=7") || e.3.contains("request=8"))
+            .filter(|e| {
+                e.3.contains("request=7") || e.3.contains("request=8") || e.3.contains("request=10")
+            })
             .collect();
         // A flush from inside the sink with nothing queued behind the record it delivers says
         // nothing is pending (it said false for ever: the record under way counted as

@@ -218,7 +218,7 @@ impl Metrics {
         );
         registry.register(
             "log_records_dropped",
-            "Log records dropped because the host's log sink fell behind (the whole process's, not this engine's alone)",
+            "Log records dropped because the host's log sink fell behind or formatting one panicked (the whole process's, not this engine's alone)",
             m.log_dropped.clone(),
         );
         registry.register(

@@ -71,10 +71,15 @@ static QUEUED: Condvar = Condvar::new();
 static DONE: Condvar = Condvar::new();
 static DROPPED: AtomicU64 = AtomicU64::new(0);
 
-/// Records dropped because the queue was full (the sink fell [`QUEUE_CAP`] records behind),
-/// since the process started.
+/// Records dropped because the queue was full (the sink fell [`QUEUE_CAP`] records behind), or
+/// because formatting one panicked (a field's `Display`), since the process started.
 pub fn records_dropped() -> u64 {
     DROPPED.load(Ordering::Relaxed)
+}
+
+/// Counts a record that never reached the queue (its formatting panicked).
+pub(super) fn count_dropped() {
+    DROPPED.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Queues `record` for the sink; drops it (counted) when the queue is full, and drops it
