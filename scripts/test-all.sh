@@ -29,6 +29,8 @@ export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 
 # shellcheck source=scripts/steps.sh
 source "$root/scripts/steps.sh"
+# shellcheck source=scripts/beside.sh
+source "$root/scripts/beside.sh"
 
 # The fuzz targets are a workspace of their own (fuzz/), which `--all` does not reach.
 step fmt -- bash -c "cargo fmt --all -- --check && cargo fmt --manifest-path '$root/fuzz/Cargo.toml' -- --check"
@@ -40,7 +42,63 @@ step fuzz-check -- cargo clippy --manifest-path "$root/fuzz/Cargo.toml" --all-ta
 # The API docs of the two library crates, broken or private links an error (a few seconds: the
 # dependencies were checked by the clippy step).
 step docs -- env RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -p kvlink-proto -p kvlink
-step cargo-test -- cargo test --locked --workspace --no-fail-fast
+# Every test of the workspace, built first; the suites that mostly wait (the shared-memory
+# wedge suite, the engine under real faults: 140 of the step's 420 s of tests here, 21 s of
+# CPU) run beside the others (scripts/beside.sh), so the step takes about as long as the rest.
+beside_suites=(sm_kill_wedge engine_faults)
+# The other suites: the main lane names --workspace, as the build does (cargo unifies the
+# dependencies' features over the packages it selects: `-p kvlink`, or the two suites alone,
+# would be a build of their own). The suites are the integration-test targets the build
+# reports, so a new one runs without a change here.
+cargo_test_rest() {
+    local rc=0 t sel=()
+    for t in "$@"; do
+        [[ " ${beside_suites[*]} " == *" $t "* ]] || sel+=(--test "$t")
+    done
+    cargo test --locked --no-fail-fast --workspace --lib --bins "${sel[@]}" || rc=1
+    return $rc
+}
+# The beside suites, run as cargo runs a test binary (from its package's directory), from the
+# executables of the same build.
+run_suites() {
+    local rc=0 name exe dir
+    while IFS=$'\t' read -r name exe dir; do
+        [[ " ${beside_suites[*]} " == *" $name "* ]] || continue
+        echo "     Running tests/$name.rs ($exe)"
+        (cd "$dir" && "$exe") || {
+            rc=1
+            echo "error: test failed, to rerun pass \`--test $name\`"
+        }
+    done <"$1"
+    return $rc
+}
+cargo_test() {
+    local built list rc=0
+    built="$(mktemp)" list="$(mktemp)"
+    if cargo test --locked --workspace --no-run --message-format=json-render-diagnostics >"$built"; then
+        # name, executable, package directory of each integration-test target
+        python3 -c '
+import json, os, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    if j.get("reason") == "compiler-artifact" and j["target"]["kind"] == ["test"]:
+        print(j["target"]["name"], j["executable"], os.path.dirname(j["manifest_path"]), sep="\t")' \
+            "$built" >"$list" || rc=1
+    else
+        rc=1
+    fi
+    # The doc tests before the lanes: they compile the libraries once more (without the
+    # bench's features), which the waiting suites should not have beside them.
+    cargo test --locked --no-fail-fast --workspace --doc || rc=1
+    if [[ -s $list ]]; then
+        local suites=()
+        mapfile -t suites < <(cut -f1 "$list")
+        beside cargo_test_rest "${suites[@]}" ::: run_suites "$list" || rc=1
+    fi
+    rm -f "$built" "$list"
+    return $rc
+}
+step cargo-test -- cargo_test
 # The stage timeline (src/timeline.rs) records only with its feature, off in every other build:
 # its recording test runs here, so the feature's code is built and checked in CI.
 step timeline -- cargo test --locked --lib --features timeline timeline::
@@ -107,11 +165,16 @@ ucx122() (
     # stopped send handed the buffer back before UCX let go of it (fixed on 2026-12-06,
     # docs/RELIABILITY.md, "Known gaps"). Kept as a net for the less-travelled UCX; a rerun is
     # printed, so it is seen. The cargo-test step above, on the system UCX, has no such net.
+    # The two suites that mostly wait (engine_faults: 99 s here with its 10 s requests,
+    # sm_kill_wedge: 72 s) run beside the others, as in the cargo-test step.
     local log reruns sel
+    local first=(--lib --test transport_local --test transport_two_process --test engine
+        --test crossing_dials --test listen_addresses)
+    local second=(--test engine_faults --test sm_kill_wedge)
     log="$(mktemp)"
-    if ! cargo test --locked --no-fail-fast --lib --test transport_local \
-        --test transport_two_process --test engine --test engine_faults --test sm_kill_wedge \
-        --test crossing_dials --test listen_addresses 2>&1 | tee "$log"; then
+    if ! { cargo test --locked --no-run "${first[@]}" "${second[@]}" &&
+        beside cargo test --locked --no-fail-fast "${first[@]}" \
+            ::: cargo test --locked --no-fail-fast "${second[@]}"; } 2>&1 | tee "$log"; then
         if reruns="$(python3 "$root/scripts/failed-tests.py" "$log")"; then
             while read -r sel; do
                 echo "ucx122: RERUN of what failed: cargo test $sel"
