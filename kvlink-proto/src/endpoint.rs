@@ -674,7 +674,9 @@ impl Endpoint {
                 None => self.drop_unknown(key, Some(from)),
             },
             Message::Notify { key, payload } => {
-                if self.newer_known(key, None) {
+                // Stale only for a newer attempt with its sender: another rank's newer
+                // advertisement of the same id says nothing of this sender's stream.
+                if self.newer_known(key, Some(from)) {
                     self.out.stats.stale_dropped += 1;
                 } else {
                     self.out.events.push_back(super::request::Event::Notified {

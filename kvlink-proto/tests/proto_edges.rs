@@ -511,3 +511,45 @@ fn a_cancel_of_a_key_not_known_here_is_unknown_request() {
         "{e}"
     );
 }
+
+/// A notification is dropped as stale only for a newer attempt of its key with the rank that
+/// sent it. Another rank's newer advertisement of the same request id says nothing of the
+/// sender's stream: before, rank 2's `(7, 1)` made rank 3's notification `(7, 0)` stale, and it
+/// was dropped (`stale_dropped`) with no `Notified`. The sender's own newer attempt still makes
+/// an older notification of it stale.
+#[test]
+fn a_notification_is_stale_only_for_its_senders_newer_attempt() {
+    let t = Instant::now();
+    let (b, a) = (RankId(2), RankId(3));
+    let mut ep = Endpoint::new(ME, Config::default());
+    ep.handle_message(
+        t,
+        b,
+        Message::Advertise {
+            key: RequestKey::new(7, 1),
+            src_rank: b,
+            timeout_ms: 1000,
+            request_info: vec![],
+            buffers: vec![desc(0, 5)],
+        },
+    )
+    .unwrap();
+    while ep.poll_event().is_some() {}
+    let notify = |generation| Message::Notify {
+        key: RequestKey::new(7, generation),
+        payload: vec![1, 2, 3],
+    };
+    ep.handle_message(t, a, notify(0)).unwrap();
+    let got = std::iter::from_fn(|| ep.poll_event()).collect::<Vec<_>>();
+    assert!(
+        got.iter()
+            .any(|e| matches!(e, kvlink_proto::Event::Notified { from, .. } if *from == a)),
+        "rank 3's notification was not delivered: {got:?}"
+    );
+    assert_eq!(ep.stats().stale_dropped, 0);
+    // From the rank whose newer attempt this is: stale.
+    ep.handle_message(t, b, notify(0)).unwrap();
+    assert!(std::iter::from_fn(|| ep.poll_event())
+        .all(|e| !matches!(e, kvlink_proto::Event::Notified { .. })));
+    assert_eq!(ep.stats().stale_dropped, 1);
+}
