@@ -706,6 +706,8 @@ class Engine {
   /// (`register_region`) must lie wholly inside it (OutOfBounds); a send of it that the receiver
   /// cannot drain is left to UCX when this returns, instead of its endpoint being closed. `Completed` when this rank's send is
   /// done; anything else ends the request (the verdict is agreed; read it with `wait_sender`).
+  /// Called at or past its deadline (or its request's), it posts nothing and gives the request
+  /// up: `TimedOut` at once.
   template <typename Duration = Clock::duration>
   Outcome send(RequestKey key, std::uint32_t to_rank, std::uint32_t segment, const void* data,
                std::size_t size, std::chrono::time_point<Clock, Duration> deadline, CancelRef cancel = {}) {

@@ -69,7 +69,8 @@ impl Engine {
     /// once), after [`Engine::accept`]. Returns `Completed` when every one of this rank's
     /// tracked sends completed (the request's agreed end comes from [`Engine::wait`]); any
     /// other outcome is also given to the protocol core, which makes it the agreed verdict.
-    /// Returns by the earlier of `deadline` and the request's deadline (plus the drain bound).
+    /// Returns by the earlier of `deadline` and the request's deadline (plus the drain bound);
+    /// called at or past it, posts nothing and gives the request up, `TimedOut` at once.
     ///
     /// Misuse is an error at once and changes nothing: an unknown request (`UnknownRequest`), a
     /// send before accept, no segment at all, a segment never advertised, a segment sent twice,
@@ -143,6 +144,9 @@ impl Engine {
             .ep
             .send_deadline(key, to)
             .map_or(deadline, |d| d.min(deadline));
+        if let Some(ended) = give_up_if_past(inner, &mut core, key, until) {
+            return Ok(ended);
+        }
         for (segment, _) in segments {
             core.ep.begin_send(key, to, *segment);
         }
@@ -315,13 +319,19 @@ impl Engine {
     ) -> Result<Outcome> {
         // The request's checks first (unknown, not accepted, segment, size): a misuse is not a
         // CUDA error, and costs no pinned buffer and no copy. `send` checks again.
-        if let Err(ended) = self
-            .inner
-            .core
-            .lock()
-            .check_send(key, to, segment, len as u64)?
         {
-            return Ok(ended);
+            let mut core = self.inner.core.lock();
+            if let Err(ended) = core.check_send(key, to, segment, len as u64)? {
+                return Ok(ended);
+            }
+            // Nor a pinned buffer and a copy for a send that posts nothing.
+            let until = core
+                .ep
+                .send_deadline(key, to)
+                .map_or(deadline, |d| d.min(deadline));
+            if let Some(ended) = give_up_if_past(&self.inner, &mut core, key, until) {
+                return Ok(ended);
+            }
         }
         let mut staging = Staging::new(device, len)?;
         staging.from_device(device_addr, len)?;
@@ -344,4 +354,24 @@ impl Engine {
         }
         r
     }
+}
+
+/// A send called at or past its deadline (the call's, or its request's own) posts nothing: a
+/// rendezvous started then is stopped at once, and a receiver that cannot drain it within the
+/// grace costs the pair its endpoint, failing every other request on it, for a transfer that
+/// should never have begun. The request is given up here `TimedOut`, as a wait past its deadline
+/// gives it up (the deadline rule: a deadline in the past means "do not wait").
+fn give_up_if_past(
+    inner: &glue::Inner,
+    core: &mut glue::Core,
+    key: RequestKey,
+    until: Instant,
+) -> Option<Outcome> {
+    let now = Instant::now();
+    if now < until {
+        return None;
+    }
+    let _ = core.ep.give_up(now, key, Outcome::TimedOut);
+    inner.flush(core);
+    Some(Outcome::TimedOut)
 }
