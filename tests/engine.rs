@@ -890,6 +890,51 @@ fn one_request_completes(
     assert_eq!(buf, data, "{label}");
 }
 
+/// A send called past its deadline posts nothing and gives its request up at once, `TimedOut`:
+/// a 256 MiB rendezvous started then is stopped at once, and a receiver that cannot drain it
+/// within the grace (50 ms) costs the pair its endpoint, failing every other request on it. The
+/// receiver's buffer stays untouched, its request ends not `Completed`, the pair's connection
+/// never fails, and the next request completes. (Before, the send posted its data first.)
+#[test]
+fn a_send_past_its_deadline_posts_nothing_and_costs_the_pair_nothing() {
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(10), None);
+        const BIG: usize = 256 << 20;
+        let soon = || Instant::now() + Duration::from_secs(5);
+        let key = RequestKey::new(0xB16, 0);
+        let mut buf = vec![0u8; BIG];
+        advertise_one(&gen, key, &mut buf);
+        let a = ctx.next_advertisement(soon(), None).unwrap();
+        assert_eq!(a.key, key);
+        ctx.accept(a.key, a.from, true).unwrap();
+        let data = vec![7u8; BIG];
+        let t0 = Instant::now();
+        let past = Instant::now() - Duration::from_millis(1);
+        let o = ctx.send(key, RankId(GEN), 0, &data, past, None).unwrap();
+        let took = t0.elapsed();
+        println!("{kind:?}: a 256 MiB send past its deadline: {o:?} in {took:?}");
+        assert_eq!(o, Outcome::TimedOut, "{kind:?}");
+        assert!(took < Duration::from_millis(100), "{kind:?}: {took:?}");
+        let end = gen.wait(key, Role::Receiver, soon(), None).unwrap();
+        assert_ne!(end, Outcome::Completed, "{kind:?}");
+        assert!(
+            buf.chunks(1 << 20).all(|c| c.iter().all(|&b| b == 0)),
+            "{kind:?}: the send past its deadline wrote into the buffer"
+        );
+        one_request_completes(
+            &ctx,
+            &gen,
+            (RequestKey::new(0xB17, 0), GEN, CTX),
+            None,
+            3,
+            "the request after it",
+        );
+        assert_eq!(ctx.health().peers_failed, 0, "{kind:?}");
+        assert_eq!(gen.health().peers_failed, 0, "{kind:?}");
+        assert_eq!(gen.health().buffers_leased, 0, "{kind:?}");
+    }
+}
+
 /// `recv_ready` says the same before and after `wait` took a request's end: a request whose
 /// first segment landed and whose second never came ends `TimedOut`, and is not "ready" then,
 /// whether the end was taken or not.
@@ -2366,7 +2411,8 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
 /// waits for it as for a sender: a coordinator this rank dialled is redialled and the request
 /// completes; one it cannot redial (it dialled this rank, and its engine is gone) fails the
 /// call at once with `PeerLost`, nothing posted, nothing advertised, and the next request on
-/// the sound pair completes.
+/// the sound pair completes. The same at the coordinator for another receiver it cannot redial,
+/// whose vote it would wait for.
 #[test]
 fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at_once() {
     use kvlink::connection::PeerState;
@@ -2507,6 +2553,52 @@ fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at
         );
         let request = (RequestKey::new(3, 0), RECEIVER, SENDER);
         one_request_completes(&ctx, &gen, request, None, 7, &format!("{kind:?}"));
+        // The mirror: this rank is the coordinator, and the other receiver, which dialled it,
+        // has ended. A coordinator waits for every other receiver's vote: it fails at once too
+        // (before, it started, waited for that vote and ended `TimedOut` at its deadline).
+        const ABOVE: u32 = RECEIVER + 2;
+        let above = engine("above", ABOVE);
+        assert_eq!(
+            above.connect(&gen.address(), soon()).unwrap(),
+            RankId(RECEIVER)
+        );
+        gen.wait_peer(RankId(ABOVE), soon()).unwrap();
+        drop(above);
+        let until = soon();
+        while gen.peer_state(RankId(ABOVE)) != PeerState::Failed {
+            assert!(
+                Instant::now() < until,
+                "{kind:?}: the ended receiver was never failed"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let key = RequestKey::new(4, 0);
+        let start = Instant::now();
+        // SAFETY: as above.
+        let r = unsafe {
+            gen.advertise_with(
+                key,
+                vec![RankId(ABOVE), RankId(RECEIVER)],
+                vec![(RankId(SENDER), vec![one_spec(&mut mine, 0)])],
+                vec![],
+                Some(Duration::from_secs(5)),
+            )
+        };
+        let took = start.elapsed();
+        println!("{kind:?}: a coordinator whose other receiver is gone: {r:?} after {took:?}");
+        assert_eq!(r.unwrap_err().kind, kvlink::ErrorKind::PeerLost, "{kind:?}");
+        assert!(
+            took < Duration::from_secs(1),
+            "{kind:?}: not at once: {took:?}"
+        );
+        assert_eq!(gen.health().buffers_leased, 0, "{kind:?}");
+        assert!(
+            ctx.next_advertisement(Instant::now() + Duration::from_millis(200), None)
+                .is_none(),
+            "{kind:?}: a refused request was advertised"
+        );
+        let request = (RequestKey::new(5, 0), RECEIVER, SENDER);
+        one_request_completes(&ctx, &gen, request, None, 8, &format!("{kind:?}"));
     }
 }
 

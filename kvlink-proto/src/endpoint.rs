@@ -210,6 +210,27 @@ impl Endpoint {
             .copied()
             .filter(|&c| c != self.me && self.collective.is_none())
     }
+    /// The other receiving ranks whose word a receive of `receivers` waits for here: its
+    /// coordinator's verdict at any other receiver, every other receiver's vote at the
+    /// coordinator (none under a [`Collective`], which agrees elsewhere).
+    pub fn agreement_peers(&self, receivers: &[RankId]) -> Vec<RankId> {
+        if self.collective.is_some() {
+            return Vec::new();
+        }
+        match self.coordinator_of(receivers) {
+            Some(c) => vec![c],
+            None => {
+                let mut others: Vec<RankId> = receivers
+                    .iter()
+                    .copied()
+                    .filter(|&r| r != self.me)
+                    .collect();
+                others.sort_unstable();
+                others.dedup();
+                others
+            }
+        }
+    }
     pub fn config(&self) -> &Config {
         &self.config
     }
@@ -1256,5 +1277,19 @@ mod tests {
             None,
             "an external collective agrees for them"
         );
+        assert!(collective
+            .agreement_peers(&[RankId(105), RankId(102)])
+            .is_empty());
+    }
+
+    /// The ranks a receive waits for the word of: its coordinator, or, at the coordinator,
+    /// every other receiver (whose votes it reduces), each once and never itself.
+    #[test]
+    fn agreement_peers_are_the_coordinator_or_every_other_receiver() {
+        let ep = Endpoint::new(RankId(105), Config::default());
+        let r = |v: &[u32]| v.iter().map(|&x| RankId(x)).collect::<Vec<_>>();
+        assert_eq!(ep.agreement_peers(&r(&[107, 102, 105])), r(&[102]));
+        assert_eq!(ep.agreement_peers(&r(&[109, 105, 107])), r(&[107, 109]));
+        assert_eq!(ep.agreement_peers(&r(&[105])), r(&[]));
     }
 }

@@ -37,8 +37,9 @@ impl Engine {
     /// of the request (this one included); `flows` gives, per context rank, the buffers it will
     /// fill. A sender whose connection is being re-established is waited for (up to the
     /// request's deadline); one whose round gave up gets one fresh round, and the call fails
-    /// `PeerLost` if that gives up too (at once for one this rank cannot redial). The request's
-    /// coordinator (the lowest receiving rank, when another rank once connected here) is treated
+    /// `PeerLost` if that gives up too (at once for one this rank cannot redial). The other
+    /// receiving ranks whose word this one waits for (the coordinator, the lowest receiving
+    /// rank; at the coordinator, every other receiver), when once connected here, are treated
     /// alike. A host buffer inside a region ([`Engine::register_region`])
     /// must lie wholly inside it (`OutOfBounds`) and off its fenced ranges (`Fenced`). On error
     /// nothing stays posted or leased.
@@ -122,8 +123,8 @@ impl Engine {
             .collect();
         core.ep
             .check_receive(key, &receivers, &shape, &segments, request_info.len())?;
-        let coordinator = core.ep.coordinator_of(&receivers);
-        let peers = self.senders_connected(&mut core, &flows, coordinator, deadline)?;
+        let voters = core.ep.agreement_peers(&receivers);
+        let peers = self.senders_connected(&mut core, &flows, &voters, deadline)?;
         // Waiting for a rank to reconnect lets go of the lock: another advertise of the same
         // key may have run meanwhile.
         if let Some(e) = ran_here(&core) {
@@ -199,15 +200,16 @@ impl Engine {
     }
 
     /// The endpoint of every sender of a request, waiting (until `deadline`) for those being
-    /// reconnected. The request's `coordinator` (another receiving rank, whose verdict this
-    /// one waits for) is reconnected and waited for alike when its connection failed: started
-    /// without it, the request could only run to its deadline. A coordinator never connected
-    /// here is not waited for (it may be the one that dials). Releases the lock while it waits.
+    /// reconnected. The other receiving ranks whose word this one waits for (`voters`: its
+    /// coordinator's verdict, or at the coordinator every other receiver's vote) are
+    /// reconnected and waited for alike when their connection failed: started without one, the
+    /// request could only run to its deadline. One never connected here is not waited for (it
+    /// may be the one that dials). Releases the lock while it waits.
     fn senders_connected(
         &self,
         core: &mut MutexGuard<'_, Core>,
         flows: &[(RankId, Vec<BufferSpec>)],
-        coordinator: Option<RankId>,
+        voters: &[RankId],
         deadline: Instant,
     ) -> Result<Vec<PeerId>> {
         // The ranks this call revived: each gets one fresh round (`Peers::revive`); one that
@@ -216,7 +218,7 @@ impl Engine {
         let senders = flows.iter().map(|(rank, _)| rank);
         'again: loop {
             let mut peers = Vec::with_capacity(flows.len());
-            for (i, rank) in senders.clone().chain(coordinator.as_ref()).enumerate() {
+            for (i, rank) in senders.clone().chain(voters.iter()).enumerate() {
                 let sender = i < flows.len();
                 match core.peers.state(*rank) {
                     PeerState::Connected if sender => {
