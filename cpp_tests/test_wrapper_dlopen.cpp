@@ -3,6 +3,7 @@
 // (ConnectionManager / Connection, the stand-ins of cpp_tests/trtllm_shapes). This binary does
 // not link kvlink: every line of kvlink that runs comes out of the shared library.
 // Ranks here share one process; test_trtllm_callsites.cpp runs them in separate processes.
+#include "../wrapper/kvlink_trtllm_wire.hpp"
 #include "helpers/wrapper_probe.h"
 #include "trtllm_test_util.h"
 
@@ -679,6 +680,86 @@ TEST_P(WrapperTest, RefusedReadySignalReadsFalseAndTheNextRequestRuns) {
   EXPECT_EQ(check(11, 0, d.data(), d.size()), SIZE_MAX);
 }
 
+// A ready signal for a request its generation rank has given up (its ready wait cancelled)
+// does not throw on the context rank: upstream sends it on the thread that takes every
+// generation rank's requests (CacheSender's response loop), which ends for good on an
+// exception. That request's data send fails alone, and the same thread serves the next request.
+// (Before, the ready send threw TransferError Cancelled.)
+TEST_P(WrapperTest, AReadySignalForARequestItsGenerationRankGaveUpDoesNotThrow) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kGone = 0x60E, kNext = 0x60F;
+  std::promise<void> taken, givenUp;
+  auto server = std::async(std::launch::async, [&] {
+    Taken t = recvRequestInfo(*ctx_, never_);
+    EXPECT_EQ(t.info.getRequestId(), kGone);
+    taken.set_value();
+    givenUp.get_future().wait();
+    bool const ready = true;
+    EXPECT_NO_THROW(t.conn->send(kv::DataContext{gen.tags.ready(kGone)}, &ready, sizeof ready));
+    std::vector<uint8_t> s(4096);
+    fill(kGone, 0, s.data(), s.size());
+    EXPECT_THROW(t.conn->send(kv::DataContext{gen.tags.data(kGone)}, s.data(), s.size()), std::exception)
+        << "the data send of a request its generation rank gave up";
+    std::vector<uint8_t> next(4096);
+    fill(kNext, 0, next.data(), next.size());
+    serveOne(*ctx_, gen, kNext, next, never_);
+  });
+  gen.sendRequestInfo(kGone);
+  taken.get_future().wait();
+  std::atomic<bool> const giveUp{true};
+  EXPECT_THROW(gen.recvReady(kGone, giveUp), kvlink::trtllm::TransferError);
+  std::this_thread::sleep_for(50ms);  // the cancel reaches the context rank
+  givenUp.set_value();
+  expectServed(gen, kNext, never_, "the request after the one given up");
+  server.get();
+}
+
+// Older releases send every ready signal on the fixed tag 42, which names any request. Two
+// requests of one generation rank awaiting theirs on one connection (two threads, as with
+// several counterparts): each ready signal answers the request taken first, as upstream takes
+// and answers them, and both complete with their own bytes. (Before, the first ready send threw
+// AmbiguousTagError, which ends upstream's response loop.)
+TEST_P(WrapperTest, TwoRequestsAwaitingTheFixedReadyTagAreAnsweredInTheOrderTaken) {
+  GenSide gen{toCtx_, Tags{false}};
+  constexpr uint64_t kA = 21, kB = 22;
+  auto server = std::async(std::launch::async, [&] {
+    Taken a = recvRequestInfo(*ctx_, never_);
+    Taken b = recvRequestInfo(*ctx_, never_);
+    EXPECT_EQ(a.info.getRequestId(), kA);
+    EXPECT_EQ(b.info.getRequestId(), kB);
+    bool const ready = true;
+    for (Taken const* t : {&a, &b}) {
+      t->conn->send(kv::DataContext{gen.tags.ready(t->info.getRequestId())}, &ready, sizeof ready);
+    }
+    for (Taken const* t : {&a, &b}) {
+      uint64_t const id = t->info.getRequestId();
+      std::vector<uint8_t> s(4096);
+      fill(id, 0, s.data(), s.size());
+      t->conn->send(kv::DataContext{gen.tags.data(id)}, s.data(), s.size());
+    }
+  });
+  std::promise<void> aSent;
+  auto receive = [&](uint64_t id) {
+    std::vector<uint8_t> d(4096);
+    EXPECT_TRUE(gen.recvReady(id, never_)) << id;
+    gen.conn->recv(kv::DataContext{gen.tags.data(id), never_}, d.data(), d.size());
+    return check(id, 0, d.data(), d.size()) == SIZE_MAX;
+  };
+  auto first = std::async(std::launch::async, [&] {
+    gen.sendRequestInfo(kA);
+    aSent.set_value();
+    return receive(kA);
+  });
+  aSent.get_future().wait();
+  auto second = std::async(std::launch::async, [&] {
+    gen.sendRequestInfo(kB);
+    return receive(kB);
+  });
+  EXPECT_TRUE(first.get()) << "request " << kA << " did not get its own bytes";
+  EXPECT_TRUE(second.get()) << "request " << kB << " did not get its own bytes";
+  server.get();
+}
+
 // kv_transfer_timeout_ms absent from the config (<= 0): the wrapper still bounds every wait,
 // with TRTLLM_KVLINK_TIMEOUT_MS (else 60 s). A context rank that never answers ends the
 // generation side's ready wait TimedOut at that deadline, not never; and the event reaches the
@@ -1242,6 +1323,86 @@ class WrapperStateTest : public WrapperTest {
     return out;
   }
 };
+
+// Advertisements a peer that does not run the wrapper (or a hostile one) can make, from a raw
+// engine beside the generation manager: an envelope whose info names another request than its
+// advertisement (upstream makes the ready tag from the info's id, so the context rank's ready
+// signal would name no request), one whose info is too short to hold an id, and a buffer
+// advertisement that carries messages (queued, each could keep a megabyte of info until a
+// deadline the peer chose). Each is refused at once (Rejected, not at its 3 s deadline), told to
+// the hook, never handed to the host, and the context rank then serves a request as usual.
+TEST_P(WrapperStateTest, AnEnvelopeNamingAnotherRequestOrABufferWithMessagesIsRefusedAtOnce) {
+  namespace wire = kvlink::trtllm::wire;
+  struct Seen {
+    std::mutex mu;
+    std::vector<std::string> warnings;
+  } seen;  // declared before the manager whose hook it is, destroyed after it
+  KvlinkTrtllmOptions o = options(GetParam());
+  o.log = [](void* user, int level, char const* line, size_t n) {
+    auto* s = static_cast<Seen*>(user);
+    std::lock_guard<std::mutex> g(s->mu);
+    if (level == 2) s->warnings.emplace_back(line, n);
+  };
+  o.log_user = &seen;
+  o.log_level = 2;
+  auto ctx = make(*wrapper_, o);
+  auto conns = gen_->getConnections(ctx->getCommState());
+  ASSERT_EQ(conns.size(), 1u);
+  GenSide gen{conns.at(0), Tags{true}};
+  auto const raw = reinterpret_cast<KvlinkProbeAdvertiseRawFn>(dlsym(wrapper_->handle, KVLINK_PROBE_ADVERTISE_RAW_SYMBOL));
+  ASSERT_NE(raw, nullptr);
+  std::string const address = ctx->getCommState().getAgentState().at(0).mConnectionInfo;
+  auto bytesOf = [](uint64_t v, size_t n) {
+    std::vector<uint8_t> b(n, 0);
+    std::memcpy(b.data(), &v, std::min(n, sizeof v));
+    return b;
+  };
+  auto envelope = [&](uint64_t infoId, size_t infoBytes) {
+    wire::Header h;
+    h.kind = wire::Kind::Envelope;
+    auto const rid = static_cast<uint64_t>(bm::TransceiverTag::Id::REQUEST_SEND);
+    h.messages = {wire::Message{bm::TransceiverTag::kID_TAG, bytesOf(rid, 8)},
+                  wire::Message{bm::TransceiverTag::kINFO_SIZE_TAG, bytesOf(infoBytes, 8)},
+                  wire::Message{bm::TransceiverTag::kINFO_TAG, bytesOf(infoId, infoBytes)}};
+    return wire::encode(h);
+  };
+  wire::Header data;
+  data.kind = wire::Kind::Data;
+  data.tag = Tags{true}.data(0x5A3);
+  data.messages = {wire::Message{bm::TransceiverTag::kINFO_TAG, std::vector<uint8_t>(64 * 1024, 7)}};
+  struct Case {
+    char const* what;
+    uint64_t request;
+    std::vector<uint8_t> info;
+  };
+  std::vector<Case> const cases = {
+      {"an envelope whose info names another request", 0x5A1, envelope(0x5A2, 16)},
+      {"an envelope whose info is shorter than an id", 0x5A2, envelope(0x5A2, 4)},
+      {"a buffer advertisement with a message", 0x5A3, wire::encode(data)},
+  };
+  for (Case const& c : cases) {
+    auto const t0 = Clock::now();
+    int const outcome = raw(gen_.get(), address.c_str(), c.request, c.info.data(), c.info.size(), 3000);
+    auto const ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+    std::printf("%s: outcome %d after %lld ms\n", c.what, outcome, static_cast<long long>(ms));
+    EXPECT_EQ(outcome, 4) << c.what << ": not Rejected";  // kvlink::Outcome::Rejected
+    EXPECT_LT(ms, 1500) << c.what << ": refused only at its deadline";
+  }
+  KvlinkProbeWrapperState const held = state(*ctx);
+  EXPECT_EQ(held.envelopes_queued, 0u);
+  EXPECT_EQ(held.buffers_queued, 0u);
+  // And the host's next recvConnect takes the next request, not one of those.
+  constexpr uint64_t kId = 0x5A4;
+  std::vector<uint8_t> src(4096);
+  fill(kId, 0, src.data(), src.size());
+  Watchdog dog(10s);
+  std::atomic<bool> const& giveUp = dog.flag;
+  auto server = std::async(std::launch::async, [&] { serveOne(*ctx, gen, kId, src, giveUp); });
+  expectServed(gen, kId, never_, "the request after the refused ones");
+  EXPECT_NO_THROW(server.get());
+  std::lock_guard<std::mutex> g(seen.mu);
+  EXPECT_GE(seen.warnings.size(), 1u) << "no refusal was told to the hook";
+}
 
 // Two blocks of one request under one data tag, of two sizes, received on two threads (a
 // formatter's helpers; the large one advertised first) and sent small first: each send fills

@@ -107,7 +107,7 @@ bool isEnvelopeTag(int tag) { return tag == kIdTag || tag == kInfoSizeTag || tag
 /// side reads them in that order, each with its own size. Anything else is the generation
 /// rank's mistake (or a hostile peer's): the context side's reads of it would fail one by one,
 /// each an exception in its response loop.
-std::optional<std::string> envelopeFault(std::vector<Message> const& m) {
+std::optional<std::string> envelopeFault(std::vector<Message> const& m, std::uint64_t key) {
   if (m.size() != 3 || m[0].tag != kIdTag || m[1].tag != kInfoSizeTag || m[2].tag != kInfoTag) {
     std::string tags;
     for (auto const& part : m) tags += (tags.empty() ? "" : ", ") + std::to_string(part.tag);
@@ -121,6 +121,17 @@ std::optional<std::string> envelopeFault(std::vector<Message> const& m) {
   std::memcpy(&named, m[1].bytes.data(), sizeof named);
   if (named != m[2].bytes.size()) {
     return "it names an info of " + std::to_string(named) + " bytes and carries " + std::to_string(m[2].bytes.size());
+  }
+  // The info starts with the request id (RequestInfo::serialize), from which upstream makes the
+  // request's ready and data tags; the context side knows the request by the advertisement's
+  // key. Two different ids would leave the ready signal naming no request here.
+  if (m[2].bytes.size() < sizeof(std::uint64_t)) {
+    return "its info has " + std::to_string(m[2].bytes.size()) + " bytes, fewer than a request id's 8";
+  }
+  std::uint64_t infoId = 0;
+  std::memcpy(&infoId, m[2].bytes.data(), sizeof infoId);
+  if (infoId != key) {
+    return "its info names request " + std::to_string(infoId) + ", its advertisement request " + std::to_string(key);
   }
   return std::nullopt;
 }
@@ -319,6 +330,8 @@ class KvlinkConnection final : public kv::Connection {
     /// The ready byte went out and its verdict is not taken yet: the request's first data send
     /// takes it (sendReady does not wait for it).
     bool readyUnconfirmed = false;
+    /// Adoption order on this connection (the first adopted answers a ready tag naming two).
+    std::uint64_t adopted = 0;
   };
   struct DataAdvert {
     Advertisement adv;
@@ -343,6 +356,7 @@ class KvlinkConnection final : public kv::Connection {
   mutable std::map<std::thread::id, std::shared_ptr<GenRequest>> gen_;  // generation side
   mutable std::vector<std::shared_ptr<GenRequest>> retired_;  // of exited threads
   mutable std::map<std::uint64_t, CtxRequest> ctx_;                   // context side, by id
+  mutable std::uint64_t adoptions_ = 0;                               // CtxRequest::adopted
   mutable std::deque<DataAdvert> data_;                               // context side
 };
 
@@ -660,7 +674,7 @@ class Manager final : public kv::ConnectionManager {
       return;
     }
     if (h->kind == Kind::Envelope) {
-      if (auto const fault = envelopeFault(h->messages)) {
+      if (auto const fault = envelopeFault(h->messages, adv->key.request)) {
         // Refused (its generation rank reads ready == false) and told, never handed to the
         // host: upstream's context side ends its response loop for good on an exception, and
         // before, a bad envelope made recvConnect or the host's next recv throw, so one peer's
@@ -687,6 +701,17 @@ class Manager final : public kv::ConnectionManager {
       }
       envelopeCv_.notify_all();
     } else {
+      if (!h->messages.empty()) {
+        // A buffer advertisement carries no messages (the generation side sends none): one
+        // that does is refused, or up to kMaxBuffersQueued of them per rank would keep a
+        // megabyte of info each until a deadline the peer chose.
+        refuse(*adv);
+        warn("a buffer advertisement from rank " + std::to_string(adv->from_rank) + " carries " +
+             std::to_string(h->messages.size()) + " messages: refused");
+        return;
+      }
+      // Nothing reads a queued buffer advertisement's info again.
+      adv->request_info = {};
       KvlinkConnection* c = nullptr;
       {
         std::unique_lock<std::mutex> g(mu_);
@@ -1151,6 +1176,7 @@ void KvlinkConnection::adoptEnvelope(Advertisement const& adv, Header&& h) const
   r.id = adv.key.request;
   r.envelope = adv.key;
   r.deadline = adv.deadline;
+  r.adopted = ++adoptions_;
   ctx_[r.id] = r;
   if (!h.messages.empty()) incoming_[std::this_thread::get_id()] = std::move(h.messages);
 }
@@ -1207,32 +1233,46 @@ std::vector<KvlinkConnection::CtxRequest*> KvlinkConnection::openCtxNaming(int t
 }
 
 void KvlinkConnection::sendReady(kv::DataContext const& ctx, void const* data, size_t size) const {
+  // Upstream sends the ready signal on the thread that takes every generation rank's requests
+  // (CacheSender's response loop), which ends for good on an exception: every request after it,
+  // from every rank, then fails. So only the host's own mistake throws here. A request that
+  // ended (its generation rank gave up or died, its deadline and grace passed, the rank's next
+  // envelope closed it) is told to the hook and left to its data sends, which fail for that
+  // request alone, on the host's per-request path (TransferError, or UnknownRequest once it is
+  // forgotten).
   if (size != 1) throw Error(ErrorKind::InvalidArgument, "kvlink InvalidArgument: a ready signal is one byte");
+  bool const ready = *static_cast<std::uint8_t const*>(data) != 0;
   CtxRequest r;
   {
     std::lock_guard<std::mutex> g(mu_);
     auto found = openCtxNaming(ctx.getTag(), false);
-    if (found.empty()) {
-      throw Error(ErrorKind::UnknownRequest, "kvlink UnknownRequest: no request awaits a ready signal on tag " +
-                                                 std::to_string(ctx.getTag()));
+    if (!found.empty()) {
+      // Two open requests that the tag names (the fixed ready tag 42 of older releases names
+      // every request): the one adopted first, the order upstream takes and answers them in.
+      CtxRequest* pick = *std::min_element(found.begin(), found.end(),
+                                           [](CtxRequest const* a, CtxRequest const* b) { return a->adopted < b->adopted; });
+      pick->answered = true;
+      if (!ready) pick->open = false;
+      r = *pick;
     }
-    if (found.size() > 1) {
-      throw AmbiguousTagError(ctx.getTag(), found[0]->id, found[1]->id,
-                              "kvlink: ready tag " + std::to_string(ctx.getTag()) + " names requests " +
-                                  std::to_string(found[0]->id) + " and " + std::to_string(found[1]->id) + "; refused");
-    }
-    found[0]->answered = true;
-    bool const ready = *static_cast<std::uint8_t const*>(data) != 0;
-    if (!ready) found[0]->open = false;
-    r = *found[0];
   }
-  bool const ready = *static_cast<std::uint8_t const*>(data) != 0;
-  Outcome ended = Outcome::Cancelled;
-  if (!acceptOrEnded(m_.engine(), r.envelope, remote_, ready, m_.grace(), ended)) {
-    std::lock_guard<std::mutex> g(mu_);
-    endCtx(r.id);
-    throw TransferError(static_cast<int>(ended), r.id,
-                        "kvlink: request " + std::to_string(r.id) + " ended " + to_string(ended) + " before its ready signal");
+  if (r.adopted == 0) {
+    m_.warn("a ready signal on tag " + std::to_string(ctx.getTag()) +
+            " names no request awaiting one here (ended, or past its deadline): not sent");
+    return;
+  }
+  auto const ended = [&](Outcome o, char const* when) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      endCtx(r.id);
+    }
+    m_.warn("request " + std::to_string(r.id) + " ended " + to_string(o) + " " + when +
+            "; its data sends will fail");
+  };
+  Outcome gone = Outcome::Cancelled;
+  if (!acceptOrEnded(m_.engine(), r.envelope, remote_, ready, m_.grace(), gone)) {
+    ended(gone, "before its ready signal");
+    return;
   }
   if (!ready) return;
   std::uint8_t const one = 1;
@@ -1249,12 +1289,7 @@ void KvlinkConnection::sendReady(kv::DataContext const& ctx, void const* data, s
     return;
   }
   Outcome const verdict = m_.engine().wait_sender(r.envelope, remote_, r.deadline + m_.grace());
-  if (verdict != Outcome::Completed) {
-    std::lock_guard<std::mutex> g(mu_);
-    endCtx(r.id);
-    throw TransferError(static_cast<int>(verdict), r.id,
-                        "kvlink: ready signal of request " + std::to_string(r.id) + " ended " + to_string(verdict));
-  }
+  if (verdict != Outcome::Completed) ended(verdict, "with its ready signal");
 }
 
 void KvlinkConnection::sendData(kv::DataContext const& ctx, void const* data, size_t size) const {

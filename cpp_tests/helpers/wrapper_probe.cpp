@@ -35,3 +35,25 @@ extern "C" __attribute__((visibility("default"))) int kvlinkProbeWrapperState(vo
 extern "C" __attribute__((visibility("default"))) std::uint64_t kvlinkProbeThreadConnections() {
   return kvlink::trtllm::threadStateOwner().touched.size();
 }
+
+extern "C" __attribute__((visibility("default"))) int kvlinkProbeAdvertiseRaw(void* manager, char const* address,
+                                                                             std::uint64_t request,
+                                                                             std::uint8_t const* info, std::size_t n,
+                                                                             std::uint32_t wait_ms) {
+  if (manager == nullptr || address == nullptr) return -1;
+  auto* base = static_cast<::tensorrt_llm::executor::kv_cache::ConnectionManager*>(manager);
+  auto* m = dynamic_cast<kvlink::trtllm::Manager*>(base);
+  if (m == nullptr) return -1;
+  try {
+    using namespace std::chrono;
+    std::uint32_t const rank = m->engine().connect(address, steady_clock::now() + seconds(5));
+    kvlink::RequestKey const key{request, m->nextGeneration()};
+    auto byte = std::make_unique<std::uint8_t>(0);
+    std::vector<kvlink::Buffer> const one{kvlink::Buffer{kvlink::BufferKind::Kv, 0, byte.get(), 1, -1}};
+    m->engine().advertise(key, {}, rank, one, std::vector<std::uint8_t>(info, info + n), milliseconds(wait_ms));
+    // Waited past the request's own deadline: the engine ends it by then, whatever the peer does.
+    return static_cast<int>(m->engine().wait_receiver(key, steady_clock::now() + milliseconds(wait_ms) + seconds(1)));
+  } catch (...) {
+    return -2;
+  }
+}

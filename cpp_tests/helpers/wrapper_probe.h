@@ -3,6 +3,7 @@
 // interface does not expose. Looked up with dlsym, like the factory; test builds only.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 /// Fields of kvlink::Health (include/kvlink/engine.hpp) a leak or a stuck op shows in.
@@ -49,3 +50,13 @@ using KvlinkProbeWrapperStateFn = int (*)(void* manager, KvlinkProbeWrapperState
 /// visits: the list a long-lived thread keeps over every manager it ever used.
 using KvlinkProbeThreadConnectionsFn = std::uint64_t (*)();
 #define KVLINK_PROBE_THREAD_CONNECTIONS_SYMBOL "kvlinkProbeThreadConnections"
+
+/// Advertises one 1-byte buffer from the engine of `manager` to the engine at `address` (a
+/// rank's published connection info), under request `request`, with `info` as the request info
+/// exactly as given (not built by the wrapper: how a peer that does not run the wrapper, or a
+/// hostile one, would advertise), and waits for the request's end, at most `wait_ms` past it
+/// plus a second. Returns the outcome (kvlink::Outcome as an int), -1 as KvlinkProbeHealthFn,
+/// -2 when a call threw.
+using KvlinkProbeAdvertiseRawFn = int (*)(void* manager, char const* address, std::uint64_t request,
+                                          std::uint8_t const* info, std::size_t n, std::uint32_t wait_ms);
+#define KVLINK_PROBE_ADVERTISE_RAW_SYMBOL "kvlinkProbeAdvertiseRaw"
