@@ -1452,6 +1452,55 @@ fn connect_returns_by_its_deadline_while_the_progress_thread_is_stuck() {
     }
 }
 
+/// A `connect` that gives up at its deadline while the peer is slow to answer (its progress
+/// thread held 300 ms) leaves its dial handshaking, and that dial binds later. The rank is then
+/// one this side dialled: when its connection breaks it is dialled again and a request
+/// completes. (Before, the late bind kept no address: the break left the rank `Failed` and
+/// nothing redialled it; `advertise` to it failed `PeerLost`.)
+#[test]
+fn a_connect_that_gave_up_but_bound_later_is_redialled_when_the_connection_breaks() {
+    use kvlink::connection::PeerState;
+    let (ctx, gen) = unconnected(TransportKind::Tcp, Duration::from_secs(5), None);
+    ctx.fault_stall_progress(Duration::from_millis(300), false)
+        .unwrap();
+    let e = gen
+        .connect(&ctx.address(), Instant::now() + Duration::from_millis(100))
+        .unwrap_err();
+    println!("connect while the peer is held: {e}");
+    let until = Instant::now() + Duration::from_secs(5);
+    while gen.peer_state(RankId(CTX)) != PeerState::Connected {
+        assert!(
+            Instant::now() < until,
+            "the dial of the connect that gave up never bound"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    gen.fault_close_peer(RankId(CTX)).unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    while gen.health().peers_failed == 0 {
+        assert!(Instant::now() < until, "the closed endpoint never failed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let state = gen.peer_state(RankId(CTX));
+        if state == PeerState::Connected {
+            break;
+        }
+        assert!(
+            Instant::now() < until && state != PeerState::Failed,
+            "the rank was not redialled: {state:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    ctx.wait_peer(RankId(GEN), Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    let (g, c, ok) = run(&ctx, &gen, RequestKey::new(1, 0), &[4096]);
+    assert_eq!((g, c, ok), (Outcome::Completed, Outcome::Completed, true));
+}
+
 /// The generation side's endpoint to the context side breaks (a forced close), and its
 /// application calls `connect` again while the engine's reconnect round runs: before the
 /// round's first dial (50 ms after the failure), about when it dials, and after; and once

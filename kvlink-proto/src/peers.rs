@@ -215,6 +215,11 @@ pub struct Peers<P> {
     /// Addresses a `connect` is running for, and how many ([`Peers::connect_begins`]): a
     /// reconnect round holds off dialling a rank at one of them.
     connects: HashMap<String, u32>,
+    /// Endpoints a `connect` dialled, and the address it dialled ([`Peers::connect_dialled`]):
+    /// a handshake on one may bind after that `connect` returned (at its deadline, the peer
+    /// slow to answer), and the rank is then still one this side dialled, dialled again there
+    /// when its connection breaks. Dropped when the endpoint binds, gives way or fails.
+    connect_dials: HashMap<P, String>,
     /// Ranks a reconnect round has handed out to be dialled ([`Peers::due`]) whose dial is not
     /// yet made ([`Peers::dialled`]) or given up ([`Peers::round_dial_void`]).
     round_starting: HashMap<RankId, Instant>,
@@ -255,6 +260,7 @@ impl<P> Default for Peers<P> {
             gave_way_to: HashMap::new(),
             expect_redial: HashMap::new(),
             connects: HashMap::new(),
+            connect_dials: HashMap::new(),
             round_starting: HashMap::new(),
             failed_order: VecDeque::new(),
             failed_count: 0,
@@ -423,6 +429,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         self.pending.remove(&peer);
         let from = self.came_from.remove(&peer);
+        let dialled_at = self.connect_dials.remove(&peer);
         let rank = info.rank;
         // Bound: no redial of the rank is owed to us. (A dial of ours that won a tie and breaks
         // now finds the rank connected: `connect` returns it.)
@@ -455,6 +462,10 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         });
         r.answered = from.is_some();
         r.bound_at = None;
+        if let Some(address) = dialled_at.filter(|_| from.is_none()) {
+            // A `connect`'s dial, bound now (perhaps after that call gave up): redialled there.
+            r.dial = Some(address);
+        }
         if let Some(from) = from {
             // The same process, which this side dials at a worker address, came back from
             // another one (it moved): that is where it lives now.
@@ -538,6 +549,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         self.end_round_dial(peer);
         self.pending.remove(&peer);
         self.came_from.remove(&peer);
+        self.connect_dials.remove(&peer);
         let rank = self.rank_of.remove(&peer)?;
         let r = self.ranks.get_mut(&rank)?;
         if r.peer == Some(peer) {
@@ -654,6 +666,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             self.pending.remove(&p);
             self.end_round_dial(p);
             self.came_from.remove(&p);
+            self.connect_dials.remove(&p);
             // Its handshake stays as it is until the failure is reported (`on_failed` reads it
             // for whom to wake), but takes no more frames.
             self.timed_out.insert(p, now);
@@ -771,6 +784,12 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             .find(dialling)
     }
 
+    /// A `connect` dialled `address` on `peer`: should a handshake there bind after that call
+    /// returned, the rank is still redialled at `address` when its connection breaks.
+    pub fn connect_dialled(&mut self, peer: P, address: &str) {
+        self.connect_dials.insert(peer, address.to_string());
+    }
+
     /// After `connect` learned the rank behind an address.
     pub fn set_dial(&mut self, rank: RankId, address: &str) {
         if let Some(r) = self.ranks.get_mut(&rank) {
@@ -809,6 +828,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         self.pending.remove(&peer);
         self.came_from.remove(&peer);
+        self.connect_dials.remove(&peer);
         if self.end_round_dial(peer).is_some() {
             // A reconnect attempt failed; the next try is already scheduled.
             return None;
@@ -1003,6 +1023,34 @@ mod tests {
         assert!(closed.is_empty());
         p.set_dial(R, "addr");
         p
+    }
+
+    /// A `connect`'s dial that binds after the call returned (at its deadline) is still the
+    /// rank's dial: a failure then starts a reconnect round to the address it dialled. One
+    /// that fails before it binds, or a dial that gave way, leaves nothing behind.
+    #[test]
+    fn a_connect_dial_that_binds_after_the_call_returned_is_redialled() {
+        let t0 = Instant::now();
+        let mut p: Peers<u64> = Peers::default();
+        p.handshake_started(10, t0);
+        p.connect_dialled(10, "addr");
+        // The call returned here (no set_dial); the handshake binds later.
+        assert!(p.bind(info(R), 10, ME, session(1)).is_empty());
+        assert_eq!(p.on_failed(10, t0), Some(R));
+        assert_eq!(p.state(R), PeerState::Reconnecting);
+        // A connect dial that fails unbound is forgotten with its endpoint.
+        let mut q: Peers<u64> = Peers::default();
+        q.handshake_started(11, t0);
+        q.connect_dialled(11, "addr");
+        assert_eq!(q.on_failed(11, t0), None);
+        assert!(q.connect_dials.is_empty());
+        // Bound on the peer's dial (an accepted endpoint): not this side's to redial.
+        let mut a: Peers<u64> = Peers::default();
+        a.accepted(12, None, t0);
+        a.connect_dialled(12, "addr");
+        a.bind(info(R), 12, ME, session(2));
+        assert_eq!(a.on_failed(12, t0), Some(R));
+        assert_eq!(a.state(R), PeerState::Failed);
     }
 
     /// Ranks that dial this side, bind and fail, one after another, without end (any process

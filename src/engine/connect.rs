@@ -132,6 +132,7 @@ impl Engine {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address, deadline)?;
         let mut core = self.inner.core.lock();
+        core.peers.connect_dialled(peer, address);
         self.inner.say_hello(&mut core, peer)?;
         let mut redialled = false;
         loop {
@@ -209,6 +210,7 @@ impl Engine {
                 drop(core);
                 peer = dial(&self.inner.agent, address, deadline)?;
                 core = self.inner.core.lock();
+                core.peers.connect_dialled(peer, address);
                 self.inner.say_hello(&mut core, peer)?;
                 if let Some(w) = won_tie {
                     // Its `Proof` proves the broken dial's session (`Peers::redial`).

@@ -376,6 +376,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     fn give_way(&mut self, peer: P, rank: RankId, now: Instant) {
         self.end_round_dial(peer);
         self.pending.remove(&peer);
+        self.connect_dials.remove(&peer);
         self.gave_way.insert(peer, (rank, now));
         self.wake(rank);
     }
