@@ -650,11 +650,18 @@ class Manager final : public kv::ConnectionManager {
 
  private:
   void dispatch() {
+    // The sweeps of what outlived its deadline run every 100 ms, not after each advertisement:
+    // each walks every connection's requests, so under a burst of advertisements a sweep per
+    // advertisement cost the dispatcher that walk each time.
+    Clock::time_point swept{};
     while (!stop_.load(std::memory_order_acquire)) {
       try {
         dispatchOne();
-        dropExpiredEnvelopes();
-        for (auto const* c : connections()) c->tidy();
+        if (Clock::now() - swept >= 100ms) {
+          swept = Clock::now();
+          dropExpiredEnvelopes();
+          for (auto const* c : connections()) c->tidy();
+        }
       } catch (...) {
         // An advertisement that could not be taken or queued (an engine that refuses the call,
         // memory exhausted): not the end of the dispatcher, which no exception may leave (it
