@@ -760,6 +760,54 @@ TEST_P(WrapperTest, TwoRequestsAwaitingTheFixedReadyTagAreAnsweredInTheOrderTake
   server.get();
 }
 
+// With the newer 23-bit tags, request 2^23's ready tag is 42 (its id bits are all zero), which
+// by the older releases' rule names every request. Requests 1 and 2^23 awaiting their ready
+// signals on one connection, answered in the other order than taken (upstream answers a request
+// when its context phase is done): each signal reaches its own request, and both complete with
+// their own bytes. (The first take on the older tag's rule answered request 1 with 2^23's
+// signal, and 2^23 waited out its deadline.)
+TEST_P(WrapperTest, AReadySignalOnItsOwnTagAnswersItsOwnRequestBesideAnotherAwaitingOne) {
+  GenSide gen{toCtx_, Tags{true}};
+  constexpr uint64_t kA = 1, kZero = 1ull << 23;
+  ASSERT_EQ(gen.tags.ready(kZero), 42);
+  auto server = std::async(std::launch::async, [&] {
+    Taken a = recvRequestInfo(*ctx_, never_);
+    Taken z = recvRequestInfo(*ctx_, never_);
+    EXPECT_EQ(a.info.getRequestId(), kA);
+    EXPECT_EQ(z.info.getRequestId(), kZero);
+    bool const ready = true;
+    for (Taken const* t : {&z, &a}) {
+      t->conn->send(kv::DataContext{gen.tags.ready(t->info.getRequestId())}, &ready, sizeof ready);
+    }
+    for (Taken const* t : {&z, &a}) {
+      uint64_t const id = t->info.getRequestId();
+      std::vector<uint8_t> s(4096);
+      fill(id, 0, s.data(), s.size());
+      t->conn->send(kv::DataContext{gen.tags.data(id)}, s.data(), s.size());
+    }
+  });
+  std::promise<void> aSent;
+  auto receive = [&](uint64_t id) {
+    std::vector<uint8_t> d(4096);
+    EXPECT_TRUE(gen.recvReady(id, never_)) << id;
+    gen.conn->recv(kv::DataContext{gen.tags.data(id), never_}, d.data(), d.size());
+    return check(id, 0, d.data(), d.size()) == SIZE_MAX;
+  };
+  auto first = std::async(std::launch::async, [&] {
+    gen.sendRequestInfo(kA);
+    aSent.set_value();
+    return receive(kA);
+  });
+  aSent.get_future().wait();
+  auto second = std::async(std::launch::async, [&] {
+    gen.sendRequestInfo(kZero);
+    return receive(kZero);
+  });
+  EXPECT_TRUE(first.get()) << "request " << kA << " did not get its own bytes";
+  EXPECT_TRUE(second.get()) << "request " << kZero << " did not get its own bytes";
+  server.get();
+}
+
 // kv_transfer_timeout_ms absent from the config (<= 0): the wrapper still bounds every wait,
 // with TRTLLM_KVLINK_TIMEOUT_MS (else 60 s). A context rank that never answers ends the
 // generation side's ready wait TimedOut at that deadline, not never; and the event reaches the

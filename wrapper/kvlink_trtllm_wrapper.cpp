@@ -26,8 +26,10 @@
 // generation rank a recv is bound to the request its calling thread sent last on that connection
 // (upstream runs a request's sendRequestInfo, ready and unformat on one thread) and the tag is
 // only cross-checked; on the context rank a send picks the one open request whose id matches the
-// tag. Two requests in flight on one connection whose ids a tag cannot tell apart are refused
-// with AmbiguousTagError, never mixed.
+// tag. Two requests in flight on one connection whose ids a data tag cannot tell apart are
+// refused with AmbiguousTagError, never mixed. A ready signal, sent on upstream's thread that
+// takes every request (an exception ends it for good), answers the request whose own tag it is,
+// else the one taken first (the older releases' fixed ready tag 42 names any request).
 //
 // Written for kvlink against the declarations in docs/TENSORRT_LLM.md (pinned upstream commits);
 // no TensorRT-LLM code. Exports only `makeKvlinkConnectionManager`.
@@ -489,7 +491,7 @@ class Manager final : public kv::ConnectionManager {
       }
       taken.emplace(popEnvelope());
       if (!expired) break;
-      // Past its deadline (the dispatcher drops those too, every round): its generation rank has
+      // Past its deadline (the dispatcher drops those too, every 100 ms): its generation rank has
       // given up, and the host gets the next one, not a dead request.
       g.unlock();
       refuse(taken->first);
@@ -1254,10 +1256,18 @@ void KvlinkConnection::sendReady(kv::DataContext const& ctx, void const* data, s
     std::lock_guard<std::mutex> g(mu_);
     auto found = openCtxNaming(ctx.getTag(), false);
     if (!found.empty()) {
-      // Two open requests that the tag names (the fixed ready tag 42 of older releases names
-      // every request): the one adopted first, the order upstream takes and answers them in.
-      CtxRequest* pick = *std::min_element(found.begin(), found.end(),
-                                           [](CtxRequest const* a, CtxRequest const* b) { return a->adopted < b->adopted; });
+      // Two open requests that the tag names. A request whose own tag it is comes first: in
+      // newer releases one whose 23 id bits are all zero (id 0, 2^23) has tag 42, which by the
+      // older releases' rule (their fixed ready tag) names every request. Otherwise (the older
+      // fixed tag) the one adopted first, the order upstream takes them in.
+      auto const bits = static_cast<std::uint64_t>(static_cast<std::uint32_t>(ctx.getTag()) >> 8);
+      auto const rank = [bits](CtxRequest const* q) {
+        bool const own = (q->id & 0x7FFFFFu) == bits || (q->id & 0xFFFu) == bits;
+        return std::make_pair(own ? 0 : 1, q->adopted);
+      };
+      CtxRequest* pick = *std::min_element(found.begin(), found.end(), [&](CtxRequest const* a, CtxRequest const* b) {
+        return rank(a) < rank(b);
+      });
       pick->answered = true;
       if (!ready) pick->open = false;
       r = *pick;
@@ -1284,7 +1294,20 @@ void KvlinkConnection::sendReady(kv::DataContext const& ctx, void const* data, s
   if (!ready) return;
   std::uint8_t const one = 1;
   std::atomic<bool> const& terminate = ctx.getTransferTerminate();
-  Outcome o = m_.engine().send(r.envelope, remote_, 0, &one, 1, r.deadline, terminate);
+  Outcome o = Outcome::Cancelled;
+  try {
+    o = m_.engine().send(r.envelope, remote_, 0, &one, 1, r.deadline, terminate);
+  } catch (Error const& e) {
+    // The request went from under the call (forgotten here, its generation rank's process
+    // replaced): an end like the others, not the host's mistake.
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      endCtx(r.id);
+    }
+    m_.warn("the ready signal of request " + std::to_string(r.id) + " failed (" + e.what() +
+            "); its data sends will fail");
+    return;
+  }
   if (o == Outcome::Completed) {
     // The byte is out. Its verdict (the generation rank's word that it landed) is taken by the
     // request's first data send, on the host's thread for this request: waited for here, on the
@@ -1295,7 +1318,12 @@ void KvlinkConnection::sendReady(kv::DataContext const& ctx, void const* data, s
     if (it != ctx_.end() && it->second.envelope == r.envelope) it->second.readyUnconfirmed = true;
     return;
   }
-  Outcome const verdict = m_.engine().wait_sender(r.envelope, remote_, r.deadline + m_.grace());
+  Outcome verdict = Outcome::Cancelled;
+  try {
+    verdict = m_.engine().wait_sender(r.envelope, remote_, r.deadline + m_.grace());
+  } catch (Error const&) {
+    // Forgotten meanwhile: ended.
+  }
   if (verdict != Outcome::Completed) ended(verdict, "with its ready signal");
 }
 
