@@ -12,6 +12,15 @@
 # beside the suites that work, instead of after them. Both sets were built before (`cargo test
 # --no-run`), so the two cargo commands only run binaries (cargo holds its build lock while it
 # builds, not while tests run).
+# Stops `pid` and every process below it (the test binaries and the peers they spawn).
+beside_kill_tree() {
+    local child
+    for child in $(pgrep -P "$1" 2>/dev/null); do
+        beside_kill_tree "$child"
+    done
+    kill -TERM "$1" 2>/dev/null || true
+}
+
 beside() {
     local first=() second=() seen=0 a
     for a in "$@"; do
@@ -31,8 +40,9 @@ beside() {
     out="$(mktemp)"
     "${second[@]}" >"$out" 2>&1 &
     pid=$!
-    # A background command ignores SIGINT in a script: an interrupted run stops it here.
-    trap 'pkill -TERM -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null; exit 130' INT TERM
+    # A background command ignores SIGINT in a script: an interrupted run stops it here, with
+    # everything it started.
+    trap 'beside_kill_tree "$pid"; rm -f "$out"; exit 130' INT TERM
     "${first[@]}" || rc1=$?
     wait "$pid" || rc2=$?
     trap - INT TERM

@@ -75,16 +75,21 @@ run_suites() {
 cargo_test() {
     local built list rc=0
     built="$(mktemp)" list="$(mktemp)"
-    if cargo test --locked --workspace --no-run --message-format=json-render-diagnostics >"$built"; then
-        # name, executable, package directory of each integration-test target
-        python3 -c '
+    if ! cargo test --locked --workspace --no-run --message-format=json-render-diagnostics >"$built"; then
+        rm -f "$built" "$list"
+        return 1
+    fi
+    # name, executable, package directory of each integration-test target
+    python3 -c '
 import json, os, sys
 for line in open(sys.argv[1]):
     j = json.loads(line)
     if j.get("reason") == "compiler-artifact" and j["target"]["kind"] == ["test"]:
         print(j["target"]["name"], j["executable"], os.path.dirname(j["manifest_path"]), sep="\t")' \
-            "$built" >"$list" || rc=1
-    else
+        "$built" >"$list" || rc=1
+    if [[ $rc -eq 0 && ! -s $list ]]; then
+        # The workspace has integration tests: none found means this script misread the build.
+        echo "cargo-test: the build reported no integration-test targets" >&2
         rc=1
     fi
     # The doc tests before the lanes: they compile the libraries once more (without the

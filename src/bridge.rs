@@ -154,8 +154,8 @@ pub mod ffi {
         /// false when a global `tracing` subscriber of the host's came first (events go there).
         /// cxx cannot pass a function pointer from C++ to Rust, so it travels as an address.
         unsafe fn set_log_sink(level: u8, callback: usize) -> Result<bool>;
-        /// Log records dropped because the sink fell `kvlink::log::QUEUE_CAP` records behind,
-        /// since the process started.
+        /// Log records dropped because the sink fell `kvlink::log::QUEUE_CAP` records behind, or
+        /// because formatting one panicked, since the process started.
         fn log_records_dropped() -> u64;
         /// Waits up to `timeout_ms` until the log records queued so far have reached the sink;
         /// returns whether they all have.

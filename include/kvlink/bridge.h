@@ -1209,8 +1209,8 @@ private:
 // cxx cannot pass a function pointer from C++ to Rust, so it travels as an address.
 bool set_log_sink(::std::uint8_t level, ::std::size_t callback);
 
-// Log records dropped because the sink fell `kvlink::log::QUEUE_CAP` records behind,
-// since the process started.
+// Log records dropped because the sink fell `kvlink::log::QUEUE_CAP` records behind, or
+// because formatting one panicked, since the process started.
 ::std::uint64_t log_records_dropped() noexcept;
 
 // Waits up to `timeout_ms` until the log records queued so far have reached the sink;

@@ -388,8 +388,8 @@ inline bool set_log_sink(LogLevel level, LogSink sink) {
 /// Called from inside the sink, it does not wait.
 inline void clear_log_sink() { set_log_sink(LogLevel::Off, {}); }
 
-/// Log records dropped because the sink fell 4096 records (kvlink::log::QUEUE_CAP) behind, since
-/// the process started.
+/// Log records dropped because the sink fell 4096 records (kvlink::log::QUEUE_CAP) behind, or
+/// because formatting one panicked, since the process started.
 inline std::uint64_t log_records_dropped() { return detail::call(ffi::log_records_dropped); }
 
 }  // namespace kvlink

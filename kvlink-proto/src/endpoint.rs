@@ -695,8 +695,9 @@ impl Endpoint {
                 None => self.drop_unknown(key, Some(from)),
             },
             Message::Notify { key, payload } => {
-                // Stale only for a newer attempt with its sender: another rank's newer
-                // advertisement of the same id says nothing of this sender's stream.
+                // Stale for a newer attempt of its key with its sender (a send flow to it) or
+                // a newer receive here; another rank's newer advertisement of the same id says
+                // nothing of this sender's stream.
                 if self.newer_known(key, Some(from)) {
                     self.out.stats.stale_dropped += 1;
                 } else {

@@ -132,8 +132,10 @@ impl Engine {
         let mut moves = self.inner.agent.worker_moves_begun();
         let mut peer = dial(&self.inner.agent, address, deadline)?;
         let mut core = self.inner.core.lock();
-        core.peers.connect_dialled(peer, address);
         self.inner.say_hello(&mut core, peer)?;
+        // After the hello: one that failed left no handshake to bind, nor anything to remove
+        // the entry (the lock is held, so the bind cannot come in between).
+        core.peers.connect_dialled(peer, address);
         let mut redialled = false;
         loop {
             if let Some(r) = core.peers.rank_of(peer) {
@@ -210,8 +212,8 @@ impl Engine {
                 drop(core);
                 peer = dial(&self.inner.agent, address, deadline)?;
                 core = self.inner.core.lock();
-                core.peers.connect_dialled(peer, address);
                 self.inner.say_hello(&mut core, peer)?;
+                core.peers.connect_dialled(peer, address);
                 if let Some(w) = won_tie {
                     // Its `Proof` proves the broken dial's session (`Peers::redial`).
                     core.peers.redial(peer, w);
