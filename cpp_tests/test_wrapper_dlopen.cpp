@@ -10,11 +10,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -714,6 +716,51 @@ TEST_P(WrapperTest, AReadySignalForARequestItsGenerationRankGaveUpDoesNotThrow) 
   server.get();
 }
 
+/// Requests `first` and `second` of one generation rank (`gen`), sent in that order from two
+/// threads, both awaiting their ready signals on one connection; the context rank takes both
+/// and answers them in the order `answered` gives (ids), then sends each its block. Each must
+/// read ready and land its own bytes.
+void expectTwoAwaitingReadyComplete(kv::ConnectionManager& ctx, GenSide const& gen, uint64_t first, uint64_t second,
+                                    std::array<uint64_t, 2> answered, std::atomic<bool> const& never) {
+  auto server = std::async(std::launch::async, [&] {
+    std::map<uint64_t, Taken> taken;
+    for (uint64_t want : {first, second}) {
+      Taken t = recvRequestInfo(ctx, never);
+      EXPECT_EQ(t.info.getRequestId(), want);
+      taken[t.info.getRequestId()] = t;
+    }
+    bool const ready = true;
+    for (uint64_t id : answered) {
+      taken.at(id).conn->send(kv::DataContext{gen.tags.ready(id)}, &ready, sizeof ready);
+    }
+    for (uint64_t id : answered) {
+      std::vector<uint8_t> s(4096);
+      fill(id, 0, s.data(), s.size());
+      taken.at(id).conn->send(kv::DataContext{gen.tags.data(id)}, s.data(), s.size());
+    }
+  });
+  std::promise<void> firstSent;
+  auto receive = [&](uint64_t id) {
+    std::vector<uint8_t> d(4096);
+    EXPECT_TRUE(gen.recvReady(id, never)) << id;
+    gen.conn->recv(kv::DataContext{gen.tags.data(id), never}, d.data(), d.size());
+    return check(id, 0, d.data(), d.size()) == SIZE_MAX;
+  };
+  auto one = std::async(std::launch::async, [&] {
+    gen.sendRequestInfo(first);
+    firstSent.set_value();
+    return receive(first);
+  });
+  firstSent.get_future().wait();
+  auto two = std::async(std::launch::async, [&] {
+    gen.sendRequestInfo(second);
+    return receive(second);
+  });
+  EXPECT_TRUE(one.get()) << "request " << first << " did not get its own bytes";
+  EXPECT_TRUE(two.get()) << "request " << second << " did not get its own bytes";
+  server.get();
+}
+
 // Older releases send every ready signal on the fixed tag 42, which names any request. Two
 // requests of one generation rank awaiting theirs on one connection (two threads, as with
 // several counterparts): each ready signal answers the request taken first, as upstream takes
@@ -721,43 +768,7 @@ TEST_P(WrapperTest, AReadySignalForARequestItsGenerationRankGaveUpDoesNotThrow) 
 // AmbiguousTagError, which ends upstream's response loop.)
 TEST_P(WrapperTest, TwoRequestsAwaitingTheFixedReadyTagAreAnsweredInTheOrderTaken) {
   GenSide gen{toCtx_, Tags{false}};
-  constexpr uint64_t kA = 21, kB = 22;
-  auto server = std::async(std::launch::async, [&] {
-    Taken a = recvRequestInfo(*ctx_, never_);
-    Taken b = recvRequestInfo(*ctx_, never_);
-    EXPECT_EQ(a.info.getRequestId(), kA);
-    EXPECT_EQ(b.info.getRequestId(), kB);
-    bool const ready = true;
-    for (Taken const* t : {&a, &b}) {
-      t->conn->send(kv::DataContext{gen.tags.ready(t->info.getRequestId())}, &ready, sizeof ready);
-    }
-    for (Taken const* t : {&a, &b}) {
-      uint64_t const id = t->info.getRequestId();
-      std::vector<uint8_t> s(4096);
-      fill(id, 0, s.data(), s.size());
-      t->conn->send(kv::DataContext{gen.tags.data(id)}, s.data(), s.size());
-    }
-  });
-  std::promise<void> aSent;
-  auto receive = [&](uint64_t id) {
-    std::vector<uint8_t> d(4096);
-    EXPECT_TRUE(gen.recvReady(id, never_)) << id;
-    gen.conn->recv(kv::DataContext{gen.tags.data(id), never_}, d.data(), d.size());
-    return check(id, 0, d.data(), d.size()) == SIZE_MAX;
-  };
-  auto first = std::async(std::launch::async, [&] {
-    gen.sendRequestInfo(kA);
-    aSent.set_value();
-    return receive(kA);
-  });
-  aSent.get_future().wait();
-  auto second = std::async(std::launch::async, [&] {
-    gen.sendRequestInfo(kB);
-    return receive(kB);
-  });
-  EXPECT_TRUE(first.get()) << "request " << kA << " did not get its own bytes";
-  EXPECT_TRUE(second.get()) << "request " << kB << " did not get its own bytes";
-  server.get();
+  expectTwoAwaitingReadyComplete(*ctx_, gen, 21, 22, {21, 22}, never_);
 }
 
 // With the newer 23-bit tags, request 2^23's ready tag is 42 (its id bits are all zero), which
@@ -768,44 +779,9 @@ TEST_P(WrapperTest, TwoRequestsAwaitingTheFixedReadyTagAreAnsweredInTheOrderTake
 // signal, and 2^23 waited out its deadline.)
 TEST_P(WrapperTest, AReadySignalOnItsOwnTagAnswersItsOwnRequestBesideAnotherAwaitingOne) {
   GenSide gen{toCtx_, Tags{true}};
-  constexpr uint64_t kA = 1, kZero = 1ull << 23;
+  constexpr uint64_t kZero = 1ull << 23;
   ASSERT_EQ(gen.tags.ready(kZero), 42);
-  auto server = std::async(std::launch::async, [&] {
-    Taken a = recvRequestInfo(*ctx_, never_);
-    Taken z = recvRequestInfo(*ctx_, never_);
-    EXPECT_EQ(a.info.getRequestId(), kA);
-    EXPECT_EQ(z.info.getRequestId(), kZero);
-    bool const ready = true;
-    for (Taken const* t : {&z, &a}) {
-      t->conn->send(kv::DataContext{gen.tags.ready(t->info.getRequestId())}, &ready, sizeof ready);
-    }
-    for (Taken const* t : {&z, &a}) {
-      uint64_t const id = t->info.getRequestId();
-      std::vector<uint8_t> s(4096);
-      fill(id, 0, s.data(), s.size());
-      t->conn->send(kv::DataContext{gen.tags.data(id)}, s.data(), s.size());
-    }
-  });
-  std::promise<void> aSent;
-  auto receive = [&](uint64_t id) {
-    std::vector<uint8_t> d(4096);
-    EXPECT_TRUE(gen.recvReady(id, never_)) << id;
-    gen.conn->recv(kv::DataContext{gen.tags.data(id), never_}, d.data(), d.size());
-    return check(id, 0, d.data(), d.size()) == SIZE_MAX;
-  };
-  auto first = std::async(std::launch::async, [&] {
-    gen.sendRequestInfo(kA);
-    aSent.set_value();
-    return receive(kA);
-  });
-  aSent.get_future().wait();
-  auto second = std::async(std::launch::async, [&] {
-    gen.sendRequestInfo(kZero);
-    return receive(kZero);
-  });
-  EXPECT_TRUE(first.get()) << "request " << kA << " did not get its own bytes";
-  EXPECT_TRUE(second.get()) << "request " << kZero << " did not get its own bytes";
-  server.get();
+  expectTwoAwaitingReadyComplete(*ctx_, gen, 1, kZero, {kZero, 1}, never_);
 }
 
 // kv_transfer_timeout_ms absent from the config (<= 0): the wrapper still bounds every wait,

@@ -2560,94 +2560,62 @@ fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at
             );
         }
         // A coordinator that dialled this rank, and whose engine then ended: nobody redials it.
-        let gone = engine("gone", DIALLING);
-        assert_eq!(
-            gone.connect(&gen.address(), soon()).unwrap(),
-            RankId(RECEIVER)
-        );
-        gen.wait_peer(RankId(DIALLING), soon()).unwrap();
-        drop(gone);
-        let until = soon();
-        while gen.peer_state(RankId(DIALLING)) != PeerState::Failed {
-            assert!(
-                Instant::now() < until,
-                "{kind:?}: the ended coordinator was never failed"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let key = RequestKey::new(2, 0);
-        let start = Instant::now();
-        // SAFETY: refused before anything is posted (checked below); `mine` outlives it anyway.
-        let r = unsafe {
-            gen.advertise_with(
-                key,
-                vec![RankId(RECEIVER), RankId(DIALLING)],
-                vec![(RankId(SENDER), vec![one_spec(&mut mine, 0)])],
-                vec![],
-                Some(Duration::from_secs(5)),
-            )
-        };
-        let took = start.elapsed();
-        println!("{kind:?}: a request whose coordinator is gone: {r:?} after {took:?}");
-        assert_eq!(r.unwrap_err().kind, kvlink::ErrorKind::PeerLost, "{kind:?}");
-        assert!(
-            took < Duration::from_secs(1),
-            "{kind:?}: not at once: {took:?}"
-        );
-        assert_eq!(gen.health().buffers_leased, 0, "{kind:?}");
-        assert!(
-            ctx.next_advertisement(Instant::now() + Duration::from_millis(200), None)
-                .is_none(),
-            "{kind:?}: a refused request was advertised"
-        );
-        let request = (RequestKey::new(3, 0), RECEIVER, SENDER);
-        one_request_completes(&ctx, &gen, request, None, 7, &format!("{kind:?}"));
-        // The mirror: this rank is the coordinator, and the other receiver, which dialled it,
-        // has ended. A coordinator waits for every other receiver's vote: it fails at once too
-        // (before, it started, waited for that vote and ended `TimedOut` at its deadline).
+        // And the mirror: this rank is the coordinator, and the other receiver, which dialled
+        // it, has ended. A coordinator waits for every other receiver's vote: it fails at once
+        // too (before, it started, waited for that vote and ended `TimedOut` at its deadline).
         const ABOVE: u32 = RECEIVER + 2;
-        let above = engine("above", ABOVE);
-        assert_eq!(
-            above.connect(&gen.address(), soon()).unwrap(),
-            RankId(RECEIVER)
-        );
-        gen.wait_peer(RankId(ABOVE), soon()).unwrap();
-        drop(above);
-        let until = soon();
-        while gen.peer_state(RankId(ABOVE)) != PeerState::Failed {
-            assert!(
-                Instant::now() < until,
-                "{kind:?}: the ended receiver was never failed"
+        let cases = [
+            (DIALLING, "a request whose coordinator is gone", 2),
+            (ABOVE, "a coordinator whose other receiver is gone", 4),
+        ];
+        for (other, what, id) in cases {
+            let gone = engine("gone", other);
+            assert_eq!(
+                gone.connect(&gen.address(), soon()).unwrap(),
+                RankId(RECEIVER)
             );
-            std::thread::sleep(Duration::from_millis(5));
+            gen.wait_peer(RankId(other), soon()).unwrap();
+            drop(gone);
+            let until = soon();
+            while gen.peer_state(RankId(other)) != PeerState::Failed {
+                assert!(
+                    Instant::now() < until,
+                    "{kind:?}: {what}: the ended rank was never failed"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let start = Instant::now();
+            // SAFETY: refused before anything is posted (checked below); `mine` outlives it
+            // anyway.
+            let r = unsafe {
+                gen.advertise_with(
+                    RequestKey::new(id, 0),
+                    vec![RankId(other), RankId(RECEIVER)],
+                    vec![(RankId(SENDER), vec![one_spec(&mut mine, 0)])],
+                    vec![],
+                    Some(Duration::from_secs(5)),
+                )
+            };
+            let took = start.elapsed();
+            println!("{kind:?}: {what}: {r:?} after {took:?}");
+            assert_eq!(
+                r.unwrap_err().kind,
+                kvlink::ErrorKind::PeerLost,
+                "{kind:?}: {what}"
+            );
+            assert!(
+                took < Duration::from_secs(1),
+                "{kind:?}: {what}: not at once: {took:?}"
+            );
+            assert_eq!(gen.health().buffers_leased, 0, "{kind:?}: {what}");
+            assert!(
+                ctx.next_advertisement(Instant::now() + Duration::from_millis(200), None)
+                    .is_none(),
+                "{kind:?}: {what}: a refused request was advertised"
+            );
+            let request = (RequestKey::new(id + 1, 0), RECEIVER, SENDER);
+            one_request_completes(&ctx, &gen, request, None, id as u8, &format!("{kind:?}"));
         }
-        let key = RequestKey::new(4, 0);
-        let start = Instant::now();
-        // SAFETY: as above.
-        let r = unsafe {
-            gen.advertise_with(
-                key,
-                vec![RankId(ABOVE), RankId(RECEIVER)],
-                vec![(RankId(SENDER), vec![one_spec(&mut mine, 0)])],
-                vec![],
-                Some(Duration::from_secs(5)),
-            )
-        };
-        let took = start.elapsed();
-        println!("{kind:?}: a coordinator whose other receiver is gone: {r:?} after {took:?}");
-        assert_eq!(r.unwrap_err().kind, kvlink::ErrorKind::PeerLost, "{kind:?}");
-        assert!(
-            took < Duration::from_secs(1),
-            "{kind:?}: not at once: {took:?}"
-        );
-        assert_eq!(gen.health().buffers_leased, 0, "{kind:?}");
-        assert!(
-            ctx.next_advertisement(Instant::now() + Duration::from_millis(200), None)
-                .is_none(),
-            "{kind:?}: a refused request was advertised"
-        );
-        let request = (RequestKey::new(5, 0), RECEIVER, SENDER);
-        one_request_completes(&ctx, &gen, request, None, 8, &format!("{kind:?}"));
     }
 }
 
