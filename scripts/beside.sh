@@ -8,8 +8,8 @@
 # Returns 1 if either failed. Either may be a shell function.
 #
 # What it is for: test suites that mostly wait (sm_kill_wedge: 100 s here for 7 s of CPU, the
-# probe's rounds; engine_faults: 41 s for 14 s, deadlines of frozen and partitioned peers) run
-# beside the suites that work, instead of after them. Both sets were built before (`cargo test
+# probe's rounds; engine_faults in the ucx122 step, with its 10 s requests: deadlines of frozen
+# and partitioned peers) run beside the suites that work, instead of after them. Both sets were built before (`cargo test
 # --no-run`), so the two cargo commands only run binaries (cargo holds its build lock while it
 # builds, not while tests run).
 # Stops `pid` and every process below it (the test binaries and the peers they spawn).
