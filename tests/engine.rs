@@ -2619,6 +2619,107 @@ fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at
     }
 }
 
+/// A receiver that loses its coordinator mid-request ends `PeerLost` at once. When the two are
+/// connected again (the engine redials) before the coordinator starts the same request, the
+/// coordinator, finding that receiver connected, waited for its vote, which never came, and
+/// ended `TimedOut` past its deadline, against that receiver's `PeerLost`. The receiver now
+/// tells its coordinator once the coordinator's rank is bound again: the coordinator's request
+/// ends `PeerLost` at its start, as its sender's flows do, and the healed ranks serve the next
+/// request.
+#[test]
+fn a_receiver_that_lost_its_coordinator_tells_it_when_they_are_connected_again() {
+    use kvlink::connection::PeerState;
+    const SENDER: u32 = 5;
+    const RECEIVER: u32 = 9;
+    // The coordinator: the lowest receiving rank.
+    const COORD: u32 = 3;
+    let soon = || Instant::now() + Duration::from_secs(10);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let engine = |name: &str, rank: u32| {
+            let mut c = EngineConfig::new(name, rank, kind.clone());
+            if !kind.by_worker_address() {
+                c.listen = Some("127.0.0.1:0".parse().unwrap());
+            }
+            c.agreement_bound = Duration::from_millis(500);
+            Engine::new(c).unwrap()
+        };
+        let ctx = engine("ctx", SENDER);
+        let gen = engine("gen", RECEIVER);
+        let coord = engine("coord", COORD);
+        gen.connect(&ctx.address(), soon()).unwrap();
+        coord.connect(&ctx.address(), soon()).unwrap();
+        gen.connect(&coord.address(), soon()).unwrap();
+        for rank in [RECEIVER, COORD] {
+            ctx.wait_peer(RankId(rank), soon()).unwrap();
+        }
+        let receivers = vec![RankId(RECEIVER), RankId(COORD)];
+        let key = RequestKey::new(1, 0);
+        let mut mine = vec![0u8; 8192];
+        let mut theirs = vec![0u8; 8192];
+        // Both buffers outlive the request, waited for below.
+        advertise_buffers(
+            &gen,
+            key,
+            receivers.clone(),
+            RankId(SENDER),
+            vec![one_spec(&mut mine, 0)],
+            None,
+        );
+        // The connection to the coordinator breaks mid-request: this rank ends `PeerLost`.
+        gen.fault_close_peer(RankId(COORD)).unwrap();
+        assert_eq!(
+            gen.wait(key, Role::Receiver, soon(), None).unwrap(),
+            Outcome::PeerLost,
+            "{kind:?}"
+        );
+        // The engine redials it; both sides see the other connected again.
+        let until = soon();
+        while gen.peer_state(RankId(COORD)) != PeerState::Connected
+            || coord.peer_state(RankId(RECEIVER)) != PeerState::Connected
+        {
+            assert!(Instant::now() < until, "{kind:?}: the pair never healed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The coordinator starts the request only now, with a deadline of its own.
+        let deadline = Duration::from_secs(3);
+        let start = Instant::now();
+        advertise_buffers(
+            &coord,
+            key,
+            receivers,
+            RankId(SENDER),
+            vec![one_spec(&mut theirs, 0)],
+            Some(deadline),
+        );
+        let ended = coord.wait(key, Role::Receiver, soon(), None).unwrap();
+        let took = start.elapsed();
+        println!("{kind:?}: the coordinator's request ended {ended:?} after {took:?}");
+        assert_eq!(
+            ended,
+            Outcome::PeerLost,
+            "{kind:?}: the coordinator did not learn why its other receiver ended"
+        );
+        assert!(took < deadline, "{kind:?}: ended at its deadline: {took:?}");
+        // The sender's flows end as their receivers did, whichever advertisements it was
+        // handed (one that had ended before it was taken may not be).
+        while let Some(a) =
+            ctx.next_advertisement(Instant::now() + Duration::from_millis(200), None)
+        {
+            let _ = ctx.accept(a.key, a.from, true);
+            let sent = ctx.wait(a.key, Role::Sender { receiver: a.from }, soon(), None);
+            println!("{kind:?}: the sender's flow to {}: {sent:?}", a.from);
+            assert_eq!(sent.unwrap(), Outcome::PeerLost, "{kind:?}: to {}", a.from);
+        }
+        for e in [&ctx, &gen, &coord] {
+            assert_eq!(e.health().buffers_leased, 0, "{kind:?}");
+        }
+        let next = (RequestKey::new(2, 0), RECEIVER, SENDER);
+        one_request_completes(&ctx, &gen, next, None, 7, &format!("{kind:?}"));
+        let next = (RequestKey::new(3, 0), COORD, SENDER);
+        one_request_completes(&ctx, &coord, next, None, 8, &format!("{kind:?}"));
+    }
+}
+
 /// Misuse of `advertise` is told at once, before the call waits for anything: here the sender's
 /// connection is being re-established (the context rank's progress thread is held, so the
 /// redial cannot bind), and each bad call returns `InvalidArgument` within moments and posts

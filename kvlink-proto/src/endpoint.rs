@@ -837,6 +837,18 @@ impl Endpoint {
         self.drive(now);
     }
 
+    /// The transport bound `rank` (again): a connection to it was proven. A receive that ended
+    /// `PeerLost` because it lost its coordinator, `rank`, never told the coordinator why (its
+    /// vote goes only while the coordinator can hear it); the coordinator, starting the request
+    /// after the two were connected again, would wait for that vote until its deadline and end
+    /// `TimedOut` against this rank's `PeerLost`. Each such receive still known here (it lingers
+    /// `Config::linger` past its end) now sends it, once. O(requests known): binds are rare.
+    pub fn handle_peer_bound(&mut self, rank: RankId) {
+        for r in self.recvs.values_mut() {
+            r.on_peer_bound(rank, &mut self.out);
+        }
+    }
+
     /// Fires every deadline and retransmission due at `now`, and forgets requests past their
     /// linger time. Call it whenever `poll_timeout` passes, whether or not anything else
     /// happened. Only the state machines whose timer is due are looked at.

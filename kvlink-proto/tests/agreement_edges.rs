@@ -432,3 +432,87 @@ fn a_receiver_lost_before_the_verdict_is_not_counted_completed() {
     );
     assert_eq!(ends, vec![Outcome::PeerLost]);
 }
+
+/// A receiver that loses its coordinator ends `PeerLost` at once, and its vote stops (it goes
+/// only while the coordinator can hear it). When the two are connected again before the
+/// coordinator has started the request, the coordinator started it, found that receiver
+/// connected, waited for its vote until the deadline and ended `TimedOut`, as did its senders,
+/// against that receiver's `PeerLost`. The receiver now tells its coordinator once the
+/// coordinator's rank is bound again, and the coordinator decides `PeerLost` at its start.
+#[test]
+fn a_receiver_that_lost_its_coordinator_tells_it_once_they_are_connected_again() {
+    let t = Instant::now();
+    let key = RequestKey::new(23, 0);
+    let (mut g2, _) = receiving(G2, key, t);
+    while g2.poll_transmit().is_some() {}
+    g2.handle_peer_lost(t + ms(10), G1);
+    g2.handle_receive_reaped(t + ms(11), key, 0).unwrap();
+    assert_eq!(
+        terminals(&mut g2, key, Role::Receiver),
+        vec![Outcome::PeerLost]
+    );
+    while g2.poll_transmit().is_some() {}
+    // A bind of another rank tells nobody anything.
+    g2.handle_peer_bound(C);
+    assert!(
+        g2.poll_transmit().is_none(),
+        "told a rank that is not its coordinator"
+    );
+    // The coordinator's rank is bound again: the vote goes, once.
+    g2.handle_peer_bound(G1);
+    let told: Vec<_> = std::iter::from_fn(|| g2.poll_transmit()).collect();
+    assert_eq!(
+        told.iter()
+            .map(|x| (x.to, x.message.clone()))
+            .collect::<Vec<_>>(),
+        vec![(
+            G1,
+            Message::Vote {
+                key,
+                outcome: Outcome::PeerLost
+            }
+        )],
+        "the coordinator was not told why this rank ended"
+    );
+    g2.handle_peer_bound(G1);
+    assert!(g2.poll_transmit().is_none(), "told twice");
+    // The coordinator has it before it starts the request, and decides at the start.
+    let mut g1 = Endpoint::new(G1, config());
+    g1.handle_message(t + ms(20), G2, told[0].message.clone())
+        .unwrap();
+    start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + ms(30));
+    assert_eq!(
+        g1.verdict(key),
+        Some(Outcome::PeerLost),
+        "the coordinator waits for a vote that will not come"
+    );
+    assert_eq!(verdicts_to(&mut g1, C), vec![Outcome::PeerLost]);
+}
+
+/// Only a receive that ended for its coordinator's loss owes it a vote: one whose verdict had
+/// come from the coordinator before the loss, and the coordinator itself, tell nobody.
+#[test]
+fn a_rebind_tells_nothing_for_a_receive_whose_coordinator_had_decided() {
+    let t = Instant::now();
+    let key = RequestKey::new(24, 0);
+    let (mut g2, _) = receiving(G2, key, t);
+    let (mut g1, _) = receiving(G1, key, t);
+    g1.cancel(t + ms(1), key).unwrap();
+    let verdict = std::iter::from_fn(|| g1.poll_transmit())
+        .find(|x| x.to == G2 && matches!(x.message, Message::Verdict { .. }))
+        .expect("the coordinator's verdict to G2");
+    g2.handle_message(t + ms(2), G1, verdict.message).unwrap();
+    g2.handle_receive_reaped(t + ms(3), key, 0).unwrap();
+    assert_eq!(
+        terminals(&mut g2, key, Role::Receiver),
+        vec![Outcome::Cancelled]
+    );
+    g2.handle_peer_lost(t + ms(10), G1);
+    g1.handle_peer_lost(t + ms(10), G2);
+    while g2.poll_transmit().is_some() {}
+    while g1.poll_transmit().is_some() {}
+    g2.handle_peer_bound(G1);
+    g1.handle_peer_bound(G2);
+    assert!(g2.poll_transmit().is_none());
+    assert!(g1.poll_transmit().is_none());
+}

@@ -69,6 +69,9 @@ pub(crate) struct RecvRequest {
     verdict: Option<Outcome>,
     terminal: Option<Outcome>,
     deadline_fired: bool,
+    /// This rank ended `PeerLost` for losing its coordinator, which has not heard it: told
+    /// once the coordinator's rank is bound again (`on_peer_bound`).
+    owes_coordinator: bool,
     /// The senders' answer so far: `Some(true)` once one said ready or its data landed (the
     /// first landing proves acceptance), `Some(false)` once one refused (that wins).
     answer: Option<bool>,
@@ -156,6 +159,7 @@ impl RecvRequest {
             verdict: None,
             terminal: None,
             deadline_fired: false,
+            owes_coordinator: false,
             answer: None,
         };
         r.advertise(now, out, false);
@@ -534,6 +538,7 @@ impl RecvRequest {
         }
         if rank == self.coordinator {
             // Nobody is left to agree with: stop every write now, end PeerLost.
+            self.owes_coordinator = self.verdict.is_none();
             self.set_verdict(now, Outcome::PeerLost, out);
         } else if self.is_coordinator() && self.verdict.is_none() {
             // Whatever it voted: a receiver lost before the verdict cannot learn it (it ends
@@ -542,6 +547,23 @@ impl RecvRequest {
             self.votes.insert(rank, Outcome::PeerLost);
             self.try_decide(now, out);
         }
+    }
+
+    /// `rank` is bound again: if it is the coordinator this rank lost before it could hear
+    /// the verdict, it learns why this rank ended (a coordinator that starts the request only
+    /// now would otherwise wait for this rank's vote until its deadline).
+    pub(crate) fn on_peer_bound(&mut self, rank: RankId, out: &mut Out) {
+        if !self.owes_coordinator || rank != self.coordinator {
+            return;
+        }
+        self.owes_coordinator = false;
+        out.send(
+            rank,
+            Message::Vote {
+                key: self.key,
+                outcome: self.verdict.unwrap_or(Outcome::PeerLost),
+            },
+        );
     }
 
     pub(crate) fn on_timeout(&mut self, now: Instant, out: &mut Out) {
