@@ -1956,6 +1956,69 @@ fn a_wait_while_its_own_progress_thread_is_stuck_hands_its_buffer_back_once_rele
     }
 }
 
+/// A send that its own rank's core stops (here the context side cancels the request while the
+/// send is blocked: its receiver's progress thread is held, so nothing drains) is woken by the
+/// core at once, and a send called with no cancel check polls none while it waits. Before, every
+/// send was waited for with a check of the core's abort flag, called at once and then every
+/// 5 ms for as long as the transfer ran (`cancel_checks` about 60 in this test's 300 ms), and
+/// an abort was seen only at the next of those looks.
+#[test]
+fn a_send_with_no_cancel_check_sleeps_until_its_end_or_the_cores_abort() {
+    const STALL: Duration = Duration::from_millis(1000);
+    const CANCEL_AFTER: Duration = Duration::from_millis(300);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let (ctx, gen) = engines(kind.clone(), Duration::from_secs(10), None);
+        let key = RequestKey::new(3, 0);
+        let mut buf = vec![0u8; 16 << 20];
+        advertise_one(&gen, key, &mut buf);
+        let soon = || Instant::now() + Duration::from_secs(10);
+        let adv = ctx.next_advertisement(soon(), None).unwrap();
+        ctx.accept(key, adv.from, true).unwrap();
+        assert_eq!(gen.recv_ready(key, soon(), None).unwrap(), Some(true));
+        gen.fault_stall_progress(STALL, false).unwrap();
+        let checks = ctx.transport_stats().cancel_checks;
+        let data = fill(3, 16 << 20);
+        let (sent, took) = std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(CANCEL_AFTER);
+                ctx.cancel(key).unwrap();
+            });
+            let start = Instant::now();
+            let sent = ctx.send(key, adv.from, 0, &data, soon(), None);
+            (sent, start.elapsed())
+        });
+        let polled = ctx.transport_stats().cancel_checks - checks;
+        println!("{kind:?}: send {sent:?} after {took:?}, {polled} cancel checks");
+        assert_eq!(sent.unwrap(), Outcome::Cancelled, "{kind:?}");
+        assert!(
+            took >= CANCEL_AFTER,
+            "{kind:?}: ended before the cancel: {took:?}"
+        );
+        assert!(
+            took < Duration::from_secs(5),
+            "{kind:?}: the abort did not end the send: {took:?}"
+        );
+        assert_eq!(
+            polled, 0,
+            "{kind:?}: a send with no cancel check polled one"
+        );
+        // The receiver, its progress held, could not drain the stopped send: its endpoint was
+        // closed, so it may end `PeerLost` (a frozen peer's case) rather than `Cancelled`.
+        let g = gen.wait(key, Role::Receiver, soon(), None).unwrap();
+        let c = ctx.wait(key, TO_GEN, soon(), None).unwrap();
+        println!("{kind:?}: the request ended {g:?} / {c:?}");
+        assert_ne!(g, Outcome::Completed, "{kind:?}");
+        assert_eq!(c, Outcome::Cancelled, "{kind:?}");
+        let (g, c, ok) = run(&ctx, &gen, RequestKey::new(4, 0), &[4096, 1 << 20]);
+        assert_eq!(
+            (g, c, ok),
+            (Outcome::Completed, Outcome::Completed, true),
+            "{kind:?}"
+        );
+        assert_eq!(ctx.health().buffers_leased + gen.health().buffers_leased, 0);
+    }
+}
+
 /// A pair on `kind` (the context side with the default agreement bound, 50 ms: a stop's grace
 /// is the whole bound) and request 1 of `segments` buffers of 64 KiB, advertised, accepted
 /// and ready: the engines, that bound, the key and the buffers (which must outlive the request).

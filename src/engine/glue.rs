@@ -29,7 +29,7 @@ use crate::proto::{
 };
 use crate::timeline::{self, Stage};
 use crate::transport::cuda::Staging;
-use crate::transport::ucx::Held;
+use crate::transport::ucx::{Held, OpAbort};
 use crate::transport::{Agent, Event, EventSink, Op, PeerId};
 
 /// How long a fenced plain-memory receive's cancel may take before its endpoint is
@@ -110,8 +110,8 @@ pub(crate) struct Core {
     pub refusal_ops: HashMap<PeerId, Op>,
     pub recv_ops: HashMap<u64, RecvOp>,
     pub by_token: HashMap<Token, u64>,
-    /// Abort flags of the sends in flight, by (request, receiver, segment).
-    pub sends: HashMap<(RequestKey, RankId, u32), Arc<AtomicBool>>,
+    /// The sends in flight (each one's abort), by (request, receiver, segment).
+    pub sends: HashMap<(RequestKey, RankId, u32), OpAbort>,
     pub adverts: VecDeque<Advertisement>,
     /// What `adverts` holds, in bytes ([`advert_bytes`]; at most [`MAX_QUEUED_BYTES`]).
     pub advert_bytes: usize,
@@ -985,8 +985,9 @@ impl Inner {
             // The application starts each send itself (`Engine::send`), checked by the core.
             Action::Send { .. } => {}
             Action::AbortSend { key, to, segment } => {
-                if let Some(flag) = core.sends.get(&(key, to, segment)) {
-                    flag.store(true, Ordering::Release);
+                // Its `send` wakes at once, and stops it (no cancel check polls for this).
+                if let Some(abort) = core.sends.get(&(key, to, segment)) {
+                    abort.abort();
                 }
             }
             Action::CancelReceive { token, .. } => {

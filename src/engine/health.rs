@@ -40,6 +40,12 @@ impl Engine {
         self.inner.agent.close_peer(peer)
     }
 
+    /// For tests: the transport's counters (its agent's [`Stats`](crate::transport::Stats)).
+    #[doc(hidden)]
+    pub fn transport_stats(&self) -> crate::transport::Stats {
+        self.inner.agent.stats()
+    }
+
     /// For tests: the entries of every table the engine keeps (its own, the protocol core's
     /// and the peer table's), by name, to check that each stays bounded over many requests
     /// and connections.

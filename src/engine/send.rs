@@ -9,8 +9,6 @@ use crate::proto::{RankId, RequestKey};
 use crate::timeline::{self, Stage};
 use crate::transport::cuda::Staging;
 use smallvec::SmallVec;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Instant;
 
 impl Engine {
@@ -117,8 +115,7 @@ impl Engine {
                 },
             );
         }
-        // Per segment, inline for the usual one or two: no allocation on this path but the
-        // abort flag's.
+        // Per segment, inline for the usual one or two: no allocation on this path.
         let mut descs: SmallVec<[_; 2]> = SmallVec::with_capacity(segments.len());
         let mut regions: SmallVec<[_; 2]> = SmallVec::with_capacity(segments.len());
         for (i, (segment, data)) in segments.iter().enumerate() {
@@ -190,9 +187,9 @@ impl Engine {
                         let (addr, len) = (data.as_ptr() as u64, data.len() as u64);
                         let _ = core.regions.track(op.id(), p.0, false, *r, addr, len);
                     }
-                    let flag = Arc::new(AtomicBool::new(false));
-                    core.sends.insert((key, to, *segment), flag.clone());
-                    ops.push((*segment, op, flag));
+                    let abort = op.abort_handle();
+                    core.sends.insert((key, to, *segment), abort.clone());
+                    ops.push((*segment, op, abort));
                 }
                 Err(e) => {
                     let _ = core
@@ -216,12 +213,11 @@ impl Engine {
         let mut shared_grace = false;
         for i in 0..ops.len() {
             let (done, rest) = ops.split_at_mut(i + 1);
-            let (segment, op, flag) = &mut done[i];
+            let (segment, op, abort) = &mut done[i];
             let segment = *segment;
+            // Only a caller's cancel is polled: the core's abort (`Action::AbortSend`) wakes
+            // the wait itself, and a send with no cancel sleeps until it ends.
             let stop = || {
-                if flag.load(Ordering::Acquire) {
-                    return true; // the core aborted it: the verdict is already known
-                }
                 if !cancel.is_some_and(|c| c()) {
                     return false;
                 }
@@ -233,10 +229,12 @@ impl Engine {
                 }
                 true
             };
-            let r = op.wait_telling(until, Some(&stop), |why| {
+            let stop: Option<&dyn Fn() -> bool> = cancel.map(|_| &stop as _);
+            let r = op.wait_telling(until, stop, |why| {
                 // At the deadline the vote goes out before the send is stopped, for the same
-                // reason, and so that the agreement runs while the stop takes its grace.
-                if !flag.load(Ordering::Acquire) && !told.replace(true) {
+                // reason, and so that the agreement runs while the stop takes its grace. Not
+                // after the core's abort: the verdict is already known.
+                if !abort.is_aborted() && !told.replace(true) {
                     self.give_up(key, why);
                 }
                 if !shared_grace {

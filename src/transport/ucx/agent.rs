@@ -674,6 +674,7 @@ impl Agent {
             receive_stuck: self.shared.receive_stuck.load(Ordering::Acquire),
             worker_renewals: s.worker_renewals.load(Ordering::Relaxed),
             peer_entries: self.shared.live_peers.lock().len() as u64,
+            cancel_checks: s.cancel_checks.load(Ordering::Relaxed),
         }
     }
 

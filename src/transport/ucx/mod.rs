@@ -78,7 +78,7 @@ mod tag;
 pub(crate) use agent::ipv4_only;
 pub use agent::{Agent, MemHandle, RemoteKey};
 pub use held::Held;
-pub use op::{Op, CLOSE_RUN_LIMIT};
+pub use op::{Op, OpAbort, CLOSE_RUN_LIMIT};
 pub use resources::{memory_type_names, DevicePath};
 pub(crate) use shared::{CancelPace, CANCEL_POLL};
 pub use shared::{Driving, EventSink};
@@ -368,6 +368,11 @@ pub struct Stats {
     /// endpoint (later calls naming it get `PeerLost`), so this does not grow with the
     /// endpoints made over the agent's life.
     pub peer_entries: u64,
+    /// Calls of the cancel checks that waiters of transfers were given ([`Op::wait`]): the
+    /// first at once, then one every [`CANCEL_POLL`] while the transfer runs (a caller's
+    /// cancel flag cannot wake anybody, so it is looked at). A waiter with no cancel check
+    /// calls none: whatever else ends its wait ([`OpAbort`], the op's end) wakes it.
+    pub cancel_checks: u64,
 }
 
 /// Maps a UCX status to kvlink's error kinds (one exhaustive place).

@@ -59,6 +59,8 @@ pub(super) struct OpSlot {
     /// Its index in [`Shared::in_flight`](super::shared::Shared) while tracked
     /// ([`NOT_TRACKED`] otherwise).
     pub(super) tracked_at: AtomicU32,
+    /// Its owner asked its waiter to give up ([`OpAbort::abort`]).
+    aborted: AtomicBool,
 }
 
 /// An op not in the in-flight table.
@@ -91,6 +93,7 @@ impl OpSlot {
             bytes_counted: AtomicBool::new(false),
             held: AtomicBool::new(false),
             tracked_at: AtomicU32::new(NOT_TRACKED),
+            aborted: AtomicBool::new(false),
         })
     }
 
@@ -123,6 +126,28 @@ impl OpSlot {
 const FORCE_CLOSE_WAIT: Duration = Duration::from_millis(30);
 /// The least a stop waits for UCX after the force-close has run, when the shared wait is over.
 const FORCE_CLOSE_FLOOR: Duration = Duration::from_millis(2);
+/// A handle that makes an op's waiter give up ([`Op::abort_handle`]): from another thread,
+/// without a cancel check that the waiter would have to poll. The waiter is woken at once.
+#[derive(Clone)]
+pub struct OpAbort(Arc<OpSlot>);
+
+impl OpAbort {
+    /// Asks the op's waiter to give up: its wait stops the op as for a cancel check that said
+    /// so (`Cancelled`). An op that has ended, or is no longer waited for, is not changed.
+    pub fn abort(&self) {
+        self.0.aborted.store(true, Ordering::Release);
+        // Under the slot's lock, which the waiter holds from its look at the flag until its
+        // sleep begins: the wake cannot fall between the two.
+        let _st = self.0.state.lock();
+        self.0.cv.notify_all();
+    }
+
+    /// Whether [`OpAbort::abort`] was called.
+    pub fn is_aborted(&self) -> bool {
+        self.0.aborted.load(Ordering::Acquire)
+    }
+}
+
 /// How long past the shared bound a stop waits for the force-close to run at all. The progress
 /// thread runs commands between UCX calls, and one call can be long: a sender resumed after a
 /// SIGSTOP, its receiver gone, spent 92 ms in one `ucp_worker_progress` (UCX 1.22, shared
@@ -207,13 +232,18 @@ impl Op {
         self.detach = true;
     }
 
+    /// A handle that makes this op's wait give up at once, from another thread.
+    pub fn abort_handle(&self) -> OpAbort {
+        OpAbort(self.slot.clone())
+    }
+
     /// Whether [`Op::detach_on_stop`] was asked for.
     pub fn detaches_on_stop(&self) -> bool {
         self.detach
     }
 
-    /// Waits until the op ends, `deadline` passes, or `cancel()` returns true (checked every
-    /// `CANCEL_POLL`). Returns `Completed` only when the whole transfer has landed. On any other
+    /// Waits until the op ends, `deadline` passes, `cancel()` returns true (checked every
+    /// `CANCEL_POLL`), or its [`OpAbort`] is used (at once, as for a cancel). Returns `Completed` only when the whole transfer has landed. On any other
     /// outcome the UCX request has been cancelled and released before this returns: UCX no
     /// longer touches the buffer (see `Op::stop` for the bound on that), unless the op was
     /// [`Op::detach_on_stop`]ped and the cancel alone did not end it (`is_quiesced()` false).
@@ -244,13 +274,21 @@ impl Op {
                 drop(st);
                 return self.finish(status, len);
             }
+            // Looked at under the lock, which is held from here to the sleep below unless a
+            // step lets it go (and then comes back here): an abort's wake cannot be missed.
+            if self.slot.aborted.load(Ordering::Acquire) {
+                break STOP_CANCEL;
+            }
             let now = Instant::now();
             if let Some(c) = cancel.filter(|_| pace.due(now, polling)) {
+                shared.stats.cancel_checks.fetch_add(1, Ordering::Relaxed);
                 // The check may take other locks (the engine's): never under ours.
                 if MutexGuard::unlocked(&mut st, c) {
                     break STOP_CANCEL;
                 }
-                if st.is_some() {
+                // The lock was let go: an end or an abort that came meanwhile is seen before a
+                // sleep.
+                if st.is_some() || self.slot.aborted.load(Ordering::Acquire) {
                     continue;
                 }
             }

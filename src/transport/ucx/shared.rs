@@ -187,6 +187,8 @@ pub(super) struct AtomicStats {
     pub(super) unreaped: AtomicU64,
     pub(super) wakeups: AtomicU64,
     pub(super) empty_wakeups: AtomicU64,
+    /// See [`Stats::cancel_checks`](super::Stats::cancel_checks).
+    pub(super) cancel_checks: AtomicU64,
     pub(super) backoffs: AtomicU64,
     pub(super) stale_control_dropped: AtomicU64,
     pub(super) control_batches: AtomicU64,
