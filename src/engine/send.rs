@@ -137,13 +137,10 @@ impl Engine {
                 Err(ended) => return Ok(ended),
             }
         }
-        let until = core
-            .ep
-            .send_deadline(key, to)
-            .map_or(deadline, |d| d.min(deadline));
-        if let Some(ended) = give_up_if_past(inner, &mut core, key, until) {
-            return Ok(ended);
-        }
+        let until = match send_until(inner, &mut core, key, to, deadline) {
+            Ok(until) => until,
+            Err(ended) => return Ok(ended),
+        };
         for (segment, _) in segments {
             core.ep.begin_send(key, to, *segment);
         }
@@ -323,11 +320,7 @@ impl Engine {
                 return Ok(ended);
             }
             // Nor a pinned buffer and a copy for a send that posts nothing.
-            let until = core
-                .ep
-                .send_deadline(key, to)
-                .map_or(deadline, |d| d.min(deadline));
-            if let Some(ended) = give_up_if_past(&self.inner, &mut core, key, until) {
+            if let Err(ended) = send_until(&self.inner, &mut core, key, to, deadline) {
                 return Ok(ended);
             }
         }
@@ -354,22 +347,28 @@ impl Engine {
     }
 }
 
-/// A send called at or past its deadline (the call's, or its request's own) posts nothing: a
+/// Until when a send of `key` to `to` called with `deadline` may run: the earlier of that and
+/// the request's own deadline. A send called at or past it posts nothing (`Err(TimedOut)`): a
 /// rendezvous started then is stopped at once, and a receiver that cannot drain it within the
 /// grace costs the pair its endpoint, failing every other request on it, for a transfer that
 /// should never have begun. The request is given up here `TimedOut`, as a wait past its deadline
 /// gives it up (the deadline rule: a deadline in the past means "do not wait").
-fn give_up_if_past(
+fn send_until(
     inner: &glue::Inner,
     core: &mut glue::Core,
     key: RequestKey,
-    until: Instant,
-) -> Option<Outcome> {
+    to: RankId,
+    deadline: Instant,
+) -> std::result::Result<Instant, Outcome> {
+    let until = core
+        .ep
+        .send_deadline(key, to)
+        .map_or(deadline, |d| d.min(deadline));
     let now = Instant::now();
     if now < until {
-        return None;
+        return Ok(until);
     }
     let _ = core.ep.give_up(now, key, Outcome::TimedOut);
     inner.flush(core);
-    Some(Outcome::TimedOut)
+    Err(Outcome::TimedOut)
 }
