@@ -1,7 +1,8 @@
 //! Property tests: thousands of random fault schedules through the deterministic simulator.
 //! Each asserts every invariant the simulator checks (`Sim::check`): one terminal state per rank
 //! and request by deadline + agreement bound, agreement across ranks (exact when no rank dies;
-//! otherwise only `PeerLost` may differ), no lease leaked or returned twice, no buffer released
+//! otherwise only `PeerLost` may differ; a rank may die, or the connection between two ranks
+//! break and be bound again), no lease leaked or returned twice, no buffer released
 //! while its receive is posted, no data of one request or generation landing in another's
 //! buffer, every request forgotten, bounded steps (no livelock).
 mod proto_sim;
@@ -25,6 +26,7 @@ fn plan() -> impl Strategy<Value = Plan> {
         (0u32..200, 0u32..200, any::<bool>(), any::<bool>()),
         prop::option::of((0u64..1500, 0usize..8, 0usize..4)),
         prop::option::of((0u64..1500, 0usize..8, any::<bool>())),
+        prop::option::of((0u64..1500, 0usize..8, 0usize..8, 20u64..600)),
     )
         .prop_map(
             |(
@@ -33,6 +35,7 @@ fn plan() -> impl Strategy<Value = Plan> {
                 (reject, stall, external, retry),
                 cancel,
                 death,
+                flap,
             )| {
                 let reqs = (0..n_req)
                     .map(|i| ReqPlan {
@@ -60,6 +63,7 @@ fn plan() -> impl Strategy<Value = Plan> {
                     stall,
                     cancels: cancel.into_iter().collect(),
                     death,
+                    flap,
                     pool_capacity: 64,
                     external,
                     seed,
@@ -149,5 +153,58 @@ proptest! {
         sim.run();
         let v = sim.check();
         prop_assert!(v.is_empty(), "violations:\n{}", v.join("\n"));
+    }
+}
+
+/// Receivers that start a request apart, the coordinator last, and the connection between the
+/// coordinator and another receiver breaks after that receiver has started and is bound again
+/// before the coordinator starts. The receiver ends `PeerLost` at once (it lost its coordinator),
+/// and once they are connected again it tells the coordinator, which decides `PeerLost` at its
+/// start: every rank agrees, senders included. Before, the coordinator waited for that
+/// receiver's vote and ended `TimedOut` at its deadline, as did its senders.
+fn flap_before_the_coordinator_plan() -> impl Strategy<Value = Plan> {
+    (
+        2usize..=3,
+        1usize..=2,
+        any::<u64>(),
+        300u64..400,
+        (20u64..120, 1usize..3, 30u64..150),
+    )
+        .prop_map(
+            |(n_gen, n_ctx, seed, coordinator_late, (at, other, heal_after))| {
+                let reqs = vec![ReqPlan {
+                    id: 7,
+                    start_ms: 0,
+                    segs_per_flow: 1,
+                    retry: false,
+                }];
+                let mut plan = Plan::simple(n_gen, n_ctx, reqs);
+                plan.seed = seed;
+                plan.late = vec![coordinator_late];
+                // Generation rank 0 coordinates; the other is a generation rank too.
+                plan.flap = Some((at, 0, 1 + (other - 1) % (n_gen - 1), heal_after));
+                plan
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_flap_healed_before_the_coordinator_starts_leaves_every_rank_agreeing(
+        plan in flap_before_the_coordinator_plan()
+    ) {
+        let mut sim = Sim::new(plan);
+        sim.run();
+        let v = sim.check();
+        prop_assert!(v.is_empty(), "violations:\n{}", v.join("\n"));
+        let outs = sim.outcomes(kvlink_proto::RequestKey::new(7, 0));
+        prop_assert!(!outs.is_empty());
+        prop_assert!(
+            outs.iter().all(|o| o.2 == kvlink_proto::error::Outcome::PeerLost),
+            "ranks disagree: {:?}",
+            outs
+        );
     }
 }

@@ -174,6 +174,10 @@ pub struct Plan {
     pub cancels: Vec<(u64, usize, usize)>,
     /// (time, rank index, detected by the transport)
     pub death: Option<(u64, usize, bool)>,
+    /// (time, rank index, rank index, heal after ms): the connection between two ranks breaks
+    /// (what is in flight between them is lost, each is told the other is lost within 10 ms)
+    /// and is bound again that much later (at least 20 ms: after both were told).
+    pub flap: Option<(u64, usize, usize, u64)>,
     pub pool_capacity: u32,
     pub external: bool,
     pub seed: u64,
@@ -193,6 +197,7 @@ impl Plan {
             stall: 0,
             cancels: vec![],
             death: None,
+            flap: None,
             pool_capacity: 64,
             external: false,
             seed: 1,
@@ -255,6 +260,17 @@ enum Item {
     Die {
         node: RankId,
         detected: bool,
+    },
+    /// The connection between `node` and `other` breaks ([`Plan::flap`]).
+    Cut {
+        node: RankId,
+        other: RankId,
+        heal_after: u64,
+    },
+    /// It is bound again: each side's transport proves the other.
+    Heal {
+        node: RankId,
+        other: RankId,
     },
 }
 
@@ -331,6 +347,8 @@ pub struct Sim {
     net: BTreeMap<(Duration, u64), Item>,
     seq: u64,
     pub dead: BTreeSet<RankId>,
+    /// Pairs of ranks whose connection is broken now (lower rank first).
+    cut: BTreeSet<(RankId, RankId)>,
     pub violations: Vec<String>,
     pub terminals: BTreeMap<(RankId, RequestKey, Role), Terminal>,
     began: BTreeMap<(RankId, RequestKey, Role), Duration>,
@@ -384,6 +402,7 @@ impl Sim {
             net: BTreeMap::new(),
             seq: 0,
             dead: BTreeSet::new(),
+            cut: BTreeSet::new(),
             violations: vec![],
             terminals: BTreeMap::new(),
             began: BTreeMap::new(),
@@ -413,6 +432,20 @@ impl Sim {
         if let Some((t, rank, detected)) = sim.plan.death {
             let node = sim.rank_at(rank);
             sim.schedule(ms(t), Item::Die { node, detected });
+        }
+        if let Some((t, a, b, heal_after)) = sim.plan.flap {
+            let (node, other) = (sim.rank_at(a), sim.rank_at(b));
+            if node != other {
+                let heal_after = heal_after.max(20);
+                sim.schedule(
+                    ms(t),
+                    Item::Cut {
+                        node,
+                        other,
+                        heal_after,
+                    },
+                );
+            }
         }
         sim
     }
@@ -446,10 +479,17 @@ impl Sim {
         self.now < ms(self.plan.faults.window_ms)
     }
 
+    fn is_cut(&self, a: RankId, b: RankId) -> bool {
+        self.cut.contains(&(a.min(b), a.max(b)))
+    }
+
     fn transmit(&mut self, from: RankId, to: RankId, msg: Message) {
         // Every message goes through the codec, as it would on the wire.
         let bytes = msg.to_bytes().expect("core emitted an unencodable message");
         let msg = Message::decode(&bytes).expect("core emitted an undecodable frame");
+        if self.is_cut(from, to) {
+            return; // no connection to send it on
+        }
         let f = self.plan.faults.clone();
         let base_delay = 1 + self.rng.below(5);
         if self.in_window() {
@@ -535,6 +575,20 @@ impl Sim {
                         self.violation(s);
                         return;
                     }
+                }
+                if self.is_cut(node, to) {
+                    // Posting to a lost peer fails at once.
+                    self.schedule(
+                        now + ms(1),
+                        Item::SendDone {
+                            node,
+                            key,
+                            to,
+                            segment: desc.segment,
+                            ok: false,
+                        },
+                    );
+                    return;
                 }
                 let zombie = self.in_window() && self.rng.chance(self.plan.faults.zombie);
                 let delay = if zombie {
@@ -801,7 +855,9 @@ impl Sim {
             | Item::Start { node, .. }
             | Item::Accept { node, .. }
             | Item::Cancel { node, .. }
-            | Item::Die { node, .. } => *node,
+            | Item::Die { node, .. }
+            | Item::Cut { node, .. }
+            | Item::Heal { node, .. } => *node,
         };
         if self.dead.contains(&target) {
             return;
@@ -928,6 +984,20 @@ impl Sim {
                     let _ = n.ep.cancel(at, RequestKey::new(id, g));
                 }
             }
+            Item::Cut {
+                node,
+                other,
+                heal_after,
+            } => self.cut(node, other, heal_after),
+            Item::Heal { node, other } => {
+                self.cut.remove(&(node.min(other), node.max(other)));
+                for (a, b) in [(node, other), (other, node)] {
+                    if !self.dead.contains(&a) {
+                        self.nodes.get_mut(&a).unwrap().ep.handle_peer_bound(b);
+                        self.drain(a);
+                    }
+                }
+            }
             Item::Die { node, detected } => {
                 self.dead.insert(node);
                 if detected {
@@ -947,6 +1017,53 @@ impl Sim {
             }
         }
         self.drain(target);
+    }
+
+    /// The connection between `node` and `other` breaks: what is in flight between them is lost
+    /// (a data send fails at its sender), each is told within 10 ms that the other is lost, and
+    /// the two are bound again `heal_after` ms later.
+    fn cut(&mut self, node: RankId, other: RankId, heal_after: u64) {
+        let now = self.now;
+        self.cut.insert((node.min(other), node.max(other)));
+        let pair = |a: RankId, b: RankId| (a == node && b == other) || (a == other && b == node);
+        let lost: Vec<(Duration, u64)> = self
+            .net
+            .iter()
+            .filter(|(_, item)| match item {
+                Item::Msg { from, to, .. } | Item::Data { from, to, .. } => pair(*from, *to),
+                _ => false,
+            })
+            .map(|(slot, _)| *slot)
+            .collect();
+        for slot in lost {
+            if let Some(Item::Data {
+                from,
+                to,
+                key,
+                segment,
+                ..
+            }) = self.net.remove(&slot)
+            {
+                if let Some(n) = self.nodes.get_mut(&from) {
+                    n.inflight.remove(&(key, to, segment));
+                }
+                self.schedule(
+                    now + ms(1),
+                    Item::SendDone {
+                        node: from,
+                        key,
+                        to,
+                        segment,
+                        ok: false,
+                    },
+                );
+            }
+        }
+        for (a, b) in [(node, other), (other, node)] {
+            let d = ms(1 + self.rng.below(10));
+            self.schedule(now + d, Item::PeerLost { node: a, lost: b });
+        }
+        self.schedule(now + ms(heal_after), Item::Heal { node, other });
     }
 
     /// Runs until nothing is left to do. Bounded: panics on livelock.
@@ -1046,7 +1163,7 @@ impl Sim {
                 by_key.entry(*k).or_default().push((*r, *role, t.outcome));
             }
         }
-        let faulty = self.plan.death.is_some();
+        let faulty = self.plan.death.is_some() || self.plan.flap.is_some();
         for (k, outs) in &by_key {
             let mut set: BTreeSet<u8> = outs.iter().map(|o| o.2 as u8).collect();
             if faulty {
