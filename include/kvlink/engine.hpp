@@ -363,8 +363,10 @@ struct Health {
   /// generations of a known request count in `stale_dropped`.
   std::uint64_t unknown_dropped = 0;
   /// Votes and failure verdicts that came for a request before it had started here (its ranks
-  /// start it apart), kept for its start: another rank's early cancel or landing counts as soon
-  /// as the request starts here, not at the voter's resend.
+  /// start it apart), kept for its start (10 minutes, or the longest deadline of a request
+  /// started here if longer; 8192 requests' worth at most): another rank's early cancel or
+  /// landing counts as soon as the request starts here, not at the voter's resend. One that goes
+  /// unused counts in `unknown_dropped` when it goes.
   std::uint64_t early_kept = 0;
   /// Ranks that dialled this side and failed, forgotten to bound the peer table (more than
   /// 8192 such failures since; docs/SECURITY.md): each reads `Unknown` again.

@@ -9,12 +9,15 @@
 //! against the other's `Cancelled`. [`Early`] keeps them, bounded in number and age, for the
 //! request's start, which applies those from the ranks that may send them.
 //!
-//! The age is the longest deadline of the requests this rank has started (at least the
-//! endpoint's default) plus the agreement bound: the request's own deadline is unknown here (no
-//! vote or verdict carries it, and a receiving rank never receives the `Advertise` that does),
-//! and the deadlines a rank's application gives its requests are those its peers' messages
-//! concern. So only a failure kept for the first request that runs longer than any before it
-//! here, started later than that age, is lost (docs/RELIABILITY.md, known gaps).
+//! The age is [`EARLY_KEEP`] (10 minutes), or the longest deadline of the requests this rank has
+//! started (at least the endpoint's default) plus the agreement bound if that is longer. The
+//! request's own deadline is unknown here (no vote or verdict carries it, and a receiving rank
+//! never receives the `Advertise` that does), and even it would not do: another receiver that
+//! cancelled may have ended long before this rank starts the request, and this rank must still
+//! end as it did. The store's bounds are its counts ([`EARLY_CAP`], a share per rank, a cap per
+//! request); the age only lets go of messages for requests that never start here, and a key is
+//! a request's identity for at least that long (the engine refuses a replay of an ended key for
+//! 10 minutes).
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -22,6 +25,9 @@ use smallvec::SmallVec;
 
 use crate::error::Outcome;
 use crate::id::{RankId, RequestKey};
+
+/// How long early messages are kept at least, after the last one of their request came.
+pub const EARLY_KEEP: Duration = Duration::from_secs(600);
 
 /// The most requests whose early messages are kept; past it the request kept longest goes,
 /// one that holds only `Completed` votes first (see [`Early::keep`]).

@@ -182,7 +182,9 @@ impl Endpoint {
             tomb_order: VecDeque::new(),
             retries: Map::default(),
             collective: None,
-            early: Early::new(config.timeout.saturating_add(config.agreement_bound)),
+            early: Early::new(
+                early::EARLY_KEEP.max(config.timeout.saturating_add(config.agreement_bound)),
+            ),
             out: Out::default(),
         }
     }

@@ -55,6 +55,7 @@ pub mod worker_address;
 
 pub use agreement::{reduce, Collective};
 pub use auth::{Secret, SessionKey, TagKey};
+pub use early::EARLY_KEEP;
 pub use endpoint::{Endpoint, ReceiveFlow, ReceiveSpec};
 pub use handshake::{Handshake, Identity, PeerInfo, Step};
 pub use id::{Generation, RankId, RequestId, RequestKey, Token, TokenAllocator};

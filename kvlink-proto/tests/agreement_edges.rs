@@ -226,8 +226,8 @@ fn a_cancel_voted_before_the_coordinator_starts_ends_it_cancelled_when_it_starts
 /// coordinator's own caller cancelled first). Kept the same way, it ends that receiver's request
 /// as soon as it starts. A `Completed` verdict before the start is never right (it needs this
 /// rank's landings) and is not kept; nor is what comes from a rank that is not the request's
-/// coordinator, nor what is older than the keep (the default deadline plus the agreement bound
-/// on a rank that has started no request with a longer deadline).
+/// coordinator, nor what is older than the keep (`EARLY_KEEP`, 10 minutes, on a rank that has
+/// started no request with a longer deadline).
 #[test]
 fn what_reaches_a_receiver_before_it_starts_counts_only_from_the_right_rank_and_in_time() {
     let t = Instant::now();
@@ -269,7 +269,7 @@ fn what_reaches_a_receiver_before_it_starts_counts_only_from_the_right_rank_and_
         },
     )
     .unwrap();
-    let keep = config().timeout + config().agreement_bound;
+    let keep = kvlink_proto::EARLY_KEEP;
     start_two_receiver_request(&mut g1, G1, [G1, G2], C, key, t + keep + ms(1));
     assert_eq!(g1.verdict(key), None, "a vote past the keep counted");
 }
@@ -389,6 +389,53 @@ fn an_early_cancel_outlives_the_default_deadline_where_requests_run_longer() {
         "the early cancel went at the default deadline"
     );
     ends_cancelled_once_reaped(&mut g1, key, late + ms(1), "the early cancel was lost");
+}
+
+/// The first request that runs longer than any before it on its coordinator (and longer than
+/// the default deadline): another receiver cancels it, and the coordinator starts it later than
+/// the default deadline after the cancel reached it. The store kept the cancel only for the
+/// longest deadline started so far (plus the bound): it was gone, and the coordinator ran to its
+/// own deadline and ended `TimedOut` against the voter's `Cancelled`. The store now keeps early
+/// messages for at least `EARLY_KEEP` (10 minutes, as long as the engine refuses a replay of an
+/// ended key), bounded in number as before.
+#[test]
+fn an_early_cancel_counts_for_the_first_request_that_runs_longer_than_any_before() {
+    let t = Instant::now();
+    let long = Some(config().timeout * 100);
+    let default_keep = config().timeout + config().agreement_bound;
+    // The coordinator has started nothing with the long deadline.
+    let mut g1 = Endpoint::new(G1, config());
+    let key = RequestKey::new(32, 0);
+    let mut g2 = Endpoint::new(G2, config());
+    start_two_receiver_request_for(&mut g2, G2, [G1, G2], C, key, t, long);
+    g2.cancel(t + ms(1), key).unwrap();
+    let vote = std::iter::from_fn(|| g2.poll_transmit())
+        .find(|x| x.to == G1 && matches!(x.message, Message::Vote { .. }))
+        .expect("the cancel's vote to the coordinator");
+    g1.handle_message(t + ms(2), G2, vote.message).unwrap();
+    let late = t + ms(2) + default_keep * 20;
+    g1.handle_timeout(late);
+    start_two_receiver_request_for(&mut g1, G1, [G1, G2], C, key, late, long);
+    assert_eq!(
+        g1.verdict(key),
+        Some(Outcome::Cancelled),
+        "the early cancel went at the longest deadline started so far"
+    );
+    ends_cancelled_once_reaped(&mut g1, key, late + ms(1), "the early cancel was lost");
+    // Past the keep, an unused early message goes (counted), its timer asked for.
+    g1.handle_message(
+        late + ms(2),
+        G2,
+        Message::Vote {
+            key: RequestKey::new(33, 0),
+            outcome: Outcome::Cancelled,
+        },
+    )
+    .unwrap();
+    let dropped = g1.stats().unknown_dropped;
+    g1.handle_timeout(late + ms(2) + kvlink_proto::EARLY_KEEP + ms(1));
+    assert_eq!(g1.early_requests(), 0);
+    assert_eq!(g1.stats().unknown_dropped, dropped + 1);
 }
 
 /// A receiver that voted `Completed` and is then reported lost to the coordinator (the link

@@ -247,12 +247,14 @@ pub struct Health {
     /// Messages for a request this rank does not know (forgotten, and its tombstone gone after
     /// its deadline, the agreement bound and the linger; or never started here, except a vote
     /// or failure verdict, kept for the request's start and counted here only if it goes
-    /// unused): dropped. Older generations of a request still known (or remembered by its
+    /// unused, 10 minutes after it came, or sooner when the store of such messages is full):
+    /// dropped. Older generations of a request still known (or remembered by its
     /// tombstone) count in `stale_dropped` instead.
     pub unknown_dropped: u64,
     /// Votes and failure verdicts that came for a request before it had started here (its
-    /// ranks start it apart), kept for its start: another rank's early cancel or landing counts
-    /// as soon as the request starts here, not at the voter's resend.
+    /// ranks start it apart), kept for its start (for 10 minutes, or the longest deadline of a
+    /// request started here if longer; 8192 requests' worth at most): another rank's early
+    /// cancel or landing counts as soon as the request starts here, not at the voter's resend.
     pub early_kept: u64,
     /// Ranks that dialled this side and failed, forgotten to bound the peer table (more than
     /// 8192 such failures since; docs/SECURITY.md): each reads `Unknown` again.

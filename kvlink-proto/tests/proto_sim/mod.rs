@@ -1070,7 +1070,10 @@ impl Sim {
     pub fn run(&mut self) {
         let end = ms(self.plan.reqs.iter().map(|r| r.start_ms).max().unwrap_or(0))
             + (self.cfg.timeout + self.cfg.agreement_bound + self.cfg.linger) * 3
-            + ms(5_000);
+            + ms(5_000)
+            // Early messages for a request that never starts (or started already) wait out
+            // their keep; the checks below still hold every request to its bound.
+            + kvlink_proto::EARLY_KEEP;
         let mut same_instant = 0u64;
         loop {
             self.steps += 1;

@@ -369,7 +369,7 @@ pub struct Stats {
     /// endpoints made over the agent's life.
     pub peer_entries: u64,
     /// Calls of the cancel checks that waiters of transfers were given ([`Op::wait`]): the
-    /// first at once, then one every [`CANCEL_POLL`] while the transfer runs (a caller's
+    /// first at once, then one every 5 ms while the transfer runs (a caller's
     /// cancel flag cannot wake anybody, so it is looked at). A waiter with no cancel check
     /// calls none: whatever else ends its wait ([`OpAbort`], the op's end) wakes it.
     pub cancel_checks: u64,
