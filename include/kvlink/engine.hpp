@@ -364,7 +364,7 @@ struct Health {
   std::uint64_t unknown_dropped = 0;
   /// Votes and failure verdicts that came for a request before it had started here (its ranks
   /// start it apart), kept for its start (10 minutes, or the longest deadline of a request
-  /// started here if longer; 8192 requests' worth at most): another rank's early cancel or
+  /// started here plus the agreement bound if longer; 8192 requests' worth at most): another rank's early cancel or
   /// landing counts as soon as the request starts here, not at the voter's resend. One that goes
   /// unused counts in `unknown_dropped` when it goes.
   std::uint64_t early_kept = 0;

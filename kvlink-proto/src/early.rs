@@ -17,7 +17,8 @@
 //! end as it did. The store's bounds are its counts ([`EARLY_CAP`], a share per rank, a cap per
 //! request); the age only lets go of messages for requests that never start here, and a key is
 //! a request's identity for at least that long (the engine refuses a replay of an ended key for
-//! 10 minutes).
+//! 10 minutes) within one process: what a process sent goes when another process takes its rank
+//! ([`Early::forget_rank`]), since the new one's keys start again.
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -314,6 +315,30 @@ impl Early {
                 }
             }
         }
+    }
+
+    /// Another process now holds `rank`: the messages the old one sent go (its requests are
+    /// not the new one's, whose keys start again). Returns how many went. O(requests kept).
+    pub(crate) fn forget_rank(&mut self, rank: RankId) -> usize {
+        let mut gone = 0;
+        let keys: SmallVec<[RequestKey; 8]> = self
+            .by_key
+            .iter()
+            .filter(|(_, e)| e.msgs.iter().any(|m| m.0 == rank))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in keys {
+            let Some(e) = self.by_key.get_mut(&key) else {
+                continue;
+            };
+            let before = e.msgs.len();
+            e.msgs.retain(|m| m.0 != rank);
+            gone += before - e.msgs.len();
+            if e.msgs.is_empty() {
+                self.remove(key);
+            }
+        }
+        gone
     }
 
     /// Drops the entries past their keep at `now`; returns how many messages they held.

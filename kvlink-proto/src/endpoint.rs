@@ -790,8 +790,16 @@ impl Endpoint {
     /// new one's, whose attempt numbers start again, are not taken for replays or stale
     /// retries of the old one's. Its ended send flows go, with their tombstones and retry
     /// entries; a flow still running (none should be: the old process's loss ended them
-    /// first) is kept. Receives are this side's own requests and stay. O(requests known).
+    /// first) is kept. Receives are this side's own requests and stay, but owe the old
+    /// process nothing more (`handle_peer_bound`), and what it sent for requests not started
+    /// here yet goes (kept, it would end the new process's request of the same key).
+    /// O(requests known).
     pub fn forget_sends_to(&mut self, rank: RankId) {
+        for r in self.recvs.values_mut() {
+            r.forget_coordinator(rank);
+        }
+        let gone = self.early.forget_rank(rank);
+        self.out.stats.unknown_dropped += gone as u64;
         let ended: Vec<RequestKey> = self
             .sends
             .iter()

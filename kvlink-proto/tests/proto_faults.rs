@@ -1,8 +1,9 @@
 //! Property tests: thousands of random fault schedules through the deterministic simulator.
 //! Each asserts every invariant the simulator checks (`Sim::check`): one terminal state per rank
-//! and request by deadline + agreement bound, agreement across ranks (exact when no rank dies;
-//! otherwise only `PeerLost` may differ; a rank may die, or the connection between two ranks
-//! break and be bound again), no lease leaked or returned twice, no buffer released
+//! and request by deadline + agreement bound, agreement across ranks (exact when no rank dies
+//! and no connection breaks; with those faults the failures may differ, and a rank cut off from
+//! the verdict ends with a failure of its own beside others' `Completed`), a sender's
+//! `Completed` only where its receiver completed, no lease leaked or returned twice, no buffer released
 //! while its receive is posted, no data of one request or generation landing in another's
 //! buffer, every request forgotten, bounded steps (no livelock).
 mod proto_sim;

@@ -253,7 +253,7 @@ pub struct Health {
     pub unknown_dropped: u64,
     /// Votes and failure verdicts that came for a request before it had started here (its
     /// ranks start it apart), kept for its start (for 10 minutes, or the longest deadline of a
-    /// request started here if longer; 8192 requests' worth at most): another rank's early
+    /// request started here plus the agreement bound if longer; 8192 requests' worth at most): another rank's early
     /// cancel or landing counts as soon as the request starts here, not at the voter's resend.
     pub early_kept: u64,
     /// Ranks that dialled this side and failed, forgotten to bound the peer table (more than

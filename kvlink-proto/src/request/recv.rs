@@ -70,7 +70,9 @@ pub(crate) struct RecvRequest {
     terminal: Option<Outcome>,
     deadline_fired: bool,
     /// This rank ended `PeerLost` for losing its coordinator, which has not heard it: told
-    /// once the coordinator's rank is bound again (`on_peer_bound`).
+    /// each time the coordinator's rank is bound again while this request is known here
+    /// (`on_peer_bound`; a connection that breaks again may lose it), until the coordinator's
+    /// process is replaced (`forget_coordinator`).
     owes_coordinator: bool,
     /// The senders' answer so far: `Some(true)` once one said ready or its data landed (the
     /// first landing proves acceptance), `Some(false)` once one refused (that wins).
@@ -538,7 +540,10 @@ impl RecvRequest {
         }
         if rank == self.coordinator {
             // Nobody is left to agree with: stop every write now, end PeerLost.
-            self.owes_coordinator = self.verdict.is_none();
+            // Only where the loss decided it: a second report of the loss must not clear it.
+            if self.verdict.is_none() {
+                self.owes_coordinator = true;
+            }
             self.set_verdict(now, Outcome::PeerLost, out);
         } else if self.is_coordinator() && self.verdict.is_none() {
             // Whatever it voted: a receiver lost before the verdict cannot learn it (it ends
@@ -551,12 +556,13 @@ impl RecvRequest {
 
     /// `rank` is bound again: if it is the coordinator this rank lost before it could hear
     /// the verdict, it learns why this rank ended (a coordinator that starts the request only
-    /// now would otherwise wait for this rank's vote until its deadline).
+    /// now would otherwise wait for this rank's vote until its deadline). At every such bind:
+    /// the connection may break again before the vote gets there, and a repeat is harmless (the
+    /// coordinator counts it a duplicate, or answers it with its verdict).
     pub(crate) fn on_peer_bound(&mut self, rank: RankId, out: &mut Out) {
         if !self.owes_coordinator || rank != self.coordinator {
             return;
         }
-        self.owes_coordinator = false;
         out.send(
             rank,
             Message::Vote {
@@ -564,6 +570,15 @@ impl RecvRequest {
                 outcome: self.verdict.unwrap_or(Outcome::PeerLost),
             },
         );
+    }
+
+    /// Another process now holds `rank`: if it is this request's coordinator, the process that
+    /// needed this rank's vote is gone, and the new one's requests are not this one (its keys
+    /// start again): nothing is owed to it.
+    pub(crate) fn forget_coordinator(&mut self, rank: RankId) {
+        if rank == self.coordinator {
+            self.owes_coordinator = false;
+        }
     }
 
     pub(crate) fn on_timeout(&mut self, now: Instant, out: &mut Out) {

@@ -1182,6 +1182,28 @@ impl Sim {
                 v.push(format!("{k}: PeerLost with no rank lost: {outs:?}"));
             }
         }
+        // Whatever the faults: a sender's `Completed` implies its receiver's (every byte of the
+        // request landed there), unless that receiver died.
+        for ((r, k, role), t) in &self.terminals {
+            let Role::Sender { receiver } = *role else {
+                continue;
+            };
+            if t.outcome != Outcome::Completed
+                || self.dead.contains(&receiver)
+                || self.dead.contains(r)
+            {
+                continue;
+            }
+            let theirs = self
+                .terminals
+                .get(&(receiver, *k, Role::Receiver))
+                .map(|t| t.outcome);
+            if theirs != Some(Outcome::Completed) {
+                v.push(format!(
+                    "{k}: {r} completed its send to {receiver}, which ended {theirs:?}"
+                ));
+            }
+        }
         // Every lease back, every fenced slot restored, every request forgotten.
         for (r, n) in &self.nodes {
             if self.dead.contains(r) {
