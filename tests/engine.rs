@@ -2517,6 +2517,39 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
     }
 }
 
+/// An engine of rank `rank` on `kind` (listening on loopback where tcp dials an address), with
+/// a 500 ms agreement bound.
+fn ranked_engine(kind: &TransportKind, name: &str, rank: u32) -> Engine {
+    let mut c = EngineConfig::new(name, rank, kind.clone());
+    if !kind.by_worker_address() {
+        c.listen = Some("127.0.0.1:0".parse().unwrap());
+    }
+    c.agreement_bound = Duration::from_millis(500);
+    Engine::new(c).unwrap()
+}
+
+/// A sending rank and two receiving ranks ([`ranked_engine`]s), all connected: the receiver
+/// dials the sender and the other receiver (`coord`, the lower rank: the coordinator), which
+/// dials the sender. Returns (sender, receiver, coordinator).
+fn sender_and_two_receivers(
+    kind: &TransportKind,
+    sender: u32,
+    receiver: u32,
+    coord: u32,
+) -> (Engine, Engine, Engine) {
+    let soon = || Instant::now() + Duration::from_secs(10);
+    let ctx = ranked_engine(kind, "ctx", sender);
+    let gen = ranked_engine(kind, "gen", receiver);
+    let co = ranked_engine(kind, "coord", coord);
+    gen.connect(&ctx.address(), soon()).unwrap();
+    co.connect(&ctx.address(), soon()).unwrap();
+    assert_eq!(gen.connect(&co.address(), soon()).unwrap(), RankId(coord));
+    for rank in [receiver, coord] {
+        ctx.wait_peer(RankId(rank), soon()).unwrap();
+    }
+    (ctx, gen, co)
+}
+
 /// A receiving rank agrees with its request's coordinator (the lowest receiving rank). A request
 /// started while the coordinator's connection has failed used to start all the same and run to
 /// its deadline (`TimedOut`), its votes going nowhere. Now `advertise` reconnects that rank and
@@ -2535,26 +2568,7 @@ fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at
     const DIALLING: u32 = 2;
     let soon = || Instant::now() + Duration::from_secs(10);
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
-        let engine = |name: &str, rank: u32| {
-            let mut c = EngineConfig::new(name, rank, kind.clone());
-            if !kind.by_worker_address() {
-                c.listen = Some("127.0.0.1:0".parse().unwrap());
-            }
-            c.agreement_bound = Duration::from_millis(500);
-            Engine::new(c).unwrap()
-        };
-        let ctx = engine("ctx", SENDER);
-        let gen = engine("gen", RECEIVER);
-        let coord = engine("coord", DIALLED);
-        gen.connect(&ctx.address(), soon()).unwrap();
-        coord.connect(&ctx.address(), soon()).unwrap();
-        assert_eq!(
-            gen.connect(&coord.address(), soon()).unwrap(),
-            RankId(DIALLED)
-        );
-        for rank in [RECEIVER, DIALLED] {
-            ctx.wait_peer(RankId(rank), soon()).unwrap();
-        }
+        let (ctx, gen, coord) = sender_and_two_receivers(&kind, SENDER, RECEIVER, DIALLED);
         // The coordinator's connection fails; this rank's request waits for the redial.
         gen.fault_close_peer(RankId(DIALLED)).unwrap();
         let until = soon();
@@ -2632,7 +2646,7 @@ fn a_request_whose_coordinator_is_lost_before_it_starts_waits_for_it_or_fails_at
             (ABOVE, "a coordinator whose other receiver is gone", 4),
         ];
         for (other, what, id) in cases {
-            let gone = engine("gone", other);
+            let gone = ranked_engine(&kind, "gone", other);
             assert_eq!(
                 gone.connect(&gen.address(), soon()).unwrap(),
                 RankId(RECEIVER)
@@ -2698,23 +2712,7 @@ fn a_receiver_that_lost_its_coordinator_tells_it_when_they_are_connected_again()
     const COORD: u32 = 3;
     let soon = || Instant::now() + Duration::from_secs(10);
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
-        let engine = |name: &str, rank: u32| {
-            let mut c = EngineConfig::new(name, rank, kind.clone());
-            if !kind.by_worker_address() {
-                c.listen = Some("127.0.0.1:0".parse().unwrap());
-            }
-            c.agreement_bound = Duration::from_millis(500);
-            Engine::new(c).unwrap()
-        };
-        let ctx = engine("ctx", SENDER);
-        let gen = engine("gen", RECEIVER);
-        let coord = engine("coord", COORD);
-        gen.connect(&ctx.address(), soon()).unwrap();
-        coord.connect(&ctx.address(), soon()).unwrap();
-        gen.connect(&coord.address(), soon()).unwrap();
-        for rank in [RECEIVER, COORD] {
-            ctx.wait_peer(RankId(rank), soon()).unwrap();
-        }
+        let (ctx, gen, coord) = sender_and_two_receivers(&kind, SENDER, RECEIVER, COORD);
         let receivers = vec![RankId(RECEIVER), RankId(COORD)];
         let key = RequestKey::new(1, 0);
         let mut mine = vec![0u8; 8192];

@@ -355,6 +355,18 @@ fn an_early_cancel_that_replaces_a_completed_vote_is_kept_as_long_as_one_that_ca
     );
 }
 
+/// The vote `G2` sends its coordinator `G1` when it starts request `key` at `t` (with its own
+/// `timeout`, if given) and cancels it 1 ms later.
+fn cancel_vote_of_g2(key: RequestKey, t: Instant, timeout: Option<std::time::Duration>) -> Message {
+    let mut g2 = Endpoint::new(G2, config());
+    start_two_receiver_request_for(&mut g2, G2, [G1, G2], C, key, t, timeout);
+    g2.cancel(t + ms(1), key).unwrap();
+    std::iter::from_fn(|| g2.poll_transmit())
+        .find(|x| x.to == G1 && matches!(x.message, Message::Vote { .. }))
+        .expect("the cancel's vote to the coordinator")
+        .message
+}
+
 /// The early store kept a message for the default deadline plus the agreement bound, whatever
 /// the deadlines of the requests this rank runs: neither a vote nor a verdict carries one. So a
 /// coordinator whose requests run with a longer deadline of their own, starting one later than
@@ -372,13 +384,8 @@ fn an_early_cancel_outlives_the_default_deadline_where_requests_run_longer() {
     start_two_receiver_request_for(&mut g1, G1, [G1, G2], C, RequestKey::new(30, 0), t, long);
     // Another request: G2 starts it and cancels; its vote reaches G1 before G1 starts it.
     let key = RequestKey::new(31, 0);
-    let mut g2 = Endpoint::new(G2, config());
-    start_two_receiver_request_for(&mut g2, G2, [G1, G2], C, key, t, long);
-    g2.cancel(t + ms(1), key).unwrap();
-    let vote = std::iter::from_fn(|| g2.poll_transmit())
-        .find(|x| x.to == G1 && matches!(x.message, Message::Vote { .. }))
-        .expect("the cancel's vote to the coordinator");
-    g1.handle_message(t + ms(2), G2, vote.message).unwrap();
+    g1.handle_message(t + ms(2), G2, cancel_vote_of_g2(key, t, long))
+        .unwrap();
     // G1 gets to it past the default keep, well within the request's own deadline.
     let late = t + ms(2) + default_keep + ms(100);
     g1.handle_timeout(late);
@@ -406,13 +413,8 @@ fn an_early_cancel_counts_for_the_first_request_that_runs_longer_than_any_before
     // The coordinator has started nothing with the long deadline.
     let mut g1 = Endpoint::new(G1, config());
     let key = RequestKey::new(32, 0);
-    let mut g2 = Endpoint::new(G2, config());
-    start_two_receiver_request_for(&mut g2, G2, [G1, G2], C, key, t, long);
-    g2.cancel(t + ms(1), key).unwrap();
-    let vote = std::iter::from_fn(|| g2.poll_transmit())
-        .find(|x| x.to == G1 && matches!(x.message, Message::Vote { .. }))
-        .expect("the cancel's vote to the coordinator");
-    g1.handle_message(t + ms(2), G2, vote.message).unwrap();
+    g1.handle_message(t + ms(2), G2, cancel_vote_of_g2(key, t, long))
+        .unwrap();
     let late = t + ms(2) + default_keep * 20;
     g1.handle_timeout(late);
     start_two_receiver_request_for(&mut g1, G1, [G1, G2], C, key, late, long);
