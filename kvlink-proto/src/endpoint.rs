@@ -145,12 +145,20 @@ pub struct Endpoint {
     retries: Map<u64, Retries>,
     collective: Option<Box<dyn Collective>>,
     /// Votes and failure verdicts for requests not started here yet (see `early`), kept for
-    /// the longest deadline of a request started here (at least the default) plus the
-    /// agreement bound after the last was kept (their expiry is one of `poll_timeout`'s
-    /// timers).
+    /// [`early::EARLY_KEEP`], or the longest deadline of a request started here plus the
+    /// agreement bound if longer, after the last was kept (their expiry is one of
+    /// `poll_timeout`'s timers).
     early: Early,
+    /// Votes owed to a coordinator by receives forgotten here (past their linger) while they
+    /// still owed it (see [`Endpoint::handle_peer_bound`]): (coordinator, key, outcome, until
+    /// the receive's tombstone would go), oldest first, at most [`OWED_CAP`].
+    owed: VecDeque<(RankId, RequestKey, Outcome, Instant)>,
     out: Out,
 }
+
+/// The most votes kept for coordinators past their receives' linger ([`Endpoint::handle_peer_bound`]);
+/// past it the oldest goes.
+pub const OWED_CAP: usize = 4096;
 
 impl std::fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -185,6 +193,7 @@ impl Endpoint {
             early: Early::new(
                 early::EARLY_KEEP.max(config.timeout.saturating_add(config.agreement_bound)),
             ),
+            owed: VecDeque::new(),
             out: Out::default(),
         }
     }
@@ -258,6 +267,7 @@ impl Endpoint {
             ("ep.tomb_order", self.tomb_order.len()),
             ("ep.retries", self.retries.len()),
             ("ep.early", self.early.len()),
+            ("ep.owed", self.owed.len()),
         ]
     }
 
@@ -798,6 +808,7 @@ impl Endpoint {
         for r in self.recvs.values_mut() {
             r.forget_coordinator(rank);
         }
+        self.owed.retain(|&(coordinator, ..)| coordinator != rank);
         let gone = self.early.forget_rank(rank);
         self.out.stats.unknown_dropped += gone as u64;
         let ended: Vec<RequestKey> = self
@@ -851,11 +862,24 @@ impl Endpoint {
     /// `PeerLost` because it lost its coordinator, `rank`, never told the coordinator why (its
     /// vote goes only while the coordinator can hear it); the coordinator, starting the request
     /// after the two were connected again, would wait for that vote until its deadline and end
-    /// `TimedOut` against this rank's `PeerLost`. Each such receive still known here (it lingers
-    /// `Config::linger` past its end) now sends it, once. O(requests known): binds are rare.
-    pub fn handle_peer_bound(&mut self, rank: RankId) {
+    /// `TimedOut` against this rank's `PeerLost`. Each such receive sends it now, at every such
+    /// bind (a connection that breaks again may lose one; a repeat is harmless there), while
+    /// it is known here (`Config::linger` past its end) and after that as long as its
+    /// tombstone would last (its deadline, the agreement bound and the linger past its start;
+    /// at most [`OWED_CAP`] such votes kept). O(requests known): binds are rare.
+    pub fn handle_peer_bound(&mut self, now: Instant, rank: RankId) {
         for r in self.recvs.values_mut() {
             r.on_peer_bound(rank, &mut self.out);
+        }
+        // And those forgotten since, while their tombstone would last.
+        self.owed.retain(|&(_, _, _, until)| until > now);
+        for &(coordinator, key, outcome, _) in &self.owed {
+            if coordinator == rank {
+                self.out.transmits.push_back(Transmit {
+                    to: rank,
+                    message: Message::Vote { key, outcome },
+                });
+            }
         }
     }
 
@@ -882,6 +906,14 @@ impl Endpoint {
                             r.terminal().unwrap_or(Outcome::PeerLost),
                             &r.askers(),
                         );
+                        if let Some((coordinator, outcome)) = r.owed_vote() {
+                            // Its coordinator may be bound again later than its linger.
+                            if self.owed.len() >= OWED_CAP {
+                                self.owed.pop_front();
+                            }
+                            self.owed
+                                .push_back((coordinator, key, outcome, r.tomb_until));
+                        }
                         self.timers.release(r);
                         self.recvs.remove(&key);
                         self.bury(id, tomb);
@@ -916,6 +948,11 @@ impl Endpoint {
                     }
                 }
             }
+        }
+        // Owed votes whose time is up, from the front (the rest go at the next bind, or as the
+        // cap pushes them out).
+        while self.owed.front().is_some_and(|o| o.3 <= now) {
+            self.owed.pop_front();
         }
         let mut expired = false;
         while let Some((at, id)) = self.tomb_expiry.pop_due(now) {

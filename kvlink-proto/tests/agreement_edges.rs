@@ -505,13 +505,13 @@ fn a_receiver_that_lost_its_coordinator_tells_it_once_they_are_connected_again()
     );
     while g2.poll_transmit().is_some() {}
     // A bind of another rank tells nobody anything.
-    g2.handle_peer_bound(C);
+    g2.handle_peer_bound(t + ms(30), C);
     assert!(
         g2.poll_transmit().is_none(),
         "told a rank that is not its coordinator"
     );
     // The coordinator's rank is bound again: the vote goes, once.
-    g2.handle_peer_bound(G1);
+    g2.handle_peer_bound(t + ms(30), G1);
     let told: Vec<_> = std::iter::from_fn(|| g2.poll_transmit()).collect();
     assert_eq!(
         told.iter()
@@ -528,7 +528,7 @@ fn a_receiver_that_lost_its_coordinator_tells_it_once_they_are_connected_again()
     );
     // Bound again (the new connection may have broken before the vote got there): told again,
     // and the repeat is harmless at the coordinator.
-    g2.handle_peer_bound(G1);
+    g2.handle_peer_bound(t + ms(30), G1);
     let again: Vec<_> = std::iter::from_fn(|| g2.poll_transmit()).collect();
     assert_eq!(again, told, "not told again at the next bind");
     // The coordinator has it before it starts the request, and decides at the start.
@@ -546,10 +546,70 @@ fn a_receiver_that_lost_its_coordinator_tells_it_once_they_are_connected_again()
     assert_eq!(verdicts_to(&mut g1, C), vec![Outcome::PeerLost]);
     // Another process now holds the coordinator's rank: nothing is owed to it.
     g2.forget_sends_to(G1);
-    g2.handle_peer_bound(G1);
+    g2.handle_peer_bound(t + ms(30), G1);
     assert!(
         g2.poll_transmit().is_none(),
         "the old request's vote went to the coordinator's new process"
+    );
+}
+
+/// A reconnect can take longer than the linger of the receive that owes its coordinator a vote
+/// (the engine's redial round backs off over several tries). Forgotten, the receive told
+/// nothing at the bind. The vote is now kept as long as the receive's tombstone would last, and
+/// sent at a bind then; not after that, and not to a new process of the coordinator's rank.
+#[test]
+fn a_vote_owed_to_the_coordinator_outlives_the_receives_linger() {
+    let t = Instant::now();
+    let key = RequestKey::new(27, 0);
+    let (mut g2, _) = receiving(G2, key, t);
+    g2.handle_peer_lost(t + ms(10), G1);
+    g2.handle_receive_reaped(t + ms(11), key, 0).unwrap();
+    assert_eq!(
+        terminals(&mut g2, key, Role::Receiver),
+        vec![Outcome::PeerLost]
+    );
+    // Past its linger (500 ms here) the receive is forgotten.
+    let forgotten = t + ms(11) + config().linger + ms(10);
+    g2.handle_timeout(forgotten);
+    assert!(!g2.running(key, Role::Receiver));
+    assert_eq!(
+        g2.known(),
+        0,
+        "the receive is still known: the test proves nothing"
+    );
+    while g2.poll_transmit().is_some() {}
+    let vote = Message::Vote {
+        key,
+        outcome: Outcome::PeerLost,
+    };
+    g2.handle_peer_bound(forgotten + ms(1), G1);
+    let told: Vec<_> = std::iter::from_fn(|| g2.poll_transmit())
+        .map(|x| (x.to, x.message))
+        .collect();
+    assert_eq!(
+        told,
+        vec![(G1, vote.clone())],
+        "the forgotten receive told nothing"
+    );
+    // Its tombstone's time: the request's deadline, the bound and the linger past its start.
+    let gone = t + config().timeout + config().agreement_bound + config().linger + ms(1);
+    g2.handle_peer_bound(gone, G1);
+    assert!(
+        g2.poll_transmit().is_none(),
+        "told past its tombstone's time"
+    );
+    // Owed, then the coordinator's rank taken by another process: nothing more.
+    let key = RequestKey::new(28, 0);
+    let (mut g2, _) = receiving(G2, key, t);
+    g2.handle_peer_lost(t + ms(10), G1);
+    g2.handle_receive_reaped(t + ms(11), key, 0).unwrap();
+    g2.handle_timeout(forgotten);
+    while g2.poll_transmit().is_some() {}
+    g2.forget_sends_to(G1);
+    g2.handle_peer_bound(forgotten + ms(1), G1);
+    assert!(
+        g2.poll_transmit().is_none(),
+        "told the coordinator's new process"
     );
 }
 
@@ -601,8 +661,8 @@ fn a_rebind_tells_nothing_for_a_receive_whose_coordinator_had_decided() {
     g1.handle_peer_lost(t + ms(10), G2);
     while g2.poll_transmit().is_some() {}
     while g1.poll_transmit().is_some() {}
-    g2.handle_peer_bound(G1);
-    g1.handle_peer_bound(G2);
+    g2.handle_peer_bound(t + ms(30), G1);
+    g1.handle_peer_bound(t + ms(30), G2);
     assert!(g2.poll_transmit().is_none());
     assert!(g1.poll_transmit().is_none());
 }

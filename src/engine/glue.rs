@@ -549,7 +549,7 @@ impl Inner {
                 A::Bound(rank, name) => {
                     tracing::info!(peer = rank.0, "{rank} ({name}) connected");
                     // A receive that ended for losing this rank as its coordinator tells it now.
-                    core.ep.handle_peer_bound(rank);
+                    core.ep.handle_peer_bound(now, rank);
                 }
                 A::Lost(rank) => {
                     // Refused on its bound endpoint, or rebound by its process on a new

@@ -572,6 +572,13 @@ impl RecvRequest {
         );
     }
 
+    /// The vote this rank still owes its coordinator (see `owes_coordinator`), if any: to
+    /// whom, and what.
+    pub(crate) fn owed_vote(&self) -> Option<(RankId, Outcome)> {
+        self.owes_coordinator
+            .then(|| (self.coordinator, self.verdict.unwrap_or(Outcome::PeerLost)))
+    }
+
     /// Another process now holds `rank`: if it is this request's coordinator, the process that
     /// needed this rank's vote is gone, and the new one's requests are not this one (its keys
     /// start again): nothing is owed to it.

@@ -993,7 +993,8 @@ impl Sim {
                 self.cut.remove(&(node.min(other), node.max(other)));
                 for (a, b) in [(node, other), (other, node)] {
                     if !self.dead.contains(&a) {
-                        self.nodes.get_mut(&a).unwrap().ep.handle_peer_bound(b);
+                        let at = self.base + self.now;
+                        self.nodes.get_mut(&a).unwrap().ep.handle_peer_bound(at, b);
                         self.drain(a);
                     }
                 }
