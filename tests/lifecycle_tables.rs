@@ -260,6 +260,7 @@ fn drained(e: &Engine, ended: u64, side: &str) {
         "ep.tomb_expiry",
         "ep.retries",
         "ep.early",
+        "ep.owed",
     ] {
         assert_eq!(s[t], 0, "{side}: {t} not empty after every request ended");
     }
