@@ -2229,9 +2229,15 @@ fn an_engine_dropped_while_it_redials_a_rank_sleeps_through_its_drain() {
 
 /// The number of advertisements the context engine holds for `next_advertisement`.
 fn queued_adverts(ctx: &Engine) -> usize {
-    ctx.table_sizes()
+    table(ctx, "adverts")
+}
+
+/// The size of `engine`'s table `name` ([`Engine::table_sizes`]).
+fn table(engine: &Engine, name: &str) -> usize {
+    engine
+        .table_sizes()
         .into_iter()
-        .find(|(t, _)| *t == "adverts")
+        .find(|(t, _)| *t == name)
         .map_or(0, |(_, n)| n)
 }
 
@@ -2248,6 +2254,23 @@ fn until_queued(ctx: &Engine, n: usize, what: &str) {
     }
 }
 
+/// Drops `first` (the generation rank's process), waits until `ctx` has seen it go, and
+/// connects a new process of that rank: the process that replaces it.
+fn replace_generation_process(ctx: &Engine, first: Engine) -> Engine {
+    drop(first);
+    let t0 = Instant::now();
+    while ctx.peer_state(RankId(GEN)) == kvlink::connection::PeerState::Connected {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the leave never came"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let gen = Engine::new(configs(TransportKind::Tcp, Duration::from_secs(10), None).1).unwrap();
+    connect_pair(ctx, &gen);
+    gen
+}
+
 /// An advertisement the context rank has not taken yet when its rank's process goes and a
 /// new process of that rank comes is not handed out: before, it stayed queued, and when the
 /// new process advertised that key again the old advertisement was handed out first, and the
@@ -2261,17 +2284,7 @@ fn an_advertisement_left_by_a_replaced_process_is_not_handed_out() {
     let (ctx, first) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
     advertise_one(&first, key, &mut old);
     until_queued(&ctx, 1, "the first process's advertisement");
-    drop(first);
-    let t0 = Instant::now();
-    while ctx.peer_state(RankId(GEN)) == kvlink::connection::PeerState::Connected {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "the leave never came"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let gen = Engine::new(configs(TransportKind::Tcp, Duration::from_secs(10), None).1).unwrap();
-    connect_pair(&ctx, &gen);
+    let gen = replace_generation_process(&ctx, first);
     let mut new = vec![0u8; 8192];
     advertise_one(&gen, key, &mut new);
     let a = ctx.next_advertisement(soon(), None).unwrap();
@@ -2293,6 +2306,136 @@ fn an_advertisement_left_by_a_replaced_process_is_not_handed_out() {
     assert_eq!(queued_adverts(&ctx), 0, "{:?}", ctx.table_sizes());
     assert_eq!(ctx.health().buffers_leased, 0);
     assert_eq!(gen.health().buffers_leased, 0);
+}
+
+/// The context side takes the next advertisement, which must be `gen`'s of `key` (one 4 KiB
+/// segment, advertised in `new`), and runs it: `Completed` on both sides, `new` holding the
+/// bytes sent, nothing leased.
+fn new_process_request_runs(ctx: &Engine, gen: &Engine, key: RequestKey, new: &[u8]) {
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let a = ctx
+        .next_advertisement(soon(), None)
+        .expect("the new advertisement");
+    assert_eq!((a.key, a.from, a.buffers[0].len), (key, RankId(GEN), 4096));
+    ctx.accept(a.key, a.from, true).unwrap();
+    let data = fill(9, 4096);
+    assert_eq!(
+        ctx.send(key, RankId(GEN), 0, &data, soon(), None).unwrap(),
+        Outcome::Completed
+    );
+    assert_eq!(
+        ctx.wait(key, TO_GEN, soon(), None).unwrap(),
+        Outcome::Completed
+    );
+    assert_eq!(
+        gen.wait(key, Role::Receiver, soon(), None).unwrap(),
+        Outcome::Completed
+    );
+    assert!(new == data, "the new request's bytes");
+    assert_eq!(ctx.health().buffers_leased, 0);
+    assert_eq!(gen.health().buffers_leased, 0);
+}
+
+/// The context application took an advertisement, and before it answered, the generation
+/// rank's process went and a new process of that rank advertised the same key (its attempt
+/// numbers start again). The answer, the send and the wait name the request by key and rank;
+/// they are the old request's until the application takes the new advertisement: the old
+/// request ended `PeerLost`, and its data must not land in the new request's buffer. Before,
+/// the answer and the send went to the new request (`Completed`, the old data in the new
+/// process's memory), and the new advertisement's own answer then failed as a second one.
+#[test]
+fn an_answer_to_a_replaced_processs_advertisement_does_not_reach_its_successor() {
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let key = RequestKey::new(6, 0);
+    let mut old = vec![0u8; 4096];
+    let (ctx, first) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    advertise_one(&first, key, &mut old);
+    let taken = ctx.next_advertisement(soon(), None).unwrap();
+    assert_eq!(taken.key, key);
+    let gen = replace_generation_process(&ctx, first);
+    let mut new = vec![0u8; 4096];
+    advertise_one(&gen, key, &mut new);
+    until_queued(&ctx, 1, "the new process's advertisement");
+    // The application answers the advertisement it took: the old process's.
+    ctx.accept(key, taken.from, true).unwrap();
+    let stale = fill(3, 4096);
+    let o = ctx.send(key, RankId(GEN), 0, &stale, soon(), None).unwrap();
+    let w = ctx.wait(key, TO_GEN, soon(), None).unwrap();
+    println!("the old request's send: {o:?}, its wait: {w:?}");
+    assert_eq!(o, Outcome::PeerLost, "the old request's end");
+    assert_eq!(w, Outcome::PeerLost, "the old request's end");
+    assert!(
+        new.iter().all(|&b| b == 0),
+        "the old request's data landed in the new one's buffer"
+    );
+    // The new advertisement, taken, is the new request's, and runs as any other.
+    new_process_request_runs(&ctx, &gen, key, &new);
+}
+
+/// A send to the generation rank's old process whose end the application has not taken yet
+/// (its thread held, here in its cancel check) when a new process of that rank binds and
+/// advertises the same key. The new advertisement is not the old request's: before, the old
+/// request answered it `Ready(true)` (the new process's `recv_ready` said true, no data came,
+/// and no advertisement was handed out). Now it waits until the old send is done, and is then
+/// handed out and runs as any other; the old request's end is not taken for the new one's.
+#[test]
+fn a_send_still_running_when_its_receivers_process_is_replaced_leaves_the_new_one_alone() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    const BIG: usize = 64 << 20;
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let key = RequestKey::new(8, 0);
+    let mut old = vec![0u8; BIG];
+    let (ctx, first) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let ctx = Arc::new(ctx);
+    advertise_one(&first, key, &mut old);
+    let a = ctx.next_advertisement(soon(), None).unwrap();
+    ctx.accept(a.key, a.from, true).unwrap();
+    // The old process does not drain the send, so it stays in flight until that process goes.
+    first
+        .fault_stall_progress(Duration::from_millis(1000), false)
+        .unwrap();
+    let hold = Arc::new(AtomicBool::new(false));
+    let data = fill(3, BIG);
+    let sender = {
+        let (ctx, hold) = (ctx.clone(), hold.clone());
+        std::thread::spawn(move || {
+            let check = || {
+                while hold.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                false
+            };
+            let o = ctx.send(key, RankId(GEN), 0, &data, soon(), Some(&check));
+            (o, ctx.wait(key, TO_GEN, soon(), None))
+        })
+    };
+    let t0 = Instant::now();
+    while table(&ctx, "sends") == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the send never started"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    hold.store(true, Ordering::Release);
+    let gen = replace_generation_process(&ctx, first);
+    let mut new = vec![0u8; 4096];
+    advertise_one(&gen, key, &mut new);
+    let answer = gen.recv_ready(key, Instant::now() + Duration::from_millis(300), None);
+    assert_eq!(
+        answer.unwrap(),
+        None,
+        "the new request was answered while the old one's send ran"
+    );
+    assert_eq!(queued_adverts(&ctx), 0, "handed out while the old send ran");
+    hold.store(false, Ordering::Release);
+    let (o, w) = sender.join().unwrap();
+    println!("the old request's send: {o:?}, its wait: {w:?}");
+    assert_ne!(o.unwrap(), Outcome::Completed);
+    assert_eq!(w.unwrap(), Outcome::PeerLost, "the old request's end");
+    // The new process's advertisement, sent again, is handed out and runs.
+    new_process_request_runs(&ctx, &gen, key, &new);
 }
 
 /// A sender whose sends are done, waiting with a deadline of its own for a verdict that does

@@ -261,6 +261,7 @@ fn drained(e: &Engine, ended: u64, side: &str) {
         "ep.retries",
         "ep.early",
         "ep.owed",
+        "retired_sends",
     ] {
         assert_eq!(s[t], 0, "{side}: {t} not empty after every request ended");
     }
@@ -268,7 +269,12 @@ fn drained(e: &Engine, ended: u64, side: &str) {
     // `retired` holds a tag per receive that ended without data, those of refused
     // advertisements included (at most two a request here); the tombstones' burial order is
     // compacted at burials only (bounded by the tombstones' cap, not by their expiry).
-    for (t, per) in [("finished", 1), ("retired", 2), ("ep.tomb_order", 1)] {
+    for (t, per) in [
+        ("finished", 1),
+        ("superseded", 1),
+        ("retired", 2),
+        ("ep.tomb_order", 1),
+    ] {
         assert!(
             s[t] <= per * ended + 1,
             "{side}: {t} {} for {ended} requests",

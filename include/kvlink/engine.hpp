@@ -554,8 +554,9 @@ class Engine {
   /// `receivers`, when it is another rank that has been connected here) is waited for alike; a
   /// failed one that this rank cannot redial (it was the one that dialled) throws `PeerLost` at once.
   /// The buffers are borrowed until `wait_receiver(key)` returns.
-  /// Throws `Error`: InvalidArgument if the key is already known here (a replay), UnknownPeer if
-  /// `sender` is not connected, OutOfBounds for a null or empty buffer (or one straddling a
+  /// Throws `Error`: InvalidArgument if the key is already known here (a replay),
+  /// StaleGeneration if a newer generation of its request id runs or ended here lately (a late
+  /// retry of an old attempt), UnknownPeer if `sender` is not connected, OutOfBounds for a null or empty buffer (or one straddling a
   /// region's edge), Fenced for one overlapping a fenced range of a region, QueueFull when the
   /// receive pool (65536 buffers over all requests) has fewer free than `buffers` asks for
   /// (InvalidArgument if it asks for more than the whole pool: it never fits).
@@ -681,7 +682,10 @@ class Engine {
   /// InvalidArgument if it was already answered. An answer to a request that ended before it
   /// (the generation rank gave it up or cancelled it after the advertisement was taken: a race,
   /// not misuse) is no error and changes nothing: `send` then returns that end (not
-  /// `Completed`), and `wait_sender` the agreed verdict.
+  /// `Completed`), and `wait_sender` the agreed verdict. After `from_rank`'s process was
+  /// replaced by another, `accept`, `send` and `wait_sender` on a key of the old process's
+  /// requests are the old request's (ended, `PeerLost` if it ran) until the new process's
+  /// advertisement of that key is taken, even if it came already.
   void accept(RequestKey key, std::uint32_t from_rank, bool ready) {
     detail::call([&] { handle()->accept(key.request, key.generation, from_rank, ready); });
   }

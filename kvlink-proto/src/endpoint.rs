@@ -628,7 +628,13 @@ impl Endpoint {
                     ));
                 }
                 if let Some(f) = flow_mut(&mut self.sends, key, from) {
-                    f.on_advertise_again(&mut self.out);
+                    if f.is_retired() {
+                        // The new process's request: started once the old one's flow is gone
+                        // (its receiver advertises again while unanswered).
+                        self.out.stats.stale_dropped += 1;
+                    } else {
+                        f.on_advertise_again(&mut self.out);
+                    }
                 } else if let Some(&Tomb { outcome: ended, .. }) =
                     self.tombs.get(&TimerId::Send(key, from))
                 {
@@ -799,32 +805,42 @@ impl Endpoint {
     /// gone): what this side keeps of the requests it served to the old one goes, so that the
     /// new one's, whose attempt numbers start again, are not taken for replays or stale
     /// retries of the old one's. Its ended send flows go, with their tombstones and retry
-    /// entries; a flow still running (none should be: the old process's loss ended them
-    /// first) is kept. Receives are this side's own requests and stay, but owe the old
-    /// process nothing more (`handle_peer_bound`), and what it sent for requests not started
-    /// here yet goes (kept, it would end the new process's request of the same key).
+    /// entries. One still running (the old process's loss ended it, but a send of it is still
+    /// in flight: asked to stop, the application's send has not returned) stays until that
+    /// send is done, retired: it no longer answers an advertisement of its key (the new
+    /// process's) and leaves no tombstone. Receives are this side's own requests and stay, but
+    /// owe the old process nothing more (`handle_peer_bound`), and what it sent for requests
+    /// not started here yet goes (kept, it would end the new process's request of the same
+    /// key).
+    /// Returns every send to `rank` it knew, with its end (`None`: still running, retired):
+    /// the application may still answer, send or wait for them by key and rank.
     /// O(requests known).
-    pub fn forget_sends_to(&mut self, rank: RankId) {
+    pub fn forget_sends_to(&mut self, rank: RankId) -> Vec<(RequestKey, Option<Outcome>)> {
         for r in self.recvs.values_mut() {
             r.forget_coordinator(rank);
         }
         self.owed.retain(|&(coordinator, ..)| coordinator != rank);
         let gone = self.early.forget_rank(rank);
         self.out.stats.unknown_dropped += gone as u64;
-        let ended: Vec<RequestKey> = self
+        let known: Vec<(RequestKey, Option<Outcome>)> = self
             .sends
             .iter()
-            .filter(|(_, flows)| {
+            .flat_map(|(key, flows)| {
                 flows
                     .iter()
-                    .any(|(to, f)| *to == rank && f.terminal().is_some())
+                    .filter(|(to, _)| *to == rank)
+                    .map(|(_, f)| (*key, f.terminal()))
             })
-            .map(|(key, _)| *key)
             .collect();
-        for key in ended {
-            if let Some(f) = flow_mut(&mut self.sends, key, rank) {
-                self.timers.drop_early(f);
+        for &(key, end) in &known {
+            let Some(f) = flow_mut(&mut self.sends, key, rank) else {
+                continue;
+            };
+            if end.is_none() {
+                f.retire();
+                continue;
             }
+            self.timers.drop_early(f);
             self.forget_flow(key, rank);
             self.note_forgotten(key, Some(rank));
         }
@@ -839,6 +855,7 @@ impl Endpoint {
             self.note_tomb_gone(id);
         }
         self.trim_tomb_order();
+        known
     }
 
     /// The transport declared `rank` lost (its endpoint failed).
@@ -934,15 +951,19 @@ impl Endpoint {
                     f.on_timeout(now, &mut self.out);
                     f.settle(now);
                     if f.is_finished(now) {
-                        let tomb = Tomb {
+                        let tomb = (!f.is_retired()).then(|| Tomb {
                             until: f.tomb_until,
                             outcome: f.terminal().unwrap_or(Outcome::PeerLost),
                             asker: to,
                             more: None,
-                        };
+                        });
                         self.timers.release(f);
                         self.forget_flow(key, to);
-                        self.bury(id, tomb);
+                        match tomb {
+                            Some(tomb) => self.bury(id, tomb),
+                            // Its rank's process was replaced: nothing of it is kept.
+                            None => self.note_forgotten(key, Some(to)),
+                        }
                     } else {
                         self.timers.rearm(id, f, now);
                     }

@@ -555,3 +555,78 @@ fn a_new_process_under_the_rank_is_served_a_key_its_predecessor_used() {
         "no advertisement for the application"
     );
 }
+
+/// A send to the receiver's old process still in flight when a new process binds the rank (the
+/// old one's loss asked it to stop; the application's send has not returned yet), and the new
+/// process advertises the key the old one used. Before, the advertisement was taken for the
+/// old flow's duplicate and answered `Ready(true)`: the new request started nothing here and
+/// ran to its deadline with no data. Now it is dropped while the old flow waits for its send,
+/// the old flow then ends and goes without a tombstone, and the advertisement, sent again,
+/// starts the new request.
+#[test]
+fn a_send_still_in_flight_when_a_new_process_binds_the_rank_does_not_answer_it() {
+    let t = Instant::now();
+    let key = RequestKey::new(15, 0);
+    let (g, c) = (RankId(1), RankId(2));
+    let advertise = |gen: &mut Endpoint, at| {
+        let lease = BufferPool::new(4).lease(key).unwrap();
+        let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+        gen.start_receive(at, one_buffer(key, g, c, lease, desc, None))
+            .unwrap();
+        gen.poll_transmit().expect("an advertisement").message
+    };
+    let mut ctx = Endpoint::new(c, config());
+    let mut old = Endpoint::new(g, config());
+    let adv = advertise(&mut old, t);
+    ctx.handle_message(t + ms(1), g, adv).unwrap();
+    ctx.accept(t + ms(2), key, g, true).unwrap();
+    ctx.check_send(key, g, 0, 64).unwrap().unwrap();
+    ctx.begin_send(key, g, 0);
+    drain(&mut ctx);
+    // The old process is lost: the send is asked to stop, and runs on until it is reaped.
+    ctx.handle_peer_lost(t + ms(3), g);
+    assert!(
+        std::iter::from_fn(|| ctx.poll_action())
+            .any(|a| matches!(a, kvlink_proto::Action::AbortSend { .. })),
+        "the send is asked to stop"
+    );
+    drain(&mut ctx);
+    let known = ctx.forget_sends_to(g);
+    assert_eq!(known, vec![(key, None)], "the flow still runs");
+    let mut reborn = Endpoint::new(g, config());
+    let adv = advertise(&mut reborn, t + ms(4));
+    ctx.handle_message(t + ms(5), g, adv.clone()).unwrap();
+    let answers: Vec<_> = std::iter::from_fn(|| ctx.poll_transmit()).collect();
+    assert!(
+        answers.is_empty(),
+        "the old flow answered the new process: {answers:?}"
+    );
+    assert!(
+        !std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "handed out while the old flow runs"
+    );
+    // The application's send returns: the old flow ends and goes, leaving nothing.
+    ctx.handle_send_done(t + ms(6), key, g, 0, false).unwrap();
+    let ends: Vec<_> = std::iter::from_fn(|| ctx.poll_event())
+        .filter_map(|e| match e {
+            Event::Terminal { outcome, .. } => Some(outcome),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ends, vec![Outcome::PeerLost], "the old flow's end");
+    ctx.handle_timeout(t + ms(6));
+    assert_eq!((ctx.known(), ctx.tombstones()), (0, 0));
+    drain(&mut ctx);
+    // The new process's advertisement, sent again, starts its request.
+    ctx.handle_message(t + ms(7), g, adv).unwrap();
+    assert!(ctx.running(key, Role::Sender { receiver: g }));
+    assert!(
+        std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "no advertisement for the application"
+    );
+    ctx.accept(t + ms(8), key, g, true).unwrap();
+    assert!(
+        ctx.check_send(key, g, 0, 64).unwrap().is_ok(),
+        "the new request's send"
+    );
+}

@@ -100,6 +100,18 @@ impl<K: Hash + Eq + Clone, V> Aged<K, V> {
         self.compact();
     }
 
+    /// Takes out the entries whose key `pick` names, and gives them back (a pass over all of
+    /// them: for rare events only).
+    pub fn take_if(&mut self, pick: impl Fn(&K) -> bool) -> Vec<(K, V)> {
+        let keys: Vec<K> = self.map.keys().filter(|k| pick(k)).cloned().collect();
+        let taken = keys
+            .into_iter()
+            .filter_map(|k| self.map.remove(&k).map(|(v, _)| (k, v)))
+            .collect();
+        self.compact();
+        taken
+    }
+
     pub fn len(&self) -> usize {
         self.map.len()
     }
@@ -163,6 +175,23 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::HashMap as StdMap;
+
+    #[test]
+    fn take_if_gives_back_what_it_takes_and_the_rest_still_expires() {
+        let t0 = Instant::now();
+        let mut m = Aged::new(Duration::from_secs(10), 100);
+        for k in 0..6u32 {
+            m.insert(k, k * 10, t0);
+        }
+        let mut taken = m.take_if(|k| k % 2 == 0);
+        taken.sort();
+        assert_eq!(taken, vec![(0, 0), (2, 20), (4, 40)]);
+        assert_eq!(m.len(), 3);
+        assert_eq!(m.get(&2), None);
+        assert_eq!(m.get(&3), Some(&30));
+        m.expire(t0 + Duration::from_secs(10));
+        assert_eq!(m.len(), 0);
+    }
 
     #[test]
     fn entries_go_keep_after_they_were_put_in_and_not_before() {

@@ -135,6 +135,15 @@ pub(crate) struct Core {
     /// of one dropped, and `recv_ready` answers from a receive's end once the core has forgotten
     /// it (for RETENTION).
     pub finished: Aged<(RequestKey, Option<RankId>), Outcome>,
+    /// Sends to a rank whose process was replaced since, with their end: the application may
+    /// have taken their advertisements and still answer, send or wait for them by key and
+    /// rank, and those calls are the old request's (not the new process's request of that
+    /// key) until it takes the new process's advertisement of the key (for RETENTION).
+    pub superseded: Aged<(RequestKey, RankId), Outcome>,
+    /// The `superseded` sends that had not ended yet (`Endpoint::forget_sends_to`): the next
+    /// end of a send of that key to that rank is theirs (the core starts no other until they
+    /// are gone).
+    pub retired_sends: HashSet<(RequestKey, RankId)>,
     /// Notifications waiting, by sending rank (a rank's queue goes when it empties).
     pub notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
     /// What `notes` holds, in bytes ([`note_bytes`]; at most [`MAX_QUEUED_BYTES`]).
@@ -219,6 +228,8 @@ impl Core {
             fencing: HashMap::new(),
             fence_closes: VecDeque::new(),
             finished: Aged::new(RETENTION, AGED_CAP),
+            superseded: Aged::new(RETENTION, AGED_CAP),
+            retired_sends: HashSet::default(),
             notes: HashMap::new(),
             note_bytes: 0,
             control_ops: VecDeque::new(),
@@ -238,9 +249,19 @@ impl Core {
     /// waited for must not be taken by a `wait` for the new one's request of that key.
     /// Its advertisements and notifications not yet taken go too: taken later, the old one's
     /// advertisement of a key would be answered with the new one's request of that key.
+    /// What the application took of the old one's requests stays theirs (`superseded`).
     fn forget_instance(&mut self, rank: RankId) {
-        self.ep.forget_sends_to(rank);
-        self.finished.retain(|(_, to)| *to != Some(rank));
+        let now = Instant::now();
+        for (key, end) in self.ep.forget_sends_to(rank) {
+            if end.is_none() {
+                self.retired_sends.insert((key, rank));
+            }
+            self.superseded
+                .insert((key, rank), end.unwrap_or(Outcome::PeerLost), now);
+        }
+        for ((key, _), end) in self.finished.take_if(|(_, to)| *to == Some(rank)) {
+            self.superseded.insert((key, rank), end, now);
+        }
         let sent_to_it = Role::Sender { receiver: rank };
         // An end a blocked `wait` was woken for and has not taken yet stays: that wait is the
         // old process's request's, and would otherwise sleep to its own deadline and return
@@ -298,11 +319,28 @@ impl Core {
     /// The end of the send of `key` to `to`, once the protocol core has forgotten it (its
     /// tombstone too): remembered here for RETENTION. The core's answers for a forgotten send
     /// (`accept`, `check_send`: `UnknownRequest`) are then taken as its tombstone gave them.
+    /// So is a send to a replaced process of the rank (`superseded`), even where the core now
+    /// holds the new process's request of that key.
     pub fn forgotten_send(&self, key: RequestKey, to: RankId) -> Option<Outcome> {
+        if let Some(&end) = self.superseded.get(&(key, to)) {
+            return Some(end);
+        }
         if self.ep.knows_send(key, to) {
             return None;
         }
         self.finished.get(&(key, Some(to))).copied()
+    }
+
+    /// `UnknownRequest` for a `superseded` send of `key` to `to`: the core's send of that key,
+    /// if any, is another process's.
+    fn not_superseded(&self, key: RequestKey, to: RankId) -> Result<()> {
+        match self.superseded.contains_key(&(key, to)) {
+            true => Err(Error::new(
+                ErrorKind::UnknownRequest,
+                format!("{key} to {to}: its process was replaced"),
+            )),
+            false => Ok(()),
+        }
     }
 
     /// [`Endpoint::accept`], answered for a send the core has forgotten as its tombstone
@@ -315,7 +353,10 @@ impl Core {
         from: RankId,
         ready: bool,
     ) -> Result<()> {
-        match self.ep.accept(now, key, from, ready) {
+        match self
+            .not_superseded(key, from)
+            .and_then(|()| self.ep.accept(now, key, from, ready))
+        {
             Err(e) if e.kind == ErrorKind::UnknownRequest => match self.forgotten_send(key, from) {
                 Some(Outcome::Completed) => Err(Error::invalid(format!(
                     "{key} from {from}: already decided"
@@ -336,7 +377,10 @@ impl Core {
         segment: u32,
         len: u64,
     ) -> Result<std::result::Result<BufferDesc, Outcome>> {
-        match self.ep.check_send(key, to, segment, len) {
+        match self
+            .not_superseded(key, to)
+            .and_then(|()| self.ep.check_send(key, to, segment, len))
+        {
             Err(e) if e.kind == ErrorKind::UnknownRequest => match self.forgotten_send(key, to) {
                 Some(Outcome::Completed) => Err(Error::invalid(format!(
                     "{key} to {to}: segment {segment} was already sent or never advertised"
@@ -661,6 +705,7 @@ impl Inner {
         core.terminals.expire(now);
         core.expire_answered_early(now);
         core.finished.expire(now);
+        core.superseded.expire(now);
         core.retired.expire(now);
         if now.duration_since(core.last_prune) < Duration::from_secs(1) {
             return;
@@ -1092,7 +1137,14 @@ impl Inner {
                     Role::Receiver => None,
                     Role::Sender { receiver } => Some(receiver),
                 };
-                core.finished.insert((key, peer), outcome, now);
+                let retired = peer.is_some_and(|r| core.retired_sends.remove(&(key, r)));
+                match peer {
+                    // A send to a replaced process: not an end of this key on this rank (the
+                    // new process's request of it is no replay), nor one for a later `wait`,
+                    // which takes it from `superseded`.
+                    Some(r) if retired => core.superseded.insert((key, r), outcome, now),
+                    _ => core.finished.insert((key, peer), outcome, now),
+                }
                 if matches!(outcome, Outcome::TimedOut | Outcome::PeerLost) {
                     core.counters.last_fault = Some(now);
                 }
@@ -1117,6 +1169,9 @@ impl Inner {
                 }
                 if role == Role::Receiver && core.fencing.contains_key(&key) {
                     core.deferred.insert(key, outcome);
+                } else if retired && !core.waited.contains(&(key, role)) {
+                    // Kept in `superseded` alone: a `wait` for the new process's request of the
+                    // key must not take it.
                 } else {
                     core.end(key, role, outcome, now);
                 }

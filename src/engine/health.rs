@@ -67,6 +67,8 @@ impl Engine {
             ("fence_closes", core.fence_closes.len()),
             ("finished", core.finished.len()),
             ("finished.slots", core.finished.slots()),
+            ("superseded", core.superseded.len()),
+            ("retired_sends", core.retired_sends.len()),
             ("notes", core.notes.len()),
             ("control_ops", core.control_ops.len()),
             ("waiters", core.waiters.keys()),

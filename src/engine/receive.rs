@@ -41,8 +41,10 @@ impl Engine {
     /// receiving ranks whose word this one waits for (the coordinator, the lowest receiving
     /// rank; at the coordinator, every other receiver), when once connected here, are treated
     /// alike. A host buffer inside a region ([`Engine::register_region`])
-    /// must lie wholly inside it (`OutOfBounds`) and off its fenced ranges (`Fenced`). On error
-    /// nothing stays posted or leased.
+    /// must lie wholly inside it (`OutOfBounds`) and off its fenced ranges (`Fenced`). A key
+    /// known here is `InvalidArgument` (a replay); an older generation of a request id whose
+    /// newer one runs or ended here lately is `StaleGeneration`. On error nothing stays posted
+    /// or leased.
     ///
     /// # Safety
     /// Every buffer must be writable host memory that nobody else touches until [`Engine::wait`]

@@ -28,6 +28,8 @@ impl Engine {
         self.block(WaitKey::Advert, deadline, cancel, |core| {
             let a = core.waiters.take(WaitKey::Advert, &mut core.adverts)?;
             core.advert_bytes -= glue::advert_bytes(&a);
+            // From here the caller's calls on this key and rank are this request's.
+            core.superseded.remove(&(a.key, a.from));
             Some(a)
         })
         .inspect(|_| timeline::mark(Stage::AdvertisementTaken))
@@ -39,7 +41,10 @@ impl Engine {
     /// it up or cancelled it: a race, not misuse) is no error and changes nothing: a send then
     /// returns the end, and [`Engine::wait`] the agreed verdict; so is an answer made after
     /// the protocol core has forgotten the request (the engine remembers its end for 10
-    /// minutes, as for [`Engine::cancel`]).
+    /// minutes, as for [`Engine::cancel`]). After `from`'s process was replaced by another,
+    /// `accept`, [`Engine::send`] and [`Engine::wait`] on a key of the old process's requests
+    /// are the old request's (ended, `PeerLost` if it ran) until the new process's
+    /// advertisement of that key is taken, even if it came already.
     pub fn accept(&self, key: RequestKey, from: RankId, ready: bool) -> Result<()> {
         let _returned = timeline::on_return(Stage::AcceptReturned);
         let mut core = self.inner.core.lock();

@@ -58,6 +58,13 @@ impl Engine {
                     "already waited for (that wait returned before the request's end came)",
                 ));
             }
+            if let Role::Sender { receiver } = role {
+                // A request of a replaced process, whose key another process's may now have
+                // (an end kept under that key may be the new one's).
+                if let Some(&end) = core.superseded.get(&(key, receiver)) {
+                    return Ok(end);
+                }
+            }
             if let Some(o) = take(&mut core) {
                 return Ok(o);
             }

@@ -56,6 +56,9 @@ pub(crate) struct SendFlow {
     receiver_lost: bool,
     terminal: Option<Outcome>,
     deadline_fired: bool,
+    /// Its receiver's process was replaced while a send of this flow still ran
+    /// ([`SendFlow::retire`]).
+    retired: bool,
 }
 
 impl SendFlow {
@@ -99,11 +102,30 @@ impl SendFlow {
             receiver_lost: false,
             terminal: None,
             deadline_fired: false,
+            retired: false,
         }
     }
 
+    /// Forgotten now: at its linger's end, or, retired, once its sends are done too.
     pub(crate) fn is_finished(&self, now: Instant) -> bool {
-        self.terminal.is_some() && now >= self.forget_at
+        self.terminal.is_some() && (now >= self.forget_at || self.retired_and_done())
+    }
+
+    /// Another process holds its receiver's rank now, and this flow still has a send in
+    /// flight (the old process's loss asked it to stop; the application's send has not
+    /// returned yet): the new process's advertisement of its key is not this flow's, so it
+    /// is no longer answered here, and this flow leaves no tombstone, which would answer it.
+    /// It is forgotten as soon as it has ended and its sends are done.
+    pub(crate) fn retire(&mut self) {
+        self.retired = true;
+    }
+
+    pub(crate) fn is_retired(&self) -> bool {
+        self.retired
+    }
+
+    fn retired_and_done(&self) -> bool {
+        self.retired && self.terminal.is_some() && self.quiesced()
     }
 
     pub(crate) fn is_terminal(&self) -> bool {
@@ -458,6 +480,10 @@ impl Machine for SendFlow {
     }
 
     fn next_timeout(&self) -> Instant {
+        if self.retired_and_done() {
+            // Due at once.
+            return self.started;
+        }
         if self.terminal.is_some() {
             return self.forget_at;
         }
