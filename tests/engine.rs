@@ -2364,6 +2364,12 @@ fn an_answer_to_a_replaced_processs_advertisement_does_not_reach_its_successor()
     println!("the old request's send: {o:?}, its wait: {w:?}");
     assert_eq!(o, Outcome::PeerLost, "the old request's end");
     assert_eq!(w, Outcome::PeerLost, "the old request's end");
+    let again = ctx.wait(key, TO_GEN, soon(), None).unwrap_err();
+    assert_eq!(
+        again.kind,
+        kvlink::ErrorKind::UnknownRequest,
+        "waited for already: {again}"
+    );
     assert!(
         new.iter().all(|&b| b == 0),
         "the old request's data landed in the new one's buffer"
@@ -2406,8 +2412,7 @@ fn a_send_still_running_when_its_receivers_process_is_replaced_leaves_the_new_on
                 }
                 false
             };
-            let o = ctx.send(key, RankId(GEN), 0, &data, soon(), Some(&check));
-            (o, ctx.wait(key, TO_GEN, soon(), None))
+            ctx.send(key, RankId(GEN), 0, &data, soon(), Some(&check))
         })
     };
     let t0 = Instant::now();
@@ -2429,11 +2434,24 @@ fn a_send_still_running_when_its_receivers_process_is_replaced_leaves_the_new_on
         "the new request was answered while the old one's send ran"
     );
     assert_eq!(queued_adverts(&ctx), 0, "handed out while the old send ran");
+    // A wait for the old request while its send runs waits for its end (not a stand-in).
+    let waiter = {
+        let ctx = ctx.clone();
+        std::thread::spawn(move || ctx.wait(key, TO_GEN, soon(), None))
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        !waiter.is_finished(),
+        "the wait returned before the old request ended"
+    );
     hold.store(false, Ordering::Release);
-    let (o, w) = sender.join().unwrap();
+    let o = sender.join().unwrap();
+    let w = waiter.join().unwrap();
     println!("the old request's send: {o:?}, its wait: {w:?}");
     assert_ne!(o.unwrap(), Outcome::Completed);
     assert_eq!(w.unwrap(), Outcome::PeerLost, "the old request's end");
+    let again = ctx.wait(key, TO_GEN, soon(), None).unwrap_err();
+    assert_eq!(again.kind, kvlink::ErrorKind::UnknownRequest, "{again}");
     // The new process's advertisement, sent again, is handed out and runs.
     new_process_request_runs(&ctx, &gen, key, &new);
 }

@@ -805,14 +805,17 @@ impl Endpoint {
     /// gone): what this side keeps of the requests it served to the old one goes, so that the
     /// new one's, whose attempt numbers start again, are not taken for replays or stale
     /// retries of the old one's. Its ended send flows go, with their tombstones and retry
-    /// entries. One still running (the old process's loss ended it, but a send of it is still
-    /// in flight: asked to stop, the application's send has not returned) stays until that
-    /// send is done, retired: it no longer answers an advertisement of its key (the new
-    /// process's) and leaves no tombstone. Receives are this side's own requests and stay, but
+    /// entries. One with a send still in flight (asked to stop by the old process's loss, the
+    /// application's send has not returned), ended or not, stays until that send is done,
+    /// retired: it no longer answers an advertisement of its key (the new process's), and its
+    /// send's late report cannot reach the new process's request of that key; it leaves no
+    /// tombstone. (Ended, it also goes at its linger's end: by then the send has returned,
+    /// its wait bounded by the request's deadline and the stop's limits.) Receives are this side's own requests and stay, but
     /// owe the old process nothing more (`handle_peer_bound`), and what it sent for requests
     /// not started here yet goes (kept, it would end the new process's request of the same
     /// key).
-    /// Returns every send to `rank` it knew, with its end (`None`: still running, retired):
+    /// Returns every send to `rank` it knew, with its end (`None`: still running, retired;
+    /// its end comes as an event later):
     /// the application may still answer, send or wait for them by key and rank.
     /// O(requests known).
     pub fn forget_sends_to(&mut self, rank: RankId) -> Vec<(RequestKey, Option<Outcome>)> {
@@ -836,7 +839,7 @@ impl Endpoint {
             let Some(f) = flow_mut(&mut self.sends, key, rank) else {
                 continue;
             };
-            if end.is_none() {
+            if end.is_none() || !f.quiesced() {
                 f.retire();
                 continue;
             }

@@ -556,6 +556,86 @@ fn a_new_process_under_the_rank_is_served_a_key_its_predecessor_used() {
     );
 }
 
+/// The context side `ctx` (rank 2) of request `key` from rank 1's old process, accepted, its
+/// one segment's send in flight, then that process lost: the send asked to stop and not yet
+/// reported done. Returns `ctx` and a maker of advertisements of `key` from a new process of
+/// rank 1 (at the time given).
+fn sending_to_a_lost_process(
+    t: Instant,
+    key: RequestKey,
+) -> (Endpoint, impl Fn(Instant) -> kvlink_proto::Message) {
+    let (g, c) = (RankId(1), RankId(2));
+    let advertise = move |at| {
+        let mut gen = Endpoint::new(g, config());
+        let lease = BufferPool::new(4).lease(key).unwrap();
+        let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+        gen.start_receive(at, one_buffer(key, g, c, lease, desc, None))
+            .unwrap();
+        gen.poll_transmit().expect("an advertisement").message
+    };
+    let mut ctx = Endpoint::new(c, config());
+    ctx.handle_message(t + ms(1), g, advertise(t)).unwrap();
+    ctx.accept(t + ms(2), key, g, true).unwrap();
+    ctx.check_send(key, g, 0, 64).unwrap().unwrap();
+    ctx.begin_send(key, g, 0);
+    drain(&mut ctx);
+    ctx.handle_peer_lost(t + ms(3), g);
+    assert!(
+        std::iter::from_fn(|| ctx.poll_action())
+            .any(|a| matches!(a, kvlink_proto::Action::AbortSend { .. })),
+        "the send is asked to stop"
+    );
+    drain(&mut ctx);
+    (ctx, advertise)
+}
+
+/// After [`sending_to_a_lost_process`] and the new process's bind (`forget_sends_to`), its
+/// advertisement `adv` of the same key, handled at `at`, starts nothing while the old send is
+/// not reported done: no answer (`Ready` would be the old flow's), nothing handed out.
+fn not_answered_while_the_old_send_runs(
+    ctx: &mut Endpoint,
+    at: Instant,
+    adv: kvlink_proto::Message,
+) {
+    ctx.handle_message(at, RankId(1), adv).unwrap();
+    let answers: Vec<_> = std::iter::from_fn(|| ctx.poll_transmit()).collect();
+    assert!(
+        answers.is_empty(),
+        "the old flow answered the new process: {answers:?}"
+    );
+    assert!(
+        !std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "handed out while the old flow runs"
+    );
+}
+
+/// Once the old send is reported done (at `at`) the old flow is gone without a tombstone, and
+/// the new process's advertisement `adv`, sent again, starts its request, whose send is
+/// allowed.
+fn the_new_request_starts_once_the_old_send_is_done(
+    ctx: &mut Endpoint,
+    at: Instant,
+    key: RequestKey,
+    adv: kvlink_proto::Message,
+) {
+    let g = RankId(1);
+    ctx.handle_send_done(at, key, g, 0, false).unwrap();
+    ctx.handle_timeout(at);
+    assert_eq!((ctx.known(), ctx.tombstones()), (0, 0));
+    drain(ctx);
+    ctx.handle_message(at + ms(1), g, adv).unwrap();
+    assert!(ctx.running(key, Role::Sender { receiver: g }));
+    assert!(
+        std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "no advertisement for the application"
+    );
+    ctx.accept(at + ms(2), key, g, true).unwrap();
+    assert!(
+        ctx.check_send(key, g, 0, 64).unwrap().is_ok(),
+        "the new request's send"
+    );
+}
+
 /// A send to the receiver's old process still in flight when a new process binds the rank (the
 /// old one's loss asked it to stop; the application's send has not returned yet), and the new
 /// process advertises the key the old one used. Before, the advertisement was taken for the
@@ -567,46 +647,14 @@ fn a_new_process_under_the_rank_is_served_a_key_its_predecessor_used() {
 fn a_send_still_in_flight_when_a_new_process_binds_the_rank_does_not_answer_it() {
     let t = Instant::now();
     let key = RequestKey::new(15, 0);
-    let (g, c) = (RankId(1), RankId(2));
-    let advertise = |gen: &mut Endpoint, at| {
-        let lease = BufferPool::new(4).lease(key).unwrap();
-        let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
-        gen.start_receive(at, one_buffer(key, g, c, lease, desc, None))
-            .unwrap();
-        gen.poll_transmit().expect("an advertisement").message
-    };
-    let mut ctx = Endpoint::new(c, config());
-    let mut old = Endpoint::new(g, config());
-    let adv = advertise(&mut old, t);
-    ctx.handle_message(t + ms(1), g, adv).unwrap();
-    ctx.accept(t + ms(2), key, g, true).unwrap();
-    ctx.check_send(key, g, 0, 64).unwrap().unwrap();
-    ctx.begin_send(key, g, 0);
-    drain(&mut ctx);
-    // The old process is lost: the send is asked to stop, and runs on until it is reaped.
-    ctx.handle_peer_lost(t + ms(3), g);
-    assert!(
-        std::iter::from_fn(|| ctx.poll_action())
-            .any(|a| matches!(a, kvlink_proto::Action::AbortSend { .. })),
-        "the send is asked to stop"
-    );
-    drain(&mut ctx);
-    let known = ctx.forget_sends_to(g);
+    let (mut ctx, advertise) = sending_to_a_lost_process(t, key);
+    let known = ctx.forget_sends_to(RankId(1));
     assert_eq!(known, vec![(key, None)], "the flow still runs");
-    let mut reborn = Endpoint::new(g, config());
-    let adv = advertise(&mut reborn, t + ms(4));
-    ctx.handle_message(t + ms(5), g, adv.clone()).unwrap();
-    let answers: Vec<_> = std::iter::from_fn(|| ctx.poll_transmit()).collect();
-    assert!(
-        answers.is_empty(),
-        "the old flow answered the new process: {answers:?}"
-    );
-    assert!(
-        !std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
-        "handed out while the old flow runs"
-    );
-    // The application's send returns: the old flow ends and goes, leaving nothing.
-    ctx.handle_send_done(t + ms(6), key, g, 0, false).unwrap();
+    let adv = advertise(t + ms(4));
+    not_answered_while_the_old_send_runs(&mut ctx, t + ms(5), adv.clone());
+    // The application's send returns: the old flow ends (seen once) and goes.
+    ctx.handle_send_done(t + ms(6), key, RankId(1), 0, false)
+        .unwrap();
     let ends: Vec<_> = std::iter::from_fn(|| ctx.poll_event())
         .filter_map(|e| match e {
             Event::Terminal { outcome, .. } => Some(outcome),
@@ -614,19 +662,32 @@ fn a_send_still_in_flight_when_a_new_process_binds_the_rank_does_not_answer_it()
         })
         .collect();
     assert_eq!(ends, vec![Outcome::PeerLost], "the old flow's end");
-    ctx.handle_timeout(t + ms(6));
-    assert_eq!((ctx.known(), ctx.tombstones()), (0, 0));
+    the_new_request_starts_once_the_old_send_is_done(&mut ctx, t + ms(6), key, adv);
+}
+
+/// As above, but the old flow had already ended at its agreement bound (its send still
+/// stopping, which the bound does not wait for) when the new process bound the rank. Found by
+/// review: such a flow was forgotten at the bind, the new process's request started, and the
+/// old send's late report (`handle_send_done` failed, with the application's `give_up`) then
+/// failed the new request.
+#[test]
+fn a_send_still_stopping_past_its_bound_when_a_new_process_binds_the_rank_does_not_reach_it() {
+    let t = Instant::now();
+    let key = RequestKey::new(16, 0);
+    let (mut ctx, advertise) = sending_to_a_lost_process(t, key);
+    // Past the bound (1000 ms deadline, 500 ms bound): ended, its send still not reported.
+    ctx.handle_timeout(t + ms(1600));
+    assert!(!ctx.running(
+        key,
+        Role::Sender {
+            receiver: RankId(1)
+        }
+    ));
     drain(&mut ctx);
-    // The new process's advertisement, sent again, starts its request.
-    ctx.handle_message(t + ms(7), g, adv).unwrap();
-    assert!(ctx.running(key, Role::Sender { receiver: g }));
-    assert!(
-        std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
-        "no advertisement for the application"
-    );
-    ctx.accept(t + ms(8), key, g, true).unwrap();
-    assert!(
-        ctx.check_send(key, g, 0, 64).unwrap().is_ok(),
-        "the new request's send"
-    );
+    let known = ctx.forget_sends_to(RankId(1));
+    assert_eq!(known.len(), 1);
+    assert!(known[0].1.is_some(), "ended: {known:?}");
+    let adv = advertise(t + ms(1601));
+    not_answered_while_the_old_send_runs(&mut ctx, t + ms(1602), adv.clone());
+    the_new_request_starts_once_the_old_send_is_done(&mut ctx, t + ms(1603), key, adv);
 }

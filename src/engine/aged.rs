@@ -85,6 +85,10 @@ impl<K: Hash + Eq + Clone, V> Aged<K, V> {
         self.map.get(k).map(|(v, _)| v)
     }
 
+    pub fn get_mut(&mut self, k: &K) -> Option<&mut V> {
+        self.map.get_mut(k).map(|(v, _)| v)
+    }
+
     pub fn contains_key(&self, k: &K) -> bool {
         self.map.contains_key(k)
     }

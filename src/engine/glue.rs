@@ -139,7 +139,7 @@ pub(crate) struct Core {
     /// have taken their advertisements and still answer, send or wait for them by key and
     /// rank, and those calls are the old request's (not the new process's request of that
     /// key) until it takes the new process's advertisement of the key (for RETENTION).
-    pub superseded: Aged<(RequestKey, RankId), Outcome>,
+    pub superseded: Aged<(RequestKey, RankId), Superseded>,
     /// The `superseded` sends that had not ended yet (`Endpoint::forget_sends_to`): the next
     /// end of a send of that key to that rank is theirs (the core starts no other until they
     /// are gone).
@@ -256,11 +256,12 @@ impl Core {
             if end.is_none() {
                 self.retired_sends.insert((key, rank));
             }
-            self.superseded
-                .insert((key, rank), end.unwrap_or(Outcome::PeerLost), now);
+            let end = Superseded::ended(end.unwrap_or(Outcome::PeerLost));
+            self.superseded.insert((key, rank), end, now);
         }
         for ((key, _), end) in self.finished.take_if(|(_, to)| *to == Some(rank)) {
-            self.superseded.insert((key, rank), end, now);
+            self.superseded
+                .insert((key, rank), Superseded::ended(end), now);
         }
         let sent_to_it = Role::Sender { receiver: rank };
         // An end a blocked `wait` was woken for and has not taken yet stays: that wait is the
@@ -322,8 +323,8 @@ impl Core {
     /// So is a send to a replaced process of the rank (`superseded`), even where the core now
     /// holds the new process's request of that key.
     pub fn forgotten_send(&self, key: RequestKey, to: RankId) -> Option<Outcome> {
-        if let Some(&end) = self.superseded.get(&(key, to)) {
-            return Some(end);
+        if let Some(s) = self.superseded.get(&(key, to)) {
+            return Some(s.end);
         }
         if self.ep.knows_send(key, to) {
             return None;
@@ -415,6 +416,20 @@ impl Core {
             // From here `recv_ready` answers from the end itself.
             self.waiters.wake(WaitKey::Ready(key));
         }
+    }
+}
+
+/// A send to a replaced process ([`Core::superseded`]): its end, and whether a `wait` returned
+/// it already (a second one is `UnknownRequest`, as for any request).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Superseded {
+    pub end: Outcome,
+    pub waited: bool,
+}
+
+impl Superseded {
+    fn ended(end: Outcome) -> Self {
+        Superseded { end, waited: false }
     }
 }
 
@@ -625,7 +640,7 @@ impl Inner {
                     );
                     self.fault_break_won_tie(core, rank);
                 }
-                A::NewInstance(rank) => core.forget_instance(rank),
+                A::NewInstance(rank) => self.new_instance(core, now, rank),
                 A::Unbound(_) => {}
                 A::GaveWay(rank) => {
                     tracing::info!(
@@ -638,6 +653,16 @@ impl Inner {
             }
         }
         core.waiters.wake(WaitKey::Dial(peer));
+    }
+
+    /// Another process holds `rank` now ([`Core::forget_instance`]). What the core decided
+    /// before is recorded first: an end of the old process's requests still queued there (one
+    /// delivery may carry the old endpoint's failure and the new process's bind) would
+    /// otherwise be recorded after the forgetting, and refuse the new process's request of that
+    /// key as a replay for RETENTION, or be taken by a `wait` for it.
+    fn new_instance(&self, core: &mut Core, now: Instant, rank: RankId) {
+        self.flush_via(core, None, now);
+        core.forget_instance(rank);
     }
 
     /// Redials `rank` at `address` on a short-lived thread of its own: a dial waits for the
@@ -1142,7 +1167,15 @@ impl Inner {
                     // A send to a replaced process: not an end of this key on this rank (the
                     // new process's request of it is no replay), nor one for a later `wait`,
                     // which takes it from `superseded`.
-                    Some(r) if retired => core.superseded.insert((key, r), outcome, now),
+                    Some(r) if retired => {
+                        // A `wait` blocked on it takes it (below): its answer, once.
+                        let waited = core.waited.contains(&(key, role));
+                        let end = Superseded {
+                            end: outcome,
+                            waited,
+                        };
+                        core.superseded.insert((key, r), end, now);
+                    }
                     _ => core.finished.insert((key, peer), outcome, now),
                 }
                 if matches!(outcome, Outcome::TimedOut | Outcome::PeerLost) {
@@ -1277,6 +1310,18 @@ impl Sink {
 mod tests {
     use super::*;
 
+    /// A host segment 0 of 64 bytes under token 1.
+    fn segment_of_64_bytes() -> BufferDesc {
+        BufferDesc {
+            kind: crate::proto::BufferKind::Kv,
+            segment: 0,
+            addr: 0x1000,
+            len: 64,
+            device_id: -1,
+            token: crate::proto::Token(1),
+        }
+    }
+
     /// A new process under a rank forgets the ends of the old one's requests, except one a
     /// blocked `wait` was woken for and has not taken yet (its request's, not the new one's).
     #[test]
@@ -1303,24 +1348,57 @@ mod tests {
         assert_eq!(core.terminals.get(&elsewhere), Some(&Outcome::PeerLost));
     }
 
+    /// The old endpoint's failure ended a send flow to rank 2 (its end queued in the core), and
+    /// in the same delivery a new process bound the rank: the end is recorded before the
+    /// forgetting, so it is kept as the old request's (`superseded`) and is neither an ended
+    /// key (which would refuse the new process's request of it as a replay for RETENTION) nor
+    /// an end a `wait` for the new request would take. Before, it was recorded after.
+    #[test]
+    fn an_end_queued_when_a_new_process_binds_the_rank_is_recorded_before_the_forgetting() {
+        let mut cfg =
+            crate::engine::EngineConfig::new("ctx", 1, crate::transport::TransportKind::Tcp);
+        cfg.listen = Some("127.0.0.1:0".parse().unwrap());
+        let engine = crate::engine::Engine::new(cfg).unwrap();
+        let inner = &engine.inner;
+        let mut core = inner.core.lock();
+        let now = Instant::now();
+        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
+        let desc = segment_of_64_bytes();
+        let advertise = Message::Advertise {
+            key,
+            src_rank: rank,
+            timeout_ms: 60_000,
+            request_info: vec![],
+            buffers: vec![desc],
+        };
+        core.ep.handle_message(now, rank, advertise).unwrap();
+        inner.flush_via(&mut core, None, now);
+        core.ep.handle_peer_lost(now, rank);
+        inner.new_instance(&mut core, now, rank);
+        inner.flush_via(&mut core, None, now);
+        let role = Role::Sender { receiver: rank };
+        assert!(
+            !core.finished.contains_key(&(key, Some(rank))),
+            "kept as an ended key"
+        );
+        assert_eq!(core.terminals.get(&(key, role)), None, "kept for a wait");
+        assert_eq!(
+            core.superseded.get(&(key, rank)).map(|s| s.end),
+            Some(Outcome::PeerLost)
+        );
+    }
+
     /// An early answer (a `wait` that gave up before the end came) stays the caller's end for
     /// as long as its request runs, past RETENTION: the end that comes later is not kept for a
     /// second `wait`. One whose request the core no longer knows goes at RETENTION.
     #[test]
     fn an_early_answer_outlives_retention_while_its_request_runs() {
-        use crate::proto::{BufferDesc, BufferKind, ReceiveFlow, ReceiveSpec, Token};
+        use crate::proto::{ReceiveFlow, ReceiveSpec};
         let mut core = Core::new(Endpoint::new(RankId(1), crate::proto::Config::default()), 4);
         let t0 = Instant::now();
         let key = RequestKey::new(5, 0);
         let lease = core.pool.lease(key).unwrap();
-        let desc = BufferDesc {
-            kind: BufferKind::Kv,
-            segment: 0,
-            addr: 0x1000,
-            len: 64,
-            device_id: -1,
-            token: Token(1),
-        };
+        let desc = segment_of_64_bytes();
         core.ep
             .start_receive(
                 t0,

@@ -60,9 +60,21 @@ impl Engine {
             }
             if let Role::Sender { receiver } = role {
                 // A request of a replaced process, whose key another process's may now have
-                // (an end kept under that key may be the new one's).
-                if let Some(&end) = core.superseded.get(&(key, receiver)) {
-                    return Ok(end);
+                // (an end kept under that key may be the new one's). One still running there
+                // is waited for below: its end comes to this call.
+                let old = (key, receiver);
+                if !core.retired_sends.contains(&old) {
+                    if let Some(s) = core.superseded.get_mut(&old) {
+                        if s.waited {
+                            return Err(key_err(
+                                ErrorKind::UnknownRequest,
+                                key,
+                                "already waited for (its receiver's process was replaced since)",
+                            ));
+                        }
+                        s.waited = true;
+                        return Ok(s.end);
+                    }
                 }
             }
             if let Some(o) = take(&mut core) {

@@ -113,7 +113,7 @@ impl SendFlow {
 
     /// Another process holds its receiver's rank now, and this flow still has a send in
     /// flight (the old process's loss asked it to stop; the application's send has not
-    /// returned yet): the new process's advertisement of its key is not this flow's, so it
+    /// returned yet), whether or not it has ended (its bound does not wait for that send): the new process's advertisement of its key is not this flow's, so it
     /// is no longer answered here, and this flow leaves no tombstone, which would answer it.
     /// It is forgotten as soon as it has ended and its sends are done.
     pub(crate) fn retire(&mut self) {
@@ -193,7 +193,8 @@ impl SendFlow {
         }
     }
 
-    fn quiesced(&self) -> bool {
+    /// Every send started has been reported done (none was, or none is left in flight).
+    pub(crate) fn quiesced(&self) -> bool {
         self.sends
             .values()
             .all(|s| matches!(s, SendState::Done | SendState::Skipped))
