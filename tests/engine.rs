@@ -2378,6 +2378,27 @@ fn an_answer_to_a_replaced_processs_advertisement_does_not_reach_its_successor()
     new_process_request_runs(&ctx, &gen, key, &new);
 }
 
+/// A request the context application waited for (`Completed`), then the generation rank's
+/// process replaced: a second wait is still `UnknownRequest` (its end was taken), as it was
+/// before the replacement. Found by review: the replacement kept every end of the old process's
+/// requests for the calls that name them, and a second wait returned `Completed` again.
+#[test]
+fn a_wait_answered_before_the_receivers_process_was_replaced_stays_answered() {
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let key = RequestKey::new(9, 0);
+    let (ctx, first) = engines(TransportKind::Tcp, Duration::from_secs(10), None);
+    let (g, c, intact) = run(&ctx, &first, key, &[4096]);
+    assert_eq!(
+        (g, c, intact),
+        (Outcome::Completed, Outcome::Completed, true)
+    );
+    let before = ctx.wait(key, TO_GEN, soon(), None).unwrap_err();
+    let _gen = replace_generation_process(&ctx, first);
+    let after = ctx.wait(key, TO_GEN, soon(), None).unwrap_err();
+    println!("a second wait before: {before}; after: {after}");
+    assert_eq!(after.kind, kvlink::ErrorKind::UnknownRequest, "{after}");
+}
+
 /// A send to the generation rank's old process whose end the application has not taken yet
 /// (its thread held, here in its cancel check) when a new process of that rank binds and
 /// advertises the same key. The new advertisement is not the old request's: before, the old

@@ -173,7 +173,9 @@ struct EngineConfig {
   /// (`Health::requests_known` counts it meanwhile): memory for tolerance. A `Completed` request
   /// does not linger. Empty: the default (5 s). Zero: a failed request is forgotten at its end
   /// as a completed one is, its tombstone (to its deadline plus the agreement bound) still
-  /// answering late votes and verdicts. Negative: `InvalidArgument`.
+  /// answering late votes and verdicts. Negative: `InvalidArgument`. A context rank's request
+  /// whose `send` has not returned yet is kept until it has, linger or not (a minute past the
+  /// linger at most).
   std::optional<std::chrono::milliseconds> linger;
   /// `Health::state`: work pending and no data moved for this long is `Wedged` (zero: 10 s).
   /// Make it longer than the slowest prefill a receiver waits through.

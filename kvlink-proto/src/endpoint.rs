@@ -629,9 +629,15 @@ impl Endpoint {
                 }
                 if let Some(f) = flow_mut(&mut self.sends, key, from) {
                     if f.is_retired() {
-                        // The new process's request: started once the old one's flow is gone
-                        // (its receiver advertises again while unanswered).
-                        self.out.stats.stale_dropped += 1;
+                        // The new process's request: started once the old one's flow is gone.
+                        let advert = Message::Advertise {
+                            key,
+                            src_rank,
+                            timeout_ms,
+                            request_info,
+                            buffers,
+                        };
+                        f.hold_advert(now, advert);
                     } else {
                         f.on_advertise_again(&mut self.out);
                     }
@@ -807,10 +813,10 @@ impl Endpoint {
     /// retries of the old one's. Its ended send flows go, with their tombstones and retry
     /// entries. One with a send still in flight (asked to stop by the old process's loss, the
     /// application's send has not returned), ended or not, stays until that send is done,
-    /// retired: it no longer answers an advertisement of its key (the new process's), and its
-    /// send's late report cannot reach the new process's request of that key; it leaves no
-    /// tombstone. (Ended, it also goes at its linger's end: by then the send has returned,
-    /// its wait bounded by the request's deadline and the stop's limits.) Receives are this side's own requests and stay, but
+    /// retired: it no longer answers an advertisement of its key (the new process's, kept and
+    /// started once the flow is gone), and its send's late report cannot reach the new
+    /// process's request of that key; it leaves no tombstone. (A flow that ended is kept while a send of it is not reported done, linger
+    /// or not, up to `UNREPORTED_KEEP` past its linger: so it is still here to retire.) Receives are this side's own requests and stay, but
     /// owe the old process nothing more (`handle_peer_bound`), and what it sent for requests
     /// not started here yet goes (kept, it would end the new process's request of the same
     /// key).
@@ -954,6 +960,7 @@ impl Endpoint {
                     f.on_timeout(now, &mut self.out);
                     f.settle(now);
                     if f.is_finished(now) {
+                        let held = f.take_held_advert(now);
                         let tomb = (!f.is_retired()).then(|| Tomb {
                             until: f.tomb_until,
                             outcome: f.terminal().unwrap_or(Outcome::PeerLost),
@@ -964,8 +971,15 @@ impl Endpoint {
                         self.forget_flow(key, to);
                         match tomb {
                             Some(tomb) => self.bury(id, tomb),
-                            // Its rank's process was replaced: nothing of it is kept.
-                            None => self.note_forgotten(key, Some(to)),
+                            // Its rank's process was replaced: nothing of it is kept, and the
+                            // new process's advertisement of its key, if one came, starts.
+                            None => {
+                                self.note_forgotten(key, Some(to));
+                                if let Some(advert) = held {
+                                    // Checked when it came.
+                                    let _ = self.handle_checked(now, to, advert);
+                                }
+                            }
                         }
                     } else {
                         self.timers.rearm(id, f, now);

@@ -563,6 +563,7 @@ fn a_new_process_under_the_rank_is_served_a_key_its_predecessor_used() {
 fn sending_to_a_lost_process(
     t: Instant,
     key: RequestKey,
+    cfg: kvlink_proto::Config,
 ) -> (Endpoint, impl Fn(Instant) -> kvlink_proto::Message) {
     let (g, c) = (RankId(1), RankId(2));
     let advertise = move |at| {
@@ -573,7 +574,7 @@ fn sending_to_a_lost_process(
             .unwrap();
         gen.poll_transmit().expect("an advertisement").message
     };
-    let mut ctx = Endpoint::new(c, config());
+    let mut ctx = Endpoint::new(c, cfg);
     ctx.handle_message(t + ms(1), g, advertise(t)).unwrap();
     ctx.accept(t + ms(2), key, g, true).unwrap();
     ctx.check_send(key, g, 0, 64).unwrap().unwrap();
@@ -610,30 +611,42 @@ fn not_answered_while_the_old_send_runs(
 }
 
 /// Once the old send is reported done (at `at`) the old flow is gone without a tombstone, and
-/// the new process's advertisement `adv`, sent again, starts its request, whose send is
-/// allowed.
+/// the new process's advertisement, kept meanwhile, starts its request at once (not at its
+/// receiver's next resend), whose send is allowed; `adv` again is its duplicate. Returns the
+/// ends the old flow reported at the send's report.
 fn the_new_request_starts_once_the_old_send_is_done(
     ctx: &mut Endpoint,
     at: Instant,
     key: RequestKey,
     adv: kvlink_proto::Message,
-) {
+) -> Vec<Outcome> {
     let g = RankId(1);
     ctx.handle_send_done(at, key, g, 0, false).unwrap();
+    let ends: Vec<_> = std::iter::from_fn(|| ctx.poll_event())
+        .filter_map(|e| match e {
+            Event::Terminal { outcome, .. } => Some(outcome),
+            _ => None,
+        })
+        .collect();
     ctx.handle_timeout(at);
-    assert_eq!((ctx.known(), ctx.tombstones()), (0, 0));
-    drain(ctx);
-    ctx.handle_message(at + ms(1), g, adv).unwrap();
+    assert_eq!((ctx.known(), ctx.tombstones()), (1, 0));
     assert!(ctx.running(key, Role::Sender { receiver: g }));
     assert!(
         std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
         "no advertisement for the application"
+    );
+    drain(ctx);
+    ctx.handle_message(at + ms(1), g, adv).unwrap();
+    assert!(
+        !std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "the resend taken for another request"
     );
     ctx.accept(at + ms(2), key, g, true).unwrap();
     assert!(
         ctx.check_send(key, g, 0, 64).unwrap().is_ok(),
         "the new request's send"
     );
+    ends
 }
 
 /// A send to the receiver's old process still in flight when a new process binds the rank (the
@@ -647,47 +660,72 @@ fn the_new_request_starts_once_the_old_send_is_done(
 fn a_send_still_in_flight_when_a_new_process_binds_the_rank_does_not_answer_it() {
     let t = Instant::now();
     let key = RequestKey::new(15, 0);
-    let (mut ctx, advertise) = sending_to_a_lost_process(t, key);
+    let (mut ctx, advertise) = sending_to_a_lost_process(t, key, config());
     let known = ctx.forget_sends_to(RankId(1));
     assert_eq!(known, vec![(key, None)], "the flow still runs");
     let adv = advertise(t + ms(4));
     not_answered_while_the_old_send_runs(&mut ctx, t + ms(5), adv.clone());
     // The application's send returns: the old flow ends (seen once) and goes.
-    ctx.handle_send_done(t + ms(6), key, RankId(1), 0, false)
-        .unwrap();
-    let ends: Vec<_> = std::iter::from_fn(|| ctx.poll_event())
-        .filter_map(|e| match e {
-            Event::Terminal { outcome, .. } => Some(outcome),
-            _ => None,
-        })
-        .collect();
+    let ends = the_new_request_starts_once_the_old_send_is_done(&mut ctx, t + ms(6), key, adv);
     assert_eq!(ends, vec![Outcome::PeerLost], "the old flow's end");
-    the_new_request_starts_once_the_old_send_is_done(&mut ctx, t + ms(6), key, adv);
 }
 
 /// As above, but the old flow had already ended at its agreement bound (its send still
-/// stopping, which the bound does not wait for) when the new process bound the rank. Found by
-/// review: such a flow was forgotten at the bind, the new process's request started, and the
-/// old send's late report (`handle_send_done` failed, with the application's `give_up`) then
-/// failed the new request.
+/// stopping, which the bound does not wait for) when the new process bound the rank, and its
+/// linger (500 ms here, or none) is over too. Found by review: such a flow was forgotten at the
+/// bind, or at its linger's end before it, the new process's request started, and the old
+/// send's late report (`handle_send_done` failed, with the application's `give_up`) then failed
+/// the new request. A flow is now kept while a send of it is not reported done.
 #[test]
 fn a_send_still_stopping_past_its_bound_when_a_new_process_binds_the_rank_does_not_reach_it() {
+    for linger in [ms(500), ms(0)] {
+        let t = Instant::now();
+        let key = RequestKey::new(16, 0);
+        let cfg = kvlink_proto::Config { linger, ..config() };
+        let (mut ctx, advertise) = sending_to_a_lost_process(t, key, cfg);
+        // Past the bound (1000 ms deadline, 500 ms bound) and the linger: ended, its send
+        // still not reported.
+        ctx.handle_timeout(t + ms(1600));
+        ctx.handle_timeout(t + ms(2200));
+        assert!(!ctx.running(
+            key,
+            Role::Sender {
+                receiver: RankId(1)
+            }
+        ));
+        assert_eq!(
+            ctx.known(),
+            1,
+            "linger {linger:?}: forgotten with its send unreported"
+        );
+        drain(&mut ctx);
+        let known = ctx.forget_sends_to(RankId(1));
+        assert_eq!(known.len(), 1);
+        assert!(known[0].1.is_some(), "ended: {known:?}");
+        let adv = advertise(t + ms(2201));
+        not_answered_while_the_old_send_runs(&mut ctx, t + ms(2202), adv.clone());
+        ctx.handle_timeout(t + ms(2300));
+        // The application's give-up as its send returns, then the send's report: the old
+        // request's, not the new one's (which starts after).
+        ctx.give_up(t + ms(2301), key, Outcome::Cancelled).unwrap();
+        let ends =
+            the_new_request_starts_once_the_old_send_is_done(&mut ctx, t + ms(2302), key, adv);
+        assert!(ends.is_empty(), "ended before: {ends:?}");
+    }
+}
+
+/// A flow whose send is never reported done (an application thread lost) is still forgotten,
+/// `UNREPORTED_KEEP` (60 s) past its linger (its tombstone's time is over by then), without a
+/// timer that fires before then.
+#[test]
+fn a_flow_whose_send_is_never_reported_is_forgotten_a_minute_past_its_linger() {
     let t = Instant::now();
-    let key = RequestKey::new(16, 0);
-    let (mut ctx, advertise) = sending_to_a_lost_process(t, key);
-    // Past the bound (1000 ms deadline, 500 ms bound): ended, its send still not reported.
+    let key = RequestKey::new(17, 0);
+    let (mut ctx, _) = sending_to_a_lost_process(t, key, config());
     ctx.handle_timeout(t + ms(1600));
-    assert!(!ctx.running(
-        key,
-        Role::Sender {
-            receiver: RankId(1)
-        }
-    ));
-    drain(&mut ctx);
-    let known = ctx.forget_sends_to(RankId(1));
-    assert_eq!(known.len(), 1);
-    assert!(known[0].1.is_some(), "ended: {known:?}");
-    let adv = advertise(t + ms(1601));
-    not_answered_while_the_old_send_runs(&mut ctx, t + ms(1602), adv.clone());
-    the_new_request_starts_once_the_old_send_is_done(&mut ctx, t + ms(1603), key, adv);
+    let next = ctx.poll_timeout().expect("a timer");
+    // Its bound came 1.501 s after the start, its linger is 0.5 s.
+    assert!(next >= t + ms(62_001), "{:?} after the start", next - t);
+    ctx.handle_timeout(next);
+    assert_eq!(ctx.known(), 0);
 }

@@ -252,18 +252,31 @@ impl Core {
     /// What the application took of the old one's requests stays theirs (`superseded`).
     fn forget_instance(&mut self, rank: RankId) {
         let now = Instant::now();
+        let sent_to_it = Role::Sender { receiver: rank };
+        // Whether a `wait` has the end of the old request of `key` already, or will take it
+        // (blocked on it, its end kept in `terminals` below): a `wait` after is refused.
+        let answered = |core: &Core, key: RequestKey, ended: bool| {
+            let k = (key, sent_to_it);
+            core.answered_early.contains_key(&k)
+                || (ended && (core.waited.contains(&k) || !core.terminals.contains_key(&k)))
+        };
         for (key, end) in self.ep.forget_sends_to(rank) {
             if end.is_none() {
                 self.retired_sends.insert((key, rank));
             }
-            let end = Superseded::ended(end.unwrap_or(Outcome::PeerLost));
-            self.superseded.insert((key, rank), end, now);
+            let s = Superseded {
+                end: end.unwrap_or(Outcome::PeerLost),
+                waited: answered(self, key, end.is_some()),
+            };
+            self.superseded.insert((key, rank), s, now);
         }
         for ((key, _), end) in self.finished.take_if(|(_, to)| *to == Some(rank)) {
-            self.superseded
-                .insert((key, rank), Superseded::ended(end), now);
+            let s = Superseded {
+                end,
+                waited: answered(self, key, true),
+            };
+            self.superseded.insert((key, rank), s, now);
         }
-        let sent_to_it = Role::Sender { receiver: rank };
         // An end a blocked `wait` was woken for and has not taken yet stays: that wait is the
         // old process's request's, and would otherwise sleep to its own deadline and return
         // TimedOut for a request that ended PeerLost.
@@ -425,12 +438,6 @@ impl Core {
 pub(crate) struct Superseded {
     pub end: Outcome,
     pub waited: bool,
-}
-
-impl Superseded {
-    fn ended(end: Outcome) -> Self {
-        Superseded { end, waited: false }
-    }
 }
 
 /// What the engine's threads share: the agent, the core under its lock, and the stop flag.
@@ -1168,11 +1175,15 @@ impl Inner {
                     // new process's request of it is no replay), nor one for a later `wait`,
                     // which takes it from `superseded`.
                     Some(r) if retired => {
-                        // A `wait` blocked on it takes it (below): its answer, once.
-                        let waited = core.waited.contains(&(key, role));
+                        // A `wait` blocked on it takes it (below); one that returned before it
+                        // came (its early answer, taken out here: `end` is not called for it)
+                        // had its answer. Either way, once.
+                        let k = (key, role);
+                        let answered = core.answered_early.remove(&k).is_some()
+                            || core.superseded.get(&(key, r)).is_some_and(|s| s.waited);
                         let end = Superseded {
                             end: outcome,
-                            waited,
+                            waited: answered || core.waited.contains(&k),
                         };
                         core.superseded.insert((key, r), end, now);
                     }
@@ -1310,6 +1321,14 @@ impl Sink {
 mod tests {
     use super::*;
 
+    /// An engine of rank 1 on tcp, connected to nothing.
+    fn tcp_engine() -> crate::engine::Engine {
+        use crate::transport::TransportKind;
+        let mut cfg = crate::engine::EngineConfig::new("ctx", 1, TransportKind::Tcp);
+        cfg.listen = Some("127.0.0.1:0".parse().unwrap());
+        crate::engine::Engine::new(cfg).unwrap()
+    }
+
     /// A host segment 0 of 64 bytes under token 1.
     fn segment_of_64_bytes() -> BufferDesc {
         BufferDesc {
@@ -1355,10 +1374,7 @@ mod tests {
     /// an end a `wait` for the new request would take. Before, it was recorded after.
     #[test]
     fn an_end_queued_when_a_new_process_binds_the_rank_is_recorded_before_the_forgetting() {
-        let mut cfg =
-            crate::engine::EngineConfig::new("ctx", 1, crate::transport::TransportKind::Tcp);
-        cfg.listen = Some("127.0.0.1:0".parse().unwrap());
-        let engine = crate::engine::Engine::new(cfg).unwrap();
+        let engine = tcp_engine();
         let inner = &engine.inner;
         let mut core = inner.core.lock();
         let now = Instant::now();
@@ -1385,6 +1401,58 @@ mod tests {
         assert_eq!(
             core.superseded.get(&(key, rank)).map(|s| s.end),
             Some(Outcome::PeerLost)
+        );
+    }
+
+    /// A `wait` for a request of a replaced process that returned before the request's end
+    /// came (its early answer) had its answer: the end, when it comes, is not kept for another
+    /// `wait`, and the early answer goes with it. Before, the early answer stayed (only the
+    /// end's recording took it out, which a replaced process's request skips) and refused the
+    /// `wait` for the new process's request of that key, and then swallowed its end.
+    #[test]
+    fn an_early_answer_for_a_replaced_processs_request_goes_with_its_end() {
+        let engine = tcp_engine();
+        let inner = &engine.inner;
+        let mut core = inner.core.lock();
+        let now = Instant::now();
+        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
+        let role = Role::Sender { receiver: rank };
+        let advertise = Message::Advertise {
+            key,
+            src_rank: rank,
+            timeout_ms: 60_000,
+            request_info: vec![],
+            buffers: vec![segment_of_64_bytes()],
+        };
+        core.ep.handle_message(now, rank, advertise).unwrap();
+        core.accept(now, key, rank, true).unwrap();
+        core.check_send(key, rank, 0, 64).unwrap().unwrap();
+        core.ep.begin_send(key, rank, 0);
+        inner.flush_via(&mut core, None, now);
+        core.ep.handle_peer_lost(now, rank);
+        inner.new_instance(&mut core, now, rank);
+        inner.flush_via(&mut core, None, now);
+        assert!(core.retired_sends.contains(&(key, rank)));
+        // A wait that gave up before the end came, as `Engine::wait` records it.
+        core.answered_early.insert((key, role), (), now);
+        core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
+        inner.flush_via(&mut core, None, now);
+        assert!(
+            !core.answered_early.contains_key(&(key, role)),
+            "the early answer stayed"
+        );
+        assert_eq!(
+            core.terminals.get(&(key, role)),
+            None,
+            "kept for another wait"
+        );
+        let s = core.superseded.get(&(key, rank)).copied();
+        assert_eq!(
+            s,
+            Some(Superseded {
+                end: Outcome::PeerLost,
+                waited: true
+            })
         );
     }
 

@@ -49,7 +49,9 @@ pub struct EngineConfig {
     /// end). Zero: a failed request is forgotten at its end as a completed one is; its tombstone
     /// (kept to its deadline plus the agreement bound) still answers a late vote or verdict, and
     /// a sender that missed the failure verdict pulls it rather than having it pushed again.
-    /// Past the tombstone the engine still remembers each end for 10 minutes.
+    /// Past the tombstone the engine still remembers each end for 10 minutes. A context rank's
+    /// request whose [`Engine::send`](crate::connection::Engine::send) has not returned yet is
+    /// kept until it has, linger or not (a minute past the linger at most).
     pub linger: Duration,
     /// `health().state`: work pending and no data landing or sent for this long is `Wedged`
     /// (10 s by default). Taken as given: zero makes any pending work `Wedged` at once (the C++

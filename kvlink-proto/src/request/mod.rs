@@ -59,6 +59,8 @@ pub struct Config {
     /// (at most past its agreement bound), to retransmit its failure verdict, answer late
     /// duplicates and recognise stale messages. A `Completed` one is forgotten at its end:
     /// nothing confirms a `Completed` verdict, and its tombstone answers what may still come.
+    /// A send flow with a send not reported done is kept until it is, linger or not (a minute
+    /// past the linger at most).
     pub linger: Duration,
     /// The most tombstones kept (see `Endpoint::tombstones`). Each lives for its request's
     /// deadline plus the agreement bound, so with long deadlines their number grows with the

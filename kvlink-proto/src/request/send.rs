@@ -32,6 +32,12 @@ pub enum SendRefusal {
     Ended(Outcome),
 }
 
+/// How long past its linger a flow that ended is kept while a send of it is still not reported
+/// done ([`SendFlow::is_finished`]). The engine reports every send it started when the
+/// application's call returns, by the request's deadline and the stop's limits (seconds); this
+/// bounds the flow's memory should a report never come.
+pub(crate) const UNREPORTED_KEEP: Duration = Duration::from_secs(60);
+
 /// One (request, receiver) pair on a sending rank.
 #[derive(Debug)]
 pub(crate) struct SendFlow {
@@ -59,6 +65,9 @@ pub(crate) struct SendFlow {
     /// Its receiver's process was replaced while a send of this flow still ran
     /// ([`SendFlow::retire`]).
     retired: bool,
+    /// Retired: the new process's last advertisement of this key, and when it came, to start
+    /// once this flow is gone (its receiver's resends back off, up to 32 intervals apart).
+    held_advert: Option<(Instant, Message)>,
 }
 
 impl SendFlow {
@@ -103,12 +112,28 @@ impl SendFlow {
             terminal: None,
             deadline_fired: false,
             retired: false,
+            held_advert: None,
         }
     }
 
-    /// Forgotten now: at its linger's end, or, retired, once its sends are done too.
+    /// Forgotten now: ended, its sends all reported done, and its linger over (retired: at
+    /// once). A send still not reported keeps it past its linger (a flow forgotten then could
+    /// take that late report for another request of its key: with its tombstone gone, or none
+    /// made, a new process's request of the key), up to [`UNREPORTED_KEEP`] more.
     pub(crate) fn is_finished(&self, now: Instant) -> bool {
-        self.terminal.is_some() && (now >= self.forget_at || self.retired_and_done())
+        self.terminal.is_some()
+            && if self.quiesced() {
+                self.retired || now >= self.forget_at
+            } else {
+                now >= self.unreported_until()
+            }
+    }
+
+    /// When a flow whose sends are not all reported done is forgotten anyway.
+    fn unreported_until(&self) -> Instant {
+        self.forget_at
+            .checked_add(UNREPORTED_KEEP)
+            .unwrap_or(self.forget_at)
     }
 
     /// Another process holds its receiver's rank now, and this flow still has a send in
@@ -124,8 +149,24 @@ impl SendFlow {
         self.retired
     }
 
-    fn retired_and_done(&self) -> bool {
-        self.retired && self.terminal.is_some() && self.quiesced()
+    /// Retired: keeps `advert` (the new process's of this key, come at `now`; the last one
+    /// replaces those before) for [`SendFlow::take_held_advert`].
+    pub(crate) fn hold_advert(&mut self, now: Instant, advert: Message) {
+        self.held_advert = Some((now, advert));
+    }
+
+    /// The advertisement [`SendFlow::hold_advert`] kept, with what is left at `now` of the
+    /// deadline it carried; none if nothing is left.
+    pub(crate) fn take_held_advert(&mut self, now: Instant) -> Option<Message> {
+        let (at, mut advert) = self.held_advert.take()?;
+        if let Message::Advertise { timeout_ms, .. } = &mut advert {
+            let spent = now.saturating_duration_since(at).as_millis();
+            let left = u128::from(*timeout_ms)
+                .checked_sub(spent)
+                .filter(|&l| l > 0)?;
+            *timeout_ms = left as u32;
+        }
+        Some(advert)
     }
 
     pub(crate) fn is_terminal(&self) -> bool {
@@ -481,12 +522,14 @@ impl Machine for SendFlow {
     }
 
     fn next_timeout(&self) -> Instant {
-        if self.retired_and_done() {
-            // Due at once.
-            return self.started;
-        }
         if self.terminal.is_some() {
-            return self.forget_at;
+            return match (self.quiesced(), self.retired) {
+                // Due at once.
+                (true, true) => self.started,
+                (true, false) => self.forget_at,
+                // Moved earlier by the last report (`on_send_done` arms the timer again).
+                (false, _) => self.unreported_until(),
+            };
         }
         let mut t = self.bound;
         if !self.deadline_fired {

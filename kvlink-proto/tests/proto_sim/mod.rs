@@ -860,6 +860,32 @@ impl Sim {
             | Item::Heal { node, .. } => *node,
         };
         if self.dead.contains(&target) {
+            if let Item::Data {
+                from,
+                to,
+                key,
+                segment,
+                ..
+            } = item
+            {
+                // A send to a dead rank fails, and its sender hears of it (as an engine's send
+                // returns, its endpoint failed): a flow is kept until each send it began is
+                // reported done.
+                let sender_alive = !self.dead.contains(&from);
+                if let Some(n) = self.nodes.get_mut(&from).filter(|_| sender_alive) {
+                    n.inflight.remove(&(key, to, segment));
+                    self.schedule(
+                        now + ms(1),
+                        Item::SendDone {
+                            node: from,
+                            key,
+                            to,
+                            segment,
+                            ok: false,
+                        },
+                    );
+                }
+            }
             return;
         }
         if std::env::var_os("SIM_TRACE").is_some() {

@@ -243,9 +243,10 @@ impl Op {
     }
 
     /// Waits until the op ends, `deadline` passes, `cancel()` returns true (checked every
-    /// `CANCEL_POLL`), or its [`OpAbort`] is used (at once, as for a cancel). Returns `Completed` only when the whole transfer has landed. On any other
-    /// outcome the UCX request has been cancelled and released before this returns: UCX no
-    /// longer touches the buffer (see `Op::stop` for the bound on that), unless the op was
+    /// `CANCEL_POLL`), or its [`OpAbort`] is used (at once, as for a cancel). Returns
+    /// `Completed` only when the whole transfer has landed. On any other outcome the UCX
+    /// request has been cancelled and released before this returns: UCX no longer touches the
+    /// buffer (see `Op::stop` for the bound on that), unless the op was
     /// [`Op::detach_on_stop`]ped and the cancel alone did not end it (`is_quiesced()` false).
     pub fn wait(
         &mut self,
