@@ -559,6 +559,21 @@ impl Sim {
         }
     }
 
+    /// The send of `segment` of `key` from `node` to `to` is reported failed 1 ms from now.
+    fn fail_send_soon(&mut self, node: RankId, key: RequestKey, to: RankId, segment: u32) {
+        let now = self.now;
+        self.schedule(
+            now + ms(1),
+            Item::SendDone {
+                node,
+                key,
+                to,
+                segment,
+                ok: false,
+            },
+        );
+    }
+
     fn action(&mut self, node: RankId, a: Action) {
         let now = self.now;
         match a {
@@ -578,16 +593,7 @@ impl Sim {
                 }
                 if self.is_cut(node, to) {
                     // Posting to a lost peer fails at once.
-                    self.schedule(
-                        now + ms(1),
-                        Item::SendDone {
-                            node,
-                            key,
-                            to,
-                            segment: desc.segment,
-                            ok: false,
-                        },
-                    );
+                    self.fail_send_soon(node, key, to, desc.segment);
                     return;
                 }
                 let zombie = self.in_window() && self.rng.chance(self.plan.faults.zombie);
@@ -620,16 +626,7 @@ impl Sim {
                             .unwrap()
                             .inflight
                             .remove(&(key, to, segment));
-                        self.schedule(
-                            now + ms(1),
-                            Item::SendDone {
-                                node,
-                                key,
-                                to,
-                                segment,
-                                ok: false,
-                            },
-                        );
+                        self.fail_send_soon(node, key, to, segment);
                     }
                     // Otherwise the abort lost the race: the data still lands, done follows.
                 }
@@ -874,16 +871,7 @@ impl Sim {
                 let sender_alive = !self.dead.contains(&from);
                 if let Some(n) = self.nodes.get_mut(&from).filter(|_| sender_alive) {
                     n.inflight.remove(&(key, to, segment));
-                    self.schedule(
-                        now + ms(1),
-                        Item::SendDone {
-                            node: from,
-                            key,
-                            to,
-                            segment,
-                            ok: false,
-                        },
-                    );
+                    self.fail_send_soon(from, key, to, segment);
                 }
             }
             return;
@@ -1074,16 +1062,7 @@ impl Sim {
                 if let Some(n) = self.nodes.get_mut(&from) {
                     n.inflight.remove(&(key, to, segment));
                 }
-                self.schedule(
-                    now + ms(1),
-                    Item::SendDone {
-                        node: from,
-                        key,
-                        to,
-                        segment,
-                        ok: false,
-                    },
-                );
+                self.fail_send_soon(from, key, to, segment);
             }
         }
         for (a, b) in [(node, other), (other, node)] {
