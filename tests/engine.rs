@@ -2374,6 +2374,9 @@ fn an_answer_to_a_replaced_processs_advertisement_does_not_reach_its_successor()
         new.iter().all(|&b| b == 0),
         "the old request's data landed in the new one's buffer"
     );
+    // A cancel of the key is the old request's too: no error (it has ended), and the new
+    // request, not yet taken, is not cancelled.
+    ctx.cancel(key).unwrap();
     // The new advertisement, taken, is the new request's, and runs as any other.
     new_process_request_runs(&ctx, &gen, key, &new);
 }

@@ -528,6 +528,19 @@ impl Endpoint {
     /// the application's own deadline came before the request's, or `Rejected` for a peer's
     /// mistake (a segment of the wrong size).
     pub fn give_up(&mut self, now: Instant, key: RequestKey, why: Outcome) -> Result<()> {
+        self.give_up_sparing(now, key, why, &[])
+    }
+
+    /// [`Endpoint::give_up`], except for the sends of `key` to the ranks in `spare` (another
+    /// request under the same key: a replaced process's successor's, which the application
+    /// has not been handed yet). `UnknownRequest` if nothing else of `key` is known here.
+    pub fn give_up_sparing(
+        &mut self,
+        now: Instant,
+        key: RequestKey,
+        why: Outcome,
+        spare: &[RankId],
+    ) -> Result<()> {
         if !matches!(
             why,
             Outcome::Cancelled | Outcome::TimedOut | Outcome::Rejected
@@ -542,7 +555,8 @@ impl Endpoint {
             self.timers.arm(TimerId::Recv(key), r, now);
             found = true;
         }
-        for (to, f) in self.sends.get_mut(&key).into_iter().flatten() {
+        let flows = self.sends.get_mut(&key).into_iter().flatten();
+        for (to, f) in flows.filter(|(to, _)| !spare.contains(to)) {
             f.give_up(now, why, &mut self.out);
             self.timers.arm(TimerId::Send(key, *to), f, now);
             found = true;
@@ -842,6 +856,9 @@ impl Endpoint {
             })
             .collect();
         for &(key, end) in &known {
+            // Nothing of the old process's can come any more: its keys no longer make the new
+            // one's older generations stale (a retired flow's neither).
+            self.note_forgotten(key, Some(rank));
             let Some(f) = flow_mut(&mut self.sends, key, rank) else {
                 continue;
             };
@@ -851,7 +868,6 @@ impl Endpoint {
             }
             self.timers.drop_early(f);
             self.forget_flow(key, rank);
-            self.note_forgotten(key, Some(rank));
         }
         let tombs: Vec<TimerId> = self
             .tombs
@@ -970,11 +986,15 @@ impl Endpoint {
                         self.timers.release(f);
                         self.forget_flow(key, to);
                         match tomb {
-                            Some(tomb) => self.bury(id, tomb),
+                            Some(tomb) if tomb.until > now => self.bury(id, tomb),
+                            // Its tombstone's time is over already (the flow was kept past it
+                            // for a send's late report): buried, it could push a live one out
+                            // of a full store.
+                            Some(_) => self.note_tomb_gone(id),
                             // Its rank's process was replaced: nothing of it is kept, and the
                             // new process's advertisement of its key, if one came, starts.
+                            // (Its retry entry went when it was retired.)
                             None => {
-                                self.note_forgotten(key, Some(to));
                                 if let Some(advert) = held {
                                     // Checked when it came.
                                     let _ = self.handle_checked(now, to, advert);

@@ -729,3 +729,63 @@ fn a_flow_whose_send_is_never_reported_is_forgotten_a_minute_past_its_linger() {
     ctx.handle_timeout(next);
     assert_eq!(ctx.known(), 0);
 }
+
+/// The rank's process replaced twice before the old send is reported: the flow, retired at the
+/// first bind, kept the second process's advertisement, which goes with that process at the
+/// second bind. Found by review: it was started once the old send was done, for the third
+/// process, with the second one's buffers, and the third's own advertisement of the key was
+/// then answered as its duplicate.
+#[test]
+fn a_flow_retired_twice_drops_the_advertisement_of_the_process_between() {
+    let t = Instant::now();
+    let key = RequestKey::new(18, 0);
+    let g = RankId(1);
+    let (mut ctx, advertise) = sending_to_a_lost_process(t, key, config());
+    ctx.forget_sends_to(g);
+    not_answered_while_the_old_send_runs(&mut ctx, t + ms(5), advertise(t + ms(4)));
+    ctx.handle_peer_lost(t + ms(6), g);
+    ctx.forget_sends_to(g);
+    drain(&mut ctx);
+    ctx.handle_send_done(t + ms(7), key, g, 0, false).unwrap();
+    ctx.handle_timeout(t + ms(7));
+    assert_eq!((ctx.known(), ctx.tombstones()), (0, 0));
+    assert!(
+        !std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "the second process's advertisement was handed out"
+    );
+    ctx.handle_message(t + ms(8), g, advertise(t + ms(8)))
+        .unwrap();
+    assert!(
+        std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "the third process's advertisement was not handed out"
+    );
+}
+
+/// The old process's retry (generation 1 of a request id) still has a send in flight at the
+/// bind: the new process's generation 0 of that id (its ids start again) is not taken for a
+/// stale attempt of it. Found by review: the retired flow kept its retry entry, and the new
+/// process's advertisement of generation 0 was dropped as stale until the flow went.
+#[test]
+fn a_retired_retry_does_not_make_the_new_processs_first_attempt_stale() {
+    let t = Instant::now();
+    let (retry, first) = (RequestKey::new(19, 1), RequestKey::new(19, 0));
+    let g = RankId(1);
+    let (mut ctx, _) = sending_to_a_lost_process(t, retry, config());
+    ctx.forget_sends_to(g);
+    let mut reborn = Endpoint::new(g, config());
+    let lease = BufferPool::new(4).lease(first).unwrap();
+    let desc = kv_desc(TokenAllocator::default().allocate().unwrap());
+    reborn
+        .start_receive(
+            t + ms(4),
+            one_buffer(first, g, RankId(2), lease, desc, None),
+        )
+        .unwrap();
+    let adv = reborn.poll_transmit().expect("an advertisement").message;
+    ctx.handle_message(t + ms(5), g, adv).unwrap();
+    assert!(
+        std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "the new process's first attempt was dropped as stale"
+    );
+    assert!(ctx.running(first, Role::Sender { receiver: g }));
+}

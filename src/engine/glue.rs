@@ -260,22 +260,29 @@ impl Core {
             core.answered_early.contains_key(&k)
                 || (ended && (core.waited.contains(&k) || !core.terminals.contains_key(&k)))
         };
+        // One kept from a bind before stays: the application has not taken a newer
+        // advertisement of that key since, so the request of the process between (if any) was
+        // never its own, and that entry's request is the one it may still name.
         for (key, end) in self.ep.forget_sends_to(rank) {
             if end.is_none() {
                 self.retired_sends.insert((key, rank));
             }
-            let s = Superseded {
-                end: end.unwrap_or(Outcome::PeerLost),
-                waited: answered(self, key, end.is_some()),
-            };
-            self.superseded.insert((key, rank), s, now);
+            if !self.superseded.contains_key(&(key, rank)) {
+                let s = Superseded {
+                    end: end.unwrap_or(Outcome::PeerLost),
+                    waited: answered(self, key, end.is_some()),
+                };
+                self.superseded.insert((key, rank), s, now);
+            }
         }
         for ((key, _), end) in self.finished.take_if(|(_, to)| *to == Some(rank)) {
-            let s = Superseded {
-                end,
-                waited: answered(self, key, true),
-            };
-            self.superseded.insert((key, rank), s, now);
+            if !self.superseded.contains_key(&(key, rank)) {
+                let s = Superseded {
+                    end,
+                    waited: answered(self, key, true),
+                };
+                self.superseded.insert((key, rank), s, now);
+            }
         }
         // An end a blocked `wait` was woken for and has not taken yet stays: that wait is the
         // old process's request's, and would otherwise sleep to its own deadline and return
@@ -1454,6 +1461,50 @@ mod tests {
                 waited: true
             })
         );
+    }
+
+    /// The rank's process replaced twice while the application has not taken the second
+    /// process's advertisement of a key: what the application may still name by that key is
+    /// the first process's request (`Completed`), not the second's (its end at the second
+    /// bind, `PeerLost`). Found by review: the second bind replaced the first's entry.
+    #[test]
+    fn a_second_replacement_keeps_the_request_the_application_took() {
+        let engine = tcp_engine();
+        let inner = &engine.inner;
+        let mut core = inner.core.lock();
+        let now = Instant::now();
+        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
+        let advertise = || Message::Advertise {
+            key,
+            src_rank: rank,
+            timeout_ms: 60_000,
+            request_info: vec![],
+            buffers: vec![segment_of_64_bytes()],
+        };
+        core.ep.handle_message(now, rank, advertise()).unwrap();
+        core.accept(now, key, rank, true).unwrap();
+        core.check_send(key, rank, 0, 64).unwrap().unwrap();
+        core.ep.begin_send(key, rank, 0);
+        core.ep.handle_send_done(now, key, rank, 0, true).unwrap();
+        let verdict = Message::Verdict {
+            key,
+            outcome: Outcome::Completed,
+        };
+        core.ep.handle_message(now, rank, verdict).unwrap();
+        inner.flush_via(&mut core, None, now);
+        let first = Superseded {
+            end: Outcome::Completed,
+            waited: false,
+        };
+        for _ in 0..2 {
+            core.ep.handle_peer_lost(now, rank);
+            inner.new_instance(&mut core, now, rank);
+            inner.flush_via(&mut core, None, now);
+            assert_eq!(core.superseded.get(&(key, rank)), Some(&first));
+            // The next process advertises the key; the application does not take it.
+            core.ep.handle_message(now, rank, advertise()).unwrap();
+            inner.flush_via(&mut core, None, now);
+        }
     }
 
     /// An early answer (a `wait` that gave up before the end came) stays the caller's end for

@@ -5,7 +5,7 @@ use super::glue::{Core, Inner};
 use super::waiters::{sleep, WaitKey};
 use super::{key_err, Engine};
 use crate::error::{Error, ErrorKind, Outcome, Result};
-use crate::proto::{RequestKey, Role};
+use crate::proto::{RankId, RequestKey, Role};
 use crate::timeline::{self, Stage};
 use crate::transport::ucx::{CancelPace, CANCEL_POLL, CLOSE_RUN_LIMIT};
 use parking_lot::MutexGuard;
@@ -175,13 +175,26 @@ impl Engine {
     /// receiving one (ended keys are remembered as long as replays are refused, 10 minutes).
     /// A key not known here (never run, or ended longer ago than that, or pushed out of that
     /// memory by its cap of 2^20 keys) is `UnknownRequest`.
+    ///
+    /// On a context rank, the sends of `key` to a rank whose process was replaced since are
+    /// the old process's request's until its successor's advertisement of that key is taken
+    /// (as for [`Engine::accept`]): that old request has ended, and the successor's request of
+    /// the key, if any, is not cancelled.
     pub fn cancel(&self, key: RequestKey) -> Result<()> {
         let mut core = self.inner.core.lock();
-        let r = core.ep.cancel(Instant::now(), key);
-        self.inner.flush(&mut core);
+        let core = &mut *core;
+        let spare: SmallVec<[RankId; 2]> = core
+            .peers
+            .ranks()
+            .filter(|&r| core.superseded.contains_key(&(key, r)))
+            .collect();
+        let r = core
+            .ep
+            .give_up_sparing(Instant::now(), key, Outcome::Cancelled, &spare);
+        self.inner.flush(core);
         match r {
             Ok(()) => Ok(()),
-            Err(_) if core.ended_here(key) => Ok(()),
+            Err(_) if core.ended_here(key) || !spare.is_empty() => Ok(()),
             Err(e) => Err(Error::new(ErrorKind::UnknownRequest, e.message)),
         }
     }

@@ -141,8 +141,11 @@ impl SendFlow {
     /// returned yet), whether or not it has ended (its bound does not wait for that send): the new process's advertisement of its key is not this flow's, so it
     /// is no longer answered here, and this flow leaves no tombstone, which would answer it.
     /// It is forgotten as soon as it has ended and its sends are done.
+    /// Retired again (another process took the rank once more), it drops the advertisement it
+    /// kept: that process is gone too.
     pub(crate) fn retire(&mut self) {
         self.retired = true;
+        self.held_advert = None;
     }
 
     pub(crate) fn is_retired(&self) -> bool {
