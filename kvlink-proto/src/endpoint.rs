@@ -976,7 +976,7 @@ impl Endpoint {
                     f.on_timeout(now, &mut self.out);
                     f.settle(now);
                     if f.is_finished(now) {
-                        let held = f.take_held_advert(now);
+                        let held = f.take_held(now);
                         let tomb = (!f.is_retired()).then(|| Tomb {
                             until: f.tomb_until,
                             outcome: f.terminal().unwrap_or(Outcome::PeerLost),
@@ -995,9 +995,13 @@ impl Endpoint {
                             // new process's advertisement of its key, if one came, starts.
                             // (Its retry entry went when it was retired.)
                             None => {
-                                if let Some(advert) = held {
+                                if let Some((advert, verdict)) = held {
                                     // Checked when it came.
                                     let _ = self.handle_checked(now, to, advert);
+                                    if let Some(outcome) = verdict {
+                                        let v = Message::Verdict { key, outcome };
+                                        let _ = self.handle_checked(now, to, v);
+                                    }
                                 }
                             }
                         }
@@ -1313,6 +1317,15 @@ impl Endpoint {
     /// with its tombstone still kept)?
     pub fn knows_send(&self, key: RequestKey, to: RankId) -> bool {
         flow(&self.sends, key, to).is_some() || self.tombs.contains_key(&TimerId::Send(key, to))
+    }
+
+    /// The ranks this rank sends `key` to (a flow of it is known here, running or ended).
+    pub fn send_ranks(&self, key: RequestKey) -> impl Iterator<Item = RankId> + '_ {
+        self.sends
+            .get(&key)
+            .into_iter()
+            .flatten()
+            .map(|(to, _)| *to)
     }
 
     /// The request's deadline for the send flow of `key` to `to`, as learned from its advert.

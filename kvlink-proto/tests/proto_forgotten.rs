@@ -789,3 +789,65 @@ fn a_retired_retry_does_not_make_the_new_processs_first_attempt_stale() {
     );
     assert!(ctx.running(first, Role::Sender { receiver: g }));
 }
+
+/// The new process's request of the key ends there (its verdict comes) while a retired flow
+/// keeps its advertisement: once the old flow goes, the request starts here already ended,
+/// confirmed to its receiver, as it would have had no old flow been in the way. Found by
+/// review: the retired flow swallowed the verdict, and the request started here as if running
+/// (the application could accept it and send into a receive that was gone).
+#[test]
+fn a_verdict_for_a_held_advertisement_ends_its_request_when_it_starts() {
+    let t = Instant::now();
+    let key = RequestKey::new(20, 0);
+    let g = RankId(1);
+    let (mut ctx, advertise) = sending_to_a_lost_process(t, key, config());
+    ctx.forget_sends_to(g);
+    not_answered_while_the_old_send_runs(&mut ctx, t + ms(5), advertise(t + ms(4)));
+    let verdict = kvlink_proto::Message::Verdict {
+        key,
+        outcome: Outcome::Cancelled,
+    };
+    ctx.handle_message(t + ms(6), g, verdict).unwrap();
+    drain(&mut ctx);
+    ctx.handle_send_done(t + ms(7), key, g, 0, false).unwrap();
+    drain(&mut ctx);
+    ctx.handle_timeout(t + ms(7));
+    let events: Vec<_> = std::iter::from_fn(|| ctx.poll_event()).collect();
+    assert!(
+        events.iter().any(|e| matches!(e, Event::Advertised { .. })),
+        "{events:?}"
+    );
+    assert!(
+        std::iter::from_fn(|| ctx.poll_transmit())
+            .any(|tx| matches!(tx.message, kvlink_proto::Message::Quiesced { .. })),
+        "the receiver's verdict not confirmed"
+    );
+    ctx.accept(t + ms(8), key, g, true).unwrap();
+    assert_eq!(
+        ctx.check_send(key, g, 0, 64).unwrap(),
+        Err(Outcome::Cancelled),
+        "started as running"
+    );
+}
+
+/// The new process is lost too while a retired flow keeps its advertisement: nothing of it
+/// starts once the old flow goes. Found by review: it started as a running request to a rank
+/// already lost.
+#[test]
+fn a_held_advertisement_goes_with_its_lost_process() {
+    let t = Instant::now();
+    let key = RequestKey::new(21, 0);
+    let g = RankId(1);
+    let (mut ctx, advertise) = sending_to_a_lost_process(t, key, config());
+    ctx.forget_sends_to(g);
+    not_answered_while_the_old_send_runs(&mut ctx, t + ms(5), advertise(t + ms(4)));
+    ctx.handle_peer_lost(t + ms(6), g);
+    drain(&mut ctx);
+    ctx.handle_send_done(t + ms(7), key, g, 0, false).unwrap();
+    ctx.handle_timeout(t + ms(7));
+    assert_eq!(ctx.known(), 0);
+    assert!(
+        !std::iter::from_fn(|| ctx.poll_event()).any(|e| matches!(e, Event::Advertised { .. })),
+        "the lost process's advertisement was handed out"
+    );
+}

@@ -260,29 +260,16 @@ impl Core {
             core.answered_early.contains_key(&k)
                 || (ended && (core.waited.contains(&k) || !core.terminals.contains_key(&k)))
         };
-        // One kept from a bind before stays: the application has not taken a newer
-        // advertisement of that key since, so the request of the process between (if any) was
-        // never its own, and that entry's request is the one it may still name.
         for (key, end) in self.ep.forget_sends_to(rank) {
             if end.is_none() {
                 self.retired_sends.insert((key, rank));
             }
-            if !self.superseded.contains_key(&(key, rank)) {
-                let s = Superseded {
-                    end: end.unwrap_or(Outcome::PeerLost),
-                    waited: answered(self, key, end.is_some()),
-                };
-                self.superseded.insert((key, rank), s, now);
-            }
+            let waited = answered(self, key, end.is_some());
+            self.supersede(key, rank, end.unwrap_or(Outcome::PeerLost), waited, now);
         }
         for ((key, _), end) in self.finished.take_if(|(_, to)| *to == Some(rank)) {
-            if !self.superseded.contains_key(&(key, rank)) {
-                let s = Superseded {
-                    end,
-                    waited: answered(self, key, true),
-                };
-                self.superseded.insert((key, rank), s, now);
-            }
+            let waited = answered(self, key, true);
+            self.supersede(key, rank, end, waited, now);
         }
         // An end a blocked `wait` was woken for and has not taken yet stays: that wait is the
         // old process's request's, and would otherwise sleep to its own deadline and return
@@ -350,6 +337,57 @@ impl Core {
             return None;
         }
         self.finished.get(&(key, Some(to))).copied()
+    }
+
+    /// Keeps the send of `key` to `rank`, whose process was replaced, as `superseded` with
+    /// `end`, unless one is kept already: then the application has not taken a newer
+    /// advertisement of that key since, the request of the process between (if any) was never
+    /// its own, and the kept one is the request it may still name. Either way a `wait` that
+    /// answered it (`waited`: the early answers go at this bind) is remembered.
+    fn supersede(
+        &mut self,
+        key: RequestKey,
+        rank: RankId,
+        end: Outcome,
+        waited: bool,
+        now: Instant,
+    ) {
+        match self.superseded.get_mut(&(key, rank)) {
+            Some(kept) => kept.waited |= waited,
+            None => {
+                let s = Superseded { end, waited };
+                self.superseded.insert((key, rank), s, now);
+            }
+        }
+    }
+
+    /// The ranks whose sends of `key` known to the core are another process's request than
+    /// the application's (`superseded`): a give-up of `key` spares them. Empty at once when
+    /// nothing is superseded.
+    pub fn spared(&self, key: RequestKey) -> SmallVec<[RankId; 2]> {
+        if self.superseded.len() == 0 {
+            return SmallVec::new();
+        }
+        self.ep
+            .send_ranks(key)
+            .filter(|&r| self.superseded.contains_key(&(key, r)))
+            .collect()
+    }
+
+    /// Whether a send of `key` to some rank is `superseded` (the old request ended). One
+    /// look-up per rank ever known, as [`Core::ended_here`].
+    pub fn superseded_here(&self, key: RequestKey) -> bool {
+        self.superseded.len() > 0
+            && self
+                .peers
+                .ranks()
+                .any(|r| self.superseded.contains_key(&(key, r)))
+    }
+
+    /// [`Endpoint::give_up`] of `key` on this rank, sparing the sends [`Core::spared`] names.
+    pub fn give_up(&mut self, now: Instant, key: RequestKey, why: Outcome) -> Result<()> {
+        let spare = self.spared(key);
+        self.ep.give_up_sparing(now, key, why, &spare)
     }
 
     /// `UnknownRequest` for a `superseded` send of `key` to `to`: the core's send of that key,
@@ -1336,6 +1374,73 @@ mod tests {
         crate::engine::Engine::new(cfg).unwrap()
     }
 
+    /// A send of `key` to `rank` accepted and in flight when `rank`'s process is lost and a
+    /// new one binds the rank: retired in the core.
+    fn sending_to_a_replaced_process(
+        inner: &Inner,
+        core: &mut Core,
+        now: Instant,
+        key: RequestKey,
+        rank: RankId,
+    ) {
+        core.ep
+            .handle_message(now, rank, advertisement(key, rank))
+            .unwrap();
+        core.accept(now, key, rank, true).unwrap();
+        core.check_send(key, rank, 0, 64).unwrap().unwrap();
+        core.ep.begin_send(key, rank, 0);
+        inner.flush_via(core, None, now);
+        core.ep.handle_peer_lost(now, rank);
+        inner.new_instance(core, now, rank);
+        inner.flush_via(core, None, now);
+        assert!(core.retired_sends.contains(&(key, rank)));
+    }
+
+    /// `rank`'s advertisement of `key`: one segment of 64 bytes, a minute to run.
+    fn advertisement(key: RequestKey, rank: RankId) -> Message {
+        Message::Advertise {
+            key,
+            src_rank: rank,
+            timeout_ms: 60_000,
+            request_info: vec![],
+            buffers: vec![segment_of_64_bytes()],
+        }
+    }
+
+    /// The old request's give-up (its `wait` cancelled, or its send's end) after its flow went
+    /// and the new process's request of the key started from the advertisement the retired
+    /// flow kept, not yet taken by the application: the new request is not given up. Found by
+    /// review: `wait` gave up every send of the key.
+    #[test]
+    fn the_old_requests_give_up_spares_the_new_processs_request() {
+        let engine = tcp_engine();
+        let inner = &engine.inner;
+        let mut core = inner.core.lock();
+        let now = Instant::now();
+        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
+        sending_to_a_replaced_process(inner, &mut core, now, key, rank);
+        core.ep
+            .handle_message(now, rank, advertisement(key, rank))
+            .unwrap();
+        core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
+        inner.flush_via(&mut core, None, now);
+        core.ep.handle_timeout(now);
+        inner.flush_via(&mut core, None, now);
+        assert!(
+            core.ep.running(key, Role::Sender { receiver: rank }),
+            "the new request"
+        );
+        core.give_up(now, key, Outcome::Cancelled).unwrap_err();
+        inner.flush_via(&mut core, None, now);
+        // The application takes the new advertisement (`next_advertisement`) and runs it.
+        core.superseded.remove(&(key, rank));
+        core.accept(now, key, rank, true).unwrap();
+        assert!(
+            matches!(core.check_send(key, rank, 0, 64), Ok(Ok(_))),
+            "the new request was given up"
+        );
+    }
+
     /// A host segment 0 of 64 bytes under token 1.
     fn segment_of_64_bytes() -> BufferDesc {
         BufferDesc {
@@ -1386,15 +1491,9 @@ mod tests {
         let mut core = inner.core.lock();
         let now = Instant::now();
         let (key, rank) = (RequestKey::new(4, 0), RankId(2));
-        let desc = segment_of_64_bytes();
-        let advertise = Message::Advertise {
-            key,
-            src_rank: rank,
-            timeout_ms: 60_000,
-            request_info: vec![],
-            buffers: vec![desc],
-        };
-        core.ep.handle_message(now, rank, advertise).unwrap();
+        core.ep
+            .handle_message(now, rank, advertisement(key, rank))
+            .unwrap();
         inner.flush_via(&mut core, None, now);
         core.ep.handle_peer_lost(now, rank);
         inner.new_instance(&mut core, now, rank);
@@ -1416,32 +1515,30 @@ mod tests {
     /// `wait`, and the early answer goes with it. Before, the early answer stayed (only the
     /// end's recording took it out, which a replaced process's request skips) and refused the
     /// `wait` for the new process's request of that key, and then swallowed its end.
+    /// The same with the rank's process replaced once more after that `wait` (which clears the
+    /// early answers): found by a later review, the second bind kept the entry without it.
     #[test]
     fn an_early_answer_for_a_replaced_processs_request_goes_with_its_end() {
+        for second_bind in [false, true] {
+            early_answer_for_a_replaced_processs_request(second_bind);
+        }
+    }
+
+    fn early_answer_for_a_replaced_processs_request(second_bind: bool) {
         let engine = tcp_engine();
         let inner = &engine.inner;
         let mut core = inner.core.lock();
         let now = Instant::now();
         let (key, rank) = (RequestKey::new(4, 0), RankId(2));
         let role = Role::Sender { receiver: rank };
-        let advertise = Message::Advertise {
-            key,
-            src_rank: rank,
-            timeout_ms: 60_000,
-            request_info: vec![],
-            buffers: vec![segment_of_64_bytes()],
-        };
-        core.ep.handle_message(now, rank, advertise).unwrap();
-        core.accept(now, key, rank, true).unwrap();
-        core.check_send(key, rank, 0, 64).unwrap().unwrap();
-        core.ep.begin_send(key, rank, 0);
-        inner.flush_via(&mut core, None, now);
-        core.ep.handle_peer_lost(now, rank);
-        inner.new_instance(&mut core, now, rank);
-        inner.flush_via(&mut core, None, now);
-        assert!(core.retired_sends.contains(&(key, rank)));
+        sending_to_a_replaced_process(inner, &mut core, now, key, rank);
         // A wait that gave up before the end came, as `Engine::wait` records it.
         core.answered_early.insert((key, role), (), now);
+        if second_bind {
+            core.ep.handle_peer_lost(now, rank);
+            inner.new_instance(&mut core, now, rank);
+            inner.flush_via(&mut core, None, now);
+        }
         core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
         inner.flush_via(&mut core, None, now);
         assert!(
@@ -1474,13 +1571,7 @@ mod tests {
         let mut core = inner.core.lock();
         let now = Instant::now();
         let (key, rank) = (RequestKey::new(4, 0), RankId(2));
-        let advertise = || Message::Advertise {
-            key,
-            src_rank: rank,
-            timeout_ms: 60_000,
-            request_info: vec![],
-            buffers: vec![segment_of_64_bytes()],
-        };
+        let advertise = || advertisement(key, rank);
         core.ep.handle_message(now, rank, advertise()).unwrap();
         core.accept(now, key, rank, true).unwrap();
         core.check_send(key, rank, 0, 64).unwrap().unwrap();

@@ -286,7 +286,7 @@ impl Engine {
                 _ => None,
             };
             if let Some(why) = why.filter(|_| !matches!(r, Ok(Outcome::Completed))) {
-                let _ = core.ep.give_up(now, key, why);
+                let _ = core.give_up(now, key, why);
             }
             let ok = matches!(r, Ok(Outcome::Completed));
             let _ = core.ep.handle_send_done(now, key, to, segment, ok);
@@ -373,7 +373,7 @@ fn send_until(
     if now < until {
         return Ok(until);
     }
-    let _ = core.ep.give_up(now, key, Outcome::TimedOut);
+    let _ = core.give_up(now, key, Outcome::TimedOut);
     inner.flush(core);
     Err(Outcome::TimedOut)
 }

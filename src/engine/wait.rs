@@ -5,7 +5,7 @@ use super::glue::{Core, Inner};
 use super::waiters::{sleep, WaitKey};
 use super::{key_err, Engine};
 use crate::error::{Error, ErrorKind, Outcome, Result};
-use crate::proto::{RankId, RequestKey, Role};
+use crate::proto::{RequestKey, Role};
 use crate::timeline::{self, Stage};
 use crate::transport::ucx::{CancelPace, CANCEL_POLL, CLOSE_RUN_LIMIT};
 use parking_lot::MutexGuard;
@@ -182,26 +182,20 @@ impl Engine {
     /// the key, if any, is not cancelled.
     pub fn cancel(&self, key: RequestKey) -> Result<()> {
         let mut core = self.inner.core.lock();
-        let core = &mut *core;
-        let spare: SmallVec<[RankId; 2]> = core
-            .peers
-            .ranks()
-            .filter(|&r| core.superseded.contains_key(&(key, r)))
-            .collect();
-        let r = core
-            .ep
-            .give_up_sparing(Instant::now(), key, Outcome::Cancelled, &spare);
-        self.inner.flush(core);
+        let r = core.give_up(Instant::now(), key, Outcome::Cancelled);
+        self.inner.flush(&mut core);
         match r {
             Ok(()) => Ok(()),
-            Err(_) if core.ended_here(key) || !spare.is_empty() => Ok(()),
+            Err(_) if core.ended_here(key) || core.superseded_here(key) => Ok(()),
             Err(e) => Err(Error::new(ErrorKind::UnknownRequest, e.message)),
         }
     }
 
+    /// Gives `key` up on this rank (sparing what another process's request of the key is:
+    /// `Core::spared`).
     pub(super) fn give_up(&self, key: RequestKey, why: Outcome) {
         let mut core = self.inner.core.lock();
-        let _ = core.ep.give_up(Instant::now(), key, why);
+        let _ = core.give_up(Instant::now(), key, why);
         self.inner.flush(&mut core);
     }
 

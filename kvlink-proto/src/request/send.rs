@@ -65,9 +65,19 @@ pub(crate) struct SendFlow {
     /// Its receiver's process was replaced while a send of this flow still ran
     /// ([`SendFlow::retire`]).
     retired: bool,
-    /// Retired: the new process's last advertisement of this key, and when it came, to start
-    /// once this flow is gone (its receiver's resends back off, up to 32 intervals apart).
-    held_advert: Option<(Instant, Message)>,
+    /// Retired: what the new process sent of its request of this key, to start it once this
+    /// flow is gone (its receiver's resends back off, up to 32 intervals apart).
+    held: Option<Held>,
+}
+
+/// What a retired flow keeps of the new process's request of its key ([`SendFlow::hold_advert`]).
+#[derive(Debug)]
+struct Held {
+    /// When its last advertisement came.
+    at: Instant,
+    advert: Message,
+    /// Its verdict, if it came too (the request ended there before it started here).
+    verdict: Option<Outcome>,
 }
 
 impl SendFlow {
@@ -112,7 +122,7 @@ impl SendFlow {
             terminal: None,
             deadline_fired: false,
             retired: false,
-            held_advert: None,
+            held: None,
         }
     }
 
@@ -138,14 +148,16 @@ impl SendFlow {
 
     /// Another process holds its receiver's rank now, and this flow still has a send in
     /// flight (the old process's loss asked it to stop; the application's send has not
-    /// returned yet), whether or not it has ended (its bound does not wait for that send): the new process's advertisement of its key is not this flow's, so it
-    /// is no longer answered here, and this flow leaves no tombstone, which would answer it.
-    /// It is forgotten as soon as it has ended and its sends are done.
-    /// Retired again (another process took the rank once more), it drops the advertisement it
-    /// kept: that process is gone too.
+    /// returned yet), whether or not it has ended (its bound does not wait for that send):
+    /// the new process's advertisement of its key is not this flow's, so it is no longer
+    /// answered here, and this flow leaves no tombstone, which would answer it. It is
+    /// forgotten as soon as it has ended and its sends are done. What comes from its
+    /// rank from then on is the new process's ([`SendFlow::hold_advert`],
+    /// [`SendFlow::on_verdict`], [`SendFlow::on_peer_lost`]). Retired again (another process
+    /// took the rank once more), it drops what it kept: that process is gone too.
     pub(crate) fn retire(&mut self) {
         self.retired = true;
-        self.held_advert = None;
+        self.held = None;
     }
 
     pub(crate) fn is_retired(&self) -> bool {
@@ -153,15 +165,26 @@ impl SendFlow {
     }
 
     /// Retired: keeps `advert` (the new process's of this key, come at `now`; the last one
-    /// replaces those before) for [`SendFlow::take_held_advert`].
+    /// replaces those before) for [`SendFlow::take_held`].
     pub(crate) fn hold_advert(&mut self, now: Instant, advert: Message) {
-        self.held_advert = Some((now, advert));
+        let verdict = self.held.take().and_then(|h| h.verdict);
+        self.held = Some(Held {
+            at: now,
+            advert,
+            verdict,
+        });
     }
 
-    /// The advertisement [`SendFlow::hold_advert`] kept, with what is left at `now` of the
-    /// deadline it carried; none if nothing is left.
-    pub(crate) fn take_held_advert(&mut self, now: Instant) -> Option<Message> {
-        let (at, mut advert) = self.held_advert.take()?;
+    /// What [`SendFlow::hold_advert`] kept: the advertisement, with what is left at `now` of
+    /// the deadline it carried, and the new process's verdict of it if one came (to be handled
+    /// right after, as it would have been had the advertisement started a flow at once); none
+    /// if nothing is left of the deadline.
+    pub(crate) fn take_held(&mut self, now: Instant) -> Option<(Message, Option<Outcome>)> {
+        let Held {
+            at,
+            mut advert,
+            verdict,
+        } = self.held.take()?;
         if let Message::Advertise { timeout_ms, .. } = &mut advert {
             let spent = now.saturating_duration_since(at).as_millis();
             let left = u128::from(*timeout_ms)
@@ -169,7 +192,7 @@ impl SendFlow {
                 .filter(|&l| l > 0)?;
             *timeout_ms = left as u32;
         }
-        Some(advert)
+        Some((advert, verdict))
     }
 
     pub(crate) fn is_terminal(&self) -> bool {
@@ -395,6 +418,14 @@ impl SendFlow {
     }
 
     pub(crate) fn on_verdict(&mut self, v: Outcome, out: &mut Out) {
+        if self.retired {
+            // The new process's verdict of its request of this key (this flow's receiver is
+            // gone): kept with its advertisement. Without one there is nothing to end here.
+            if let Some(h) = self.held.as_mut() {
+                h.verdict.get_or_insert(v);
+            }
+            return;
+        }
         if self.terminal.is_some() {
             // Our confirmation was lost: confirm again.
             out.stats.duplicates += 1;
@@ -421,6 +452,10 @@ impl SendFlow {
     }
 
     pub(crate) fn on_peer_lost(&mut self, now: Instant, out: &mut Out) {
+        if self.retired {
+            // The new process is lost too: what it advertised goes with it.
+            self.held = None;
+        }
         if self.verdict.is_none() {
             // A loss found after the deadline (or after this rank gave up, e.g. the endpoint
             // it force-closed to stop a send) does not change why the request failed here.
