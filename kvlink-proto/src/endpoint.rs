@@ -1319,13 +1319,11 @@ impl Endpoint {
         flow(&self.sends, key, to).is_some() || self.tombs.contains_key(&TimerId::Send(key, to))
     }
 
-    /// The ranks this rank sends `key` to (a flow of it is known here, running or ended).
-    pub fn send_ranks(&self, key: RequestKey) -> impl Iterator<Item = RankId> + '_ {
-        self.sends
-            .get(&key)
-            .into_iter()
-            .flatten()
-            .map(|(to, _)| *to)
+    /// The ranks this rank sends `key` to (a flow of it is known here, running or ended),
+    /// except those whose flow is retired (its rank's process was replaced since).
+    pub fn unretired_send_ranks(&self, key: RequestKey) -> impl Iterator<Item = RankId> + '_ {
+        let flows = self.sends.get(&key).into_iter().flatten();
+        flows.filter(|(_, f)| !f.is_retired()).map(|(to, _)| *to)
     }
 
     /// The request's deadline for the send flow of `key` to `to`, as learned from its advert.

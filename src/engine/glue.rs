@@ -362,16 +362,25 @@ impl Core {
     }
 
     /// The ranks whose sends of `key` known to the core are another process's request than
-    /// the application's (`superseded`): a give-up of `key` spares them. Empty at once when
-    /// nothing is superseded.
+    /// the application's (`superseded`, and not the replaced process's own, retired): a
+    /// give-up of `key` spares them. Empty at once when nothing is superseded.
     pub fn spared(&self, key: RequestKey) -> SmallVec<[RankId; 2]> {
         if self.superseded.len() == 0 {
             return SmallVec::new();
         }
         self.ep
-            .send_ranks(key)
+            .unretired_send_ranks(key)
             .filter(|&r| self.superseded.contains_key(&(key, r)))
             .collect()
+    }
+
+    /// The end of the replaced process's request of `key` to `rank` that a `wait` blocked on
+    /// it while it still ran takes: none while it runs (`retired_sends`).
+    pub fn retired_end(&self, key: RequestKey, rank: RankId) -> Option<Outcome> {
+        if self.retired_sends.contains(&(key, rank)) {
+            return None;
+        }
+        self.superseded.get(&(key, rank)).map(|s| s.end)
     }
 
     /// Whether a send of `key` to some rank is `superseded` (the old request ended). One
@@ -1258,9 +1267,11 @@ impl Inner {
                 }
                 if role == Role::Receiver && core.fencing.contains_key(&key) {
                     core.deferred.insert(key, outcome);
-                } else if retired && !core.waited.contains(&(key, role)) {
-                    // Kept in `superseded` alone: a `wait` for the new process's request of the
-                    // key must not take it.
+                } else if retired {
+                    // Kept in `superseded` alone, where a `wait` blocked on it takes it
+                    // (`Core::retired_end`): in `terminals` the new process's request of the
+                    // key, which may start and end before that wait runs, would take its place.
+                    core.waiters.wake(WaitKey::Terminal(key, role));
                 } else {
                     core.end(key, role, outcome, now);
                 }
@@ -1438,6 +1449,74 @@ mod tests {
         assert!(
             matches!(core.check_send(key, rank, 0, 64), Ok(Ok(_))),
             "the new request was given up"
+        );
+    }
+
+    /// The old request's own give-up (its `wait` at its deadline) while its send is still
+    /// stopping: it ends by the agreement bound from then (`PeerLost`, its verdict), as any
+    /// request given up. Found by review: the give-up spared the retired flow as if it were
+    /// the new process's, and it ran to its request's deadline (here a minute) plus the bound,
+    /// the wait returning `TimedOut` unsettled.
+    #[test]
+    fn the_old_requests_give_up_reaches_its_own_retired_send() {
+        let engine = tcp_engine();
+        let inner = &engine.inner;
+        let mut core = inner.core.lock();
+        let now = Instant::now();
+        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
+        sending_to_a_replaced_process(inner, &mut core, now, key, rank);
+        core.give_up(now, key, Outcome::TimedOut).unwrap();
+        inner.flush_via(&mut core, None, now);
+        let later = now + inner.agreement_bound + Duration::from_millis(1);
+        core.ep.handle_timeout(later);
+        inner.flush_via(&mut core, None, later);
+        assert_eq!(core.retired_end(key, rank), Some(Outcome::PeerLost));
+    }
+
+    /// The new process's request of the key starts from the advertisement the retired flow
+    /// kept and ends at once (its verdict came meanwhile) in the pass that forgets the old
+    /// flow, before the old request's blocked `wait` has run: that wait still gets the old
+    /// request's end, and the new one's stays for the `wait` the application makes once it
+    /// takes the new advertisement. Found by review: both ends went to one slot, the new one
+    /// over the old one (and without the verdict, the old end waited there for the new
+    /// request's `wait`).
+    #[test]
+    fn a_new_request_that_ends_at_once_leaves_the_old_end_to_its_wait() {
+        for new_end in [Some(Outcome::TimedOut), None] {
+            new_request_beside_an_old_wait(new_end);
+        }
+    }
+
+    fn new_request_beside_an_old_wait(new_end: Option<Outcome>) {
+        let engine = tcp_engine();
+        let inner = &engine.inner;
+        let mut core = inner.core.lock();
+        let now = Instant::now();
+        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
+        let role = Role::Sender { receiver: rank };
+        sending_to_a_replaced_process(inner, &mut core, now, key, rank);
+        core.ep
+            .handle_message(now, rank, advertisement(key, rank))
+            .unwrap();
+        if let Some(outcome) = new_end {
+            let verdict = Message::Verdict { key, outcome };
+            core.ep.handle_message(now, rank, verdict).unwrap();
+        }
+        // The old request's wait, blocked.
+        core.waited.insert((key, role));
+        core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
+        inner.flush_via(&mut core, None, now);
+        core.ep.handle_timeout(now);
+        inner.flush_via(&mut core, None, now);
+        assert_eq!(
+            core.retired_end(key, rank),
+            Some(Outcome::PeerLost),
+            "the old end"
+        );
+        assert_eq!(
+            core.terminals.get(&(key, role)).copied(),
+            new_end,
+            "the new request's end, and only that"
         );
     }
 

@@ -34,7 +34,14 @@ impl Engine {
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
         let _span = timeline::span(Stage::WaitCalled, Stage::WaitReturned);
-        let take = |core: &mut Core| core.terminals.remove(&(key, role));
+        // Set when this call waits for a replaced process's request still running here (a
+        // retired send): its end is kept in `superseded`, not in `terminals`, where the new
+        // process's request of the key puts its own.
+        let old_request = std::cell::Cell::new(false);
+        let take = |core: &mut Core| match role {
+            Role::Sender { receiver } if old_request.get() => core.retired_end(key, receiver),
+            _ => core.terminals.remove(&(key, role)),
+        };
         // The largest buffer a receive waits for: a bulk one is not polled for.
         let mut largest = 0;
         {
@@ -63,7 +70,8 @@ impl Engine {
                 // (an end kept under that key may be the new one's). One still running there
                 // is waited for below: its end comes to this call.
                 let old = (key, receiver);
-                if !core.retired_sends.contains(&old) {
+                old_request.set(core.retired_sends.contains(&old));
+                if !old_request.get() {
                     if let Some(s) = core.superseded.get_mut(&old) {
                         if s.waited {
                             return Err(key_err(
