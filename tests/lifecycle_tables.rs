@@ -262,6 +262,7 @@ fn drained(e: &Engine, ended: u64, side: &str) {
         "ep.early",
         "ep.owed",
         "retired_sends",
+        "retired_ends",
     ] {
         assert_eq!(s[t], 0, "{side}: {t} not empty after every request ended");
     }

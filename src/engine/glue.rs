@@ -144,6 +144,9 @@ pub(crate) struct Core {
     /// end of a send of that key to that rank is theirs (the core starts no other until they
     /// are gone).
     pub retired_sends: HashSet<(RequestKey, RankId)>,
+    /// The end of a `retired_sends` request for the `wait` blocked on it when it came (at
+    /// most one per key and rank, taken by that call before it returns).
+    pub retired_ends: HashMap<(RequestKey, RankId), Outcome>,
     /// Notifications waiting, by sending rank (a rank's queue goes when it empties).
     pub notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
     /// What `notes` holds, in bytes ([`note_bytes`]; at most [`MAX_QUEUED_BYTES`]).
@@ -230,6 +233,7 @@ impl Core {
             finished: Aged::new(RETENTION, AGED_CAP),
             superseded: Aged::new(RETENTION, AGED_CAP),
             retired_sends: HashSet::default(),
+            retired_ends: HashMap::new(),
             notes: HashMap::new(),
             note_bytes: 0,
             control_ops: VecDeque::new(),
@@ -372,15 +376,6 @@ impl Core {
             .unretired_send_ranks(key)
             .filter(|&r| self.superseded.contains_key(&(key, r)))
             .collect()
-    }
-
-    /// The end of the replaced process's request of `key` to `rank` that a `wait` blocked on
-    /// it while it still ran takes: none while it runs (`retired_sends`).
-    pub fn retired_end(&self, key: RequestKey, rank: RankId) -> Option<Outcome> {
-        if self.retired_sends.contains(&(key, rank)) {
-            return None;
-        }
-        self.superseded.get(&(key, rank)).map(|s| s.end)
     }
 
     /// Whether a send of `key` to some rank is `superseded` (the old request ended). One
@@ -1267,10 +1262,13 @@ impl Inner {
                 }
                 if role == Role::Receiver && core.fencing.contains_key(&key) {
                     core.deferred.insert(key, outcome);
-                } else if retired {
-                    // Kept in `superseded` alone, where a `wait` blocked on it takes it
-                    // (`Core::retired_end`): in `terminals` the new process's request of the
+                } else if let (true, Some(r)) = (retired, peer) {
+                    // Kept in `superseded`, and for a `wait` blocked on it in a slot of its
+                    // own (`retired_ends`): in `terminals` the new process's request of the
                     // key, which may start and end before that wait runs, would take its place.
+                    if core.waited.contains(&(key, role)) {
+                        core.retired_ends.insert((key, r), outcome);
+                    }
                     core.waiters.wake(WaitKey::Terminal(key, role));
                 } else {
                     core.end(key, role, outcome, now);
@@ -1470,7 +1468,11 @@ mod tests {
         let later = now + inner.agreement_bound + Duration::from_millis(1);
         core.ep.handle_timeout(later);
         inner.flush_via(&mut core, None, later);
-        assert_eq!(core.retired_end(key, rank), Some(Outcome::PeerLost));
+        assert!(!core.retired_sends.contains(&(key, rank)), "still running");
+        assert_eq!(
+            core.superseded.get(&(key, rank)).map(|s| s.end),
+            Some(Outcome::PeerLost)
+        );
     }
 
     /// The new process's request of the key starts from the advertisement the retired flow
@@ -1483,17 +1485,27 @@ mod tests {
     #[test]
     fn a_new_request_that_ends_at_once_leaves_the_old_end_to_its_wait() {
         for new_end in [Some(Outcome::TimedOut), None] {
-            new_request_beside_an_old_wait(new_end);
+            for blocked_before_the_bind in [false, true] {
+                new_request_beside_an_old_wait(new_end, blocked_before_the_bind);
+            }
         }
     }
 
-    fn new_request_beside_an_old_wait(new_end: Option<Outcome>) {
+    /// See [`a_new_request_that_ends_at_once_leaves_the_old_end_to_its_wait`]; the old
+    /// request's `wait` blocked since before the bind, or after it. Either way its end stays
+    /// for it once the application takes the new advertisement. (Found by a later review:
+    /// a wait blocked since before the bind, and one whose end the application's take of the
+    /// new advertisement removed, slept to their deadlines.)
+    fn new_request_beside_an_old_wait(new_end: Option<Outcome>, blocked_before_the_bind: bool) {
         let engine = tcp_engine();
         let inner = &engine.inner;
         let mut core = inner.core.lock();
         let now = Instant::now();
         let (key, rank) = (RequestKey::new(4, 0), RankId(2));
         let role = Role::Sender { receiver: rank };
+        if blocked_before_the_bind {
+            core.waited.insert((key, role));
+        }
         sending_to_a_replaced_process(inner, &mut core, now, key, rank);
         core.ep
             .handle_message(now, rank, advertisement(key, rank))
@@ -1508,10 +1520,13 @@ mod tests {
         inner.flush_via(&mut core, None, now);
         core.ep.handle_timeout(now);
         inner.flush_via(&mut core, None, now);
+        // The application takes the new advertisement (`next_advertisement`) before the old
+        // wait has run.
+        core.superseded.remove(&(key, rank));
         assert_eq!(
-            core.retired_end(key, rank),
-            Some(Outcome::PeerLost),
-            "the old end"
+            core.retired_ends.get(&(key, rank)),
+            Some(&Outcome::PeerLost),
+            "the old end, for its wait"
         );
         assert_eq!(
             core.terminals.get(&(key, role)).copied(),

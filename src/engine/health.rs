@@ -69,6 +69,7 @@ impl Engine {
             ("finished.slots", core.finished.slots()),
             ("superseded", core.superseded.len()),
             ("retired_sends", core.retired_sends.len()),
+            ("retired_ends", core.retired_ends.len()),
             ("notes", core.notes.len()),
             ("control_ops", core.control_ops.len()),
             ("waiters", core.waiters.keys()),

@@ -34,13 +34,15 @@ impl Engine {
         cancel: Option<&dyn Fn() -> bool>,
     ) -> Result<Outcome> {
         let _span = timeline::span(Stage::WaitCalled, Stage::WaitReturned);
-        // Set when this call waits for a replaced process's request still running here (a
-        // retired send): its end is kept in `superseded`, not in `terminals`, where the new
-        // process's request of the key puts its own.
-        let old_request = std::cell::Cell::new(false);
-        let take = |core: &mut Core| match role {
-            Role::Sender { receiver } if old_request.get() => core.retired_end(key, receiver),
-            _ => core.terminals.remove(&(key, role)),
+        // The end of a replaced process's request that ended while this call waited for it
+        // (since before the bind, or after) comes in a slot of its own (`retired_ends`): in
+        // `terminals` the new process's request of the key puts its own.
+        let take = |core: &mut Core| {
+            let retired = match role {
+                Role::Sender { receiver } => core.retired_ends.remove(&(key, receiver)),
+                Role::Receiver => None,
+            };
+            retired.or_else(|| core.terminals.remove(&(key, role)))
         };
         // The largest buffer a receive waits for: a bulk one is not polled for.
         let mut largest = 0;
@@ -70,16 +72,16 @@ impl Engine {
                 // (an end kept under that key may be the new one's). One still running there
                 // is waited for below: its end comes to this call.
                 let old = (key, receiver);
-                old_request.set(core.retired_sends.contains(&old));
-                if !old_request.get() {
-                    if let Some(s) = core.superseded.get_mut(&old) {
-                        if s.waited {
-                            return Err(key_err(
-                                ErrorKind::UnknownRequest,
-                                key,
-                                "already waited for (its receiver's process was replaced since)",
-                            ));
-                        }
+                let running = core.retired_sends.contains(&old);
+                if let Some(s) = core.superseded.get_mut(&old) {
+                    if s.waited {
+                        return Err(key_err(
+                            ErrorKind::UnknownRequest,
+                            key,
+                            "already waited for (its receiver's process was replaced since)",
+                        ));
+                    }
+                    if !running {
                         s.waited = true;
                         return Ok(s.end);
                     }
@@ -290,6 +292,11 @@ struct WaitOwner<'a> {
 
 impl Drop for WaitOwner<'_> {
     fn drop(&mut self) {
-        self.inner.core.lock().waited.remove(&self.key);
+        let mut core = self.inner.core.lock();
+        core.waited.remove(&self.key);
+        // Taken by the call before it returns; nothing of it may outlive the call.
+        if let (key, Role::Sender { receiver }) = self.key {
+            core.retired_ends.remove(&(key, receiver));
+        }
     }
 }
