@@ -144,8 +144,9 @@ pub(crate) struct Core {
     /// end of a send of that key to that rank is theirs (the core starts no other until they
     /// are gone).
     pub retired_sends: HashSet<(RequestKey, RankId)>,
-    /// The end of a `retired_sends` request for the `wait` blocked on it when it came (at
-    /// most one per key and rank, taken by that call before it returns).
+    /// The end of a replaced process's request for the `wait` blocked on it (one that came
+    /// after the bind, of a `retired_sends` request, or before it, not yet taken): at most one
+    /// per key and rank, taken by that call before it returns.
     pub retired_ends: HashMap<(RequestKey, RankId), Outcome>,
     /// Notifications waiting, by sending rank (a rank's queue goes when it empties).
     pub notes: HashMap<RankId, VecDeque<(RequestKey, Vec<u8>)>>,
@@ -275,12 +276,16 @@ impl Core {
             let waited = answered(self, key, true);
             self.supersede(key, rank, end, waited, now);
         }
-        // An end a blocked `wait` was woken for and has not taken yet stays: that wait is the
-        // old process's request's, and would otherwise sleep to its own deadline and return
-        // TimedOut for a request that ended PeerLost.
-        let waited = &self.waited;
-        self.terminals
-            .retain(|k| k.1 != sent_to_it || waited.contains(k));
+        // An end a blocked `wait` was woken for and has not taken yet stays for it, in that
+        // wait's own slot (`retired_ends`): that wait is the old process's request's, and would
+        // otherwise sleep to its own deadline and return TimedOut for a request that ended
+        // PeerLost; in `terminals` the new process's request of the key, ending before that
+        // wait runs, would take its place.
+        for ((key, _), end) in self.terminals.take_if(|k| k.1 == sent_to_it) {
+            if self.waited.contains(&(key, sent_to_it)) {
+                self.retired_ends.insert((key, rank), end);
+            }
+        }
         self.answered_early.retain(|(_, role)| *role != sent_to_it);
         self.drop_adverts(|a| a.from == rank);
         if let Some(q) = self.notes.remove(&rank) {
@@ -1568,7 +1573,13 @@ mod tests {
         }
         core.waited.insert(waited);
         core.forget_instance(RankId(2));
-        assert_eq!(core.terminals.get(&waited), Some(&Outcome::PeerLost));
+        // Kept for the woken wait in its own slot, where the new process's request of the key
+        // cannot take its place (found by review: it stayed in `terminals`).
+        assert_eq!(core.terminals.get(&waited), None);
+        assert_eq!(
+            core.retired_ends.get(&(waited.0, RankId(2))),
+            Some(&Outcome::PeerLost)
+        );
         assert_eq!(core.terminals.get(&unwaited), None);
         assert_eq!(core.terminals.get(&elsewhere), Some(&Outcome::PeerLost));
     }
