@@ -1388,6 +1388,27 @@ mod tests {
         crate::engine::Engine::new(cfg).unwrap()
     }
 
+    /// Runs `test` on a fresh [`tcp_engine`] under its core's lock, with the clock read once,
+    /// and the key (4, 0) and rank 2 the tests name.
+    fn on_engine(test: impl FnOnce(&Inner, &mut Core, Instant, RequestKey, RankId)) {
+        let engine = tcp_engine();
+        let inner = &engine.inner;
+        test(
+            inner,
+            &mut inner.core.lock(),
+            Instant::now(),
+            RequestKey::new(4, 0),
+            RankId(2),
+        );
+    }
+
+    /// `rank`'s process lost and a new one bound to it, as one delivery records it.
+    fn replace_process(inner: &Inner, core: &mut Core, now: Instant, rank: RankId) {
+        core.ep.handle_peer_lost(now, rank);
+        inner.new_instance(core, now, rank);
+        inner.flush_via(core, None, now);
+    }
+
     /// A send of `key` to `rank` accepted and in flight when `rank`'s process is lost and a
     /// new one binds the rank: retired in the core.
     fn sending_to_a_replaced_process(
@@ -1404,9 +1425,7 @@ mod tests {
         core.check_send(key, rank, 0, 64).unwrap().unwrap();
         core.ep.begin_send(key, rank, 0);
         inner.flush_via(core, None, now);
-        core.ep.handle_peer_lost(now, rank);
-        inner.new_instance(core, now, rank);
-        inner.flush_via(core, None, now);
+        replace_process(inner, core, now, rank);
         assert!(core.retired_sends.contains(&(key, rank)));
     }
 
@@ -1427,32 +1446,29 @@ mod tests {
     /// review: `wait` gave up every send of the key.
     #[test]
     fn the_old_requests_give_up_spares_the_new_processs_request() {
-        let engine = tcp_engine();
-        let inner = &engine.inner;
-        let mut core = inner.core.lock();
-        let now = Instant::now();
-        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
-        sending_to_a_replaced_process(inner, &mut core, now, key, rank);
-        core.ep
-            .handle_message(now, rank, advertisement(key, rank))
-            .unwrap();
-        core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
-        inner.flush_via(&mut core, None, now);
-        core.ep.handle_timeout(now);
-        inner.flush_via(&mut core, None, now);
-        assert!(
-            core.ep.running(key, Role::Sender { receiver: rank }),
-            "the new request"
-        );
-        core.give_up(now, key, Outcome::Cancelled).unwrap_err();
-        inner.flush_via(&mut core, None, now);
-        // The application takes the new advertisement (`next_advertisement`) and runs it.
-        core.superseded.remove(&(key, rank));
-        core.accept(now, key, rank, true).unwrap();
-        assert!(
-            matches!(core.check_send(key, rank, 0, 64), Ok(Ok(_))),
-            "the new request was given up"
-        );
+        on_engine(|inner, core, now, key, rank| {
+            sending_to_a_replaced_process(inner, core, now, key, rank);
+            core.ep
+                .handle_message(now, rank, advertisement(key, rank))
+                .unwrap();
+            core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
+            inner.flush_via(core, None, now);
+            core.ep.handle_timeout(now);
+            inner.flush_via(core, None, now);
+            assert!(
+                core.ep.running(key, Role::Sender { receiver: rank }),
+                "the new request"
+            );
+            core.give_up(now, key, Outcome::Cancelled).unwrap_err();
+            inner.flush_via(core, None, now);
+            // The application takes the new advertisement (`next_advertisement`) and runs it.
+            core.superseded.remove(&(key, rank));
+            core.accept(now, key, rank, true).unwrap();
+            assert!(
+                matches!(core.check_send(key, rank, 0, 64), Ok(Ok(_))),
+                "the new request was given up"
+            );
+        });
     }
 
     /// The old request's own give-up (its `wait` at its deadline) while its send is still
@@ -1462,22 +1478,19 @@ mod tests {
     /// the wait returning `TimedOut` unsettled.
     #[test]
     fn the_old_requests_give_up_reaches_its_own_retired_send() {
-        let engine = tcp_engine();
-        let inner = &engine.inner;
-        let mut core = inner.core.lock();
-        let now = Instant::now();
-        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
-        sending_to_a_replaced_process(inner, &mut core, now, key, rank);
-        core.give_up(now, key, Outcome::TimedOut).unwrap();
-        inner.flush_via(&mut core, None, now);
-        let later = now + inner.agreement_bound + Duration::from_millis(1);
-        core.ep.handle_timeout(later);
-        inner.flush_via(&mut core, None, later);
-        assert!(!core.retired_sends.contains(&(key, rank)), "still running");
-        assert_eq!(
-            core.superseded.get(&(key, rank)).map(|s| s.end),
-            Some(Outcome::PeerLost)
-        );
+        on_engine(|inner, core, now, key, rank| {
+            sending_to_a_replaced_process(inner, core, now, key, rank);
+            core.give_up(now, key, Outcome::TimedOut).unwrap();
+            inner.flush_via(core, None, now);
+            let later = now + inner.agreement_bound + Duration::from_millis(1);
+            core.ep.handle_timeout(later);
+            inner.flush_via(core, None, later);
+            assert!(!core.retired_sends.contains(&(key, rank)), "still running");
+            assert_eq!(
+                core.superseded.get(&(key, rank)).map(|s| s.end),
+                Some(Outcome::PeerLost)
+            );
+        });
     }
 
     /// The new process's request of the key starts from the advertisement the retired flow
@@ -1502,42 +1515,39 @@ mod tests {
     /// a wait blocked since before the bind, and one whose end the application's take of the
     /// new advertisement removed, slept to their deadlines.)
     fn new_request_beside_an_old_wait(new_end: Option<Outcome>, blocked_before_the_bind: bool) {
-        let engine = tcp_engine();
-        let inner = &engine.inner;
-        let mut core = inner.core.lock();
-        let now = Instant::now();
-        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
-        let role = Role::Sender { receiver: rank };
-        if blocked_before_the_bind {
+        on_engine(|inner, core, now, key, rank| {
+            let role = Role::Sender { receiver: rank };
+            if blocked_before_the_bind {
+                core.waited.insert((key, role));
+            }
+            sending_to_a_replaced_process(inner, core, now, key, rank);
+            core.ep
+                .handle_message(now, rank, advertisement(key, rank))
+                .unwrap();
+            if let Some(outcome) = new_end {
+                let verdict = Message::Verdict { key, outcome };
+                core.ep.handle_message(now, rank, verdict).unwrap();
+            }
+            // The old request's wait, blocked.
             core.waited.insert((key, role));
-        }
-        sending_to_a_replaced_process(inner, &mut core, now, key, rank);
-        core.ep
-            .handle_message(now, rank, advertisement(key, rank))
-            .unwrap();
-        if let Some(outcome) = new_end {
-            let verdict = Message::Verdict { key, outcome };
-            core.ep.handle_message(now, rank, verdict).unwrap();
-        }
-        // The old request's wait, blocked.
-        core.waited.insert((key, role));
-        core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
-        inner.flush_via(&mut core, None, now);
-        core.ep.handle_timeout(now);
-        inner.flush_via(&mut core, None, now);
-        // The application takes the new advertisement (`next_advertisement`) before the old
-        // wait has run.
-        core.superseded.remove(&(key, rank));
-        assert_eq!(
-            core.retired_ends.get(&(key, rank)),
-            Some(&Outcome::PeerLost),
-            "the old end, for its wait"
-        );
-        assert_eq!(
-            core.terminals.get(&(key, role)).copied(),
-            new_end,
-            "the new request's end, and only that"
-        );
+            core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
+            inner.flush_via(core, None, now);
+            core.ep.handle_timeout(now);
+            inner.flush_via(core, None, now);
+            // The application takes the new advertisement (`next_advertisement`) before the old
+            // wait has run.
+            core.superseded.remove(&(key, rank));
+            assert_eq!(
+                core.retired_ends.get(&(key, rank)),
+                Some(&Outcome::PeerLost),
+                "the old end, for its wait"
+            );
+            assert_eq!(
+                core.terminals.get(&(key, role)).copied(),
+                new_end,
+                "the new request's end, and only that"
+            );
+        });
     }
 
     /// A host segment 0 of 64 bytes under token 1.
@@ -1591,28 +1601,23 @@ mod tests {
     /// an end a `wait` for the new request would take. Before, it was recorded after.
     #[test]
     fn an_end_queued_when_a_new_process_binds_the_rank_is_recorded_before_the_forgetting() {
-        let engine = tcp_engine();
-        let inner = &engine.inner;
-        let mut core = inner.core.lock();
-        let now = Instant::now();
-        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
-        core.ep
-            .handle_message(now, rank, advertisement(key, rank))
-            .unwrap();
-        inner.flush_via(&mut core, None, now);
-        core.ep.handle_peer_lost(now, rank);
-        inner.new_instance(&mut core, now, rank);
-        inner.flush_via(&mut core, None, now);
-        let role = Role::Sender { receiver: rank };
-        assert!(
-            !core.finished.contains_key(&(key, Some(rank))),
-            "kept as an ended key"
-        );
-        assert_eq!(core.terminals.get(&(key, role)), None, "kept for a wait");
-        assert_eq!(
-            core.superseded.get(&(key, rank)).map(|s| s.end),
-            Some(Outcome::PeerLost)
-        );
+        on_engine(|inner, core, now, key, rank| {
+            core.ep
+                .handle_message(now, rank, advertisement(key, rank))
+                .unwrap();
+            inner.flush_via(core, None, now);
+            replace_process(inner, core, now, rank);
+            let role = Role::Sender { receiver: rank };
+            assert!(
+                !core.finished.contains_key(&(key, Some(rank))),
+                "kept as an ended key"
+            );
+            assert_eq!(core.terminals.get(&(key, role)), None, "kept for a wait");
+            assert_eq!(
+                core.superseded.get(&(key, rank)).map(|s| s.end),
+                Some(Outcome::PeerLost)
+            );
+        });
     }
 
     /// A `wait` for a request of a replaced process that returned before the request's end
@@ -1630,39 +1635,34 @@ mod tests {
     }
 
     fn early_answer_for_a_replaced_processs_request(second_bind: bool) {
-        let engine = tcp_engine();
-        let inner = &engine.inner;
-        let mut core = inner.core.lock();
-        let now = Instant::now();
-        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
-        let role = Role::Sender { receiver: rank };
-        sending_to_a_replaced_process(inner, &mut core, now, key, rank);
-        // A wait that gave up before the end came, as `Engine::wait` records it.
-        core.answered_early.insert((key, role), (), now);
-        if second_bind {
-            core.ep.handle_peer_lost(now, rank);
-            inner.new_instance(&mut core, now, rank);
-            inner.flush_via(&mut core, None, now);
-        }
-        core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
-        inner.flush_via(&mut core, None, now);
-        assert!(
-            !core.answered_early.contains_key(&(key, role)),
-            "the early answer stayed"
-        );
-        assert_eq!(
-            core.terminals.get(&(key, role)),
-            None,
-            "kept for another wait"
-        );
-        let s = core.superseded.get(&(key, rank)).copied();
-        assert_eq!(
-            s,
-            Some(Superseded {
-                end: Outcome::PeerLost,
-                waited: true
-            })
-        );
+        on_engine(|inner, core, now, key, rank| {
+            let role = Role::Sender { receiver: rank };
+            sending_to_a_replaced_process(inner, core, now, key, rank);
+            // A wait that gave up before the end came, as `Engine::wait` records it.
+            core.answered_early.insert((key, role), (), now);
+            if second_bind {
+                replace_process(inner, core, now, rank);
+            }
+            core.ep.handle_send_done(now, key, rank, 0, false).unwrap();
+            inner.flush_via(core, None, now);
+            assert!(
+                !core.answered_early.contains_key(&(key, role)),
+                "the early answer stayed"
+            );
+            assert_eq!(
+                core.terminals.get(&(key, role)),
+                None,
+                "kept for another wait"
+            );
+            let s = core.superseded.get(&(key, rank)).copied();
+            assert_eq!(
+                s,
+                Some(Superseded {
+                    end: Outcome::PeerLost,
+                    waited: true
+                })
+            );
+        });
     }
 
     /// The rank's process replaced twice while the application has not taken the second
@@ -1671,36 +1671,31 @@ mod tests {
     /// bind, `PeerLost`). Found by review: the second bind replaced the first's entry.
     #[test]
     fn a_second_replacement_keeps_the_request_the_application_took() {
-        let engine = tcp_engine();
-        let inner = &engine.inner;
-        let mut core = inner.core.lock();
-        let now = Instant::now();
-        let (key, rank) = (RequestKey::new(4, 0), RankId(2));
-        let advertise = || advertisement(key, rank);
-        core.ep.handle_message(now, rank, advertise()).unwrap();
-        core.accept(now, key, rank, true).unwrap();
-        core.check_send(key, rank, 0, 64).unwrap().unwrap();
-        core.ep.begin_send(key, rank, 0);
-        core.ep.handle_send_done(now, key, rank, 0, true).unwrap();
-        let verdict = Message::Verdict {
-            key,
-            outcome: Outcome::Completed,
-        };
-        core.ep.handle_message(now, rank, verdict).unwrap();
-        inner.flush_via(&mut core, None, now);
-        let first = Superseded {
-            end: Outcome::Completed,
-            waited: false,
-        };
-        for _ in 0..2 {
-            core.ep.handle_peer_lost(now, rank);
-            inner.new_instance(&mut core, now, rank);
-            inner.flush_via(&mut core, None, now);
-            assert_eq!(core.superseded.get(&(key, rank)), Some(&first));
-            // The next process advertises the key; the application does not take it.
+        on_engine(|inner, core, now, key, rank| {
+            let advertise = || advertisement(key, rank);
             core.ep.handle_message(now, rank, advertise()).unwrap();
-            inner.flush_via(&mut core, None, now);
-        }
+            core.accept(now, key, rank, true).unwrap();
+            core.check_send(key, rank, 0, 64).unwrap().unwrap();
+            core.ep.begin_send(key, rank, 0);
+            core.ep.handle_send_done(now, key, rank, 0, true).unwrap();
+            let verdict = Message::Verdict {
+                key,
+                outcome: Outcome::Completed,
+            };
+            core.ep.handle_message(now, rank, verdict).unwrap();
+            inner.flush_via(core, None, now);
+            let first = Superseded {
+                end: Outcome::Completed,
+                waited: false,
+            };
+            for _ in 0..2 {
+                replace_process(inner, core, now, rank);
+                assert_eq!(core.superseded.get(&(key, rank)), Some(&first));
+                // The next process advertises the key; the application does not take it.
+                core.ep.handle_message(now, rank, advertise()).unwrap();
+                inner.flush_via(core, None, now);
+            }
+        });
     }
 
     /// An early answer (a `wait` that gave up before the end came) stays the caller's end for
