@@ -31,7 +31,7 @@ use crate::error::{Error, ErrorKind, Result};
 
 mod delivery;
 
-pub use delivery::{flush, records_dropped, QUEUE_CAP, STOP_WAIT};
+pub use delivery::{flush, records_dropped, DRAIN_WAIT, QUEUE_CAP, STOP_WAIT};
 
 /// The environment variable read (once, at installation) for the stderr filter.
 pub const ENV: &str = "KVLINK_LOG";
@@ -110,10 +110,10 @@ pub fn init() -> bool {
 ///
 /// The callback is called on kvlink's log thread, started here when a sink is first set, one
 /// record at a time and in order; a replacement receives the records still queued. Removing the
-/// sink lets the records still queued reach it and joins the log thread, within [`STOP_WAIT`];
-/// records left then are discarded (never delivered to a sink set later). After it the callback
-/// is not called again, unless it blocked past that bound (from inside the callback it does not
-/// wait).
+/// sink lets the records still queued reach it for [`DRAIN_WAIT`] and joins the log thread,
+/// within [`STOP_WAIT`] in all; records left after the first are discarded (never delivered to
+/// a sink set later). After it the callback is not called again, unless its call under way
+/// blocked past that bound (from inside the callback it does not wait).
 ///
 /// # Safety
 /// `callback` is 0 or the address of a function of type [`SinkFn`] that stays callable for as

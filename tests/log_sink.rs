@@ -297,6 +297,38 @@ fn a_sink_that_blocks_stalls_no_transfer_and_a_sink_that_keeps_up_gets_every_rec
         !log_thread_alive(),
         "the log thread outlived the sink's removal"
     );
+    // The same with more queued than the bound lets through (eight records of 100 ms): the
+    // queue gets the first part of the bound, the call under way then the rest. Found by
+    // review: the queue took all of it, and the removal returned while the sink was in a call
+    // and the log thread ran.
+    let before = SLOW_CALLS.load(Ordering::SeqCst);
+    set_sink(2, slow);
+    for i in 0..8 {
+        tracing::warn!("slower {i}");
+    }
+    let by = Instant::now() + Duration::from_secs(10);
+    while !IN_SLOW.load(Ordering::SeqCst) {
+        assert!(Instant::now() < by, "the slow sink was never called");
+        std::thread::yield_now();
+    }
+    let t0 = Instant::now();
+    // SAFETY: removing the sink.
+    unsafe { kvlink::log::set_sink(0, 0) }.unwrap();
+    let took = t0.elapsed();
+    let calls = SLOW_CALLS.load(Ordering::SeqCst) - before;
+    assert!(
+        took < kvlink::log::STOP_WAIT + SLACK,
+        "the removal waited {took:?}"
+    );
+    assert!(
+        !IN_SLOW.load(Ordering::SeqCst),
+        "the sink's call outlived its removal ({calls} calls, {took:?})"
+    );
+    assert!(
+        !log_thread_alive(),
+        "the log thread outlived the sink's removal ({calls} calls, {took:?})"
+    );
+    assert!((1..8).contains(&calls), "{calls} of 8 records delivered");
 }
 
 /// Whether this process has a thread named `kvlink-log`.

@@ -381,10 +381,11 @@ inline bool set_log_sink(LogLevel level, LogSink sink) {
 }
 
 /// Removes the log sink (same as `set_log_sink(LogLevel::Off, {})`). The records still queued
-/// reach the sink first and kvlink's log thread ends, within 500 ms in all
-/// (kvlink::log::STOP_WAIT); records left after that are discarded, never delivered to a sink set
-/// later. Once this returns the sink is not called again and no kvlink code runs on that thread
-/// (a host may unload a library that links kvlink), unless the sink blocked past that bound.
+/// reach the sink for 250 ms at most (kvlink::log::DRAIN_WAIT; those left then are discarded,
+/// never delivered to a sink set later), and kvlink's log thread ends once the sink's call under
+/// way returns, within 500 ms in all (kvlink::log::STOP_WAIT). Once this returns the sink is not
+/// called again and no kvlink code runs on that thread (a host may unload a library that links
+/// kvlink), unless that call blocked past the bound.
 /// Called from inside the sink, it does not wait.
 inline void clear_log_sink() { set_log_sink(LogLevel::Off, {}); }
 

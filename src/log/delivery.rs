@@ -7,8 +7,8 @@
 //!
 //! The thread is started when a sink is set and ends once the sink is removed and it has nothing
 //! left to do; it sleeps on a condvar while the queue is empty. Removing the sink first lets the
-//! records queued for it reach it, then waits for the thread to end and joins it, all within
-//! [`STOP_WAIT`]: after that no call of the sink runs, and no kvlink code runs on that thread (a
+//! records queued for it reach it (for [`DRAIN_WAIT`]), then waits for the thread to end and
+//! joins it, all within [`STOP_WAIT`]: after that no call of the sink runs, and no kvlink code runs on that thread (a
 //! host may then unload a library that links kvlink, as the TensorRT-LLM wrapper is).
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,10 +22,16 @@ use super::{SinkFn, IN_SINK, SINK_LEVEL};
 /// The most records waiting for the sink; past it a new record is dropped and counted.
 pub const QUEUE_CAP: usize = 4096;
 
-/// How long removing the sink waits for the records queued for it to reach it and for its call
-/// under way to return (what is left then is discarded, and a sink that blocks longer is left to
-/// finish its call on its own).
+/// How long removing the sink waits in all: for the records queued for it to reach it (for the
+/// first [`DRAIN_WAIT`] of it; what is left then is discarded), then for its call under way to
+/// return (a sink that blocks past it is left to finish its call on its own).
 pub const STOP_WAIT: Duration = Duration::from_millis(500);
+
+/// The part of [`STOP_WAIT`] in which the records queued for a removed sink still reach it: the
+/// rest is kept for the call under way then. Were the whole bound spent on the queue, a sink
+/// that is slow but returns (100 ms a record, eight queued) would still be in a call when the
+/// removal gave up waiting for it.
+pub const DRAIN_WAIT: Duration = Duration::from_millis(250);
 
 /// One event, formatted: the message and the fields in one string.
 pub(super) struct Record {
@@ -122,14 +128,15 @@ pub(super) fn start(sink: usize, level: u8) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The sink is removed: the records queued for it are delivered first, up to [`STOP_WAIT`]; any
+/// The sink is removed: the records queued for it are delivered first, up to [`DRAIN_WAIT`]; any
 /// left then are discarded (never delivered to a sink set later), and the delivery thread ends
-/// once its call under way, if any, returns. Waits for that too, within the same bound, and
-/// joins the thread. From inside the sink it waits for nothing (the thread ends when the sink
+/// once its call under way, if any, returns. Waits for that too, up to [`STOP_WAIT`] from the
+/// start, and joins the thread. From inside the sink it waits for nothing (the thread ends when the sink
 /// returns). A sink set meanwhile takes over, with what is still queued.
 pub(super) fn stop() {
     let in_sink = IN_SINK.with(|b| b.get());
-    let deadline = Instant::now() + STOP_WAIT;
+    let start = Instant::now();
+    let (drained_by, deadline) = (start + DRAIN_WAIT, start + STOP_WAIT);
     let mut s = STATE.lock();
     // No new records while those queued go; a sink set meanwhile stores its own level.
     SINK_LEVEL.store(0, Ordering::Release);
@@ -137,7 +144,7 @@ pub(super) fn stop() {
     if !in_sink {
         let target = s.taken;
         while s.done < target && s.sets == sets {
-            if DONE.wait_until(&mut s, deadline).timed_out() {
+            if DONE.wait_until(&mut s, drained_by).timed_out() {
                 break;
             }
         }
