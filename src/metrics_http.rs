@@ -3,14 +3,21 @@
 //! port by itself: only a caller of [`serve`] does.
 use crate::engine::Engine;
 use crate::error::Result;
+use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::Weak;
 use std::time::{Duration, Instant};
 
-/// Answers each HTTP request at `listener` with the engine's metrics text, one short connection
-/// at a time on a thread of its own, for as long as the engine lives: within 200 ms of the
-/// engine's end the thread ends and the port is closed, connection or not.
+/// Answers each HTTP request at `listener` with the engine's metrics text, on a thread of its
+/// own, for as long as the engine lives: within 200 ms of the engine's end the thread ends and
+/// the port is closed, connections or not.
+///
+/// Up to [`MAX_CONNECTIONS`] connections are served at once, each bounded (see [`Conn`]): a
+/// client that says nothing, or sends or reads a byte at a time, holds up no other one, and a
+/// new connection past the limit closes the oldest (a scrape takes about a millisecond, so
+/// that is one that has been idle).
 ///
 /// While it makes a scrape's text (well under a millisecond), and for a moment each 200 ms,
 /// the server holds the engine: a host that drops its last `Arc` just then finds the engine
@@ -20,165 +27,232 @@ use std::time::{Duration, Instant};
 pub fn serve(engine: Weak<Engine>, listener: TcpListener) {
     std::thread::spawn(move || {
         run(
-            polled(listener),
+            listener,
+            |l| l.accept().map(|(s, _)| s),
             || engine.upgrade(),
             |e: &std::sync::Arc<Engine>| e.metrics_text(),
         )
     });
 }
 
-/// How long the accept loop waits for a connection before it looks whether the engine still
-/// lives.
+/// The longest the server waits before it looks whether the engine still lives.
 const IDLE_TICK: Duration = Duration::from_millis(200);
-
-/// The listener's connections, each wait for one bounded by [`IDLE_TICK`]: a tick with none
-/// comes out as `WouldBlock`. A blocking `accept` would keep the thread, and the port, until
-/// the next connection after the engine's end.
-fn polled(listener: TcpListener) -> impl Iterator<Item = std::io::Result<TcpStream>> {
-    use std::os::fd::AsRawFd;
-    let set = listener.set_nonblocking(true);
-    std::iter::from_fn(move || {
-        if let Err(e) = &set {
-            return Some(Err(std::io::Error::new(e.kind(), e.to_string())));
-        }
-        let mut p = libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the listener, which outlives the call.
-        let n = unsafe { libc::poll(&mut p, 1, IDLE_TICK.as_millis() as libc::c_int) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            return Some(match e.kind() {
-                std::io::ErrorKind::Interrupted => Err(std::io::ErrorKind::WouldBlock.into()),
-                _ => Err(e),
-            });
-        }
-        // A connection already gone again reads as WouldBlock too.
-        Some(listener.accept().and_then(|(s, _)| {
-            s.set_nonblocking(false)?;
-            Ok(s)
-        }))
-    })
-}
-
-/// The accept loop of [`serve`]: `engine` is `None` once the engine is gone (then it ends),
-/// `text` the metrics text of a live one.
-fn run<E>(
-    incoming: impl IntoIterator<Item = std::io::Result<TcpStream>>,
-    engine: impl Fn() -> Option<E>,
-    text: impl Fn(&E) -> Result<String>,
-) {
-    for stream in incoming {
-        if engine().is_none() {
-            return;
-        }
-        match stream {
-            // The engine is held for its text only, not across the client's reads and writes:
-            // else a client that takes its time keeps an engine its host has dropped alive.
-            Ok(s) => {
-                let _ = answer(s, || engine().is_some(), || engine().map(|e| text(&e)));
-            }
-            // No connection within a tick: look at the engine again.
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            // Out of file descriptors (or buffers), accept fails at once for as long as that
-            // lasts, the connection still queued: without a pause the loop would spin a core.
-            Err(_) => std::thread::sleep(ACCEPT_PAUSE),
-        }
-    }
-}
 
 /// The pause after a failed accept.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
-/// How long one exchange may take, reading the request and writing the answer each.
+/// How long a connection may take to send its request head, and then to read the answer.
 const LIMIT: Duration = Duration::from_secs(2);
 
-/// One HTTP/1.1 exchange, bounded: a request head of at most 8 KiB, 2 s in all to read it and
-/// 2 s in all to write the answer (a socket timeout bounds one call only: a client that sends
-/// or reads a byte at a time would otherwise hold the server for as long as it likes). `text`
-/// is `None` once the engine is gone: then the connection is closed unanswered. No socket call
-/// waits longer than [`IDLE_TICK`]: between them `alive` says whether the engine still lives,
-/// and once it does not the exchange ends there, so that a client that says nothing (or
-/// reads nothing) keeps neither the thread nor the port past the engine's end by more than a
-/// tick.
-fn answer(
-    mut s: TcpStream,
-    alive: impl Fn() -> bool,
-    text: impl FnOnce() -> Option<Result<String>>,
-) -> std::io::Result<()> {
-    let by = Instant::now() + LIMIT;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-        s.set_read_timeout(Some(left(by)?.min(IDLE_TICK)))?;
-        let n = match s.read(&mut buf) {
-            Ok(n) => n,
-            Err(e) if waited(&e) || e.kind() == std::io::ErrorKind::Interrupted => {
-                if !alive() {
-                    return Ok(());
-                }
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
+/// How long what a client sends after its request head (a body, more requests) is read and
+/// dropped once the answer is written, for the client to close first.
+const DRAIN_LIMIT: Duration = Duration::from_secs(1);
+
+/// The longest request head read; a longer one is answered 431.
+const HEAD_MAX: usize = 8192;
+
+/// The most connections served at once.
+pub const MAX_CONNECTIONS: usize = 16;
+
+/// The most socket calls one connection gets per pass: a client that streams does not keep
+/// the others waiting.
+const CALLS_PER_PASS: usize = 16;
+
+/// The server's loop: `accept` takes a connection off the (non-blocking) listener, `engine` is
+/// `None` once the engine is gone (then it ends), `text` the metrics text of a live one. One
+/// `poll` over the listener and the connections, at most [`IDLE_TICK`] long; the engine is
+/// looked at after each.
+fn run<E>(
+    listener: TcpListener,
+    mut accept: impl FnMut(&TcpListener) -> std::io::Result<TcpStream>,
+    engine: impl Fn() -> Option<E>,
+    text: impl Fn(&E) -> Result<String>,
+) {
+    if let Err(e) = listener.set_nonblocking(true) {
+        tracing::warn!("metrics server not started: {e}");
+        return;
     }
-    let (status, kind, body) = if !head.starts_with(b"GET ") {
+    let mut conns: VecDeque<Conn> = VecDeque::new();
+    // After a failed accept the listener is left out of the poll for a pause: out of file
+    // descriptors, accept fails at once for as long as that lasts, the connection still
+    // queued, and polling it would spin a core.
+    let mut paused_until: Option<Instant> = None;
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    while engine().is_some() {
+        let now = Instant::now();
+        // Past its limit a connection is closed, answered or not.
+        conns.retain(|c| c.by > now);
+        let listening = paused_until.is_none_or(|t| t <= now);
+        let until = conns.iter().map(|c| c.by).chain(paused_until).min();
+        let wait = until.map_or(IDLE_TICK, |t| {
+            t.saturating_duration_since(now).min(IDLE_TICK)
+        });
+        fds.clear();
+        fds.push(libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: if listening { libc::POLLIN } else { 0 },
+            revents: 0,
+        });
+        fds.extend(conns.iter().map(|c| libc::pollfd {
+            fd: c.s.as_raw_fd(),
+            events: c.interest(),
+            revents: 0,
+        }));
+        // Whole milliseconds, rounded up: a wait of 0 would spin until the time comes.
+        let ms = wait.as_micros().div_ceil(1000).max(1) as libc::c_int;
+        // SAFETY: `fds` holds `fds.len()` valid pollfds, for sockets that outlive the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                tracing::debug!("metrics server: poll: {e}");
+                std::thread::sleep(ACCEPT_PAUSE);
+            }
+            continue;
+        }
+        let mut i = 0;
+        conns.retain_mut(|c| {
+            i += 1;
+            fds[i].revents == 0 || !c.progress(|| engine().map(|e| text(&e)))
+        });
+        if listening && fds[0].revents != 0 {
+            paused_until = None;
+            for _ in 0..MAX_CONNECTIONS {
+                match accept(&listener) {
+                    Ok(s) => {
+                        if s.set_nonblocking(true).is_err() {
+                            continue;
+                        }
+                        if conns.len() >= MAX_CONNECTIONS {
+                            conns.pop_front();
+                        }
+                        conns.push_back(Conn {
+                            s,
+                            phase: Phase::Head(Vec::new()),
+                            by: Instant::now() + LIMIT,
+                        });
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        tracing::debug!("metrics server: accept: {e}");
+                        paused_until = Some(Instant::now() + ACCEPT_PAUSE);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One client's connection: its request head read (at most [`HEAD_MAX`] bytes, within
+/// [`LIMIT`] of the accept), then the answer written (within [`LIMIT`] of it), then what the
+/// client still sends read and dropped until it closes (within [`DRAIN_LIMIT`]): closed with
+/// bytes unread, the connection would be reset, and the client could lose the answer.
+struct Conn {
+    s: TcpStream,
+    phase: Phase,
+    /// When the connection is closed, whatever its phase.
+    by: Instant,
+}
+
+enum Phase {
+    Head(Vec<u8>),
+    Answer { bytes: Vec<u8>, sent: usize },
+    Drain,
+}
+
+impl Conn {
+    /// What `poll` waits for on this connection.
+    fn interest(&self) -> libc::c_short {
+        match self.phase {
+            Phase::Answer { .. } => libc::POLLOUT,
+            Phase::Head(_) | Phase::Drain => libc::POLLIN,
+        }
+    }
+
+    /// Moves the exchange on as far as the socket allows without waiting; `text` is the
+    /// engine's text, `None` once the engine is gone. Returns whether the connection is done
+    /// (then it is closed).
+    fn progress(&mut self, text: impl FnOnce() -> Option<Result<String>>) -> bool {
+        let mut text = Some(text);
+        let mut buf = [0u8; 4096];
+        for _ in 0..CALLS_PER_PASS {
+            // What the call did: the exchange went on (Ok(None)), moves to another phase, or
+            // ended (Ok(Some(None))).
+            let r: std::io::Result<Option<Option<Phase>>> = match &mut self.phase {
+                Phase::Head(head) => self.s.read(&mut buf).map(|n| {
+                    head.extend_from_slice(&buf[..n]);
+                    (n == 0 || head_ends(head) || head.len() > HEAD_MAX).then(|| {
+                        let t = text.take()?;
+                        answer(head, t).map(|bytes| Phase::Answer { bytes, sent: 0 })
+                    })
+                }),
+                Phase::Answer { bytes, sent } => self.s.write(&bytes[*sent..]).map(|n| {
+                    *sent += n;
+                    match n {
+                        0 => Some(None),
+                        _ if *sent == bytes.len() => Some(Some(Phase::Drain)),
+                        _ => None,
+                    }
+                }),
+                Phase::Drain => self.s.read(&mut buf).map(|n| (n == 0).then_some(None)),
+            };
+            match r {
+                Ok(None) => {}
+                Ok(Some(None)) => return true,
+                Ok(Some(Some(next))) => {
+                    if matches!(next, Phase::Drain) {
+                        // The answer ends the exchange (`Connection: close`).
+                        let _ = self.s.shutdown(Shutdown::Write);
+                        self.by = Instant::now() + DRAIN_LIMIT;
+                    } else {
+                        self.by = Instant::now() + LIMIT;
+                    }
+                    self.phase = next;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return true,
+            }
+        }
+        false
+    }
+}
+
+/// Whether a request head has ended (a blank line; a bare LF is taken as a line's end too).
+fn head_ends(head: &[u8]) -> bool {
+    head.windows(4).any(|w| w == b"\r\n\r\n") || head.windows(2).any(|w| w == b"\n\n")
+}
+
+/// The answer to `head` (a GET is answered the metrics text), or `None` when the engine is
+/// gone (the connection is closed unanswered).
+fn answer(head: &[u8], text: impl FnOnce() -> Option<Result<String>>) -> Option<Vec<u8>> {
+    let (status, kind, body) = if head.len() > HEAD_MAX {
+        (
+            "431 Request Header Fields Too Large",
+            "text/plain",
+            format!("request head over {HEAD_MAX} bytes\n"),
+        )
+    } else if !head.starts_with(b"GET ") {
         (
             "405 Method Not Allowed",
             "text/plain",
             "GET only\n".to_string(),
         )
     } else {
-        match text() {
-            None => return Ok(()),
-            Some(Ok(text)) => ("200 OK", crate::metrics::CONTENT_TYPE, text),
-            Some(Err(e)) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
+        match text()? {
+            Ok(text) => ("200 OK", crate::metrics::CONTENT_TYPE, text),
+            Err(e) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
         }
     };
-    let reply = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let by = Instant::now() + LIMIT;
-    let mut rest = reply.as_bytes();
-    while !rest.is_empty() {
-        s.set_write_timeout(Some(left(by)?.min(IDLE_TICK)))?;
-        match s.write(rest) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => rest = &rest[n..],
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if waited(&e) => {
-                if !alive() {
-                    return Ok(());
-                }
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Whether a socket call ended for its timeout (Linux says `WouldBlock`, others `TimedOut`).
-fn waited(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    Some(
+        format!(
+            "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes(),
     )
-}
-
-/// The time left until `by` (a socket timeout cannot be zero), or `TimedOut`.
-fn left(by: Instant) -> std::io::Result<Duration> {
-    let d = by.saturating_duration_since(Instant::now());
-    if d.is_zero() {
-        return Err(std::io::ErrorKind::TimedOut.into());
-    }
-    Ok(d)
 }
 
 #[cfg(test)]
@@ -190,8 +264,12 @@ mod tests {
     fn server(body: String) -> SocketAddr {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let at = l.local_addr().unwrap();
-        std::thread::spawn(move || run(l.incoming(), || Some(()), move |_| Ok(body.clone())));
+        std::thread::spawn(move || run(l, accept, || Some(()), move |_| Ok(body.clone())));
         at
+    }
+
+    fn accept(l: &TcpListener) -> std::io::Result<TcpStream> {
+        l.accept().map(|(s, _)| s)
     }
 
     /// A polled server (as [`serve`] runs) that answers while the returned stand-in for the
@@ -207,7 +285,7 @@ mod tests {
         let at = l.local_addr().unwrap();
         let (done, ended) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            run(polled(l), || weak.upgrade(), |_| Ok("up 1\n".to_string()));
+            run(l, accept, || weak.upgrade(), |_| Ok("up 1\n".to_string()));
             let _ = done.send(());
         });
         (engine, at, ended)
@@ -268,7 +346,7 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let at = l.local_addr().unwrap();
         let w = weak.clone();
-        std::thread::spawn(move || run(l.incoming(), || w.upgrade(), |_| Ok(String::new())));
+        std::thread::spawn(move || run(l, accept, || w.upgrade(), |_| Ok(String::new())));
         let _silent = TcpStream::connect(at).unwrap();
         std::thread::sleep(Duration::from_millis(300));
         drop(engine);
@@ -276,7 +354,8 @@ mod tests {
     }
 
     /// An accept that keeps failing (the process out of file descriptors: the connection
-    /// stays queued and every accept fails at once) does not spin the thread.
+    /// stays queued, the listener readable, and every accept fails at once) does not spin the
+    /// thread.
     #[test]
     fn failing_accepts_are_backed_off() {
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -284,12 +363,15 @@ mod tests {
         let tries = Arc::new(AtomicUsize::new(0));
         let alive = Arc::new(AtomicBool::new(true));
         let (t, a) = (tries.clone(), alive.clone());
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let _queued = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let server = std::thread::spawn(move || {
-            let failing = std::iter::repeat_with(move || {
+            let failing = move |_: &TcpListener| {
                 t.fetch_add(1, Ordering::Relaxed);
                 Err(std::io::Error::from_raw_os_error(24)) // EMFILE
-            });
+            };
             run(
+                l,
                 failing,
                 || a.load(Ordering::Relaxed).then_some(()),
                 |_| Ok(String::new()),
@@ -299,13 +381,13 @@ mod tests {
         alive.store(false, Ordering::Relaxed);
         server.join().unwrap();
         let n = tries.load(Ordering::Relaxed);
-        assert!(n <= 10, "{n} accepts in 0.5 s");
+        assert!((1..=10).contains(&n), "{n} accepts in 0.5 s");
     }
 
-    /// A client that sends its request head one byte at a time, each well within the read
-    /// timeout, holds the one-at-a-time server for 2 s in all, not for as long as it trickles.
+    /// A client that sends its request head one byte at a time holds up no other client, and
+    /// its connection is closed 2 s after it came, not kept for as long as it trickles.
     #[test]
-    fn a_client_trickling_its_request_holds_the_server_2s_at_most() {
+    fn a_client_trickling_its_request_holds_up_no_other_and_is_closed_in_2s() {
         let at = server("up 1\n".into());
         let slow = std::thread::spawn(move || {
             let mut s = TcpStream::connect(at).unwrap();
@@ -324,14 +406,19 @@ mod tests {
         let (took, reply) = get(at);
         assert!(reply.starts_with(b"HTTP/1.1 200 OK\r\n"));
         assert!(reply.ends_with(b"\r\n\r\nup 1\n"));
-        assert!(took < Duration::from_secs(5), "answered after {took:?}");
+        assert!(took < LIMIT, "answered after {took:?}");
+        let t = Instant::now();
         slow.join().unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(8),
+            "the trickling client was kept"
+        );
     }
 
-    /// A client that reads its answer slowly (a little more than a window, every 100 ms: each
-    /// write makes progress within its timeout) holds the server for 2 s in all.
+    /// A client that reads its answer slowly (a little more than a window, every 100 ms)
+    /// holds up no other client, and its connection is closed 2 s after its answer began.
     #[test]
-    fn a_client_reading_slowly_holds_the_server_2s_at_most() {
+    fn a_client_reading_slowly_holds_up_no_other_and_is_closed_in_2s() {
         let body = "x".repeat(64 << 20);
         let at = server(body.clone());
         let slow = std::thread::spawn(move || {
@@ -350,7 +437,96 @@ mod tests {
         let (took, reply) = get(at);
         assert!(reply.starts_with(b"HTTP/1.1 200 OK\r\n"));
         assert!(reply.ends_with(body.as_bytes()));
-        assert!(took < Duration::from_secs(6), "answered after {took:?}");
+        assert!(took < LIMIT, "answered after {took:?}");
         slow.join().unwrap();
+    }
+
+    /// Clients that connect and say nothing, more of them than the server serves at once,
+    /// hold up no scrape: it is answered beside them (the oldest closed to make room), not
+    /// after each has had its 2 s. Found by review: one exchange at a time, six of them made a
+    /// scrape wait 12 s, past Prometheus's 10 s.
+    #[test]
+    fn a_scrape_is_answered_beside_silent_clients() {
+        let at = server("up 1\n".into());
+        let silent: Vec<_> = (0..MAX_CONNECTIONS + 4)
+            .map(|_| TcpStream::connect(at).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let (took, reply) = get(at);
+        assert!(reply.ends_with(b"\r\n\r\nup 1\n"), "{reply:?}");
+        assert!(took < LIMIT, "answered after {took:?}");
+        drop(silent);
+    }
+
+    /// A client that trickles its request a byte at a time, each within the tick, as the
+    /// engine ends: the thread and the port still end within a tick or two. Found by review:
+    /// the engine was looked at only when a read waited a whole tick, so the port stayed open
+    /// for the client's 2 s.
+    #[test]
+    fn the_port_is_closed_soon_after_the_engine_ends_with_a_trickling_client() {
+        let (engine, at, ended) = served_while_alive();
+        let mut trickling = TcpStream::connect(at).unwrap();
+        let feeding = std::thread::spawn(move || {
+            for b in b"GET /metrics HTTP/1.1\r\nX: "
+                .iter()
+                .chain([b'x'; 40].iter())
+            {
+                if trickling.write_all(&[*b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        drop(engine);
+        ended
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the server ended");
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_millis(700),
+            "ended {took:?} after the engine"
+        );
+        assert!(TcpStream::connect(at).is_err(), "the port is closed");
+        feeding.join().unwrap();
+    }
+
+    /// A request whose head is over the limit is answered 431, and one with a body 200; either
+    /// way the client reads the whole answer: what it sent past the head is read and dropped
+    /// before the close, which would otherwise reset the connection and could lose the answer.
+    #[test]
+    fn bytes_past_the_head_are_drained_and_an_oversized_head_is_refused() {
+        let at = server("up 1\n".into());
+        let oversized = format!("GET / HTTP/1.1\r\nX: {}\r\n\r\n", "x".repeat(64 << 10));
+        let with_body = format!(
+            "GET / HTTP/1.1\r\nContent-Length: 262144\r\n\r\n{}",
+            "y".repeat(256 << 10)
+        );
+        for (request, status) in [(oversized, "431"), (with_body, "200")] {
+            let mut s = TcpStream::connect(at).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            s.write_all(request.as_bytes()).unwrap();
+            let mut out = Vec::new();
+            s.read_to_end(&mut out).expect("the answer, whole");
+            let head = format!("HTTP/1.1 {status} ");
+            assert!(
+                out.starts_with(head.as_bytes()),
+                "{:?}",
+                String::from_utf8_lossy(&out)
+            );
+        }
+    }
+
+    /// A head that ends with bare line feeds (a hand-typed request) is answered.
+    #[test]
+    fn a_head_of_bare_line_feeds_is_answered() {
+        let at = server("up 1\n".into());
+        let mut s = TcpStream::connect(at).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\n\n").unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).unwrap();
+        assert!(out.ends_with(b"\r\n\r\nup 1\n"));
     }
 }
