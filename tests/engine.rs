@@ -3731,6 +3731,51 @@ fn a_dropped_engine_tells_its_peers_it_left() {
     }
 }
 
+/// A new engine of another rank listens where the context engine did, after it left: the
+/// generation side's reconnect round for the old rank finds the new one there and binds it.
+/// That rank is one the generation side dialled: when its connection breaks (here a
+/// force-close, once the old rank's round has given up), it is dialled again at that address
+/// and comes back `Connected`. Found by review: the bind kept no address for it, and it stayed
+/// `Failed` on both sides for good.
+#[test]
+fn a_rank_a_reconnect_round_found_at_the_old_address_is_redialled_there() {
+    use kvlink::connection::PeerState;
+    const NEW: RankId = RankId(7);
+    let (ctx, gen) = engines(TransportKind::Tcp, Duration::from_secs(5), None);
+    let address = ctx.address();
+    drop(ctx);
+    let mut c = EngineConfig::new("ctx2", NEW.0, TransportKind::Tcp);
+    c.listen = Some(address.parse().unwrap());
+    let ctx2 = Engine::new(c).unwrap();
+    assert_eq!(ctx2.address(), address);
+    let wait_for = |what: PeerState, within: Duration| {
+        let until = Instant::now() + within;
+        while gen.peer_state(NEW) != what && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        gen.peer_state(NEW)
+    };
+    assert_eq!(
+        wait_for(PeerState::Connected, Duration::from_secs(10)),
+        PeerState::Connected,
+        "the round found the new rank"
+    );
+    // The old rank's round, which keeps dialling the address (and so binding the new rank
+    // again), gives up first.
+    let until = Instant::now() + Duration::from_secs(30);
+    while gen.peer_state(RankId(CTX)) != PeerState::Failed && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(gen.peer_state(RankId(CTX)), PeerState::Failed);
+    assert_eq!(gen.peer_state(NEW), PeerState::Connected);
+    gen.fault_close_peer(NEW).unwrap();
+    let after = wait_for(PeerState::Failed, Duration::from_millis(500));
+    let state = wait_for(PeerState::Connected, Duration::from_secs(10));
+    println!("after the force-close: {after:?}, then {state:?}");
+    assert_eq!(state, PeerState::Connected, "dialled again at the address");
+    drop(ctx2);
+}
+
 /// A rank reached by worker address (shared memory) that leaves is `Failed` at once, and a
 /// request to it fails `PeerLost` at once: its worker address ended with its engine, so the
 /// reconnect round that used to dial it could never succeed, and every request to the rank

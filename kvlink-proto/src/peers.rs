@@ -162,8 +162,9 @@ pub struct Refusals {
 pub struct Peers<P> {
     ranks: HashMap<RankId, Rank<P>>,
     rank_of: HashMap<P, RankId>,
-    /// Endpoints dialled for a rank, waiting for its `Hello`.
-    dialling: HashMap<P, RankId>,
+    /// Endpoints a reconnect round dialled for a rank, waiting for its `Hello`, with the
+    /// address dialled (what [`Peers::due`] gave).
+    dialling: HashMap<P, (RankId, Option<String>)>,
     /// Endpoints peers made to this side (dialled here by worker address, with the worker
     /// address the peer gave, or through a listener: None), until their handshake binds or
     /// fails.
@@ -221,8 +222,9 @@ pub struct Peers<P> {
     /// when its connection breaks. Dropped when the endpoint binds, gives way or fails.
     connect_dials: HashMap<P, String>,
     /// Ranks a reconnect round has handed out to be dialled ([`Peers::due`]) whose dial is not
-    /// yet made ([`Peers::dialled`]) or given up ([`Peers::round_dial_void`]).
-    round_starting: HashMap<RankId, Instant>,
+    /// yet made ([`Peers::dialled`]) or given up ([`Peers::round_dial_void`]), with when and
+    /// the address it is to dial.
+    round_starting: HashMap<RankId, (Instant, String)>,
     /// Ranks that became `Failed` with nobody here to dial them, and the number of that
     /// failure (`failed_count`), oldest first (an entry whose rank was bound again or failed
     /// again since is skipped): the order in which `Peers::forget_failed` forgets them.
@@ -422,14 +424,21 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// A finished handshake on `peer`: bind its rank with the session's tag keys. Returns the
     /// endpoints to close: the one it replaced, and other dials still running for the rank.
     pub fn bind(&mut self, info: PeerInfo, peer: P, me: RankId, session: SessionKey) -> Vec<P> {
-        if let Some(dialled) = self.dialling.remove(&peer).filter(|&r| r != info.rank) {
-            // A round's dial found another rank at the address: the rank it was for is woken
-            // (a `connect` may wait for that dial) and its round goes on.
-            self.wake(dialled);
-        }
+        // A round's dial that found another rank at the address: the rank it was for is woken
+        // (a `connect` may wait for that dial) and its round goes on; the rank found is one
+        // this side dialled there, redialled there when its connection breaks, as if a
+        // `connect` had found it (found by review: it kept no address, and neither side ever
+        // dialled it again).
+        let found_at = match self.dialling.remove(&peer) {
+            Some((dialled, at)) if dialled != info.rank => {
+                self.wake(dialled);
+                at
+            }
+            _ => None,
+        };
         self.pending.remove(&peer);
         let from = self.came_from.remove(&peer);
-        let dialled_at = self.connect_dials.remove(&peer);
+        let dialled_at = self.connect_dials.remove(&peer).or(found_at);
         let rank = info.rank;
         // Bound: no redial of the rank is owed to us. (A dial of ours that won a tie and breaks
         // now finds the rank connected: `connect` returns it.)
@@ -494,7 +503,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         let mut close: Vec<P> = self
             .dialling
             .iter()
-            .filter(|(_, r)| **r == rank)
+            .filter(|(_, (r, _))| *r == rank)
             .map(|(p, _)| *p)
             .collect();
         for p in &close {
@@ -594,7 +603,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                     && r.dial.is_none()
                     && !r.by_dial_back
                     && r.failed_at == Some(*at)
-            }) && !dialling.values().any(|d| d == rank)
+            }) && !dialling.values().any(|(d, _)| d == rank)
         };
         self.failed_order.retain(|(rank, at)| forgettable(rank, at));
         while self.failed_order.len() > FAILED_KEPT {
@@ -645,7 +654,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             let lost: Vec<RankId> = self
                 .round_starting
                 .iter()
-                .filter(|&(_, &t)| now.saturating_duration_since(t) >= 2 * HANDSHAKE_LIMIT)
+                .filter(|&(_, (t, _))| now.saturating_duration_since(*t) >= 2 * HANDSHAKE_LIMIT)
                 .map(|(r, _)| *r)
                 .collect();
             for rank in lost {
@@ -726,8 +735,8 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// [`Peers::due`] gave; the rank's own addresses are not changed here: a bind may have
     /// updated them meanwhile).
     pub fn dialled(&mut self, rank: RankId, peer: P) {
-        self.round_starting.remove(&rank);
-        self.dialling.insert(peer, rank);
+        let at = self.round_starting.remove(&rank).map(|(_, a)| a);
+        self.dialling.insert(peer, (rank, at));
         self.wake(rank);
     }
 
@@ -741,14 +750,14 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// Ends the reconnect round's dial on `peer`, if it is one: its rank, named to wake (a
     /// `connect` may wait for that dial, [`Peers::round_dialling`]).
     fn end_round_dial(&mut self, peer: P) -> Option<RankId> {
-        let rank = self.dialling.remove(&peer)?;
+        let (rank, _) = self.dialling.remove(&peer)?;
         self.wake(rank);
         Some(rank)
     }
 
     /// The rank a reconnect round's dial on `peer` is for, while that dial runs.
     pub fn round_dial(&self, peer: P) -> Option<RankId> {
-        self.dialling.get(&peer).copied()
+        self.dialling.get(&peer).map(|(r, _)| *r)
     }
 
     /// A `connect` to `address` begins: until [`Peers::connect_ends`], no reconnect round
@@ -774,7 +783,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
     /// running): a `connect` to that address waits for that dial instead of making its own.
     pub fn round_dialling(&self, address: &str) -> Option<RankId> {
         let dialling = |rank: &RankId| {
-            self.round_starting.contains_key(rank) || self.dialling.values().any(|r| r == rank)
+            self.round_starting.contains_key(rank) || self.dialling.values().any(|(r, _)| r == rank)
         };
         self.ranks
             .iter()
@@ -931,7 +940,8 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         }
         // One dial at a time per rank: attempts that pile up behind a partition would all
         // connect when it heals, and each would replace the one before.
-        let busy: std::collections::HashSet<RankId> = self.dialling.values().copied().collect();
+        let busy: std::collections::HashSet<RankId> =
+            self.dialling.values().map(|(r, _)| *r).collect();
         for (rank, r) in self.ranks.iter_mut() {
             if r.state != PeerState::Reconnecting || r.next_try.is_none_or(|t| t > now) {
                 continue;
@@ -957,7 +967,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             r.next_try = Some(now + FIRST_BACKOFF * (1 << (r.tries - 1).min(8)));
             if let Some(a) = r.round_address() {
                 out.push((*rank, a.clone()));
-                self.round_starting.insert(*rank, now);
+                self.round_starting.insert(*rank, (now, a.clone()));
             }
         }
         self.reconnects += out.len() as u64;

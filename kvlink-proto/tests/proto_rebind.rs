@@ -229,3 +229,35 @@ fn a_round_dial_that_binds_another_rank_wakes_the_rank_it_was_for() {
     let later = t1 + Duration::from_secs(1);
     assert_eq!(d.due(later), vec![(ANSWERER, "addr".to_string())]);
 }
+
+/// The rank a round's dial found at the address (another process took it) is one this side
+/// dialled: when its connection breaks it is dialled again there. Found by review: the bind
+/// kept no address for it, so its failure left it `Failed` on both sides (the other side,
+/// dialled, waits for this one), and nobody dialled it again.
+#[test]
+fn a_rank_a_rounds_dial_found_is_redialled_at_that_address() {
+    const OTHER: RankId = RankId(2);
+    let t = Instant::now();
+    let (me_a, me_d, me_o) = (
+        identity(ANSWERER, 11),
+        identity(DIALLER, 22),
+        identity(OTHER, 33),
+    );
+    let (mut a, mut d, mut o): (Peers<u64>, Peers<u64>, Peers<u64>) =
+        (Peers::default(), Peers::default(), Peers::default());
+    handshake((&mut a, &me_a), (&mut d, &me_d), 10, t);
+    d.set_dial(ANSWERER, "addr");
+    assert_eq!(d.on_failed(10, t), Some(ANSWERER));
+    let t1 = t + Duration::from_millis(50);
+    assert_eq!(d.due(t1), vec![(ANSWERER, "addr".to_string())]);
+    d.dialled(ANSWERER, 12);
+    handshake((&mut o, &me_o), (&mut d, &me_d), 12, t1);
+    assert_eq!(d.endpoint(OTHER), Some(12));
+    assert_eq!(d.on_failed(12, t1), Some(OTHER));
+    assert_eq!(d.state(OTHER), PeerState::Reconnecting);
+    let later = t1 + Duration::from_secs(1);
+    assert!(
+        d.due(later).contains(&(OTHER, "addr".to_string())),
+        "not dialled again"
+    );
+}

@@ -356,8 +356,16 @@ fn wait_for_crossing(
 
 /// A worker address as a rank's address text: `ucx:<hex>` ([`dial`] reads it back).
 pub(super) fn worker_address_text(address: &[u8]) -> String {
-    let hex: String = address.iter().map(|x| format!("{x:02x}")).collect();
-    format!("{WORKER_ADDRESS_PREFIX}{hex}")
+    // One allocation, not one per byte: a peer's `Bind` (up to 64 KiB) is written out here on
+    // the progress thread.
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut text = String::with_capacity(WORKER_ADDRESS_PREFIX.len() + 2 * address.len());
+    text.push_str(WORKER_ADDRESS_PREFIX);
+    for b in address {
+        text.push(HEX[usize::from(b >> 4)] as char);
+        text.push(HEX[usize::from(b & 15)] as char);
+    }
+    text
 }
 
 /// Hex digits to bytes; any other character (non-ASCII included) is an `InvalidArgument`.
@@ -385,6 +393,10 @@ mod tests {
         assert!(crate::proto::peers::is_worker_address(&text), "{text}");
         let h = text.strip_prefix(WORKER_ADDRESS_PREFIX).unwrap();
         assert_eq!(unhex(h).unwrap(), vec![1, 2, 254]);
+        let every: Vec<u8> = (0..=255).collect();
+        let text = worker_address_text(&every);
+        let h = text.strip_prefix(WORKER_ADDRESS_PREFIX).unwrap();
+        assert_eq!(unhex(h).unwrap(), every);
         for bad in ["", "0", "0g", "é1", "1é", "ééé"] {
             assert_eq!(
                 unhex(bad).unwrap_err().kind,
