@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 /// own, for as long as the engine lives: within 200 ms of the engine's end the thread ends and
 /// the port is closed, connections or not.
 ///
-/// Up to [`MAX_CONNECTIONS`] connections are served at once, each bounded (see [`Conn`]): a
+/// Up to [`MAX_CONNECTIONS`] connections are served at once, each bounded (2 s to send its
+/// request head of at most 8 KiB, 2 s to read the answer, then 1 s to close after it): a
 /// client that says nothing, or sends or reads a byte at a time, holds up no other one, and a
 /// new connection past the limit closes the oldest (a scrape takes about a millisecond, so
 /// that is one that has been idle).
