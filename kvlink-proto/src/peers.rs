@@ -60,6 +60,10 @@ const LOST_ANSWERS_MAX: usize = 1024;
 /// Without it the table kept every rank ever bound, and any process that can connect could
 /// bind rank after rank (with a deployment secret, any member).
 pub const FAILED_KEPT: usize = 4096;
+
+/// The most process ids of forgotten ranks kept (`Peers::forgotten_instances`): a few bytes
+/// each.
+pub const FORGOTTEN_KEPT: usize = 4 * FAILED_KEPT;
 /// An endpoint whose handshake is not done by then is closed.
 pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
@@ -231,6 +235,12 @@ pub struct Peers<P> {
     failed_order: VecDeque<(RankId, u64)>,
     /// Failures pushed to `failed_order` so far: each entry's number.
     failed_count: u64,
+    /// The process ids of ranks forgotten by `forget_failed`, with the number of that
+    /// forgetting, and those numbers in order: at most [`FORGOTTEN_KEPT`]. A rank that comes
+    /// back from another process is then still seen as a new process (`NewInstance`), and
+    /// what was kept of the old one's requests goes.
+    forgotten_instances: HashMap<RankId, (u64, u64)>,
+    forgotten_order: VecDeque<(RankId, u64)>,
     /// Set when this side is going away ([`Peers::stop_dialling`]): no rank is dialled again,
     /// and no try is due.
     dialling_stopped: bool,
@@ -266,6 +276,8 @@ impl<P> Default for Peers<P> {
             round_starting: HashMap::new(),
             failed_order: VecDeque::new(),
             failed_count: 0,
+            forgotten_instances: HashMap::new(),
+            forgotten_order: VecDeque::new(),
             dialling_stopped: false,
             forgotten: 0,
             refusals: Refusals::default(),
@@ -323,6 +335,8 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             ("peers.connects", self.connects.len()),
             ("peers.round_starting", self.round_starting.len()),
             ("peers.failed_order", self.failed_order.len()),
+            ("peers.forgotten_instances", self.forgotten_instances.len()),
+            ("peers.forgotten_order", self.forgotten_order.len()),
         ]
     }
 
@@ -452,6 +466,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             self.gave_way_to.remove(&rank);
         }
         self.expect_redial.remove(&rank);
+        self.forgotten_instances.remove(&rank);
         let r = self.ranks.entry(rank).or_insert(Rank {
             peer: None,
             name: String::new(),
@@ -474,6 +489,14 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         if let Some(address) = dialled_at.filter(|_| from.is_none()) {
             // A `connect`'s dial, bound now (perhaps after that call gave up): redialled there.
             r.dial = Some(address);
+        } else if r.instance.is_some_and(|i| i != info.instance)
+            && r.dial.as_deref().is_some_and(is_worker_address)
+        {
+            // Another process holds the rank now, and it came by a dial of its own: the
+            // worker address this side dialled ended with the old one. Dialled there, the new
+            // one is never reached, and (kept as an address of ours) it is not dialled back
+            // after a move of this side either (found by review).
+            r.dial = None;
         }
         if let Some(from) = from {
             // The same process, which this side dials at a worker address, came back from
@@ -610,7 +633,23 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             let Some((rank, _)) = self.failed_order.pop_front() else {
                 break;
             };
-            self.ranks.remove(&rank);
+            if let Some(instance) = self.ranks.remove(&rank).and_then(|r| r.instance) {
+                self.forgotten_instances
+                    .insert(rank, (instance, self.forgotten));
+                self.forgotten_order.push_back((rank, self.forgotten));
+                if self.forgotten_order.len() > FORGOTTEN_KEPT {
+                    if let Some((old, n)) = self.forgotten_order.pop_front() {
+                        // Unless that rank was forgotten again since (a newer entry).
+                        if self
+                            .forgotten_instances
+                            .get(&old)
+                            .is_some_and(|&(_, m)| m == n)
+                        {
+                            self.forgotten_instances.remove(&old);
+                        }
+                    }
+                }
+            }
             self.forgotten += 1;
         }
     }
@@ -1630,7 +1669,11 @@ mod tests {
             q.due(t0 + FIRST_BACKOFF),
             vec![(R, "10.0.0.1:5000".to_string())]
         );
-        // Another process with the rank (a new instance) does not redirect this side's dials.
+        // Another process with the rank (a new instance) that dials this side does not
+        // redirect this side's dials, and the old process's worker address, which ended with
+        // it, is not dialled any more: the new process is a rank that dialled this side, dialled
+        // back at its own address after a move of this side (found by review: the old address
+        // was dialled six times in vain, and the new process never reached).
         let mut o: Peers<u64> = Peers::default();
         o.handshake_started(10, t0);
         o.bind(info(R), 10, ME, session(1));
@@ -1641,9 +1684,23 @@ mod tests {
             instance: 43,
             ..info(R)
         };
-        o.bind(other, 11, ME, session(5));
+        o.bind(other.clone(), 11, ME, session(5));
+        assert_eq!(o.ranks[&R].dial, None);
+        assert_eq!(o.moving(), 1);
         o.on_failed(11, t0);
-        assert_eq!(o.due(t0 + FIRST_BACKOFF), vec![(R, "ucx:old".to_string())]);
+        assert_eq!(
+            o.due(t0 + FIRST_BACKOFF),
+            vec![(R, "ucx:other".to_string())]
+        );
+        // A listener address stays: a new process may listen there too.
+        let mut l: Peers<u64> = Peers::default();
+        l.handshake_started(10, t0);
+        l.bind(info(R), 10, ME, session(1));
+        l.set_dial(R, "10.0.0.1:5000");
+        l.on_failed(10, t0);
+        l.accepted(11, None, t0);
+        l.bind(other, 11, ME, session(5));
+        assert_eq!(l.ranks[&R].dial.as_deref(), Some("10.0.0.1:5000"));
         // An endpoint that fails before its handshake leaves nothing behind.
         q.accepted(12, Some("ucx:x".into()), t0);
         q.on_failed(12, t0);

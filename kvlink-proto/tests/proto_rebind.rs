@@ -261,3 +261,39 @@ fn a_rank_a_rounds_dial_found_is_redialled_at_that_address() {
         "not dialled again"
     );
 }
+
+/// A rank that dialled this side and failed, forgotten since (more than twice
+/// `FAILED_KEPT` other such ranks failed after it), that comes back from another process is
+/// still seen as a new process: what this side kept of the old one's requests goes. The same
+/// process coming back is not. Found by review: the forgetting dropped the process id with
+/// the rank, and the new process's keys could be refused as the old one's replays.
+#[test]
+fn a_forgotten_rank_that_comes_back_from_another_process_is_a_new_instance() {
+    use kvlink_proto::peers::FAILED_KEPT;
+    const BACK: RankId = RankId(5);
+    let t = Instant::now();
+    let me = identity(ANSWERER, 11);
+    let mut a: Peers<u64> = Peers::default();
+    let come_back = |a: &mut Peers<u64>, instance: u64, ep: u64| {
+        let mut d: Peers<u64> = Peers::default();
+        let out = handshake((a, &me), (&mut d, &identity(BACK, instance)), ep, t);
+        out.iter()
+            .any(|x| matches!(x, HandshakeAction::NewInstance(r) if *r == BACK))
+    };
+    for (instance, new) in [(42, false), (42, false), (43, true)] {
+        assert_eq!(come_back(&mut a, instance, 10), new, "instance {instance}");
+        assert_eq!(a.state(BACK), PeerState::Connected);
+        if new {
+            break;
+        }
+        assert_eq!(a.on_failed(10, t), Some(BACK));
+        assert_eq!(a.state(BACK), PeerState::Failed);
+        for i in 0..2 * FAILED_KEPT as u64 + 1 {
+            let mut d: Peers<u64> = Peers::default();
+            let (rank, ep) = (RankId(1000 + i as u32), 1000 + i);
+            handshake((&mut a, &me), (&mut d, &identity(rank, 7)), ep, t);
+            a.on_failed(ep, t);
+        }
+        assert_eq!(a.state(BACK), PeerState::Unknown, "forgotten");
+    }
+}

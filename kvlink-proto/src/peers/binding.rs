@@ -309,12 +309,14 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         // their data can never match here either. They are lost here too, at once, before
         // anything of the new session arrives (not left to run to their deadline).
         let replaced = self.endpoint(rank).is_some_and(|p| p != peer);
-        // Only a rank known here by another instance: its first bind has no history to forget,
-        // and the forgetting is a pass over what this side keeps.
+        // Only a rank known here by another instance (bound now, or forgotten as a `Failed`
+        // rank nobody dials): its first bind has no history to forget, and the forgetting is a
+        // pass over what this side keeps.
         let new_instance = self
             .ranks
             .get(&rank)
             .and_then(|r| r.instance)
+            .or_else(|| self.forgotten_instances.get(&rank).map(|&(i, _)| i))
             .is_some_and(|old| old != info.instance);
         // The same session came back on a new endpoint, or another dial for the rank is still
         // running: those endpoints are done.
