@@ -17,11 +17,13 @@ use std::time::{Duration, Instant};
 /// Up to [`MAX_CONNECTIONS`] connections are served at once, each bounded (2 s to send its
 /// request head of at most 8 KiB, 2 s to read the answer, then 1 s to close after it): a
 /// client that says nothing, or sends or reads a byte at a time, holds up no other one, and a
-/// new connection past the limit closes the oldest (a scrape takes about a millisecond, so
-/// that is one that has been idle).
+/// new connection past the limit closes the oldest that has not sent its request (a scrape
+/// sends it at once, so that is one that has been idle), or is closed itself when every one is
+/// being answered.
 ///
-/// While it makes a scrape's text (well under a millisecond), and for a moment each 200 ms,
-/// the server holds the engine: a host that drops its last `Arc` just then finds the engine
+/// While it makes a scrape's text (well under a millisecond), and for a moment at every pass
+/// of its loop (at least every 200 ms, and at each client's event), the server holds the
+/// engine: a host that drops its last `Arc` just then finds the engine
 /// dropped when that ends, on the server's thread, not at its own drop. Memory lent to the
 /// engine (a region) is the host's again only once the engine is gone: deregister regions
 /// before the drop, or wait for the `Weak` to fail, before freeing them.
@@ -83,7 +85,10 @@ fn run<E>(
         let now = Instant::now();
         // Past its limit a connection is closed, answered or not.
         conns.retain(|c| c.by > now);
-        let listening = paused_until.is_none_or(|t| t <= now);
+        // A pause that has passed is over (kept, its time in the past would make every
+        // poll's wait zero until the next connection).
+        paused_until = paused_until.filter(|&t| t > now);
+        let listening = paused_until.is_none();
         let until = conns.iter().map(|c| c.by).chain(paused_until).min();
         let wait = until.map_or(IDLE_TICK, |t| {
             t.saturating_duration_since(now).min(IDLE_TICK)
@@ -125,7 +130,12 @@ fn run<E>(
                             continue;
                         }
                         if conns.len() >= MAX_CONNECTIONS {
-                            conns.pop_front();
+                            // The oldest that has not sent its request yet makes room; one
+                            // that is being answered is not cut short: the new one goes.
+                            match conns.iter().position(|c| matches!(c.phase, Phase::Head(_))) {
+                                Some(i) => drop(conns.remove(i)),
+                                None => continue,
+                            }
                         }
                         conns.push_back(Conn {
                             s,
@@ -134,7 +144,14 @@ fn run<E>(
                         });
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    // That connection is gone (reset before it was taken): the next one.
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::Interrupted
+                                | std::io::ErrorKind::ConnectionAborted
+                                | std::io::ErrorKind::ConnectionReset
+                        ) => {}
                     Err(e) => {
                         tracing::debug!("metrics server: accept: {e}");
                         paused_until = Some(Instant::now() + ACCEPT_PAUSE);
@@ -184,7 +201,7 @@ impl Conn {
             let r: std::io::Result<Option<Option<Phase>>> = match &mut self.phase {
                 Phase::Head(head) => self.s.read(&mut buf).map(|n| {
                     head.extend_from_slice(&buf[..n]);
-                    (n == 0 || head_ends(head) || head.len() > HEAD_MAX).then(|| {
+                    (n == 0 || head_end(head).is_some() || head.len() > HEAD_MAX).then(|| {
                         let t = text.take()?;
                         answer(head, t).map(|bytes| Phase::Answer { bytes, sent: 0 })
                     })
@@ -221,15 +238,23 @@ impl Conn {
     }
 }
 
-/// Whether a request head has ended (a blank line; a bare LF is taken as a line's end too).
-fn head_ends(head: &[u8]) -> bool {
-    head.windows(4).any(|w| w == b"\r\n\r\n") || head.windows(2).any(|w| w == b"\n\n")
+/// Where the request head in `head` ends (after its blank line; a bare LF is taken as a line's
+/// end too), if it does: what follows is a body or another request, not the head.
+fn head_end(head: &[u8]) -> Option<usize> {
+    let crlf = head
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
+    let lf = head.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    crlf.into_iter().chain(lf).min()
 }
 
 /// The answer to `head` (a GET is answered the metrics text), or `None` when the engine is
 /// gone (the connection is closed unanswered).
 fn answer(head: &[u8], text: impl FnOnce() -> Option<Result<String>>) -> Option<Vec<u8>> {
-    let (status, kind, body) = if head.len() > HEAD_MAX {
+    // Measured to its end: a body read with it does not count.
+    let head_len = head_end(head).unwrap_or(head.len());
+    let (status, kind, body) = if head_len > HEAD_MAX {
         (
             "431 Request Header Fields Too Large",
             "text/plain",
@@ -529,5 +554,94 @@ mod tests {
         let mut out = Vec::new();
         s.read_to_end(&mut out).unwrap();
         assert!(out.ends_with(b"\r\n\r\nup 1\n"));
+    }
+
+    /// A failed accept that took its connection with it (reset before it was taken) pauses
+    /// the listener for a while, and the pause ends: the loop then waits a tick again, not a
+    /// millisecond per pass until the next connection. Found by review: the pause's time stayed
+    /// in the past, and every poll waited 1 ms.
+    #[test]
+    fn a_pause_after_a_failed_accept_ends() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let (passes, alive) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicBool::new(true)),
+        );
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let _gone = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (p, a) = (passes.clone(), alive.clone());
+        let server = std::thread::spawn(move || {
+            let mut failed = false;
+            let accept = move |l: &TcpListener| {
+                let s = l.accept().map(|(s, _)| s);
+                if std::mem::replace(&mut failed, true) {
+                    return s;
+                }
+                drop(s);
+                Err(std::io::Error::from_raw_os_error(libc::EMFILE))
+            };
+            let engine = || {
+                p.fetch_add(1, Ordering::Relaxed);
+                a.load(Ordering::Relaxed).then_some(())
+            };
+            run(l, accept, engine, |_| Ok(String::new()))
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let before = passes.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_secs(1));
+        let n = passes.load(Ordering::Relaxed) - before;
+        alive.store(false, Ordering::Relaxed);
+        server.join().unwrap();
+        assert!(n <= 20, "{n} passes in 1 s");
+    }
+
+    /// A connection being answered is not cut short when more come than are served at once:
+    /// a silent one makes room, or the new one is closed. Found by review: the oldest went,
+    /// whatever it was doing.
+    #[test]
+    fn an_answer_under_way_is_not_cut_short_by_new_connections() {
+        let body = "x".repeat(8 << 20);
+        let at = server(body.clone());
+        let mut s = TcpStream::connect(at).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        // The answer has begun and waits for this reader.
+        std::thread::sleep(Duration::from_millis(200));
+        let others: Vec<_> = (0..MAX_CONNECTIONS + 4)
+            .map(|_| TcpStream::connect(at).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).unwrap();
+        assert!(out.ends_with(body.as_bytes()), "{} bytes", out.len());
+        drop(others);
+    }
+
+    /// A head under the limit followed by a body that came in the same reads is answered:
+    /// the body does not count toward the head's 8 KiB. Found by review: 431.
+    #[test]
+    fn a_body_does_not_count_toward_the_heads_limit() {
+        let at = server("up 1\n".into());
+        let head = format!(
+            "GET / HTTP/1.1\r\nX: {}\r\nContent-Length: 16384\r\n\r\n",
+            "h".repeat(8000)
+        );
+        assert!(head.len() <= HEAD_MAX);
+        let mut s = TcpStream::connect(at).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        // The first part alone, so that the server's reads end past the head's 8 KiB with the
+        // head's end inside them (1448, 4096, 4096 bytes).
+        let request = head + &"b".repeat(16384);
+        s.write_all(&request.as_bytes()[..1448]).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        s.write_all(&request.as_bytes()[1448..]).unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).unwrap();
+        assert!(
+            out.starts_with(b"HTTP/1.1 200 OK\r\n"),
+            "{:?}",
+            String::from_utf8_lossy(&out[..40])
+        );
     }
 }
