@@ -2708,6 +2708,75 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
     }
 }
 
+/// The same with the receive in a region, its deregistration asked for as soon as the wait
+/// returns: the unmatched receive's fence goes with its cancel, and the deregistration closes
+/// nothing (found by review: it force-closed the sound pair at once, before the cancel ran,
+/// failing every other request on it).
+#[test]
+fn a_region_deregistered_right_after_an_unmatched_receive_closes_no_sound_pair() {
+    const SILENT: RankId = RankId(3);
+    const SENDER: u32 = 5;
+    const RECEIVER: u32 = 9;
+    let deadline = || Instant::now() + Duration::from_secs(5);
+    for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
+        let ctx = ranked_engine(&kind, "ctx", SENDER);
+        let gen = ranked_engine(&kind, "gen", RECEIVER);
+        assert_eq!(
+            gen.connect(&ctx.address(), deadline()).unwrap(),
+            RankId(SENDER)
+        );
+        ctx.wait_peer(RankId(RECEIVER), deadline()).unwrap();
+        let mut pool = vec![0u8; 8192];
+        // SAFETY: `pool` outlives the region, deregistered below.
+        let region =
+            unsafe { gen.register_region(pool.as_mut_ptr() as u64, pool.len() as u64) }.unwrap();
+        let key = RequestKey::new(1, 0);
+        let spec = gen
+            .region_buffer(region, BufferKind::Kv, 0, 0, 4096)
+            .unwrap();
+        advertise_buffers(
+            &gen,
+            key,
+            vec![SILENT, RankId(RECEIVER)],
+            RankId(SENDER),
+            vec![spec],
+            Some(Duration::from_secs(10)),
+        );
+        let a = ctx.next_advertisement(deadline(), None).unwrap();
+        ctx.accept(a.key, a.from, true).unwrap();
+        let o = gen
+            .wait(
+                key,
+                Role::Receiver,
+                Instant::now() + Duration::from_millis(100),
+                None,
+            )
+            .unwrap();
+        let r = gen.deregister_region(region, Instant::now() + Duration::from_secs(2));
+        // A close it asked for is counted once the transport has made it.
+        std::thread::sleep(Duration::from_millis(100));
+        let h = gen.health();
+        println!(
+            "{kind:?}: {o:?}, deregistration {r:?}; peers_failed {}, reconnects {}",
+            h.peers_failed, h.reconnects
+        );
+        r.unwrap();
+        assert_eq!(
+            (h.peers_failed, h.reconnects, h.buffers_leased),
+            (0, 0, 0),
+            "{kind:?}: the sound pair was closed: {h:?}"
+        );
+        let request = (RequestKey::new(2, 0), RECEIVER, SENDER);
+        one_request_completes(&ctx, &gen, request, None, 9, &format!("{kind:?}"));
+        assert_eq!(
+            (gen.health().peers_failed, ctx.health().peers_failed),
+            (0, 0),
+            "{kind:?}"
+        );
+        drop(pool);
+    }
+}
+
 /// An engine of rank `rank` on `kind` (listening on loopback where tcp dials an address), with
 /// a 500 ms agreement bound.
 fn ranked_engine(kind: &TransportKind, name: &str, rank: u32) -> Engine {

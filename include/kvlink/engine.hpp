@@ -609,8 +609,9 @@ class Engine {
   /// the endpoint is force-closed instead, which costs every request on the pair. Does not block.
   /// Throws
   /// InvalidArgument for a null or empty range, or one overlapping another region. The memory
-  /// must stay valid until `deregister_region` returns for it, or the engine is destroyed: the
-  /// engine may write a fenced range after its request has ended.
+  /// must stay valid until `deregister_region` returns for it without throwing (after `Fenced`
+  /// the region stays registered), or the engine is destroyed: the engine may write a fenced
+  /// range after its request has ended.
   RegionId register_region(void* data, std::size_t size) {
     return detail::call(
         [&] { return handle()->register_region(reinterpret_cast<std::uint64_t>(data), size); });

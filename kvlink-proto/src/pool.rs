@@ -2,8 +2,8 @@
 //!
 //! The pool only counts: it never touches memory. Every [`Lease`] must come back exactly once,
 //! either through [`BufferPool::release`] (the core proved no peer can still write into it) or
-//! through [`BufferPool::fence`] (a peer might still write: the driver invalidates the memory
-//! registration and calls [`BufferPool::restore`] once a fresh one is in place). A second
+//! through [`BufferPool::fence`] (a peer might still write: the driver calls
+//! [`BufferPool::restore`] once UCX has released the receive). A second
 //! return, a return of a lease the pool did not hand out, and a lease still out when the owner
 //! says none should be ([`BufferPool::check_all_returned`]) are [`ErrorKind::Accounting`] errors.
 use super::id::RequestKey;

@@ -346,10 +346,21 @@ impl Regions {
             )));
         }
         r.closing += 1;
+        Ok(Self::peers_of(r))
+    }
+
+    /// The peers of region `id`'s fenced transfers now, each once (none for a region gone).
+    pub fn fenced_peers(&self, id: RegionId) -> Vec<u64> {
+        self.region(id)
+            .map(|(_, r)| Self::peers_of(r))
+            .unwrap_or_default()
+    }
+
+    fn peers_of(r: &Region) -> Vec<u64> {
         let mut peers: Vec<u64> = r.uses.values().map(|u| u.peer).collect();
         peers.sort_unstable();
         peers.dedup();
-        Ok(peers)
+        peers
     }
 
     /// Ends a deregistration begun by [`Regions::begin_remove`]: forgets region `id` if UCX

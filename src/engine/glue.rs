@@ -37,7 +37,7 @@ use crate::transport::{Agent, Event, EventSink, Op, PeerId};
 /// under a millisecond, a woken progress thread included); this is short enough that the wait
 /// it holds still returns within its slack past the agreement bound (`SETTLE_SLACK`, 30 ms)
 /// when the endpoint must be closed after all.
-const FENCE_CANCEL_GRACE: Duration = Duration::from_millis(5);
+pub(crate) const FENCE_CANCEL_GRACE: Duration = Duration::from_millis(5);
 
 /// How long an outcome nobody came for is kept, and a finished key is refused as a replay.
 pub(crate) const RETENTION: Duration = Duration::from_secs(600);
@@ -1135,8 +1135,10 @@ impl Inner {
                 }
             }
             Action::Fence { key, lease, token } => {
-                // A receive that could not be reaped in time: its endpoint is force-closed
-                // (which ends every request on it; the pair reconnects). The slot stays fenced,
+                // A receive that could not be reaped in time: in a region its range is fenced;
+                // in plain memory its endpoint is force-closed unless the cancel releases it
+                // within FENCE_CANCEL_GRACE (a close ends every request on it; the pair
+                // reconnects). The slot stays fenced,
                 // and the request's end is held back, until UCX has released the receive: only
                 // then can nothing write the buffer.
                 let _ = core.pool.fence(lease);

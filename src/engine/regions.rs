@@ -15,9 +15,10 @@ impl Engine {
     /// address lies inside it) and send from it (any data inside it). What a region changes:
     /// when a request ends while UCX still holds one of its transfers there (a frozen or
     /// partitioned peer, data already matched), the call returns at once and the transfer is
-    /// left to UCX with its range fenced: new receives that overlap it get `ErrorKind::Fenced`
+    /// left to UCX with its range fenced: new transfers that overlap it get `ErrorKind::Fenced`
     /// until UCX releases it, and nothing else on the pair is touched. In plain memory the
-    /// endpoint must be force-closed instead, which costs every request on the pair. Regions
+    /// endpoint must be force-closed instead (unless the cancel of a receive nothing matched
+    /// releases it within 5 ms), which costs every request on the pair. Regions
     /// may not overlap (`InvalidArgument`).
     ///
     /// # Safety
@@ -60,24 +61,32 @@ impl Engine {
 
     /// Takes a region back. Refused (`InvalidArgument`) while a running request moves data in
     /// or out of it. From the call on, no new request may use it. Fenced transfers are ended
-    /// now: their endpoints are force-closed (the caller wants the memory back; those pairs
-    /// reconnect) and the call waits until UCX has released them, or returns `Fenced` at
+    /// now: after a grace of 5 ms (a receive nothing matched is released by its cancel), their
+    /// endpoints are force-closed (the caller wants the memory back; those pairs reconnect) and the call waits until UCX has released them, or returns `Fenced` at
     /// `deadline` with the region still registered (and usable again once no other
     /// deregistration of it is waiting). Of several concurrent calls for one region, any that
     /// ends after the region is gone returns `Ok`.
     pub fn deregister_region(&self, region: RegionId, deadline: Instant) -> Result<()> {
-        let peers = self.inner.core.lock().regions.begin_remove(region)?;
-        for peer in peers {
+        let fenced = self.inner.core.lock().regions.begin_remove(region)?;
+        let released = |core: &mut Core| match core.regions.info(region) {
+            Ok(i) if i.transfers > 0 => None,
+            _ => Some(()),
+        };
+        if !fenced.is_empty() {
+            // A fenced receive that nothing matched is released by its cancel, which the
+            // progress thread runs next: the grace plain memory gives it before its endpoint is
+            // closed (found by review: a deregistration right after such a request's end
+            // force-closed a sound pair, failing every other request on it).
+            let grace = (Instant::now() + super::glue::FENCE_CANCEL_GRACE).min(deadline);
+            self.block(WaitKey::Region(region), grace, None, released);
+        }
+        for peer in self.inner.core.lock().regions.fenced_peers(region) {
             tracing::warn!(
                 region = region.0,
                 "deregistration: closing the endpoint of a fenced transfer's peer"
             );
             let _ = self.inner.agent.close_peer(PeerId(peer));
         }
-        let released = |core: &mut Core| match core.regions.info(region) {
-            Ok(i) if i.transfers > 0 => None,
-            _ => Some(()),
-        };
         self.block(WaitKey::Region(region), deadline, None, released);
         self.inner.core.lock().regions.finish_remove(region)
     }

@@ -337,7 +337,8 @@ impl RecvRequest {
                     },
                     SegState::Posted | SegState::CancelRequested => {
                         out.stats.fenced_buffers += 1;
-                        // After fencing nothing can land: the registration is gone.
+                        // Fenced: the driver keeps the buffer out of use until UCX releases
+                        // the receive; a landing after this changes nothing here.
                         seg.state = SegState::Reaped;
                         Action::Fence {
                             key: self.key,
