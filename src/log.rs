@@ -113,7 +113,8 @@ pub fn init() -> bool {
 /// sink lets the records still queued reach it for [`DRAIN_WAIT`] and joins the log thread,
 /// within [`STOP_WAIT`] in all; records left after the first are discarded (never delivered to
 /// a sink set later). After it the callback is not called again, unless its call under way
-/// blocked past that bound (from inside the callback it does not wait).
+/// outlasts that bound (one call of up to `STOP_WAIT - DRAIN_WAIT` always fits; from inside
+/// the callback it does not wait).
 ///
 /// # Safety
 /// `callback` is 0 or the address of a function of type [`SinkFn`] that stays callable for as

@@ -435,6 +435,8 @@ fn dialled_again_and_again(kind: TransportKind) {
         ("peers.round_starting", r),
         // Compacted at twice FAILED_KEPT entries (stale ones of ranks bound again).
         ("peers.failed_order", 2 * kvlink::proto::peers::FAILED_KEPT),
+        ("peers.forgotten_instances", r),
+        ("peers.forgotten_order", r),
         ("agent.live_peers", r),
         ("refusal_ops", r),
         ("notes", 0),

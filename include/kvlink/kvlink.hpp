@@ -385,7 +385,7 @@ inline bool set_log_sink(LogLevel level, LogSink sink) {
 /// never delivered to a sink set later), and kvlink's log thread ends once the sink's call under
 /// way returns, within 500 ms in all (kvlink::log::STOP_WAIT). Once this returns the sink is not
 /// called again and no kvlink code runs on that thread (a host may unload a library that links
-/// kvlink), unless that call blocked past the bound.
+/// kvlink), unless that call outlasts the bound (one call of up to 250 ms always fits).
 /// Called from inside the sink, it does not wait.
 inline void clear_log_sink() { set_log_sink(LogLevel::Off, {}); }
 

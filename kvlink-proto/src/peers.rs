@@ -236,7 +236,8 @@ pub struct Peers<P> {
     /// Failures pushed to `failed_order` so far: each entry's number.
     failed_count: u64,
     /// The process ids of ranks forgotten by `forget_failed`, with the number of that
-    /// forgetting, and those numbers in order: at most [`FORGOTTEN_KEPT`]. A rank that comes
+    /// forgetting, and those numbers in order: at most [`FORGOTTEN_KEPT`] entries in the
+    /// order (those of ranks bound again since count until they reach its front). A rank that comes
     /// back from another process is then still seen as a new process (`NewInstance`), and
     /// what was kept of the old one's requests goes.
     forgotten_instances: HashMap<RankId, (u64, u64)>,
@@ -981,6 +982,15 @@ impl<P: Copy + Eq + Hash> Peers<P> {
         // connect when it heals, and each would replace the one before.
         let busy: std::collections::HashSet<RankId> =
             self.dialling.values().map(|(r, _)| *r).collect();
+        // And one at a time per address: two ranks may share one (a round's dial found another
+        // rank at the address it was for, and both rounds run), and two dials at once to one
+        // process make it bind one and rebind to the other (found by review).
+        let mut at: std::collections::HashSet<String> = self
+            .dialling
+            .values()
+            .filter_map(|(_, a)| a.clone())
+            .chain(self.round_starting.values().map(|(_, a)| a.clone()))
+            .collect();
         for (rank, r) in self.ranks.iter_mut() {
             if r.state != PeerState::Reconnecting || r.next_try.is_none_or(|t| t > now) {
                 continue;
@@ -991,7 +1001,12 @@ impl<P: Copy + Eq + Hash> Peers<P> {
                 r.round_address()
                     .is_some_and(|a| self.connects.contains_key(a.as_str()))
             };
-            if busy.contains(rank) || self.round_starting.contains_key(rank) || connecting() {
+            let shared = || r.round_address().is_some_and(|a| at.contains(a));
+            if busy.contains(rank)
+                || self.round_starting.contains_key(rank)
+                || connecting()
+                || shared()
+            {
                 r.next_try = Some(now + FIRST_BACKOFF);
                 continue;
             }
@@ -1007,6 +1022,7 @@ impl<P: Copy + Eq + Hash> Peers<P> {
             if let Some(a) = r.round_address() {
                 out.push((*rank, a.clone()));
                 self.round_starting.insert(*rank, (now, a.clone()));
+                at.insert(a.clone());
             }
         }
         self.reconnects += out.len() as u64;
