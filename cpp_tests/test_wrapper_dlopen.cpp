@@ -834,7 +834,7 @@ TEST_P(WrapperTest, AbsentTimeoutStillBoundsTheWaitAndLogsThroughTheHook) {
 // A data recv made once its request's deadline has passed (a generation rank whose ready signal
 // came late, as when the context rank took its request late) ends as the transfer it is: a
 // TransferError TimedOut naming the request, not a plain UnknownRequest error as if the thread
-// had sent no request at all.
+// had sent no request at all; on the request's thread and on a helper thread alike.
 TEST_P(WrapperTest, ARecvMadeAfterItsRequestsDeadlineIsATransferErrorTimedOut) {
   KvlinkTrtllmOptions o = options(GetParam());
   o.kv_transfer_timeout_ms = 300;
@@ -861,6 +861,19 @@ TEST_P(WrapperTest, ARecvMadeAfterItsRequestsDeadlineIsATransferErrorTimedOut) {
   } catch (std::exception const& e) {
     ADD_FAILURE() << "not a TransferError: " << e.what();
   }
+  // The same recv on a helper thread (a formatter that receives on threads of its own): found by
+  // review, it was UnknownRequest, the request past its deadline not being looked at there.
+  std::async(std::launch::async, [&] {
+    try {
+      side.conn->recv(kv::DataContext{side.tags.data(kId)}, d.data(), d.size());
+      ADD_FAILURE() << "a helper's recv past its request's deadline returned";
+    } catch (kvlink::trtllm::TransferError const& e) {
+      EXPECT_EQ(e.outcome(), 1) << e.what();  // TimedOut
+      EXPECT_EQ(e.request(), kId);
+    } catch (std::exception const& e) {
+      ADD_FAILURE() << "not a TransferError on a helper thread: " << e.what();
+    }
+  }).get();
 }
 
 // The DataContext's terminate flag ends a blocked recv on both ranks: Cancelled within 50 ms.

@@ -1111,22 +1111,28 @@ void KvlinkConnection::recvData(kv::DataContext const& ctx, void* data, size_t s
   {
     std::lock_guard<std::mutex> g(mu_);
     auto const now = Clock::now();
-    auto const usable = [&](std::shared_ptr<GenRequest> const& q) {
-      return q && q->ready.value_or(false) && now <= q->deadline && tagNames(tag, q->id);
-    };
-    // This thread's own request is its request even past its deadline: the recv then ends
-    // TimedOut below (a TransferError), not UnknownRequest as if the thread had sent none.
-    auto const mineUsable = [&](std::shared_ptr<GenRequest> const& q) {
+    // A request is its recv's even past its deadline: the recv then ends TimedOut below (a
+    // TransferError), not UnknownRequest as if no request had been sent. This thread's own
+    // request first; else the one accepted request here that the tag names (a formatter's
+    // helper thread), where one past its deadline and grace gives way to one that is not
+    // (`sendEnvelope` let that one in with the same tag bits only then). Found by review: a
+    // helper's recv past the deadline was UnknownRequest.
+    auto const named = [&](std::shared_ptr<GenRequest> const& q) {
       return q && q->ready.value_or(false) && tagNames(tag, q->id);
     };
     auto mine = gen_.find(std::this_thread::get_id());
-    if (mine != gen_.end() && mineUsable(mine->second)) {
+    if (mine != gen_.end() && named(mine->second)) {
       r = mine->second;
     } else {
+      auto const live = [&](std::shared_ptr<GenRequest> const& q) { return now <= q->deadline + m_.grace(); };
       for (auto const& [thread, q] : gen_) {
         (void)thread;
-        if (!usable(q)) continue;
-        if (r && r->id != q->id) {
+        if (!named(q) || (r && r->id == q->id)) continue;
+        if (r && live(r) != live(q)) {
+          if (live(q)) r = q;
+          continue;
+        }
+        if (r) {
           throw AmbiguousTagError(tag, r->id, q->id,
                                   "kvlink: data tag " + std::to_string(tag) + " names requests " + std::to_string(r->id) +
                                       " and " + std::to_string(q->id) + " on this connection; refused");
