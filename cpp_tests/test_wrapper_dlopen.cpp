@@ -362,6 +362,49 @@ TEST(WrapperFactory, ADestroyedManagersHookIsNotRunningOnceTheDestructionReturns
   EXPECT_EQ(g_slow_hook_calls.load(), calls) << "b's hook was called after its manager was destroyed";
 }
 
+std::atomic<bool> g_in_slower_hook{false};
+
+// A factory call (another manager with a hook of its own) made while a manager's destruction
+// waits for its departing hook's call under way (1.5 s, past the 500 ms the destruction waits
+// for it): the factory call does not wait for that. Found by review: the wrapper held its log
+// lock across the wait, so every other manager's factory call and destruction queued behind a
+// slow hook.
+TEST(WrapperFactory, AFactoryCallDoesNotWaitForADepartingHooksCall) {
+  Wrapper w;
+  auto a = make(w, traced([](void*, int, char const*, size_t) {}));
+  auto b = make(w, traced([](void*, int, char const*, size_t) {
+    g_in_slower_hook.store(true);
+    std::this_thread::sleep_for(1500ms);
+    g_in_slower_hook.store(false);
+  }));
+  auto c = make(w, options("tcp"));
+  ASSERT_EQ(c->getConnections(b->getCommState()).size(), 1u);
+  for (auto until = Clock::now() + 10s; !g_in_slower_hook.load() && Clock::now() < until;) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(g_in_slower_hook.load()) << "b's hook was never called";
+  auto const t0 = Clock::now();
+  auto destroyed = std::async(std::launch::async, [&] {
+    b.reset();
+    return Clock::now();
+  });
+  // By now the destruction has taken down b's engine (10 ms here) and waits for the hook's call.
+  std::this_thread::sleep_for(100ms);
+  auto d = make(w, traced([](void*, int, char const*, size_t) {}));
+  auto const made = Clock::now();
+  auto const gone = destroyed.get();
+  auto const ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - t0).count(); };
+  std::printf("destruction returned at %.0f ms, the factory call at %.0f ms\n", ms(gone), ms(made));
+  EXPECT_LT(made, gone) << "the factory call waited for the departing hook's call";
+  // The slow call ends before the wrapper goes (it runs the wrapper's code).
+  for (auto until = Clock::now() + 5s; g_in_slower_hook.load() && Clock::now() < until;) {
+    std::this_thread::sleep_for(1ms);
+  }
+  d.reset();
+  c.reset();
+  a.reset();
+}
+
 // Kv_transfer_timeout_ms far beyond a year (INT64_MAX: "no timeout") is taken
 // as a year by the engine (EngineConfig::timeout), but the wrapper's own deadlines
 // (`after(timeout)`, `deadline + grace`) must not overflow into the past: getConnections must

@@ -545,15 +545,32 @@ class Manager final : public kv::ConnectionManager {
   }
 
   /// The sink goes to the hook of the newest live manager that has one, or nowhere. Called with
-  /// `logMutex()` held, whenever the set of holders changes or a hook installed for a factory
-  /// call that failed must go: no event reaches a hook whose owner may be gone.
-  static void reinstallLogHookLocked() {
-    // Removed first, whatever follows: the removal lets the records queued for the hook going
-    // away reach it and waits for its call under way (kvlink calls hooks on its log thread),
-    // where a replacement would not. Its owner may be gone once this returns.
-    clear_log_sink();
+  /// `logMutex()` held, whenever the hook that is the sink's must go (its manager's, or one
+  /// installed for a factory call that failed): no event reaches a hook whose owner may be gone.
+  /// With no hook left the sink is removed, which waits (up to 500 ms) for a call of the old hook
+  /// under way (kvlink calls hooks on its log thread). Else it is replaced, which does not wait:
+  /// returns true, and the caller, once it has let go of `logMutex()`, waits for that call with
+  /// `settleReplacedHook()` before the old hook's owner may go. (Found by review: the lock was
+  /// held across that wait, and every other manager's factory call and destruction queued
+  /// behind a slow hook.)
+  static bool reinstallLogHookLocked() {
     auto const& v = logHooks();
-    if (!v.empty()) installLogHook(v.back().second);
+    if (v.empty()) {
+      clear_log_sink();
+      return false;
+    }
+    installLogHook(v.back().second);
+    return true;
+  }
+  /// After a replacement of the sink (`reinstallLogHookLocked` returned true), without
+  /// `logMutex()`: waits (up to 500 ms) until the records taken so far have been delivered, the
+  /// old hook's call under way among them.
+  static void settleReplacedHook() noexcept {
+    try {
+      flush_log(Clock::now() + std::chrono::milliseconds(500));
+    } catch (...) {
+      // Nothing to do: the wait is what was asked, and it is bounded either way.
+    }
   }
 
   /// This manager routes kvlink's logs to the host's hook `h`, now the newest live manager's.
@@ -575,16 +592,23 @@ class Manager final : public kv::ConnectionManager {
   /// thread could not start), kvlink's logs go to stderr (KVLINK_LOG) instead of the process
   /// ending in std::terminate.
   void releaseLogSink() noexcept {
-    std::lock_guard<std::mutex> g(logMutex());
-    auto& v = logHooks();
-    auto const mine = std::remove_if(v.begin(), v.end(), [this](auto const& e) { return e.first == this; });
-    if (mine == v.end()) return;
-    v.erase(mine, v.end());
-    try {
-      reinstallLogHookLocked();
-    } catch (std::exception const& e) {
-      std::fprintf(stderr, "[kvlink] the log hook of the next live manager could not be installed: %s\n", e.what());
+    bool settle = false;
+    {
+      std::lock_guard<std::mutex> g(logMutex());
+      auto& v = logHooks();
+      // Only the newest holder's hook is the sink's: an older one's going changes nothing.
+      bool const sinks = !v.empty() && v.back().first == this;
+      auto const mine = std::remove_if(v.begin(), v.end(), [this](auto const& e) { return e.first == this; });
+      if (mine == v.end()) return;
+      v.erase(mine, v.end());
+      if (!sinks) return;
+      try {
+        settle = reinstallLogHookLocked();
+      } catch (std::exception const& e) {
+        std::fprintf(stderr, "[kvlink] the log hook of the next live manager could not be installed: %s\n", e.what());
+      }
     }
+    if (settle) settleReplacedHook();
   }
   // Both never destroyed (as liveConnections): a manager the host destroys during static
   // destruction (one held in a global) still finds them.
@@ -594,7 +618,8 @@ class Manager final : public kv::ConnectionManager {
   }
   /// A warning of the wrapper's own (not kvlink's, which reach the hook through the log sink),
   /// to this manager's hook if it holds one at `Warn` or a more verbose level. Takes no lock:
-  /// the log mutex is held across a sink's removal, which waits up to 500 ms for a slow hook.
+  /// the log mutex is held across the sink's removal when the last hook goes, which waits up to
+  /// 500 ms for a slow hook.
   /// At most one a second: a peer that sends malformed envelopes without end would otherwise
   /// hold the dispatcher in the host's hook once for each; the ones held back are counted in
   /// the next one told.
@@ -1614,8 +1639,12 @@ void* makeManager(KvlinkTrtllmOptions const* o, char* error, size_t error_size) 
       // The hook must not outlive this failed call (the host may free `log_user` once it has
       // NULL): the sink goes back to a live manager's hook, or nowhere.
       if (hook) {
-        std::lock_guard<std::mutex> g(Manager::logMutex());
-        Manager::reinstallLogHookLocked();
+        bool settle = false;
+        {
+          std::lock_guard<std::mutex> g(Manager::logMutex());
+          settle = Manager::reinstallLogHookLocked();
+        }
+        if (settle) Manager::settleReplacedHook();
       }
       throw;
     }
@@ -1624,8 +1653,12 @@ void* makeManager(KvlinkTrtllmOptions const* o, char* error, size_t error_size) 
         m->holdLogSink(*hook);
       } catch (...) {
         // As for a failed make: the hook must not outlive this call.
-        std::lock_guard<std::mutex> g(Manager::logMutex());
-        Manager::reinstallLogHookLocked();
+        bool settle = false;
+        {
+          std::lock_guard<std::mutex> g(Manager::logMutex());
+          settle = Manager::reinstallLogHookLocked();
+        }
+        if (settle) Manager::settleReplacedHook();
         throw;
       }
     }
