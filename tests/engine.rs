@@ -2635,20 +2635,7 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
     const RECEIVER: u32 = 9;
     let deadline = || Instant::now() + Duration::from_secs(5);
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
-        let mut c = EngineConfig::new("ctx", SENDER, kind.clone());
-        if !kind.by_worker_address() {
-            c.listen = Some("127.0.0.1:0".parse().unwrap());
-        }
-        c.agreement_bound = Duration::from_millis(500);
-        let ctx = Engine::new(c).unwrap();
-        let mut g = EngineConfig::new("gen", RECEIVER, kind.clone());
-        g.agreement_bound = Duration::from_millis(500);
-        let gen = Engine::new(g).unwrap();
-        assert_eq!(
-            gen.connect(&ctx.address(), deadline()).unwrap(),
-            RankId(SENDER)
-        );
-        ctx.wait_peer(RankId(RECEIVER), deadline()).unwrap();
+        let (ctx, gen) = ranked_pair(&kind, SENDER, RECEIVER);
         let mut buf = vec![0u8; 4096];
         let key = RequestKey::new(1, 0);
         // `buf` outlives the request, waited for below.
@@ -2697,15 +2684,38 @@ fn a_receiver_whose_coordinator_is_silent_fences_without_closing_a_sound_pair() 
             gen.peer_state(RankId(SENDER)),
             kvlink::connection::PeerState::Connected
         );
-        // The next request on the pair completes, bytes checked.
-        let request = (RequestKey::new(2, 0), RECEIVER, SENDER);
-        one_request_completes(&ctx, &gen, request, None, 9, &format!("{kind:?}"));
-        assert_eq!(
-            (gen.health().peers_failed, ctx.health().peers_failed),
-            (0, 0),
-            "{kind:?}"
-        );
+        the_pair_still_serves(&ctx, &gen, (RECEIVER, SENDER), &kind);
     }
+}
+
+/// The next request on the pair completes, bytes checked, and neither side lost the other.
+fn the_pair_still_serves(
+    ctx: &Engine,
+    gen: &Engine,
+    (receiver, sender): (u32, u32),
+    kind: &TransportKind,
+) {
+    let request = (RequestKey::new(2, 0), receiver, sender);
+    one_request_completes(ctx, gen, request, None, 9, &format!("{kind:?}"));
+    assert_eq!(
+        (gen.health().peers_failed, ctx.health().peers_failed),
+        (0, 0),
+        "{kind:?}"
+    );
+}
+
+/// A context engine of rank `sender` and a generation engine of rank `receiver` on `kind`
+/// ([`ranked_engine`]), the generation one connected to the other.
+fn ranked_pair(kind: &TransportKind, sender: u32, receiver: u32) -> (Engine, Engine) {
+    let deadline = || Instant::now() + Duration::from_secs(5);
+    let ctx = ranked_engine(kind, "ctx", sender);
+    let gen = ranked_engine(kind, "gen", receiver);
+    assert_eq!(
+        gen.connect(&ctx.address(), deadline()).unwrap(),
+        RankId(sender)
+    );
+    ctx.wait_peer(RankId(receiver), deadline()).unwrap();
+    (ctx, gen)
 }
 
 /// The same with the receive in a region, its deregistration asked for as soon as the wait
@@ -2719,13 +2729,7 @@ fn a_region_deregistered_right_after_an_unmatched_receive_closes_no_sound_pair()
     const RECEIVER: u32 = 9;
     let deadline = || Instant::now() + Duration::from_secs(5);
     for kind in [TransportKind::Tcp, TransportKind::SharedMemory] {
-        let ctx = ranked_engine(&kind, "ctx", SENDER);
-        let gen = ranked_engine(&kind, "gen", RECEIVER);
-        assert_eq!(
-            gen.connect(&ctx.address(), deadline()).unwrap(),
-            RankId(SENDER)
-        );
-        ctx.wait_peer(RankId(RECEIVER), deadline()).unwrap();
+        let (ctx, gen) = ranked_pair(&kind, SENDER, RECEIVER);
         let mut pool = vec![0u8; 8192];
         // SAFETY: `pool` outlives the region, deregistered below.
         let region =
@@ -2766,13 +2770,7 @@ fn a_region_deregistered_right_after_an_unmatched_receive_closes_no_sound_pair()
             (0, 0, 0),
             "{kind:?}: the sound pair was closed: {h:?}"
         );
-        let request = (RequestKey::new(2, 0), RECEIVER, SENDER);
-        one_request_completes(&ctx, &gen, request, None, 9, &format!("{kind:?}"));
-        assert_eq!(
-            (gen.health().peers_failed, ctx.health().peers_failed),
-            (0, 0),
-            "{kind:?}"
-        );
+        the_pair_still_serves(&ctx, &gen, (RECEIVER, SENDER), &kind);
         drop(pool);
     }
 }

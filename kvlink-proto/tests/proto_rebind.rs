@@ -199,26 +199,7 @@ fn a_refusal_on_the_bound_connection_is_a_loss_counted_once() {
 /// bind dropped the round's dial without a wake.
 #[test]
 fn a_round_dial_that_binds_another_rank_wakes_the_rank_it_was_for() {
-    const OTHER: RankId = RankId(2);
-    let t = Instant::now();
-    let (me_a, me_d, me_o) = (
-        identity(ANSWERER, 11),
-        identity(DIALLER, 22),
-        identity(OTHER, 33),
-    );
-    let (mut a, mut d, mut o): (Peers<u64>, Peers<u64>, Peers<u64>) =
-        (Peers::default(), Peers::default(), Peers::default());
-    handshake((&mut a, &me_a), (&mut d, &me_d), 10, t);
-    d.set_dial(ANSWERER, "addr");
-    assert_eq!(d.on_failed(10, t), Some(ANSWERER));
-    let t1 = t + Duration::from_millis(50);
-    assert_eq!(d.due(t1), vec![(ANSWERER, "addr".to_string())]);
-    d.dialled(ANSWERER, 12);
-    assert_eq!(d.round_dial(12), Some(ANSWERER));
-    d.take_wakes();
-    // Another process answers at "addr", as rank 2.
-    handshake((&mut o, &me_o), (&mut d, &me_d), 12, t1);
-    assert_eq!(d.endpoint(OTHER), Some(12));
+    let (mut d, t1) = a_round_dial_finds(OTHER);
     assert_eq!(d.round_dial(12), None);
     let woken = d.take_wakes();
     assert!(
@@ -230,19 +211,14 @@ fn a_round_dial_that_binds_another_rank_wakes_the_rank_it_was_for() {
     assert_eq!(d.due(later), vec![(ANSWERER, "addr".to_string())]);
 }
 
-/// The rank a round's dial found at the address (another process took it) is one this side
-/// dialled: when its connection breaks it is dialled again there, one dial at a time with the
-/// old rank's round, which dials there too. Found by review: the bind
-/// kept no address for it, so its failure left it `Failed` on both sides (the other side,
-/// dialled, waits for this one), and nobody dialled it again.
-#[test]
-fn a_rank_a_rounds_dial_found_is_redialled_at_that_address() {
-    const OTHER: RankId = RankId(2);
+/// Rank 2, found at "addr" by the dialler's reconnect round for the answerer (dialled on
+/// endpoint 12): the dialler's table, woken ranks taken before that handshake, and its time.
+fn a_round_dial_finds(other: RankId) -> (Peers<u64>, Instant) {
     let t = Instant::now();
     let (me_a, me_d, me_o) = (
         identity(ANSWERER, 11),
         identity(DIALLER, 22),
-        identity(OTHER, 33),
+        identity(other, 33),
     );
     let (mut a, mut d, mut o): (Peers<u64>, Peers<u64>, Peers<u64>) =
         (Peers::default(), Peers::default(), Peers::default());
@@ -252,8 +228,24 @@ fn a_rank_a_rounds_dial_found_is_redialled_at_that_address() {
     let t1 = t + Duration::from_millis(50);
     assert_eq!(d.due(t1), vec![(ANSWERER, "addr".to_string())]);
     d.dialled(ANSWERER, 12);
+    assert_eq!(d.round_dial(12), Some(ANSWERER));
+    d.take_wakes();
+    // Another process answers at "addr", as `other`.
     handshake((&mut o, &me_o), (&mut d, &me_d), 12, t1);
-    assert_eq!(d.endpoint(OTHER), Some(12));
+    assert_eq!(d.endpoint(other), Some(12));
+    (d, t1)
+}
+
+const OTHER: RankId = RankId(2);
+
+/// The rank a round's dial found at the address (another process took it) is one this side
+/// dialled: when its connection breaks it is dialled again there, one dial at a time with the
+/// old rank's round, which dials there too. Found by review: the bind
+/// kept no address for it, so its failure left it `Failed` on both sides (the other side,
+/// dialled, waits for this one), and nobody dialled it again.
+#[test]
+fn a_rank_a_rounds_dial_found_is_redialled_at_that_address() {
+    let (mut d, t1) = a_round_dial_finds(OTHER);
     assert_eq!(d.on_failed(12, t1), Some(OTHER));
     assert_eq!(d.state(OTHER), PeerState::Reconnecting);
     // Both ranks' rounds now dial "addr": one dial at a time goes there (two at once to one
