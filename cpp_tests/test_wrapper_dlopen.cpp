@@ -388,8 +388,9 @@ TEST(WrapperFactory, AFactoryCallDoesNotWaitForADepartingHooksCall) {
     b.reset();
     return Clock::now();
   });
-  // By now the destruction has taken down b's engine (10 ms here) and waits for the hook's call.
-  std::this_thread::sleep_for(100ms);
+  // By now the destruction waits for the hook's call (up to 500 ms), before it takes down b's
+  // engine.
+  std::this_thread::sleep_for(20ms);
   auto d = make(w, traced([](void*, int, char const*, size_t) {}));
   auto const made = Clock::now();
   auto const gone = destroyed.get();
@@ -403,6 +404,32 @@ TEST(WrapperFactory, AFactoryCallDoesNotWaitForADepartingHooksCall) {
   d.reset();
   c.reset();
   a.reset();
+}
+
+std::atomic<bool> g_in_older_hook{false};
+
+// A manager whose hook a newer manager's replaced while a call of it was under way (a
+// replacement does not wait): its destruction still waits for that call, though its hook is no
+// longer the sink's. Found by review of the change that took the wait out of the log lock:
+// an older manager's going returned at once, the host free to release `log_user` under the call.
+TEST(WrapperFactory, AnOlderManagersHookIsNotRunningOnceItsDestructionReturns) {
+  Wrapper w;
+  auto a = make(w, traced([](void*, int, char const*, size_t) {
+    g_in_older_hook.store(true);
+    std::this_thread::sleep_for(300ms);
+    g_in_older_hook.store(false);
+  }));
+  auto c = make(w, options("tcp"));
+  ASSERT_EQ(c->getConnections(a->getCommState()).size(), 1u);
+  for (auto until = Clock::now() + 10s; !g_in_older_hook.load() && Clock::now() < until;) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(g_in_older_hook.load()) << "a's hook was never called";
+  auto b = make(w, traced([](void*, int, char const*, size_t) {}));
+  a.reset();
+  EXPECT_FALSE(g_in_older_hook.load()) << "a's hook still ran after its manager was destroyed";
+  c.reset();
+  b.reset();
 }
 
 // Kv_transfer_timeout_ms far beyond a year (INT64_MAX: "no timeout") is taken

@@ -3836,7 +3836,17 @@ fn a_rank_a_reconnect_round_found_at_the_old_address_is_redialled_there() {
     assert_eq!(gen.peer_state(RankId(CTX)), PeerState::Failed);
     assert_eq!(gen.peer_state(NEW), PeerState::Connected);
     gen.fault_close_peer(NEW).unwrap();
-    let after = wait_for(PeerState::Failed, Duration::from_millis(500));
+    // The close seen first (Reconnecting; before the fix Failed), then its end.
+    let until = Instant::now() + Duration::from_secs(5);
+    while gen.peer_state(NEW) == PeerState::Connected && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let after = gen.peer_state(NEW);
+    assert_ne!(
+        after,
+        PeerState::Connected,
+        "the force-close was never seen"
+    );
     let state = wait_for(PeerState::Connected, Duration::from_secs(10));
     println!("after the force-close: {after:?}, then {state:?}");
     assert_eq!(state, PeerState::Connected, "dialled again at the address");

@@ -559,7 +559,13 @@ class Manager final : public kv::ConnectionManager {
       clear_log_sink();
       return false;
     }
-    installLogHook(v.back().second);
+    try {
+      installLogHook(v.back().second);
+    } catch (...) {
+      // A replacement refused keeps the old hook: it must go all the same.
+      clear_log_sink();
+      throw;
+    }
     return true;
   }
   /// After a replacement of the sink (`reinstallLogHookLocked` returned true), without
@@ -596,16 +602,21 @@ class Manager final : public kv::ConnectionManager {
     {
       std::lock_guard<std::mutex> g(logMutex());
       auto& v = logHooks();
-      // Only the newest holder's hook is the sink's: an older one's going changes nothing.
+      // Only the newest holder's hook is the sink's: an older one's going changes the sink
+      // nothing, but its hook may still be in a call from before a newer one replaced it (a
+      // replacement does not wait): waited for below all the same (found by review).
       bool const sinks = !v.empty() && v.back().first == this;
       auto const mine = std::remove_if(v.begin(), v.end(), [this](auto const& e) { return e.first == this; });
       if (mine == v.end()) return;
       v.erase(mine, v.end());
-      if (!sinks) return;
-      try {
-        settle = reinstallLogHookLocked();
-      } catch (std::exception const& e) {
-        std::fprintf(stderr, "[kvlink] the log hook of the next live manager could not be installed: %s\n", e.what());
+      settle = true;
+      if (sinks) {
+        try {
+          settle = reinstallLogHookLocked();
+        } catch (std::exception const& e) {
+          settle = false;  // removed instead, which waited
+          std::fprintf(stderr, "[kvlink] the log hook of the next live manager could not be installed: %s\n", e.what());
+        }
       }
     }
     if (settle) settleReplacedHook();
@@ -1149,20 +1160,26 @@ void KvlinkConnection::recvData(kv::DataContext const& ctx, void* data, size_t s
     if (mine != gen_.end() && named(mine->second)) {
       r = mine->second;
     } else {
-      auto const live = [&](std::shared_ptr<GenRequest> const& q) { return now <= q->deadline + m_.grace(); };
+      // The live requests the tag names first, then (none live) those past it; two of one
+      // group with different ids are ambiguous.
+      std::shared_ptr<GenRequest> found[2];  // live, past
+      std::optional<std::uint64_t> clash[2];
       for (auto const& [thread, q] : gen_) {
         (void)thread;
-        if (!named(q) || (r && r->id == q->id)) continue;
-        if (r && live(r) != live(q)) {
-          if (live(q)) r = q;
-          continue;
+        if (!named(q)) continue;
+        int const past = now <= q->deadline + m_.grace() ? 0 : 1;
+        if (!found[past]) {
+          found[past] = q;
+        } else if (found[past]->id != q->id) {
+          clash[past] = q->id;
         }
-        if (r) {
-          throw AmbiguousTagError(tag, r->id, q->id,
-                                  "kvlink: data tag " + std::to_string(tag) + " names requests " + std::to_string(r->id) +
-                                      " and " + std::to_string(q->id) + " on this connection; refused");
-        }
-        r = q;
+      }
+      int const group = found[0] ? 0 : 1;
+      r = found[group];
+      if (clash[group]) {
+        throw AmbiguousTagError(tag, r->id, *clash[group],
+                                "kvlink: data tag " + std::to_string(tag) + " names requests " + std::to_string(r->id) +
+                                    " and " + std::to_string(*clash[group]) + " on this connection; refused");
       }
     }
   }

@@ -77,7 +77,10 @@ impl Engine {
             // progress thread runs next: the grace plain memory gives it before its endpoint is
             // closed (found by review: a deregistration right after such a request's end
             // force-closed a sound pair, failing every other request on it).
-            let grace = (Instant::now() + super::glue::FENCE_CANCEL_GRACE).min(deadline);
+            // Half of what is left at most: the close, if one is needed, has the rest.
+            let now = Instant::now();
+            let left = deadline.saturating_duration_since(now);
+            let grace = now + super::glue::FENCE_CANCEL_GRACE.min(left / 2);
             self.block(WaitKey::Region(region), grace, None, released);
         }
         for peer in self.inner.core.lock().regions.fenced_peers(region) {
