@@ -3091,6 +3091,11 @@ fn a_misused_advertise_fails_at_once_even_while_its_sender_reconnects() {
             vec![RankId(GEN), RankId(CTX)],
             vec![(RankId(CTX), vec![spec(pa, 0)])],
         ),
+        (
+            "two buffers that share memory (one segment's data would land over the other's)",
+            vec![RankId(GEN)],
+            vec![(RankId(CTX), vec![spec(pa, 0), spec(pa, 1)])],
+        ),
     ];
     for (i, (what, receivers, flows)) in cases.into_iter().enumerate() {
         let start = Instant::now();

@@ -556,7 +556,8 @@ class Engine {
   /// `receivers`, when it is another rank that has been connected here) is waited for alike; a
   /// failed one that this rank cannot redial (it was the one that dialled) throws `PeerLost` at once.
   /// The buffers are borrowed until `wait_receiver(key)` returns.
-  /// Throws `Error`: InvalidArgument if the key is already known here (a replay),
+  /// Throws `Error`: InvalidArgument if the key is already known here (a replay) or two of its
+  /// buffers overlap,
   /// StaleGeneration if a newer generation of its request id runs or ended here lately (a late
   /// retry of an old attempt), UnknownPeer if `sender` is not connected, OutOfBounds for a null or empty buffer (or one straddling a
   /// region's edge), Fenced for one overlapping a fenced range of a region, QueueFull when the

@@ -91,6 +91,27 @@ impl Engine {
                 ));
             }
         }
+        // Two buffers of the request that share memory: one segment's data would land over the
+        // other's, and the request would complete with one of them wrong.
+        let mut spans: Vec<(i32, u64, u64)> = flows
+            .iter()
+            .flat_map(|(_, b)| b)
+            .map(|b| (b.device_id, b.addr, b.addr + b.len))
+            .collect();
+        spans.sort_unstable();
+        if let Some(w) = spans
+            .windows(2)
+            .find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
+        {
+            return Err(key_err(
+                ErrorKind::InvalidArgument,
+                key,
+                &format!(
+                    "two of its buffers overlap ({:#x}..{:#x} and {:#x}..{:#x})",
+                    w[0].1, w[0].2, w[1].1, w[1].2
+                ),
+            ));
+        }
         let mut core = self.inner.core.lock();
         let ran_here = |core: &Core| {
             (core.finished.contains_key(&(key, None)) || core.ep.knows_receive(key)).then(|| {
